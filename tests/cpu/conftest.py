@@ -1,0 +1,33 @@
+import os
+import secrets
+
+import pytest
+
+from .pool import RankPool
+
+_pools = {}
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """``ranks(n)`` -> a RankPool of n gloo ranks, started on first use and restarted when broken."""
+
+    def get(world_size: int) -> RankPool:
+        pool = _pools.get(world_size)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
+            pool = _pools[world_size] = RankPool(world_size)
+        return pool
+
+    yield get
+    for pool in _pools.values():
+        pool.close()
+
+
+@pytest.fixture
+def seed(request):
+    """A fresh seed every run (TOKENYARD_TEST_SEED pins one); printed so a failure can be replayed."""
+    value = int(os.environ.get("TOKENYARD_TEST_SEED", secrets.randbelow(2**31)))
+    print(f"\n{request.node.name}: seed {value} (replay with TOKENYARD_TEST_SEED={value})")
+    return value

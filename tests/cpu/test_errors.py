@@ -1,0 +1,43 @@
+"""Every refusal the foundation promises, raised with a clear message before any communication."""
+
+import pytest
+
+from . import scenarios
+
+EXPECTED = {
+    "topk id above range": ("InvalidInputError", "outside [-1, 8)"),
+    "topk id below -1": ("InvalidInputError", "outside [-1, 8)"),
+    "experts not divisible by ranks": ("InvalidInputError", "not divisible"),
+    "combine x not bf16": ("InvalidInputError", "dtype torch.bfloat16"),
+    "x not contiguous": ("InvalidInputError", "contiguous"),
+    "row not a multiple of 16 bytes": ("InvalidInputError", "multiple of 16 bytes"),
+    "topk_weights wrong shape": ("InvalidInputError", "shape"),
+    "topk_weights wrong dtype": ("InvalidInputError", "torch.float32"),
+    "layout disagrees with is_token_in_rank": ("InvalidInputError", "disagrees"),
+    "layout missing": ("InvalidInputError", "get_dispatch_layout"),
+    "buffer too small": ("CapacityError", "needs num_nvl_bytes >="),
+    "handle from another buffer": ("HandleError", "another Buffer"),
+    "cached dispatch with topk": ("InvalidInputError", "cached dispatch"),
+    "combine rows mismatch": ("InvalidInputError", "shape"),
+    "more tokens than num_max_dispatch_tokens_per_rank": ("InvalidInputError", "exceed"),
+    "fp8 hidden not a multiple of 128": ("InvalidInputError", "hidden % 128"),
+    "low-latency buffer too small": ("CapacityError", "needs num_rdma_bytes >="),
+    "duplicate expert in a low-latency row": ("InvalidInputError", "same expert twice"),
+    "use_logfmt": ("InvalidInputError", "use_logfmt"),
+    "top-k above 16 in low-latency mode": ("InvalidInputError", "maximum 16"),
+    "mask without enable_shrink": ("InvalidInputError", "enable_shrink"),
+    "use after destroy": ("TokenyardError", "destroyed"),
+}
+
+
+def test_every_bad_call_has_an_expectation():
+    assert set(EXPECTED) == set(scenarios.BAD_CALLS)
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_bad_input_is_refused_on_every_rank(ranks, case):
+    results = ranks(2).run(scenarios.expect_error, case)
+    kind, fragment = EXPECTED[case]
+    for rank, (got_kind, message) in enumerate(results):
+        assert got_kind == kind, f"rank {rank}: expected {kind}, got {got_kind}: {message}"
+        assert fragment in message, f"rank {rank}: {message!r} does not say {fragment!r}"

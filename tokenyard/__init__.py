@@ -1,0 +1,27 @@
+"""tokenyard: expert-parallel dispatch and combine for Mixture-of-Experts models, DeepEP-compatible.
+
+``import tokenyard`` loads no CUDA code; the CUDA backend compiles its kernels on first use.
+"""
+
+import torch
+
+from . import quant, routing
+from .buffer import Buffer
+from .config import Config
+from .errors import (BackendUnavailableError, CapacityError, CommTimeoutError, HandleError, InvalidInputError,
+                     TokenyardError)
+from .event import EventHandle, EventOverlap
+from .handle import DispatchHandle, LowLatencyHandle
+from .quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
+
+topk_idx_t = torch.int64
+"""The dtype of expert indices, as DeepEP names it (int32 is accepted too)."""
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Buffer", "Config", "EventHandle", "EventOverlap", "DispatchHandle", "LowLatencyHandle", "topk_idx_t",
+    "TokenyardError", "InvalidInputError", "CapacityError", "HandleError", "CommTimeoutError",
+    "BackendUnavailableError", "quantize_fp8", "dequantize_fp8", "quantize_int8", "dequantize_int8",
+    "quant", "routing",
+]

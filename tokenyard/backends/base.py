@@ -1,0 +1,74 @@
+"""The interface every backend implements, and the group context they share.
+
+A backend receives requests the front-end has already checked (requests.py) and runs them on the
+current stream; the front-end owns stream switching, events and handle bookkeeping.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
+                        LowLatencyDispatchRequest, LowLatencyDispatchResult)
+
+
+@dataclasses.dataclass
+class GroupContext:
+    """Who we are in the EP group, and how to exchange small host objects with the group."""
+
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    num_ranks: int
+    device: torch.device
+    all_gather_object: Callable[[Any], List[Any]]
+    num_nvl_bytes: int
+    num_rdma_bytes: int
+    timeout_s: float
+
+
+class Backend(abc.ABC):
+    """One implementation of the tokenyard operations."""
+
+    name: str = "?"
+
+    def __init__(self, ctx: GroupContext):
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        """-> (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])."""
+
+    @abc.abstractmethod
+    def dispatch(self, request: DispatchRequest) -> DispatchResult: ...
+
+    @abc.abstractmethod
+    def combine(self, request: CombineRequest):
+        """-> (combined_x [T, H], combined_topk_weights [T, K] or None)."""
+
+    @abc.abstractmethod
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult: ...
+
+    @abc.abstractmethod
+    def low_latency_combine(self, request: LowLatencyCombineRequest):
+        """-> (combined_x [T, H] bf16, hook or None)."""
+
+    @abc.abstractmethod
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """This rank's raw communication buffer as a uint8 tensor."""
+
+    @abc.abstractmethod
+    def next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                        num_experts: int) -> torch.Tensor:
+        """The bf16 [L, R*M, H] tensor a zero-copy low-latency combine reads."""
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Reset low-latency signalling state; nothing to do where there is none."""
+
+    def destroy(self) -> None:
+        """Release resources; the backend is unusable afterwards."""

@@ -1,0 +1,390 @@
+"""The reference backend: plain PyTorch over any torch.distributed group (gloo on CPU, NCCL on GPU).
+
+It is the portable fallback and, with routing.py, the oracle the CUDA backend is tested against. Normal
+mode packs each token's bytes into one row and moves them with one `all_to_all_single`; low-latency mode
+uses fixed-size all-to-alls and index arithmetic only, so on NCCL it never syncs the host and can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import quant, routing
+from ..errors import InvalidInputError
+from ..handle import DispatchHandle, LowLatencyHandle
+from ..requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
+                        LowLatencyDispatchRequest, LowLatencyDispatchResult)
+from .base import Backend, GroupContext
+
+
+def _as_bytes(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[T, ...] tensor -> [T, bytes] uint8 view (copying only if not contiguous)."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    width = math.prod(t.shape[1:])
+    return t.view(t.size(0), width).view(torch.uint8)
+
+
+def _from_bytes(rows: torch.Tensor, begin: int, end: int, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """Columns [begin, end) of byte rows, reinterpreted as `width` elements of `dtype` per row."""
+    column = rows.new_empty(rows.size(0), end - begin).copy_(rows[:, begin:end])
+    return column.view(dtype).view(rows.size(0), width)
+
+
+def _pack(columns: List[torch.Tensor]):
+    """Concatenate byte columns; return the rows and each column's (begin, end)."""
+    spans, begin = [], 0
+    for c in columns:
+        spans.append((begin, begin + c.size(1)))
+        begin += c.size(1)
+    return torch.cat(columns, dim=1), spans
+
+
+def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return t.cumsum(dim) - t
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def __init__(self, ctx: GroupContext):
+        super().__init__(ctx)
+        if ctx.group is None:
+            raise InvalidInputError("the reference backend needs a torch.distributed process group")
+        self._raw_buffers = {}
+        self._zero_copy_buffers = {}
+
+    # -- collectives --------------------------------------------------------------------------------
+
+    def _all_to_all(self, out, inp, out_splits=None, in_splits=None, async_op=False):
+        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.ctx.group, async_op=async_op)
+
+    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        pieces = [torch.empty_like(t) for _ in range(self.ctx.num_ranks)]
+        dist.all_gather(pieces, t, group=self.ctx.group)
+        return torch.stack(pieces)
+
+    # -- normal mode ----------------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        return routing.dispatch_layout(topk_idx, num_experts, self.ctx.num_ranks)
+
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
+        x, is_token_in_rank = request.x, request.is_token_in_rank
+        num_tokens = x.size(0)
+        cached = request.handle is not None
+
+        # 1. Counts: counts[s, r] = tokens rank s sends to rank r (same on every rank).
+        if cached:
+            rank_prefix_matrix = request.handle.rank_prefix_matrix
+            counts = torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
+        else:
+            num_experts = request.num_experts
+            num_local_experts = num_experts // num_ranks
+            mine = torch.cat([request.num_tokens_per_rank, request.num_tokens_per_expert]).to(torch.int32)
+            gathered = self._all_gather(mine)
+            counts = gathered[:, :num_ranks]
+            rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
+            first = num_ranks + rank * num_local_experts
+            per_expert = gathered[:, first:first + num_local_experts].sum(0).tolist()
+        send_counts = counts[rank].tolist()
+        recv_counts = counts[:, rank].tolist()
+        num_recv = sum(recv_counts)
+        if request.num_worst_tokens:
+            # Every rank sees all counts, so every rank raises together and none is left waiting.
+            most, which = (int(v) for v in torch.max(counts.sum(0), dim=0))
+            if most > request.num_worst_tokens:
+                raise InvalidInputError(f"rank {which} receives {most} tokens, more than num_worst_tokens="
+                                        f"{request.num_worst_tokens}")
+
+        # 2. Rows in send order: for each destination rank, its tokens in increasing index.
+        dest_rows = [is_token_in_rank[:, r].nonzero().flatten() for r in range(num_ranks)]
+        order = torch.cat(dest_rows)
+        src_idx = torch.arange(num_tokens, dtype=torch.int32, device=x.device).view(-1, 1)
+        columns = [_as_bytes(x), _as_bytes(src_idx)]
+        if request.x_scales is not None:
+            columns.append(_as_bytes(request.x_scales))
+        with_topk = not cached and request.topk_idx is not None
+        if with_topk:
+            columns += [_as_bytes(request.topk_idx), _as_bytes(request.topk_weights)]
+        rows, spans = _pack([c for c in columns if c is not None])
+        recv = rows.new_empty(num_recv, rows.size(1))
+        self._all_to_all(recv, rows[order], recv_counts, send_counts)
+
+        # 3. Unpack, pad to num_worst_tokens, and describe the layout in the handle.
+        num_rows = request.num_worst_tokens or num_recv
+        pad = num_rows - num_recv
+
+        def padded(t, fill):
+            if pad == 0:
+                return t
+            return torch.cat([t, t.new_full((pad,) + tuple(t.shape[1:]), fill)])
+
+        spans = iter(spans)
+        recv_x = padded(_from_bytes(recv, *next(spans), x.dtype, x.size(1)), 0)
+        recv_src_idx = padded(_from_bytes(recv, *next(spans), torch.int32, 1).flatten(), -1)
+        recv_x_scales = None
+        if request.x_scales is not None:
+            s = request.x_scales
+            recv_x_scales = padded(_from_bytes(recv, *next(spans), s.dtype, s.size(1)), 0)
+        recv_topk_idx = recv_topk_weights = per_expert_list = None
+        if not cached:
+            per_expert_list = [] if request.num_worst_tokens else routing.align_counts(per_expert,
+                                                                                      request.expert_alignment)
+        if with_topk:
+            topk_idx, topk_weights = request.topk_idx, request.topk_weights
+            recv_topk_idx = _from_bytes(recv, *next(spans), topk_idx.dtype, topk_idx.size(1))
+            recv_topk_weights = None
+            if topk_weights is not None:
+                recv_topk_weights = _from_bytes(recv, *next(spans), topk_weights.dtype, topk_weights.size(1))
+            recv_topk_idx, recv_topk_weights = routing.to_local_topk(recv_topk_idx, recv_topk_weights, rank,
+                                                                    num_local_experts)
+            recv_topk_idx = padded(recv_topk_idx, -1)
+            if recv_topk_weights is not None:
+                recv_topk_weights = padded(recv_topk_weights, 0)
+
+        if cached:
+            handle = request.handle
+        else:
+            send_head = torch.full((num_tokens, num_ranks), -1, dtype=torch.int32, device=x.device)
+            prefix_before = (rank_prefix_matrix[rank - 1] if rank > 0
+                             else torch.zeros_like(rank_prefix_matrix[0])).tolist()
+            for r, dest in enumerate(dest_rows):
+                send_head[dest, r] = prefix_before[r] + torch.arange(dest.numel(), dtype=torch.int32,
+                                                                     device=x.device)
+            recv_first = _exclusive_cumsum(counts[:, rank], 0)
+            handle = DispatchHandle(rank_prefix_matrix, counts[rank].view(-1, 1).to(torch.int32).clone(),
+                                    recv_first.view(-1, 1).to(torch.int32), recv_src_idx, is_token_in_rank,
+                                    send_head)
+        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
+
+    def combine(self, request: CombineRequest):
+        num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
+        handle = request.handle
+        send_head = handle.send_head
+        num_tokens, hidden = send_head.size(0), request.x.size(1)
+        rank_prefix_matrix = handle.rank_prefix_matrix
+        back_counts = torch.diff(rank_prefix_matrix[:, rank], prepend=rank_prefix_matrix[:1, rank] * 0).tolist()
+        num_valid = sum(back_counts)
+        dest_rows = [(send_head[:, r] >= 0).nonzero().flatten() for r in range(num_ranks)]
+        columns = [_as_bytes(request.x[:num_valid])]
+        if request.topk_weights is not None:
+            columns.append(_as_bytes(request.topk_weights[:num_valid]))
+        rows, spans = _pack(columns)
+        returned = rows.new_empty(sum(int(d.numel()) for d in dest_rows), rows.size(1))
+        self._all_to_all(returned, rows, [int(d.numel()) for d in dest_rows], back_counts)
+
+        values = _from_bytes(returned, *spans[0], request.x.dtype, hidden)
+        weights = None
+        if request.topk_weights is not None:
+            weights = _from_bytes(returned, *spans[1], torch.float32, request.topk_weights.size(1))
+        acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=request.x.device)
+        for bias in (request.bias_0, request.bias_1):
+            if bias is not None:
+                acc = acc + bias.float()
+        acc_w = None if weights is None else torch.zeros(num_tokens, weights.size(1), dtype=torch.float32,
+                                                         device=request.x.device)
+        begin = 0
+        for dest in dest_rows:
+            end = begin + int(dest.numel())
+            acc[dest] = acc[dest] + values[begin:end].float()
+            if acc_w is not None:
+                acc_w[dest] = acc_w[dest] + weights[begin:end]
+            begin = end
+        return acc.to(request.x.dtype), acc_w
+
+    # -- low-latency mode -----------------------------------------------------------------------------
+
+    def _pair_order(self, topk_idx: torch.Tensor, num_experts: int, rank_mask: Optional[torch.Tensor]):
+        """Sort this rank's (token, k) pairs by expert, stably; masked and -1 pairs sort last.
+
+        Returns (sorted_expert, pair_of_sorted, dest, pos): the i-th sorted pair is pair
+        ``pair_of_sorted[i]`` (flat t*K+k), goes to rank ``dest[i]`` (R for none) at row ``pos[i]``.
+        """
+        num_ranks = self.ctx.num_ranks
+        num_local_experts = num_experts // num_ranks
+        valid = topk_idx >= 0
+        if rank_mask is not None:
+            owner = topk_idx.clamp_min(0) // num_local_experts
+            valid = valid & (rank_mask[owner] == 0)
+        experts = torch.where(valid, topk_idx, torch.full_like(topk_idx, num_experts)).flatten()
+        sorted_expert, pair_of_sorted = torch.sort(experts, stable=True)
+        dest = sorted_expert // num_local_experts
+        boundaries = torch.arange(num_ranks + 1, device=topk_idx.device, dtype=sorted_expert.dtype) * num_local_experts
+        dest_first = torch.searchsorted(sorted_expert, boundaries)
+        pos = torch.arange(experts.numel(), device=topk_idx.device) - dest_first[dest]
+        return sorted_expert, pair_of_sorted, dest, pos
+
+    @staticmethod
+    def _rows_per_rank(num_max: int, num_topk: int, num_local_experts: int) -> int:
+        return num_max * min(num_topk, num_local_experts)
+
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+        num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
+        x, topk_idx = request.x, request.topk_idx
+        device, (num_tokens, num_topk), hidden = x.device, topk_idx.shape, x.size(1)
+        num_experts, num_max = request.num_experts, request.num_max_dispatch_tokens_per_rank
+        num_local_experts = num_experts // num_ranks
+        rows_per_rank = self._rows_per_rank(num_max, num_topk, num_local_experts)
+
+        # Sender: payload rows [data | scales | local expert, token], placed by (dest, pos).
+        if request.use_fp8:
+            data, scales = quant.quantize_fp8(x, round_scale=request.round_scale, use_ue8m0=request.use_ue8m0)
+        else:
+            data, scales = x, None
+        sorted_expert, pair_of_sorted, dest, pos = self._pair_order(topk_idx, num_experts, request.rank_mask)
+        token_of_sorted = pair_of_sorted // num_topk
+        header = torch.stack([sorted_expert % num_local_experts, token_of_sorted], dim=1).to(torch.int32)
+        columns = [_as_bytes(data)[token_of_sorted]]
+        if scales is not None:
+            columns.append(_as_bytes(scales)[token_of_sorted])
+        columns.append(_as_bytes(header))
+        rows, spans = _pack(columns)
+        dump = num_ranks * rows_per_rank
+        where = torch.where(dest < num_ranks, dest * rows_per_rank + pos, torch.full_like(pos, dump))
+        send = rows.new_zeros(dump + 1, rows.size(1))
+        send[where] = rows
+        send_counts = torch.bincount(sorted_expert, minlength=num_experts + 1)[:num_experts]
+        send_counts = send_counts.view(num_ranks, num_local_experts).to(torch.int32)
+
+        recv_counts = torch.empty_like(send_counts)
+        recv = torch.empty_like(send[:dump])
+        self._all_to_all(recv_counts, send_counts)
+        work = self._all_to_all(recv, send[:dump], async_op=True)
+
+        # Outputs exist now; the receive step fills them (at once, or when the hook is called).
+        num_slots = num_ranks * num_max
+        data_dtype = torch.float8_e4m3fn if request.use_fp8 else x.dtype
+        packed_recv_x = torch.empty(num_local_experts, num_slots, hidden, dtype=data_dtype, device=device)
+        packed_recv_x_scales = None
+        if scales is not None:
+            # Column-major in the last two axes, as DeepEP lays them out for TMA.
+            packed_recv_x_scales = torch.empty(num_local_experts, scales.size(1), num_slots, dtype=scales.dtype,
+                                               device=device).transpose(1, 2)
+        packed_recv_count = torch.empty(num_local_experts, dtype=torch.int32, device=device)
+        src_info = torch.empty(num_local_experts, num_slots, dtype=torch.int32, device=device)
+        layout_range = torch.empty(num_local_experts, num_ranks, dtype=torch.int64, device=device)
+        stats = request.cumulative_local_expert_recv_stats
+
+        def receive():
+            work.wait()
+            per_source = recv.view(num_ranks, rows_per_rank, -1)
+            # counts[s, l]: pairs source s sent to local expert l, in (l, t, k) order within its block.
+            counts = recv_counts.long()
+            first_row = _exclusive_cumsum(counts, 1)             # [s, l] first row of l in s's block
+            begin = _exclusive_cumsum(counts, 0)                  # [s, l] first slot of s in l
+            header_rows = _from_bytes(per_source.view(dump, -1), *spans[-1], torch.int32, 2).view(
+                num_ranks, rows_per_rank, 2)
+            row = torch.arange(rows_per_rank, device=device).view(1, -1)
+            valid = row < counts.sum(1, keepdim=True)
+            local_expert = header_rows[..., 0].long().clamp(0, num_local_experts - 1)
+            source = torch.arange(num_ranks, device=device).view(-1, 1).expand_as(local_expert)
+            slot = begin[source, local_expert] + row - first_row[source, local_expert]
+            target = torch.where(valid, local_expert * num_slots + slot,
+                                 torch.full_like(slot, num_local_experts * num_slots))
+            flat_target = target.flatten()
+            flat_rows = per_source.view(dump, -1)
+            packed_data = torch.zeros(num_local_experts * num_slots + 1, hidden * data.element_size(),
+                                      dtype=torch.uint8, device=device)
+            packed_data[flat_target] = flat_rows[:, spans[0][0]:spans[0][1]]
+            packed_recv_x.copy_(packed_data[:-1].view(data_dtype).view(num_local_experts, num_slots, hidden))
+            if packed_recv_x_scales is not None:
+                width = scales.size(1)
+                packed_scales = torch.zeros(num_local_experts * num_slots + 1, width * 4, dtype=torch.uint8,
+                                            device=device)
+                packed_scales[flat_target] = flat_rows[:, spans[1][0]:spans[1][1]]
+                packed_recv_x_scales.copy_(packed_scales[:-1].view(scales.dtype).view(num_local_experts,
+                                                                                      num_slots, width))
+            info = torch.full((num_local_experts * num_slots + 1,), -1, dtype=torch.int32, device=device)
+            info[flat_target] = header_rows[..., 1].flatten()
+            src_info.copy_(info[:-1].view(num_local_experts, num_slots))
+            packed_recv_count.copy_(counts.sum(0).to(torch.int32))
+            layout_range.copy_(((begin << 32) | counts).t())
+            if stats is not None:
+                stats.add_(packed_recv_count)
+
+        hook = None
+        if request.return_recv_hook:
+            hook = receive
+        else:
+            receive()
+        handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk)
+        return LowLatencyDispatchResult(packed_recv_x, packed_recv_x_scales, packed_recv_count, handle, hook)
+
+    def low_latency_combine(self, request: LowLatencyCombineRequest):
+        num_ranks = self.ctx.num_ranks
+        handle = request.handle
+        x = request.x
+        num_local_experts, num_slots, hidden = x.shape
+        num_experts = handle.num_experts
+        topk_idx, topk_weights = request.topk_idx, request.topk_weights
+        num_tokens, num_topk = topk_idx.shape
+        device = x.device
+        rows_per_rank = self._rows_per_rank(handle.num_max_dispatch_tokens_per_rank, num_topk, num_local_experts)
+
+        # Expert owner: for each source s, rows in (local expert, slot) order, as that source sent them.
+        layout = handle.layout_range.t()                        # [s, l]
+        counts, begin = layout & 0xFFFFFFFF, layout >> 32
+        last_row = counts.cumsum(1)                             # [s, l] end row of l in s's block
+        row = torch.arange(rows_per_rank, device=device).view(1, -1).expand(num_ranks, -1)
+        local_expert = torch.searchsorted(last_row.contiguous(), row.contiguous(), right=True)
+        valid = local_expert < num_local_experts
+        local_expert = local_expert.clamp_max(num_local_experts - 1)
+        source = torch.arange(num_ranks, device=device).view(-1, 1).expand_as(row)
+        slot = begin[source, local_expert] + row - (last_row - counts)[source, local_expert]
+        index = torch.where(valid, local_expert * num_slots + slot, torch.zeros_like(slot))
+        send = x.reshape(num_local_experts * num_slots, hidden)[index.flatten()]
+        returned = torch.empty_like(send)
+        work = self._all_to_all(returned, send, async_op=True)
+
+        out = request.out if request.out is not None else torch.empty(num_tokens, hidden, dtype=torch.bfloat16,
+                                                                      device=device)
+
+        def receive():
+            work.wait()
+            sorted_expert, pair_of_sorted, dest, pos = self._pair_order(topk_idx, num_experts, request.rank_mask)
+            pair_valid = dest < num_ranks
+            flat = torch.where(pair_valid, dest * rows_per_rank + pos, torch.zeros_like(pos))
+            per_pair = torch.empty(num_tokens * num_topk, hidden, dtype=x.dtype, device=device)
+            per_pair[pair_of_sorted] = returned[flat]
+            is_valid = torch.zeros(num_tokens * num_topk, dtype=torch.bool, device=device)
+            is_valid[pair_of_sorted] = pair_valid
+            per_pair = per_pair.view(num_tokens, num_topk, hidden)
+            is_valid = is_valid.view(num_tokens, num_topk)
+            acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
+            for k in range(num_topk):
+                term = topk_weights[:, k:k + 1] * per_pair[:, k].float()
+                acc = torch.where(is_valid[:, k:k + 1], acc + term, acc)
+            out.copy_(acc)
+
+        if request.return_recv_hook:
+            return out, receive
+        receive()
+        return out, None
+
+    # -- buffers --------------------------------------------------------------------------------------
+
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """A plain tensor standing in for the communication buffer (allocated on first use)."""
+        key = bool(use_rdma_buffer)
+        if key not in self._raw_buffers:
+            size = self.ctx.num_rdma_bytes if use_rdma_buffer else self.ctx.num_nvl_bytes
+            self._raw_buffers[key] = torch.zeros(size, dtype=torch.uint8, device=self.ctx.device)
+        return self._raw_buffers[key]
+
+    def next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        shape = (num_experts // self.ctx.num_ranks, self.ctx.num_ranks * num_max_dispatch_tokens_per_rank, hidden)
+        if shape not in self._zero_copy_buffers:
+            self._zero_copy_buffers[shape] = torch.zeros(shape, dtype=torch.bfloat16, device=self.ctx.device)
+        return self._zero_copy_buffers[shape]
+
+    def destroy(self) -> None:
+        self._raw_buffers.clear()
+        self._zero_copy_buffers.clear()

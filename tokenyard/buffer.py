@@ -1,0 +1,588 @@
+"""`Buffer`: the DeepEP-compatible front-end.
+
+It checks every argument (checks.py), chooses a backend, moves work onto the communication stream as
+DeepEP does, and hands the backend one validated request per call. The meaning of each call is
+docs/semantics.md and routing.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import checks, env, workspace
+from .backends import create_backend
+from .backends.base import GroupContext
+from .config import Config
+from .errors import InvalidInputError, TokenyardError
+from .event import EventHandle, EventOverlap
+from .handle import DispatchHandle, LowLatencyHandle
+from .requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
+
+_buffer_ids = itertools.count(1)
+
+XLike = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+class _Scope:
+    """What a stream scope leaves behind: the caller's event and the stream that owns new tensors."""
+
+    def __init__(self):
+        self.event = EventOverlap(None)
+        self.owner = None
+
+
+def _group_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """CUDA when the group can move CUDA tensors (NCCL), else CPU."""
+    if group is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Buffer:
+    """Communication buffers and operations for expert-parallel dispatch and combine.
+
+    Naive equivalent: `dispatch` is an all-to-all that sends each token to every rank holding one of
+    its top-k experts; `combine` is the reverse all-to-all followed by a sum per token.
+
+    Arguments (DeepEP's, in DeepEP's order):
+        group: the EP process group (any `torch.distributed` group; a subgroup is fine).
+        num_nvl_bytes: normal-mode buffer size per rank (see `Config.get_nvl_buffer_size_hint`).
+        num_rdma_bytes: low-latency buffer size per rank (see `get_low_latency_rdma_size_hint`).
+        low_latency_mode: accepted; low-latency calls work on any Buffer with enough `num_rdma_bytes`.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: RDMA/fabric
+            settings of DeepEP; accepted and ignored (every rank is reached over NVLink).
+        explicitly_destroy: accepted; `destroy()` works either way, and the destructor frees what is left.
+        enable_shrink: allow rank masking in low-latency mode (`low_latency_update_mask_buffer` ...).
+        comm: an mpi4py communicator used where `group` is None (CUDA backend only).
+    tokenyard's own, keyword only:
+        backend: "auto" (CUDA where it works, else reference), "reference" or "cuda"; default from
+            TOKENYARD_BACKEND.
+        timeout_s: deadline of every wait for a peer (default TOKENYARD_TIMEOUT_S, 100 s).
+        check_inputs: run the value checks that need a device sync (default TOKENYARD_CHECK_INPUTS).
+
+    Raises:
+        BackendUnavailableError: ``backend="cuda"`` where the CUDA backend cannot run.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm=None, *, backend: Optional[str] = None, timeout_s: Optional[float] = None,
+                 check_inputs: Optional[bool] = None) -> None:
+        del num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric  # see docstring
+        settings = env.settings()
+        if group is not None:
+            self.rank, self.group_size = group.rank(), group.size()
+
+            def all_gather_object(obj):
+                gathered = [None] * self.group_size
+                dist.all_gather_object(gathered, obj, group=group)
+                return gathered
+        elif comm is not None:
+            self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
+            all_gather_object = comm.allgather
+        else:
+            raise InvalidInputError("Buffer needs a process group (or an mpi4py comm)")
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise InvalidInputError(f"{name} must be a non-negative int, got {value!r}")
+        self.group = group if group is not None else comm
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.timeout_s = float(timeout_s if timeout_s is not None else settings.timeout_s)
+        self.check_inputs = settings.check_inputs if check_inputs is None else bool(check_inputs)
+        self.device = _group_device(group)
+        self._id = next(_buffer_ids)
+
+        context = GroupContext(group=group, rank=self.rank, num_ranks=self.group_size, device=self.device,
+                               all_gather_object=all_gather_object, num_nvl_bytes=num_nvl_bytes,
+                               num_rdma_bytes=num_rdma_bytes, timeout_s=self.timeout_s)
+        self.runtime = create_backend(backend or settings.backend, context)
+        self.backend = self.runtime.name
+        self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._rank_mask = None
+        if enable_shrink:
+            self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
+
+    # -- lifetime ---------------------------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """Release the buffers; later calls raise. Safe to call twice."""
+        if self.runtime is not None:
+            self.runtime.destroy()
+            self.runtime = None
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:  # noqa: BLE001 - nothing useful to do at interpreter teardown
+            pass
+
+    def _backend(self):
+        if self.runtime is None:
+            raise TokenyardError("this Buffer was destroyed")
+        return self.runtime
+
+    # -- static helpers (DeepEP's) ----------------------------------------------------------------------
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether the CUDA backend can compile its kernels for this machine's GPU."""
+        from .backends import cuda_available
+
+        return cuda_available()
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SMs the normal-mode kernels may use (even, as in DeepEP)."""
+        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2 != 0:
+            raise InvalidInputError(f"the SM count must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream (empty on a machine without CUDA)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """`num_rdma_bytes` a low-latency Buffer needs (NOTE [low-latency buffer] in workspace.py)."""
+        return workspace.low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """The default dispatch `Config` for `num_ranks` ranks (any count works)."""
+        del num_ranks
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """The default combine `Config` for `num_ranks` ranks (any count works)."""
+        del num_ranks
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def _unpack_bias(bias):
+        if bias is None:
+            return None, None
+        if isinstance(bias, torch.Tensor):
+            return bias, None
+        if isinstance(bias, (tuple, list)) and len(bias) == 2:
+            return bias[0], bias[1]
+        raise InvalidInputError("bias must be a tensor or a tuple of two tensors")
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The stream communication runs on (None on CPU)."""
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """This rank's raw buffer from byte `offset`, viewed as `dtype` (and as `size` where given)."""
+        raw = self._backend().local_buffer(use_rdma_buffer)
+        element = torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset % element != 0 or offset > raw.numel():
+            raise InvalidInputError(f"offset {offset} is outside the buffer or not a multiple of {element}")
+        usable = (raw.numel() - offset) // element * element
+        tensor = raw[offset:offset + usable].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if tensor.numel() < size.numel():
+            raise InvalidInputError(f"the buffer holds {tensor.numel()} elements, fewer than {size.numel()}")
+        return tensor[:size.numel()].view(size)
+
+    # -- streams ----------------------------------------------------------------------------------------
+
+    def _check_values(self) -> bool:
+        if not self.check_inputs:
+            return False
+        return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    @contextlib.contextmanager
+    def _stream_scope(self, *, use_comm_stream: bool, previous_event: Optional[EventOverlap] = None,
+                      async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Run the body on the communication stream, as DeepEP's kernels run.
+
+        The comm stream first waits for `previous_event` (or the current stream). Afterwards, with
+        `async_finish` the scope's event is recorded for the caller; otherwise the current stream waits
+        for the comm stream. Tensors made in the body belong to the current stream (`scope.owner`)
+        unless `allocate_on_comm_stream`. Without CUDA, or with `use_comm_stream` False, the body runs
+        where it is.
+        """
+        scope = _Scope()
+        if self._comm_stream is None or not use_comm_stream:
+            yield scope
+            return
+        compute = torch.cuda.current_stream()
+        waited = previous_event.event if previous_event is not None else None
+        if waited is not None and waited.event is not None:
+            self._comm_stream.wait_event(waited.event)
+        else:
+            self._comm_stream.wait_stream(compute)
+        with torch.cuda.stream(self._comm_stream):
+            yield scope
+        if async_finish:
+            scope.event = EventOverlap(EventHandle(self._comm_stream))
+        else:
+            compute.wait_stream(self._comm_stream)
+        scope.owner = None if allocate_on_comm_stream else compute
+
+    @staticmethod
+    def _hand_over(stream, tensors) -> None:
+        if stream is None:
+            return
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(stream)
+
+    # -- normal mode --------------------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False):
+        """Which ranks and experts each token goes to.
+
+        Naive equivalent: ``is_token_in_rank[t, r] = any(topk_idx[t] // (E // R) == r)``.
+
+        Arguments:
+            topk_idx: ``[T, K]`` int64 (or int32) global expert ids, -1 for none.
+            num_experts: total experts E, divisible by the group size R.
+        Returns:
+            ``num_tokens_per_rank`` int32 [R], ``num_tokens_per_rdma_rank`` (None: one NVLink domain),
+            ``num_tokens_per_expert`` int32 [E], ``is_token_in_rank`` bool [T, R], event.
+        Raises:
+            InvalidInputError: bad dtype/shape/device, ids outside [-1, E), E not divisible by R.
+        """
+        backend = self._backend()
+        checks.num_experts(num_experts, self.group_size)
+        checks.topk_idx(topk_idx, num_tokens=None, device=self.device)
+        if self._check_values():
+            checks.topk_values(topk_idx, num_experts)
+        with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
+                                allocate_on_comm_stream=allocate_on_comm_stream) as scope:
+            per_rank, per_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
+        self._hand_over(scope.owner, (per_rank, per_expert, in_rank))
+        return per_rank, None, per_expert, in_rank, scope.event
+
+    def dispatch(self, x: XLike, handle: Optional[tuple] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Send each token to every rank that holds one of its experts.
+
+        Naive equivalent: rank r receives ``cat([x_s[is_token_in_rank_s[:, r]] for s in ranks])``.
+
+        Arguments:
+            x: ``[T, H]`` tensor (bf16, or any dtype whose rows are a multiple of 16 bytes), or a tuple
+                ``(data [T, H], scales [T, S] float32/int32)`` such as FP8 e4m3 or INT8 with per-128
+                scales (scales may have any strides).
+            handle: a previous dispatch's handle: reuse its layout (no count exchange, no CPU wait); then
+                the layout arguments and top-k must be None.
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from `get_dispatch_layout`.
+            num_tokens_per_rdma_rank: accepted and ignored (one NVLink domain).
+            topk_idx, topk_weights: ``[T, K]`` global expert ids (int64) and float32 weights, or None.
+            expert_alignment: round each local expert's count up to this multiple.
+            num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows have
+                ``recv_topk_idx == -1``), the per-expert list is empty and the CPU does not wait.
+            config: performance settings (default `get_dispatch_config`).
+        Returns:
+            ``recv_x`` (tuple like `x`), ``recv_topk_idx`` (local ids, -1 elsewhere), ``recv_topk_weights``
+            (0 where -1), ``num_recv_tokens_per_expert_list``, ``handle`` (a `DispatchHandle`), event.
+            With a cached handle the middle four are None.
+        Raises:
+            InvalidInputError, HandleError, CapacityError: before any communication.
+        """
+        del num_tokens_per_rdma_rank
+        backend = self._backend()
+        x, x_scales = checks.dispatch_x(x, device=self.device)
+        num_tokens = x.size(0)
+        config = config if config is not None else self.get_dispatch_config(self.group_size)
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise InvalidInputError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise InvalidInputError(f"num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
+        if handle is not None:
+            handle = checks.dispatch_handle(handle, buffer_id=self._id)
+            if topk_idx is not None or topk_weights is not None:
+                raise InvalidInputError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
+            if num_worst_tokens:
+                raise InvalidInputError("num_worst_tokens needs a fresh dispatch with topk_idx and topk_weights")
+            if handle.num_tokens != num_tokens:
+                raise InvalidInputError(f"the handle was made for {handle.num_tokens} tokens, x has {num_tokens}")
+            is_token_in_rank = handle.is_token_in_rank
+            num_topk = 0
+        else:
+            if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+                raise InvalidInputError("dispatch needs num_tokens_per_rank, is_token_in_rank and "
+                                        "num_tokens_per_expert (from get_dispatch_layout), or a handle")
+            checks.tensor("num_tokens_per_rank", num_tokens_per_rank, dtypes=(torch.int32,),
+                          shape=(self.group_size,), device=self.device)
+            checks.tensor("is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,),
+                          shape=(num_tokens, self.group_size), device=self.device)
+            checks.tensor("num_tokens_per_expert", num_tokens_per_expert, dtypes=(torch.int32,), dim=1,
+                          device=self.device)
+            num_experts = checks.num_experts(num_tokens_per_expert.size(0), self.group_size)
+            if topk_weights is not None and topk_idx is None:
+                raise InvalidInputError("topk_weights needs topk_idx")
+            if num_worst_tokens and (topk_idx is None or topk_weights is None):
+                raise InvalidInputError("num_worst_tokens needs topk_idx and topk_weights")
+            num_topk = 0
+            if topk_idx is not None:
+                checks.topk_idx(topk_idx, num_tokens=num_tokens, device=self.device)
+                num_topk = topk_idx.size(1)
+                if topk_weights is not None:
+                    checks.topk_weights(topk_weights, like=topk_idx, device=self.device)
+            if self._check_values():
+                if topk_idx is not None:
+                    checks.topk_values(topk_idx, num_experts)
+                if not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
+                    raise InvalidInputError("num_tokens_per_rank disagrees with is_token_in_rank")
+        scale_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
+        row_bytes = workspace.normal_dispatch_row_bytes(x.size(1) * x.element_size(), scale_bytes, num_topk)
+        checks.normal_capacity(num_ranks=self.group_size, num_tokens=num_tokens, row_bytes=row_bytes,
+                               num_nvl_bytes=self.num_nvl_bytes, what="dispatch")
+
+        request = DispatchRequest(x=x, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                                  num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                                  num_tokens_per_expert=num_tokens_per_expert, handle=handle,
+                                  expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                                  config=config)
+        with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
+                                allocate_on_comm_stream=allocate_on_comm_stream) as scope:
+            result = backend.dispatch(request)
+        new_handle = result.handle
+        if handle is None:
+            new_handle = DispatchHandle(*result.handle, buffer_id=self._id,
+                                        num_recv_tokens=None if num_worst_tokens else result.recv_x.size(0))
+        outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights)
+        self._hand_over(scope.owner, outputs + tuple(new_handle))
+        if async_finish:
+            self._hand_over(self._comm_stream, (x, x_scales, topk_idx, topk_weights, is_token_in_rank))
+        recv_x = result.recv_x if x_scales is None else (result.recv_x, result.recv_x_scales)
+        if handle is not None:
+            return recv_x, None, None, None, None, scope.event
+        return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
+                new_handle, scope.event)
+
+    def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Send each received row back to its source rank and sum the rows of each token there.
+
+        Naive equivalent: ``out_s[t] = bias[t] + sum(x_r[send_head_s[t, r]] for r with the token)``.
+
+        Arguments:
+            x: ``[N, H]`` bf16, one row per row the dispatch delivered (N = the handle's row count).
+            handle: the dispatch's handle.
+            topk_weights: ``[N, K]`` float32, summed the same way into ``combined_topk_weights``.
+            bias: ``[T, H]`` bf16, or a tuple of two, added once per token.
+        Returns:
+            ``combined_x`` [T, H] bf16, ``combined_topk_weights`` [T, K] float32 or None, event.
+        Raises:
+            InvalidInputError, HandleError, CapacityError: before any communication.
+        """
+        backend = self._backend()
+        handle = checks.dispatch_handle(handle, buffer_id=self._id)
+        checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(handle.num_rows, None), device=self.device)
+        if topk_weights is not None:
+            checks.tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(handle.num_rows, None),
+                          device=self.device)
+        bias_0, bias_1 = self._unpack_bias(bias)
+        for name, b in (("bias", bias_0), ("bias[1]", bias_1)):
+            if b is not None:
+                checks.tensor(name, b, dtypes=(torch.bfloat16,), shape=(handle.num_tokens, x.size(1)),
+                              device=self.device)
+        num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        checks.normal_capacity(num_ranks=self.group_size, num_tokens=handle.num_tokens,
+                               row_bytes=workspace.normal_combine_row_bytes(x.size(1), num_topk),
+                               num_nvl_bytes=self.num_nvl_bytes, what="combine")
+        config = config if config is not None else self.get_combine_config(self.group_size)
+        request = CombineRequest(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
+                                 config=config)
+        with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
+                                allocate_on_comm_stream=allocate_on_comm_stream) as scope:
+            combined_x, combined_topk_weights = backend.combine(request)
+        self._hand_over(scope.owner, (combined_x, combined_topk_weights))
+        if async_finish:
+            self._hand_over(self._comm_stream, (x, topk_weights, bias_0, bias_1) + tuple(handle))
+        return combined_x, combined_topk_weights, scope.event
+
+    # -- low-latency mode ---------------------------------------------------------------------------------
+
+    def _low_latency_checks(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        checks.num_experts(num_experts, self.group_size)
+        if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank <= 0:
+            raise InvalidInputError("num_max_dispatch_tokens_per_rank must be a positive int, got "
+                                    f"{num_max_dispatch_tokens_per_rank!r}")
+        checks.low_latency_capacity(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                                    hidden=hidden, num_ranks=self.group_size, num_experts=num_experts,
+                                    num_rdma_bytes=self.num_rdma_bytes)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency signalling state (after normal-mode use of the same memory, say)."""
+        self._low_latency_checks(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._backend().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Send each (token, expert) pair to the expert's rank, packed per local expert.
+
+        Naive equivalent: local expert l receives, from each rank in order, the tokens that chose it.
+
+        Arguments:
+            x: ``[T, H]`` bf16, T <= `num_max_dispatch_tokens_per_rank` (same on every rank).
+            topk_idx: ``[T, K]`` int64 global expert ids, -1 for none, distinct per row, K <= 16.
+            cumulative_local_expert_recv_stats: ``[L]`` int32, incremented by the received counts.
+            dispatch_wait_recv_cost_stats: accepted and ignored (no per-peer wait timers).
+            use_fp8: quantize to e4m3 with per-128-channel float32 scales (H % 128 == 0).
+            round_scale, use_ue8m0: power-of-two scales; UE8M0 packs them as int32 (H % 512 == 0).
+            return_recv_hook: send only; the returned hook receives.
+        Returns:
+            ``packed_recv_x`` (``(e4m3 [L, R*M, H], scales [L, R*M, H/128])`` or bf16 ``[L, R*M, H]``),
+            ``packed_recv_count`` int32 [L], ``handle``, event, hook.
+        Raises:
+            InvalidInputError, CapacityError: before any communication.
+        """
+        del dispatch_wait_recv_cost_stats
+        backend = self._backend()
+        checks.tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self.device)
+        num_tokens, hidden = x.shape
+        checks.topk_idx(topk_idx, num_tokens=num_tokens, device=self.device, max_topk=workspace.MAX_TOPK)
+        self._low_latency_checks(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise InvalidInputError(f"{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
+                                    f"{num_max_dispatch_tokens_per_rank}")
+        if use_fp8 and hidden % 128 != 0:
+            raise InvalidInputError(f"FP8 dispatch needs hidden % 128 == 0, got hidden={hidden}")
+        if use_fp8 and use_ue8m0 and hidden % 512 != 0:
+            raise InvalidInputError(f"UE8M0 scales need hidden % 512 == 0, got hidden={hidden}")
+        num_local_experts = num_experts // self.group_size
+        if cumulative_local_expert_recv_stats is not None:
+            checks.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                          dtypes=(torch.int32,), shape=(num_local_experts,), device=self.device)
+        if self._check_values():
+            checks.topk_values(topk_idx, num_experts, unique=True)
+        request = LowLatencyDispatchRequest(
+            x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale or use_ue8m0,
+            use_ue8m0=use_ue8m0 and use_fp8, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            return_recv_hook=return_recv_hook, rank_mask=self._rank_mask)
+        with self._stream_scope(use_comm_stream=async_finish, async_finish=async_finish) as scope:
+            result = backend.low_latency_dispatch(request)
+        handle = LowLatencyHandle(*result.handle, buffer_id=self._id, num_topk=topk_idx.size(1),
+                                  half=result.handle.half)
+        recv_x = (result.packed_recv_x, result.packed_recv_x_scales) if use_fp8 else result.packed_recv_x
+        return recv_x, result.packed_recv_count, handle, scope.event, self._wrap_hook(result.hook)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Return each expert output to its token's rank and sum them with the top-k weights.
+
+        Naive equivalent: ``out[t] = sum_k topk_weights[t, k] * expert_output(topk_idx[t, k], t)``.
+
+        Arguments:
+            x: ``[L, R*M, H]`` bf16 expert outputs in the dispatch's slots (ignored with `zero_copy`,
+                which reads `get_next_low_latency_combine_buffer(handle)` instead).
+            topk_idx, topk_weights: the ``[T, K]`` ids given to the dispatch and float32 weights.
+            handle: the low-latency dispatch's handle.
+            use_logfmt: not supported; raises.
+            out: ``[T, H]`` bf16 to write into.
+            combine_wait_recv_cost_stats: accepted and ignored.
+        Returns:
+            ``combined_x`` [T, H] bf16, event, hook.
+        Raises:
+            InvalidInputError, HandleError: before any communication.
+        """
+        del combine_wait_recv_cost_stats
+        backend = self._backend()
+        if use_logfmt:
+            raise InvalidInputError("use_logfmt is not supported by tokenyard yet; call with use_logfmt=False")
+        handle = checks.low_latency_handle(handle, buffer_id=self._id)
+        num_max, hidden, num_experts = handle[2], handle[3], handle[4]
+        self._low_latency_checks(num_max, hidden, num_experts)
+        num_local_experts = num_experts // self.group_size
+        if zero_copy:
+            x = backend.next_low_latency_combine_buffer(num_max, hidden, num_experts)
+        checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(num_local_experts, self.group_size * num_max, hidden),
+                      device=self.device)
+        checks.topk_idx(topk_idx, num_tokens=None, device=self.device, max_topk=workspace.MAX_TOPK)
+        if handle.num_topk is not None and topk_idx.size(1) != handle.num_topk:
+            raise InvalidInputError(f"topk_idx has {topk_idx.size(1)} columns; the dispatch had {handle.num_topk}")
+        checks.topk_weights(topk_weights, like=topk_idx, device=self.device)
+        if out is not None:
+            checks.tensor("out", out, dtypes=(torch.bfloat16,), shape=(topk_idx.size(0), hidden), device=self.device)
+        request = LowLatencyCombineRequest(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=handle,
+                                           zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out,
+                                           rank_mask=self._rank_mask)
+        with self._stream_scope(use_comm_stream=async_finish, async_finish=async_finish) as scope:
+            combined_x, hook = backend.low_latency_combine(request)
+        return combined_x, scope.event, self._wrap_hook(hook)
+
+    @staticmethod
+    def _wrap_hook(hook: Optional[Callable[[], None]]) -> Callable[[], None]:
+        """DeepEP always returns a callable; without `return_recv_hook` it does nothing."""
+        if hook is None:
+            return lambda: None
+        done = []
+
+        def receive() -> None:
+            if not done:
+                hook()
+                done.append(True)
+
+        return receive
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """The bf16 ``[L, R*M, H]`` tensor to fill before ``low_latency_combine(..., zero_copy=True)``."""
+        handle = checks.low_latency_handle(handle, buffer_id=self._id)
+        return self._backend().next_low_latency_combine_buffer(handle[2], handle[3], handle[4])
+
+    # -- rank masking (enable_shrink) ---------------------------------------------------------------------
+
+    def _mask(self) -> torch.Tensor:
+        if self._rank_mask is None:
+            raise InvalidInputError("rank masking needs Buffer(..., enable_shrink=True)")
+        return self._rank_mask
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (``mask=True``) or unmask a rank: low-latency calls neither send to nor wait for it."""
+        if not 0 <= rank_to_mask < self.group_size:
+            raise InvalidInputError(f"rank_to_mask={rank_to_mask} is outside [0, {self.group_size})")
+        self._mask()[rank_to_mask] = int(bool(mask))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Copy the mask (1 = masked) into `mask_status`, an int32 [R] tensor."""
+        checks.tensor("mask_status", mask_status, dtypes=(torch.int32,), shape=(self.group_size,), contiguous=False)
+        mask_status.copy_(self._mask())
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._mask().zero_()
+

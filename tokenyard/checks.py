@@ -1,0 +1,147 @@
+"""Input checks: every refusal happens here, before any communication, with a message that says
+what was expected. Shape, dtype and device checks are free; value checks (expert ids in range) read
+the tensor on the host, so they run only where the caller allows a device sync (`values=True`)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from . import workspace
+from .errors import CapacityError, HandleError, InvalidInputError
+from .handle import DispatchHandle, LowLatencyHandle
+
+TOPK_DTYPES = (torch.int64, torch.int32)
+SCALE_DTYPES = (torch.float32, torch.int32)
+
+
+def _fail(message: str):
+    raise InvalidInputError(message)
+
+
+def tensor(name: str, t, *, dtypes: Optional[Iterable[torch.dtype]] = None, dim: Optional[int] = None,
+           shape: Optional[Sequence[Optional[int]]] = None, device: Optional[torch.device] = None,
+           contiguous: bool = True) -> torch.Tensor:
+    """Check one tensor argument; ``None`` in `shape` means any size on that axis."""
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            _fail(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        _fail(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
+            wanted = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            _fail(f"{name} must have shape {wanted}, got {list(t.shape)}")
+    if device is not None and t.device != device:
+        _fail(f"{name} is on {t.device}, but this Buffer works on {device}")
+    if contiguous and not t.is_contiguous():
+        _fail(f"{name} must be contiguous (call .contiguous() first)")
+    return t
+
+
+def num_experts(value: int, num_ranks: int) -> int:
+    if not isinstance(value, int) or value <= 0:
+        _fail(f"num_experts must be a positive int, got {value!r}")
+    if value % num_ranks != 0:
+        _fail(f"num_experts={value} is not divisible by the group size {num_ranks}")
+    return value
+
+
+def topk_idx(t, *, num_tokens: Optional[int], device, max_topk: Optional[int] = None) -> torch.Tensor:
+    tensor("topk_idx", t, dtypes=TOPK_DTYPES, dim=2, device=device)
+    if num_tokens is not None and t.size(0) != num_tokens:
+        _fail(f"topk_idx has {t.size(0)} rows but x has {num_tokens} tokens")
+    if t.size(1) < 1:
+        _fail("topk_idx must have at least one column")
+    if max_topk is not None and t.size(1) > max_topk:
+        _fail(f"top-k {t.size(1)} is above the supported maximum {max_topk}")
+    return t
+
+
+def topk_values(t: torch.Tensor, num_experts: int, *, unique: bool = False) -> None:
+    """Expert ids in [-1, num_experts); with `unique`, no expert twice in one row. Syncs the device."""
+    if t.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(t))
+    if low < -1 or high >= num_experts:
+        bad = t[(t < -1) | (t >= num_experts)].flatten()[0].item()
+        _fail(f"topk_idx holds expert id {bad}, outside [-1, {num_experts})")
+    if unique and t.size(1) > 1:
+        ordered = t.sort(dim=1).values
+        repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+        if bool(repeated.any()):
+            row = int(repeated.any(dim=1).nonzero()[0])
+            _fail(f"topk_idx row {row} names the same expert twice ({t[row].tolist()}); "
+                  "low-latency mode needs distinct experts per token")
+
+
+def topk_weights(t, *, like: torch.Tensor, device) -> torch.Tensor:
+    return tensor("topk_weights", t, dtypes=(torch.float32,), shape=tuple(like.shape), device=device)
+
+
+def dispatch_x(x, *, device):
+    """``x`` or ``(x, x_scales)`` -> ``(x, x_scales)``; rows must be a multiple of 16 bytes."""
+    x_scales = None
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            _fail(f"a tuple x must be (data, scales), got {len(x)} elements")
+        x, x_scales = x
+    tensor("x", x, dim=2, device=device)
+    if x.size(1) * x.element_size() % 16 != 0:
+        _fail(f"x rows are {x.size(1) * x.element_size()} bytes; they must be a multiple of 16 bytes")
+    if x_scales is not None:
+        tensor("x_scales", x_scales, dtypes=SCALE_DTYPES, device=device, contiguous=False)
+        if x_scales.dim() not in (1, 2) or x_scales.size(0) != x.size(0):
+            _fail(f"x_scales must be [{x.size(0)}] or [{x.size(0)}, num_scales], got {list(x_scales.shape)}")
+        if x_scales.dim() == 1:
+            x_scales = x_scales.view(-1, 1)
+    return x, x_scales
+
+
+def dispatch_handle(handle, *, buffer_id: int) -> DispatchHandle:
+    from .handle import as_dispatch_handle
+
+    try:
+        handle = as_dispatch_handle(handle)
+    except TypeError as exc:
+        raise HandleError(str(exc)) from None
+    if handle.buffer_id is not None and handle.buffer_id != buffer_id:
+        raise HandleError("this handle was made by another Buffer; pass it to the Buffer that dispatched")
+    return handle
+
+
+def low_latency_handle(handle, *, buffer_id: int) -> LowLatencyHandle:
+    from .handle import as_low_latency_handle
+
+    try:
+        handle = as_low_latency_handle(handle)
+    except TypeError as exc:
+        raise HandleError(str(exc)) from None
+    if handle.buffer_id is not None and handle.buffer_id != buffer_id:
+        raise HandleError("this handle was made by another Buffer; pass it to the Buffer that dispatched")
+    return handle
+
+
+def normal_capacity(*, num_ranks: int, num_tokens: int, row_bytes: int, num_nvl_bytes: int, what: str) -> None:
+    required = workspace.normal_required_bytes(num_ranks, num_tokens, row_bytes)
+    if required > num_nvl_bytes:
+        raise CapacityError(
+            f"{what} of {num_tokens} tokens ({row_bytes} bytes a row, {num_ranks} ranks) needs "
+            f"num_nvl_bytes >= {required}, but this Buffer has {num_nvl_bytes}; size it with "
+            f"Config(num_max_tokens_per_rank={num_tokens}).get_nvl_buffer_size_hint(hidden_bytes, {num_ranks})",
+            required_bytes=required, available_bytes=num_nvl_bytes, which="num_nvl_bytes")
+
+
+def low_latency_capacity(*, num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                         num_experts: int, num_rdma_bytes: int) -> None:
+    required = workspace.low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+    if required > num_rdma_bytes:
+        raise CapacityError(
+            f"low-latency mode with {num_max_dispatch_tokens_per_rank} tokens per rank, hidden {hidden}, "
+            f"{num_experts} experts on {num_ranks} ranks needs num_rdma_bytes >= {required} "
+            f"(Buffer.get_low_latency_rdma_size_hint), but this Buffer has {num_rdma_bytes}",
+            required_bytes=required, available_bytes=num_rdma_bytes, which="num_rdma_bytes")

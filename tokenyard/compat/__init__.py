@@ -1,0 +1,1 @@
+"""Drop-in modules for code written against other EP libraries."""

@@ -1,0 +1,48 @@
+"""`Config`: the performance settings of one normal-mode call, with DeepEP's constructor."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import workspace
+
+
+@dataclasses.dataclass
+class Config:
+    """Performance settings for normal-mode dispatch/combine.
+
+    The positional arguments are DeepEP's, so ``Config(24, 6, 256, 6, 128)`` works unchanged.
+
+    Arguments:
+        num_sms: SMs the CUDA kernels may occupy (even; the reference backend ignores it).
+        num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens: DeepEP's NVLink queue chunking.
+            tokenyard sends into fixed-size per-source regions (docs/semantics.md), so these are accepted
+            and ignored.
+        num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: DeepEP's RDMA chunking;
+            accepted and ignored (no RDMA path yet).
+        num_max_tokens_per_rank: tokenyard's own, keyword only: how many tokens per rank the size hints
+            make room for.
+    """
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+    num_max_tokens_per_rank: int = dataclasses.field(default=workspace.DEFAULT_HINT_TOKENS_PER_RANK,
+                                                     kw_only=True)
+
+    def __post_init__(self):
+        if self.num_sms <= 0:
+            raise ValueError(f"Config.num_sms must be positive, got {self.num_sms}")
+        if self.num_max_tokens_per_rank <= 0:
+            raise ValueError(f"Config.num_max_tokens_per_rank must be positive, got {self.num_max_tokens_per_rank}")
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """`num_nvl_bytes` for tokens of `hidden_bytes` (``hidden * max(element_size, 2)``) on `num_ranks`."""
+        return workspace.normal_size_hint(hidden_bytes, num_ranks, self.num_max_tokens_per_rank)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """`num_rdma_bytes` for normal mode: 0, since every rank of a group is reached over NVLink."""
+        del hidden_bytes, num_ranks
+        return 0

@@ -1,0 +1,82 @@
+"""The one table of environment variables tokenyard reads.
+
+Settings go through the API first; these variables only override defaults. Each is declared once here
+with its type and default, and read once (the first time `settings()` is called) so that a value cannot
+change under a running program.
+
+| variable                      | type  | default  | meaning                                                  |
+|-------------------------------|-------|----------|----------------------------------------------------------|
+| TOKENYARD_BACKEND             | str   | "auto"   | backend when `Buffer(backend=None)`: auto/reference/cuda |
+| TOKENYARD_TIMEOUT_S           | float | 100.0    | deadline of every device-side and host-side wait         |
+| TOKENYARD_CHECK_INPUTS        | bool  | true     | value checks that need a device sync (topk range...)     |
+| TOKENYARD_CACHE_DIR           | str   | ~/.cache/tokenyard | folder of the JIT kernel cache                 |
+| TOKENYARD_COMPILER            | str   | "auto"   | JIT compiler: auto (NVRTC, else nvcc), nvrtc or nvcc     |
+| TOKENYARD_BUFFER_BUDGET_BYTES | int   | 0        | normal-mode buffer budget override (0: as constructed)   |
+| TOKENYARD_VERBOSE             | bool  | false    | log backend choice and JIT compiles to stderr            |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"cannot read {text!r} as a boolean")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    backend: str = "auto"
+    timeout_s: float = 100.0
+    check_inputs: bool = True
+    cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tokenyard")
+    compiler: str = "auto"
+    buffer_budget_bytes: int = 0
+    verbose: bool = False
+
+
+# field name -> (variable, parser)
+_TABLE = {
+    "backend": ("TOKENYARD_BACKEND", str),
+    "timeout_s": ("TOKENYARD_TIMEOUT_S", float),
+    "check_inputs": ("TOKENYARD_CHECK_INPUTS", _parse_bool),
+    "cache_dir": ("TOKENYARD_CACHE_DIR", str),
+    "compiler": ("TOKENYARD_COMPILER", str),
+    "buffer_budget_bytes": ("TOKENYARD_BUFFER_BUDGET_BYTES", int),
+    "verbose": ("TOKENYARD_VERBOSE", _parse_bool),
+}
+
+
+@functools.lru_cache(maxsize=1)
+def settings() -> Settings:
+    """Read the table once; later calls return the same object."""
+    values = {}
+    for field, (variable, parse) in _TABLE.items():
+        raw = os.environ.get(variable)
+        if raw is None:
+            continue
+        try:
+            values[field] = parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {variable}={raw!r}: {exc}") from None
+    chosen = Settings(**values)
+    if chosen.backend not in ("auto", "reference", "cuda"):
+        raise ValueError(f"TOKENYARD_BACKEND must be auto, reference or cuda, not {chosen.backend!r}")
+    if chosen.compiler not in ("auto", "nvrtc", "nvcc"):
+        raise ValueError(f"TOKENYARD_COMPILER must be auto, nvrtc or nvcc, not {chosen.compiler!r}")
+    return chosen
+
+
+def log(message: str) -> None:
+    """One line to stderr when TOKENYARD_VERBOSE is set."""
+    if settings().verbose:
+        import sys
+
+        print(f"[tokenyard] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,89 @@
+"""The validated arguments of each call, as the front-end hands them to a backend.
+
+The `Buffer` front-end checks and normalizes the caller's arguments once (checks.py) and passes one of
+these frozen records to the backend, so the ~20 arguments of a dispatch are spelled out here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .config import Config
+from .handle import DispatchHandle, LowLatencyHandle
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchRequest:
+    x: torch.Tensor                          # [T, H] any dtype, rows a multiple of 16 bytes
+    x_scales: Optional[torch.Tensor]         # [T, S] float32/int32 (any strides) or None
+    topk_idx: Optional[torch.Tensor]         # [T, K] int64 global expert ids, None with a handle
+    topk_weights: Optional[torch.Tensor]     # [T, K] float32 or None
+    num_tokens_per_rank: Optional[torch.Tensor]   # [R] int32, None with a handle
+    is_token_in_rank: torch.Tensor           # [T, R] bool
+    num_tokens_per_expert: Optional[torch.Tensor]  # [E] int32, None with a handle
+    handle: Optional[DispatchHandle]         # set: cached dispatch
+    expert_alignment: int
+    num_worst_tokens: int
+    config: Config
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_tokens_per_expert.size(0)
+
+
+@dataclasses.dataclass
+class DispatchResult:
+    recv_x: torch.Tensor
+    recv_x_scales: Optional[torch.Tensor]
+    recv_topk_idx: Optional[torch.Tensor]
+    recv_topk_weights: Optional[torch.Tensor]
+    num_recv_tokens_per_expert_list: Optional[list]
+    handle: DispatchHandle
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineRequest:
+    x: torch.Tensor                          # [N, H] bf16
+    handle: DispatchHandle
+    topk_weights: Optional[torch.Tensor]     # [N, K] float32
+    bias_0: Optional[torch.Tensor]           # [T, H] bf16
+    bias_1: Optional[torch.Tensor]
+    config: Config
+
+
+@dataclasses.dataclass(frozen=True)
+class LowLatencyDispatchRequest:
+    x: torch.Tensor                          # [T, H] bf16
+    topk_idx: torch.Tensor                   # [T, K] int64
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    cumulative_local_expert_recv_stats: Optional[torch.Tensor]  # [L] int32, accumulated in place
+    return_recv_hook: bool
+    rank_mask: Optional[torch.Tensor]        # [R] int32, 1 = masked (enable_shrink), or None
+
+
+@dataclasses.dataclass
+class LowLatencyDispatchResult:
+    packed_recv_x: torch.Tensor              # [L, R*M, H]
+    packed_recv_x_scales: Optional[torch.Tensor]
+    packed_recv_count: torch.Tensor          # [L] int32
+    handle: LowLatencyHandle
+    hook: Optional[object]                   # callable receiving the data, when return_recv_hook
+
+
+@dataclasses.dataclass(frozen=True)
+class LowLatencyCombineRequest:
+    x: torch.Tensor                          # [L, R*M, H] bf16
+    topk_idx: torch.Tensor                   # [T, K] int64
+    topk_weights: torch.Tensor               # [T, K] float32
+    handle: LowLatencyHandle
+    zero_copy: bool
+    return_recv_hook: bool
+    out: Optional[torch.Tensor]              # [T, H] bf16 or None
+    rank_mask: Optional[torch.Tensor]        # as in LowLatencyDispatchRequest

@@ -1,0 +1,246 @@
+"""The meaning of layout, dispatch and combine, written once as plain single-process PyTorch.
+
+Every function here takes the inputs of *all* ranks (lists indexed by rank) and returns what each rank
+must receive. They are deliberately simple loops: this file is the oracle that both backends are tested
+against, and docs/semantics.md is its prose. The backends never call the all-rank functions; they share
+only the small per-rank helpers marked "per rank" below.
+
+NOTE [recv order]
+Normal dispatch: rank r receives the tokens of source rank 0 first, then rank 1, ..., and within one
+source in increasing token index. Low-latency dispatch: local expert l's slots hold source rank 0's
+(token, k) pairs first, in increasing (token, k) order, then rank 1's, and so on from slot 0.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import quant
+
+
+# --------------------------------------------------------------------------------------------------
+# per-rank helpers (shared with the backends)
+# --------------------------------------------------------------------------------------------------
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """Per rank. ``topk_idx [T, K]`` -> ``(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
+    is_token_in_rank bool [T, R])``.
+
+    A token counts once per rank however many of its experts live there; ``num_tokens_per_expert``
+    counts (token, k) pairs, and entries of -1 count nowhere.
+    """
+    num_local_experts = num_experts // num_ranks
+    valid = topk_idx >= 0
+    owner = torch.where(valid, topk_idx // num_local_experts, torch.full_like(topk_idx, num_ranks))
+    hits = torch.zeros(topk_idx.size(0), num_ranks + 1, dtype=torch.bool, device=topk_idx.device)
+    hits.scatter_(1, owner.long(), True)
+    is_token_in_rank = hits[:, :num_ranks].contiguous()
+    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+    num_tokens_per_expert = torch.bincount(topk_idx[valid].long(), minlength=num_experts).to(torch.int32)
+    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
+
+
+def to_local_topk(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], rank: int,
+                  num_local_experts: int):
+    """Per rank. Global expert ids -> this rank's local ids, -1 for experts elsewhere; their weights 0."""
+    begin = rank * num_local_experts
+    local = (topk_idx >= begin) & (topk_idx < begin + num_local_experts)
+    local_idx = torch.where(local, topk_idx - begin, torch.full_like(topk_idx, -1))
+    local_weights = None
+    if topk_weights is not None:
+        local_weights = torch.where(local, topk_weights, torch.zeros_like(topk_weights))
+    return local_idx, local_weights
+
+
+def align_counts(counts: Sequence[int], expert_alignment: int) -> List[int]:
+    """Per rank. Round each count up to a multiple of `expert_alignment`."""
+    return [(int(c) + expert_alignment - 1) // expert_alignment * expert_alignment for c in counts]
+
+
+# --------------------------------------------------------------------------------------------------
+# normal mode, all ranks at once
+# --------------------------------------------------------------------------------------------------
+
+def dispatch(xs: Sequence[torch.Tensor], x_scales: Sequence[Optional[torch.Tensor]],
+             topk_idxs: Sequence[torch.Tensor], topk_weights: Sequence[Optional[torch.Tensor]],
+             num_experts: int, expert_alignment: int = 1) -> List[dict]:
+    """What every rank receives from a normal dispatch.
+
+    Returns, per rank r, a dict with ``recv_x``, ``recv_x_scales`` (or None), ``recv_topk_idx`` (local ids,
+    -1 elsewhere), ``recv_topk_weights`` (0 where -1), ``num_recv_tokens_per_expert_list``,
+    ``rank_prefix_matrix``, ``recv_src_idx``, ``is_token_in_rank`` and ``send_head`` (NOTE [handle contents]).
+    """
+    num_ranks = len(xs)
+    num_local_experts = num_experts // num_ranks
+    layouts = [dispatch_layout(t, num_experts, num_ranks) for t in topk_idxs]
+    counts = torch.stack([layout[0] for layout in layouts])  # [src, dst]
+    rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
+    outputs = []
+    for r in range(num_ranks):
+        pieces = {"x": [], "scales": [], "idx": [], "weights": [], "src": []}
+        for s in range(num_ranks):
+            rows = layouts[s][2][:, r].nonzero().flatten()
+            pieces["x"].append(xs[s][rows])
+            if x_scales[s] is not None:
+                pieces["scales"].append(x_scales[s][rows])
+            if topk_idxs[s] is not None:
+                pieces["idx"].append(topk_idxs[s][rows])
+            if topk_weights[s] is not None:
+                pieces["weights"].append(topk_weights[s][rows])
+            pieces["src"].append(rows.to(torch.int32))
+        recv_topk_idx = torch.cat(pieces["idx"])
+        recv_weights = torch.cat(pieces["weights"]) if pieces["weights"] else None
+        recv_topk_idx, recv_weights = to_local_topk(recv_topk_idx, recv_weights, r, num_local_experts)
+        per_expert = [int(sum(layouts[s][1][r * num_local_experts + e] for s in range(num_ranks)))
+                      for e in range(num_local_experts)]
+        outputs.append({
+            "recv_x": torch.cat(pieces["x"]),
+            "recv_x_scales": torch.cat(pieces["scales"]) if pieces["scales"] else None,
+            "recv_topk_idx": recv_topk_idx,
+            "recv_topk_weights": recv_weights,
+            "num_recv_tokens_per_expert_list": align_counts(per_expert, expert_alignment),
+            "rank_prefix_matrix": rank_prefix_matrix,
+            "recv_src_idx": torch.cat(pieces["src"]),
+        })
+    for s in range(num_ranks):
+        is_token_in_rank = layouts[s][2]
+        send_head = torch.full(is_token_in_rank.shape, -1, dtype=torch.int32)
+        for r in range(num_ranks):
+            rows = is_token_in_rank[:, r].nonzero().flatten()
+            first = int(rank_prefix_matrix[s - 1, r]) if s > 0 else 0
+            send_head[rows, r] = first + torch.arange(rows.numel(), dtype=torch.int32)
+        outputs[s]["is_token_in_rank"] = is_token_in_rank
+        outputs[s]["send_head"] = send_head
+    return outputs
+
+
+def combine(recv_xs: Sequence[torch.Tensor], send_heads: Sequence[torch.Tensor],
+            recv_topk_weights: Optional[Sequence[torch.Tensor]] = None,
+            biases: Optional[Sequence[Sequence[torch.Tensor]]] = None):
+    """What every rank gets back from a normal combine.
+
+    For source rank s and its token t: ``float32(bias_0[t]) + float32(bias_1[t])`` (those given), then
+    ``+ float32(recv_xs[r][send_head_s[t, r]])`` for each rank r the token went to, in increasing r; the
+    sum is cast to the dtype of ``recv_xs``. Tokens sent nowhere come back as zeros (plus bias).
+    ``combined_topk_weights`` sums the received weights the same way (float32), or is None.
+    """
+    num_ranks = len(recv_xs)
+    out_x, out_w = [], []
+    for s in range(num_ranks):
+        send_head = send_heads[s]
+        num_tokens, hidden = send_head.size(0), recv_xs[0].size(1)
+        acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+        for bias in (biases[s] if biases is not None else ()):
+            acc = acc + bias.float()
+        acc_w = None
+        if recv_topk_weights is not None:
+            acc_w = torch.zeros(num_tokens, recv_topk_weights[0].size(1), dtype=torch.float32)
+        for r in range(num_ranks):
+            rows = (send_head[:, r] >= 0).nonzero().flatten()
+            where = send_head[rows, r].long()
+            acc[rows] = acc[rows] + recv_xs[r][where].float()
+            if acc_w is not None:
+                acc_w[rows] = acc_w[rows] + recv_topk_weights[r][where].float()
+        out_x.append(acc.to(recv_xs[0].dtype))
+        out_w.append(acc_w)
+    return out_x, out_w
+
+
+# --------------------------------------------------------------------------------------------------
+# low-latency mode, all ranks at once
+# --------------------------------------------------------------------------------------------------
+
+def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
+                         num_max_dispatch_tokens_per_rank: int, num_experts: int, use_fp8: bool = True,
+                         round_scale: bool = False, use_ue8m0: bool = False) -> List[dict]:
+    """What every rank receives from a low-latency dispatch (slot order: NOTE [recv order]).
+
+    Returns, per rank, ``packed_recv_x [L, R*M, H]`` (e4m3 or bf16), ``packed_recv_x_scales``
+    (``[L, R*M, H/128]`` float32, ``[L, R*M, H/512]`` int32 with UE8M0, or None), ``packed_recv_count [L]``,
+    ``src_info [L, R*M]`` and ``layout_range [L, R]``. Unused slots hold zeros (data, scales) and -1
+    (src_info) here; backends leave them unspecified.
+    """
+    num_ranks = len(xs)
+    num_local_experts = num_experts // num_ranks
+    num_slots = num_ranks * num_max_dispatch_tokens_per_rank
+    hidden = xs[0].size(1)
+    payloads = []
+    for x in xs:
+        if use_fp8:
+            payloads.append(quant.quantize_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0))
+        else:
+            payloads.append((x, None))
+    # pairs[e][s]: the tokens of rank s that chose expert e, in (token, k) order.
+    pairs = [[[] for _ in range(num_ranks)] for _ in range(num_experts)]
+    for s in range(num_ranks):
+        for t, row in enumerate(topk_idxs[s].tolist()):
+            for e in row:
+                if e >= 0:
+                    pairs[e][s].append(t)
+    outputs = []
+    for r in range(num_ranks):
+        data_dtype = torch.float8_e4m3fn if use_fp8 else xs[0].dtype
+        recv_x = torch.zeros(num_local_experts, num_slots, hidden, dtype=data_dtype)
+        recv_scales = None
+        if use_fp8:
+            scale_like = payloads[0][1]
+            recv_scales = torch.zeros(num_local_experts, num_slots, scale_like.size(1), dtype=scale_like.dtype)
+        src_info = torch.full((num_local_experts, num_slots), -1, dtype=torch.int32)
+        layout_range = torch.zeros(num_local_experts, num_ranks, dtype=torch.int64)
+        count = torch.zeros(num_local_experts, dtype=torch.int32)
+        for l in range(num_local_experts):
+            slot = 0
+            for s in range(num_ranks):
+                tokens = pairs[r * num_local_experts + l][s]
+                rows = torch.tensor(tokens, dtype=torch.long)
+                recv_x[l, slot:slot + len(tokens)] = payloads[s][0][rows]
+                if recv_scales is not None:
+                    recv_scales[l, slot:slot + len(tokens)] = payloads[s][1][rows]
+                src_info[l, slot:slot + len(tokens)] = rows.to(torch.int32)
+                layout_range[l, s] = (slot << 32) | len(tokens)
+                slot += len(tokens)
+            count[l] = slot
+        outputs.append({"packed_recv_x": recv_x, "packed_recv_x_scales": recv_scales,
+                        "packed_recv_count": count, "src_info": src_info, "layout_range": layout_range})
+    return outputs
+
+
+def low_latency_combine(expert_outputs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
+                        topk_weights: Sequence[torch.Tensor], layout_ranges: Sequence[torch.Tensor],
+                        num_experts: int) -> List[torch.Tensor]:
+    """What every rank gets back from a low-latency combine.
+
+    For rank s and its token t: ``acc = 0``; for k in increasing order with ``e = topk_idx[t, k] >= 0``,
+    ``acc = acc + w[t, k] * float32(y)`` (one float32 product, then one float32 sum, no fused multiply-add)
+    where y is the expert output in the slot the pair (t, k) was dispatched to; the result is bf16.
+    """
+    num_ranks = len(expert_outputs)
+    num_local_experts = num_experts // num_ranks
+    results = []
+    for s in range(num_ranks):
+        topk_idx, weights = topk_idxs[s], topk_weights[s]
+        num_tokens, num_topk = topk_idx.shape
+        hidden = expert_outputs[0].size(2)
+        out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+        seen = {}  # expert -> pairs of rank s seen so far, in (t, k) order
+        slot_of = {}
+        for t in range(num_tokens):
+            for k in range(num_topk):
+                e = int(topk_idx[t, k])
+                if e < 0:
+                    continue
+                r, l = divmod(e, num_local_experts)
+                begin = int(layout_ranges[r][l, s]) >> 32
+                slot_of[(t, k)] = (r, l, begin + seen.get(e, 0))
+                seen[e] = seen.get(e, 0) + 1
+        for t in range(num_tokens):
+            acc = torch.zeros(hidden, dtype=torch.float32)
+            for k in range(num_topk):
+                if (t, k) in slot_of:
+                    r, l, slot = slot_of[(t, k)]
+                    acc = acc + weights[t, k].float() * expert_outputs[r][l, slot].float()
+            out[t] = acc
+        results.append(out.to(torch.bfloat16))
+    return results

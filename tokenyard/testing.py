@@ -1,0 +1,71 @@
+"""Random problems for tests and benchmarks: routings of several shapes and the inputs that go with them.
+
+Every generator takes a `torch.Generator`, so one seed reproduces all ranks' inputs on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import quant
+
+ROUTING_KINDS = ("uniform", "skewed", "masked", "empty_rank", "no_tokens")
+
+
+def make_topk_idx(num_tokens: int, num_experts: int, num_topk: int, num_ranks: int, kind: str,
+                  generator: torch.Generator, rank: int = 0) -> torch.Tensor:
+    """``[T, K]`` int64 distinct experts per row.
+
+    Kinds: ``uniform`` (random experts), ``skewed`` (about 3/4 of choices on rank 0's experts),
+    ``masked`` (about a quarter of entries -1, some rows all -1), ``empty_rank`` (no token picks the
+    experts of the last rank), ``no_tokens`` (rank 1 has zero tokens; others uniform).
+    """
+    if kind == "no_tokens" and rank == 1:
+        num_tokens = 0
+    num_local_experts = num_experts // num_ranks
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    if kind == "skewed":
+        scores[:, :num_local_experts] += 0.75 * (torch.rand(num_tokens, 1, generator=generator) < 0.75)
+    if kind == "empty_rank":
+        scores[:, num_experts - num_local_experts:] = -1.0
+    num_topk = min(num_topk, num_experts - (num_local_experts if kind == "empty_rank" else 0))
+    topk_idx = scores.topk(num_topk, dim=1).indices
+    if kind == "masked":
+        topk_idx[torch.rand(topk_idx.shape, generator=generator) < 0.25] = -1
+        topk_idx[::5] = -1
+    return topk_idx.to(torch.int64)
+
+
+def make_topk_weights(topk_idx: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    weights = torch.rand(topk_idx.shape, generator=generator) + 0.1
+    return torch.where(topk_idx >= 0, weights, torch.zeros_like(weights)).to(torch.float32)
+
+
+def make_x(num_tokens: int, hidden: int, dtype: str, generator: torch.Generator):
+    """``dtype`` is ``bf16`` (a tensor), ``fp8`` or ``int8`` (a ``(data, scales)`` tuple)."""
+    x = (torch.randn(num_tokens, hidden, generator=generator) * 2).to(torch.bfloat16)
+    if dtype == "bf16":
+        return x
+    if dtype == "fp8":
+        return quant.quantize_fp8(x)
+    if dtype == "int8":
+        return quant.quantize_int8(x)
+    raise ValueError(f"unknown dtype {dtype!r}")
+
+
+def make_rank_inputs(seed: int, num_ranks: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int,
+                     kind: str = "uniform", dtype: str = "bf16", device: Optional[torch.device] = None):
+    """Every rank's ``(x, topk_idx, topk_weights)``, the same on every rank for one seed."""
+    inputs = []
+    for rank in range(num_ranks):
+        generator = torch.Generator().manual_seed(seed * 1009 + rank)
+        topk_idx = make_topk_idx(num_tokens, num_experts, num_topk, num_ranks, kind, generator, rank)
+        weights = make_topk_weights(topk_idx, generator)
+        x = make_x(topk_idx.size(0), hidden, dtype, generator)
+        if device is not None:
+            x = tuple(t.to(device) for t in x) if isinstance(x, tuple) else x.to(device)
+            topk_idx, weights = topk_idx.to(device), weights.to(device)
+        inputs.append((x, topk_idx, weights))
+    return inputs

@@ -1,0 +1,93 @@
+"""Sizes of the communication buffers: the one owner of every byte count.
+
+The `Config` size hints, the capacity checks of the `Buffer` front-end (for every backend) and the CUDA
+backend's byte offsets all come from these functions, so a request the reference backend accepts is a
+request the CUDA backend has room for, and the refusal reads the same on both.
+
+NOTE [normal-mode buffer]
+The normal-mode (NVLink) buffer of ``num_nvl_bytes`` on every rank is a control block followed by one
+region per source rank. Each region holds up to ``capacity`` rows; a dispatch row is the token's data
+bytes, its scale bytes, and ``num_topk`` (int32 index, float32 weight) pairs plus its int32 source index,
+each part padded to 16 bytes. A combine row is the bf16 hidden vector plus ``num_topk`` float32 weights.
+A rank can send at most ``capacity`` tokens per call, since in the worst case every token goes to every
+rank. Example: 4 ranks, hidden 7168 FP8 (7168 + 224 scale bytes), top-8: a row is 7168 + 224 + 80 =
+7472 bytes, and 4096 tokens need 64 KiB + 4 * 4096 * 7472 bytes = 117 MiB.
+
+NOTE [low-latency buffer]
+The low-latency buffer of ``num_rdma_bytes`` is two halves used alternately by consecutive calls (so
+one call's outputs survive the next call). Each half holds a send region, a dispatch receive region of
+one slot per (expert, source-rank-token) pair and a combine receive region of the same shape, plus
+signalling words. Its size depends only on (tokens per rank, hidden, ranks, experts), as DeepEP's hint
+does; top-k up to ``MAX_TOPK``.
+"""
+
+from __future__ import annotations
+
+ALIGN_BYTES = 16
+REGION_ALIGN_BYTES = 128
+NORMAL_CONTROL_BYTES = 1 << 16
+MAX_TOPK = 16
+DEFAULT_HINT_TOKENS_PER_RANK = 4096
+LOW_LATENCY_MESSAGE_HEADER_BYTES = 16
+
+
+def align(num_bytes: int, alignment: int = ALIGN_BYTES) -> int:
+    return (num_bytes + alignment - 1) // alignment * alignment
+
+
+def normal_dispatch_row_bytes(data_bytes: int, scale_bytes: int, num_topk: int) -> int:
+    """Bytes of one dispatch row (see NOTE [normal-mode buffer])."""
+    return align(data_bytes) + align(scale_bytes) + align(num_topk * 8 + 4)
+
+
+def normal_combine_row_bytes(hidden: int, num_topk: int) -> int:
+    """Bytes of one combine row: bf16 hidden plus float32 top-k weights."""
+    return align(hidden * 2) + align(num_topk * 4)
+
+
+def normal_required_bytes(num_ranks: int, num_tokens: int, row_bytes: int) -> int:
+    """`num_nvl_bytes` a call with `num_tokens` tokens per rank and rows of `row_bytes` needs."""
+    return NORMAL_CONTROL_BYTES + num_ranks * num_tokens * row_bytes
+
+
+def normal_token_capacity(num_nvl_bytes: int, num_ranks: int, row_bytes: int) -> int:
+    """How many tokens per rank one call can carry in a buffer of `num_nvl_bytes`."""
+    usable = num_nvl_bytes - NORMAL_CONTROL_BYTES
+    return max(0, usable // (num_ranks * row_bytes))
+
+
+def normal_size_hint(hidden_bytes: int, num_ranks: int,
+                     num_tokens: int = DEFAULT_HINT_TOKENS_PER_RANK) -> int:
+    """A buffer that carries `num_tokens` tokens per rank of `hidden_bytes` (DeepEP's convention:
+    ``hidden * max(element_size, 2)``, which leaves room for FP8 scales) with top-k up to `MAX_TOPK`."""
+    row = max(normal_dispatch_row_bytes(hidden_bytes, 0, MAX_TOPK),
+              align(hidden_bytes) + align(MAX_TOPK * 4))
+    return align(normal_required_bytes(num_ranks, num_tokens, row), REGION_ALIGN_BYTES)
+
+
+def low_latency_dispatch_message_bytes(hidden: int) -> int:
+    """One dispatch slot: header plus the larger of bf16 data and FP8 data with float32 scales."""
+    payload = max(hidden * 2, hidden + hidden // 128 * 4)
+    return LOW_LATENCY_MESSAGE_HEADER_BYTES + align(payload)
+
+
+def low_latency_combine_message_bytes(hidden: int) -> int:
+    return align(hidden * 2)
+
+
+def low_latency_half_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                           num_experts: int) -> int:
+    """One of the two alternating halves (see NOTE [low-latency buffer])."""
+    num_slots = num_experts * num_max_dispatch_tokens_per_rank
+    dispatch_msg = low_latency_dispatch_message_bytes(hidden)
+    combine_msg = low_latency_combine_message_bytes(hidden)
+    send = num_max_dispatch_tokens_per_rank * max(dispatch_msg, combine_msg * MAX_TOPK)
+    recv = num_slots * (dispatch_msg + combine_msg)
+    signals = 4 * (num_experts + num_ranks) * 8
+    return align(send, REGION_ALIGN_BYTES) + align(recv, REGION_ALIGN_BYTES) + align(signals, REGION_ALIGN_BYTES)
+
+
+def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                          num_experts: int) -> int:
+    """`num_rdma_bytes` a low-latency `Buffer` needs (both halves)."""
+    return 2 * low_latency_half_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
