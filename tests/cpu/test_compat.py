@@ -1,0 +1,118 @@
+"""DeepEP code runs after an import change: names, signatures and handle shapes."""
+
+import inspect
+
+import tokenyard
+import tokenyard.compat.deep_ep as deep_ep
+from tokenyard.compat.deep_ep.utils import EventHandle, EventOverlap
+
+# DeepEP V1 Buffer's parameters, in DeepEP's order (from its buffer.py).
+DEEPEP_SIGNATURES = {
+    "__init__": ["group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
+                 "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric", "explicitly_destroy",
+                 "enable_shrink", "comm"],
+    "get_dispatch_layout": ["topk_idx", "num_experts", "previous_event", "async_finish", "allocate_on_comm_stream"],
+    "dispatch": ["x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
+                 "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
+                 "config", "previous_event", "async_finish", "allocate_on_comm_stream"],
+    "combine": ["x", "handle", "topk_weights", "bias", "config", "previous_event", "async_finish",
+                "allocate_on_comm_stream"],
+    "low_latency_dispatch": ["x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
+                             "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8",
+                             "round_scale", "use_ue8m0", "async_finish", "return_recv_hook"],
+    "low_latency_combine": ["x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy", "async_finish",
+                            "return_recv_hook", "out", "combine_wait_recv_cost_stats"],
+    "clean_low_latency_buffer": ["num_max_dispatch_tokens_per_rank", "hidden", "num_experts"],
+    "get_next_low_latency_combine_buffer": ["handle"],
+    "get_local_buffer_tensor": ["dtype", "size", "offset", "use_rdma_buffer"],
+    "low_latency_update_mask_buffer": ["rank_to_mask", "mask"],
+    "low_latency_query_mask_buffer": ["mask_status"],
+    "low_latency_clean_mask_buffer": [],
+    "get_comm_stream": [],
+    "destroy": [],
+}
+DEEPEP_STATICS = {
+    "set_num_sms": ["new_num_sms"],
+    "capture": [],
+    "get_low_latency_rdma_size_hint": ["num_max_dispatch_tokens_per_rank", "hidden", "num_ranks", "num_experts"],
+    "get_dispatch_config": ["num_ranks"],
+    "get_combine_config": ["num_ranks"],
+    "is_sm90_compiled": [],
+    "_unpack_bias": ["bias"],
+}
+
+
+def _positional(fn):
+    return [name for name, p in inspect.signature(fn).parameters.items()
+            if name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY)]
+
+
+def test_every_deepep_method_takes_deepeps_arguments_in_deepeps_order():
+    for name, params in {**DEEPEP_SIGNATURES, **DEEPEP_STATICS}.items():
+        ours = _positional(getattr(deep_ep.Buffer, name))
+        assert ours[:len(params)] == params, f"Buffer.{name}: {ours} does not start with DeepEP's {params}"
+
+
+def test_statics_are_static_and_class_attribute_num_sms_exists():
+    for name in DEEPEP_STATICS:
+        assert isinstance(inspect.getattr_static(deep_ep.Buffer, name), staticmethod), name
+    assert deep_ep.Buffer.num_sms == 20
+
+
+def test_framework_imports_resolve():
+    assert deep_ep.Buffer is tokenyard.Buffer and deep_ep.Config is tokenyard.Config
+    assert deep_ep.EventOverlap is EventOverlap and deep_ep.EventHandle is EventHandle
+    assert deep_ep.topk_idx_t is tokenyard.topk_idx_t
+
+
+def test_config_takes_deepeps_positional_arguments_and_gives_hints():
+    config = deep_ep.Config(24, 6, 256, 6, 128)
+    assert config.num_sms == 24
+    assert config.get_nvl_buffer_size_hint(7168 * 2, 8) > 4096 * 8 * 7168 * 2
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    for ranks in (2, 3, 4, 6, 8, 16):
+        assert deep_ep.Buffer.get_dispatch_config(ranks).num_sms == deep_ep.Buffer.num_sms
+
+
+def test_set_num_sms_accepts_even_counts_only():
+    before = deep_ep.Buffer.num_sms
+    try:
+        deep_ep.Buffer.set_num_sms(24)
+        assert deep_ep.Buffer.get_combine_config(4).num_sms == 24
+        for bad in (23, 0, -2):
+            try:
+                deep_ep.Buffer.set_num_sms(bad)
+            except tokenyard.InvalidInputError:
+                continue
+            raise AssertionError(f"set_num_sms({bad}) was accepted")
+    finally:
+        deep_ep.Buffer.num_sms = before
+
+
+def test_event_overlap_is_a_context_manager_without_cuda():
+    event = deep_ep.Buffer.capture()
+    with event as same:
+        assert same is event
+    event.current_stream_wait()
+
+
+def test_handles_unpack_as_deepeps_tuples():
+    import torch
+
+    fields = [torch.zeros(1) for _ in range(6)]
+    handle = tokenyard.DispatchHandle(*fields, buffer_id=3)
+    a, b, c, d, e, f = handle
+    assert a is fields[0] and handle.send_head is fields[5] and handle.buffer_id == 3
+    low = tokenyard.LowLatencyHandle(fields[0], fields[1], 128, 7168, 256)
+    src_info, layout_range, num_max, hidden, num_experts = low
+    assert (num_max, hidden, num_experts) == (128, 7168, 256) and low.hidden == 7168
+
+
+def test_importing_tokenyard_loads_no_cuda_library():
+    import subprocess
+    import sys
+
+    code = ("import sys, tokenyard, tokenyard.compat.deep_ep; "
+            "bad = [m for m in sys.modules if m.startswith('tokenyard.backends.cuda') or m.startswith('tokenyard.jit')]; "
+            "print(bad); assert not bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

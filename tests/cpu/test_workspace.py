@@ -1,0 +1,44 @@
+"""Buffer sizing (tokenyard.workspace) and the CUDA kernels' launch descriptions, on CPU."""
+
+import pytest
+
+from tokenyard import workspace
+from tokenyard.config import Config
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.parametrize("hidden,scale_bytes", [(7168, 224), (7168 * 2, 0), (4096 * 2, 0)])
+def test_hint_has_room_for_its_tokens_at_any_topk_up_to_16(num_ranks, hidden, scale_bytes):
+    hint = Config(num_max_tokens_per_rank=4096).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+    if hidden > 7168 * 2:
+        return
+    for num_topk in (1, 8, 16):
+        row = workspace.normal_dispatch_row_bytes(hidden, scale_bytes, num_topk)
+        assert workspace.normal_token_capacity(hint, num_ranks, row) >= 4096
+    assert workspace.normal_token_capacity(hint, num_ranks, workspace.normal_combine_row_bytes(7168, 16)) >= 4096
+
+
+def test_required_bytes_and_capacity_agree():
+    row = workspace.normal_dispatch_row_bytes(7168, 224, 8)
+    assert row == 7168 + 224 + 80
+    need = workspace.normal_required_bytes(4, 4096, row)
+    assert workspace.normal_token_capacity(need, 4, row) == 4096
+    assert workspace.normal_token_capacity(need - 1, 4, row) == 4095
+
+
+def test_low_latency_hint_grows_with_every_argument():
+    base = workspace.low_latency_size_hint(128, 7168, 8, 256)
+    assert workspace.low_latency_size_hint(256, 7168, 8, 256) > base
+    assert workspace.low_latency_size_hint(128, 8192, 8, 256) > base
+    assert workspace.low_latency_size_hint(128, 7168, 8, 288) > base
+
+
+def test_every_cuda_kernel_description_generates_one_include_and_one_instantiation():
+    from tokenyard.backends.cuda import kernels
+
+    specs = list(kernels.every_kernel())
+    assert specs
+    for spec in specs:
+        source = spec.source()
+        assert source.count("#include") == 1 and "tokenyard_entry(" in source
+        assert len(spec.pack([0] * len(spec.params))) == len(spec.params)

@@ -1,0 +1,40 @@
+"""Compile every CUDA kernel for one architecture (CI runs this without a GPU).
+
+    python -m tokenyard.backends.cuda.ci_compile --arch sm_90
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+from ...jit import compiler as compilers
+from . import kernels
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--compiler", default="nvcc", choices=("nvcc", "nvrtc"))
+    args = parser.parse_args(argv)
+    compiler = compilers.make_compiler(args.compiler)
+    if compiler is None:
+        print(f"ci_compile: no {args.compiler} on this machine", file=sys.stderr)
+        return 1
+    include_dirs = [compilers.INCLUDE_DIR] + compilers.cuda_include_dirs()
+    specs = list(dict.fromkeys(kernels.every_kernel()))
+    start = time.time()
+    for i, spec in enumerate(specs, 1):
+        cubin = compiler.compile(spec.source(), args.arch, include_dirs)
+        print(f"[{i}/{len(specs)}] {spec.function}<{', '.join(map(str, spec.template_args))}>: "
+              f"{len(cubin)} bytes", flush=True)
+    print(f"ci_compile: {len(specs)} kernels compiled for {args.arch} with {compiler.identity} "
+          f"in {time.time() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The CUDA backend's kernels: each one's header, template arguments and parameter list, written once.
+
+The parameter lists must match the device functions in tokenyard/include/tokenyard/kernels/*.cuh; the
+compiler checks that whenever a unit is built (CI builds every kernel, see ci_compile.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...jit import KernelSpec, Param
+
+LAYOUT_THREADS = 256
+NOTIFY_THREADS = 256
+DATA_THREADS = 512
+CHUNK_TOKENS = 32  # dispatch chunk (tokens) and combine chunk (rows); workspace.CHUNK_ROWS must agree
+
+_TOPK_CTYPES = {torch.int64: "int64_t", torch.int32: "int"}
+
+_WAIT = (Param("int*", "error_flag"), Param("int*", "host_record"), Param("uint64_t", "timeout_ns"))
+_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "rank"), Param("int64_t", "control_bytes"),
+            Param("int64_t", "region_bytes"), Param("int64_t", "slots_bytes"), Param("int64_t", "row_bytes"),
+            Param("uint32_t", "seq"))
+
+
+def topk_ctype(dtype: torch.dtype) -> str:
+    return _TOPK_CTYPES[dtype]
+
+
+def dispatch_layout(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
+    topk_t = topk_ctype(topk_dtype)
+    return KernelSpec(
+        "tokenyard/kernels/dispatch_layout.cuh", "tokenyard::kernels::dispatch_layout", (num_ranks, topk_t),
+        (Param(f"const {topk_t}*", "topk_idx"), Param("int", "num_tokens"), Param("int", "num_topk"),
+         Param("int", "num_experts"), Param("int*", "num_tokens_per_rank"), Param("int*", "num_tokens_per_expert"),
+         Param("bool*", "is_token_in_rank")),
+        LAYOUT_THREADS)
+
+
+def dispatch_notify(num_ranks: int) -> KernelSpec:
+    return KernelSpec(
+        "tokenyard/kernels/notify.cuh", "tokenyard::kernels::dispatch_notify", (num_ranks, NOTIFY_THREADS),
+        (Param("const bool*", "is_token_in_rank"), Param("int", "num_tokens"),
+         Param("const int*", "num_tokens_per_expert"), Param("int", "num_experts"), Param("int", "expert_alignment"),
+         Param("int*", "prefix_excl"), Param("int*", "rank_prefix_matrix"), Param("int*", "source_num_tokens"),
+         Param("int*", "host_counts"), Param("uint32_t", "call_id"), Param("uint8_t* const*", "peer_bases"),
+         Param("int", "rank"), Param("uint32_t", "notify_expected")) + _WAIT,
+        NOTIFY_THREADS)
+
+
+def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
+    topk_t = topk_ctype(topk_dtype)
+    return KernelSpec(
+        "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
+        (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, CHUNK_TOKENS),
+        (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
+         Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
+         Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
+         Param("const int*", "prefix_excl"), Param("const int*", "rank_prefix_matrix"),
+         Param("const int*", "source_num_tokens"), Param("int", "num_tokens"), Param("int", "num_local_experts"),
+         Param("int", "num_send_blocks"), Param("int4*", "recv_x"), Param("uint32_t*", "recv_scales"),
+         Param(f"{topk_t}*", "recv_topk_idx"), Param("float*", "recv_topk_weights"), Param("int*", "recv_src_idx"),
+         Param("int*", "send_head"), Param("int", "num_worst_tokens")) + _BUFFERS + _WAIT,
+        DATA_THREADS)
+
+
+def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
+    return KernelSpec(
+        "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
+        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS),
+        (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
+         Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "send_head"),
+         Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
+         Param("float*", "combined_topk_weights")) + _BUFFERS + (Param("uint32_t", "barrier_expected"),) + _WAIT,
+        DATA_THREADS)
+
+
+def every_kernel():
+    """Representative instantiations of every kernel, for CI's compile check."""
+    for ranks in (2, 4, 8):
+        for dtype in (torch.int64, torch.int32):
+            yield dispatch_layout(ranks, dtype)
+        yield dispatch_notify(ranks)
+        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64)   # FP8 with scales, DeepSeek-V3
+        yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64)    # bf16
+        yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k
+        yield combine(ranks, 7168 * 2 // 16, 8)
+        yield combine(ranks, 4096 * 2 // 16, 0)

@@ -1,0 +1,40 @@
+"""``python -m tokenyard.bench``: time dispatch and combine; print a table, write JSON and a plot.
+
+Exit status: 0 on success, 1 when a rank fails or the run times out (the message names the rank), 2 for a
+bad command line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from typing import Optional, Sequence
+
+from . import BenchError, launch, options, plot, report
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import torch
+
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    settings = options.parse(argv, num_gpus)
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    try:
+        if settings.plot:
+            plot.require_matplotlib()
+        doc = report.build(settings, launch.run_ranks(settings), commit=report.git_commit(), date=date)
+        report.print_table(doc)
+        if settings.json:
+            report.write_json(doc, settings.json)
+            print(f"wrote {settings.json}")
+        if settings.plot:
+            plot.plot(doc, settings.plot)
+            print(f"wrote {settings.plot}")
+    except BenchError as exc:
+        print(f"tokenyard.bench: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

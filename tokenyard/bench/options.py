@@ -1,0 +1,183 @@
+"""The command line of ``python -m tokenyard.bench`` and the settings it resolves to.
+
+Every option has DeepEP's underscore spelling (``--num_tokens``) and a dashed alias (``--num-tokens``).
+Options left out take machine-dependent defaults: a small problem on CPU gloo ranks, or DeepSeek-V3's
+setting with one rank per GPU (`CPU_DEFAULTS`, `GPU_DEFAULTS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import secrets
+from typing import Optional, Sequence, Tuple
+
+MODES = ("normal", "low_latency", "compare_sm", "all")
+BACKENDS = ("reference", "cuda")
+DTYPES = ("fp8", "bf16")
+MAX_TOPK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """Problem and timing defaults of one kind of machine (None ranks: one per GPU)."""
+
+    num_ranks: Optional[int]
+    hidden_size: int
+    num_tokens: int
+    num_tokens_low_latency: int
+    num_experts: int
+    num_topk: int
+    iters: int
+    warmup: int
+
+
+CPU_DEFAULTS = Defaults(num_ranks=4, hidden_size=1024, num_tokens=256, num_tokens_low_latency=32, num_experts=32,
+                        num_topk=4, iters=5, warmup=1)
+GPU_DEFAULTS = Defaults(num_ranks=None, hidden_size=7168, num_tokens=4096, num_tokens_low_latency=128,
+                        num_experts=256, num_topk=8, iters=50, warmup=10)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+    """Everything one run needs, resolved and checked; sent to every rank."""
+
+    mode: str
+    hidden_size: int
+    num_tokens: int
+    num_tokens_low_latency: int
+    num_experts: int
+    num_topk: int
+    num_ranks: int
+    sm_counts: Tuple[int, ...]
+    dtype: str
+    backends: Optional[Tuple[str, ...]]  # None: every backend that runs on all ranks
+    iters: int
+    warmup: int
+    seed: int
+    timeout_s: float
+    json: Optional[str]
+    plot: Optional[str]
+    quiet: bool
+    gpu: bool
+
+    def runs(self, part: str) -> bool:
+        """Whether this run measures `part` (``normal``, ``low_latency`` or ``compare_sm``)."""
+        if self.mode == "all":
+            return part in ("normal", "low_latency")
+        return part == self.mode
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _int_list(text: str) -> Tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _name_list(text: str) -> Tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"backends are a comma-separated subset of {','.join(BACKENDS)}, "
+                                         f"got {text!r}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tokenyard.bench",
+        description="Time tokenyard's dispatch and combine on every backend against an all-to-all baseline.")
+
+    def add(name: str, **kwargs) -> None:
+        spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        parser.add_argument(*spellings, dest=name, **kwargs)
+
+    add("mode", choices=MODES, default="all", help="all = normal and low_latency (default)")
+    add("hidden_size", type=_positive_int, help="hidden size (CPU 1024, GPU 7168)")
+    add("num_tokens", type=_positive_int, help="tokens per rank in normal mode (CPU 256, GPU 4096)")
+    add("num_tokens_low_latency", type=_positive_int,
+        help="tokens per rank in low-latency mode (CPU 32, GPU 128, never above --num_tokens by default)")
+    add("num_experts", type=_positive_int, help="total experts (CPU 32, GPU 256)")
+    add("num_topk", type=_positive_int, help="experts per token (CPU 4, GPU 8)")
+    add("num_ranks", type=_positive_int, help="ranks (CPU 4 processes, GPU one per GPU)")
+    add("sm_counts", type=_int_list, default=(8, 16, 24), help="SM counts for --mode compare_sm (even)")
+    add("dtype", choices=DTYPES, default="fp8", help="normal-mode dispatch dtype; fp8 also sets use_fp8 in "
+                                                     "low-latency dispatch")
+    add("backends", type=_name_list, help="comma-separated, of reference,cuda (default: every available)")
+    add("iters", type=_positive_int, help="timed calls per operation (CPU 5, GPU 50)")
+    add("warmup", type=int, help="untimed calls first (CPU 1, GPU 10)")
+    add("seed", type=int, help="seed of the random inputs (default: random, recorded in the JSON)")
+    add("timeout_s", type=float, default=600.0, help="give up on ranks after this many seconds")
+    add("json", metavar="PATH", help="write the results as JSON")
+    add("plot", metavar="PATH.png", help="draw bandwidth per op and backend (needs matplotlib)")
+    add("quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def resolve(args: argparse.Namespace, num_gpus: int) -> BenchSettings:
+    """Fill defaults for this machine (`num_gpus` > 0: GPU) and check the problem.
+
+    Raises:
+        ValueError: a setting no backend can run, with the reason.
+    """
+    gpu = num_gpus > 0
+    defaults = GPU_DEFAULTS if gpu else CPU_DEFAULTS
+
+    def pick(name: str):
+        value = getattr(args, name)
+        return getattr(defaults, name) if value is None else value
+
+    num_ranks = args.num_ranks or defaults.num_ranks or num_gpus
+    num_tokens = pick("num_tokens")
+    settings = BenchSettings(
+        mode=args.mode, hidden_size=pick("hidden_size"), num_tokens=num_tokens,
+        num_tokens_low_latency=args.num_tokens_low_latency or min(defaults.num_tokens_low_latency, num_tokens),
+        num_experts=pick("num_experts"), num_topk=pick("num_topk"), num_ranks=num_ranks,
+        sm_counts=tuple(args.sm_counts), dtype=args.dtype, backends=args.backends, iters=pick("iters"),
+        warmup=pick("warmup"), seed=secrets.randbelow(2**31) if args.seed is None else args.seed,
+        timeout_s=args.timeout_s, json=args.json, plot=args.plot, quiet=args.quiet, gpu=gpu)
+    check(settings, num_gpus)
+    return settings
+
+
+def check(s: BenchSettings, num_gpus: int) -> None:
+    """Refuse, before any process starts, a problem that some call would refuse later."""
+    problems = []
+    if s.gpu and s.num_ranks > num_gpus:
+        problems.append(f"--num_ranks {s.num_ranks} exceeds the {num_gpus} GPUs here")
+    if not s.gpu and s.backends and "cuda" in s.backends:
+        problems.append("--backends cuda needs GPUs; this machine has none")
+    if s.num_experts % s.num_ranks:
+        problems.append(f"--num_experts {s.num_experts} is not divisible by --num_ranks {s.num_ranks}")
+    if not 1 <= s.num_topk <= min(MAX_TOPK, s.num_experts):
+        problems.append(f"--num_topk must be in [1, min({MAX_TOPK}, num_experts)], got {s.num_topk}")
+    if s.dtype == "fp8" and s.hidden_size % 128:
+        problems.append(f"FP8 needs --hidden_size % 128 == 0, got {s.hidden_size}")
+    if s.hidden_size % 8:
+        problems.append(f"bf16 rows must be a multiple of 16 bytes: --hidden_size % 8 == 0, got {s.hidden_size}")
+    if any(n <= 0 or n % 2 for n in s.sm_counts) or not s.sm_counts:
+        problems.append(f"--sm_counts must be positive even numbers, got {s.sm_counts}")
+    if s.warmup < 0:
+        problems.append(f"--warmup must be >= 0, got {s.warmup}")
+    if s.timeout_s <= 0:
+        problems.append(f"--timeout_s must be positive, got {s.timeout_s}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def parse(argv: Optional[Sequence[str]], num_gpus: int) -> BenchSettings:
+    """Parse `argv` and resolve it; exits with usage (status 2) on a bad setting."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return resolve(args, num_gpus)
+    except ValueError as exc:
+        parser.error(str(exc))

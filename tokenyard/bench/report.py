@@ -1,0 +1,180 @@
+"""Turn every rank's samples into the JSON document and the printed table.
+
+The JSON document (`build`), one entry ``{us, nvlink_gbps, logical_gbps, num_sms}`` per operation
+(null where not measured in this mode)::
+
+    commit, device, date, settings, num_ranks, num_tokens, num_tokens_low_latency, hidden, num_topk,
+    num_experts, dtype, copy_limit_gbps
+    nccl:        {backend ("nccl" or "gloo"), dispatch, combine}      the all_to_all_single baseline
+    reference, tokenyard (the CUDA backend), for each backend run:
+                 {dispatch, dispatch_cached, combine,
+                  low_latency: {dispatch_us, combine_us, dispatch_graph_us, combine_graph_us,
+                                dispatch_nvlink_gbps, dispatch_logical_gbps, combine_nvlink_gbps,
+                                combine_logical_gbps, graph_error}}
+    compare_sm:  {backend key: [{num_sms, dispatch, dispatch_cached, combine}, ...]}   (compare_sm mode)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import subprocess
+from typing import Dict, List, Optional, Tuple
+
+from . import bandwidth
+from .options import BenchSettings
+from .runner import NORMAL_OPS
+
+BACKEND_KEYS = {"reference": "reference", "cuda": "tokenyard"}
+LOW_LATENCY_TABLE_OPS = (("ll_dispatch", "dispatch"), ("ll_combine", "combine"),
+                         ("ll_dispatch_graph", "dispatch_graph"), ("ll_combine_graph", "combine_graph"))
+
+
+def git_commit() -> Optional[str]:
+    """``git rev-parse HEAD`` of the checkout tokenyard runs from, or None outside one."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def _low_latency(per_rank: List[dict]) -> dict:
+    ops = {op: bandwidth.summarize([p["samples"].get(op) for p in per_rank])
+           for op, _ in LOW_LATENCY_TABLE_OPS}
+    entry = {}
+    for op, name in LOW_LATENCY_TABLE_OPS:
+        entry[f"{name}_us"] = ops[op]["us"] if ops[op] else None
+    for op, name in LOW_LATENCY_TABLE_OPS[:2]:
+        for metric in ("nvlink_gbps", "logical_gbps"):
+            entry[f"{name}_{metric}"] = ops[op][metric] if ops[op] else None
+    entry["graph_error"] = per_rank[0]["graph_error"]
+    return entry
+
+
+def _backend_entry(per_rank: List[dict]) -> dict:
+    num_sms = per_rank[0]["num_sms"]
+    entry = {op: bandwidth.summarize([p["samples"].get(op) for p in per_rank], num_sms) for op in NORMAL_OPS}
+    entry["low_latency"] = _low_latency(per_rank)
+    return entry
+
+
+def _sweep(name: str, per_rank: List[dict], sm_counts) -> List[dict]:
+    points = []
+    for n in sm_counts:
+        point = {"num_sms": n}
+        for op in NORMAL_OPS:
+            point[op] = bandwidth.summarize([p["sweep"][n][op] for p in per_rank], n if name == "cuda" else None)
+        points.append(point)
+    return points
+
+
+def build(settings: BenchSettings, ranks: List[dict], commit: Optional[str], date: str) -> dict:
+    """The JSON document (see the module docstring) from every rank's samples."""
+    first = ranks[0]
+    gpu_label = f"{first['device']} x {settings.num_ranks}"
+    copy_limits = [p["backends"][name]["copy_limit_gbps"] for p in ranks for name in first["backends"]]
+    copy_limits = [c for c in copy_limits if c is not None]
+    doc = {
+        "commit": commit,
+        "device": gpu_label if settings.gpu else f"cpu ({settings.num_ranks} gloo ranks)",
+        "date": date,
+        "settings": dataclasses.asdict(settings),
+        "num_ranks": settings.num_ranks,
+        "num_tokens": settings.num_tokens,
+        "num_tokens_low_latency": settings.num_tokens_low_latency,
+        "hidden": settings.hidden_size,
+        "num_topk": settings.num_topk,
+        "num_experts": settings.num_experts,
+        "dtype": settings.dtype,
+        "copy_limit_gbps": min(copy_limits) if copy_limits else None,  # the slowest rank's limit
+        "nccl": {"backend": first["baseline_backend"],
+                 **{op: bandwidth.summarize([p["baseline"][op] for p in ranks]) for op in ("dispatch", "combine")}},
+    }
+    for name in first["backends"]:
+        per_rank = [p["backends"][name] for p in ranks]
+        doc[BACKEND_KEYS[name]] = _backend_entry(per_rank)
+        if settings.runs("compare_sm"):
+            doc.setdefault("compare_sm", {})[BACKEND_KEYS[name]] = _sweep(name, per_rank, settings.sm_counts)
+    return doc
+
+
+def write_json(doc: dict, path: str) -> None:
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def backend_keys(doc: dict) -> List[str]:
+    return [key for key in BACKEND_KEYS.values() if key in doc]
+
+
+def results(doc: dict) -> List[Tuple[str, str, dict]]:
+    """Every measured operation as ``(who, op, {us, nvlink_gbps, logical_gbps, num_sms})``, table order."""
+    rows = [(f"{doc['nccl']['backend']} all_to_all", op, doc["nccl"][op]) for op in ("dispatch", "combine")]
+    for key in backend_keys(doc):
+        entry = doc[key]
+        rows += [(key, op, entry[op]) for op in NORMAL_OPS]
+        ll = entry["low_latency"]
+        for _, name in LOW_LATENCY_TABLE_OPS:
+            rows.append((key, f"low_latency {name}", None if ll[f"{name}_us"] is None else {
+                "us": ll[f"{name}_us"], "nvlink_gbps": ll.get(f"{name}_nvlink_gbps"),
+                "logical_gbps": ll.get(f"{name}_logical_gbps"), "num_sms": None}))
+        for point in doc.get("compare_sm", {}).get(key, []):
+            rows += [(key, f"{op} @ {point['num_sms']} SMs", point[op]) for op in NORMAL_OPS]
+    return [(who, op, values) for who, op, values in rows if values is not None]
+
+
+COLUMNS = ("backend", "op", "us", "nvlink_gbps", "logical_gbps", "num_sms")
+
+
+def _cells(who: str, op: str, values: dict) -> List[str]:
+    def number(v):  # 2 decimals, or 3 significant digits below 1 (CPU bandwidths are small)
+        return "-" if v is None else f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"
+
+    return [who, op, f"{values['us']:.1f}", number(values["nvlink_gbps"]), number(values["logical_gbps"]),
+            "-" if values["num_sms"] is None else str(values["num_sms"])]
+
+
+def _notes(doc: dict) -> List[str]:
+    notes = [f"{doc['device']}; hidden {doc['hidden']}, {doc['num_tokens']} tokens per rank "
+             f"({doc['num_tokens_low_latency']} low-latency), {doc['num_experts']} experts, top-{doc['num_topk']}, "
+             f"{doc['dtype']} dispatch, seed {doc['settings']['seed']}",
+             "copy limit: " + ("not measured" if doc["copy_limit_gbps"] is None
+                               else f"{doc['copy_limit_gbps']:.1f} GB/s")]
+    for key in backend_keys(doc):
+        error = doc[key]["low_latency"]["graph_error"]
+        if error and doc[key]["low_latency"]["dispatch_us"] is not None:
+            notes.append(f"{key}: no CUDA-graph times ({error})")
+    return notes
+
+
+def table(doc: dict) -> str:
+    """The results as fixed-width text (header, one line per operation, then notes)."""
+    lines = [_cells(*row) for row in results(doc)]
+    widths = [max(len(c) for c in column) for column in zip(COLUMNS, *lines)]
+
+    def fmt(cells):
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    body = [fmt(COLUMNS), "  ".join("-" * w for w in widths)] + [fmt(cells) for cells in lines]
+    return "\n".join(_notes(doc)[:1] + body + _notes(doc)[1:])
+
+
+def print_table(doc: dict) -> None:
+    """Print `table`, through rich where it is installed."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(table(doc), flush=True)
+        return
+    notes = _notes(doc)
+    rich_table = Table(*COLUMNS, title=notes[0])
+    for row in results(doc):
+        rich_table.add_row(*_cells(*row))
+    console = Console()
+    console.print(rich_table)
+    for note in notes[1:]:
+        console.print(note, markup=False, highlight=False)

@@ -1,0 +1,291 @@
+"""What every rank runs: make random problems, time each backend's calls and the all-to-all baseline.
+
+Each rank measures its own median time and byte counts per operation (a `bandwidth.Sample`); at the end
+the samples of all ranks are gathered, and rank 0 hands them to the launcher, which summarizes them
+(report.py). The baseline and each backend get a problem of their own seed (``seed``, ``seed + 1``, ...),
+all of the same shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import sys
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import quant, routing
+from ..buffer import Buffer
+from ..config import Config
+from ..testing import make_rank_inputs
+from . import BenchError, bandwidth, timing
+from .options import BenchSettings
+
+NORMAL_OPS = ("dispatch", "dispatch_cached", "combine")
+LOW_LATENCY_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_graph", "ll_combine_graph")
+LOW_LATENCY_SEED_OFFSET = 1 << 20  # a backend's low-latency problem: its seed plus this
+
+
+@dataclasses.dataclass
+class Problem:
+    """This rank's share of one random problem, plus every rank's send counts."""
+
+    x: object  # a bf16 tensor, or an FP8 (data, scales) tuple
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    counts: List[List[int]]  # counts[s][d]: tokens rank s sends to rank d
+
+
+@dataclasses.dataclass
+class RankContext:
+    settings: BenchSettings
+    rank: int
+    num_ranks: int
+    group: dist.ProcessGroup
+    device: torch.device
+    timer: timing.Timer
+
+    def all_gather(self, obj) -> list:
+        gathered = [None] * self.num_ranks
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def medians(self, steps) -> List[float]:
+        return self.timer.medians(steps, self.settings.iters, self.settings.warmup)
+
+
+def make_problem(ctx: RankContext, seed: int, num_tokens: int, dtype: str) -> Problem:
+    """Every rank builds all ranks' inputs from `seed` (so it knows all counts) and keeps its own."""
+    s = ctx.settings
+    inputs = make_rank_inputs(seed, ctx.num_ranks, num_tokens, s.hidden_size, s.num_experts, s.num_topk,
+                              "uniform", dtype)
+    counts = [routing.dispatch_layout(topk_idx, s.num_experts, ctx.num_ranks)[0].tolist()
+              for _, topk_idx, _ in inputs]
+    x, topk_idx, topk_weights = inputs[ctx.rank]
+    x = tuple(t.to(ctx.device) for t in x) if isinstance(x, tuple) else x.to(ctx.device)
+    return Problem(x, topk_idx.to(ctx.device), topk_weights.to(ctx.device), counts)
+
+
+def measure_all_to_all(ctx: RankContext, problem: Problem) -> Dict[str, bandwidth.Sample]:
+    """The baseline: one ``all_to_all_single`` with the dispatch's bytes per peer, one with combine's."""
+    s, r, counts = ctx.settings, ctx.rank, problem.counts
+    row = bandwidth.row_bytes(s.hidden_size, fp8=s.dtype == "fp8")
+    bf16_row = bandwidth.row_bytes(s.hidden_size, fp8=False)
+
+    def step(send_bytes: List[int], recv_bytes: List[int]) -> Callable[[], object]:
+        send = torch.zeros(sum(send_bytes), dtype=torch.uint8, device=ctx.device)
+        recv = torch.empty(sum(recv_bytes), dtype=torch.uint8, device=ctx.device)
+        return lambda: dist.all_to_all_single(recv, send, recv_bytes, send_bytes, group=ctx.group)
+
+    dispatch = step([round(n * row) for n in counts[r]], [round(c[r] * row) for c in counts])
+    combine = step([round(c[r] * bf16_row) for c in counts], [round(n * bf16_row) for n in counts[r]])
+    t_dispatch, t_combine = ctx.medians([dispatch, combine])
+    return {"dispatch": (t_dispatch, *bandwidth.normal_dispatch_bytes(counts, r, row)),
+            "combine": (t_combine, *bandwidth.normal_combine_bytes(counts, r, s.hidden_size))}
+
+
+def _as_bf16(recv_x) -> torch.Tensor:
+    """Received rows as the bf16 expert output that combine takes."""
+    if isinstance(recv_x, tuple):
+        return quant.dequantize_fp8(*recv_x).to(torch.bfloat16)
+    return recv_x
+
+
+def measure_normal(ctx: RankContext, buffer: Buffer, problem: Problem) -> Dict[str, bandwidth.Sample]:
+    """Layout + dispatch, dispatch with the cached handle, and combine of the received rows (bf16)."""
+    s, p = ctx.settings, problem
+
+    def full_dispatch():
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(p.topk_idx, s.num_experts)
+        return buffer.dispatch(p.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=p.topk_idx, topk_weights=p.topk_weights)
+
+    recv_x, _, _, _, handle, _ = full_dispatch()
+    expert_output = _as_bf16(recv_x)
+    times = ctx.medians([full_dispatch, lambda: buffer.dispatch(p.x, handle=handle),
+                         lambda: buffer.combine(expert_output, handle)])
+    row = bandwidth.row_bytes(s.hidden_size, fp8=s.dtype == "fp8")
+    dispatch_bytes = bandwidth.normal_dispatch_bytes(p.counts, ctx.rank, row)
+    combine_bytes = bandwidth.normal_combine_bytes(p.counts, ctx.rank, s.hidden_size)
+    return dict(zip(NORMAL_OPS, [(times[0], *dispatch_bytes), (times[1], *dispatch_bytes),
+                                 (times[2], *combine_bytes)]))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _agree(ctx: RankContext, error: Optional[str]) -> Optional[str]:
+    """None if every rank succeeded, else the first failing rank's reason (so all ranks decide alike)."""
+    failed = [(r, why) for r, why in enumerate(ctx.all_gather(error)) if why]
+    return None if not failed else f"rank {failed[0][0]}: {failed[0][1]}"
+
+
+def time_graphs(ctx: RankContext, dispatch, combine_with) -> Tuple[Optional[List[float]], Optional[str]]:
+    """Replay times of a CUDA graph of `dispatch` and one of ``combine_with(handle)``, or (None, why).
+
+    The dispatch graph is replayed once before the combine is captured, so the handle it fills holds real
+    values when the combine's warm-up call reads them. Ranks agree after each capture, so no rank replays
+    a graph with collectives that another rank failed to record.
+    """
+    if not ctx.timer.gpu:
+        return None, "CUDA graphs need GPUs"
+    graphs, error = [], None
+    try:
+        graph, handle = timing.capture_graph(dispatch)
+        graphs.append(graph)
+    except Exception as exc:  # noqa: BLE001 - any capture failure is reported, not fatal
+        error = _first_line(exc)
+    error = _agree(ctx, error)
+    if error is None:
+        graphs[0].replay()
+        try:
+            graphs.append(timing.capture_graph(lambda: combine_with(handle))[0])
+        except Exception as exc:  # noqa: BLE001
+            error = _first_line(exc)
+        error = _agree(ctx, error)
+    if error is not None:
+        torch.cuda.synchronize(ctx.device)
+        return None, error
+    return ctx.medians([g.replay for g in graphs]), None
+
+
+def measure_low_latency(ctx: RankContext, buffer: Buffer, problem: Problem):
+    """Low-latency dispatch and combine, eager and as CUDA graphs -> (samples, why graphs are missing)."""
+    s, p = ctx.settings, problem
+    num_max, use_fp8 = s.num_tokens_low_latency, s.dtype == "fp8"
+    num_local_experts = s.num_experts // ctx.num_ranks
+    expert_output = torch.randn(num_local_experts, ctx.num_ranks * num_max, s.hidden_size,
+                                device=ctx.device).to(torch.bfloat16)
+    latest = {}
+
+    def dispatch():
+        handle = buffer.low_latency_dispatch(p.x, p.topk_idx, num_max, s.num_experts, use_fp8=use_fp8)[2]
+        latest["handle"] = handle
+        return handle
+
+    def combine_with(handle):
+        return buffer.low_latency_combine(expert_output, p.topk_idx, p.topk_weights, handle)[0]
+
+    buffer.clean_low_latency_buffer(num_max, s.hidden_size, s.num_experts)
+    dispatch()
+    t_dispatch, t_combine = ctx.medians([dispatch, lambda: combine_with(latest["handle"])])
+    dispatch_bytes = bandwidth.low_latency_bytes(p.topk_idx, ctx.rank, num_local_experts,
+                                                 bandwidth.row_bytes(s.hidden_size, fp8=use_fp8))
+    combine_bytes = bandwidth.low_latency_bytes(p.topk_idx, ctx.rank, num_local_experts,
+                                                bandwidth.row_bytes(s.hidden_size, fp8=False))
+    graph_times, graph_error = time_graphs(ctx, dispatch, combine_with)
+    t_graphs = graph_times or [None, None]
+    samples = [(t_dispatch, *dispatch_bytes), (t_combine, *combine_bytes),
+               None if t_graphs[0] is None else (t_graphs[0], *dispatch_bytes),
+               None if t_graphs[1] is None else (t_graphs[1], *combine_bytes)]
+    return dict(zip(LOW_LATENCY_OPS, samples)), graph_error
+
+
+def copy_limit_gbps(ctx: RankContext, buffer: Buffer) -> Optional[float]:
+    """NOTE [copy limit] The physical bound: every GPU copying into all peers at once.
+
+    Measuring it needs peer memory mapped across processes, which only the CUDA backend has. The hook:
+    where ``tokenyard.backends.cuda`` provides ``measure_copy_limit_gbps(buffer, num_bytes_per_peer)``,
+    it is called with the bytes one rank's tokens take; otherwise the limit is not measured (None).
+    """
+    if buffer.backend != "cuda":
+        return None
+    try:
+        from ..backends.cuda import measure_copy_limit_gbps
+    except ImportError:
+        return None
+    s = ctx.settings
+    return measure_copy_limit_gbps(buffer, round(s.num_tokens * bandwidth.row_bytes(s.hidden_size, s.dtype == "fp8")))
+
+
+def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
+    """Every measurement of one backend, per this run's mode."""
+    s = ctx.settings
+    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(s.num_tokens_low_latency, s.hidden_size, ctx.num_ranks,
+                                                           s.num_experts) if s.runs("low_latency") else 0
+    num_nvl_bytes = Config(num_max_tokens_per_rank=s.num_tokens).get_nvl_buffer_size_hint(s.hidden_size * 2,
+                                                                                           ctx.num_ranks)
+    buffer = Buffer(ctx.group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=s.runs("low_latency"),
+                    backend=name, check_inputs=False)  # value checks sync the device: not part of the cost
+    out = {"samples": {}, "sweep": {}, "graph_error": None, "copy_limit_gbps": None,
+           "num_sms": Buffer.num_sms if name == "cuda" else None}
+    try:
+        out["copy_limit_gbps"] = copy_limit_gbps(ctx, buffer)
+        if s.runs("normal") or s.runs("compare_sm"):
+            problem = make_problem(ctx, seed, s.num_tokens, s.dtype)
+        if s.runs("normal"):
+            progress.set_description(f"{name} normal")
+            out["samples"].update(measure_normal(ctx, buffer, problem))
+            progress.update()
+        if s.runs("compare_sm"):
+            default_num_sms = Buffer.num_sms
+            try:
+                for num_sms in s.sm_counts:
+                    progress.set_description(f"{name} {num_sms} SMs")
+                    Buffer.set_num_sms(num_sms)
+                    out["sweep"][num_sms] = measure_normal(ctx, buffer, problem)
+                    progress.update()
+            finally:
+                Buffer.num_sms = default_num_sms
+        if s.runs("low_latency"):
+            progress.set_description(f"{name} low-latency")
+            problem = make_problem(ctx, seed + LOW_LATENCY_SEED_OFFSET, s.num_tokens_low_latency, "bf16")
+            samples, out["graph_error"] = measure_low_latency(ctx, buffer, problem)
+            out["samples"].update(samples)
+            progress.update()
+    finally:
+        buffer.destroy()
+    return out
+
+
+def choose_backends(ctx: RankContext) -> List[str]:
+    """The requested backends, or every one that runs on all ranks; raises where one cannot run."""
+    from ..backends import cuda_available
+
+    cuda_everywhere = all(ctx.all_gather(ctx.device.type == "cuda" and cuda_available()))
+    if ctx.settings.backends is None:
+        return ["reference", "cuda"] if cuda_everywhere else ["reference"]
+    if "cuda" in ctx.settings.backends and not cuda_everywhere:
+        raise BenchError("--backends cuda: the CUDA backend cannot run on every rank here "
+                         "(tokenyard.backends.cuda_available() is False or there are no GPUs)")
+    return list(ctx.settings.backends)
+
+
+def measure_all(ctx: RankContext) -> dict:
+    """This rank's samples: baseline and every backend."""
+    from tqdm import tqdm
+
+    s = ctx.settings
+    backends = choose_backends(ctx)
+    steps_per_backend = (s.runs("normal") + s.runs("low_latency") + len(s.sm_counts) * s.runs("compare_sm"))
+    with tqdm(total=1 + steps_per_backend * len(backends), disable=s.quiet or ctx.rank != 0, file=sys.stderr,
+              desc="all_to_all baseline", leave=False) as progress:
+        baseline = measure_all_to_all(ctx, make_problem(ctx, s.seed, s.num_tokens, s.dtype))
+        progress.update()
+        per_backend = {name: measure_backend(ctx, name, s.seed + 1 + i, progress) for i, name in enumerate(backends)}
+    device = torch.cuda.get_device_name(ctx.device) if ctx.timer.gpu else "cpu"
+    return {"device": device, "baseline_backend": dist.get_backend(ctx.group), "baseline": baseline,
+            "backends": per_backend}
+
+
+def run_rank(rank: int, num_ranks: int, port: int, settings: BenchSettings) -> Optional[List[dict]]:
+    """Join the group, measure, gather; rank 0 returns every rank's samples, the others None."""
+    if settings.gpu:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)  # ranks share the cores
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if settings.gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=num_ranks, timeout=datetime.timedelta(seconds=settings.timeout_s))
+    try:
+        group = dist.group.WORLD
+        ctx = RankContext(settings, rank, num_ranks, group, device, timing.Timer(group, device))
+        gathered = ctx.all_gather(measure_all(ctx))
+        return gathered if rank == 0 else None
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,152 @@
+// combine: return each received row to its source rank and sum the rows of each token there
+// (docs/semantics.md, "Normal combine").
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "../copy.cuh"
+#include "../layout.cuh"
+#include "../sync.cuh"
+
+namespace tokenyard::kernels {
+
+// Every rank adds one to slot `rank` of every rank's barrier counter, then waits until all of its own
+// slots reached `expected`. Only block 0 signals; every block waits on its own (local) counters.
+template <int kNumRanks>
+__device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, const WaitContext& wait,
+                                               uint32_t expected) {
+    __shared__ bool ok;
+    if (threadIdx.x == 0)
+        ok = true;
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x < kNumRanks)
+        ptx::atomic_add_release_sys(buffers.barrier(threadIdx.x) + buffers.rank, 1);
+    if (threadIdx.x < kNumRanks &&
+        !wait_at_least(wait, buffers.barrier(buffers.rank) + threadIdx.x, expected, threadIdx.x, kStageBarrier))
+        ok = false;
+    __syncthreads();
+    return ok;
+}
+
+// NOTE [combine roles]
+// After a barrier (the previous dispatch's receivers must be done reading before rows land in their
+// buffers), blocks [0, num_send_blocks) send: the rows from source s are cut into chunks of kChunkRows,
+// taken chunk-major over sources (as in NOTE [dispatch roles]); row j goes to row j of this rank's region
+// in rank s's buffer, and each finished chunk is published in its slot. The other blocks reduce: a warp
+// takes one token at a time in increasing order; lane q finds the token's row at rank q from send_head,
+// waits for the chunk that holds it, and the warp then sums bias_0, bias_1 and the rows of ranks
+// 0, 1, ... in float32, as the semantics fix the order.
+template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows>
+__device__ __forceinline__ void combine(
+        const int4* x, const float* topk_weights, const int4* bias_0, const int4* bias_1,
+        const int* rank_prefix_matrix, const int* send_head, int num_tokens, int num_send_blocks,
+        int4* combined_x, float* combined_topk_weights, uint8_t* const* peer_bases, int rank,
+        int64_t control_bytes, int64_t region_bytes, int64_t slots_bytes, int64_t row_bytes, uint32_t seq,
+        uint32_t barrier_expected, int* error_flag, int* host_record, uint64_t timeout_ns) {
+    static_assert(kNumRanks <= kWarpSize, "one lane per rank");
+    constexpr int kNumWarps = kNumThreads / kWarpSize;
+    constexpr int kWeightsOffset = kHiddenInt4 * 16;
+    const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_bytes, row_bytes};
+    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    if (!normal_barrier<kNumRanks>(buffers, wait, barrier_expected))
+        return;
+
+    if (static_cast<int>(blockIdx.x) < num_send_blocks) {
+        int most_chunks = 0;
+        for (int s = 0; s < kNumRanks; ++s) {
+            const int rows = rank_prefix_matrix[s * kNumRanks + rank] - (s > 0 ? rank_prefix_matrix[(s - 1) * kNumRanks + rank] : 0);
+            most_chunks = max(most_chunks, (rows + kChunkRows - 1) / kChunkRows);
+        }
+        for (int item = blockIdx.x; item < most_chunks * kNumRanks; item += num_send_blocks) {
+            const int chunk = item / kNumRanks, source = item % kNumRanks;
+            const int first = source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
+            const int rows = rank_prefix_matrix[source * kNumRanks + rank] - first;
+            if (chunk * kChunkRows >= rows)
+                continue;
+            const int j1 = min(rows, (chunk + 1) * kChunkRows);
+            for (int j = chunk * kChunkRows + warp; j < j1; j += kNumWarps) {
+                uint8_t* dst = buffers.row(source, rank, j);
+                const int64_t from = first + j;
+                warp_copy<4, false>(reinterpret_cast<int4*>(dst), x + from * kHiddenInt4, kHiddenInt4, lane);
+                if (lane < kNumTopk)
+                    reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = topk_weights[from * kNumTopk + lane];
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                ptx::fence_acq_rel_sys();
+                ptx::st_release_sys(&buffers.slot(source, rank, chunk)->seq, seq);
+            }
+        }
+        return;
+    }
+
+    // Reducers.
+    const int reducer_warp = (blockIdx.x - num_send_blocks) * kNumWarps + warp;
+    const int num_reducer_warps = (gridDim.x - num_send_blocks) * kNumWarps;
+    for (int t = reducer_warp; t < num_tokens; t += num_reducer_warps) {
+        const int64_t token = t;
+        int index = -1;
+        bool ready = true;
+        if (lane < kNumRanks) {
+            const int head = send_head[token * kNumRanks + lane];
+            if (head >= 0) {
+                index = head - (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + lane] : 0);
+                ready = wait_at_least(wait, &buffers.slot(rank, lane, index / kChunkRows)->seq, seq, lane,
+                                      kStageCombineRecv);
+            }
+        }
+        if (!__all_sync(0xffffffffu, ready))
+            return;
+        int indices[kNumRanks];
+#pragma unroll
+        for (int q = 0; q < kNumRanks; ++q)
+            indices[q] = __shfl_sync(0xffffffffu, index, q);
+        for (int i = lane; i < kHiddenInt4; i += kWarpSize) {
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                acc[e] = 0.0f;
+            const int4* biases[2] = {bias_0, bias_1};
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                if (biases[b] == nullptr)
+                    continue;
+                const int4 v = ptx::ld_nc_v4(biases[b] + token * kHiddenInt4 + i);
+                const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    acc[e] = __fadd_rn(acc[e], __bfloat162float(h[e]));
+            }
+#pragma unroll
+            for (int q = 0; q < kNumRanks; ++q) {
+                if (indices[q] < 0)
+                    continue;
+                const int4 v = ptx::ld_na_v4(reinterpret_cast<const int4*>(buffers.row(rank, q, indices[q])) + i);
+                const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    acc[e] = __fadd_rn(acc[e], __bfloat162float(h[e]));
+            }
+            int4 out;
+            __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                o[e] = __float2bfloat16_rn(acc[e]);
+            ptx::st_na_v4(combined_x + token * kHiddenInt4 + i, out);
+        }
+        if (lane < kNumTopk) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int q = 0; q < kNumRanks; ++q) {
+                if (indices[q] < 0)
+                    continue;
+                const float* w = reinterpret_cast<const float*>(buffers.row(rank, q, indices[q]) + kWeightsOffset);
+                acc = __fadd_rn(acc, __int_as_float(ptx::ld_na_s32(reinterpret_cast<const int*>(w) + lane)));
+            }
+            combined_topk_weights[token * kNumTopk + lane] = acc;
+        }
+    }
+}
+
+}  // namespace tokenyard::kernels

@@ -1,0 +1,110 @@
+// dispatch_notify: the count exchange before a normal-mode dispatch (NOTE [notify]).
+#pragma once
+
+#include "../layout.cuh"
+#include "../sync.cuh"
+
+namespace tokenyard::kernels {
+
+// NOTE [notify]
+// Grid of kNumRanks + 1 blocks. Block q (< kNumRanks) scans column q of is_token_in_rank into
+// prefix_excl[t][q] = tokens before t that go to rank q (row num_tokens holds the total), then writes
+// that total to every rank's notify data (row = this rank), its token count, and the counts of rank q's
+// experts to rank q; last it adds 1 to every rank's notify counter for this source. Block kNumRanks
+// waits until every source's counter reached `notify_expected` (= calls so far * kNumRanks), then
+// builds rank_prefix_matrix, the received total and the per-expert counts, and publishes them to the
+// host (host_counts[1..], then host_counts[0] = call_id). Since a rank only enters this kernel after its
+// previous normal-mode kernels finished, a completed notify also means every rank is done with the
+// buffer's previous contents: it is the barrier before the data kernel.
+template <int kNumRanks, int kNumThreads>
+__device__ __forceinline__ void dispatch_notify(
+        const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
+        int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens,
+        int* host_counts, uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
+        int* error_flag, int* host_record, uint64_t timeout_ns) {
+    NormalBuffers buffers{peer_bases, rank, 0, 0, 0, 0};
+    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+    const int num_local_experts = num_experts / kNumRanks;
+    const int stride = kNumRanks + 1 + num_local_experts;
+    __shared__ int scan[kNumThreads];
+    __shared__ bool ok;
+
+    if (blockIdx.x < kNumRanks) {
+        const int q = blockIdx.x;
+        const int per_thread = (num_tokens + kNumThreads - 1) / kNumThreads;
+        const int begin = min(num_tokens, static_cast<int>(threadIdx.x) * per_thread);
+        const int end = min(num_tokens, begin + per_thread);
+        int mine = 0;
+        for (int t = begin; t < end; ++t)
+            mine += is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + q];
+        scan[threadIdx.x] = mine;
+        __syncthreads();
+        // Inclusive scan over threads (Hillis-Steele; kNumThreads is small).
+        for (int offset = 1; offset < kNumThreads; offset <<= 1) {
+            const int add = threadIdx.x >= offset ? scan[threadIdx.x - offset] : 0;
+            __syncthreads();
+            scan[threadIdx.x] += add;
+            __syncthreads();
+        }
+        int running = scan[threadIdx.x] - mine;
+        for (int t = begin; t < end; ++t) {
+            prefix_excl[static_cast<int64_t>(t) * kNumRanks + q] = running;
+            running += is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + q];
+        }
+        const int total = scan[kNumThreads - 1];
+        if (threadIdx.x == 0)
+            prefix_excl[static_cast<int64_t>(num_tokens) * kNumRanks + q] = total;
+        if (threadIdx.x < kNumRanks) {
+            int* data = buffers.notify_data(threadIdx.x) + rank * stride;
+            ptx::st_relaxed_sys(data + q, total);
+            if (q == 0)
+                ptx::st_relaxed_sys(data + kNumRanks, num_tokens);
+        }
+        for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads) {
+            const int count = num_tokens_per_expert != nullptr ? num_tokens_per_expert[q * num_local_experts + l] : 0;
+            ptx::st_relaxed_sys(buffers.notify_data(q) + rank * stride + kNumRanks + 1 + l, count);
+        }
+        __syncthreads();
+        if (threadIdx.x < kNumRanks) {
+            ptx::fence_acq_rel_sys();
+            ptx::atomic_add_release_sys(buffers.notify_flag(threadIdx.x) + rank, 1);
+        }
+        return;
+    }
+
+    // The receiving block.
+    if (threadIdx.x == 0)
+        ok = true;
+    __syncthreads();
+    if (threadIdx.x < kNumRanks &&
+        !wait_at_least(wait, buffers.notify_flag(rank) + threadIdx.x, notify_expected, threadIdx.x, kStageNotify))
+        ok = false;
+    __syncthreads();
+    if (!ok)
+        return;
+    const int* data = buffers.notify_data(rank);
+    if (threadIdx.x < kNumRanks) {
+        const int q = threadIdx.x;
+        int running = 0;
+        for (int s = 0; s < kNumRanks; ++s) {
+            running += ptx::ld_na_s32(data + s * stride + q);
+            rank_prefix_matrix[s * kNumRanks + q] = running;
+        }
+        source_num_tokens[q] = ptx::ld_na_s32(data + q * stride + kNumRanks);
+        if (q == rank)
+            host_counts[1] = running;
+    }
+    for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads) {
+        int count = 0;
+        for (int s = 0; s < kNumRanks; ++s)
+            count += ptx::ld_na_s32(data + s * stride + kNumRanks + 1 + l);
+        host_counts[2 + l] = (count + expert_alignment - 1) / expert_alignment * expert_alignment;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ptx::fence_acq_rel_sys();
+        ptx::st_relaxed_sys(reinterpret_cast<uint32_t*>(host_counts), call_id);
+    }
+}
+
+}  // namespace tokenyard::kernels

@@ -1,0 +1,52 @@
+// Byte layout of the normal-mode buffer, as tokenyard/workspace.py computes it (NOTE [normal-mode
+// buffer]). The host passes the sizes; these helpers only turn them into pointers.
+#pragma once
+
+#include "types.cuh"
+
+namespace tokenyard {
+
+// NOTE [control block]: words at the start of every rank's buffer (offsets in bytes).
+constexpr int64_t kBarrierOffset = 0;        // uint32 [num_ranks]: slot s counts rank s's barrier arrivals
+constexpr int64_t kNotifyFlagOffset = 256;   // uint32 [num_ranks]: slot s counts rank s's notify pieces
+constexpr int64_t kNotifyDataOffset = 1024;  // int32 [num_ranks][num_ranks + 1 + num_local_experts]
+
+// A chunk slot: the sender's sequence number (stored last, with release) and the row range it filled.
+struct alignas(16) ChunkSlot {
+    uint32_t seq;
+    int begin;
+    int end;
+    int pad;
+};
+
+// One rank's view of the normal-mode buffers of every rank of the group.
+struct NormalBuffers {
+    uint8_t* const* peer_bases;  // [num_ranks] base of each rank's buffer, mapped into this process
+    int rank;
+    int64_t control_bytes;       // the control block before the regions
+    int64_t region_bytes;        // one source rank's region: chunk slots, then rows
+    int64_t slots_bytes;         // the chunk slots at the start of a region
+    int64_t row_bytes;           // one row (dispatch or combine; set per call)
+
+    __device__ __forceinline__ uint32_t* barrier(int owner) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[owner] + kBarrierOffset);
+    }
+    __device__ __forceinline__ uint32_t* notify_flag(int owner) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[owner] + kNotifyFlagOffset);
+    }
+    __device__ __forceinline__ int* notify_data(int owner) const {
+        return reinterpret_cast<int*>(peer_bases[owner] + kNotifyDataOffset);
+    }
+    // Region of `source` inside the buffer of `owner`.
+    __device__ __forceinline__ uint8_t* region(int owner, int source) const {
+        return peer_bases[owner] + control_bytes + source * region_bytes;
+    }
+    __device__ __forceinline__ ChunkSlot* slot(int owner, int source, int chunk) const {
+        return reinterpret_cast<ChunkSlot*>(region(owner, source)) + chunk;
+    }
+    __device__ __forceinline__ uint8_t* row(int owner, int source, int index) const {
+        return region(owner, source) + slots_bytes + static_cast<int64_t>(index) * row_bytes;
+    }
+};
+
+}  // namespace tokenyard

@@ -1,0 +1,71 @@
+// Bounded waits. A wait that passes its deadline records who waited, for whom and at which stage in
+// host-visible memory (the first record wins), and returns false; the kernel then winds down without
+// __trap(), so the CUDA context stays usable and Python can raise CommTimeoutError.
+#pragma once
+
+#include "ptx.cuh"
+
+namespace tokenyard {
+
+// NOTE [error record]: int32 words in pinned host memory, read by backends/cuda/errors.py.
+//   [0] 0 = no error, 1 = timeout, 2 = more rows than the output holds (value seen > expected);  [1] rank;  [2] peer;  [3] stage (Stage below);  [4] value seen;
+//   [5] value expected.
+// The first failing wait wins a compare-and-swap on `error_flag` in device memory (atomics on host memory
+// need PCIe atomics, which a VM may lack) and then writes the host record with plain stores.
+enum Stage : int {
+    kStageBarrier = 1,
+    kStageNotify = 2,
+    kStageDispatchRecv = 3,
+    kStageCombineRecv = 4,
+    kStageLowLatencyDispatchRecv = 5,
+    kStageLowLatencyCombineRecv = 6,
+};
+
+enum ErrorKind : int { kErrorTimeout = 1, kErrorOverflow = 2 };
+
+struct WaitContext {
+    int* error_flag;          // device memory, 0 until a wait fails
+    int* host_record;         // pinned, host-mapped
+    int rank;
+    uint64_t timeout_ns;
+};
+
+__device__ __forceinline__ void record_error(const WaitContext& ctx, int kind, int peer, int stage, uint32_t seen,
+                                             uint32_t expected) {
+    if (ptx::atomic_cas_relaxed_sys(ctx.error_flag, 0, 1) == 0) {
+        ptx::st_relaxed_sys(ctx.host_record + 1, ctx.rank);
+        ptx::st_relaxed_sys(ctx.host_record + 2, peer);
+        ptx::st_relaxed_sys(ctx.host_record + 3, stage);
+        ptx::st_relaxed_sys(ctx.host_record + 4, static_cast<int>(seen));
+        ptx::st_relaxed_sys(ctx.host_record + 5, static_cast<int>(expected));
+        ptx::fence_acq_rel_sys();
+        ptx::st_relaxed_sys(ctx.host_record, kind);
+    }
+}
+
+// Has a wait of this launch (or an earlier one not yet reported) already failed?
+__device__ __forceinline__ bool failed(const WaitContext& ctx) {
+    return ptx::ld_relaxed_sys(ctx.error_flag) != 0;
+}
+
+// Spin until *flag >= expected (wrap-safe comparison of sequence numbers) with acquire order.
+__device__ __forceinline__ bool wait_at_least(const WaitContext& ctx, const uint32_t* flag, uint32_t expected,
+                                              int peer, int stage) {
+    uint64_t start = 0;
+    for (int spin = 0;; ++spin) {
+        uint32_t seen = ptx::ld_acquire_sys(flag);
+        if (static_cast<int32_t>(seen - expected) >= 0)
+            return true;
+        if ((spin & 255) == 0) {
+            uint64_t now = ptx::global_timer_ns();
+            if (start == 0) {
+                start = now;
+            } else if (now - start > ctx.timeout_ns || failed(ctx)) {
+                record_error(ctx, kErrorTimeout, peer, stage, seen, expected);
+                return false;
+            }
+        }
+    }
+}
+
+}  // namespace tokenyard

@@ -1,0 +1,66 @@
+"""What one JIT unit is: one #include plus one instantiation (STYLE.md habit 5)."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Tuple
+
+# C++ parameter types a kernel may take, and how ctypes passes each. Any pointer is a c_void_p.
+_SCALARS = {
+    "int": ctypes.c_int,
+    "int64_t": ctypes.c_int64,
+    "uint32_t": ctypes.c_uint32,
+    "uint64_t": ctypes.c_uint64,
+    "float": ctypes.c_float,
+}
+
+ENTRY = "tokenyard_entry"
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One kernel parameter: its C++ type as written in the header's function, and its name."""
+
+    ctype: str
+    name: str
+
+    @property
+    def ctypes_type(self):
+        if self.ctype.endswith("*"):
+            return ctypes.c_void_p
+        try:
+            return _SCALARS[self.ctype]
+        except KeyError:
+            raise ValueError(f"kernel parameter type {self.ctype!r} has no ctypes mapping") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """A kernel: `function<template_args>(params...)` from `header`, launched with `num_threads` threads.
+
+    The generated unit defines ``extern "C" __global__ void tokenyard_entry(params...)`` that calls the
+    device function; the compiler checks that `params` match the header's signature.
+    """
+
+    header: str
+    function: str
+    template_args: Tuple[str, ...]
+    params: Tuple[Param, ...]
+    num_threads: int
+
+    def source(self) -> str:
+        signature = ", ".join(f"{p.ctype} {p.name}" for p in self.params)
+        call_args = ", ".join(p.name for p in self.params)
+        template = ", ".join(str(a) for a in self.template_args)
+        return (f"#include <{self.header}>\n\n"
+                f"extern \"C\" __global__ void __launch_bounds__({self.num_threads}, 1)\n"
+                f"{ENTRY}({signature}) {{\n"
+                f"    {self.function}<{template}>({call_args});\n"
+                f"}}\n")
+
+    def pack(self, values) -> list:
+        """Kernel argument values as ctypes objects, checked against the parameter list."""
+        if len(values) != len(self.params):
+            raise ValueError(f"{self.function} takes {len(self.params)} arguments, got {len(values)}")
+        return [p.ctypes_type(v) for p, v in zip(self.params, values)]
