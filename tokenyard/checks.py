@@ -127,6 +127,9 @@ def low_latency_handle(handle, *, buffer_id: int) -> LowLatencyHandle:
 
 
 def normal_capacity(*, num_ranks: int, num_tokens: int, row_bytes: int, num_nvl_bytes: int, what: str) -> None:
+    if num_tokens > workspace.MAX_NORMAL_TOKENS_PER_RANK:
+        _fail(f"{what} of {num_tokens} tokens per rank is above the limit of "
+              f"{workspace.MAX_NORMAL_TOKENS_PER_RANK} tokens per rank and call")
     required = workspace.normal_required_bytes(num_ranks, num_tokens, row_bytes)
     if required > num_nvl_bytes:
         raise CapacityError(

@@ -6,12 +6,16 @@ request the CUDA backend has room for, and the refusal reads the same on both.
 
 NOTE [normal-mode buffer]
 The normal-mode (NVLink) buffer of ``num_nvl_bytes`` on every rank is a control block followed by one
-region per source rank. Each region holds up to ``capacity`` rows; a dispatch row is the token's data
+region of rows per source rank. The control block holds the barrier and notify words (NOTE [control
+block] in include/tokenyard/layout.cuh) and, from `NORMAL_HEADER_BYTES` on, `MAX_CHUNKS` 16-byte chunk
+slots per source rank, where a sender publishes each finished chunk of `CHUNK_ROWS` rows. The slots sit at
+fixed addresses whatever the row size, so no call can mistake another call's rows for its slots. Each
+region holds up to ``capacity`` rows; a dispatch row is the token's data
 bytes, its scale bytes, and ``num_topk`` (int32 index, float32 weight) pairs plus its int32 source index,
 each part padded to 16 bytes. A combine row is the bf16 hidden vector plus ``num_topk`` float32 weights.
 A rank can send at most ``capacity`` tokens per call, since in the worst case every token goes to every
 rank. Example: 4 ranks, hidden 7168 FP8 (7168 + 224 scale bytes), top-8: a row is 7168 + 224 + 80 =
-7472 bytes, and 4096 tokens need 64 KiB + 4 * 4096 * 7472 bytes = 117 MiB.
+7472 bytes, and 4096 tokens need 64 KiB + 4 * 128 KiB of slots + 4 * 4096 * 7472 bytes = 117 MiB.
 
 NOTE [low-latency buffer]
 The low-latency buffer of ``num_rdma_bytes`` is two halves used alternately by consecutive calls (so
@@ -23,9 +27,14 @@ does; top-k up to ``MAX_TOPK``.
 
 from __future__ import annotations
 
+import dataclasses
+
 ALIGN_BYTES = 16
 REGION_ALIGN_BYTES = 128
-NORMAL_CONTROL_BYTES = 1 << 16
+NORMAL_HEADER_BYTES = 1 << 16
+CHUNK_ROWS = 8
+MAX_CHUNKS = 8192
+MAX_NORMAL_TOKENS_PER_RANK = MAX_CHUNKS * CHUNK_ROWS
 MAX_TOPK = 16
 DEFAULT_HINT_TOKENS_PER_RANK = 4096
 LOW_LATENCY_MESSAGE_HEADER_BYTES = 16
@@ -45,15 +54,38 @@ def normal_combine_row_bytes(hidden: int, num_topk: int) -> int:
     return align(hidden * 2) + align(num_topk * 4)
 
 
+def normal_control_bytes(num_ranks: int) -> int:
+    """The control block: header words, then `MAX_CHUNKS` slots per source rank."""
+    return NORMAL_HEADER_BYTES + num_ranks * MAX_CHUNKS * 16
+
+
 def normal_required_bytes(num_ranks: int, num_tokens: int, row_bytes: int) -> int:
     """`num_nvl_bytes` a call with `num_tokens` tokens per rank and rows of `row_bytes` needs."""
-    return NORMAL_CONTROL_BYTES + num_ranks * num_tokens * row_bytes
+    return normal_control_bytes(num_ranks) + num_ranks * num_tokens * row_bytes
 
 
 def normal_token_capacity(num_nvl_bytes: int, num_ranks: int, row_bytes: int) -> int:
     """How many tokens per rank one call can carry in a buffer of `num_nvl_bytes`."""
-    usable = num_nvl_bytes - NORMAL_CONTROL_BYTES
-    return max(0, usable // (num_ranks * row_bytes))
+    per_region = (num_nvl_bytes - normal_control_bytes(num_ranks)) // num_ranks
+    return max(0, min(per_region // row_bytes, MAX_NORMAL_TOKENS_PER_RANK))
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalLayout:
+    """Byte offsets of one normal-mode call in a buffer (NOTE [normal-mode buffer])."""
+
+    control_bytes: int
+    region_bytes: int
+    slots_offset: int
+    max_chunks: int
+    row_bytes: int
+    capacity: int
+
+
+def normal_layout(num_nvl_bytes: int, num_ranks: int, row_bytes: int) -> NormalLayout:
+    capacity = normal_token_capacity(num_nvl_bytes, num_ranks, row_bytes)
+    return NormalLayout(normal_control_bytes(num_ranks), capacity * row_bytes, NORMAL_HEADER_BYTES, MAX_CHUNKS,
+                        row_bytes, capacity)
 
 
 def normal_size_hint(hidden_bytes: int, num_ranks: int,

@@ -33,12 +33,18 @@ def test_low_latency_hint_grows_with_every_argument():
     assert workspace.low_latency_size_hint(128, 7168, 8, 288) > base
 
 
-def test_every_cuda_kernel_description_generates_one_include_and_one_instantiation():
+def test_every_cuda_kernel_description_generates_one_include_and_one_instantiation_and_packs_its_arguments():
     from tokenyard.backends.cuda import kernels
 
     specs = list(kernels.every_kernel())
     assert specs
     for spec in specs:
         source = spec.source()
-        assert source.count("#include") == 1 and "tokenyard_entry(" in source
-        assert len(spec.pack([0] * len(spec.params))) == len(spec.params)
+        assert source.count("#include") == 1 and f"{spec.entry}(" in source
+        packed = spec.pack(list(range(1, len(spec.params) + 1)))
+        assert [getattr(packed, p.name) for p in spec.params][-1] == len(spec.params)
+        try:
+            spec.pack([0] * (len(spec.params) - 1))
+        except ValueError:
+            continue
+        raise AssertionError("a short argument list was packed")

@@ -20,6 +20,13 @@ def cuda_available() -> bool:
     return CudaBackend.available()
 
 
+def cuda_validated() -> bool:
+    """Whether `backend="auto"` may pick the CUDA backend (its GPU tests have passed)."""
+    from .cuda import CudaBackend
+
+    return CudaBackend.VALIDATED
+
+
 def _make_reference(ctx: GroupContext) -> Backend:
     from .reference import ReferenceBackend
 
@@ -41,7 +48,7 @@ _FACTORIES = {"reference": _make_reference, "cuda": _make_cuda}
 def create_backend(name: str, ctx: GroupContext) -> Backend:
     """Make the named backend; ``"auto"`` takes CUDA where every rank can run it, else reference."""
     if name == "auto":
-        usable = ctx.device.type == "cuda" and cuda_available()
+        usable = ctx.device.type == "cuda" and cuda_available() and cuda_validated()
         if ctx.device.type == "cuda":
             usable = all(ctx.all_gather_object(usable))  # every rank must agree on one backend
         name = "cuda" if usable else "reference"

@@ -3,7 +3,9 @@
 Ranks are spawned with ``torch.multiprocessing`` (spawn context) and meet over TCP on a free port of
 127.0.0.1. Each sends one report, ``(rank, ok, value)``: rank 0's value is every rank's samples, a
 failed rank's is its traceback. Once one rank has failed, the others get `FAILURE_GRACE_S` to report
-(they may be stuck in a collective the failed rank never joined) before they are killed.
+(they may be stuck in a collective the failed rank never joined) before they are killed. The error
+names the likely cause in full (a rank that died without a report, else the first to fail) and the
+other failed ranks in one line each.
 
 NOTE [NVLink multicast]
 Multicast (NVLS) objects are kept off on GPU machines: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -36,6 +38,7 @@ def disable_nvlink_multicast() -> None:
 
 
 def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -55,26 +58,67 @@ def _rank_main(rank: int, num_ranks: int, port: int, settings: BenchSettings, re
         raise SystemExit(1)
 
 
-def _drain(reports, failures: Dict[int, str]) -> None:
-    """Late reports of failed ranks replace "exited without a report" with their traceback."""
-    while True:
-        try:
-            rank, ok, value = reports.get(timeout=0.2)
-        except queue.Empty:
+class _Reports:
+    """What the launcher has heard: results, failures in arrival order, and ranks that died silently."""
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks = num_ranks
+        self.results: Dict[int, object] = {}
+        self.failures: Dict[int, str] = {}  # insertion order = arrival order
+        self.silent: List[int] = []
+
+    def record(self, rank: int, ok: bool, value) -> None:
+        if ok:
+            self.results[rank] = value
             return
-        if not ok:
-            failures[rank] = value
+        self.failures[rank] = value
+        if rank in self.silent:  # its report came after all
+            self.silent.remove(rank)
+
+    def record_deaths(self, procs) -> None:
+        """Ranks killed outright (out of memory, a signal) send nothing; notice them by exit code."""
+        for rank, proc in enumerate(procs):
+            if proc.exitcode not in (None, 0) and rank not in self.results and rank not in self.failures:
+                self.failures[rank] = f"rank {rank} exited with code {proc.exitcode} without a report"
+                self.silent.append(rank)
+
+    def missing(self) -> List[int]:
+        return sorted(set(range(self.num_ranks)) - set(self.results) - set(self.failures))
+
+    def describe(self, timeout_s: float) -> str:
+        """The likely cause in full (a silent death, else the first failure), the others in one line each."""
+        lines = []
+        if self.failures:
+            cause = self.silent[0] if self.silent else next(iter(self.failures))
+            lines.append(f"rank {cause} failed:\n{self.failures[cause].rstrip()}")
+            for rank, text in sorted(self.failures.items()):
+                if rank != cause:
+                    last = text.strip().splitlines()[-1] if text.strip() else ""
+                    lines.append(f"rank {rank} also failed: {last}")
+        if self.missing():
+            lines.append(f"ranks {self.missing()} did not finish within {timeout_s:.0f} s of the start or "
+                         f"{FAILURE_GRACE_S:.0f} s of the first failure (see --timeout_s)")
+        return "\n".join(lines)
 
 
-def _describe(failures: Dict[int, str], missing: List[int], timeout_s: float) -> str:
-    lines = []
-    if failures:
-        first = min(failures)
-        lines.append(f"rank {first} failed (ranks failed: {sorted(failures)}):\n{failures[first].rstrip()}")
-    if missing:
-        lines.append(f"ranks {missing} did not finish within {timeout_s:.0f} s of the start or "
-                     f"{FAILURE_GRACE_S:.0f} s of the first failure (see --timeout_s)")
-    return "\n".join(lines)
+def _wait(procs, reports_queue, timeout_s: float) -> _Reports:
+    """Collect one report per rank until all are in or the deadline passes (15 s after a failure)."""
+    reports = _Reports(len(procs))
+    deadline = time.monotonic() + timeout_s
+    while reports.missing() and time.monotonic() < deadline:
+        try:
+            reports.record(*reports_queue.get(timeout=min(1.0, max(0.0, deadline - time.monotonic()))))
+        except queue.Empty:
+            reports.record_deaths(procs)
+        if reports.failures:
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    if reports.failures:  # late tracebacks replace "exited without a report"
+        while True:
+            try:
+                reports.record(*reports_queue.get(timeout=0.2))
+            except queue.Empty:
+                break
+    return reports
 
 
 def run_ranks(settings: BenchSettings) -> List[dict]:
@@ -88,41 +132,23 @@ def run_ranks(settings: BenchSettings) -> List[dict]:
     if settings.gpu:
         disable_nvlink_multicast()
     context = mp.get_context("spawn")
-    reports = context.Queue()
+    reports_queue = context.Queue()
     port = free_port()
-    procs = [context.Process(target=_rank_main, args=(rank, settings.num_ranks, port, settings, reports),
+    procs = [context.Process(target=_rank_main, args=(rank, settings.num_ranks, port, settings, reports_queue),
                              daemon=True) for rank in range(settings.num_ranks)]
     for proc in procs:
         proc.start()
-    results: Dict[int, object] = {}
-    failures: Dict[int, str] = {}
-    deadline = time.monotonic() + settings.timeout_s
+    finished = False
     try:
-        while len(results) + len(failures) < len(procs) and time.monotonic() < deadline:
-            try:
-                rank, ok, value = reports.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                for rank, proc in enumerate(procs):  # a rank killed outright (out of memory) sends nothing
-                    if proc.exitcode not in (None, 0) and rank not in results and rank not in failures:
-                        failures[rank] = f"rank {rank} exited with code {proc.exitcode} without a report"
-                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-                continue
-            if ok:
-                results[rank] = value
-            else:
-                failures[rank] = value
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        reports = _wait(procs, reports_queue, settings.timeout_s)
+        finished = not reports.failures and not reports.missing()
     finally:
-        if failures:
-            _drain(reports, failures)
-        finished = not failures and len(results) == len(procs)
         for proc in procs:
             proc.join(timeout=JOIN_TIMEOUT_S if finished else 0.5)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=JOIN_TIMEOUT_S)
-    missing = sorted(set(range(len(procs))) - set(results) - set(failures))
-    if failures or missing:
-        raise BenchError(_describe(failures, missing, settings.timeout_s))
-    return results[0]
+    if not finished:
+        raise BenchError(reports.describe(settings.timeout_s))
+    return reports.results[0]

@@ -50,6 +50,7 @@ class BenchSettings:
     num_topk: int
     num_ranks: int
     sm_counts: Tuple[int, ...]
+    num_sms: int
     dtype: str
     backends: Optional[Tuple[str, ...]]  # None: every backend that runs on all ranks
     iters: int
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("num_topk", type=_positive_int, help="experts per token (CPU 4, GPU 8)")
     add("num_ranks", type=_positive_int, help="ranks (CPU 4 processes, GPU one per GPU)")
     add("sm_counts", type=_int_list, default=(8, 16, 24), help="SM counts for --mode compare_sm (even)")
+    add("num_sms", type=_positive_int, default=24, help="SMs of the CUDA kernels in normal mode (Buffer.set_num_sms)")
     add("dtype", choices=DTYPES, default="fp8", help="normal-mode dispatch dtype; fp8 also sets use_fp8 in "
                                                      "low-latency dispatch")
     add("backends", type=_name_list, help="comma-separated, of reference,cuda (default: every available)")
@@ -141,7 +143,7 @@ def resolve(args: argparse.Namespace, num_gpus: int) -> BenchSettings:
         mode=args.mode, hidden_size=pick("hidden_size"), num_tokens=num_tokens,
         num_tokens_low_latency=args.num_tokens_low_latency or min(defaults.num_tokens_low_latency, num_tokens),
         num_experts=pick("num_experts"), num_topk=pick("num_topk"), num_ranks=num_ranks,
-        sm_counts=tuple(args.sm_counts), dtype=args.dtype, backends=args.backends, iters=pick("iters"),
+        sm_counts=tuple(args.sm_counts), num_sms=args.num_sms, dtype=args.dtype, backends=args.backends, iters=pick("iters"),
         warmup=pick("warmup"), seed=secrets.randbelow(2**31) if args.seed is None else args.seed,
         timeout_s=args.timeout_s, json=args.json, plot=args.plot, quiet=args.quiet, gpu=gpu)
     check(settings, num_gpus)
@@ -163,6 +165,8 @@ def check(s: BenchSettings, num_gpus: int) -> None:
         problems.append(f"FP8 needs --hidden_size % 128 == 0, got {s.hidden_size}")
     if s.hidden_size % 8:
         problems.append(f"bf16 rows must be a multiple of 16 bytes: --hidden_size % 8 == 0, got {s.hidden_size}")
+    if s.num_sms % 2:
+        problems.append(f"--num_sms must be even, got {s.num_sms}")
     if any(n <= 0 or n % 2 for n in s.sm_counts) or not s.sm_counts:
         problems.append(f"--sm_counts must be positive even numbers, got {s.sm_counts}")
     if s.warmup < 0:

@@ -20,7 +20,8 @@ import dataclasses
 import json
 import pathlib
 import subprocess
-from typing import Dict, List, Optional, Tuple
+import sys
+from typing import List, Optional, Tuple
 
 from . import bandwidth
 from .options import BenchSettings
@@ -38,7 +39,8 @@ def git_commit() -> Optional[str]:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and commit else None
 
 
 def _low_latency(per_rank: List[dict]) -> dict:
@@ -102,11 +104,13 @@ def build(settings: BenchSettings, ranks: List[dict], commit: Optional[str], dat
 
 
 def write_json(doc: dict, path: str) -> None:
+    """Write `doc` to `path` (making its folder), indented."""
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(path).write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def backend_keys(doc: dict) -> List[str]:
+    """The backends `doc` holds, by their JSON keys."""
     return [key for key in BACKEND_KEYS.values() if key in doc]
 
 
@@ -171,10 +175,13 @@ def print_table(doc: dict) -> None:
         print(table(doc), flush=True)
         return
     notes = _notes(doc)
-    rich_table = Table(*COLUMNS, title=notes[0])
+    rich_table = Table()
+    for i, column in enumerate(COLUMNS):
+        rich_table.add_column(column, justify="left" if i < 2 else "right", no_wrap=True)
     for row in results(doc):
         rich_table.add_row(*_cells(*row))
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=200)  # a pipe would get 80 columns
+    console.print(notes[0], markup=False, highlight=False)
     console.print(rich_table)
     for note in notes[1:]:
         console.print(note, markup=False, highlight=False)

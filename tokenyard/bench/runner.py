@@ -3,13 +3,14 @@
 Each rank measures its own median time and byte counts per operation (a `bandwidth.Sample`); at the end
 the samples of all ranks are gathered, and rank 0 hands them to the launcher, which summarizes them
 (report.py). The baseline and each backend get a problem of their own seed (``seed``, ``seed + 1``, ...),
-all of the same shape.
+all of the same shape; a backend's low-latency problem has its seed plus `LOW_LATENCY_SEED_OFFSET`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -40,6 +41,8 @@ class Problem:
 
 @dataclasses.dataclass
 class RankContext:
+    """Who this rank is, and the settings, group, device and timer every measurement uses."""
+
     settings: BenchSettings
     rank: int
     num_ranks: int
@@ -274,14 +277,15 @@ def measure_all(ctx: RankContext) -> dict:
 
 def run_rank(rank: int, num_ranks: int, port: int, settings: BenchSettings) -> Optional[List[dict]]:
     """Join the group, measure, gather; rank 0 returns every rank's samples, the others None."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))  # ranks share the cores
     if settings.gpu:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
-        torch.set_num_threads(1)  # ranks share the cores
         device = torch.device("cpu")
     dist.init_process_group("nccl" if settings.gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=num_ranks, timeout=datetime.timedelta(seconds=settings.timeout_s))
+    Buffer.set_num_sms(settings.num_sms)
     try:
         group = dist.group.WORLD
         ctx = RankContext(settings, rank, num_ranks, group, device, timing.Timer(group, device))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from .spec import ENTRY, KernelSpec
+from .spec import KernelSpec
 
 
 class DriverError(RuntimeError):
@@ -16,7 +16,13 @@ class DriverError(RuntimeError):
 def libcuda() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
     return lib
+
+
+# cuLaunchKernel's `extra`: the whole parameter buffer at once (CU_LAUNCH_PARAM_BUFFER_POINTER = 1,
+# CU_LAUNCH_PARAM_BUFFER_SIZE = 2, CU_LAUNCH_PARAM_END = 0), cheaper than one pointer per parameter.
+_BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0
 
 
 def check(status: int, what: str) -> None:
@@ -35,7 +41,7 @@ class Kernel:
         self._module = ctypes.c_void_p()
         check(lib.cuModuleLoadData(ctypes.byref(self._module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
         self._function = ctypes.c_void_p()
-        check(lib.cuModuleGetFunction(ctypes.byref(self._function), self._module, ENTRY.encode()),
+        check(lib.cuModuleGetFunction(ctypes.byref(self._function), self._module, spec.entry.encode()),
               "cuModuleGetFunction")
         self._max_dynamic_shared = 48 * 1024
 
@@ -45,8 +51,9 @@ class Kernel:
             # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
             check(lib.cuFuncSetAttribute(self._function, 8, shared_bytes), "cuFuncSetAttribute")
             self._max_dynamic_shared = shared_bytes
-        values = self.spec.pack(args)
-        pointers = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-        check(lib.cuLaunchKernel(self._function, ctypes.c_uint(grid), 1, 1, ctypes.c_uint(self.spec.num_threads), 1, 1,
-                                 ctypes.c_uint(shared_bytes), ctypes.c_void_p(stream), pointers, None),
-              f"launch of {self.spec.function}")
+        packed = self.spec.pack(args)
+        size = ctypes.c_size_t(ctypes.sizeof(packed))
+        extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(packed), _BUFFER_SIZE,
+                                      ctypes.addressof(size), _END)
+        check(lib.cuLaunchKernel(self._function, grid, 1, 1, self.spec.num_threads, 1, 1, shared_bytes, stream, None,
+                                 extra), f"launch of {self.spec.function}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 from typing import Tuple
 
 # C++ parameter types a kernel may take, and how ctypes passes each. Any pointer is a c_void_p.
@@ -14,9 +15,6 @@ _SCALARS = {
     "uint64_t": ctypes.c_uint64,
     "float": ctypes.c_float,
 }
-
-ENTRY = "tokenyard_entry"
-
 
 @dataclasses.dataclass(frozen=True)
 class Param:
@@ -39,8 +37,8 @@ class Param:
 class KernelSpec:
     """A kernel: `function<template_args>(params...)` from `header`, launched with `num_threads` threads.
 
-    The generated unit defines ``extern "C" __global__ void tokenyard_entry(params...)`` that calls the
-    device function; the compiler checks that `params` match the header's signature.
+    The generated unit defines ``extern "C" __global__ void tokenyard_<name>(params...)`` (`entry`) that
+    calls the device function; the compiler checks that `params` match the header's signature.
     """
 
     header: str
@@ -49,18 +47,41 @@ class KernelSpec:
     params: Tuple[Param, ...]
     num_threads: int
 
+    def __post_init__(self):
+        # Specs key the loaded-kernel table on every launch: hash the fields once.
+        object.__setattr__(self, "_hash", hash((self.header, self.function, self.template_args, self.params,
+                                                self.num_threads)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @property
+    def entry(self) -> str:
+        """The kernel's symbol: named after the function, so profilers tell kernels apart."""
+        return "tokenyard_" + self.function.rsplit("::", 1)[-1]
+
     def source(self) -> str:
         signature = ", ".join(f"{p.ctype} {p.name}" for p in self.params)
         call_args = ", ".join(p.name for p in self.params)
         template = ", ".join(str(a) for a in self.template_args)
         return (f"#include <{self.header}>\n\n"
                 f"extern \"C\" __global__ void __launch_bounds__({self.num_threads}, 1)\n"
-                f"{ENTRY}({signature}) {{\n"
+                f"{self.entry}({signature}) {{\n"
                 f"    {self.function}<{template}>({call_args});\n"
                 f"}}\n")
 
-    def pack(self, values) -> list:
-        """Kernel argument values as ctypes objects, checked against the parameter list."""
+    @property
+    def args_type(self):
+        """A ctypes Structure laid out as the kernel's parameter buffer (natural alignment, in order)."""
+        return _args_type(self.params)
+
+    def pack(self, values):
+        """Kernel argument values in one parameter buffer, checked against the parameter list."""
         if len(values) != len(self.params):
             raise ValueError(f"{self.function} takes {len(self.params)} arguments, got {len(values)}")
-        return [p.ctypes_type(v) for p, v in zip(self.params, values)]
+        return self.args_type(*values)
+
+
+@functools.lru_cache(maxsize=None)
+def _args_type(params: Tuple[Param, ...]):
+    return type("KernelArgs", (ctypes.Structure,), {"_fields_": [(p.name, p.ctypes_type) for p in params]})

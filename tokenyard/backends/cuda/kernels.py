@@ -6,27 +6,31 @@ compiler checks that whenever a unit is built (CI builds every kernel, see ci_co
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ... import workspace
 from ...jit import KernelSpec, Param
 
 LAYOUT_THREADS = 256
 NOTIFY_THREADS = 256
 DATA_THREADS = 512
-CHUNK_TOKENS = 32  # dispatch chunk (tokens) and combine chunk (rows); workspace.CHUNK_ROWS must agree
+CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
 
 _TOPK_CTYPES = {torch.int64: "int64_t", torch.int32: "int"}
 
 _WAIT = (Param("int*", "error_flag"), Param("int*", "host_record"), Param("uint64_t", "timeout_ns"))
 _BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "rank"), Param("int64_t", "control_bytes"),
-            Param("int64_t", "region_bytes"), Param("int64_t", "slots_bytes"), Param("int64_t", "row_bytes"),
-            Param("uint32_t", "seq"))
+            Param("int64_t", "region_bytes"), Param("int64_t", "slots_offset"), Param("int", "max_chunks"),
+            Param("int64_t", "row_bytes"), Param("uint32_t", "seq"))
 
 
 def topk_ctype(dtype: torch.dtype) -> str:
     return _TOPK_CTYPES[dtype]
 
 
+@functools.lru_cache(maxsize=None)
 def dispatch_layout(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
@@ -37,6 +41,7 @@ def dispatch_layout(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
         LAYOUT_THREADS)
 
 
+@functools.lru_cache(maxsize=None)
 def dispatch_notify(num_ranks: int) -> KernelSpec:
     return KernelSpec(
         "tokenyard/kernels/notify.cuh", "tokenyard::kernels::dispatch_notify", (num_ranks, NOTIFY_THREADS),
@@ -48,6 +53,7 @@ def dispatch_notify(num_ranks: int) -> KernelSpec:
         NOTIFY_THREADS)
 
 
+@functools.lru_cache(maxsize=None)
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
@@ -64,6 +70,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
         DATA_THREADS)
 
 
+@functools.lru_cache(maxsize=None)
 def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
@@ -75,12 +82,22 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
         DATA_THREADS)
 
 
+@functools.lru_cache(maxsize=None)
+def copy_to_peers(num_ranks: int) -> KernelSpec:
+    return KernelSpec(
+        "tokenyard/kernels/copy_limit.cuh", "tokenyard::kernels::copy_to_peers", (num_ranks, DATA_THREADS),
+        (Param("const int4*", "src"), Param("int64_t", "num_int4"), Param("uint8_t* const*", "peer_bases"),
+         Param("int", "rank"), Param("int64_t", "offset_bytes"), Param("int64_t", "stride_bytes")),
+        DATA_THREADS)
+
+
 def every_kernel():
     """Representative instantiations of every kernel, for CI's compile check."""
     for ranks in (2, 4, 8):
         for dtype in (torch.int64, torch.int32):
             yield dispatch_layout(ranks, dtype)
         yield dispatch_notify(ranks)
+        yield copy_to_peers(ranks)
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64)   # FP8 with scales, DeepSeek-V3
         yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64)    # bf16
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k

@@ -19,13 +19,14 @@ struct alignas(16) ChunkSlot {
     int pad;
 };
 
-// One rank's view of the normal-mode buffers of every rank of the group.
+// One rank's view of the normal-mode buffers of every rank of the group (offsets from workspace.py).
 struct NormalBuffers {
     uint8_t* const* peer_bases;  // [num_ranks] base of each rank's buffer, mapped into this process
     int rank;
     int64_t control_bytes;       // the control block before the regions
-    int64_t region_bytes;        // one source rank's region: chunk slots, then rows
-    int64_t slots_bytes;         // the chunk slots at the start of a region
+    int64_t region_bytes;        // one source rank's rows
+    int64_t slots_offset;        // [num_ranks][max_chunks] chunk slots, at fixed addresses
+    int max_chunks;
     int64_t row_bytes;           // one row (dispatch or combine; set per call)
 
     __device__ __forceinline__ uint32_t* barrier(int owner) const {
@@ -37,15 +38,13 @@ struct NormalBuffers {
     __device__ __forceinline__ int* notify_data(int owner) const {
         return reinterpret_cast<int*>(peer_bases[owner] + kNotifyDataOffset);
     }
-    // Region of `source` inside the buffer of `owner`.
-    __device__ __forceinline__ uint8_t* region(int owner, int source) const {
-        return peer_bases[owner] + control_bytes + source * region_bytes;
-    }
+    // Chunk slot `chunk` of `source` inside the buffer of `owner`.
     __device__ __forceinline__ ChunkSlot* slot(int owner, int source, int chunk) const {
-        return reinterpret_cast<ChunkSlot*>(region(owner, source)) + chunk;
+        return reinterpret_cast<ChunkSlot*>(peer_bases[owner] + slots_offset) + source * max_chunks + chunk;
     }
+    // Row `index` of the region of `source` inside the buffer of `owner`.
     __device__ __forceinline__ uint8_t* row(int owner, int source, int index) const {
-        return region(owner, source) + slots_bytes + static_cast<int64_t>(index) * row_bytes;
+        return peer_bases[owner] + control_bytes + source * region_bytes + static_cast<int64_t>(index) * row_bytes;
     }
 };
 

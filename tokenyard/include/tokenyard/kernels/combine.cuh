@@ -32,7 +32,8 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // After a barrier (the previous dispatch's receivers must be done reading before rows land in their
 // buffers), blocks [0, num_send_blocks) send: the rows from source s are cut into chunks of kChunkRows,
 // taken chunk-major over sources (as in NOTE [dispatch roles]); row j goes to row j of this rank's region
-// in rank s's buffer, and each finished chunk is published in its slot. The other blocks reduce: a warp
+// in rank s's buffer, and each finished chunk is published in its slot; each sender warp takes its own
+// (chunk, source) items, as dispatch's senders do. The other blocks reduce: a warp
 // takes one token at a time in increasing order; lane q finds the token's row at rank q from send_head,
 // waits for the chunk that holds it, and the warp then sums bias_0, bias_1 and the rows of ranks
 // 0, 1, ... in float32, as the semantics fix the order.
@@ -41,12 +42,13 @@ __device__ __forceinline__ void combine(
         const int4* x, const float* topk_weights, const int4* bias_0, const int4* bias_1,
         const int* rank_prefix_matrix, const int* send_head, int num_tokens, int num_send_blocks,
         int4* combined_x, float* combined_topk_weights, uint8_t* const* peer_bases, int rank,
-        int64_t control_bytes, int64_t region_bytes, int64_t slots_bytes, int64_t row_bytes, uint32_t seq,
+        int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
+        uint32_t seq,
         uint32_t barrier_expected, int* error_flag, int* host_record, uint64_t timeout_ns) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     constexpr int kWeightsOffset = kHiddenInt4 * 16;
-    const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_bytes, row_bytes};
+    const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_offset, max_chunks, row_bytes};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     if (!normal_barrier<kNumRanks>(buffers, wait, barrier_expected))
@@ -58,22 +60,23 @@ __device__ __forceinline__ void combine(
             const int rows = rank_prefix_matrix[s * kNumRanks + rank] - (s > 0 ? rank_prefix_matrix[(s - 1) * kNumRanks + rank] : 0);
             most_chunks = max(most_chunks, (rows + kChunkRows - 1) / kChunkRows);
         }
-        for (int item = blockIdx.x; item < most_chunks * kNumRanks; item += num_send_blocks) {
+        const int num_send_warps = num_send_blocks * kNumWarps;
+        for (int item = blockIdx.x * kNumWarps + warp; item < most_chunks * kNumRanks; item += num_send_warps) {
             const int chunk = item / kNumRanks, source = item % kNumRanks;
             const int first = source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
             const int rows = rank_prefix_matrix[source * kNumRanks + rank] - first;
             if (chunk * kChunkRows >= rows)
                 continue;
             const int j1 = min(rows, (chunk + 1) * kChunkRows);
-            for (int j = chunk * kChunkRows + warp; j < j1; j += kNumWarps) {
+            for (int j = chunk * kChunkRows; j < j1; ++j) {
                 uint8_t* dst = buffers.row(source, rank, j);
                 const int64_t from = first + j;
-                warp_copy<4, false>(reinterpret_cast<int4*>(dst), x + from * kHiddenInt4, kHiddenInt4, lane);
+                warp_copy<8, false>(reinterpret_cast<int4*>(dst), x + from * kHiddenInt4, kHiddenInt4, lane);
                 if (lane < kNumTopk)
                     reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = topk_weights[from * kNumTopk + lane];
             }
-            __syncthreads();
-            if (threadIdx.x == 0) {
+            __syncwarp();
+            if (lane == 0) {
                 ptx::fence_acq_rel_sys();
                 ptx::st_release_sys(&buffers.slot(source, rank, chunk)->seq, seq);
             }
@@ -102,38 +105,56 @@ __device__ __forceinline__ void combine(
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q)
             indices[q] = __shfl_sync(0xffffffffu, index, q);
-        for (int i = lane; i < kHiddenInt4; i += kWarpSize) {
-            float acc[8];
+        // kUnroll vectors per lane, each with its kNumRanks loads issued before any is summed (16 loads in
+        // flight per lane); the sum of
+        // every element still runs bias_0, bias_1, rank 0, rank 1, ... as the semantics fix.
+        constexpr int kUnroll = kNumRanks >= 16 ? 1 : 16 / kNumRanks;
+        const int4* biases[2] = {bias_0, bias_1};
+        for (int base = 0; base < kHiddenInt4; base += kUnroll * kWarpSize) {
+            int4 rows[kUnroll][kNumRanks];
 #pragma unroll
-            for (int e = 0; e < 8; ++e)
-                acc[e] = 0.0f;
-            const int4* biases[2] = {bias_0, bias_1};
+            for (int u = 0; u < kUnroll; ++u) {
+                const int i = base + u * kWarpSize + lane;
 #pragma unroll
-            for (int b = 0; b < 2; ++b) {
-                if (biases[b] == nullptr)
-                    continue;
-                const int4 v = ptx::ld_nc_v4(biases[b] + token * kHiddenInt4 + i);
-                const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    acc[e] = __fadd_rn(acc[e], __bfloat162float(h[e]));
+                for (int q = 0; q < kNumRanks; ++q)
+                    if (i < kHiddenInt4 && indices[q] >= 0)
+                        rows[u][q] = ptx::ld_na_v4(reinterpret_cast<const int4*>(buffers.row(rank, q, indices[q])) + i);
             }
 #pragma unroll
-            for (int q = 0; q < kNumRanks; ++q) {
-                if (indices[q] < 0)
+            for (int u = 0; u < kUnroll; ++u) {
+                const int i = base + u * kWarpSize + lane;
+                if (i >= kHiddenInt4)
                     continue;
-                const int4 v = ptx::ld_na_v4(reinterpret_cast<const int4*>(buffers.row(rank, q, indices[q])) + i);
-                const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+                float acc[8];
 #pragma unroll
                 for (int e = 0; e < 8; ++e)
-                    acc[e] = __fadd_rn(acc[e], __bfloat162float(h[e]));
-            }
-            int4 out;
-            __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
+                    acc[e] = 0.0f;
 #pragma unroll
-            for (int e = 0; e < 8; ++e)
-                o[e] = __float2bfloat16_rn(acc[e]);
-            ptx::st_na_v4(combined_x + token * kHiddenInt4 + i, out);
+                for (int b = 0; b < 2; ++b) {
+                    if (biases[b] == nullptr)
+                        continue;
+                    const int4 v = ptx::ld_nc_v4(biases[b] + token * kHiddenInt4 + i);
+                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e)
+                        acc[e] = __fadd_rn(acc[e], __bfloat162float(h[e]));
+                }
+#pragma unroll
+                for (int q = 0; q < kNumRanks; ++q) {
+                    if (indices[q] < 0)
+                        continue;
+                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&rows[u][q]);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e)
+                        acc[e] = __fadd_rn(acc[e], __bfloat162float(h[e]));
+                }
+                int4 out;
+                __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    o[e] = __float2bfloat16_rn(acc[e]);
+                ptx::st_na_v4(combined_x + token * kHiddenInt4 + i, out);
+            }
         }
         if (lane < kNumTopk) {
             float acc = 0.0f;

@@ -9,15 +9,16 @@
 namespace tokenyard::kernels {
 
 // NOTE [dispatch roles]
-// Blocks [0, num_send_blocks) send; the rest receive. The sender cuts this rank's tokens into chunks of
-// kChunkTokens and takes chunk b, b + num_send_blocks, ...; a warp copies one token to every rank it goes
-// to (one read of x, up to kNumRanks writes), into row prefix_excl[t][q] of this rank's region in rank
-// q's buffer. When a chunk is written the block publishes, in the chunk's slot at each destination, the
-// row range it filled and then the call's sequence number (release). Example: 3 send blocks, 10 chunks:
-// block 0 sends chunks 0, 3, 6, 9. Receivers take (chunk, source) items chunk-major, so they follow the
-// senders' progress: item i is chunk i / kNumRanks of source i % kNumRanks. A receiver waits for the
-// slot, then copies its rows to the output rows that follow the rows of lower source ranks
-// (rank_prefix_matrix), turning the metadata into recv_topk_idx / recv_topk_weights / recv_src_idx.
+// Blocks [0, num_send_blocks) send; the rest receive. Work is split per warp, never per block, so no warp
+// waits for another: a sender warp takes chunks of kChunkTokens tokens (warp w of all W sender warps
+// takes chunks w, w + W, ...; 3 warps, 10 chunks: warp 0 sends 0, 3, 6, 9), copies each token to every
+// rank it goes to (one read of x, up to kNumRanks writes) into row prefix_excl[t][q] of this rank's
+// region in rank q's buffer, and then publishes, in the chunk's slot at each destination, the row range
+// it filled and the call's sequence number (release, after a system fence). Receiver warps take
+// (chunk, source) items chunk-major, following the senders' progress: item i is chunk i / kNumRanks of
+// source i % kNumRanks. A receiver waits for the slot, then copies its rows to the output rows that follow
+// the rows of lower source ranks (rank_prefix_matrix), turning the metadata into recv_topk_idx /
+// recv_topk_weights / recv_src_idx.
 //
 // Row layout (workspace.normal_dispatch_row_bytes): data (kDataInt4 vectors), then kNumScales 4-byte
 // scales padded to 16 bytes, then kNumTopk int32 local expert ids, kNumTopk float32 weights and the int32
@@ -30,86 +31,169 @@ __device__ __forceinline__ void dispatch(
         const int* rank_prefix_matrix, const int* source_num_tokens, int num_tokens, int num_local_experts,
         int num_send_blocks, int4* recv_x, uint32_t* recv_scales, TopkT* recv_topk_idx, float* recv_topk_weights,
         int* recv_src_idx, int* send_head, int num_worst_tokens, uint8_t* const* peer_bases, int rank,
-        int64_t control_bytes, int64_t region_bytes, int64_t slots_bytes, int64_t row_bytes, uint32_t seq,
+        int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
+        uint32_t seq,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     constexpr int kScaleInts = (kNumScales + 3) / 4 * 4;
     constexpr int kMetaOffset = kDataInt4 * 16 + kScaleInts * 4;
-    const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_bytes, row_bytes};
+    const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_offset, max_chunks, row_bytes};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
 
-    if (static_cast<int>(blockIdx.x) < num_send_blocks) {
-        const int num_chunks = (num_tokens + kChunkTokens - 1) / kChunkTokens;
-        for (int chunk = blockIdx.x; chunk < num_chunks; chunk += num_send_blocks) {
-            const int t0 = chunk * kChunkTokens, t1 = min(num_tokens, t0 + kChunkTokens);
-            for (int t = t0 + warp; t < t1; t += kNumWarps) {
-                const int64_t token = t;
-                const bool hit = lane < kNumRanks && is_token_in_rank[token * kNumRanks + lane];
-                const uint32_t mask = __ballot_sync(0xffffffffu, hit);
-                const int index = hit ? prefix_excl[token * kNumRanks + lane] : -1;
-                if (send_head != nullptr && lane < kNumRanks) {
-                    const int before = rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + lane] : 0;
-                    send_head[token * kNumRanks + lane] = hit ? before + index : -1;
-                }
-                uint8_t* dst[kNumRanks];
+    // One warp sends token t to every rank it goes to: one read of x, up to kNumRanks writes.
+    auto send_token = [&](int t) {
+        const int64_t token = t;
+        const bool hit = lane < kNumRanks && is_token_in_rank[token * kNumRanks + lane];
+        const uint32_t mask = __ballot_sync(0xffffffffu, hit);
+        const int index = hit ? prefix_excl[token * kNumRanks + lane] : -1;
+        if (send_head != nullptr && lane < kNumRanks) {
+            const int before = rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + lane] : 0;
+            send_head[token * kNumRanks + lane] = hit ? before + index : -1;
+        }
+        uint8_t* dst[kNumRanks];
 #pragma unroll
-                for (int q = 0; q < kNumRanks; ++q)
-                    dst[q] = ((mask >> q) & 1u) ? buffers.row(q, rank, __shfl_sync(0xffffffffu, index, q)) : nullptr;
-                // Data: each vector read once, written to every destination.
-                const int4* src = x + token * kDataInt4;
-                for (int i = lane; i < kDataInt4; i += kWarpSize) {
-                    const int4 v = ptx::ld_nc_v4(src + i);
+        for (int q = 0; q < kNumRanks; ++q)
+            dst[q] = ((mask >> q) & 1u) ? buffers.row(q, rank, __shfl_sync(0xffffffffu, index, q)) : nullptr;
+        // Every load of a batch (up to kBatch data vectors per lane, plus the scales and top-k with the
+        // first) is issued before any store; each vector is read once and written to every destination.
+        constexpr int kBatch = 16;
+        constexpr int kScalesPerLane = (kNumScales + kWarpSize - 1) / kWarpSize;
+        const int4* src = x + token * kDataInt4;
+        uint32_t scale_values[kScalesPerLane > 0 ? kScalesPerLane : 1];
+        int64_t expert = -1;
+        float weight = 0.0f;
+        for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
+            int4 v[kBatch];
 #pragma unroll
-                    for (int q = 0; q < kNumRanks; ++q)
-                        if (dst[q] != nullptr)
-                            ptx::st_na_v4(reinterpret_cast<int4*>(dst[q]) + i, v);
-                }
-                for (int j = lane; j < kNumScales; j += kWarpSize) {
-                    const uint32_t s = x_scales[token * scale_token_stride + j * scale_hidden_stride];
+            for (int u = 0; u < kBatch; ++u) {
+                const int i = base + u * kWarpSize + lane;
+                if (i < kDataInt4)
+                    v[u] = ptx::ld_nc_v4(src + i);
+            }
+            if (base == 0) {
 #pragma unroll
-                    for (int q = 0; q < kNumRanks; ++q)
-                        if (dst[q] != nullptr)
-                            reinterpret_cast<uint32_t*>(dst[q] + kDataInt4 * 16)[j] = s;
+                for (int u = 0; u < kScalesPerLane; ++u) {
+                    const int j = u * kWarpSize + lane;
+                    if (j < kNumScales)
+                        scale_values[u] = x_scales[token * scale_token_stride + j * scale_hidden_stride];
                 }
                 if (lane < kNumTopk) {
-                    const int64_t e = static_cast<int64_t>(topk_idx[token * kNumTopk + lane]);
-                    const float w = topk_weights != nullptr ? topk_weights[token * kNumTopk + lane] : 0.0f;
-#pragma unroll
-                    for (int q = 0; q < kNumRanks; ++q) {
-                        if (dst[q] == nullptr)
-                            continue;
-                        const int64_t first = static_cast<int64_t>(q) * num_local_experts;
-                        const bool local = e >= first && e < first + num_local_experts;
-                        int* meta = reinterpret_cast<int*>(dst[q] + kMetaOffset);
-                        meta[lane] = local ? static_cast<int>(e - first) : -1;
-                        reinterpret_cast<float*>(meta + kNumTopk)[lane] = local ? w : 0.0f;
-                    }
-                }
-                if (lane == 0) {
-#pragma unroll
-                    for (int q = 0; q < kNumRanks; ++q)
-                        if (dst[q] != nullptr)
-                            reinterpret_cast<int*>(dst[q] + kMetaOffset)[2 * kNumTopk] = t;
+                    expert = static_cast<int64_t>(topk_idx[token * kNumTopk + lane]);
+                    weight = topk_weights != nullptr ? topk_weights[token * kNumTopk + lane] : 0.0f;
                 }
             }
-            __syncthreads();
-            if (threadIdx.x < kNumRanks) {
-                const int q = threadIdx.x;
-                ChunkSlot* slot = buffers.slot(q, rank, chunk);
+#pragma unroll
+            for (int q = 0; q < kNumRanks; ++q) {
+                if (dst[q] == nullptr)
+                    continue;
+#pragma unroll
+                for (int u = 0; u < kBatch; ++u) {
+                    const int i = base + u * kWarpSize + lane;
+                    if (i < kDataInt4)
+                        ptx::st_na_v4(reinterpret_cast<int4*>(dst[q]) + i, v[u]);
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < kNumRanks; ++q) {
+            if (dst[q] == nullptr)
+                continue;
+#pragma unroll
+            for (int u = 0; u < kScalesPerLane; ++u) {
+                const int j = u * kWarpSize + lane;
+                if (j < kNumScales)
+                    reinterpret_cast<uint32_t*>(dst[q] + kDataInt4 * 16)[j] = scale_values[u];
+            }
+            if (lane < kNumTopk) {
+                const int64_t first = static_cast<int64_t>(q) * num_local_experts;
+                const bool local = expert >= first && expert < first + num_local_experts;
+                int* meta = reinterpret_cast<int*>(dst[q] + kMetaOffset);
+                meta[lane] = local ? static_cast<int>(expert - first) : -1;
+                reinterpret_cast<float*>(meta + kNumTopk)[lane] = local ? weight : 0.0f;
+            }
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int q = 0; q < kNumRanks; ++q)
+                if (dst[q] != nullptr)
+                    reinterpret_cast<int*>(dst[q] + kMetaOffset)[2 * kNumTopk] = t;
+        }
+    };
+
+    // One warp copies row `src` of this rank's buffer to output row `out`. Every load of a batch (up to
+    // kBatch data vectors per lane, plus the scales and metadata with the first batch) is issued before
+    // any store, so a row costs about one memory round trip rather than one per field.
+    auto receive_row = [&](const uint8_t* src, int64_t out) {
+        constexpr int kBatch = 16;
+        constexpr int kScalesPerLane = (kNumScales + kWarpSize - 1) / kWarpSize;
+        const int* scales_in = reinterpret_cast<const int*>(src + kDataInt4 * 16);
+        const int* meta = reinterpret_cast<const int*>(src + kMetaOffset);
+        int scale_values[kScalesPerLane > 0 ? kScalesPerLane : 1];
+        int topk_value = 0, weight_value = 0, src_value = 0;
+        const int4* data_in = reinterpret_cast<const int4*>(src);
+        int4* data_out = recv_x + out * kDataInt4;
+        for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
+            int4 v[kBatch];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const int i = base + u * kWarpSize + lane;
+                if (i < kDataInt4)
+                    v[u] = ptx::ld_na_v4(data_in + i);
+            }
+            if (base == 0) {
+#pragma unroll
+                for (int u = 0; u < kScalesPerLane; ++u)
+                    if (u * kWarpSize + lane < kNumScales)
+                        scale_values[u] = ptx::ld_na_s32(scales_in + u * kWarpSize + lane);
+                if (lane < kNumTopk) {
+                    topk_value = ptx::ld_na_s32(meta + lane);
+                    weight_value = ptx::ld_na_s32(meta + kNumTopk + lane);
+                }
+                if (lane == 0)
+                    src_value = ptx::ld_na_s32(meta + 2 * kNumTopk);
+            }
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const int i = base + u * kWarpSize + lane;
+                if (i < kDataInt4)
+                    ptx::st_na_v4(data_out + i, v[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kScalesPerLane; ++u)
+            if (u * kWarpSize + lane < kNumScales)
+                recv_scales[out * kNumScales + u * kWarpSize + lane] = scale_values[u];
+        if (lane < kNumTopk) {
+            recv_topk_idx[out * kNumTopk + lane] = static_cast<TopkT>(topk_value);
+            recv_topk_weights[out * kNumTopk + lane] = __int_as_float(weight_value);
+        }
+        if (lane == 0)
+            recv_src_idx[out] = src_value;
+    };
+
+    if (static_cast<int>(blockIdx.x) < num_send_blocks) {
+        const int num_chunks = (num_tokens + kChunkTokens - 1) / kChunkTokens;
+        const int num_send_warps = num_send_blocks * kNumWarps;
+        for (int chunk = blockIdx.x * kNumWarps + warp; chunk < num_chunks; chunk += num_send_warps) {
+            const int t0 = chunk * kChunkTokens, t1 = min(num_tokens, t0 + kChunkTokens);
+            for (int t = t0; t < t1; ++t)
+                send_token(t);
+            // Publish the chunk at every destination: its rows first (fence), then the sequence number.
+            __syncwarp();
+            if (lane < kNumRanks) {
+                ChunkSlot* slot = buffers.slot(lane, rank, chunk);
                 ptx::fence_acq_rel_sys();
-                ptx::st_relaxed_sys(reinterpret_cast<int*>(&slot->begin), prefix_excl[static_cast<int64_t>(t0) * kNumRanks + q]);
-                ptx::st_relaxed_sys(reinterpret_cast<int*>(&slot->end), prefix_excl[static_cast<int64_t>(t1) * kNumRanks + q]);
+                ptx::st_relaxed_sys(&slot->begin, prefix_excl[static_cast<int64_t>(t0) * kNumRanks + lane]);
+                ptx::st_relaxed_sys(&slot->end, prefix_excl[static_cast<int64_t>(t1) * kNumRanks + lane]);
                 ptx::st_release_sys(&slot->seq, seq);
             }
         }
         return;
     }
 
-    // Receivers.
-    __shared__ bool ok;
-    __shared__ int range[2];
+    // Receivers: each warp takes (chunk, source) items chunk-major, waits for the slot, copies the rows.
     const int receiver = blockIdx.x - num_send_blocks, num_receivers = gridDim.x - num_send_blocks;
     int most_chunks = 0;
     for (int s = 0; s < kNumRanks; ++s)
@@ -117,37 +201,30 @@ __device__ __forceinline__ void dispatch(
     const int num_recv = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + rank];
     if (num_worst_tokens > 0 && num_recv > num_worst_tokens && receiver == 0 && threadIdx.x == 0)
         record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, num_recv, num_worst_tokens);
-    for (int item = receiver; item < most_chunks * kNumRanks; item += num_receivers) {
+    const int num_recv_warps = num_receivers * kNumWarps;
+    for (int item = receiver * kNumWarps + warp; item < most_chunks * kNumRanks; item += num_recv_warps) {
         const int chunk = item / kNumRanks, source = item % kNumRanks;
         if (chunk * kChunkTokens >= source_num_tokens[source])
             continue;
-        if (threadIdx.x == 0) {
+        int begin = 0, end = 0;
+        bool ok = true;
+        if (lane == 0) {
             ChunkSlot* slot = buffers.slot(rank, source, chunk);
             ok = wait_at_least(wait, &slot->seq, seq, source, kStageDispatchRecv);
-            range[0] = ptx::ld_na_s32(&slot->begin);
-            range[1] = ptx::ld_na_s32(&slot->end);
+            begin = ptx::ld_na_s32(&slot->begin);
+            end = ptx::ld_na_s32(&slot->end);
         }
-        __syncthreads();
-        if (!ok)
+        if (!__shfl_sync(0xffffffffu, ok, 0))
             return;
+        begin = __shfl_sync(0xffffffffu, begin, 0);
+        end = __shfl_sync(0xffffffffu, end, 0);
         const int first = source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
-        for (int j = range[0] + warp; j < range[1]; j += kNumWarps) {
+        for (int j = begin; j < end; ++j) {
             const int64_t out = first + j;
-            const uint8_t* src = buffers.row(rank, source, j);
             if (num_worst_tokens > 0 && out >= num_worst_tokens)
                 continue;  // recorded above as an overflow error
-            warp_copy<4, true>(recv_x + out * kDataInt4, reinterpret_cast<const int4*>(src), kDataInt4, lane);
-            for (int s = lane; s < kNumScales; s += kWarpSize)
-                recv_scales[out * kNumScales + s] = ptx::ld_na_s32(reinterpret_cast<const int*>(src + kDataInt4 * 16) + s);
-            const int* meta = reinterpret_cast<const int*>(src + kMetaOffset);
-            if (lane < kNumTopk) {
-                recv_topk_idx[out * kNumTopk + lane] = static_cast<TopkT>(ptx::ld_na_s32(meta + lane));
-                recv_topk_weights[out * kNumTopk + lane] = __int_as_float(ptx::ld_na_s32(meta + kNumTopk + lane));
-            }
-            if (lane == 0)
-                recv_src_idx[out] = ptx::ld_na_s32(meta + 2 * kNumTopk);
+            receive_row(buffers.row(rank, source, j), out);
         }
-        __syncthreads();
     }
     // Padding rows of a worst-case-sized output (docs/semantics.md).
     if (num_worst_tokens > 0) {

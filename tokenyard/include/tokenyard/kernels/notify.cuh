@@ -22,7 +22,7 @@ __device__ __forceinline__ void dispatch_notify(
         int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens,
         int* host_counts, uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
-    NormalBuffers buffers{peer_bases, rank, 0, 0, 0, 0};
+    const NormalBuffers buffers{peer_bases, rank, 0, 0, 0, 0, 0};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int num_local_experts = num_experts / kNumRanks;
     const int stride = kNumRanks + 1 + num_local_experts;

@@ -1,0 +1,89 @@
+"""Per-kernel GPU time of the CUDA backend's normal mode, from the PyTorch profiler (CUPTI).
+
+    python benchmarks/profile_normal.py [--num_ranks 4] [--sms 24]
+
+Prints, on rank 0, the average time of each kernel for a cached dispatch and a combine at the
+DeepSeek-V3 setting, for each sender variant. A diagnostic for tuning; the figures that count are the
+benchmark's (python -m tokenyard.bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.gpu import spawn  # noqa: E402  (sets the NVLink-multicast-off variables first)
+
+
+def _profile(num_sms: int, num_tokens: int):
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from tokenyard import Buffer, Config
+    from tokenyard.backends.cuda import heuristics
+    from tokenyard.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, topk_idx, weights = make_rank_inputs(7, num_ranks, num_tokens, 7168, 256, 8, "uniform", "fp8", device)[rank]
+    size = Config(num_max_tokens_per_rank=num_tokens).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+    buffer = Buffer(dist.group.WORLD, size, 0, backend="cuda", check_inputs=False)
+    Buffer.set_num_sms(num_sms)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 256)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
+                                                      num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=per_expert)
+    y = torch.randn(recv_x[0].size(0), 7168, device=device).to(torch.bfloat16)
+    lines = []
+    import time
+
+    for name, call in (("cached dispatch", lambda: buffer.dispatch(x, handle=handle)),
+                       ("combine", lambda: buffer.combine(y, handle))):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(20):
+            call()
+        lines.append(f"host time per {name} call (enqueue only): {(time.perf_counter() - start) / 20 * 1e6:.1f} us")
+        torch.cuda.synchronize()
+        dist.barrier()
+    for send_share in (2 / 3, 1 / 2):
+        heuristics.DISPATCH_SEND_SHARE = send_share
+        for _ in range(3):
+            buffer.dispatch(x, handle=handle)
+            buffer.combine(y, handle)
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                dist.barrier()
+                buffer.dispatch(x, handle=handle)
+                dist.barrier()
+                buffer.combine(y, handle)
+            torch.cuda.synchronize()
+        lines.append(f"--- dispatch send share {send_share:.2f}, {num_sms} SMs, rank {rank} ---")
+        for event in prof.key_averages():
+            if event.device_time_total > 0 and "nccl" not in event.key.lower():
+                lines.append(f"{event.key[:60]:60s} {event.count:4d} x {event.device_time_total / max(event.count, 1):9.1f} us")
+    buffer.destroy()
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num_ranks", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--sms", type=int, default=24)
+    parser.add_argument("--num_tokens", type=int, default=4096)
+    args = parser.parse_args()
+    for text in spawn.run(args.num_ranks, _profile, args.sms, args.num_tokens)[:1]:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

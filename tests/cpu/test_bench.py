@@ -1,0 +1,109 @@
+"""The benchmark command on gloo ranks, its bandwidth formulas on a hand-computed example, and its options."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tokenyard.bench import bandwidth, options
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+OP_FIELDS = {"us", "nvlink_gbps", "logical_gbps", "num_sms"}
+
+
+def _run_bench(*args, timeout_s=240):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "tokenyard.bench", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def _assert_positive_op(entry, name):
+    assert set(entry) == OP_FIELDS, f"{name}: fields {sorted(entry)}"
+    for field in ("us", "nvlink_gbps", "logical_gbps"):
+        assert isinstance(entry[field], float) and entry[field] > 0, f"{name}.{field} = {entry[field]!r}"
+    assert entry["num_sms"] is None, f"{name}: only the CUDA backend has an SM count"
+
+
+def test_bench_command_on_two_gloo_ranks_writes_table_json_and_png(tmp_path):
+    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    done = _run_bench("--num_ranks", "2", "--num_tokens", "16", "--hidden_size", "256", "--num_experts", "8",
+                      "--num_topk", "2", "--iters", "2", "--warmup", "1", "--json", str(json_path),
+                      "--plot", str(png_path), "--quiet")
+    assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    assert "reference" in done.stdout and "dispatch_cached" in done.stdout, done.stdout
+
+    doc = json.loads(json_path.read_text())
+    for key in ("commit", "device", "date", "settings", "num_ranks", "num_tokens", "hidden", "num_topk",
+                "num_experts", "copy_limit_gbps", "nccl", "reference"):
+        assert key in doc, f"missing key {key}"
+    assert doc["device"] == "cpu (2 gloo ranks)"
+    assert (doc["num_ranks"], doc["num_tokens"], doc["hidden"], doc["num_topk"], doc["num_experts"]) == (2, 16, 256, 2, 8)
+    assert doc["copy_limit_gbps"] is None
+    assert "tokenyard" not in doc, "the CUDA backend cannot run without GPUs"
+    settings = doc["settings"]
+    assert {"mode", "hidden_size", "num_tokens", "num_experts", "num_topk", "num_ranks", "sm_counts", "dtype",
+            "backends", "iters", "warmup", "json", "plot", "quiet", "seed"} <= set(settings)
+    assert settings["iters"] == 2 and settings["quiet"] is True and settings["dtype"] == "fp8"
+
+    for op in ("dispatch", "combine"):
+        _assert_positive_op(doc["nccl"][op], f"nccl.{op}")
+    for op in ("dispatch", "dispatch_cached", "combine"):
+        _assert_positive_op(doc["reference"][op], f"reference.{op}")
+    low_latency = doc["reference"]["low_latency"]
+    assert low_latency["dispatch_us"] > 0 and low_latency["combine_us"] > 0
+    assert low_latency["dispatch_graph_us"] is None and low_latency["combine_graph_us"] is None
+    assert low_latency["graph_error"], "a missing graph time must say why"
+
+    png = png_path.read_bytes()
+    assert len(png) > 1000 and png.startswith(b"\x89PNG"), "the plot is not a PNG"
+
+
+def test_bench_refuses_a_problem_the_ranks_would_refuse_with_exit_status_2():
+    done = _run_bench("--num_ranks", "3", "--num_experts", "8", timeout_s=60)
+    assert done.returncode == 2
+    assert "not divisible" in done.stderr
+
+
+def test_bandwidth_formulas_match_a_hand_computed_example():
+    # Rank 0 sends 3 tokens to itself and 1 to rank 1; rank 1 sends 2 to rank 0 and 4 to itself.
+    counts = [[3, 1], [2, 4]]
+    fp8_row = bandwidth.row_bytes(256, fp8=True)
+    assert fp8_row == 264  # 256 bytes of e4m3 + 2 float32 scales
+    assert bandwidth.row_bytes(256, fp8=False) == 512
+    # Dispatch: remote = rows sent to the other rank; logical = every row received, local ones too.
+    assert bandwidth.normal_dispatch_bytes(counts, 0, fp8_row) == (1 * 264, (3 + 2) * 264)
+    assert bandwidth.normal_dispatch_bytes(counts, 1, fp8_row) == (2 * 264, (1 + 4) * 264)
+    # Combine (bf16): remote = rows coming back from the other rank; logical = rows held and sent back.
+    assert bandwidth.normal_combine_bytes(counts, 0, 256) == (1 * 512, (3 + 2) * 512)
+    # Low latency, 2 ranks of 4 experts: rank 0's pairs go to experts 0, 5 (rank 1), 3; -1 is no pair.
+    topk_idx = torch.tensor([[0, 5], [3, -1]])
+    assert bandwidth.low_latency_bytes(topk_idx, 0, 4, bandwidth.row_bytes(128, fp8=True)) == (132, 3 * 132)
+    assert bandwidth.gbps(2e9, 0.5) == 4.0
+
+
+def test_summary_takes_time_and_bytes_from_the_slowest_rank():
+    fast, slow = (10e-6, 1e6, 2e6), (20e-6, 3e6, 4e6)
+    summary = bandwidth.summarize([fast, slow], num_sms=24)
+    assert summary["us"] == pytest.approx(20.0)
+    assert summary["nvlink_gbps"] == pytest.approx(150.0)
+    assert summary["logical_gbps"] == pytest.approx(200.0)
+    assert summary["num_sms"] == 24
+    assert bandwidth.summarize([fast, None]) is None, "an operation one rank did not measure has no summary"
+
+
+def test_dashed_spellings_are_aliases_and_cpu_defaults_are_the_small_problem():
+    parser = options.build_parser()
+    dashed = options.resolve(parser.parse_args(["--hidden-size", "512", "--num-topk", "2", "--seed", "1"]), 0)
+    underscored = options.resolve(parser.parse_args(["--hidden_size", "512", "--num_topk", "2", "--seed", "1"]), 0)
+    assert dashed == underscored
+    defaults = options.resolve(parser.parse_args([]), num_gpus=0)
+    assert (defaults.num_ranks, defaults.hidden_size, defaults.num_tokens, defaults.num_tokens_low_latency,
+            defaults.num_experts, defaults.num_topk, defaults.dtype, defaults.gpu) == (4, 1024, 256, 32, 32, 4,
+                                                                                       "fp8", False)
+    gpu = options.resolve(parser.parse_args([]), num_gpus=8)
+    assert (gpu.num_ranks, gpu.hidden_size, gpu.num_tokens, gpu.num_tokens_low_latency, gpu.num_experts,
+            gpu.num_topk, gpu.iters) == (8, 7168, 4096, 128, 256, 8, 50)

@@ -1,0 +1,306 @@
+"""The CUDA backend: JIT kernels over NVLink-mapped buffers of every rank of the group.
+
+Normal mode runs our kernels (include/tokenyard/kernels). Low-latency mode is served by the reference
+implementation over the same group until its kernels exist.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from ... import env, workspace
+from ...errors import BackendUnavailableError, CommTimeoutError, InvalidInputError, TokenyardError
+from ...handle import DispatchHandle
+from ...jit import load
+from ...requests import CombineRequest, DispatchRequest, DispatchResult
+from ..base import Backend, GroupContext
+from . import heuristics, kernels, runtime
+
+HOST_COUNTS_INTS = 2 + 4096  # [call id, received rows, per-local-expert counts...]
+_STAGES = {1: "barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combine/receive",
+           5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive"}
+_MASK32 = 0xFFFFFFFF
+
+
+class _CudaArray:
+    """Lets torch view raw device memory without owning it."""
+
+    def __init__(self, ptr: int, num_bytes: int):
+        self.__cuda_array_interface__ = {"shape": (num_bytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+class SymmetricBuffer:
+    """`num_bytes` of device memory on every rank, each rank's mapped into every process by CUDA IPC."""
+
+    def __init__(self, ctx: GroupContext, num_bytes: int):
+        self.num_bytes = num_bytes
+        self.local = runtime.malloc(max(num_bytes, 16))
+        runtime.memset(self.local, 0, max(num_bytes, 16))
+        handles = ctx.all_gather_object(runtime.ipc_handle(self.local))
+        self.bases = [self.local if r == ctx.rank else runtime.ipc_open(h) for r, h in enumerate(handles)]
+        self.rank = ctx.rank
+        self.bases_tensor = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
+        self.tensor = torch.as_tensor(_CudaArray(self.local, num_bytes), device=ctx.device)
+
+    def close(self) -> None:
+        for r, base in enumerate(self.bases):
+            if r != self.rank:
+                runtime.ipc_close(base)
+        runtime.free(self.local)
+        self.bases = []
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    # `backend="auto"` picks this backend only once its GPU tests have passed on the device machine.
+    VALIDATED = False
+
+    @staticmethod
+    def available() -> bool:
+        if not torch.cuda.is_available():
+            return False
+        try:
+            from ...jit.cache import get_compiler
+            from ...jit.driver import libcuda
+
+            libcuda()
+            runtime.libcudart()
+            get_compiler()
+        except Exception as exc:  # noqa: BLE001 - any missing piece means "not here"
+            env.log(f"CUDA backend unavailable: {exc}")
+            return False
+        return True
+
+    def __init__(self, ctx: GroupContext):
+        super().__init__(ctx)
+        if ctx.num_ranks > 32:
+            raise BackendUnavailableError("the CUDA backend handles up to 32 ranks (one NVLink domain)")
+        torch.cuda.init()
+        self.device_index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
+        self.device_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
+        try:
+            self.normal = SymmetricBuffer(ctx, ctx.num_nvl_bytes)
+        except runtime.RuntimeError_ as exc:
+            raise BackendUnavailableError(f"could not map the peers' buffers: {exc}") from exc
+        self.error_flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        self.host_record_ptr = runtime.host_alloc_mapped(8 * 4)
+        self.host_record = runtime.int32_view(self.host_record_ptr, 8)
+        self.host_counts_ptr = runtime.host_alloc_mapped(HOST_COUNTS_INTS * 4)
+        self.host_counts = runtime.int32_view(self.host_counts_ptr, HOST_COUNTS_INTS)
+        self.timeout_ns = int(ctx.timeout_s * 1e9)
+        self._seq = 0
+        self._notify_calls = 0
+        self._barrier_calls = 0
+        self._failure: Optional[TokenyardError] = None
+        self.poison_outputs = False  # tests set it: outputs start as 0xAB bytes, so unwritten rows show
+        from ..reference import ReferenceBackend
+
+        self._low_latency = ReferenceBackend(ctx)
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def _kernel(self, spec):
+        return load(spec, self.device_index)
+
+    @staticmethod
+    def _stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    def _wait_args(self):
+        return (self.error_flag.data_ptr(), self.host_record_ptr, self.timeout_ns)
+
+    def _buffer_args(self, layout: workspace.NormalLayout, seq: int):
+        return (self.normal.bases_tensor.data_ptr(), self.ctx.rank, layout.control_bytes, layout.region_bytes,
+                layout.slots_offset, layout.max_chunks, layout.row_bytes, seq)
+
+    def check_failures(self) -> None:
+        """Raise the error a kernel recorded (a timeout, an overflow); once failed, always failed."""
+        if self._failure is None and self.host_record[0] != 0:
+            kind, rank, peer, stage, seen, expected = (self.host_record[i] for i in range(6))
+            stage_name = _STAGES.get(stage, f"stage {stage}")
+            if kind == 2:
+                self._failure = InvalidInputError(
+                    f"rank {rank} received {seen} rows at {stage_name}, more than num_worst_tokens={expected}; "
+                    "rows past it were dropped")
+            else:
+                self._failure = CommTimeoutError(rank, peer, stage_name,
+                                                 f"flag was {seen & _MASK32}, expected {expected & _MASK32}; "
+                                                 "destroy this Buffer and make a new one")
+        if self._failure is not None:
+            raise self._failure
+
+    def _empty(self, *shape, dtype, device) -> torch.Tensor:
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        if self.poison_outputs and t.numel():
+            t.view(torch.uint8).fill_(0xAB)
+        return t
+
+    def _next(self, counter: str, step: int = 1) -> int:
+        value = (getattr(self, counter) + step) & _MASK32
+        setattr(self, counter, value)
+        return value
+
+    def _wait_host_counts(self, call_id: int) -> None:
+        """The CPU wait of a dispatch: until the notify kernel published the counts, bounded."""
+        deadline = time.monotonic() + self.ctx.timeout_s
+        spins = 0
+        while (self.host_counts[0] & _MASK32) != call_id:
+            self.check_failures()
+            spins += 1
+            if spins > 20000:  # spin ~ms first: a sleep overshoots by tens of microseconds
+                if time.monotonic() > deadline:
+                    self._failure = CommTimeoutError(self.ctx.rank, -1, "dispatch/notify (CPU wait)",
+                                                     "the counts never arrived")
+                    raise self._failure
+                time.sleep(20e-6)
+
+    # -- normal mode ----------------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        self.check_failures()
+        num_ranks = self.ctx.num_ranks
+        num_tokens, num_topk = topk_idx.shape
+        device = topk_idx.device
+        per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=device)
+        in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=device)
+        if num_tokens > 0:
+            kernel = self._kernel(kernels.dispatch_layout(num_ranks, topk_idx.dtype))
+            grid = heuristics.layout_grid(num_tokens, kernels.LAYOUT_THREADS, self.device_sms)
+            kernel(grid, self._stream(), topk_idx.data_ptr(), num_tokens, num_topk, num_experts, per_rank.data_ptr(),
+                   per_expert.data_ptr(), in_rank.data_ptr(), shared_bytes=(num_experts + num_ranks) * 4)
+        return per_rank, per_expert, in_rank
+
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        self.check_failures()
+        num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
+        x, scales = request.x, request.x_scales
+        device = x.device
+        num_tokens = x.size(0)
+        cached = request.handle is not None
+        topk_idx = None if cached else request.topk_idx
+        num_topk = 0 if topk_idx is None else topk_idx.size(1)
+        topk_dtype = torch.int64 if topk_idx is None else topk_idx.dtype
+        num_experts = num_ranks if cached else request.num_experts
+        num_local_experts = num_experts // num_ranks
+        if num_local_experts > HOST_COUNTS_INTS - 2:
+            raise InvalidInputError(f"the CUDA backend handles up to {HOST_COUNTS_INTS - 2} experts per rank")
+        data_bytes = x.size(1) * x.element_size()
+        num_scales = 0 if scales is None else scales.size(1)
+        layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
+                                         workspace.normal_dispatch_row_bytes(data_bytes, num_scales * 4, num_topk))
+        stream = self._stream()
+        is_token_in_rank = request.is_token_in_rank.contiguous()
+
+        # 1. Count exchange (also the barrier before rows land in the peers' buffers).
+        prefix_excl = torch.empty((num_tokens + 1) * num_ranks, dtype=torch.int32, device=device)
+        rank_prefix_matrix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=device)
+        source_num_tokens = torch.empty(num_ranks, dtype=torch.int32, device=device)
+        call_id = self._next("_notify_calls")
+        per_expert = 0 if cached else request.num_tokens_per_expert.data_ptr()
+        self._kernel(kernels.dispatch_notify(num_ranks))(
+            num_ranks + 1, stream, is_token_in_rank.data_ptr(), num_tokens, per_expert, num_experts,
+            request.expert_alignment, prefix_excl.data_ptr(), rank_prefix_matrix.data_ptr(),
+            source_num_tokens.data_ptr(), self.host_counts_ptr, call_id, self.normal.bases_tensor.data_ptr(), rank,
+            (call_id * num_ranks) & _MASK32, *self._wait_args())
+
+        # 2. Output sizes: from the handle, the worst case, or the CPU wait.
+        per_expert_list = None
+        if cached:
+            num_rows = request.handle.num_rows
+        elif request.num_worst_tokens:
+            num_rows = request.num_worst_tokens
+            per_expert_list = []
+        else:
+            self._wait_host_counts(call_id)
+            num_rows = int(self.host_counts[1])
+            per_expert_list = [int(self.host_counts[2 + l]) for l in range(num_local_experts)]
+
+        recv_x = self._empty(num_rows, x.size(1), dtype=x.dtype, device=device)
+        recv_scales = None if scales is None else self._empty(num_rows, num_scales, dtype=scales.dtype, device=device)
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            recv_topk_idx = self._empty(num_rows, num_topk, dtype=topk_dtype, device=device)
+            recv_topk_weights = self._empty(num_rows, num_topk, dtype=torch.float32, device=device)
+        recv_src_idx = self._empty(num_rows, dtype=torch.int32, device=device)
+        send_head = None if cached else self._empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
+
+        # 3. The rows.
+        grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.DISPATCH_SEND_SHARE)
+        scale_strides = (0, 0) if scales is None else (scales.stride(0), scales.stride(1))
+        self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, num_scales, num_topk, topk_dtype))(
+            grid.num_blocks, stream, x.data_ptr(), 0 if scales is None else scales.data_ptr(), *scale_strides,
+            0 if topk_idx is None else topk_idx.data_ptr(),
+            0 if request.topk_weights is None or cached else request.topk_weights.data_ptr(),
+            is_token_in_rank.data_ptr(), prefix_excl.data_ptr(), rank_prefix_matrix.data_ptr(),
+            source_num_tokens.data_ptr(), num_tokens, num_local_experts, grid.num_send_blocks, recv_x.data_ptr(),
+            0 if recv_scales is None else recv_scales.data_ptr(),
+            0 if recv_topk_idx is None else recv_topk_idx.data_ptr(),
+            0 if recv_topk_weights is None else recv_topk_weights.data_ptr(), recv_src_idx.data_ptr(),
+            0 if send_head is None else send_head.data_ptr(), request.num_worst_tokens,
+            *self._buffer_args(layout, self._next("_seq")), *self._wait_args())
+
+        if cached:
+            handle = request.handle
+        else:
+            counts = prefix_excl[num_tokens * num_ranks:].view(num_ranks, 1).clone()
+            recv_first = torch.cat([rank_prefix_matrix.new_zeros(1), rank_prefix_matrix[:-1, rank]]).view(-1, 1)
+            handle = DispatchHandle(rank_prefix_matrix, counts, recv_first, recv_src_idx, is_token_in_rank, send_head)
+        if request.topk_weights is None:
+            recv_topk_weights = None
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
+
+    def combine(self, request: CombineRequest):
+        self.check_failures()
+        x, handle = request.x, request.handle
+        num_tokens, hidden = handle.num_tokens, x.size(1)
+        weights = request.topk_weights
+        num_topk = 0 if weights is None else weights.size(1)
+        layout = workspace.normal_layout(self.ctx.num_nvl_bytes, self.ctx.num_ranks,
+                                         workspace.normal_combine_row_bytes(hidden, num_topk))
+        combined_x = self._empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+        combined_w = None if weights is None else self._empty(num_tokens, num_topk, dtype=torch.float32,
+                                                              device=x.device)
+        grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.COMBINE_SEND_SHARE)
+        barrier_expected = self._next("_barrier_calls")
+        self._kernel(kernels.combine(self.ctx.num_ranks, hidden * 2 // 16, num_topk))(
+            grid.num_blocks, self._stream(), x.data_ptr(), 0 if weights is None else weights.data_ptr(),
+            0 if request.bias_0 is None else request.bias_0.data_ptr(),
+            0 if request.bias_1 is None else request.bias_1.data_ptr(),
+            handle.rank_prefix_matrix.data_ptr(), handle.send_head.data_ptr(), num_tokens, grid.num_send_blocks,
+            combined_x.data_ptr(), 0 if combined_w is None else combined_w.data_ptr(),
+            *self._buffer_args(layout, self._next("_seq")), barrier_expected, *self._wait_args())
+        return combined_x, combined_w
+
+    # -- low-latency mode (reference implementation over the same group, for now) -----------------------
+
+    def low_latency_dispatch(self, request):
+        self.check_failures()
+        return self._low_latency.low_latency_dispatch(request)
+
+    def low_latency_combine(self, request):
+        self.check_failures()
+        return self._low_latency.low_latency_combine(request)
+
+    def next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        return self._low_latency.next_low_latency_combine_buffer(num_max_dispatch_tokens_per_rank, hidden,
+                                                                 num_experts)
+
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        if use_rdma_buffer:
+            return self._low_latency.local_buffer(True)
+        return self.normal.tensor
+
+    def destroy(self) -> None:
+        torch.cuda.synchronize(self.device_index)
+        if self.normal is not None:
+            self.normal.close()
+            self.normal = None
+        for ptr in (self.host_record_ptr, self.host_counts_ptr):
+            runtime.host_free(ptr)
+        self.host_record_ptr = self.host_counts_ptr = 0
+        self._low_latency.destroy()

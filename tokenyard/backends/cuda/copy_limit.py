@@ -1,0 +1,40 @@
+"""The physical limit of the same run: every GPU copying into all its peers at once (all SMs)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ... import workspace
+from . import kernels
+
+
+def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, warmup: int = 3) -> float:
+    """Egress GB/s per GPU while every rank writes `num_bytes_per_peer` into each peer's buffer.
+
+    Uses the Buffer's normal-mode memory (its rows are overwritten) and every SM of the GPU; the
+    median over `iters` launches, each started after a group barrier.
+    """
+    backend = buffer.runtime
+    ctx = backend.ctx
+    num_ranks = ctx.num_ranks
+    control = workspace.normal_control_bytes(num_ranks)
+    stride = (ctx.num_nvl_bytes - control) // num_ranks // 16 * 16
+    num_bytes = min(num_bytes_per_peer, stride) // 16 * 16
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=ctx.device)
+    kernel = backend._kernel(kernels.copy_to_peers(num_ranks))
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier(group=ctx.group)
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        kernel(backend.device_sms, torch.cuda.current_stream().cuda_stream, src.data_ptr(), num_bytes // 16,
+               backend.normal.bases_tensor.data_ptr(), ctx.rank, control, stride)
+        stop.record()
+        stop.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(stop) / 1e3)
+    dist.barrier(group=ctx.group)
+    median = sorted(times)[len(times) // 2]
+    return (num_ranks - 1) * num_bytes / median / 1e9
