@@ -1,6 +1,8 @@
 """tokenyard: expert-parallel dispatch and combine for Mixture-of-Experts models, DeepEP-compatible.
 
 ``import tokenyard`` loads no CUDA code; the CUDA backend compiles its kernels on first use.
+`AutoTuner` (tokenyard.autotune) and `Benchmark` (tokenyard.benchmark) load on first use;
+`tokenyard.affinity` binds a rank to its GPU's cores, NUMA memory and NIC.
 """
 
 import torch
@@ -23,5 +25,18 @@ __all__ = [
     "Buffer", "Config", "EventHandle", "EventOverlap", "DispatchHandle", "LowLatencyHandle", "topk_idx_t",
     "TokenyardError", "InvalidInputError", "CapacityError", "HandleError", "CommTimeoutError",
     "BackendUnavailableError", "quantize_fp8", "dequantize_fp8", "quantize_int8", "dequantize_int8",
-    "quant", "routing",
+    "quant", "routing", "AutoTuner", "Benchmark",
 ]
+
+_LAZY = {"AutoTuner": "autotune", "Benchmark": "benchmark"}
+
+
+def __getattr__(name: str):
+    """`AutoTuner` and `Benchmark` import the benchmark machinery, so they load when first named."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ import torch
 
 from . import workspace
 from .errors import CapacityError, HandleError, InvalidInputError
-from .handle import DispatchHandle, LowLatencyHandle
+from .handle import DispatchHandle, LowLatencyHandle, as_dispatch_handle, as_low_latency_handle
 
 TOPK_DTYPES = (torch.int64, torch.int32)
 SCALE_DTYPES = (torch.float32, torch.int32)
@@ -102,28 +102,24 @@ def dispatch_x(x, *, device):
     return x, x_scales
 
 
-def dispatch_handle(handle, *, buffer_id: int) -> DispatchHandle:
-    from .handle import as_dispatch_handle
-
+def _owned_handle(handle, convert, buffer_id: int):
     try:
-        handle = as_dispatch_handle(handle)
+        handle = convert(handle)
     except TypeError as exc:
         raise HandleError(str(exc)) from None
     if handle.buffer_id is not None and handle.buffer_id != buffer_id:
         raise HandleError("this handle was made by another Buffer; pass it to the Buffer that dispatched")
     return handle
+
+
+def dispatch_handle(handle, *, buffer_id: int) -> DispatchHandle:
+    """Our handle or DeepEP's 6-tuple, made by this Buffer (plain tuples are trusted)."""
+    return _owned_handle(handle, as_dispatch_handle, buffer_id)
 
 
 def low_latency_handle(handle, *, buffer_id: int) -> LowLatencyHandle:
-    from .handle import as_low_latency_handle
-
-    try:
-        handle = as_low_latency_handle(handle)
-    except TypeError as exc:
-        raise HandleError(str(exc)) from None
-    if handle.buffer_id is not None and handle.buffer_id != buffer_id:
-        raise HandleError("this handle was made by another Buffer; pass it to the Buffer that dispatched")
-    return handle
+    """Our handle or DeepEP's 5-tuple, made by this Buffer (plain tuples are trusted)."""
+    return _owned_handle(handle, as_low_latency_handle, buffer_id)
 
 
 def normal_capacity(*, num_ranks: int, num_tokens: int, row_bytes: int, num_nvl_bytes: int, what: str) -> None:

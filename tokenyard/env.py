@@ -11,8 +11,9 @@ change under a running program.
 | TOKENYARD_CHECK_INPUTS        | bool  | true     | value checks that need a device sync (topk range...)     |
 | TOKENYARD_CACHE_DIR           | str   | ~/.cache/tokenyard | folder of the JIT kernel cache                 |
 | TOKENYARD_COMPILER            | str   | "auto"   | JIT compiler: auto (NVRTC, else nvcc), nvrtc or nvcc     |
-| TOKENYARD_BUFFER_BUDGET_BYTES | int   | 0        | normal-mode buffer budget override (0: as constructed)   |
+| TOKENYARD_COMMIT              | str   | ""       | commit the benchmark records where git is not available  |
 | TOKENYARD_VERBOSE             | bool  | false    | log backend choice and JIT compiles to stderr            |
+| TOKENYARD_PROFILE_DIR         | str   | ~/.cache/tokenyard/profiles | folder of AutoTuner's profile files   |
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class Settings:
     check_inputs: bool = True
     cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tokenyard")
     compiler: str = "auto"
-    buffer_budget_bytes: int = 0
+    commit: str = ""
     verbose: bool = False
+    profile_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tokenyard", "profiles")
 
 
 # field name -> (variable, parser)
@@ -49,8 +51,9 @@ _TABLE = {
     "check_inputs": ("TOKENYARD_CHECK_INPUTS", _parse_bool),
     "cache_dir": ("TOKENYARD_CACHE_DIR", str),
     "compiler": ("TOKENYARD_COMPILER", str),
-    "buffer_budget_bytes": ("TOKENYARD_BUFFER_BUDGET_BYTES", int),
+    "commit": ("TOKENYARD_COMMIT", str),
     "verbose": ("TOKENYARD_VERBOSE", _parse_bool),
+    "profile_dir": ("TOKENYARD_PROFILE_DIR", str),
 }
 
 

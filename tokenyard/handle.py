@@ -98,19 +98,19 @@ class LowLatencyHandle(_NamedTuple):
     half: int = 0
 
 
+def _as_handle(cls, handle):
+    if isinstance(handle, cls):
+        return handle
+    if isinstance(handle, (tuple, list)) and len(handle) == len(cls._fields):
+        return cls(*handle)
+    raise TypeError(f"expected a {cls.__name__} ({len(cls._fields)} fields {cls._fields}), got {type(handle).__name__}")
+
+
 def as_dispatch_handle(handle) -> DispatchHandle:
     """Accept our handle or DeepEP's plain 6-tuple."""
-    if isinstance(handle, DispatchHandle):
-        return handle
-    if isinstance(handle, (tuple, list)) and len(handle) == len(_DISPATCH_FIELDS):
-        return DispatchHandle(*handle)
-    raise TypeError(f"expected a dispatch handle (6 fields {_DISPATCH_FIELDS}), got {type(handle).__name__}")
+    return _as_handle(DispatchHandle, handle)
 
 
 def as_low_latency_handle(handle) -> LowLatencyHandle:
     """Accept our handle or DeepEP's plain 5-tuple."""
-    if isinstance(handle, LowLatencyHandle):
-        return handle
-    if isinstance(handle, (tuple, list)) and len(handle) == len(_LOW_LATENCY_FIELDS):
-        return LowLatencyHandle(*handle)
-    raise TypeError(f"expected a low-latency handle (5 fields {_LOW_LATENCY_FIELDS}), got {type(handle).__name__}")
+    return _as_handle(LowLatencyHandle, handle)

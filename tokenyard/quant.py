@@ -58,7 +58,10 @@ def round_scale_up_pow2(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _expand(scales: torch.Tensor) -> torch.Tensor:
-    return scales.repeat_interleave(GROUP_SIZE, dim=1)
+    """``[T, S]`` -> ``[T, S * 128]``, each scale repeated over its group (no device sync, unlike
+    ``repeat_interleave``, so CUDA graphs can capture it)."""
+    num_tokens, num_groups = scales.shape
+    return scales.unsqueeze(-1).expand(num_tokens, num_groups, GROUP_SIZE).reshape(num_tokens, num_groups * GROUP_SIZE)
 
 
 def quantize_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False):

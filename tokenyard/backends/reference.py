@@ -3,7 +3,8 @@
 It is the portable fallback and, with routing.py, the oracle the CUDA backend is tested against. Normal
 mode packs each token's bytes into one row and moves them with one `all_to_all_single`; low-latency mode
 uses fixed-size all-to-alls and index arithmetic only, so on NCCL it never syncs the host and can be
-captured in a CUDA graph.
+captured in a CUDA graph (no op here may ask the host for a device value: no bincount, nonzero,
+boolean-mask indexing or repeat_interleave in that path).
 """
 
 from __future__ import annotations
@@ -251,8 +252,11 @@ class ReferenceBackend(Backend):
         where = torch.where(dest < num_ranks, dest * rows_per_rank + pos, torch.full_like(pos, dump))
         send = rows.new_zeros(dump + 1, rows.size(1))
         send[where] = rows
-        send_counts = torch.bincount(sorted_expert, minlength=num_experts + 1)[:num_experts]
-        send_counts = send_counts.view(num_ranks, num_local_experts).to(torch.int32)
+        # Pairs per expert (the last bin collects the pairs going nowhere); scatter_add rather than
+        # bincount, which asks the host for the largest id and so cannot be captured in a CUDA graph.
+        send_counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+        send_counts.scatter_add_(0, sorted_expert, torch.ones_like(sorted_expert, dtype=torch.int32))
+        send_counts = send_counts[:num_experts].view(num_ranks, num_local_experts)
 
         recv_counts = torch.empty_like(send_counts)
         recv = torch.empty_like(send[:dump])

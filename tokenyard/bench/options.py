@@ -61,6 +61,7 @@ class BenchSettings:
     plot: Optional[str]
     quiet: bool
     gpu: bool
+    bind: bool = False  # each rank binds to its GPU's NUMA node, cores and NIC (tokenyard.affinity)
 
     def runs(self, part: str) -> bool:
         """Whether this run measures `part` (``normal``, ``low_latency`` or ``compare_sm``)."""
@@ -121,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("json", metavar="PATH", help="write the results as JSON")
     add("plot", metavar="PATH.png", help="draw bandwidth per op and backend (needs matplotlib)")
     add("quiet", action="store_true", help="no progress bar")
+    add("bind", action="store_true", help="bind each rank to the cores, NUMA memory and RDMA NIC of its GPU "
+                                          "(tokenyard.affinity.bind); the JSON records it under 'affinity'")
     return parser
 
 
@@ -145,8 +148,53 @@ def resolve(args: argparse.Namespace, num_gpus: int) -> BenchSettings:
         num_experts=pick("num_experts"), num_topk=pick("num_topk"), num_ranks=num_ranks,
         sm_counts=tuple(args.sm_counts), num_sms=args.num_sms, dtype=args.dtype, backends=args.backends, iters=pick("iters"),
         warmup=pick("warmup"), seed=secrets.randbelow(2**31) if args.seed is None else args.seed,
-        timeout_s=args.timeout_s, json=args.json, plot=args.plot, quiet=args.quiet, gpu=gpu)
+        timeout_s=args.timeout_s, json=args.json, plot=args.plot, quiet=args.quiet, gpu=gpu,
+        bind=args.bind)
     check(settings, num_gpus)
+    return settings
+
+
+def dtype_name(dtype) -> str:
+    """The dispatch dtype as the benchmark names it: ``torch.bfloat16`` -> "bf16", an FP8 dtype -> "fp8".
+
+    Raises:
+        ValueError: a dtype the benchmark does not dispatch.
+    """
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return dtype
+    text = str(dtype)
+    if text == "torch.bfloat16":
+        return "bf16"
+    if text.startswith("torch.float8_e4m3"):
+        return "fp8"
+    raise ValueError(f"dispatch dtype must be torch.bfloat16, torch.float8_e4m3fn, 'bf16' or 'fp8', got {dtype!r}")
+
+
+def for_group(*, mode: str, hidden_size: int, num_tokens: int, num_experts: int, num_topk: int, num_ranks: int,
+              gpu: bool, seed: int, dtype="bf16", num_tokens_low_latency: Optional[int] = None,
+              sm_counts: Sequence[int] = (8, 16, 24), num_sms: int = 20,
+              backends: Optional[Sequence[str]] = None, iters: Optional[int] = None, warmup: Optional[int] = None,
+              quiet: bool = False) -> BenchSettings:
+    """Settings of an in-process run (tokenyard.Benchmark, tokenyard.AutoTuner) on a group the caller made.
+
+    Unset `iters` and `warmup` take this kind of machine's defaults, as on the command line.
+
+    Raises:
+        ValueError: a setting no backend can run, with the reason (as `check`).
+    """
+    defaults = GPU_DEFAULTS if gpu else CPU_DEFAULTS
+    settings = BenchSettings(
+        mode=mode, hidden_size=hidden_size, num_tokens=num_tokens,
+        num_tokens_low_latency=num_tokens_low_latency or min(defaults.num_tokens_low_latency, num_tokens),
+        num_experts=num_experts, num_topk=num_topk, num_ranks=num_ranks, sm_counts=tuple(sm_counts),
+        num_sms=num_sms, dtype=dtype_name(dtype), backends=None if backends is None else tuple(backends),
+        iters=defaults.iters if iters is None else iters, warmup=defaults.warmup if warmup is None else warmup,
+        seed=seed, timeout_s=600.0, json=None, plot=None, quiet=quiet, gpu=gpu)
+    if settings.iters <= 0:
+        raise ValueError(f"iters must be positive, got {settings.iters}")
+    if settings.backends is not None and (not settings.backends or set(settings.backends) - set(BACKENDS)):
+        raise ValueError(f"backends are a non-empty subset of {BACKENDS}, got {settings.backends}")
+    check(settings, num_gpus=num_ranks if gpu else 0)  # the group's ranks may span machines
     return settings
 
 

@@ -12,6 +12,7 @@ The JSON document (`build`), one entry ``{us, nvlink_gbps, logical_gbps, num_sms
                                 dispatch_nvlink_gbps, dispatch_logical_gbps, combine_nvlink_gbps,
                                 combine_logical_gbps, graph_error}}
     compare_sm:  {backend key: [{num_sms, dispatch, dispatch_cached, combine}, ...]}   (compare_sm mode)
+    affinity:    [each rank's tokenyard.affinity.Binding.as_dict()]                   (with --bind)
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ LOW_LATENCY_TABLE_OPS = (("ll_dispatch", "dispatch"), ("ll_combine", "combine"),
 
 
 def git_commit() -> Optional[str]:
-    """``git rev-parse HEAD`` of the checkout tokenyard runs from, or None outside one."""
+    """``git rev-parse HEAD`` of the checkout tokenyard runs from; else TOKENYARD_COMMIT (a copy of the
+    tree without git, as on the device machine); else None."""
+    from ..env import settings
+
+    fallback = settings().commit or None
     root = pathlib.Path(__file__).resolve().parents[2]
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return None
+        return fallback
     commit = done.stdout.strip()
-    return commit if done.returncode == 0 and commit else None
+    return commit if done.returncode == 0 and commit else fallback
 
 
 def _low_latency(per_rank: List[dict]) -> dict:
@@ -95,6 +100,8 @@ def build(settings: BenchSettings, ranks: List[dict], commit: Optional[str], dat
         "nccl": {"backend": first["baseline_backend"],
                  **{op: bandwidth.summarize([p["baseline"][op] for p in ranks]) for op in ("dispatch", "combine")}},
     }
+    if any(p.get("affinity") is not None for p in ranks):
+        doc["affinity"] = [p.get("affinity") for p in ranks]
     for name in first["backends"]:
         per_rank = [p["backends"][name] for p in ranks]
         doc[BACKEND_KEYS[name]] = _backend_entry(per_rank)

@@ -4,6 +4,10 @@ Each rank measures its own median time and byte counts per operation (a `bandwid
 the samples of all ranks are gathered, and rank 0 hands them to the launcher, which summarizes them
 (report.py). The baseline and each backend get a problem of their own seed (``seed``, ``seed + 1``, ...),
 all of the same shape; a backend's low-latency problem has its seed plus `LOW_LATENCY_SEED_OFFSET`.
+
+The same functions serve the in-process API on a group the caller made (tokenyard.Benchmark through
+`group_context` and `measure_group`; tokenyard.AutoTuner through `measure_backend`), so the command and
+the API time the same calls the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import quant, routing
-from ..buffer import Buffer
+from ..buffer import Buffer, _group_device as group_device
 from ..config import Config
 from ..testing import make_rank_inputs
 from . import BenchError, bandwidth, timing
@@ -258,6 +262,17 @@ def choose_backends(ctx: RankContext) -> List[str]:
     return list(ctx.settings.backends)
 
 
+def resolve_backend(ctx: RankContext, name: str) -> str:
+    """A backend name as ``Buffer(backend=name)`` settles it: "auto" becomes "cuda" where every rank can run
+    the validated CUDA backend, else "reference" (the rule of tokenyard.backends.create_backend)."""
+    if name != "auto":
+        return name
+    from ..backends import cuda_available, cuda_validated
+
+    usable = ctx.device.type == "cuda" and cuda_available() and cuda_validated()
+    return "cuda" if all(ctx.all_gather(usable)) else "reference"
+
+
 def measure_all(ctx: RankContext) -> dict:
     """This rank's samples: baseline and every backend."""
     from tqdm import tqdm
@@ -275,21 +290,50 @@ def measure_all(ctx: RankContext) -> dict:
             "backends": per_backend}
 
 
+def group_context(settings: BenchSettings, group: dist.ProcessGroup) -> RankContext:
+    """The context of this rank of `group` (CUDA where the group moves CUDA tensors, else CPU)."""
+    device = group_device(group)
+    return RankContext(settings, group.rank(), group.size(), group, device, timing.Timer(group, device))
+
+
+def from_rank_0(group: dist.ProcessGroup, obj):
+    """Rank 0's `obj` on every rank of `group` (a broadcast), so all ranks act on one decision."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    return holder[0]
+
+
+def measure_group(ctx: RankContext, affinity: Optional[dict] = None) -> List[dict]:
+    """Every rank's samples (`measure_all`, and its `affinity` binding) on every rank, for `report.build`.
+
+    The one entry point of a measurement, shared by the command's ranks (`run_rank`) and the in-process
+    API (tokenyard.Benchmark), so both time the same calls the same way.
+    """
+    samples = measure_all(ctx)
+    samples["affinity"] = affinity
+    return ctx.all_gather(samples)
+
+
 def run_rank(rank: int, num_ranks: int, port: int, settings: BenchSettings) -> Optional[List[dict]]:
-    """Join the group, measure, gather; rank 0 returns every rank's samples, the others None."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))  # ranks share the cores
+    """Join the group, measure, gather; rank 0 returns every rank's samples, the others None.
+
+    With ``--bind`` the rank first binds itself (tokenyard.affinity.bind: one rank per GPU of this machine),
+    before it creates threads or communicators, and records the binding with its samples.
+    """
+    binding = None
+    if settings.bind:
+        from .. import affinity
+
+        binding = affinity.bind(rank, num_ranks).as_dict()
+    num_cores = len(binding["cores"]) if binding and "cpu affinity" in binding["applied"] else None
+    torch.set_num_threads(max(1, num_cores or (os.cpu_count() or 1) // num_ranks))  # ranks share the cores
     if settings.gpu:
         torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
     dist.init_process_group("nccl" if settings.gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=num_ranks, timeout=datetime.timedelta(seconds=settings.timeout_s))
     Buffer.set_num_sms(settings.num_sms)
     try:
-        group = dist.group.WORLD
-        ctx = RankContext(settings, rank, num_ranks, group, device, timing.Timer(group, device))
-        gathered = ctx.all_gather(measure_all(ctx))
+        gathered = measure_group(group_context(settings, dist.group.WORLD), binding)
         return gathered if rank == 0 else None
     finally:
         dist.destroy_process_group()

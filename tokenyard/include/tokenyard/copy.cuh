@@ -1,4 +1,5 @@
-// Warp-wide copies of 16-byte vectors.
+// Warp-wide moves of 16-byte vectors: a batch of loads is issued before its stores, so each lane keeps
+// kBatch loads in flight instead of one.
 #pragma once
 
 #include "ptx.cuh"
@@ -7,22 +8,36 @@ namespace tokenyard {
 
 constexpr int kWarpSize = 32;
 
-// Copy `num_int4` vectors from `src` to `dst`, each lane taking every 32nd; loads are issued
-// `kUnroll` at a time before their stores so several are in flight.
-template <int kUnroll = 4, bool kSrcFromPeers = false>
-__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int num_int4, int lane) {
-    int i = lane;
-    for (; i + (kUnroll - 1) * kWarpSize < num_int4; i += kUnroll * kWarpSize) {
-        int4 v[kUnroll];
+// v[u] = src[base + u * 32 + lane] for the indices below num_int4. kFromPeers: the data was written by
+// other GPUs during this kernel, so it is read through L2 (ld_na) rather than the non-coherent path.
+template <int kBatch, bool kFromPeers>
+__device__ __forceinline__ void load_batch(int4 (&v)[kBatch], const int4* src, int base, int num_int4, int lane) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-            v[u] = kSrcFromPeers ? ptx::ld_na_v4(src + i + u * kWarpSize) : ptx::ld_nc_v4(src + i + u * kWarpSize);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-            ptx::st_na_v4(dst + i + u * kWarpSize, v[u]);
+    for (int u = 0; u < kBatch; ++u) {
+        const int i = base + u * kWarpSize + lane;
+        if (i < num_int4)
+            v[u] = kFromPeers ? ptx::ld_na_v4(src + i) : ptx::ld_nc_v4(src + i);
     }
-    for (; i < num_int4; i += kWarpSize)
-        ptx::st_na_v4(dst + i, kSrcFromPeers ? ptx::ld_na_v4(src + i) : ptx::ld_nc_v4(src + i));
+}
+
+template <int kBatch>
+__device__ __forceinline__ void store_batch(int4* dst, const int4 (&v)[kBatch], int base, int num_int4, int lane) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+        const int i = base + u * kWarpSize + lane;
+        if (i < num_int4)
+            ptx::st_na_v4(dst + i, v[u]);
+    }
+}
+
+// Copy `num_int4` vectors from `src` to `dst` with the whole warp.
+template <int kBatch, bool kFromPeers>
+__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int num_int4, int lane) {
+    for (int base = 0; base < num_int4; base += kBatch * kWarpSize) {
+        int4 v[kBatch];
+        load_batch<kBatch, kFromPeers>(v, src, base, num_int4, lane);
+        store_batch<kBatch>(dst, v, base, num_int4, lane);
+    }
 }
 
 }  // namespace tokenyard

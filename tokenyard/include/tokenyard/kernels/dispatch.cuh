@@ -66,12 +66,7 @@ __device__ __forceinline__ void dispatch(
         float weight = 0.0f;
         for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
             int4 v[kBatch];
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const int i = base + u * kWarpSize + lane;
-                if (i < kDataInt4)
-                    v[u] = ptx::ld_nc_v4(src + i);
-            }
+            load_batch<kBatch, false>(v, src, base, kDataInt4, lane);
             if (base == 0) {
 #pragma unroll
                 for (int u = 0; u < kScalesPerLane; ++u) {
@@ -85,16 +80,9 @@ __device__ __forceinline__ void dispatch(
                 }
             }
 #pragma unroll
-            for (int q = 0; q < kNumRanks; ++q) {
-                if (dst[q] == nullptr)
-                    continue;
-#pragma unroll
-                for (int u = 0; u < kBatch; ++u) {
-                    const int i = base + u * kWarpSize + lane;
-                    if (i < kDataInt4)
-                        ptx::st_na_v4(reinterpret_cast<int4*>(dst[q]) + i, v[u]);
-                }
-            }
+            for (int q = 0; q < kNumRanks; ++q)
+                if (dst[q] != nullptr)
+                    store_batch<kBatch>(reinterpret_cast<int4*>(dst[q]), v, base, kDataInt4, lane);
         }
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q) {
@@ -136,12 +124,7 @@ __device__ __forceinline__ void dispatch(
         int4* data_out = recv_x + out * kDataInt4;
         for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
             int4 v[kBatch];
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const int i = base + u * kWarpSize + lane;
-                if (i < kDataInt4)
-                    v[u] = ptx::ld_na_v4(data_in + i);
-            }
+            load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
             if (base == 0) {
 #pragma unroll
                 for (int u = 0; u < kScalesPerLane; ++u)
@@ -154,12 +137,7 @@ __device__ __forceinline__ void dispatch(
                 if (lane == 0)
                     src_value = ptx::ld_na_s32(meta + 2 * kNumTopk);
             }
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const int i = base + u * kWarpSize + lane;
-                if (i < kDataInt4)
-                    ptx::st_na_v4(data_out + i, v[u]);
-            }
+            store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
         }
 #pragma unroll
         for (int u = 0; u < kScalesPerLane; ++u)
