@@ -48,14 +48,34 @@ _FACTORIES = {"reference": _make_reference, "cuda": _make_cuda}
 def create_backend(name: str, ctx: GroupContext) -> Backend:
     """Make the named backend; ``"auto"`` takes CUDA where every rank can run it, else reference."""
     if name == "auto":
-        usable = ctx.device.type == "cuda" and cuda_available() and cuda_validated()
-        if ctx.device.type == "cuda":
-            usable = all(ctx.all_gather_object(usable))  # every rank must agree on one backend
-        name = "cuda" if usable else "reference"
-        env.log(f"rank {ctx.rank}: backend auto -> {name}")
-        if ctx.device.type == "cuda" and name == "reference" and ctx.rank == 0:
-            warnings.warn("tokenyard: the CUDA backend cannot run on every rank here; using the reference "
-                          "backend (NCCL all-to-all). Set TOKENYARD_VERBOSE=1 to see why.", stacklevel=3)
+        return _create_auto(ctx)
     if name not in _FACTORIES:
         raise BackendUnavailableError(f"unknown backend {name!r}; choose from auto, {', '.join(_FACTORIES)}")
     return _FACTORIES[name](ctx)
+
+
+def _create_auto(ctx: GroupContext) -> Backend:
+    """CUDA if it can run on every rank (decided together, so all ranks pick the same), else reference."""
+    if ctx.device.type != "cuda":
+        return _make_reference(ctx)
+    backend, reason = None, None
+    if not all(ctx.all_gather_object(cuda_available() and cuda_validated())):
+        reason = "it cannot run on every rank"
+    else:
+        try:
+            backend = _make_cuda(ctx)
+        except BackendUnavailableError as exc:  # e.g. no peer access between two of the GPUs
+            reason = str(exc)
+        if not all(ctx.all_gather_object(backend is not None)):
+            reason = reason or "another rank could not start it"
+            if backend is not None:
+                backend.destroy()
+                backend = None
+    if backend is not None:
+        env.log(f"rank {ctx.rank}: backend auto -> cuda")
+        return backend
+    env.log(f"rank {ctx.rank}: backend auto -> reference ({reason})")
+    if ctx.rank == 0:
+        warnings.warn(f"tokenyard: using the reference backend (NCCL all-to-all) because the CUDA backend: "
+                      f"{reason}. Set TOKENYARD_VERBOSE=1 for details.", stacklevel=4)
+    return _make_reference(ctx)

@@ -17,6 +17,7 @@ LAYOUT_THREADS = 256
 NOTIFY_THREADS = 256
 DATA_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
+MAX_TOPK = 32  # one lane per top-k entry
 
 _TOPK_CTYPES = {torch.int64: "int64_t", torch.int32: "int"}
 
