@@ -13,52 +13,19 @@ It runs on NCCL with one rank per GPU where at least two GPUs are visible, else 
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
-import socket
-import sys
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-# NVLink multicast stays off (shared machines; tokenyard does not need it). Set before NCCL starts.
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                      ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_name, _value)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-try:
-    from tokenyard import moe
-except ImportError:  # run from a checkout without `pip install .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tokenyard import moe
+import _common  # noqa: E402  (puts this checkout first on sys.path)
+from tokenyard import moe  # noqa: E402
+from tokenyard.launch import init_rank  # noqa: E402
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, NUM_TOPK, TOKENS_PER_RANK = 64, 128, 8, 2, 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(rank: int, num_ranks: int, port: int, use_cuda: bool) -> torch.device:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    timeout = datetime.timedelta(seconds=120)
-    if use_cuda:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=num_ranks, device_id=device, timeout=timeout)
-        return device
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=num_ranks, timeout=timeout)
-    return torch.device("cpu")
-
-
 def train(rank: int, num_ranks: int, port: int, use_cuda: bool, steps: int, backend: str) -> None:
-    device = _start(rank, num_ranks, port, use_cuda)
+    device = init_rank(rank, num_ranks, port, use_cuda)
     dtype = torch.bfloat16 if use_cuda else torch.float32
 
     # The dense model's weights, the same on every rank; each rank then keeps experts r*L .. r*L+L-1.
@@ -100,18 +67,7 @@ def train(rank: int, num_ranks: int, port: int, use_cuda: bool, steps: int, back
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    parser.add_argument("--ranks", type=int, default=min(num_gpus, 8) if num_gpus >= 2 else 2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--backend", default="auto", help="tokenyard backend: auto, reference or cuda")
-    args = parser.parse_args()
-    use_cuda = num_gpus >= 2
-    if use_cuda and args.ranks > num_gpus:
-        parser.error(f"--ranks {args.ranks} exceeds the {num_gpus} GPUs")
-    if NUM_EXPERTS % args.ranks:
-        parser.error(f"--ranks must divide the {NUM_EXPERTS} experts")
-    mp.spawn(train, args=(args.ranks, _free_port(), use_cuda, args.steps, args.backend), nprocs=args.ranks)
+    _common.spawn(train, _common.parse_args(__doc__.split("\n")[0], NUM_EXPERTS, steps=8))
 
 
 if __name__ == "__main__":

@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import traceback
 
-# NVLink multicast must stay off on the shared machines (and is not needed).
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                      ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_name, _value)
+from tokenyard.launch import disable_nvlink_multicast, free_port, init_rank
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+disable_nvlink_multicast()
 
 
 def _entry(rank, num_ranks, port, fn, args, queue):
-    import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
     try:
-        dist.init_process_group("nccl", rank=rank, world_size=num_ranks, device_id=torch.device("cuda", rank),
-                                timeout=datetime.timedelta(seconds=120))
+        init_rank(rank, num_ranks, port, use_cuda=True)
         result = fn(*args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported by the parent
@@ -43,7 +29,7 @@ def run(num_ranks: int, fn, *args, timeout_s: float = 600.0):
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, num_ranks, port, fn, args, queue)) for r in range(num_ranks)]
     for p in procs:
         p.start()

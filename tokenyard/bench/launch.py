@@ -7,41 +7,24 @@ failed rank's is its traceback. Once one rank has failed, the others get `FAILUR
 names the likely cause in full (a rank that died without a report, else the first to fail) and the
 other failed ranks in one line each.
 
-NOTE [NVLink multicast]
-Multicast (NVLS) objects are kept off on GPU machines: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-and NVSHMEM_DISABLE_NVLS=1 are set (unless already set) before any rank starts. The launcher itself has
-imported torch by then (``import tokenyard`` does) but creates no communicator; the ranks inherit the
-variables from their first instruction, before they import torch.distributed.
+NVLink multicast stays off (NOTE [NVLink multicast] in tokenyard/launch.py): the variables are set before
+any rank starts; the launcher has imported torch by then (``import tokenyard`` does) but creates no
+communicator, and the ranks inherit the variables before they import torch.distributed.
 """
 
 from __future__ import annotations
 
-import os
 import queue
-import socket
 import time
 import traceback
 from typing import Dict, List
 
+from ..launch import disable_nvlink_multicast, free_port
 from . import BenchError
 from .options import BenchSettings
 
 FAILURE_GRACE_S = 15.0
 JOIN_TIMEOUT_S = 10.0
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def disable_nvlink_multicast() -> None:
-    """See NOTE [NVLink multicast]."""
-    for name, value in NO_MULTICAST_ENV.items():
-        os.environ.setdefault(name, value)
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, num_ranks: int, port: int, settings: BenchSettings, reports) -> None:
