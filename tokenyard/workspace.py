@@ -123,3 +123,47 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, nu
                           num_experts: int) -> int:
     """`num_rdma_bytes` a low-latency `Buffer` needs (both halves)."""
     return 2 * low_latency_half_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+
+@dataclasses.dataclass(frozen=True)
+class LowLatencyLayout:
+    """Byte offsets inside one half of the low-latency buffer (NOTE [low-latency buffer]).
+
+    dispatch_recv   [L][R][M] messages of `dispatch_message_bytes`: 16-byte header (source token index),
+                    then the FP8 data and float32 scales, or the bf16 data
+    dispatch_counts [L][R] uint64: ``(epoch << 32) | pairs`` that source r sent to local expert l
+    combine_recv    [E][M] bf16 rows: expert e's output for this rank's slot j of e
+    combine_flags   [R] uint64: ``(epoch << 32) | 1`` once owner r has sent every row back
+    state           [4] uint32, this rank only: blocks done sending (dispatch, combine), then the
+                    dispatch and combine epochs (NOTE [low-latency epochs] in kernels/low_latency.cuh)
+    """
+
+    half_bytes: int
+    dispatch_recv: int
+    dispatch_message_bytes: int
+    dispatch_counts: int
+    combine_recv: int
+    combine_flags: int
+    state: int
+
+
+def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                       num_experts: int) -> LowLatencyLayout:
+    """Offsets of one half; the half fits in `low_latency_half_bytes` (checked by the tests)."""
+    num_slots = num_experts * num_max_dispatch_tokens_per_rank
+    message = low_latency_dispatch_message_bytes(hidden)
+    offset = 0
+
+    def take(num_bytes: int) -> int:
+        nonlocal offset
+        begin = offset
+        offset = align(offset + num_bytes, REGION_ALIGN_BYTES)
+        return begin
+
+    dispatch_recv = take(num_slots * message)
+    dispatch_counts = take(num_experts * 8)
+    combine_recv = take(num_slots * low_latency_combine_message_bytes(hidden))
+    combine_flags = take(num_ranks * 8)
+    state = take(4 * 4)
+    return LowLatencyLayout(low_latency_half_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts),
+                            dispatch_recv, message, dispatch_counts, combine_recv, combine_flags, state)

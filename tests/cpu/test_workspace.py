@@ -48,3 +48,17 @@ def test_every_cuda_kernel_description_generates_one_include_and_one_instantiati
         except ValueError:
             continue
         raise AssertionError("a short argument list was packed")
+
+
+@pytest.mark.parametrize("args", [(128, 7168, 4, 256), (1, 128, 2, 2), (1024, 2048, 8, 64), (256, 7168, 8, 288)])
+def test_low_latency_layout_fits_in_half_the_hint_without_overlaps(args):
+    layout = workspace.low_latency_layout(*args)
+    num_max, hidden, num_ranks, num_experts = args
+    regions = sorted([(layout.dispatch_recv, num_experts * num_max * layout.dispatch_message_bytes),
+                      (layout.dispatch_counts, num_experts * 8),
+                      (layout.combine_recv, num_experts * num_max * hidden * 2),
+                      (layout.combine_flags, num_ranks * 8), (layout.state, 16)])
+    for (begin, size), (next_begin, _) in zip(regions, regions[1:]):
+        assert begin + size <= next_begin
+    assert regions[-1][0] + regions[-1][1] <= layout.half_bytes
+    assert 2 * layout.half_bytes == workspace.low_latency_size_hint(*args)

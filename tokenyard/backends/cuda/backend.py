@@ -60,6 +60,10 @@ class CudaBackend(Backend):
     # `backend="auto"` picks this backend only once its GPU tests have passed on the device machine
     # (tests/gpu/test_normal_cuda.py: bit for bit against the reference backend on 2 and 4 H200s).
     VALIDATED = True
+    # The low-latency kernels serve low-latency calls only once their GPU tests have passed
+    # (tests/gpu/test_low_latency_cuda.py sets `use_low_latency_kernels` itself); until then the reference
+    # implementation does, over the same group.
+    LOW_LATENCY_KERNELS_VALIDATED = False
 
     @staticmethod
     def available() -> bool:
@@ -84,8 +88,11 @@ class CudaBackend(Backend):
         torch.cuda.init()
         self.device_index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
         self.device_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
+        self.low_latency_buffer = None
         try:
             self.normal = SymmetricBuffer(ctx, ctx.num_nvl_bytes)
+            if ctx.num_rdma_bytes > 0:
+                self.low_latency_buffer = SymmetricBuffer(ctx, ctx.num_rdma_bytes)
         except runtime.RuntimeError_ as exc:
             raise BackendUnavailableError(f"could not map the peers' buffers: {exc}") from exc
         self.error_flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
@@ -100,8 +107,13 @@ class CudaBackend(Backend):
         self._failure: Optional[TokenyardError] = None
         self.poison_outputs = False  # tests set it: outputs start as 0xAB bytes, so unwritten rows show
         from ..reference import ReferenceBackend
+        from .low_latency import LowLatencyKernels
 
         self._low_latency = ReferenceBackend(ctx)
+        self._low_latency_kernels = None
+        if self.low_latency_buffer is not None:
+            self._low_latency_kernels = LowLatencyKernels(self, self.low_latency_buffer)
+        self.use_low_latency_kernels = self.LOW_LATENCY_KERNELS_VALIDATED
 
     # -- helpers --------------------------------------------------------------------------------------
 
@@ -280,15 +292,22 @@ class CudaBackend(Backend):
             *self._buffer_args(layout, self._next("_seq")), barrier_expected, *self._wait_args())
         return combined_x, combined_w
 
-    # -- low-latency mode (reference implementation over the same group, for now) -----------------------
+    # -- low-latency mode -----------------------------------------------------------------------------
+
+    def _low_latency_impl(self):
+        if self.use_low_latency_kernels and self._low_latency_kernels is not None:
+            return self._low_latency_kernels
+        return None
 
     def low_latency_dispatch(self, request):
         self.check_failures()
-        return self._low_latency.low_latency_dispatch(request)
+        impl = self._low_latency_impl()
+        return impl.dispatch(request) if impl else self._low_latency.low_latency_dispatch(request)
 
     def low_latency_combine(self, request):
         self.check_failures()
-        return self._low_latency.low_latency_combine(request)
+        impl = self._low_latency_impl()
+        return impl.combine(request) if impl else self._low_latency.low_latency_combine(request)
 
     def next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         return self._low_latency.next_low_latency_combine_buffer(num_max_dispatch_tokens_per_rank, hidden,
@@ -296,14 +315,17 @@ class CudaBackend(Backend):
 
     def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
         if use_rdma_buffer:
+            if self.low_latency_buffer is not None:
+                return self.low_latency_buffer.tensor
             return self._low_latency.local_buffer(True)
         return self.normal.tensor
 
     def destroy(self) -> None:
         torch.cuda.synchronize(self.device_index)
-        if self.normal is not None:
-            self.normal.close()
-            self.normal = None
+        for name in ("normal", "low_latency_buffer"):
+            if getattr(self, name) is not None:
+                getattr(self, name).close()
+                setattr(self, name, None)
         for ptr in (self.host_record_ptr, self.host_counts_ptr):
             runtime.host_free(ptr)
         self.host_record_ptr = self.host_counts_ptr = 0

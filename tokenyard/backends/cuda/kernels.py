@@ -16,6 +16,7 @@ from ...jit import KernelSpec, Param
 LAYOUT_THREADS = 256
 NOTIFY_THREADS = 256
 DATA_THREADS = 512
+LOW_LATENCY_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
 MAX_TOPK = 32  # one lane per top-k entry
 
@@ -83,6 +84,39 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
         DATA_THREADS)
 
 
+_LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "rank"), Param("int", "num_ranks"),
+                        Param("int", "num_max"), Param("int64_t", "dispatch_recv"), Param("int64_t", "message_bytes"),
+                        Param("int64_t", "dispatch_counts"), Param("int64_t", "combine_recv"),
+                        Param("int64_t", "combine_flags"), Param("int64_t", "state"), Param("int", "do_send"),
+                        Param("int", "do_recv"))
+
+
+@functools.lru_cache(maxsize=None)
+def low_latency_dispatch(num_topk: int, topk_dtype: torch.dtype, use_fp8: bool, use_ue8m0: bool) -> KernelSpec:
+    topk_t = topk_ctype(topk_dtype)
+    return KernelSpec(
+        "tokenyard/kernels/low_latency.cuh", "tokenyard::kernels::low_latency_dispatch",
+        (num_topk, topk_t, "true" if use_fp8 else "false", "true" if use_ue8m0 else "false"),
+        (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("int", "num_tokens"),
+         Param("int", "hidden"), Param("int", "num_experts"), Param("int", "round_scale"),
+         Param("uint8_t*", "packed_recv_x"), Param("uint32_t*", "packed_recv_scales"),
+         Param("int*", "packed_recv_count"), Param("int*", "src_info"), Param("int64_t*", "layout_range"),
+         Param("int*", "cumulative_stats"), Param("const int*", "rank_mask")) + _LOW_LATENCY_BUFFERS + _WAIT,
+        LOW_LATENCY_THREADS)
+
+
+@functools.lru_cache(maxsize=None)
+def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
+    topk_t = topk_ctype(topk_dtype)
+    return KernelSpec(
+        "tokenyard/kernels/low_latency.cuh", "tokenyard::kernels::low_latency_combine", (num_topk, topk_t),
+        (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("const float*", "topk_weights"),
+         Param("const int64_t*", "layout_range"), Param("int", "num_tokens"), Param("int", "hidden"),
+         Param("int", "num_experts"), Param("int4*", "combined_x"), Param("const int*", "rank_mask"))
+        + _LOW_LATENCY_BUFFERS + _WAIT,
+        LOW_LATENCY_THREADS)
+
+
 @functools.lru_cache(maxsize=None)
 def copy_to_peers(num_ranks: int) -> KernelSpec:
     return KernelSpec(
@@ -104,3 +138,7 @@ def every_kernel():
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k
         yield combine(ranks, 7168 * 2 // 16, 8)
         yield combine(ranks, 4096 * 2 // 16, 0)
+    for num_topk in (1, 8):
+        for use_fp8, use_ue8m0 in ((True, False), (True, True), (False, False)):
+            yield low_latency_dispatch(num_topk, torch.int64, use_fp8, use_ue8m0)
+        yield low_latency_combine(num_topk, torch.int64)

@@ -49,6 +49,22 @@ __device__ __forceinline__ int atomic_cas_relaxed_sys(int* ptr, int expected, in
     return old;
 }
 
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
+    uint64_t value;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t value) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(ptr), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ uint32_t atomic_add_acq_rel_gpu(uint32_t* ptr, uint32_t value) {
+    uint32_t old;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
+    return old;
+}
+
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // Nanoseconds from the GPU's global timer (coarse, but monotonic and the same on every SM).

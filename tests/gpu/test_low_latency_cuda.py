@@ -1,0 +1,152 @@
+"""CUDA low-latency kernels against the reference backend on the same inputs (device machine only).
+
+Counts, layout ranges and source info exactly; FP8 data and scales bit for bit on the valid slots; combine
+bit for bit (the same float32 products and sums in the same order); the same through CUDA-graph replay
+with fresh inputs each replay. Outputs are poisoned before the kernels write them.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import pytest
+import torch
+
+from . import spawn
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 or more GPUs (run on the device machine)")
+
+CASES = [
+    # (num_tokens, num_max, hidden, num_experts, num_topk, kind, use_fp8, round_scale, use_ue8m0, hook)
+    (128, 128, 7168, 256, 8, "uniform", True, False, False, False),
+    (100, 128, 7168, 256, 8, "masked", True, True, True, True),
+    (64, 64, 4096, 64, 6, "empty_rank", False, False, False, False),
+    (1, 32, 2048, 32, 1, "uniform", True, False, False, True),
+    (32, 48, 1024, 16, 4, "no_tokens", True, True, False, False),
+]
+
+
+def _valid_slots(layout_range: torch.Tensor, num_slots: int) -> torch.Tensor:
+    counts = (layout_range & 0xFFFFFFFF).sum(1)
+    return torch.arange(num_slots, device=layout_range.device).view(1, -1) < counts.view(-1, 1)
+
+
+def _compare(seed, cases):
+    import torch.distributed as dist
+
+    from tokenyard import Buffer
+    from tokenyard.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    reports = []
+    for case_id, (num_tokens, num_max, hidden, num_experts, num_topk, kind, use_fp8, round_scale, use_ue8m0,
+                  hook) in enumerate(cases):
+        what = f"case {case_id} {kind}/h{hidden}/k{num_topk}/fp8={use_fp8}/ue8m0={use_ue8m0}/hook={hook}"
+        size = Buffer.get_low_latency_rdma_size_hint(num_max, hidden, num_ranks, num_experts)
+        ref = Buffer(dist.group.WORLD, 0, size, backend="reference")
+        cuda = Buffer(dist.group.WORLD, 0, size, backend="cuda", timeout_s=30)
+        cuda.runtime.use_low_latency_kernels = True
+        cuda.runtime.poison_outputs = True
+        num_local_experts = num_experts // num_ranks
+        stats = [torch.zeros(num_local_experts, dtype=torch.int32, device=device) for _ in range(2)]
+
+        def run(buffer, x, topk_idx, weights, stat):
+            recv, count, handle, _, receive = buffer.low_latency_dispatch(
+                x, topk_idx, num_max, num_experts, cumulative_local_expert_recv_stats=stat, use_fp8=use_fp8,
+                round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
+            receive()
+            data = recv[0] if use_fp8 else recv
+            # Expert outputs: a deterministic function of the received rows, the same on both backends.
+            y = (data.float() * 0.5 + 1.0).to(torch.bfloat16) if not use_fp8 else data.float().to(torch.bfloat16)
+            combined, _, receive = buffer.low_latency_combine(y, topk_idx, weights, handle, return_recv_hook=hook)
+            receive()
+            return recv, count, handle, combined
+
+        for replay in range(2):
+            x, topk_idx, weights = make_rank_inputs(seed + 17 * case_id + replay, num_ranks, num_tokens, hidden,
+                                                    num_experts, num_topk, kind, "bf16", device)[rank]
+            outs = [run(b, x, topk_idx, weights, s) for b, s in ((ref, stats[0]), (cuda, stats[1]))]
+            torch.cuda.synchronize()
+            (r_recv, r_count, r_handle, r_comb), (c_recv, c_count, c_handle, c_comb) = outs
+            assert torch.equal(r_count, c_count), f"{what}: packed_recv_count differs"
+            assert torch.equal(r_handle.layout_range, c_handle.layout_range), f"{what}: layout_range differs"
+            valid = _valid_slots(r_handle.layout_range, num_ranks * num_max)
+            assert torch.equal(r_handle.src_info[valid], c_handle.src_info[valid]), f"{what}: src_info differs"
+            r_data, c_data = (r_recv[0], c_recv[0]) if use_fp8 else (r_recv, c_recv)
+            assert torch.equal(r_data[valid].view(torch.uint8), c_data[valid].view(torch.uint8)), f"{what}: data"
+            if use_fp8:
+                assert c_recv[1].stride(1) == 1, f"{what}: scales are not column-major"
+                assert torch.equal(r_recv[1][valid], c_recv[1][valid]), f"{what}: scales differ"
+            assert torch.equal(r_comb, c_comb), f"{what}: combine differs by {(r_comb.float() - c_comb.float()).abs().max()}"
+        assert torch.equal(stats[0], stats[1]), f"{what}: cumulative stats differ"
+        cuda.runtime.check_failures()
+        reports.append(f"{what}: ok ({int(r_count.sum())} pairs received)")
+        ref.destroy()
+        cuda.destroy()
+    return reports
+
+
+def _graph_replay(seed):
+    """Capture dispatch -> expert -> combine once; replay with fresh inputs; compare with the reference."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer
+    from tokenyard.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_tokens, hidden, num_experts, num_topk = 128, 7168, 256, 8
+    size = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
+    ref = Buffer(dist.group.WORLD, 0, size, backend="reference")
+    cuda = Buffer(dist.group.WORLD, 0, size, backend="cuda", timeout_s=30)
+    cuda.runtime.use_low_latency_kernels = True
+
+    def step(buffer, x, topk_idx, weights):
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts)
+        y = recv[0].float().to(torch.bfloat16)
+        return buffer.low_latency_combine(y, topk_idx, weights, handle)[0]
+
+    x, topk_idx, weights = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk,
+                                            "uniform", "bf16", device)[rank]
+    static = [x.clone(), topk_idx.clone(), weights.clone()]
+    step(cuda, *static)  # warm up: compile and load outside the capture
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_out = step(cuda, *static)
+    for replay in range(3):
+        fresh = make_rank_inputs(seed + 1 + replay, num_ranks, num_tokens, hidden, num_experts, num_topk,
+                                 "masked" if replay % 2 else "uniform", "bf16", device)[rank]
+        for target, value in zip(static, fresh):
+            target.copy_(value)
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step(ref, *fresh)
+        torch.cuda.synchronize()
+        assert torch.equal(captured_out, want), f"replay {replay}: graph output differs from the reference"
+    cuda.runtime.check_failures()
+    ref.destroy()
+    cuda.destroy()
+    return "graph replays match the reference"
+
+
+def _seed():
+    return int(os.environ.get("TOKENYARD_TEST_SEED", secrets.randbelow(2**30)))
+
+
+@pytest.mark.parametrize("num_ranks", [n for n in (2, 4, 8) if n <= NUM_GPUS])
+def test_low_latency_kernels_match_reference(num_ranks):
+    seed = _seed()
+    print(f"seed {seed}")
+    for line in spawn.run(num_ranks, _compare, seed, CASES)[0]:
+        print(line)
+
+
+@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+def test_low_latency_kernels_replay_in_a_cuda_graph_with_fresh_inputs(num_ranks):
+    print(spawn.run(num_ranks, _graph_replay, _seed())[0])

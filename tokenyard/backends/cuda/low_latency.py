@@ -1,0 +1,135 @@
+"""Low-latency dispatch and combine with the CUDA kernels (include/tokenyard/kernels/low_latency.cuh).
+
+Everything a call does on the host is a fixed sequence of allocations and launches, so a call can be
+captured in a CUDA graph and replayed with new inputs. Consecutive calls alternate between the two halves
+of the buffer (NOTE [low-latency buffer]); signals carry an epoch the GPU keeps (NOTE [low-latency epochs]),
+so nothing needs cleaning between calls and replays signal afresh.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import workspace
+from ...handle import LowLatencyHandle
+from ...requests import LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
+from . import kernels
+
+_MASK32 = 0xFFFFFFFF
+
+
+class LowLatencyKernels:
+    """The low-latency half of the CUDA backend; `backend` owns the buffers, the kernels and the errors."""
+
+    def __init__(self, backend, buffer):
+        self.backend = backend
+        self.buffer = buffer  # a SymmetricBuffer of num_rdma_bytes
+        self._dispatch_calls = 0
+        self._bases = {}  # half_bytes -> (device array of half 0's base on every rank, the same for half 1)
+
+    def _half_bases(self, layout: workspace.LowLatencyLayout, half: int) -> torch.Tensor:
+        """Both halves are made on first use, so a call captured in a graph later copies nothing."""
+        if layout.half_bytes not in self._bases:
+            self._bases[layout.half_bytes] = tuple(
+                torch.tensor([base + h * layout.half_bytes for base in self.buffer.bases], dtype=torch.int64,
+                             device=self.backend.ctx.device) for h in (0, 1))
+        return self._bases[layout.half_bytes][half]
+
+    def _grid(self, num_tokens: int, num_local_experts: int) -> int:
+        warps = kernels.LOW_LATENCY_THREADS // 32
+        return max(1, min(self.backend.device_sms, max(num_local_experts, (num_tokens + warps - 1) // warps)))
+
+    def _buffer_args(self, layout, half: int, do_send: int, do_recv: int, num_max: int):
+        ctx = self.backend.ctx
+        return (self._half_bases(layout, half).data_ptr(), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
+                layout.dispatch_message_bytes, layout.dispatch_counts, layout.combine_recv, layout.combine_flags,
+                layout.state, do_send, do_recv)
+
+    @staticmethod
+    def _shared_bytes(num_experts: int, num_max: int) -> int:
+        return num_experts * ((num_max + 31) // 32) * 4  # NOTE [pair slots]
+
+    def dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+        backend, ctx = self.backend, self.backend.ctx
+        x, topk_idx = request.x, request.topk_idx.contiguous()
+        num_tokens, hidden = x.shape
+        num_topk = topk_idx.size(1)
+        num_experts, num_max = request.num_experts, request.num_max_dispatch_tokens_per_rank
+        num_local_experts, num_slots = num_experts // ctx.num_ranks, ctx.num_ranks * num_max
+        layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
+        self._dispatch_calls = (self._dispatch_calls + 1) & _MASK32
+        half = self._dispatch_calls % 2
+        device = x.device
+
+        data_dtype = torch.float8_e4m3fn if request.use_fp8 else torch.bfloat16
+        packed_recv_x = backend._empty(num_local_experts, num_slots, hidden, dtype=data_dtype, device=device)
+        packed_recv_x_scales = None
+        if request.use_fp8:
+            # Column-major in the last two axes, as DeepEP lays them out for TMA.
+            groups = hidden // 128 // (4 if request.use_ue8m0 else 1)
+            scale_dtype = torch.int32 if request.use_ue8m0 else torch.float32
+            packed_recv_x_scales = backend._empty(num_local_experts, groups, num_slots, dtype=scale_dtype,
+                                                  device=device).transpose(1, 2)
+        packed_recv_count = backend._empty(num_local_experts, dtype=torch.int32, device=device)
+        src_info = backend._empty(num_local_experts, num_slots, dtype=torch.int32, device=device)
+        layout_range = backend._empty(num_local_experts, ctx.num_ranks, dtype=torch.int64, device=device)
+
+        kernel = backend._kernel(kernels.low_latency_dispatch(num_topk, topk_idx.dtype, request.use_fp8,
+                                                              request.use_ue8m0))
+        grid = self._grid(num_tokens, num_local_experts)
+        stats = request.cumulative_local_expert_recv_stats
+        mask = request.rank_mask
+
+        def launch(do_send: int, do_recv: int) -> None:
+            kernel(grid, backend._stream(), x.data_ptr(), topk_idx.data_ptr(), num_tokens, hidden, num_experts,
+                   int(request.round_scale), packed_recv_x.data_ptr(),
+                   0 if packed_recv_x_scales is None else packed_recv_x_scales.data_ptr(),
+                   packed_recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
+                   0 if stats is None else stats.data_ptr(), 0 if mask is None else mask.data_ptr(),
+                   *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
+                   shared_bytes=self._shared_bytes(num_experts, num_max))
+
+        hook = None
+        if request.return_recv_hook:
+            launch(1, 0)
+
+            def hook():
+                backend.check_failures()
+                launch(0, 1)
+        else:
+            launch(1, 1)
+        handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk, half=half)
+        return LowLatencyDispatchResult(packed_recv_x, packed_recv_x_scales, packed_recv_count, handle, hook)
+
+    def combine(self, request: LowLatencyCombineRequest):
+        backend, ctx = self.backend, self.backend.ctx
+        handle = request.handle
+        x = request.x.contiguous()
+        topk_idx, topk_weights = request.topk_idx.contiguous(), request.topk_weights.contiguous()
+        num_tokens, num_topk = topk_idx.shape
+        num_max, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
+        half = handle.half
+        out = request.out if request.out is not None else backend._empty(num_tokens, hidden, dtype=torch.bfloat16,
+                                                                           device=x.device)
+        kernel = backend._kernel(kernels.low_latency_combine(num_topk, topk_idx.dtype))
+        grid = self._grid(num_tokens, num_experts // ctx.num_ranks)
+        mask = request.rank_mask
+
+        def launch(do_send: int, do_recv: int) -> None:
+            kernel(grid, backend._stream(), x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(),
+                   handle.layout_range.data_ptr(), num_tokens, hidden, num_experts, out.data_ptr(),
+                   0 if mask is None else mask.data_ptr(),
+                   *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
+                   shared_bytes=self._shared_bytes(num_experts, num_max))
+
+        if request.return_recv_hook:
+            launch(1, 0)
+
+            def hook():
+                backend.check_failures()
+                launch(0, 1)
+
+            return out, hook
+        launch(1, 1)
+        return out, None

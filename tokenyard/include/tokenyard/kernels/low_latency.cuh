@@ -1,0 +1,383 @@
+// Low-latency dispatch and combine over NVLink (docs/semantics.md, "Low-latency dispatch/combine").
+// No host synchronisation and no data-dependent allocation, so both can be captured in a CUDA graph.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "../copy.cuh"
+#include "../sync.cuh"
+
+namespace tokenyard::kernels {
+
+// One half of every rank's low-latency buffer, with the offsets of workspace.LowLatencyLayout.
+struct LowLatencyBuffers {
+    uint8_t* const* peer_bases;  // [num_ranks] the active half of each rank's buffer
+    int rank;
+    int num_ranks;
+    int num_local_experts;
+    int num_max;                 // M: tokens per rank at most
+    int64_t dispatch_recv;
+    int64_t message_bytes;
+    int64_t dispatch_counts;
+    int64_t combine_recv;
+    int64_t combine_row_bytes;
+    int64_t combine_flags;
+    int64_t state;
+
+    __device__ __forceinline__ uint8_t* message(int owner, int local_expert, int source, int slot) const {
+        return peer_bases[owner] + dispatch_recv +
+               ((static_cast<int64_t>(local_expert) * num_ranks + source) * num_max + slot) * message_bytes;
+    }
+    __device__ __forceinline__ uint64_t* count(int owner, int local_expert, int source) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_counts) + local_expert * num_ranks + source;
+    }
+    __device__ __forceinline__ uint8_t* combine_row(int owner, int expert, int slot) const {
+        return peer_bases[owner] + combine_recv + (static_cast<int64_t>(expert) * num_max + slot) * combine_row_bytes;
+    }
+    __device__ __forceinline__ uint64_t* combine_flag(int owner, int source) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_flags) + source;
+    }
+    __device__ __forceinline__ uint32_t* done_counter(int kind) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + kind;
+    }
+    __device__ __forceinline__ uint32_t* epoch(int kind) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + 2 + kind;
+    }
+};
+
+// NOTE [pair slots]
+// The slot of pair (t, k) inside expert e's region from this rank is the number of this rank's tokens
+// before t that chose e, which gives NOTE [recv order] without atomics. Every block builds, in shared
+// memory, one bit per (expert, token): bits[e * words + t / 32] bit t % 32. A slot is then a few popcounts,
+// and an expert's pair count the popcount of its row. Pairs whose expert is -1, out of range, or on a
+// masked rank set no bit and travel nowhere.
+template <int kNumTopk, typename TopkT>
+__device__ __forceinline__ void build_pair_bits(uint32_t* bits, int words, const TopkT* topk_idx, int num_tokens,
+                                                int num_experts, int num_local_experts, const int* rank_mask) {
+    for (int i = threadIdx.x; i < num_experts * words; i += blockDim.x)
+        bits[i] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_tokens * kNumTopk; p += blockDim.x) {
+        const int64_t e = static_cast<int64_t>(topk_idx[p]);
+        if (e < 0 || e >= num_experts || (rank_mask != nullptr && rank_mask[e / num_local_experts] != 0))
+            continue;
+        const int t = p / kNumTopk;
+        atomicOr(&bits[e * words + t / 32], 1u << (t % 32));
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ bool pair_chosen(const uint32_t* bits, int words, int e, int t) {
+    return (bits[e * words + t / 32] >> (t % 32)) & 1u;
+}
+
+__device__ __forceinline__ int pair_slot(const uint32_t* bits, int words, int e, int t) {
+    const uint32_t* row = bits + e * words;
+    int slot = 0;
+    for (int w = 0; w < t / 32; ++w)
+        slot += __popc(row[w]);
+    return slot + __popc(row[t / 32] & ((1u << (t % 32)) - 1u));
+}
+
+__device__ __forceinline__ int expert_pairs(const uint32_t* bits, int words, int e) {
+    int count = 0;
+    for (int w = 0; w < words; ++w)
+        count += __popc(bits[e * words + w]);
+    return count;
+}
+
+// quant.py's scale rounding: up to a power of two, on the bit pattern.
+__device__ __forceinline__ float round_scale_up_pow2(float scale) {
+    const uint32_t bits = __float_as_uint(scale);
+    const uint32_t exponent = ((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
+    return __uint_as_float(exponent << 23);
+}
+
+// NOTE [low-latency epochs]
+// Signals carry an epoch kept on the GPU, not a number from the host, so a call captured in a CUDA graph
+// and replayed still signals something new each time. Each half of the buffer keeps, per kind (dispatch 0,
+// combine 1), a done counter and an epoch. A launch that sends works with epoch = stored + 1 (read by
+// every block before it reports done); a receive-only launch (a hook) with the stored epoch, which its
+// send launch has already advanced. Every sending block adds one to the done counter when its writes are
+// fenced; the block that brings it to gridDim.x is the last: it resets the counter, publishes the
+// signals and stores the new epoch.
+__device__ __forceinline__ uint32_t launch_epoch(const LowLatencyBuffers& b, int kind, int do_send) {
+    return ptx::ld_relaxed_sys(b.epoch(kind)) + (do_send ? 1u : 0u);
+}
+
+__device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int kind) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ptx::fence_acq_rel_sys();
+        last = ptx::atomic_add_acq_rel_gpu(b.done_counter(kind), 1) + 1 == gridDim.x;
+        if (last) {
+            ptx::st_relaxed_sys(b.done_counter(kind), 0u);
+            ptx::fence_acq_rel_sys();
+        }
+    }
+    __syncthreads();
+    return last;
+}
+
+// NOTE [low-latency dispatch]
+// Send (do_send): a warp takes one token, quantizes it on the fly (FP8 per 128 channels, exactly as
+// quant.py: amax floored at 1e-4, scale = amax / 448 with an IEEE division, optionally rounded up to a
+// power of two, q = e4m3(clamp(x / scale))), and writes the message (header = token index, data, float32
+// scales) into the slot of each of its pairs at the expert's rank. The last block to finish then publishes
+// each expert's pair count to its rank as (epoch << 32) | count. Receive (do_recv): a block per local expert
+// waits for every source's count, lays the sources out one after the other (layout_range), and copies the
+// messages into the packed outputs. With a recv hook the two halves run as two launches. Signals carry
+// the epoch of NOTE [low-latency epochs].
+template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
+__device__ __forceinline__ void low_latency_dispatch(
+        const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
+        uint8_t* packed_recv_x, uint32_t* packed_recv_scales, int* packed_recv_count, int* src_info,
+        int64_t* layout_range, int* cumulative_stats, const int* rank_mask, uint8_t* const* peer_bases, int rank,
+        int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t dispatch_counts,
+        int64_t combine_recv, int64_t combine_flags, int64_t state, int do_send, int do_recv, int* error_flag,
+        int* host_record, uint64_t timeout_ns) {
+    const int num_local_experts = num_experts / num_ranks;
+    const LowLatencyBuffers b{peer_bases, rank, num_ranks, num_local_experts, num_max, dispatch_recv, message_bytes,
+                              dispatch_counts, combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags,
+                              state};
+    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int num_warps = blockDim.x / kWarpSize;
+    const int num_scales = hidden / 128;
+    const int data_bytes = kUseFp8 ? hidden : hidden * 2;
+    const int num_slots = num_ranks * num_max;
+    const uint32_t epoch = launch_epoch(b, 0, do_send);
+
+    if (do_send) {
+        extern __shared__ uint32_t bits[];
+        const int words = (num_max + 31) / 32;
+        build_pair_bits<kNumTopk, TopkT>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts, rank_mask);
+        for (int t = blockIdx.x * num_warps + warp; t < num_tokens; t += gridDim.x * num_warps) {
+            // Lane k finds the slot of pair (t, k); the warp then writes to each destination in k order.
+            uint8_t* dst = nullptr;
+            if (lane < kNumTopk) {
+                const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane]);
+                if (e >= 0 && e < num_experts && pair_chosen(bits, words, static_cast<int>(e), t))
+                    dst = b.message(static_cast<int>(e / num_local_experts), static_cast<int>(e % num_local_experts),
+                                    rank, pair_slot(bits, words, static_cast<int>(e), t));
+            }
+            const int4* row = x + static_cast<int64_t>(t) * hidden / 8;
+            for (int base = 0; base < hidden; base += kWarpSize * 8) {
+                const int c = base + lane * 8;  // this lane's 8 channels
+                const bool active = c < hidden;
+                int4 raw = make_int4(0, 0, 0, 0);
+                if (active)
+                    raw = ptx::ld_nc_v4(row + c / 8);
+                if constexpr (kUseFp8) {
+                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+                    float v[8], amax = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        v[i] = __bfloat162float(h[i]);
+                        amax = fmaxf(amax, fabsf(v[i]));
+                    }
+#pragma unroll
+                    for (int offset = 8; offset > 0; offset >>= 1)  // the 16 lanes of one 128-channel group
+                        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+                    float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
+                    if (round_scale)
+                        scale = round_scale_up_pow2(scale);
+                    uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const float q = fminf(fmaxf(__fdiv_rn(v[i], scale), -448.0f), 448.0f);
+                        const uint32_t byte = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+                        packed[i / 4] |= byte << (8 * (i % 4));
+                    }
+                    for (int k = 0; k < kNumTopk; ++k) {
+                        uint8_t* to = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(dst), k));
+                        if (to == nullptr || !active)
+                            continue;
+                        *reinterpret_cast<uint2*>(to + 16 + c) = make_uint2(packed[0], packed[1]);
+                        if (lane % 16 == 0)
+                            reinterpret_cast<float*>(to + 16 + hidden)[c / 128] = scale;
+                    }
+                } else {
+                    for (int k = 0; k < kNumTopk; ++k) {
+                        uint8_t* to = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(dst), k));
+                        if (to != nullptr && active)
+                            ptx::st_na_v4(reinterpret_cast<int4*>(to + 16) + c / 8, raw);
+                    }
+                }
+            }
+            if (dst != nullptr)
+                *reinterpret_cast<int*>(dst) = t;
+        }
+        if (last_block_done(b, 0)) {
+            for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+                const int owner = e / num_local_experts;
+                if (rank_mask != nullptr && rank_mask[owner] != 0)
+                    continue;
+                const uint64_t word = (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(expert_pairs(bits, words, e));
+                ptx::st_release_sys(b.count(owner, e % num_local_experts, rank), word);
+            }
+            if (threadIdx.x == 0)
+                ptx::st_relaxed_sys(b.epoch(0), epoch);
+        }
+    }
+    if (!do_recv)
+        return;
+
+    // Receive: one block per local expert at a time.
+    __shared__ int counts[kWarpSize], begins[kWarpSize];
+    for (int l = blockIdx.x; l < num_local_experts; l += gridDim.x) {
+        if (threadIdx.x < num_ranks) {
+            const int s = threadIdx.x;
+            int count = 0;
+            if (rank_mask == nullptr || rank_mask[s] == 0)
+                count = max(0, wait_for_seq(wait, b.count(rank, l, s), epoch, s, kStageLowLatencyDispatchRecv));
+            counts[s] = count;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int total = 0;
+            for (int s = 0; s < num_ranks; ++s) {
+                begins[s] = total;
+                layout_range[static_cast<int64_t>(l) * num_ranks + s] =
+                        (static_cast<int64_t>(total) << 32) | static_cast<int64_t>(counts[s]);
+                total += counts[s];
+            }
+            packed_recv_count[l] = total;
+            if (cumulative_stats != nullptr)
+                cumulative_stats[l] += total;
+        }
+        __syncthreads();
+        for (int s = 0; s < num_ranks; ++s) {
+            for (int j = warp; j < counts[s]; j += num_warps) {
+                const int row = begins[s] + j;
+                const uint8_t* msg = b.message(rank, l, s, j);
+                const int64_t out = static_cast<int64_t>(l) * num_slots + row;
+                warp_copy<8, true>(reinterpret_cast<int4*>(packed_recv_x + out * data_bytes),
+                                   reinterpret_cast<const int4*>(msg + 16), data_bytes / 16, lane);
+                if constexpr (kUseFp8) {
+                    const int* scales = reinterpret_cast<const int*>(msg + 16 + hidden);
+                    if constexpr (kUseUe8m0) {
+                        // Four groups' biased exponents per int32, little-endian (quant.pack_ue8m0).
+                        for (int g4 = lane; g4 < num_scales / 4; g4 += kWarpSize) {
+                            uint32_t word = 0;
+                            for (int i = 0; i < 4; ++i)
+                                word |= ((static_cast<uint32_t>(ptx::ld_na_s32(scales + 4 * g4 + i)) >> 23) & 0xffu) << (8 * i);
+                            packed_recv_scales[(static_cast<int64_t>(l) * (num_scales / 4) + g4) * num_slots + row] = word;
+                        }
+                    } else {
+                        for (int g = lane; g < num_scales; g += kWarpSize)  // column-major, as DeepEP
+                            packed_recv_scales[(static_cast<int64_t>(l) * num_scales + g) * num_slots + row] =
+                                    ptx::ld_na_s32(scales + g);
+                    }
+                }
+                if (lane == 0)
+                    src_info[out] = ptx::ld_na_s32(reinterpret_cast<const int*>(msg));
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// NOTE [low-latency combine]
+// Send (do_send): for each local expert l and source s, the rows begin..begin+count of l that came from s
+// (layout_range) go back to s, row j of them into s's combine region at (expert, slot j): the same slot
+// numbering as the dispatch (NOTE [pair slots]). The last block to finish publishes (epoch << 32) | 1 to
+// every source. Reduce (do_recv): a warp takes one token; lane k finds pair (t, k)'s expert, slot and
+// owner and waits for that owner's flag; the warp then sums, for k in order, weight * row in float32
+// (a product, then a sum) and writes bf16.
+template <int kNumTopk, typename TopkT>
+__device__ __forceinline__ void low_latency_combine(
+        const int4* x, const TopkT* topk_idx, const float* topk_weights, const int64_t* layout_range, int num_tokens,
+        int hidden, int num_experts, int4* combined_x, const int* rank_mask, uint8_t* const* peer_bases, int rank,
+        int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t dispatch_counts,
+        int64_t combine_recv, int64_t combine_flags, int64_t state, int do_send, int do_recv, int* error_flag,
+        int* host_record, uint64_t timeout_ns) {
+    const int num_local_experts = num_experts / num_ranks;
+    const LowLatencyBuffers b{peer_bases, rank, num_ranks, num_local_experts, num_max, dispatch_recv, message_bytes,
+                              dispatch_counts, combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags,
+                              state};
+    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int num_warps = blockDim.x / kWarpSize;
+    const int hidden_int4 = hidden * 2 / 16;
+    const int num_slots = num_ranks * num_max;
+    const uint32_t epoch = launch_epoch(b, 1, do_send);
+
+    if (do_send) {
+        // Expert l's rows are the sources' blocks one after the other; the grid's warps take them round robin.
+        const int total_warps = gridDim.x * num_warps, first_warp = blockIdx.x * num_warps + warp;
+        for (int l = 0; l < num_local_experts; ++l) {
+            const int64_t* ranges = layout_range + static_cast<int64_t>(l) * num_ranks;
+            const int64_t last = ranges[num_ranks - 1];
+            const int rows = static_cast<int>(last >> 32) + static_cast<int>(last & 0xffffffff);
+            for (int i = first_warp; i < rows; i += total_warps) {
+                int s = 0;
+                while (s + 1 < num_ranks && static_cast<int>(ranges[s + 1] >> 32) <= i)
+                    ++s;
+                if (rank_mask != nullptr && rank_mask[s] != 0)
+                    continue;
+                const int j = i - static_cast<int>(ranges[s] >> 32);
+                const int4* src = x + (static_cast<int64_t>(l) * num_slots + i) * hidden_int4;
+                warp_copy<8, false>(reinterpret_cast<int4*>(b.combine_row(s, rank * num_local_experts + l, j)), src,
+                                    hidden_int4, lane);
+            }
+        }
+        if (last_block_done(b, 1)) {
+            for (int s = threadIdx.x; s < num_ranks; s += blockDim.x)
+                if (rank_mask == nullptr || rank_mask[s] == 0)
+                    ptx::st_release_sys(b.combine_flag(s, rank), (static_cast<uint64_t>(epoch) << 32) | 1u);
+            if (threadIdx.x == 0)
+                ptx::st_relaxed_sys(b.epoch(1), epoch);
+        }
+    }
+    if (!do_recv)
+        return;
+
+    extern __shared__ uint32_t bits[];
+    const int words = (num_max + 31) / 32;
+    build_pair_bits<kNumTopk, TopkT>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts, rank_mask);
+    for (int t = blockIdx.x * num_warps + warp; t < num_tokens; t += gridDim.x * num_warps) {
+        const uint8_t* row = nullptr;
+        float weight = 0.0f;
+        bool ok = true;
+        if (lane < kNumTopk) {
+            const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane]);
+            if (e >= 0 && e < num_experts && pair_chosen(bits, words, static_cast<int>(e), t)) {
+                const int owner = static_cast<int>(e / num_local_experts);
+                ok = wait_for_seq(wait, b.combine_flag(rank, owner), epoch, owner, kStageLowLatencyCombineRecv) >= 0;
+                row = b.combine_row(rank, static_cast<int>(e), pair_slot(bits, words, static_cast<int>(e), t));
+                weight = topk_weights[static_cast<int64_t>(t) * kNumTopk + lane];
+            }
+        }
+        if (!__all_sync(0xffffffffu, ok))
+            return;
+        for (int i = lane; i < hidden_int4; i += kWarpSize) {
+            float acc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                acc[e] = 0.0f;
+            for (int k = 0; k < kNumTopk; ++k) {
+                const uint8_t* from = reinterpret_cast<const uint8_t*>(
+                        __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), k));
+                const float w = __shfl_sync(0xffffffffu, weight, k);
+                if (from == nullptr)
+                    continue;
+                const int4 v = ptx::ld_na_v4(reinterpret_cast<const int4*>(from) + i);
+                const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    acc[e] = __fadd_rn(acc[e], __fmul_rn(w, __bfloat162float(h[e])));
+            }
+            int4 out;
+            __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                o[e] = __float2bfloat16_rn(acc[e]);
+            ptx::st_na_v4(combined_x + static_cast<int64_t>(t) * hidden_int4 + i, out);
+        }
+    }
+}
+
+}  // namespace tokenyard::kernels
