@@ -138,11 +138,24 @@ def _seed():
     return int(os.environ.get("TOKENYARD_TEST_SEED", secrets.randbelow(2**30)))
 
 
+def _compare_ranks_split(seed, cases):
+    from tokenyard.backends.cuda import heuristics
+
+    heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT = True
+    return _compare_ranks(seed, cases)
+
+
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4, 8) if n <= NUM_GPUS])
 def test_cuda_normal_mode_matches_reference(num_ranks):
     seed = _seed()
     print(f"seed {seed}")
     for line in spawn.run(num_ranks, _compare_ranks, seed, CASES)[0]:
+        print(line)
+
+
+@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+def test_cuda_dispatch_with_senders_started_before_the_cpu_wait_matches_reference(num_ranks):
+    for line in spawn.run(num_ranks, _compare_ranks_split, _seed(), CASES[:3])[0]:
         print(line)
 
 

@@ -224,7 +224,31 @@ class CudaBackend(Backend):
             source_num_tokens.data_ptr(), self.host_counts_ptr, call_id, self.normal.bases_tensor.data_ptr(), rank,
             (call_id * num_ranks) & _MASK32, *self._wait_args())
 
-        # 2. Output sizes: from the handle, the worst case, or the CPU wait.
+        # 2. The rows. The senders need no output tensor, so where the CPU must wait for the counts before it
+        #    can size the outputs, they may start before the wait (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT)
+        #    and the receivers follow in a launch of their own.
+        grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.DISPATCH_SEND_SHARE)
+        kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, num_scales, num_topk, topk_dtype))
+        buffer_args = self._buffer_args(layout, self._next("_seq"))
+        scale_strides = (0, 0) if scales is None else (scales.stride(0), scales.stride(1))
+        send_head = None if cached else self._empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
+        outputs = None
+
+        def launch(num_send_blocks: int) -> None:
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs or (None,) * 5
+            kernel(grid.num_blocks, stream, x.data_ptr(), 0 if scales is None else scales.data_ptr(), *scale_strides,
+                   0 if topk_idx is None else topk_idx.data_ptr(),
+                   0 if request.topk_weights is None or cached else request.topk_weights.data_ptr(),
+                   is_token_in_rank.data_ptr(), prefix_excl.data_ptr(), rank_prefix_matrix.data_ptr(),
+                   source_num_tokens.data_ptr(), num_tokens, num_local_experts, num_send_blocks,
+                   *(0 if t is None else t.data_ptr() for t in (recv_x, recv_scales, recv_topk_idx,
+                                                                 recv_topk_weights, recv_src_idx, send_head)),
+                   request.num_worst_tokens, *buffer_args, *self._wait_args())
+
+        cpu_wait = not cached and not request.num_worst_tokens
+        split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
+        if split:
+            launch(grid.num_blocks)  # senders only
         per_expert_list = None
         if cached:
             num_rows = request.handle.num_rows
@@ -243,22 +267,11 @@ class CudaBackend(Backend):
             recv_topk_idx = self._empty(num_rows, num_topk, dtype=topk_dtype, device=device)
             recv_topk_weights = self._empty(num_rows, num_topk, dtype=torch.float32, device=device)
         recv_src_idx = self._empty(num_rows, dtype=torch.int32, device=device)
-        send_head = None if cached else self._empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
-
-        # 3. The rows.
-        grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.DISPATCH_SEND_SHARE)
-        scale_strides = (0, 0) if scales is None else (scales.stride(0), scales.stride(1))
-        self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, num_scales, num_topk, topk_dtype))(
-            grid.num_blocks, stream, x.data_ptr(), 0 if scales is None else scales.data_ptr(), *scale_strides,
-            0 if topk_idx is None else topk_idx.data_ptr(),
-            0 if request.topk_weights is None or cached else request.topk_weights.data_ptr(),
-            is_token_in_rank.data_ptr(), prefix_excl.data_ptr(), rank_prefix_matrix.data_ptr(),
-            source_num_tokens.data_ptr(), num_tokens, num_local_experts, grid.num_send_blocks, recv_x.data_ptr(),
-            0 if recv_scales is None else recv_scales.data_ptr(),
-            0 if recv_topk_idx is None else recv_topk_idx.data_ptr(),
-            0 if recv_topk_weights is None else recv_topk_weights.data_ptr(), recv_src_idx.data_ptr(),
-            0 if send_head is None else send_head.data_ptr(), request.num_worst_tokens,
-            *self._buffer_args(layout, self._next("_seq")), *self._wait_args())
+        outputs = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx)
+        if split:
+            launch(0)  # receivers only
+        else:
+            launch(grid.num_send_blocks)
 
         if cached:
             handle = request.handle

@@ -26,6 +26,11 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
 DISPATCH_SEND_SHARE = 1 / 2
 COMBINE_SEND_SHARE = 1 / 2    # reducers read every row of every token
 
+# A dispatch that waits on the CPU for the counts launches its senders before the wait and its receivers
+# after it, so the rows travel while the host sizes the outputs. Off until measured on the device machine
+# (tests/gpu/test_normal_cuda.py runs both ways).
+SPLIT_DISPATCH_AROUND_CPU_WAIT = False
+
 
 def layout_grid(num_tokens: int, threads: int, device_sms: int) -> int:
     return max(1, min(device_sms, (num_tokens + threads - 1) // threads))
