@@ -150,3 +150,67 @@ def test_low_latency_kernels_match_reference(num_ranks):
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
 def test_low_latency_kernels_replay_in_a_cuda_graph_with_fresh_inputs(num_ranks):
     print(spawn.run(num_ranks, _graph_replay, _seed())[0])
+
+
+def _masked_rank(seed):
+    """With enable_shrink, a rank that stops answering is masked and the others keep serving."""
+    import time
+
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, routing
+    from tokenyard.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_tokens, hidden, num_experts, num_topk = 32, 1024, 8 * num_ranks, 4
+    num_local_experts = num_experts // num_ranks
+    size = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
+    buffer = Buffer(dist.group.WORLD, 0, size, backend="cuda", enable_shrink=True, timeout_s=3)
+    buffer.runtime.use_low_latency_kernels = True
+    inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, "uniform", "bf16")
+    x, topk_idx, weights = (t.to(device) for t in inputs[rank])
+
+    def call():
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts, use_fp8=False)
+        return count, buffer.low_latency_combine(recv, topk_idx, weights, handle)[0]
+
+    call()  # every rank takes part once
+    torch.cuda.synchronize()
+    dist.barrier()
+    stopped = num_ranks - 1
+    message = "stopped"
+    if rank != stopped:
+        start = time.monotonic()
+        count, combined = call()
+        torch.cuda.synchronize()
+        status = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+        buffer.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [int(r == stopped) for r in range(num_ranks)], status.tolist()
+        # Expected: the stopped rank sent nothing and its experts received nothing.
+        survivors = [(inp[0], torch.where(inp[1] // num_local_experts == stopped, torch.full_like(inp[1], -1), inp[1]))
+                     for inp in inputs]
+        survivors[stopped] = (survivors[stopped][0][:0], survivors[stopped][1][:0])
+        oracle = routing.low_latency_dispatch([s[0] for s in survivors], [s[1] for s in survivors], num_tokens,
+                                              num_experts, use_fp8=False)
+        want = routing.low_latency_combine([o["packed_recv_x"] for o in oracle], [s[1] for s in survivors],
+                                           [inp[2] for inp in inputs], [o["layout_range"] for o in oracle],
+                                           num_experts)[rank]
+        assert torch.equal(count.cpu(), oracle[rank]["packed_recv_count"]), "masked call counts differ"
+        assert torch.equal(combined.cpu(), want), "masked call combine differs"
+        first = time.monotonic() - start
+        start = time.monotonic()
+        call()  # the mask holds: no wait for the stopped rank
+        torch.cuda.synchronize()
+        again = time.monotonic() - start
+        assert again < 1.0, f"a call after masking took {again:.2f} s"
+        message = f"masked rank {stopped} after {first:.1f} s; next call {again * 1e3:.1f} ms"
+    dist.barrier()
+    buffer.destroy()
+    return message
+
+
+@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+def test_a_stopped_rank_is_masked_and_the_others_keep_serving(num_ranks):
+    for line in spawn.run(num_ranks, _masked_rank, _seed()):
+        print(line)

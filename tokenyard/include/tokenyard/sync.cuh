@@ -69,9 +69,10 @@ __device__ __forceinline__ bool wait_at_least(const WaitContext& ctx, const uint
 }
 
 // Spin until the high half of *word equals `seq` (a word the peer stores as (tag << 32) | value with
-// release, the tag being a call's epoch); returns the low half, or -1 after recording a timeout.
+// release, the tag being a call's epoch); returns the low half, or -1 at the deadline, having recorded a
+// timeout unless `record` is false (the caller masks the peer instead).
 __device__ __forceinline__ int wait_for_seq(const WaitContext& ctx, const uint64_t* word, uint32_t seq, int peer,
-                                            int stage) {
+                                            int stage, bool record = true) {
     uint64_t start = 0;
     for (int spin = 0;; ++spin) {
         const uint64_t seen = ptx::ld_acquire_sys(word);
@@ -81,8 +82,9 @@ __device__ __forceinline__ int wait_for_seq(const WaitContext& ctx, const uint64
             const uint64_t now = ptx::global_timer_ns();
             if (start == 0) {
                 start = now;
-            } else if (now - start > ctx.timeout_ns || failed(ctx)) {
-                record_error(ctx, kErrorTimeout, peer, stage, static_cast<uint32_t>(seen >> 32), seq);
+            } else if (now - start > ctx.timeout_ns || (record && failed(ctx))) {
+                if (record)
+                    record_error(ctx, kErrorTimeout, peer, stage, static_cast<uint32_t>(seen >> 32), seq);
                 return -1;
             }
         }

@@ -121,6 +121,12 @@ __device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int 
     return last;
 }
 
+// NOTE [rank masking]
+// With a rank mask (Buffer(enable_shrink=True)), a rank whose signal misses the deadline is marked in the
+// mask instead of failing the call: its pairs count as absent in this call, and later calls neither send
+// to it nor wait for it (build_pair_bits drops its experts), so the surviving ranks keep serving. Without a
+// mask the timeout is recorded and raised as CommTimeoutError.
+
 // NOTE [low-latency dispatch]
 // Send (do_send): a warp takes one token, quantizes it on the fly (FP8 per 128 channels, exactly as
 // quant.py: amax floored at 1e-4, scale = amax / 448 with an IEEE division, optionally rounded up to a
@@ -134,7 +140,7 @@ template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
 __device__ __forceinline__ void low_latency_dispatch(
         const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
         uint8_t* packed_recv_x, uint32_t* packed_recv_scales, int* packed_recv_count, int* src_info,
-        int64_t* layout_range, int* cumulative_stats, const int* rank_mask, uint8_t* const* peer_bases, int rank,
+        int64_t* layout_range, int* cumulative_stats, int* rank_mask, uint8_t* const* peer_bases, int rank,
         int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t dispatch_counts,
         int64_t combine_recv, int64_t combine_flags, int64_t state, int do_send, int do_recv, int* error_flag,
         int* host_record, uint64_t timeout_ns) {
@@ -231,8 +237,13 @@ __device__ __forceinline__ void low_latency_dispatch(
         if (threadIdx.x < num_ranks) {
             const int s = threadIdx.x;
             int count = 0;
-            if (rank_mask == nullptr || rank_mask[s] == 0)
-                count = max(0, wait_for_seq(wait, b.count(rank, l, s), epoch, s, kStageLowLatencyDispatchRecv));
+            if (rank_mask == nullptr || rank_mask[s] == 0) {
+                count = wait_for_seq(wait, b.count(rank, l, s), epoch, s, kStageLowLatencyDispatchRecv,
+                                     rank_mask == nullptr);
+                if (count < 0 && rank_mask != nullptr)
+                    atomicExch(rank_mask + s, 1);  // NOTE [rank masking]
+                count = max(0, count);
+            }
             counts[s] = count;
         }
         __syncthreads();
@@ -290,7 +301,7 @@ __device__ __forceinline__ void low_latency_dispatch(
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
         const int4* x, const TopkT* topk_idx, const float* topk_weights, const int64_t* layout_range, int num_tokens,
-        int hidden, int num_experts, int4* combined_x, const int* rank_mask, uint8_t* const* peer_bases, int rank,
+        int hidden, int num_experts, int4* combined_x, int* rank_mask, uint8_t* const* peer_bases, int rank,
         int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t dispatch_counts,
         int64_t combine_recv, int64_t combine_flags, int64_t state, int do_send, int do_recv, int* error_flag,
         int* host_record, uint64_t timeout_ns) {
@@ -346,9 +357,16 @@ __device__ __forceinline__ void low_latency_combine(
             const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane]);
             if (e >= 0 && e < num_experts && pair_chosen(bits, words, static_cast<int>(e), t)) {
                 const int owner = static_cast<int>(e / num_local_experts);
-                ok = wait_for_seq(wait, b.combine_flag(rank, owner), epoch, owner, kStageLowLatencyCombineRecv) >= 0;
-                row = b.combine_row(rank, static_cast<int>(e), pair_slot(bits, words, static_cast<int>(e), t));
-                weight = topk_weights[static_cast<int64_t>(t) * kNumTopk + lane];
+                const bool arrived = wait_for_seq(wait, b.combine_flag(rank, owner), epoch, owner,
+                                                  kStageLowLatencyCombineRecv, rank_mask == nullptr) >= 0;
+                if (arrived) {
+                    row = b.combine_row(rank, static_cast<int>(e), pair_slot(bits, words, static_cast<int>(e), t));
+                    weight = topk_weights[static_cast<int64_t>(t) * kNumTopk + lane];
+                } else if (rank_mask != nullptr) {
+                    atomicExch(rank_mask + owner, 1);  // NOTE [rank masking]
+                } else {
+                    ok = false;
+                }
             }
         }
         if (!__all_sync(0xffffffffu, ok))
