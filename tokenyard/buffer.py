@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Callable, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -17,11 +17,12 @@ import torch.distributed as dist
 from . import checks, env, workspace
 from .backends import create_backend
 from .backends.base import GroupContext
+from .buffer_low_latency import LowLatencyCalls
 from .config import Config
 from .errors import InvalidInputError, TokenyardError
 from .event import EventHandle, EventOverlap
-from .handle import DispatchHandle, LowLatencyHandle
-from .requests import CombineRequest, DispatchRequest, LowLatencyCombineRequest, LowLatencyDispatchRequest
+from .handle import DispatchHandle
+from .requests import CombineRequest, DispatchRequest
 
 _buffer_ids = itertools.count(1)
 
@@ -46,7 +47,7 @@ def _group_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     return torch.device("cpu")
 
 
-class Buffer:
+class Buffer(LowLatencyCalls):
     """Communication buffers and operations for expert-parallel dispatch and combine.
 
     Naive equivalent: `dispatch` is an all-to-all that sends each token to every rank holding one of
@@ -427,162 +428,3 @@ class Buffer:
         if async_finish:
             self._hand_over(self._comm_stream, (x, topk_weights, bias_0, bias_1) + tuple(handle))
         return combined_x, combined_topk_weights, scope.event
-
-    # -- low-latency mode ---------------------------------------------------------------------------------
-
-    def _low_latency_checks(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        checks.num_experts(num_experts, self.group_size)
-        if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank <= 0:
-            raise InvalidInputError("num_max_dispatch_tokens_per_rank must be a positive int, got "
-                                    f"{num_max_dispatch_tokens_per_rank!r}")
-        checks.low_latency_capacity(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-                                    hidden=hidden, num_ranks=self.group_size, num_experts=num_experts,
-                                    num_rdma_bytes=self.num_rdma_bytes)
-
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset the low-latency signalling state (after normal-mode use of the same memory, say)."""
-        self._low_latency_checks(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._backend().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
-        """Send each (token, expert) pair to the expert's rank, packed per local expert.
-
-        Naive equivalent: local expert l receives, from each rank in order, the tokens that chose it.
-
-        Arguments:
-            x: ``[T, H]`` bf16, T <= `num_max_dispatch_tokens_per_rank` (same on every rank).
-            topk_idx: ``[T, K]`` int64 global expert ids, -1 for none, distinct per row, K <= 16.
-            cumulative_local_expert_recv_stats: ``[L]`` int32, incremented by the received counts.
-            dispatch_wait_recv_cost_stats: accepted and ignored (no per-peer wait timers).
-            use_fp8: quantize to e4m3 with per-128-channel float32 scales (H % 128 == 0).
-            round_scale, use_ue8m0: power-of-two scales; UE8M0 packs them as int32 (H % 512 == 0).
-            return_recv_hook: send only; the returned hook receives.
-        Returns:
-            ``packed_recv_x`` (``(e4m3 [L, R*M, H], scales [L, R*M, H/128])`` or bf16 ``[L, R*M, H]``),
-            ``packed_recv_count`` int32 [L], ``handle``, event, hook.
-        Raises:
-            InvalidInputError, CapacityError: before any communication.
-        """
-        del dispatch_wait_recv_cost_stats
-        backend = self._backend()
-        checks.tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self.device)
-        num_tokens, hidden = x.shape
-        checks.topk_idx(topk_idx, num_tokens=num_tokens, device=self.device, max_topk=workspace.MAX_TOPK)
-        self._low_latency_checks(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if num_tokens > num_max_dispatch_tokens_per_rank:
-            raise InvalidInputError(f"{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
-                                    f"{num_max_dispatch_tokens_per_rank}")
-        if use_fp8 and hidden % 128 != 0:
-            raise InvalidInputError(f"FP8 dispatch needs hidden % 128 == 0, got hidden={hidden}")
-        if use_fp8 and use_ue8m0 and hidden % 512 != 0:
-            raise InvalidInputError(f"UE8M0 scales need hidden % 512 == 0, got hidden={hidden}")
-        num_local_experts = num_experts // self.group_size
-        if cumulative_local_expert_recv_stats is not None:
-            checks.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                          dtypes=(torch.int32,), shape=(num_local_experts,), device=self.device)
-        if self._check_values():
-            checks.topk_values(topk_idx, num_experts, unique=True)
-        request = LowLatencyDispatchRequest(
-            x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-            num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale or use_ue8m0,
-            use_ue8m0=use_ue8m0 and use_fp8, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-            return_recv_hook=return_recv_hook, rank_mask=self._rank_mask)
-        with self._stream_scope(use_comm_stream=async_finish, async_finish=async_finish) as scope:
-            result = backend.low_latency_dispatch(request)
-        handle = LowLatencyHandle(*result.handle, buffer_id=self._id, num_topk=topk_idx.size(1),
-                                  half=result.handle.half)
-        recv_x = (result.packed_recv_x, result.packed_recv_x_scales) if use_fp8 else result.packed_recv_x
-        return recv_x, result.packed_recv_count, handle, scope.event, self._wrap_hook(result.hook)
-
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
-                            async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
-        """Return each expert output to its token's rank and sum them with the top-k weights.
-
-        Naive equivalent: ``out[t] = sum_k topk_weights[t, k] * expert_output(topk_idx[t, k], t)``.
-
-        Arguments:
-            x: ``[L, R*M, H]`` bf16 expert outputs in the dispatch's slots (ignored with `zero_copy`,
-                which reads `get_next_low_latency_combine_buffer(handle)` instead).
-            topk_idx, topk_weights: the ``[T, K]`` ids given to the dispatch and float32 weights.
-            handle: the low-latency dispatch's handle.
-            use_logfmt: not supported; raises.
-            out: ``[T, H]`` bf16 to write into.
-            combine_wait_recv_cost_stats: accepted and ignored.
-        Returns:
-            ``combined_x`` [T, H] bf16, event, hook.
-        Raises:
-            InvalidInputError, HandleError: before any communication.
-        """
-        del combine_wait_recv_cost_stats
-        backend = self._backend()
-        if use_logfmt:
-            raise InvalidInputError("use_logfmt is not supported by tokenyard yet; call with use_logfmt=False")
-        handle = checks.low_latency_handle(handle, buffer_id=self._id)
-        num_max, hidden, num_experts = handle[2], handle[3], handle[4]
-        self._low_latency_checks(num_max, hidden, num_experts)
-        num_local_experts = num_experts // self.group_size
-        if zero_copy:
-            x = backend.next_low_latency_combine_buffer(num_max, hidden, num_experts)
-        checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(num_local_experts, self.group_size * num_max, hidden),
-                      device=self.device)
-        checks.topk_idx(topk_idx, num_tokens=None, device=self.device, max_topk=workspace.MAX_TOPK)
-        if handle.num_topk is not None and topk_idx.size(1) != handle.num_topk:
-            raise InvalidInputError(f"topk_idx has {topk_idx.size(1)} columns; the dispatch had {handle.num_topk}")
-        checks.topk_weights(topk_weights, like=topk_idx, device=self.device)
-        if out is not None:
-            checks.tensor("out", out, dtypes=(torch.bfloat16,), shape=(topk_idx.size(0), hidden), device=self.device)
-        request = LowLatencyCombineRequest(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=handle,
-                                           zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out,
-                                           rank_mask=self._rank_mask)
-        with self._stream_scope(use_comm_stream=async_finish, async_finish=async_finish) as scope:
-            combined_x, hook = backend.low_latency_combine(request)
-        return combined_x, scope.event, self._wrap_hook(hook)
-
-    @staticmethod
-    def _wrap_hook(hook: Optional[Callable[[], None]]) -> Callable[[], None]:
-        """DeepEP always returns a callable; without `return_recv_hook` it does nothing."""
-        if hook is None:
-            return lambda: None
-        done = []
-
-        def receive() -> None:
-            if not done:
-                hook()
-                done.append(True)
-
-        return receive
-
-    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
-        """The bf16 ``[L, R*M, H]`` tensor to fill before ``low_latency_combine(..., zero_copy=True)``."""
-        handle = checks.low_latency_handle(handle, buffer_id=self._id)
-        return self._backend().next_low_latency_combine_buffer(handle[2], handle[3], handle[4])
-
-    # -- rank masking (enable_shrink) ---------------------------------------------------------------------
-
-    def _mask(self) -> torch.Tensor:
-        if self._rank_mask is None:
-            raise InvalidInputError("rank masking needs Buffer(..., enable_shrink=True)")
-        return self._rank_mask
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Mask (``mask=True``) or unmask a rank: low-latency calls neither send to nor wait for it."""
-        if not 0 <= rank_to_mask < self.group_size:
-            raise InvalidInputError(f"rank_to_mask={rank_to_mask} is outside [0, {self.group_size})")
-        self._mask()[rank_to_mask] = int(bool(mask))
-
-    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        """Copy the mask (1 = masked) into `mask_status`, an int32 [R] tensor."""
-        checks.tensor("mask_status", mask_status, dtypes=(torch.int32,), shape=(self.group_size,), contiguous=False)
-        mask_status.copy_(self._mask())
-
-    def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank."""
-        self._mask().zero_()
-
