@@ -31,7 +31,6 @@ CASES = [
 def _compare_ranks(seed, cases):
     import torch.distributed as dist
 
-    import tokenyard
     from tokenyard import Buffer, Config
     from tokenyard.testing import make_rank_inputs
 

@@ -228,9 +228,9 @@ class ReferenceBackend(Backend):
         return num_max * min(num_topk, num_local_experts)
 
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
-        num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
+        num_ranks = self.ctx.num_ranks
         x, topk_idx = request.x, request.topk_idx
-        device, (num_tokens, num_topk), hidden = x.device, topk_idx.shape, x.size(1)
+        device, num_topk, hidden = x.device, topk_idx.size(1), x.size(1)
         num_experts, num_max = request.num_experts, request.num_max_dispatch_tokens_per_rank
         num_local_experts = num_experts // num_ranks
         rows_per_rank = self._rows_per_rank(num_max, num_topk, num_local_experts)

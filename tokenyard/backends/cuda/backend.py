@@ -153,8 +153,9 @@ class CudaBackend(Backend):
             t.view(torch.uint8).fill_(0xAB)
         return t
 
-    def _next(self, counter: str, step: int = 1) -> int:
-        value = (getattr(self, counter) + step) & _MASK32
+    def _next(self, counter: str) -> int:
+        """Advance one of the call counters (the same on every rank, since every rank makes the same calls)."""
+        value = (getattr(self, counter) + 1) & _MASK32
         setattr(self, counter, value)
         return value
 

@@ -6,9 +6,7 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 
 from ...jit import compiler as compilers

@@ -89,15 +89,7 @@ class LowLatencyKernels:
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
                    shared_bytes=self._shared_bytes(num_experts, num_max))
 
-        hook = None
-        if request.return_recv_hook:
-            launch(1, 0)
-
-            def hook():
-                backend.check_failures()
-                launch(0, 1)
-        else:
-            launch(1, 1)
+        hook = self._send_then_receive(launch, request.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk, half=half)
         return LowLatencyDispatchResult(packed_recv_x, packed_recv_x_scales, packed_recv_count, handle, hook)
 
@@ -123,13 +115,18 @@ class LowLatencyKernels:
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
                    shared_bytes=self._shared_bytes(num_experts, num_max))
 
-        if request.return_recv_hook:
-            launch(1, 0)
+        return out, self._send_then_receive(launch, request.return_recv_hook)
 
-            def hook():
-                backend.check_failures()
-                launch(0, 1)
+    def _send_then_receive(self, launch, return_recv_hook: bool):
+        """One launch that sends and receives, or (with a recv hook) a send launch now and a hook that
+        launches the receive; -> the hook or None."""
+        if not return_recv_hook:
+            launch(1, 1)
+            return None
+        launch(1, 0)
 
-            return out, hook
-        launch(1, 1)
-        return out, None
+        def hook():
+            self.backend.check_failures()
+            launch(0, 1)
+
+        return hook
