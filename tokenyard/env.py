@@ -14,6 +14,7 @@ change under a running program.
 | TOKENYARD_COMMIT              | str   | ""       | commit the benchmark records where git is not available  |
 | TOKENYARD_VERBOSE             | bool  | false    | log backend choice and JIT compiles to stderr            |
 | TOKENYARD_PROFILE_DIR         | str   | ~/.cache/tokenyard/profiles | folder of AutoTuner's profile files   |
+| TOKENYARD_LOW_LATENCY_KERNELS | str   | "auto"   | CUDA low-latency calls: auto (kernels once validated), on, off |
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Settings:
     commit: str = ""
     verbose: bool = False
     profile_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tokenyard", "profiles")
+    low_latency_kernels: str = "auto"
 
 
 # field name -> (variable, parser)
@@ -54,6 +56,7 @@ _TABLE = {
     "commit": ("TOKENYARD_COMMIT", str),
     "verbose": ("TOKENYARD_VERBOSE", _parse_bool),
     "profile_dir": ("TOKENYARD_PROFILE_DIR", str),
+    "low_latency_kernels": ("TOKENYARD_LOW_LATENCY_KERNELS", str),
 }
 
 
@@ -74,6 +77,8 @@ def settings() -> Settings:
         raise ValueError(f"TOKENYARD_BACKEND must be auto, reference or cuda, not {chosen.backend!r}")
     if chosen.compiler not in ("auto", "nvrtc", "nvcc"):
         raise ValueError(f"TOKENYARD_COMPILER must be auto, nvrtc or nvcc, not {chosen.compiler!r}")
+    if chosen.low_latency_kernels not in ("auto", "on", "off"):
+        raise ValueError(f"TOKENYARD_LOW_LATENCY_KERNELS must be auto, on or off, not {chosen.low_latency_kernels!r}")
     return chosen
 
 

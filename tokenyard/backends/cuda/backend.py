@@ -113,7 +113,8 @@ class CudaBackend(Backend):
         self._low_latency_kernels = None
         if self.low_latency_buffer is not None:
             self._low_latency_kernels = LowLatencyKernels(self, self.low_latency_buffer)
-        self.use_low_latency_kernels = self.LOW_LATENCY_KERNELS_VALIDATED
+        choice = env.settings().low_latency_kernels
+        self.use_low_latency_kernels = self.LOW_LATENCY_KERNELS_VALIDATED if choice == "auto" else choice == "on"
 
     # -- helpers --------------------------------------------------------------------------------------
 
