@@ -51,6 +51,23 @@ def _profile(num_sms: int, num_tokens: int):
         lines.append(f"host time per {name} call (enqueue only): {(time.perf_counter() - start) / 20 * 1e6:.1f} us")
         torch.cuda.synchronize()
         dist.barrier()
+    # Where the host time of a call goes (Python functions, by own time), for the calls above.
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        buffer.dispatch(x, handle=handle)
+        buffer.combine(y, handle)
+    profiler.disable()
+    torch.cuda.synchronize()
+    dist.barrier()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
+    lines.append("--- cProfile of 20 cached dispatch + combine calls (host) ---")
+    lines += [line for line in text.getvalue().splitlines() if line.strip()][-16:]
     for send_share in (2 / 3, 1 / 2):
         heuristics.DISPATCH_SEND_SHARE = send_share
         for _ in range(3):

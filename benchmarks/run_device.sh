@@ -36,5 +36,6 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     for tokens in 512 1024 2048 8192; do
         $bench --mode normal --num_tokens "$tokens" --backends cuda --json "$out/normal_${tokens}.json" 2>&1 | tail -6
     done
-    timeout 120 python3 benchmarks/profile_normal.py --sms 24 2>&1 | grep -v "^frame\|^#" | tail -12
+    timeout 120 python3 benchmarks/profile_normal.py --sms 24 2>&1 | grep -v "^frame\|^#" | tee "$out/profile.log" \
+        | tail -40
 fi

@@ -11,7 +11,7 @@ change under a running program.
 | TOKENYARD_CHECK_INPUTS        | bool  | true     | value checks that need a device sync (topk range...)     |
 | TOKENYARD_CACHE_DIR           | str   | ~/.cache/tokenyard | folder of the JIT kernel cache                 |
 | TOKENYARD_COMPILER            | str   | "auto"   | JIT compiler: auto (NVRTC, else nvcc), nvrtc or nvcc     |
-| TOKENYARD_COMMIT              | str   | ""       | commit the benchmark records where git is not available  |
+| TOKENYARD_COMMIT              | str   | ""       | commit the benchmark records (before git rev-parse)      |
 | TOKENYARD_VERBOSE             | bool  | false    | log backend choice and JIT compiles to stderr            |
 | TOKENYARD_PROFILE_DIR         | str   | ~/.cache/tokenyard/profiles | folder of AutoTuner's profile files   |
 | TOKENYARD_LOW_LATENCY_KERNELS | str   | "auto"   | CUDA low-latency calls: auto (kernels once validated), on, off |

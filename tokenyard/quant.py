@@ -49,6 +49,16 @@ def group_amax(x: torch.Tensor) -> torch.Tensor:
     return grouped.amax(dim=-1).clamp_min(AMAX_FLOOR)
 
 
+def _divide(values: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``values / divisor`` with one IEEE division per element on every device.
+
+    NOTE [exact scale division]: PyTorch's CUDA division by a Python scalar multiplies by the float32
+    reciprocal instead (``x * (1/448)``), which differs from ``x / 448`` in the last bit for some x, so the
+    reference would quantize differently on CPU and GPU and the kernels could not match it bit for bit.
+    Dividing by a tensor keeps the true division everywhere."""
+    return values / torch.full_like(values, divisor)
+
+
 def round_scale_up_pow2(scale: torch.Tensor) -> torch.Tensor:
     """Round positive normal float32 values up to a power of two, exactly, on the bit pattern."""
     bits = scale.contiguous().view(torch.int32)
@@ -77,7 +87,7 @@ def quantize_fp8(x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = F
         ValueError: ``x`` is not 2-D, ``H`` is not a multiple of 128 (512 with ``use_ue8m0``).
     """
     _check_groups(x)
-    scales = group_amax(x) / FP8_MAX
+    scales = _divide(group_amax(x), FP8_MAX)
     if round_scale or use_ue8m0:
         scales = round_scale_up_pow2(scales)
     q = (x.float() / _expand(scales)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -96,7 +106,7 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def quantize_int8(x: torch.Tensor):
     """Quantize ``[T, H]`` to ``(int8 [T, H], float32 scales [T, H/128])``, symmetric, ``scale = amax/127``."""
     _check_groups(x)
-    scales = group_amax(x) / INT8_MAX
+    scales = _divide(group_amax(x), INT8_MAX)
     q = torch.round(x.float() / _expand(scales)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
 

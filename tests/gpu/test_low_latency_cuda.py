@@ -33,6 +33,20 @@ def _valid_slots(layout_range: torch.Tensor, num_slots: int) -> torch.Tensor:
     return torch.arange(num_slots, device=layout_range.device).view(1, -1) < counts.view(-1, 1)
 
 
+def _differences(want: torch.Tensor, got: torch.Tensor) -> str:
+    """Where two row sets differ: how many rows, the first one, and whether it still holds the poison."""
+    want, got = want.reshape(want.size(0), -1).view(torch.uint8), got.reshape(got.size(0), -1).view(torch.uint8)
+    rows = (want != got).any(1).nonzero().flatten().tolist()
+    if not rows:
+        return "no difference"
+    first = rows[0]
+    columns = (want[first] != got[first]).nonzero().flatten().tolist()
+    poisoned = bool((got[first] == 0xAB).all())
+    return (f"{len(rows)} of {want.size(0)} rows differ; row {first}: {len(columns)} bytes from byte {columns[0]}"
+            f"{' (still poison)' if poisoned else ''}: want {want[first, columns[:4]].tolist()} "
+            f"got {got[first, columns[:4]].tolist()}")
+
+
 def _compare(seed, cases):
     import torch.distributed as dist
 
@@ -76,7 +90,8 @@ def _compare(seed, cases):
             valid = _valid_slots(r_handle.layout_range, num_ranks * num_max)
             assert torch.equal(r_handle.src_info[valid], c_handle.src_info[valid]), f"{what}: src_info differs"
             r_data, c_data = (r_recv[0], c_recv[0]) if use_fp8 else (r_recv, c_recv)
-            assert torch.equal(r_data[valid].view(torch.uint8), c_data[valid].view(torch.uint8)), f"{what}: data"
+            assert torch.equal(r_data[valid].view(torch.uint8), c_data[valid].view(torch.uint8)), \
+                f"{what}: data: {_differences(r_data[valid], c_data[valid])}"
             if use_fp8:
                 assert c_recv[1].stride(1) == 1, f"{what}: scales are not column-major"
                 assert torch.equal(r_recv[1][valid], c_recv[1][valid]), f"{what}: scales differ"

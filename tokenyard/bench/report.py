@@ -34,18 +34,19 @@ LOW_LATENCY_TABLE_OPS = (("ll_dispatch", "dispatch"), ("ll_combine", "combine"),
 
 
 def git_commit() -> Optional[str]:
-    """``git rev-parse HEAD`` of the checkout tokenyard runs from; else TOKENYARD_COMMIT (a copy of the
-    tree without git, as on the device machine); else None."""
+    """TOKENYARD_COMMIT when set (a copied tree whose git metadata may be missing or stale, as on the
+    device machine); else ``git rev-parse HEAD`` of the checkout tokenyard runs from; else None."""
     from ..env import settings
 
-    fallback = settings().commit or None
+    if settings().commit:
+        return settings().commit
     root = pathlib.Path(__file__).resolve().parents[2]
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return fallback
+        return None
     commit = done.stdout.strip()
-    return commit if done.returncode == 0 and commit else fallback
+    return commit if done.returncode == 0 and commit else None
 
 
 def _low_latency(per_rank: List[dict]) -> dict:

@@ -35,9 +35,10 @@ class LowLatencyKernels:
                              device=self.backend.ctx.device) for h in (0, 1))
         return self._bases[layout.half_bytes][half]
 
-    def _grid(self, num_tokens: int, num_local_experts: int) -> int:
-        warps = kernels.LOW_LATENCY_THREADS // 32
-        return max(1, min(self.backend.device_sms, max(num_local_experts, (num_tokens + warps - 1) // warps)))
+    def _grid(self) -> int:
+        """Every SM: the send items are dealt across blocks first (NOTE [low-latency dispatch]), and the
+        receive waits need every block resident, which one block per SM guarantees."""
+        return self.backend.device_sms
 
     def _buffer_args(self, layout, half: int, do_send: int, do_recv: int, num_max: int):
         ctx = self.backend.ctx
@@ -46,8 +47,9 @@ class LowLatencyKernels:
                 layout.state, do_send, do_recv)
 
     @staticmethod
-    def _shared_bytes(num_experts: int, num_max: int) -> int:
-        return num_experts * ((num_max + 31) // 32) * 4  # NOTE [pair slots]
+    def _shared_bytes(num_experts: int, num_max: int, num_local_experts: int) -> int:
+        """The pair bits of NOTE [pair slots], or the combine's first row per local expert (int32 [L + 1])."""
+        return max(num_experts * ((num_max + 31) // 32), num_local_experts + 1) * 4
 
     def dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         backend, ctx = self.backend, self.backend.ctx
@@ -76,7 +78,7 @@ class LowLatencyKernels:
 
         kernel = backend._kernel(kernels.low_latency_dispatch(num_topk, topk_idx.dtype, request.use_fp8,
                                                               request.use_ue8m0))
-        grid = self._grid(num_tokens, num_local_experts)
+        grid = self._grid()
         stats = request.cumulative_local_expert_recv_stats
         mask = request.rank_mask
 
@@ -87,7 +89,7 @@ class LowLatencyKernels:
                    packed_recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
                    0 if stats is None else stats.data_ptr(), 0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   shared_bytes=self._shared_bytes(num_experts, num_max))
+                   shared_bytes=self._shared_bytes(num_experts, num_max, num_experts // ctx.num_ranks))
 
         hook = self._send_then_receive(launch, request.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk, half=half)
@@ -105,7 +107,7 @@ class LowLatencyKernels:
         out = request.out if request.out is not None else backend._empty(num_tokens, hidden, dtype=torch.bfloat16,
                                                                            device=x.device)
         kernel = backend._kernel(kernels.low_latency_combine(num_topk, topk_idx.dtype))
-        grid = self._grid(num_tokens, num_experts // ctx.num_ranks)
+        grid = self._grid()
         mask = request.rank_mask
 
         def launch(do_send: int, do_recv: int) -> None:
@@ -113,7 +115,7 @@ class LowLatencyKernels:
                    handle.layout_range.data_ptr(), num_tokens, hidden, num_experts, out.data_ptr(),
                    0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   shared_bytes=self._shared_bytes(num_experts, num_max))
+                   shared_bytes=self._shared_bytes(num_experts, num_max, num_experts // ctx.num_ranks))
 
         return out, self._send_then_receive(launch, request.return_recv_hook)
 

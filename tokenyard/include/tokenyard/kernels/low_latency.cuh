@@ -108,9 +108,9 @@ __device__ __forceinline__ uint32_t launch_epoch(const LowLatencyBuffers& b, int
 
 __device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int kind) {
     __shared__ bool last;
+    ptx::fence_acq_rel_sys();  // every thread's peer writes, ordered before the count below
     __syncthreads();
     if (threadIdx.x == 0) {
-        ptx::fence_acq_rel_sys();
         last = ptx::atomic_add_acq_rel_gpu(b.done_counter(kind), 1) + 1 == gridDim.x;
         if (last) {
             ptx::st_relaxed_sys(b.done_counter(kind), 0u);
@@ -127,15 +127,45 @@ __device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int 
 // to it nor wait for it (build_pair_bits drops its experts), so the surviving ranks keep serving. Without a
 // mask the timeout is recorded and raised as CommTimeoutError.
 
+// FP8 cast of 16 consecutive channels held by one lane, exactly as quant.py (NOTE [low-latency dispatch]):
+// the 8 lanes of one 128-channel group share its amax, so every lane returns the group's scale too.
+template <bool kRoundScale>
+__device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) {
+    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
+    float v[16], amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        v[i] = __bfloat162float(h[i]);
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+#pragma unroll
+    for (int offset = 4; offset > 0; offset >>= 1)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
+    if (kRoundScale)
+        scale = round_scale_up_pow2(scale);
+    uint32_t packed[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const float q = fminf(fmaxf(__fdiv_rn(v[i], scale), -448.0f), 448.0f);
+        packed[i / 4] |= static_cast<uint32_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3)) << (8 * (i % 4));
+    }
+    return make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
+                     static_cast<int>(packed[3]));
+}
+
 // NOTE [low-latency dispatch]
-// Send (do_send): a warp takes one token, quantizes it on the fly (FP8 per 128 channels, exactly as
-// quant.py: amax floored at 1e-4, scale = amax / 448 with an IEEE division, optionally rounded up to a
-// power of two, q = e4m3(clamp(x / scale))), and writes the message (header = token index, data, float32
-// scales) into the slot of each of its pairs at the expert's rank. The last block to finish then publishes
-// each expert's pair count to its rank as (epoch << 32) | count. Receive (do_recv): a block per local expert
-// waits for every source's count, lays the sources out one after the other (layout_range), and copies the
-// messages into the packed outputs. With a recv hook the two halves run as two launches. Signals carry
-// the epoch of NOTE [low-latency epochs].
+// Send (do_send): the work items are the pairs (t, k); consecutive items go to different SMs (item i to
+// warp i / gridDim.x of block i % gridDim.x), so a handful of tokens still spreads over the whole GPU. A
+// warp quantizes its token on the fly (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4,
+// scale = amax / 448 with an IEEE division, optionally rounded up to a power of two, q = e4m3(clamp(x /
+// scale))), each lane 16 channels, and writes the message (header = token index, data, float32 scales)
+// with 16-byte stores into the pair's slot at the expert's rank. A token bound for k experts is cast k
+// times: cheap next to the NVLink write, and no warp waits for another. The last block to finish then
+// publishes each expert's pair count to its rank as (epoch << 32) | count. Receive (do_recv): a block per
+// local expert waits for every source's count, lays the sources out one after the other (layout_range),
+// and copies the messages into the packed outputs. With a recv hook the two halves run as two launches.
+// Signals carry the epoch of NOTE [low-latency epochs].
 template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
 __device__ __forceinline__ void low_latency_dispatch(
         const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
@@ -160,61 +190,35 @@ __device__ __forceinline__ void low_latency_dispatch(
         extern __shared__ uint32_t bits[];
         const int words = (num_max + 31) / 32;
         build_pair_bits<kNumTopk, TopkT>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts, rank_mask);
-        for (int t = blockIdx.x * num_warps + warp; t < num_tokens; t += gridDim.x * num_warps) {
-            // Lane k finds the slot of pair (t, k); the warp then writes to each destination in k order.
-            uint8_t* dst = nullptr;
-            if (lane < kNumTopk) {
-                const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane]);
-                if (e >= 0 && e < num_experts && pair_chosen(bits, words, static_cast<int>(e), t))
-                    dst = b.message(static_cast<int>(e / num_local_experts), static_cast<int>(e % num_local_experts),
+        const int num_items = num_tokens * kNumTopk;
+        for (int item = warp * gridDim.x + blockIdx.x; item < num_items; item += gridDim.x * num_warps) {
+            const int t = item / kNumTopk;
+            const int64_t e = static_cast<int64_t>(topk_idx[item]);
+            if (e < 0 || e >= num_experts || !pair_chosen(bits, words, static_cast<int>(e), t))
+                continue;  // the same for the whole warp
+            uint8_t* to = b.message(static_cast<int>(e / num_local_experts), static_cast<int>(e % num_local_experts),
                                     rank, pair_slot(bits, words, static_cast<int>(e), t));
-            }
             const int4* row = x + static_cast<int64_t>(t) * hidden / 8;
-            for (int base = 0; base < hidden; base += kWarpSize * 8) {
-                const int c = base + lane * 8;  // this lane's 8 channels
-                const bool active = c < hidden;
-                int4 raw = make_int4(0, 0, 0, 0);
-                if (active)
-                    raw = ptx::ld_nc_v4(row + c / 8);
+            for (int c = lane * 16; c < hidden; c += kWarpSize * 16) {  // this lane's 16 channels
+                // FP8 needs hidden % 128 == 0; bf16 rows may end after the lane's first 8 channels.
+                const bool second = kUseFp8 || c + 8 < hidden;
+                int4 raw[2];
+                raw[0] = ptx::ld_nc_v4(row + c / 8);
+                raw[1] = second ? ptx::ld_nc_v4(row + c / 8 + 1) : make_int4(0, 0, 0, 0);
                 if constexpr (kUseFp8) {
-                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
-                    float v[8], amax = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        v[i] = __bfloat162float(h[i]);
-                        amax = fmaxf(amax, fabsf(v[i]));
-                    }
-#pragma unroll
-                    for (int offset = 8; offset > 0; offset >>= 1)  // the 16 lanes of one 128-channel group
-                        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-                    float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
-                    if (round_scale)
-                        scale = round_scale_up_pow2(scale);
-                    uint32_t packed[2] = {0u, 0u};
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const float q = fminf(fmaxf(__fdiv_rn(v[i], scale), -448.0f), 448.0f);
-                        const uint32_t byte = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
-                        packed[i / 4] |= byte << (8 * (i % 4));
-                    }
-                    for (int k = 0; k < kNumTopk; ++k) {
-                        uint8_t* to = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(dst), k));
-                        if (to == nullptr || !active)
-                            continue;
-                        *reinterpret_cast<uint2*>(to + 16 + c) = make_uint2(packed[0], packed[1]);
-                        if (lane % 16 == 0)
-                            reinterpret_cast<float*>(to + 16 + hidden)[c / 128] = scale;
-                    }
+                    float scale;
+                    const int4 q = round_scale ? cast_fp8_16<true>(raw, scale) : cast_fp8_16<false>(raw, scale);
+                    ptx::st_na_v4(reinterpret_cast<int4*>(to + 16 + c), q);
+                    if (lane % 8 == 0)
+                        reinterpret_cast<float*>(to + 16 + hidden)[c / 128] = scale;
                 } else {
-                    for (int k = 0; k < kNumTopk; ++k) {
-                        uint8_t* to = reinterpret_cast<uint8_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(dst), k));
-                        if (to != nullptr && active)
-                            ptx::st_na_v4(reinterpret_cast<int4*>(to + 16) + c / 8, raw);
-                    }
+                    ptx::st_na_v4(reinterpret_cast<int4*>(to + 16) + c / 8, raw[0]);
+                    if (second)
+                        ptx::st_na_v4(reinterpret_cast<int4*>(to + 16) + c / 8 + 1, raw[1]);
                 }
             }
-            if (dst != nullptr)
-                *reinterpret_cast<int*>(dst) = t;
+            if (lane == 0)
+                *reinterpret_cast<int*>(to) = t;
         }
         if (last_block_done(b, 0)) {
             for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
@@ -294,10 +298,15 @@ __device__ __forceinline__ void low_latency_dispatch(
 // NOTE [low-latency combine]
 // Send (do_send): for each local expert l and source s, the rows begin..begin+count of l that came from s
 // (layout_range) go back to s, row j of them into s's combine region at (expert, slot j): the same slot
-// numbering as the dispatch (NOTE [pair slots]). The last block to finish publishes (epoch << 32) | 1 to
-// every source. Reduce (do_recv): a warp takes one token; lane k finds pair (t, k)'s expert, slot and
-// owner and waits for that owner's flag; the warp then sums, for k in order, weight * row in float32
+// numbering as the dispatch (NOTE [pair slots]). The rows of all local experts are numbered one after the
+// other (a prefix over experts in shared memory) and dealt to the grid's warps like the dispatch items, so
+// every SM sends. The last block to finish publishes (epoch << 32) | 1 to every source. Reduce (do_recv):
+// the items are (token, chunk of kCombineChunkInt4 16-byte columns), so 128 tokens of hidden 7168 make
+// 128 * 7 items for the whole GPU; a warp takes one; lane k finds pair (t, k)'s expert, slot and owner and
+// waits for that owner's flag; the warp then sums its columns, for k in order, weight * row in float32
 // (a product, then a sum) and writes bf16.
+constexpr int kCombineChunkInt4 = 4 * kWarpSize;  // columns of one reduce item: 4 vectors per lane
+
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
         const int4* x, const TopkT* topk_idx, const float* topk_weights, const int64_t* layout_range, int num_tokens,
@@ -315,25 +324,37 @@ __device__ __forceinline__ void low_latency_combine(
     const int hidden_int4 = hidden * 2 / 16;
     const int num_slots = num_ranks * num_max;
     const uint32_t epoch = launch_epoch(b, 1, do_send);
+    extern __shared__ uint32_t shared_words[];
 
     if (do_send) {
-        // Expert l's rows are the sources' blocks one after the other; the grid's warps take them round robin.
-        const int total_warps = gridDim.x * num_warps, first_warp = blockIdx.x * num_warps + warp;
-        for (int l = 0; l < num_local_experts; ++l) {
-            const int64_t* ranges = layout_range + static_cast<int64_t>(l) * num_ranks;
-            const int64_t last = ranges[num_ranks - 1];
-            const int rows = static_cast<int>(last >> 32) + static_cast<int>(last & 0xffffffff);
-            for (int i = first_warp; i < rows; i += total_warps) {
-                int s = 0;
-                while (s + 1 < num_ranks && static_cast<int>(ranges[s + 1] >> 32) <= i)
-                    ++s;
-                if (rank_mask != nullptr && rank_mask[s] != 0)
-                    continue;
-                const int j = i - static_cast<int>(ranges[s] >> 32);
-                const int4* src = x + (static_cast<int64_t>(l) * num_slots + i) * hidden_int4;
-                warp_copy<8, false>(reinterpret_cast<int4*>(b.combine_row(s, rank * num_local_experts + l, j)), src,
-                                    hidden_int4, lane);
+        // first_row[l]: rows of local experts before l (layout_range: the sources' blocks one after the other).
+        int* first_row = reinterpret_cast<int*>(shared_words);
+        if (threadIdx.x == 0) {
+            int total = 0;
+            for (int l = 0; l < num_local_experts; ++l) {
+                first_row[l] = total;
+                const int64_t last = layout_range[static_cast<int64_t>(l) * num_ranks + num_ranks - 1];
+                total += static_cast<int>(last >> 32) + static_cast<int>(last & 0xffffffff);
             }
+            first_row[num_local_experts] = total;
+        }
+        __syncthreads();
+        const int total_rows = first_row[num_local_experts];
+        int l = 0;
+        for (int item = warp * gridDim.x + blockIdx.x; item < total_rows; item += gridDim.x * num_warps) {
+            while (first_row[l + 1] <= item)  // items only grow, so l never moves back
+                ++l;
+            const int i = item - first_row[l];
+            const int64_t* ranges = layout_range + static_cast<int64_t>(l) * num_ranks;
+            int s = 0;
+            while (s + 1 < num_ranks && static_cast<int>(ranges[s + 1] >> 32) <= i)
+                ++s;
+            if (rank_mask != nullptr && rank_mask[s] != 0)
+                continue;
+            const int j = i - static_cast<int>(ranges[s] >> 32);
+            const int4* src = x + (static_cast<int64_t>(l) * num_slots + i) * hidden_int4;
+            warp_copy<4, false>(reinterpret_cast<int4*>(b.combine_row(s, rank * num_local_experts + l, j)), src,
+                                hidden_int4, lane);
         }
         if (last_block_done(b, 1)) {
             for (int s = threadIdx.x; s < num_ranks; s += blockDim.x)
@@ -346,10 +367,12 @@ __device__ __forceinline__ void low_latency_combine(
     if (!do_recv)
         return;
 
-    extern __shared__ uint32_t bits[];
+    uint32_t* bits = shared_words;
     const int words = (num_max + 31) / 32;
     build_pair_bits<kNumTopk, TopkT>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts, rank_mask);
-    for (int t = blockIdx.x * num_warps + warp; t < num_tokens; t += gridDim.x * num_warps) {
+    const int num_chunks = (hidden_int4 + kCombineChunkInt4 - 1) / kCombineChunkInt4;
+    for (int item = warp * gridDim.x + blockIdx.x; item < num_tokens * num_chunks; item += gridDim.x * num_warps) {
+        const int t = item / num_chunks, chunk = item % num_chunks;
         const uint8_t* row = nullptr;
         float weight = 0.0f;
         bool ok = true;
@@ -371,11 +394,13 @@ __device__ __forceinline__ void low_latency_combine(
         }
         if (!__all_sync(0xffffffffu, ok))
             return;
-        for (int i = lane; i < hidden_int4; i += kWarpSize) {
+        const int end = min(hidden_int4, (chunk + 1) * kCombineChunkInt4);
+        for (int i = chunk * kCombineChunkInt4 + lane; i < end; i += kWarpSize) {
             float acc[8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e)
-                acc[e] = 0.0f;
+            for (int c = 0; c < 8; ++c)
+                acc[c] = 0.0f;
+#pragma unroll
             for (int k = 0; k < kNumTopk; ++k) {
                 const uint8_t* from = reinterpret_cast<const uint8_t*>(
                         __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), k));
@@ -385,14 +410,14 @@ __device__ __forceinline__ void low_latency_combine(
                 const int4 v = ptx::ld_na_v4(reinterpret_cast<const int4*>(from) + i);
                 const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
 #pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    acc[e] = __fadd_rn(acc[e], __fmul_rn(w, __bfloat162float(h[e])));
+                for (int c = 0; c < 8; ++c)
+                    acc[c] = __fadd_rn(acc[c], __fmul_rn(w, __bfloat162float(h[c])));
             }
             int4 out;
             __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
 #pragma unroll
-            for (int e = 0; e < 8; ++e)
-                o[e] = __float2bfloat16_rn(acc[e]);
+            for (int c = 0; c < 8; ++c)
+                o[c] = __float2bfloat16_rn(acc[c]);
             ptx::st_na_v4(combined_x + static_cast<int64_t>(t) * hidden_int4 + i, out);
         }
     }
