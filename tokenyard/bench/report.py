@@ -5,13 +5,19 @@ The JSON document (`build`), one entry ``{us, nvlink_gbps, logical_gbps, num_sms
 
     commit, device, date, settings, num_ranks, num_tokens, num_tokens_low_latency, hidden, num_topk,
     num_experts, dtype, copy_limit_gbps
-    nccl:        {backend ("nccl" or "gloo"), dispatch, combine}      the all_to_all_single baseline
+    nccl:        {backend ("nccl" or "gloo"), dispatch, combine, dispatch_kernel, combine_kernel}
+                 the all_to_all_single baseline
     reference, tokenyard (the CUDA backend), for each backend run:
-                 {dispatch, dispatch_cached, combine,
+                 {dispatch, dispatch_cached, combine, dispatch_kernel, dispatch_cached_kernel, combine_kernel,
                   low_latency: {dispatch_us, combine_us, dispatch_graph_us, combine_graph_us,
+                                dispatch_graph_kernel_us, combine_graph_kernel_us,
                                 dispatch_nvlink_gbps, dispatch_logical_gbps, combine_nvlink_gbps,
                                 combine_logical_gbps, graph_error}}
-    compare_sm:  {backend key: [{num_sms, dispatch, dispatch_cached, combine}, ...]}   (compare_sm mode)
+    compare_sm:  {backend key: [{num_sms, dispatch, dispatch_cached, combine, *_kernel}, ...]}  (compare_sm mode)
+
+An op's plain entry is timed with CUDA events around the call (host work before its first kernel
+included); ``*_kernel`` is the GPU time of its own kernels from the profiler, as DeepEP reports
+(tokenyard/bench/timing.py). Kernel times exist on GPUs for the CUDA backend and NCCL's all-to-all.
     affinity:    [each rank's tokenyard.affinity.Binding.as_dict()]                   (with --bind)
 """
 
@@ -26,11 +32,16 @@ from typing import List, Optional, Tuple
 
 from . import bandwidth
 from .options import BenchSettings
-from .runner import NORMAL_OPS
+from .runner import KERNEL_SUFFIX, NORMAL_OPS
+
+OPS = NORMAL_OPS + tuple(op + KERNEL_SUFFIX for op in NORMAL_OPS)
+BASELINE_OPS = ("dispatch", "combine", "dispatch" + KERNEL_SUFFIX, "combine" + KERNEL_SUFFIX)
 
 BACKEND_KEYS = {"reference": "reference", "cuda": "tokenyard"}
 LOW_LATENCY_TABLE_OPS = (("ll_dispatch", "dispatch"), ("ll_combine", "combine"),
-                         ("ll_dispatch_graph", "dispatch_graph"), ("ll_combine_graph", "combine_graph"))
+                         ("ll_dispatch_graph", "dispatch_graph"), ("ll_combine_graph", "combine_graph"),
+                         ("ll_dispatch_graph_kernel", "dispatch_graph_kernel"),
+                         ("ll_combine_graph_kernel", "combine_graph_kernel"))
 
 
 def git_commit() -> Optional[str]:
@@ -55,7 +66,7 @@ def _low_latency(per_rank: List[dict]) -> dict:
     entry = {}
     for op, name in LOW_LATENCY_TABLE_OPS:
         entry[f"{name}_us"] = ops[op]["us"] if ops[op] else None
-    for op, name in LOW_LATENCY_TABLE_OPS[:2]:
+    for op, name in LOW_LATENCY_TABLE_OPS[:2] + LOW_LATENCY_TABLE_OPS[4:]:
         for metric in ("nvlink_gbps", "logical_gbps"):
             entry[f"{name}_{metric}"] = ops[op][metric] if ops[op] else None
     entry["graph_error"] = per_rank[0]["graph_error"]
@@ -64,7 +75,7 @@ def _low_latency(per_rank: List[dict]) -> dict:
 
 def _backend_entry(per_rank: List[dict]) -> dict:
     num_sms = per_rank[0]["num_sms"]
-    entry = {op: bandwidth.summarize([p["samples"].get(op) for p in per_rank], num_sms) for op in NORMAL_OPS}
+    entry = {op: bandwidth.summarize([p["samples"].get(op) for p in per_rank], num_sms) for op in OPS}
     entry["low_latency"] = _low_latency(per_rank)
     return entry
 
@@ -73,8 +84,8 @@ def _sweep(name: str, per_rank: List[dict], sm_counts) -> List[dict]:
     points = []
     for n in sm_counts:
         point = {"num_sms": n}
-        for op in NORMAL_OPS:
-            point[op] = bandwidth.summarize([p["sweep"][n][op] for p in per_rank], n if name == "cuda" else None)
+        for op in OPS:
+            point[op] = bandwidth.summarize([p["sweep"][n].get(op) for p in per_rank], n if name == "cuda" else None)
         points.append(point)
     return points
 
@@ -99,7 +110,7 @@ def build(settings: BenchSettings, ranks: List[dict], commit: Optional[str], dat
         "dtype": settings.dtype,
         "copy_limit_gbps": min(copy_limits) if copy_limits else None,  # the slowest rank's limit
         "nccl": {"backend": first["baseline_backend"],
-                 **{op: bandwidth.summarize([p["baseline"][op] for p in ranks]) for op in ("dispatch", "combine")}},
+                 **{op: bandwidth.summarize([p["baseline"].get(op) for p in ranks]) for op in BASELINE_OPS}},
     }
     if any(p.get("affinity") is not None for p in ranks):
         doc["affinity"] = [p.get("affinity") for p in ranks]
@@ -124,17 +135,17 @@ def backend_keys(doc: dict) -> List[str]:
 
 def results(doc: dict) -> List[Tuple[str, str, dict]]:
     """Every measured operation as ``(who, op, {us, nvlink_gbps, logical_gbps, num_sms})``, table order."""
-    rows = [(f"{doc['nccl']['backend']} all_to_all", op, doc["nccl"][op]) for op in ("dispatch", "combine")]
+    rows = [(f"{doc['nccl']['backend']} all_to_all", op, doc["nccl"].get(op)) for op in BASELINE_OPS]
     for key in backend_keys(doc):
         entry = doc[key]
-        rows += [(key, op, entry[op]) for op in NORMAL_OPS]
+        rows += [(key, op, entry.get(op)) for op in OPS]
         ll = entry["low_latency"]
         for _, name in LOW_LATENCY_TABLE_OPS:
             rows.append((key, f"low_latency {name}", None if ll[f"{name}_us"] is None else {
                 "us": ll[f"{name}_us"], "nvlink_gbps": ll.get(f"{name}_nvlink_gbps"),
                 "logical_gbps": ll.get(f"{name}_logical_gbps"), "num_sms": None}))
         for point in doc.get("compare_sm", {}).get(key, []):
-            rows += [(key, f"{op} @ {point['num_sms']} SMs", point[op]) for op in NORMAL_OPS]
+            rows += [(key, f"{op} @ {point['num_sms']} SMs", point.get(op)) for op in OPS]
     return [(who, op, values) for who, op, values in rows if values is not None]
 
 

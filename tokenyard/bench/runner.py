@@ -30,6 +30,9 @@ from .options import BenchSettings
 
 NORMAL_OPS = ("dispatch", "dispatch_cached", "combine")
 LOW_LATENCY_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_graph", "ll_combine_graph")
+KERNEL_SUFFIX = "_kernel"  # the same operation timed as the GPU time of its kernels (timing.kernel_medians)
+TOKENYARD_KERNELS = ("tokenyard_",)
+NCCL_ALL_TO_ALL_KERNELS = ("ncclDevKernel_SendRecv", "ncclKernel_SendRecv")
 LOW_LATENCY_SEED_OFFSET = 1 << 20  # a backend's low-latency problem: its seed plus this
 
 
@@ -62,6 +65,18 @@ class RankContext:
     def medians(self, steps) -> List[float]:
         return self.timer.medians(steps, self.settings.iters, self.settings.warmup)
 
+    def kernel_medians(self, steps, prefixes) -> List[Optional[float]]:
+        return self.timer.kernel_medians(steps, self.settings.iters, prefixes)
+
+
+def with_kernel_times(samples: Dict[str, bandwidth.Sample], kernel_times) -> Dict[str, bandwidth.Sample]:
+    """`samples` plus, for each op whose kernels were timed, ``op + KERNEL_SUFFIX`` with the same bytes."""
+    out = dict(samples)
+    for (op, sample), seconds in zip(samples.items(), kernel_times):
+        if seconds is not None:
+            out[op + KERNEL_SUFFIX] = (seconds, *sample[1:])
+    return out
+
 
 def make_problem(ctx: RankContext, seed: int, num_tokens: int, dtype: str) -> Problem:
     """Every rank builds all ranks' inputs from `seed` (so it knows all counts) and keeps its own."""
@@ -89,8 +104,9 @@ def measure_all_to_all(ctx: RankContext, problem: Problem) -> Dict[str, bandwidt
     dispatch = step([round(n * row) for n in counts[r]], [round(c[r] * row) for c in counts])
     combine = step([round(c[r] * bf16_row) for c in counts], [round(n * bf16_row) for n in counts[r]])
     t_dispatch, t_combine = ctx.medians([dispatch, combine])
-    return {"dispatch": (t_dispatch, *bandwidth.normal_dispatch_bytes(counts, r, row)),
-            "combine": (t_combine, *bandwidth.normal_combine_bytes(counts, r, s.hidden_size))}
+    samples = {"dispatch": (t_dispatch, *bandwidth.normal_dispatch_bytes(counts, r, row)),
+               "combine": (t_combine, *bandwidth.normal_combine_bytes(counts, r, s.hidden_size))}
+    return with_kernel_times(samples, ctx.kernel_medians([dispatch, combine], NCCL_ALL_TO_ALL_KERNELS))
 
 
 def _as_bf16(recv_x) -> torch.Tensor:
@@ -111,13 +127,16 @@ def measure_normal(ctx: RankContext, buffer: Buffer, problem: Problem) -> Dict[s
 
     recv_x, _, _, _, handle, _ = full_dispatch()
     expert_output = _as_bf16(recv_x)
-    times = ctx.medians([full_dispatch, lambda: buffer.dispatch(p.x, handle=handle),
-                         lambda: buffer.combine(expert_output, handle)])
+    steps = [full_dispatch, lambda: buffer.dispatch(p.x, handle=handle), lambda: buffer.combine(expert_output, handle)]
+    times = ctx.medians(steps)
     row = bandwidth.row_bytes(s.hidden_size, fp8=s.dtype == "fp8")
     dispatch_bytes = bandwidth.normal_dispatch_bytes(p.counts, ctx.rank, row)
     combine_bytes = bandwidth.normal_combine_bytes(p.counts, ctx.rank, s.hidden_size)
-    return dict(zip(NORMAL_OPS, [(times[0], *dispatch_bytes), (times[1], *dispatch_bytes),
-                                 (times[2], *combine_bytes)]))
+    samples = dict(zip(NORMAL_OPS, [(times[0], *dispatch_bytes), (times[1], *dispatch_bytes),
+                                    (times[2], *combine_bytes)]))
+    if buffer.backend != "cuda":
+        return samples
+    return with_kernel_times(samples, ctx.kernel_medians(steps, TOKENYARD_KERNELS))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -131,8 +150,10 @@ def _agree(ctx: RankContext, error: Optional[str]) -> Optional[str]:
     return None if not failed else f"rank {failed[0][0]}: {failed[0][1]}"
 
 
-def time_graphs(ctx: RankContext, dispatch, combine_with) -> Tuple[Optional[List[float]], Optional[str]]:
-    """Replay times of a CUDA graph of `dispatch` and one of ``combine_with(handle)``, or (None, why).
+def time_graphs(ctx: RankContext, dispatch, combine_with,
+                kernels: Optional[Tuple[str, ...]]) -> Tuple[Optional[List[float]], Optional[str]]:
+    """Replay times of a CUDA graph of `dispatch` and one of ``combine_with(handle)``, or (None, why);
+    with `kernels` (name prefixes), then also the GPU time of those kernels per replay (None where none ran).
 
     The dispatch graph is replayed once before the combine is captured, so the handle it fills holds real
     values when the combine's warm-up call reads them. Ranks agree after each capture, so no rank replays
@@ -157,7 +178,9 @@ def time_graphs(ctx: RankContext, dispatch, combine_with) -> Tuple[Optional[List
     if error is not None:
         torch.cuda.synchronize(ctx.device)
         return None, error
-    return ctx.medians([g.replay for g in graphs]), None
+    replays = [g.replay for g in graphs]
+    times = ctx.medians(replays)
+    return times + (ctx.kernel_medians(replays, kernels) if kernels else [None, None]), None
 
 
 def measure_low_latency(ctx: RankContext, buffer: Buffer, problem: Problem):
@@ -184,12 +207,17 @@ def measure_low_latency(ctx: RankContext, buffer: Buffer, problem: Problem):
                                                  bandwidth.row_bytes(s.hidden_size, fp8=use_fp8))
     combine_bytes = bandwidth.low_latency_bytes(p.topk_idx, ctx.rank, num_local_experts,
                                                 bandwidth.row_bytes(s.hidden_size, fp8=False))
-    graph_times, graph_error = time_graphs(ctx, dispatch, combine_with)
-    t_graphs = graph_times or [None, None]
+    kernels = TOKENYARD_KERNELS if buffer.backend == "cuda" else None
+    graph_times, graph_error = time_graphs(ctx, dispatch, combine_with, kernels)
+    t_graphs = graph_times or [None] * 4
     samples = [(t_dispatch, *dispatch_bytes), (t_combine, *combine_bytes),
                None if t_graphs[0] is None else (t_graphs[0], *dispatch_bytes),
                None if t_graphs[1] is None else (t_graphs[1], *combine_bytes)]
-    return dict(zip(LOW_LATENCY_OPS, samples)), graph_error
+    out = dict(zip(LOW_LATENCY_OPS, samples))
+    for op, seconds, sample in zip(LOW_LATENCY_OPS[2:], t_graphs[2:], samples[2:]):
+        if seconds is not None:  # the graph replays' kernels
+            out[op + KERNEL_SUFFIX] = (seconds, *sample[1:])
+    return out, graph_error
 
 
 def copy_limit_gbps(ctx: RankContext, buffer: Buffer) -> Optional[float]:

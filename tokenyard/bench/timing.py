@@ -5,13 +5,18 @@ together. On GPU each call is timed with CUDA events on the current stream; befo
 evicts the L2 cache (50-60 MB on H100/H200), so no call finds its inputs there, and a barrier lines the
 ranks up. Calls of one round run in order (``dispatch`` then ``combine``), so a call may use the
 previous call's outputs, as low-latency combine needs the latest dispatch's handle.
+
+Two times per call on GPU. `medians`: CUDA events around the call, so the host's work before its first
+kernel counts too (the GPU idles behind the barrier meanwhile). `kernel_medians`: the summed GPU time of
+the call's own kernels from the PyTorch profiler (CUPTI), the figure DeepEP's benchmarks report; there the
+flush is a ``bitwise_not_`` whose kernel marks where each call's kernels begin.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,6 +73,38 @@ class Timer:
         torch.cuda.synchronize(self.device)
         self.barrier()
         return [[start.elapsed_time(end) / 1e3 for start, end in pairs] for pairs in events]
+
+
+    def kernel_medians(self, steps: Sequence[Callable[[], object]], iters: int,
+                       prefixes: Tuple[str, ...]) -> List[Optional[float]]:
+        """Per step, the median over `iters` rounds of the summed GPU time (seconds) of the kernels whose
+        name starts with one of `prefixes`; None for a step that ran none (or on CPU)."""
+        if not self.gpu:
+            return [None for _ in steps]
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize(self.device)
+        self.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                for step in steps:
+                    self._scratch.bitwise_not_()  # evicts L2 and marks the start of a call
+                    self.barrier()
+                    step()
+            torch.cuda.synchronize(self.device)
+        self.barrier()
+        kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        calls: List[float] = []
+        for event in kernels:
+            if "bitwise_not" in event.name:
+                calls.append(0.0)
+            elif calls and event.name.startswith(prefixes):
+                calls[-1] += event.time_range.elapsed_us() / 1e6
+        per_step = [calls[i::len(steps)] for i in range(len(steps))]
+        if len(calls) != iters * len(steps):  # a marker lost: no figure rather than a wrong one
+            return [None for _ in steps]
+        return [statistics.median(t) if any(t) else None for t in per_step]
 
 
 def capture_graph(fn: Callable[[], object]):

@@ -154,6 +154,8 @@ __device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) 
                      static_cast<int>(packed[3]));
 }
 
+constexpr int kSendUnroll = 4;
+
 // NOTE [low-latency dispatch]
 // Send (do_send): the work items are the pairs (t, k); consecutive items go to different SMs (item i to
 // warp i / gridDim.x of block i % gridDim.x), so a handful of tokens still spreads over the whole GPU. A
@@ -199,22 +201,37 @@ __device__ __forceinline__ void low_latency_dispatch(
             uint8_t* to = b.message(static_cast<int>(e / num_local_experts), static_cast<int>(e % num_local_experts),
                                     rank, pair_slot(bits, words, static_cast<int>(e), t));
             const int4* row = x + static_cast<int64_t>(t) * hidden / 8;
-            for (int c = lane * 16; c < hidden; c += kWarpSize * 16) {  // this lane's 16 channels
-                // FP8 needs hidden % 128 == 0; bf16 rows may end after the lane's first 8 channels.
-                const bool second = kUseFp8 || c + 8 < hidden;
-                int4 raw[2];
-                raw[0] = ptx::ld_nc_v4(row + c / 8);
-                raw[1] = second ? ptx::ld_nc_v4(row + c / 8 + 1) : make_int4(0, 0, 0, 0);
-                if constexpr (kUseFp8) {
-                    float scale;
-                    const int4 q = round_scale ? cast_fp8_16<true>(raw, scale) : cast_fp8_16<false>(raw, scale);
-                    ptx::st_na_v4(reinterpret_cast<int4*>(to + 16 + c), q);
-                    if (lane % 8 == 0)
-                        reinterpret_cast<float*>(to + 16 + hidden)[c / 128] = scale;
-                } else {
-                    ptx::st_na_v4(reinterpret_cast<int4*>(to + 16) + c / 8, raw[0]);
-                    if (second)
-                        ptx::st_na_v4(reinterpret_cast<int4*>(to + 16) + c / 8 + 1, raw[1]);
+            // kSendUnroll rounds of 512 channels: every load of the batch is issued before the first cast,
+            // so a lane waits for memory once per batch. The loop bounds are the same for the whole warp
+            // (the cast's shuffles need every lane); lanes past the row's end cast zeros and store nothing.
+            for (int base = 0; base < hidden; base += kSendUnroll * kWarpSize * 16) {
+                int4 raw[kSendUnroll][2];
+#pragma unroll
+                for (int u = 0; u < kSendUnroll; ++u) {
+                    const int c = base + (u * kWarpSize + lane) * 16;  // this lane's 16 channels
+                    // FP8 needs hidden % 128 == 0; bf16 rows may end after the lane's first 8 channels.
+                    raw[u][0] = c < hidden ? ptx::ld_nc_v4(row + c / 8) : make_int4(0, 0, 0, 0);
+                    raw[u][1] = c + 8 < hidden ? ptx::ld_nc_v4(row + c / 8 + 1) : make_int4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < kSendUnroll; ++u) {
+                    const int c = base + (u * kWarpSize + lane) * 16;
+                    if constexpr (kUseFp8) {
+                        if (base + u * kWarpSize * 16 >= hidden)
+                            break;  // the same for the whole warp
+                        float scale;
+                        const int4 q = round_scale ? cast_fp8_16<true>(raw[u], scale) : cast_fp8_16<false>(raw[u], scale);
+                        if (c < hidden) {
+                            ptx::st_na_v4(reinterpret_cast<int4*>(to + 16 + c), q);
+                            if (lane % 8 == 0)
+                                reinterpret_cast<float*>(to + 16 + hidden)[c / 128] = scale;
+                        }
+                    } else {
+                        if (c < hidden)
+                            ptx::st_na_v4(reinterpret_cast<int4*>(to + 16) + c / 8, raw[u][0]);
+                        if (c + 8 < hidden)
+                            ptx::st_na_v4(reinterpret_cast<int4*>(to + 16) + c / 8 + 1, raw[u][1]);
+                    }
                 }
             }
             if (lane == 0)
@@ -353,7 +370,7 @@ __device__ __forceinline__ void low_latency_combine(
                 continue;
             const int j = i - static_cast<int>(ranges[s] >> 32);
             const int4* src = x + (static_cast<int64_t>(l) * num_slots + i) * hidden_int4;
-            warp_copy<4, false>(reinterpret_cast<int4*>(b.combine_row(s, rank * num_local_experts + l, j)), src,
+            warp_copy<8, false>(reinterpret_cast<int4*>(b.combine_row(s, rank * num_local_experts + l, j)), src,
                                 hidden_int4, lane);
         }
         if (last_block_done(b, 1)) {
