@@ -19,10 +19,12 @@ rank. Example: 4 ranks, hidden 7168 FP8 (7168 + 224 scale bytes), top-8: a row i
 
 NOTE [low-latency buffer]
 The low-latency buffer of ``num_rdma_bytes`` is two halves used alternately by consecutive calls (so
-one call's outputs survive the next call). Each half holds a send region, a dispatch receive region of
-one slot per (expert, source-rank-token) pair and a combine receive region of the same shape, plus
-signalling words. Its size depends only on (tokens per rank, hidden, ranks, experts), as DeepEP's hint
-does; top-k up to ``MAX_TOPK``.
+one call's outputs survive the next call). Each half holds a dispatch receive region of one message per
+(source rank, token), since a token crosses to a rank once whatever number of its experts live there
+(NOTE [low-latency dispatch] in kernels/low_latency.cuh), the receiver's selection lists, a combine
+receive region of one row per (expert, source-rank-token) pair, plus signalling words. The size hint
+depends only on (tokens per rank, hidden, ranks, experts), as DeepEP's does, and is larger than the
+layout needs (it also covers one message per pair); top-k up to ``MAX_TOPK``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ MAX_CHUNKS = 8192
 MAX_NORMAL_TOKENS_PER_RANK = MAX_CHUNKS * CHUNK_ROWS
 MAX_TOPK = 16
 DEFAULT_HINT_TOKENS_PER_RANK = 4096
-LOW_LATENCY_MESSAGE_HEADER_BYTES = 16
+LOW_LATENCY_MESSAGE_HEADER_BYTES = 16 + 2 * MAX_TOPK  # token index, then the int16 local experts it chose
 
 
 def align(num_bytes: int, alignment: int = ALIGN_BYTES) -> int:
@@ -129,9 +131,11 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, nu
 class LowLatencyLayout:
     """Byte offsets inside one half of the low-latency buffer (NOTE [low-latency buffer]).
 
-    dispatch_recv   [L][R][M] messages of `dispatch_message_bytes`: 16-byte header (source token index),
-                    then the FP8 data and float32 scales, or the bf16 data
-    dispatch_counts [L][R] uint64: ``(epoch << 32) | pairs`` that source r sent to local expert l
+    dispatch_recv   [R][M] messages of `dispatch_message_bytes`: header (int32 source token index at 0,
+                    int16 local expert of each top-k choice, -1 where elsewhere, at 16), then the FP8
+                    data and float32 scales, or the bf16 data
+    dispatch_select [L][R][M] int32: which messages of source r carry local expert l, in order
+    dispatch_counts [R] uint64: ``(epoch << 32) | tokens`` that source r sent to this rank
     combine_recv    [E][M] bf16 rows: expert e's output for this rank's slot j of e
     combine_flags   [R] uint64: ``(epoch << 32) | 1`` once owner r has sent every row back
     state           [4] uint32, this rank only: blocks done sending (dispatch, combine), then the
@@ -141,6 +145,7 @@ class LowLatencyLayout:
     half_bytes: int
     dispatch_recv: int
     dispatch_message_bytes: int
+    dispatch_select: int
     dispatch_counts: int
     combine_recv: int
     combine_flags: int
@@ -160,10 +165,12 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
         offset = align(offset + num_bytes, REGION_ALIGN_BYTES)
         return begin
 
-    dispatch_recv = take(num_slots * message)
-    dispatch_counts = take(num_experts * 8)
+    dispatch_recv = take(num_ranks * num_max_dispatch_tokens_per_rank * message)
+    dispatch_select = take(num_slots * 4)
+    dispatch_counts = take(num_ranks * 8)
     combine_recv = take(num_slots * low_latency_combine_message_bytes(hidden))
     combine_flags = take(num_ranks * 8)
     state = take(4 * 4)
     return LowLatencyLayout(low_latency_half_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts),
-                            dispatch_recv, message, dispatch_counts, combine_recv, combine_flags, state)
+                            dispatch_recv, message, dispatch_select, dispatch_counts, combine_recv, combine_flags,
+                            state)

@@ -10,6 +10,12 @@ Two times per call on GPU. `medians`: CUDA events around the call, so the host's
 kernel counts too (the GPU idles behind the barrier meanwhile). `kernel_medians`: the summed GPU time of
 the call's own kernels from the PyTorch profiler (CUPTI), the figure DeepEP's benchmarks report; there the
 flush is a ``bitwise_not_`` whose kernel marks where each call's kernels begin.
+
+NOTE [aligned start]: a kernel that waits for its peers counts their lateness as its own time. After the
+host barrier the ranks' hosts still enqueue the call at different moments (host work per call differs),
+so for kernel times each GPU first sleeps (`ALIGN_SLEEP_CYCLES`, ~1 ms, longer than any call's host
+work) and then joins an all-reduce: every rank's call then starts when that all-reduce ends, within a few
+microseconds of the others, as DeepEP's benchmarks do with a large GEMM before each call.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 L2_FLUSH_BYTES = 256 << 20
+ALIGN_SLEEP_CYCLES = 2_000_000  # ~1 ms at H100/H200 clocks (NOTE [aligned start])
 
 
 class Timer:
@@ -85,11 +92,14 @@ class Timer:
 
         torch.cuda.synchronize(self.device)
         self.barrier()
+        start_together = torch.ones(1, device=self.device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 for step in steps:
                     self._scratch.bitwise_not_()  # evicts L2 and marks the start of a call
                     self.barrier()
+                    torch.cuda._sleep(ALIGN_SLEEP_CYCLES)  # NOTE [aligned start]
+                    dist.all_reduce(start_together, group=self.group)
                     step()
             torch.cuda.synchronize(self.device)
         self.barrier()

@@ -43,7 +43,8 @@ class LowLatencyKernels:
     def _buffer_args(self, layout, half: int, do_send: int, do_recv: int, num_max: int):
         ctx = self.backend.ctx
         return (self._half_bases(layout, half).data_ptr(), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
-                layout.dispatch_message_bytes, layout.dispatch_counts, layout.combine_recv, layout.combine_flags,
+                layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES, layout.dispatch_select,
+                layout.dispatch_counts, layout.combine_recv, layout.combine_flags,
                 layout.state, do_send, do_recv)
 
     @staticmethod

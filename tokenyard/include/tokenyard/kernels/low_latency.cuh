@@ -19,18 +19,25 @@ struct LowLatencyBuffers {
     int num_max;                 // M: tokens per rank at most
     int64_t dispatch_recv;
     int64_t message_bytes;
+    int64_t header_bytes;
+    int64_t dispatch_select;
     int64_t dispatch_counts;
     int64_t combine_recv;
     int64_t combine_row_bytes;
     int64_t combine_flags;
     int64_t state;
 
-    __device__ __forceinline__ uint8_t* message(int owner, int local_expert, int source, int slot) const {
-        return peer_bases[owner] + dispatch_recv +
-               ((static_cast<int64_t>(local_expert) * num_ranks + source) * num_max + slot) * message_bytes;
+    // Message `slot` of `source` in rank `owner`'s receive region: one per (source, token sent to owner).
+    __device__ __forceinline__ uint8_t* message(int owner, int source, int slot) const {
+        return peer_bases[owner] + dispatch_recv + (static_cast<int64_t>(source) * num_max + slot) * message_bytes;
     }
-    __device__ __forceinline__ uint64_t* count(int owner, int local_expert, int source) const {
-        return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_counts) + local_expert * num_ranks + source;
+    // This rank's list of the messages from `source` that carry `local_expert`, in token order.
+    __device__ __forceinline__ int* selection(int local_expert, int source) const {
+        return reinterpret_cast<int*>(peer_bases[rank] + dispatch_select) +
+               (static_cast<int64_t>(local_expert) * num_ranks + source) * num_max;
+    }
+    __device__ __forceinline__ uint64_t* count(int owner, int source) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_counts) + source;
     }
     __device__ __forceinline__ uint8_t* combine_row(int owner, int expert, int slot) const {
         return peer_bases[owner] + combine_recv + (static_cast<int64_t>(expert) * num_max + slot) * combine_row_bytes;
@@ -51,11 +58,13 @@ struct LowLatencyBuffers {
 // before t that chose e, which gives NOTE [recv order] without atomics. Every block builds, in shared
 // memory, one bit per (expert, token): bits[e * words + t / 32] bit t % 32. A slot is then a few popcounts,
 // and an expert's pair count the popcount of its row. Pairs whose expert is -1, out of range, or on a
-// masked rank set no bit and travel nowhere.
-template <int kNumTopk, typename TopkT>
+// masked rank set no bit and travel nowhere. With kByRank the rows are ranks instead of experts (a bit per
+// (rank, token): the token goes to that rank), which numbers the dispatch messages the same way.
+template <int kNumTopk, typename TopkT, bool kByRank = false>
 __device__ __forceinline__ void build_pair_bits(uint32_t* bits, int words, const TopkT* topk_idx, int num_tokens,
                                                 int num_experts, int num_local_experts, const int* rank_mask) {
-    for (int i = threadIdx.x; i < num_experts * words; i += blockDim.x)
+    const int num_rows = kByRank ? num_experts / num_local_experts : num_experts;
+    for (int i = threadIdx.x; i < num_rows * words; i += blockDim.x)
         bits[i] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < num_tokens * kNumTopk; p += blockDim.x) {
@@ -63,7 +72,8 @@ __device__ __forceinline__ void build_pair_bits(uint32_t* bits, int words, const
         if (e < 0 || e >= num_experts || (rank_mask != nullptr && rank_mask[e / num_local_experts] != 0))
             continue;
         const int t = p / kNumTopk;
-        atomicOr(&bits[e * words + t / 32], 1u << (t % 32));
+        const int row = kByRank ? static_cast<int>(e / num_local_experts) : static_cast<int>(e);
+        atomicOr(&bits[row * words + t / 32], 1u << (t % 32));
     }
     __syncthreads();
 }
@@ -80,10 +90,10 @@ __device__ __forceinline__ int pair_slot(const uint32_t* bits, int words, int e,
     return slot + __popc(row[t / 32] & ((1u << (t % 32)) - 1u));
 }
 
-__device__ __forceinline__ int expert_pairs(const uint32_t* bits, int words, int e) {
+__device__ __forceinline__ int row_count(const uint32_t* bits, int words, int row) {
     int count = 0;
     for (int w = 0; w < words; ++w)
-        count += __popc(bits[e * words + w]);
+        count += __popc(bits[row * words + w]);
     return count;
 }
 
@@ -157,29 +167,33 @@ __device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) 
 constexpr int kSendUnroll = 4;
 
 // NOTE [low-latency dispatch]
-// Send (do_send): the work items are the pairs (t, k); consecutive items go to different SMs (item i to
-// warp i / gridDim.x of block i % gridDim.x), so a handful of tokens still spreads over the whole GPU. A
-// warp quantizes its token on the fly (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4,
-// scale = amax / 448 with an IEEE division, optionally rounded up to a power of two, q = e4m3(clamp(x /
-// scale))), each lane 16 channels, and writes the message (header = token index, data, float32 scales)
-// with 16-byte stores into the pair's slot at the expert's rank. A token bound for k experts is cast k
-// times: cheap next to the NVLink write, and no warp waits for another. The last block to finish then
-// publishes each expert's pair count to its rank as (epoch << 32) | count. Receive (do_recv): a block per
-// local expert waits for every source's count, lays the sources out one after the other (layout_range),
-// and copies the messages into the packed outputs. With a recv hook the two halves run as two launches.
-// Signals carry the epoch of NOTE [low-latency epochs].
+// A token crosses to a rank once, whatever number of its experts live there, and the receiver fans it out
+// to its local experts (4 ranks, top-8 of 256: ~3.6 messages per token instead of 8 pair copies).
+// Send (do_send): the work items are the pairs (t, d) of a token and a rank it goes to (NOTE [pair slots]
+// with rows = ranks); consecutive items go to different SMs (item i to warp i / gridDim.x of block
+// i % gridDim.x), so a handful of tokens still spreads over the whole GPU. The message lands in d's region
+// of this rank at slot = this rank's tokens before t that go to d. A warp quantizes its token on the fly
+// (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with an IEEE
+// division, optionally rounded up to a power of two, q = e4m3(clamp(x / scale))), each lane 16 channels,
+// and writes the message with 16-byte stores: header (token index; then, per top-k choice, its local
+// expert on d or -1), data, float32 scales. The last block to finish publishes to each rank d
+// (epoch << 32) | tokens sent to d. Receive (do_recv): a block per local expert l waits for every source's
+// count; a warp per source scans that source's headers in order and writes the slots of those carrying l
+// to l's selection list (a ballot per 32 messages keeps the order); the sources' lists laid one after the
+// other give layout_range, and all warps then copy the selected messages into l's packed rows. With a
+// recv hook the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
 template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
 __device__ __forceinline__ void low_latency_dispatch(
         const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
         uint8_t* packed_recv_x, uint32_t* packed_recv_scales, int* packed_recv_count, int* src_info,
         int64_t* layout_range, int* cumulative_stats, int* rank_mask, uint8_t* const* peer_bases, int rank,
-        int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t dispatch_counts,
-        int64_t combine_recv, int64_t combine_flags, int64_t state, int do_send, int do_recv, int* error_flag,
-        int* host_record, uint64_t timeout_ns) {
+        int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t header_bytes,
+        int64_t dispatch_select, int64_t dispatch_counts, int64_t combine_recv, int64_t combine_flags, int64_t state,
+        int do_send, int do_recv, int* error_flag, int* host_record, uint64_t timeout_ns) {
     const int num_local_experts = num_experts / num_ranks;
     const LowLatencyBuffers b{peer_bases, rank, num_ranks, num_local_experts, num_max, dispatch_recv, message_bytes,
-                              dispatch_counts, combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags,
-                              state};
+                              header_bytes, dispatch_select, dispatch_counts, combine_recv,
+                              static_cast<int64_t>(hidden) * 2, combine_flags, state};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_warps = blockDim.x / kWarpSize;
@@ -191,15 +205,15 @@ __device__ __forceinline__ void low_latency_dispatch(
     if (do_send) {
         extern __shared__ uint32_t bits[];
         const int words = (num_max + 31) / 32;
-        build_pair_bits<kNumTopk, TopkT>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts, rank_mask);
-        const int num_items = num_tokens * kNumTopk;
+        build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts,
+                                               rank_mask);
+        const int num_items = num_tokens * num_ranks;
         for (int item = warp * gridDim.x + blockIdx.x; item < num_items; item += gridDim.x * num_warps) {
-            const int t = item / kNumTopk;
-            const int64_t e = static_cast<int64_t>(topk_idx[item]);
-            if (e < 0 || e >= num_experts || !pair_chosen(bits, words, static_cast<int>(e), t))
+            const int t = item / num_ranks, d = item % num_ranks;
+            if (!pair_chosen(bits, words, d, t))
                 continue;  // the same for the whole warp
-            uint8_t* to = b.message(static_cast<int>(e / num_local_experts), static_cast<int>(e % num_local_experts),
-                                    rank, pair_slot(bits, words, static_cast<int>(e), t));
+            uint8_t* to = b.message(d, rank, pair_slot(bits, words, d, t));
+            uint8_t* data = to + header_bytes;
             const int4* row = x + static_cast<int64_t>(t) * hidden / 8;
             // kSendUnroll rounds of 512 channels: every load of the batch is issued before the first cast,
             // so a lane waits for memory once per batch. The loop bounds are the same for the whole warp
@@ -222,28 +236,32 @@ __device__ __forceinline__ void low_latency_dispatch(
                         float scale;
                         const int4 q = round_scale ? cast_fp8_16<true>(raw[u], scale) : cast_fp8_16<false>(raw[u], scale);
                         if (c < hidden) {
-                            ptx::st_na_v4(reinterpret_cast<int4*>(to + 16 + c), q);
+                            ptx::st_na_v4(reinterpret_cast<int4*>(data + c), q);
                             if (lane % 8 == 0)
-                                reinterpret_cast<float*>(to + 16 + hidden)[c / 128] = scale;
+                                reinterpret_cast<float*>(data + hidden)[c / 128] = scale;
                         }
                     } else {
                         if (c < hidden)
-                            ptx::st_na_v4(reinterpret_cast<int4*>(to + 16) + c / 8, raw[u][0]);
+                            ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8, raw[u][0]);
                         if (c + 8 < hidden)
-                            ptx::st_na_v4(reinterpret_cast<int4*>(to + 16) + c / 8 + 1, raw[u][1]);
+                            ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8 + 1, raw[u][1]);
                     }
                 }
             }
             if (lane == 0)
                 *reinterpret_cast<int*>(to) = t;
+            if (lane < kNumTopk) {  // which of the token's choices live on d, as local experts
+                const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane]);
+                const bool here = e >= 0 && e < num_experts && e / num_local_experts == d;
+                reinterpret_cast<int16_t*>(to + 16)[lane] = here ? static_cast<int16_t>(e % num_local_experts) : -1;
+            }
         }
         if (last_block_done(b, 0)) {
-            for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-                const int owner = e / num_local_experts;
-                if (rank_mask != nullptr && rank_mask[owner] != 0)
+            for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
+                if (rank_mask != nullptr && rank_mask[d] != 0)
                     continue;
-                const uint64_t word = (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(expert_pairs(bits, words, e));
-                ptx::st_release_sys(b.count(owner, e % num_local_experts, rank), word);
+                const uint64_t word = (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(row_count(bits, words, d));
+                ptx::st_release_sys(b.count(d, rank), word);
             }
             if (threadIdx.x == 0)
                 ptx::st_relaxed_sys(b.epoch(0), epoch);
@@ -253,19 +271,43 @@ __device__ __forceinline__ void low_latency_dispatch(
         return;
 
     // Receive: one block per local expert at a time.
-    __shared__ int counts[kWarpSize], begins[kWarpSize];
+    __shared__ int num_messages[kWarpSize], counts[kWarpSize], begins[kWarpSize];
     for (int l = blockIdx.x; l < num_local_experts; l += gridDim.x) {
         if (threadIdx.x < num_ranks) {
             const int s = threadIdx.x;
             int count = 0;
             if (rank_mask == nullptr || rank_mask[s] == 0) {
-                count = wait_for_seq(wait, b.count(rank, l, s), epoch, s, kStageLowLatencyDispatchRecv,
+                count = wait_for_seq(wait, b.count(rank, s), epoch, s, kStageLowLatencyDispatchRecv,
                                      rank_mask == nullptr);
                 if (count < 0 && rank_mask != nullptr)
                     atomicExch(rank_mask + s, 1);  // NOTE [rank masking]
                 count = max(0, count);
             }
-            counts[s] = count;
+            num_messages[s] = count;
+        }
+        __syncthreads();
+        for (int s = warp; s < num_ranks; s += num_warps) {
+            int* selected = b.selection(l, s);
+            int found = 0;
+            for (int first = 0; first < num_messages[s]; first += kWarpSize) {
+                const int j = first + lane;
+                bool carries = false;
+                if (j < num_messages[s]) {
+                    const int* choices = reinterpret_cast<const int*>(b.message(rank, s, j) + 16);
+#pragma unroll
+                    for (int w = 0; w < (kNumTopk + 1) / 2; ++w) {  // two int16 choices per word
+                        const int word = ptx::ld_na_s32(choices + w);
+                        carries |= static_cast<int16_t>(word & 0xffff) == l ||
+                                   (2 * w + 1 < kNumTopk && static_cast<int16_t>(word >> 16) == l);
+                    }
+                }
+                const uint32_t ballot = __ballot_sync(0xffffffffu, carries);
+                if (carries)
+                    selected[found + __popc(ballot & ((1u << lane) - 1u))] = j;
+                found += __popc(ballot);
+            }
+            if (lane == 0)
+                counts[s] = found;
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -281,32 +323,34 @@ __device__ __forceinline__ void low_latency_dispatch(
                 cumulative_stats[l] += total;
         }
         __syncthreads();
-        for (int s = 0; s < num_ranks; ++s) {
-            for (int j = warp; j < counts[s]; j += num_warps) {
-                const int row = begins[s] + j;
-                const uint8_t* msg = b.message(rank, l, s, j);
-                const int64_t out = static_cast<int64_t>(l) * num_slots + row;
-                warp_copy<8, true>(reinterpret_cast<int4*>(packed_recv_x + out * data_bytes),
-                                   reinterpret_cast<const int4*>(msg + 16), data_bytes / 16, lane);
-                if constexpr (kUseFp8) {
-                    const int* scales = reinterpret_cast<const int*>(msg + 16 + hidden);
-                    if constexpr (kUseUe8m0) {
-                        // Four groups' biased exponents per int32, little-endian (quant.pack_ue8m0).
-                        for (int g4 = lane; g4 < num_scales / 4; g4 += kWarpSize) {
-                            uint32_t word = 0;
-                            for (int i = 0; i < 4; ++i)
-                                word |= ((static_cast<uint32_t>(ptx::ld_na_s32(scales + 4 * g4 + i)) >> 23) & 0xffu) << (8 * i);
-                            packed_recv_scales[(static_cast<int64_t>(l) * (num_scales / 4) + g4) * num_slots + row] = word;
-                        }
-                    } else {
-                        for (int g = lane; g < num_scales; g += kWarpSize)  // column-major, as DeepEP
-                            packed_recv_scales[(static_cast<int64_t>(l) * num_scales + g) * num_slots + row] =
-                                    ptx::ld_na_s32(scales + g);
+        const int total = begins[num_ranks - 1] + counts[num_ranks - 1];
+        for (int row = warp; row < total; row += num_warps) {
+            int s = 0;
+            while (s + 1 < num_ranks && begins[s + 1] <= row)
+                ++s;
+            const uint8_t* msg = b.message(rank, s, b.selection(l, s)[row - begins[s]]);
+            const uint8_t* data = msg + header_bytes;
+            const int64_t out = static_cast<int64_t>(l) * num_slots + row;
+            warp_copy<8, true>(reinterpret_cast<int4*>(packed_recv_x + out * data_bytes),
+                               reinterpret_cast<const int4*>(data), data_bytes / 16, lane);
+            if constexpr (kUseFp8) {
+                const int* scales = reinterpret_cast<const int*>(data + hidden);
+                if constexpr (kUseUe8m0) {
+                    // Four groups' biased exponents per int32, little-endian (quant.pack_ue8m0).
+                    for (int g4 = lane; g4 < num_scales / 4; g4 += kWarpSize) {
+                        uint32_t word = 0;
+                        for (int i = 0; i < 4; ++i)
+                            word |= ((static_cast<uint32_t>(ptx::ld_na_s32(scales + 4 * g4 + i)) >> 23) & 0xffu) << (8 * i);
+                        packed_recv_scales[(static_cast<int64_t>(l) * (num_scales / 4) + g4) * num_slots + row] = word;
                     }
+                } else {
+                    for (int g = lane; g < num_scales; g += kWarpSize)  // column-major, as DeepEP
+                        packed_recv_scales[(static_cast<int64_t>(l) * num_scales + g) * num_slots + row] =
+                                ptx::ld_na_s32(scales + g);
                 }
-                if (lane == 0)
-                    src_info[out] = ptx::ld_na_s32(reinterpret_cast<const int*>(msg));
             }
+            if (lane == 0)
+                src_info[out] = ptx::ld_na_s32(reinterpret_cast<const int*>(msg));
         }
         __syncthreads();
     }
@@ -328,13 +372,13 @@ template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
         const int4* x, const TopkT* topk_idx, const float* topk_weights, const int64_t* layout_range, int num_tokens,
         int hidden, int num_experts, int4* combined_x, int* rank_mask, uint8_t* const* peer_bases, int rank,
-        int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t dispatch_counts,
-        int64_t combine_recv, int64_t combine_flags, int64_t state, int do_send, int do_recv, int* error_flag,
-        int* host_record, uint64_t timeout_ns) {
+        int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t header_bytes,
+        int64_t dispatch_select, int64_t dispatch_counts, int64_t combine_recv, int64_t combine_flags, int64_t state,
+        int do_send, int do_recv, int* error_flag, int* host_record, uint64_t timeout_ns) {
     const int num_local_experts = num_experts / num_ranks;
     const LowLatencyBuffers b{peer_bases, rank, num_ranks, num_local_experts, num_max, dispatch_recv, message_bytes,
-                              dispatch_counts, combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags,
-                              state};
+                              header_bytes, dispatch_select, dispatch_counts, combine_recv,
+                              static_cast<int64_t>(hidden) * 2, combine_flags, state};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_warps = blockDim.x / kWarpSize;
