@@ -4,6 +4,8 @@
 #ifdef __CUDACC_RTC__
 typedef signed char int8_t;
 typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
 typedef int int32_t;
 typedef unsigned int uint32_t;
 typedef long long int64_t;
