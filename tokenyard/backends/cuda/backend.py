@@ -60,10 +60,11 @@ class CudaBackend(Backend):
     # `backend="auto"` picks this backend only once its GPU tests have passed on the device machine
     # (tests/gpu/test_normal_cuda.py: bit for bit against the reference backend on 2 and 4 H200s).
     VALIDATED = True
-    # The low-latency kernels serve low-latency calls only once their GPU tests have passed
-    # (tests/gpu/test_low_latency_cuda.py sets `use_low_latency_kernels` itself); until then the reference
-    # implementation does, over the same group.
-    LOW_LATENCY_KERNELS_VALIDATED = False
+    # The low-latency kernels serve low-latency calls once their GPU tests have passed
+    # (tests/gpu/test_low_latency_cuda.py: bit for bit against the reference, graph replays, a masked rank;
+    # 2 and 4 H200s at commit 2d5a16e). TOKENYARD_LOW_LATENCY_KERNELS=off hands the calls to the reference
+    # implementation over the same group.
+    LOW_LATENCY_KERNELS_VALIDATED = True
 
     @staticmethod
     def available() -> bool:
