@@ -14,7 +14,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import checks, env, workspace
+from . import checks, env, rounds, workspace
 from .backends import create_backend
 from .backends.base import GroupContext
 from .buffer_low_latency import LowLatencyCalls
@@ -55,7 +55,10 @@ class Buffer(LowLatencyCalls):
 
     Arguments (DeepEP's, in DeepEP's order):
         group: the EP process group (any `torch.distributed` group; a subgroup is fine).
-        num_nvl_bytes: normal-mode buffer size per rank (see `Config.get_nvl_buffer_size_hint`).
+        num_nvl_bytes: normal-mode buffer size per rank, the memory budget of `dispatch` and `combine`
+            (see `Config.get_nvl_buffer_size_hint`); capped by TOKENYARD_NVL_BUFFER_BYTES where that is set
+            and smaller. A call with more tokens than one round of the buffer holds runs in rounds, with
+            the one-shot results (NOTE [rounds] in rounds.py; `normal_round_plan` reports the sizes).
         num_rdma_bytes: low-latency buffer size per rank (see `get_low_latency_rdma_size_hint`).
         low_latency_mode: accepted; low-latency calls work on any Buffer with enough `num_rdma_bytes`.
         num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: RDMA/fabric
@@ -68,9 +71,13 @@ class Buffer(LowLatencyCalls):
             TOKENYARD_BACKEND.
         timeout_s: deadline of every wait for a peer (default TOKENYARD_TIMEOUT_S, 100 s).
         check_inputs: run the value checks that need a device sync (default TOKENYARD_CHECK_INPUTS).
+        per_round_tokens: tokens per rank in one round of a normal-mode call (default: as many as
+            `num_nvl_bytes` holds for the dispatch rows and for combine rows of the same hidden size);
+            a call whose rows do not fit that many raises CapacityError saying the bytes it needs.
 
     Raises:
         BackendUnavailableError: ``backend="cuda"`` where the CUDA backend cannot run.
+        InvalidInputError: a negative size, or `per_round_tokens` not a positive int.
     """
 
     num_sms: int = 20
@@ -80,7 +87,7 @@ class Buffer(LowLatencyCalls):
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm=None, *, backend: Optional[str] = None, timeout_s: Optional[float] = None,
-                 check_inputs: Optional[bool] = None) -> None:
+                 check_inputs: Optional[bool] = None, per_round_tokens: Optional[int] = None) -> None:
         del num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric  # see docstring
         settings = env.settings()
         if group is not None:
@@ -98,9 +105,15 @@ class Buffer(LowLatencyCalls):
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, int) or value < 0:
                 raise InvalidInputError(f"{name} must be a non-negative int, got {value!r}")
+        if per_round_tokens is not None and (not isinstance(per_round_tokens, int) or per_round_tokens <= 0):
+            raise InvalidInputError(f"per_round_tokens must be a positive int or None, got {per_round_tokens!r}")
+        if settings.nvl_buffer_bytes and num_nvl_bytes > settings.nvl_buffer_bytes:
+            env.log(f"num_nvl_bytes {num_nvl_bytes} capped at TOKENYARD_NVL_BUFFER_BYTES={settings.nvl_buffer_bytes}")
+            num_nvl_bytes = settings.nvl_buffer_bytes
         self.group = group if group is not None else comm
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
+        self.per_round_tokens = per_round_tokens
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
@@ -108,6 +121,7 @@ class Buffer(LowLatencyCalls):
         self.check_inputs = settings.check_inputs if check_inputs is None else bool(check_inputs)
         self.device = _group_device(group)
         self._id = next(_buffer_ids)
+        self._exchange = rounds.Exchange(group, self.device, self.rank, self.group_size, all_gather_object)
 
         context = GroupContext(group=group, rank=self.rank, num_ranks=self.group_size, device=self.device,
                                all_gather_object=all_gather_object, num_nvl_bytes=num_nvl_bytes,
@@ -176,6 +190,28 @@ class Buffer(LowLatencyCalls):
         """The default combine `Config` for `num_ranks` ranks (any count works)."""
         del num_ranks
         return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    def normal_round_plan(self, num_tokens: int, hidden: int, num_topk: int = 0, dtype: torch.dtype = torch.bfloat16,
+                          num_scales: Optional[int] = None) -> rounds.NormalRoundPlan:
+        """The bytes this Buffer holds, the bytes dispatch and combine of a problem need in one round, and the
+        rounds they run in (NOTE [rounds]); computes only.
+
+        Arguments:
+            num_tokens: tokens of the largest rank. hidden, num_topk: the problem's hidden size and top-k.
+            dtype: of the dispatched data (bf16, or FP8 e4m3 / int8 with float32 scales).
+            num_scales: scales per token (default hidden / 128 for 1-byte dtypes, else none).
+        """
+        element_size = torch.empty((), dtype=dtype).element_size()
+        if num_scales is None:
+            num_scales = hidden // 128 if element_size == 1 else 0
+        dispatch_row = workspace.normal_dispatch_row_bytes(hidden * element_size, num_scales * 4, num_topk)
+        return rounds.round_plan(self.num_nvl_bytes, self.group_size, num_tokens, dispatch_row,
+                                 workspace.normal_combine_row_bytes(hidden, num_topk), self.per_round_tokens)
+
+    def _round_tokens(self, num_tokens: int, row_bytes: int, what: str, paired_row_bytes: Optional[int] = None):
+        return checks.normal_round_tokens(num_ranks=self.group_size, num_tokens=num_tokens, row_bytes=row_bytes,
+                                          num_nvl_bytes=self.num_nvl_bytes, per_round_tokens=self.per_round_tokens,
+                                          what=what, paired_row_bytes=paired_row_bytes)
 
     @staticmethod
     def _unpack_bias(bias):
@@ -304,14 +340,17 @@ class Buffer(LowLatencyCalls):
             topk_idx, topk_weights: ``[T, K]`` global expert ids (int64) and float32 weights, or None.
             expert_alignment: round each local expert's count up to this multiple.
             num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows have
-                ``recv_topk_idx == -1``), the per-expert list is empty and the CPU does not wait.
+                ``recv_topk_idx == -1``), the per-expert list is empty and the CPU does not wait; in rounds,
+                their number is fixed by num_worst_tokens / group size tokens per rank (NOTE [rounds]).
             config: performance settings (default `get_dispatch_config`).
         Returns:
             ``recv_x`` (tuple like `x`), ``recv_topk_idx`` (local ids, -1 elsewhere), ``recv_topk_weights``
             (0 where -1), ``num_recv_tokens_per_expert_list``, ``handle`` (a `DispatchHandle`), event.
-            With a cached handle the middle four are None.
+            With a cached handle the middle four are None. More tokens than one round of `num_nvl_bytes`
+            holds run in rounds with the same results (NOTE [rounds] in rounds.py).
         Raises:
-            InvalidInputError, HandleError, CapacityError: before any communication.
+            InvalidInputError, HandleError, CapacityError (not one row fits, or `per_round_tokens` is above
+            what fits): before any communication.
         """
         del num_tokens_per_rdma_rank
         backend = self._backend()
@@ -360,8 +399,9 @@ class Buffer(LowLatencyCalls):
                     raise InvalidInputError("num_tokens_per_rank disagrees with is_token_in_rank")
         scale_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
         row_bytes = workspace.normal_dispatch_row_bytes(x.size(1) * x.element_size(), scale_bytes, num_topk)
-        checks.normal_capacity(num_ranks=self.group_size, num_tokens=num_tokens, row_bytes=row_bytes,
-                               num_nvl_bytes=self.num_nvl_bytes, what="dispatch")
+        paired_row_bytes = None if handle is not None else workspace.normal_combine_row_bytes(x.size(1), num_topk)
+        round_tokens = self._round_tokens(num_tokens, row_bytes, "dispatch", paired_row_bytes)
+        check_values = self._check_values()
 
         request = DispatchRequest(x=x, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
                                   num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
@@ -370,10 +410,15 @@ class Buffer(LowLatencyCalls):
                                   config=config)
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
-            result = backend.dispatch(request)
+            if handle is None:
+                result, plan = rounds.dispatch(backend, request, round_tokens=round_tokens, exchange=self._exchange,
+                                               check_values=check_values)
+            else:
+                plan = rounds.plan_for(handle, round_tokens, self._exchange)
+                result = rounds.cached_dispatch(backend, request, plan)
         new_handle = result.handle
         if handle is None:
-            new_handle = DispatchHandle(*result.handle, buffer_id=self._id,
+            new_handle = DispatchHandle(*result.handle, buffer_id=self._id, rounds=plan,
                                         num_recv_tokens=None if num_worst_tokens else result.recv_x.size(0))
         outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights)
         self._hand_over(scope.owner, outputs + tuple(new_handle))
@@ -415,15 +460,15 @@ class Buffer(LowLatencyCalls):
                 checks.tensor(name, b, dtypes=(torch.bfloat16,), shape=(handle.num_tokens, x.size(1)),
                               device=self.device)
         num_topk = 0 if topk_weights is None else topk_weights.size(1)
-        checks.normal_capacity(num_ranks=self.group_size, num_tokens=handle.num_tokens,
-                               row_bytes=workspace.normal_combine_row_bytes(x.size(1), num_topk),
-                               num_nvl_bytes=self.num_nvl_bytes, what="combine")
+        round_tokens = self._round_tokens(handle.num_tokens, workspace.normal_combine_row_bytes(x.size(1), num_topk),
+                                          "combine")
         config = config if config is not None else self.get_combine_config(self.group_size)
         request = CombineRequest(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
                                  config=config)
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
-            combined_x, combined_topk_weights = backend.combine(request)
+            plan = rounds.plan_for(handle, round_tokens, self._exchange)
+            combined_x, combined_topk_weights = rounds.combine(backend, request, plan)
         self._hand_over(scope.owner, (combined_x, combined_topk_weights))
         if async_finish:
             self._hand_over(self._comm_stream, (x, topk_weights, bias_0, bias_1) + tuple(handle))

@@ -122,17 +122,37 @@ def low_latency_handle(handle, *, buffer_id: int) -> LowLatencyHandle:
     return _owned_handle(handle, as_low_latency_handle, buffer_id)
 
 
-def normal_capacity(*, num_ranks: int, num_tokens: int, row_bytes: int, num_nvl_bytes: int, what: str) -> None:
-    if num_tokens > workspace.MAX_NORMAL_TOKENS_PER_RANK:
-        _fail(f"{what} of {num_tokens} tokens per rank is above the limit of "
-              f"{workspace.MAX_NORMAL_TOKENS_PER_RANK} tokens per rank and call")
-    required = workspace.normal_required_bytes(num_ranks, num_tokens, row_bytes)
-    if required > num_nvl_bytes:
+def normal_round_tokens(*, num_ranks: int, num_tokens: int, row_bytes: int, num_nvl_bytes: int,
+                        per_round_tokens: Optional[int], what: str, paired_row_bytes: Optional[int] = None) -> int:
+    """Tokens per rank per round of a normal-mode call with rows of `row_bytes` (NOTE [rounds] in rounds.py):
+    `per_round_tokens` if given, else the capacity, also for rows of `paired_row_bytes` where those fit.
+
+    Raises:
+        CapacityError: not even one row fits, or `per_round_tokens` is above the capacity.
+    """
+    capacity = workspace.normal_token_capacity(num_nvl_bytes, num_ranks, row_bytes)
+    if capacity == 0:
+        required = workspace.normal_required_bytes(num_ranks, 1, row_bytes)
+        one_shot = workspace.normal_required_bytes(num_ranks, max(num_tokens, 1), row_bytes)
         raise CapacityError(
-            f"{what} of {num_tokens} tokens ({row_bytes} bytes a row, {num_ranks} ranks) needs "
-            f"num_nvl_bytes >= {required}, but this Buffer has {num_nvl_bytes}; size it with "
-            f"Config(num_max_tokens_per_rank={num_tokens}).get_nvl_buffer_size_hint(hidden_bytes, {num_ranks})",
+            f"{what} rows of {row_bytes} bytes on {num_ranks} ranks do not fit this Buffer's num_nvl_bytes="
+            f"{num_nvl_bytes}, not even one token per round: it needs num_nvl_bytes >= {required} to run in "
+            f"rounds, and {one_shot} to run its {num_tokens} tokens in one round; size it with "
+            f"Config(num_max_tokens_per_rank=N).get_nvl_buffer_size_hint(hidden_bytes, {num_ranks})",
             required_bytes=required, available_bytes=num_nvl_bytes, which="num_nvl_bytes")
+    if per_round_tokens is not None:
+        if per_round_tokens > capacity:
+            required = workspace.normal_required_bytes(num_ranks, per_round_tokens, row_bytes)
+            raise CapacityError(
+                f"per_round_tokens={per_round_tokens}: {what} rows of {row_bytes} bytes on {num_ranks} ranks "
+                f"need num_nvl_bytes >= {required}, but this Buffer has {num_nvl_bytes} (room for {capacity} "
+                f"tokens per round)", required_bytes=required, available_bytes=num_nvl_bytes, which="num_nvl_bytes")
+        return per_round_tokens
+    if paired_row_bytes is not None:
+        paired = workspace.normal_token_capacity(num_nvl_bytes, num_ranks, paired_row_bytes)
+        if paired > 0:
+            capacity = min(capacity, paired)
+    return capacity
 
 
 def low_latency_capacity(*, num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,

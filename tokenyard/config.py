@@ -39,7 +39,8 @@ class Config:
             raise ValueError(f"Config.num_max_tokens_per_rank must be positive, got {self.num_max_tokens_per_rank}")
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """`num_nvl_bytes` for tokens of `hidden_bytes` (``hidden * max(element_size, 2)``) on `num_ranks`."""
+        """`num_nvl_bytes` for tokens of `hidden_bytes` (``hidden * max(element_size, 2)``) on `num_ranks`: room
+        for `num_max_tokens_per_rank` tokens in one round (a call with more tokens runs in rounds)."""
         return workspace.normal_size_hint(hidden_bytes, num_ranks, self.num_max_tokens_per_rank)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:

@@ -15,6 +15,8 @@ change under a running program.
 | TOKENYARD_VERBOSE             | bool  | false    | log backend choice and JIT compiles to stderr            |
 | TOKENYARD_PROFILE_DIR         | str   | ~/.cache/tokenyard/profiles | folder of AutoTuner's profile files   |
 | TOKENYARD_LOW_LATENCY_KERNELS | str   | "auto"   | CUDA low-latency calls: auto (kernels once validated), on, off |
+| TOKENYARD_NVL_BUFFER_BYTES    | int   | 0        | cap on every Buffer's num_nvl_bytes (0: no cap); calls that |
+|                               |       |          | need more run in rounds (NOTE [rounds] in rounds.py)     |
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Settings:
     verbose: bool = False
     profile_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tokenyard", "profiles")
     low_latency_kernels: str = "auto"
+    nvl_buffer_bytes: int = 0
 
 
 # field name -> (variable, parser)
@@ -57,6 +60,7 @@ _TABLE = {
     "verbose": ("TOKENYARD_VERBOSE", _parse_bool),
     "profile_dir": ("TOKENYARD_PROFILE_DIR", str),
     "low_latency_kernels": ("TOKENYARD_LOW_LATENCY_KERNELS", str),
+    "nvl_buffer_bytes": ("TOKENYARD_NVL_BUFFER_BYTES", int),
 }
 
 
@@ -79,6 +83,8 @@ def settings() -> Settings:
         raise ValueError(f"TOKENYARD_COMPILER must be auto, nvrtc or nvcc, not {chosen.compiler!r}")
     if chosen.low_latency_kernels not in ("auto", "on", "off"):
         raise ValueError(f"TOKENYARD_LOW_LATENCY_KERNELS must be auto, on or off, not {chosen.low_latency_kernels!r}")
+    if chosen.nvl_buffer_bytes < 0:
+        raise ValueError(f"TOKENYARD_NVL_BUFFER_BYTES must be >= 0, not {chosen.nvl_buffer_bytes}")
     return chosen
 
 

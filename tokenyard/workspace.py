@@ -14,8 +14,9 @@ region holds up to ``capacity`` rows; a dispatch row is the token's data
 bytes, its scale bytes, and ``num_topk`` (int32 index, float32 weight) pairs plus its int32 source index,
 each part padded to 16 bytes. A combine row is the bf16 hidden vector plus ``num_topk`` float32 weights.
 A rank can send at most ``capacity`` tokens per call, since in the worst case every token goes to every
-rank. Example: 4 ranks, hidden 7168 FP8 (7168 + 224 scale bytes), top-8: a row is 7168 + 224 + 80 =
-7472 bytes, and 4096 tokens need 64 KiB + 4 * 128 KiB of slots + 4 * 4096 * 7472 bytes = 117 MiB.
+rank; a call with more runs in rounds of at most that many (NOTE [rounds] in rounds.py). Example: 4 ranks,
+hidden 7168 FP8 (7168 + 224 scale bytes), top-8: a row is 7168 + 224 + 80 = 7472 bytes, and 4096 tokens
+need 64 KiB + 4 * 128 KiB of slots + 4 * 4096 * 7472 bytes = 117 MiB.
 
 NOTE [low-latency buffer]
 The low-latency buffer of ``num_rdma_bytes`` is two halves used alternately by consecutive calls (so
