@@ -26,6 +26,7 @@ to stdout.
 from __future__ import annotations
 
 import argparse
+import secrets
 import datetime
 import json
 import os
@@ -64,9 +65,11 @@ def parse(argv: Optional[List[str]], gpu: bool) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--num_sms", type=int, default=24)
     parser.add_argument("--backend", default="auto", choices=("auto", "reference", "cuda"))
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: random, recorded)")
     parser.add_argument("--timeout_s", type=float, default=540.0)
     args = parser.parse_args(argv)
+    if args.seed is None:
+        args.seed = secrets.randbelow(1 << 30)
     defaults = GPU_DEFAULTS if gpu else CPU_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
