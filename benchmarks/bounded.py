@@ -30,9 +30,7 @@ import secrets
 import datetime
 import json
 import os
-import queue
 import sys
-import traceback
 from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -146,69 +144,36 @@ def _measure(args, ctx, num_tokens: int, num_nvl_bytes: int, per_round_tokens: O
     return out
 
 
-def _rank_main(rank: int, args, port: int, reports) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
+def _rank_samples(args) -> Optional[List[dict]]:
+    """This rank's measurements, gathered: every rank's on rank 0, None elsewhere."""
+    import torch
+    import torch.distributed as dist
 
-        from tokenyard import Buffer, Config
-        from tokenyard.bench.timing import Timer
-        from tokenyard.launch import init_rank
+    from tokenyard import Buffer, Config
+    from tokenyard.bench.timing import Timer
 
-        device = init_rank(rank, args.num_ranks, port, use_cuda=args.gpu, timeout_s=args.timeout_s)
-        Buffer.set_num_sms(args.num_sms)
-        group = dist.group.WORLD
-        ctx = (rank, args.num_ranks, group, device, Timer(group, device))
-        samples = {"device": torch.cuda.get_device_name(device) if args.gpu else "cpu", "runs": [],
-                   "unbounded": None}
-        for num_tokens in args.num_tokens:
-            samples["runs"].append((num_tokens, _measure(args, ctx, num_tokens, args.budget_bytes,
-                                                         args.per_round_tokens)))
-        hint = Config(num_max_tokens_per_rank=args.unbounded_tokens).get_nvl_buffer_size_hint(args.hidden * 2,
-                                                                                             args.num_ranks)
-        samples["unbounded"] = (args.unbounded_tokens, _measure(args, ctx, args.unbounded_tokens, hint, None))
-        gathered = [None] * args.num_ranks
-        dist.all_gather_object(gathered, samples, group=group)
-        dist.destroy_process_group()
-        reports.put((rank, True, gathered if rank == 0 else None))
-    except BaseException:  # noqa: BLE001 - every failure goes back to the launcher
-        reports.put((rank, False, traceback.format_exc()))
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.gpu else torch.device("cpu")
+    Buffer.set_num_sms(args.num_sms)
+    group = dist.group.WORLD
+    ctx = (rank, args.num_ranks, group, device, Timer(group, device))
+    samples = {"device": torch.cuda.get_device_name(device) if args.gpu else "cpu", "runs": [], "unbounded": None}
+    for num_tokens in args.num_tokens:
+        samples["runs"].append((num_tokens, _measure(args, ctx, num_tokens, args.budget_bytes, args.per_round_tokens)))
+    hint = Config(num_max_tokens_per_rank=args.unbounded_tokens).get_nvl_buffer_size_hint(args.hidden * 2,
+                                                                                         args.num_ranks)
+    samples["unbounded"] = (args.unbounded_tokens, _measure(args, ctx, args.unbounded_tokens, hint, None))
+    gathered = [None] * args.num_ranks
+    dist.all_gather_object(gathered, samples, group=group)
+    return gathered if rank == 0 else None
 
 
 def run_ranks(args) -> List[dict]:
     """Every rank's samples (rank 0's report); raises RuntimeError with the failing ranks' tracebacks."""
-    import torch.multiprocessing as mp
+    from tokenyard.launch import run_on_ranks
 
-    from tokenyard.launch import disable_nvlink_multicast, free_port
-
-    disable_nvlink_multicast()  # NOTE [NVLink multicast] in tokenyard/launch.py
-    context = mp.get_context("spawn")
-    reports = context.Queue()
-    port = free_port()
-    procs = [context.Process(target=_rank_main, args=(rank, args, port, reports), daemon=True)
-             for rank in range(args.num_ranks)]
-    for proc in procs:
-        proc.start()
-    results, failures, wait_s = {}, {}, args.timeout_s
-    try:
-        while len(results) + len(failures) < args.num_ranks:
-            try:
-                rank, ok, value = reports.get(timeout=wait_s)
-            except queue.Empty:
-                missing = sorted(set(range(args.num_ranks)) - set(results) - set(failures))
-                failures.update({r: f"no report within {wait_s:.0f} s" for r in missing})
-                break
-            (results if ok else failures)[rank] = value
-            if failures:
-                wait_s = 15.0  # the others may wait in a collective the failed rank never joins
-    finally:
-        for proc in procs:
-            proc.join(timeout=10 if not failures else 0.5)
-            if proc.is_alive():
-                proc.kill()
-    if failures:
-        raise RuntimeError("".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
-    return results[0]
+    return run_on_ranks(args.num_ranks, _rank_samples, args, use_cuda=args.gpu, timeout_s=args.timeout_s,
+                        group_timeout_s=args.timeout_s)[0]
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import traceback
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -48,3 +49,63 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=num_ranks, timeout=timeout)
     return torch.device("cpu")
+
+
+def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, group_timeout_s: float, fn, args,
+                reports) -> None:
+    import torch.distributed as dist
+
+    try:
+        init_rank(rank, num_ranks, port, use_cuda, group_timeout_s)
+        reports.put((rank, True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - reported by the launcher
+        reports.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 600.0,
+                 group_timeout_s: float = 120.0) -> list:
+    """``fn(*args)`` in `num_ranks` spawned processes joined in one group (`init_rank` with `group_timeout_s`);
+    -> each rank's result.
+
+    Raises:
+        RuntimeError: with the traceback of every rank that raised, and the ranks that sent nothing within
+            `timeout_s` (after a failure the others get 20 s, since they may wait in a collective the failed
+            rank never joins).
+    """
+    import queue
+
+    import torch.multiprocessing as mp
+
+    if use_cuda:
+        disable_nvlink_multicast()
+    context = mp.get_context("spawn")
+    reports = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_rank_entry,
+                             args=(r, num_ranks, port, use_cuda, group_timeout_s, fn, args, reports))
+             for r in range(num_ranks)]
+    for proc in procs:
+        proc.start()
+    results, failures, wait_s = {}, {}, timeout_s
+    try:
+        while len(results) + len(failures) < num_ranks:
+            try:
+                rank, ok, value = reports.get(timeout=wait_s)
+            except queue.Empty:
+                missing = sorted(set(range(num_ranks)) - set(results) - set(failures))
+                failures.update({r: f"no answer within {wait_s:.0f} s" for r in missing})
+                break
+            (results if ok else failures)[rank] = value
+            if failures:
+                wait_s = 20.0
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    if failures:
+        raise RuntimeError("".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+    return [results[r] for r in range(num_ranks)]

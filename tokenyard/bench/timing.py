@@ -111,9 +111,9 @@ class Timer:
                 calls.append(0.0)
             elif calls and event.name.startswith(prefixes):
                 calls[-1] += event.time_range.elapsed_us() / 1e6
-        per_step = [calls[i::len(steps)] for i in range(len(steps))]
         if len(calls) != iters * len(steps):  # a marker lost: no figure rather than a wrong one
             return [None for _ in steps]
+        per_step = [calls[i::len(steps)] for i in range(len(steps))]
         return [statistics.median(t) if any(t) else None for t in per_step]
 
 
