@@ -34,6 +34,7 @@ def entry(doc: dict) -> dict:
     ll = doc["tokenyard"]["low_latency"]
     out = {"num_ranks": doc["num_ranks"], "num_tokens": doc["num_tokens_low_latency"],
            "tokenyard": {"dispatch_us": ll["dispatch_graph_kernel_us"], "combine_us": ll["combine_graph_kernel_us"],
+                         "dispatch_combine_hook_us": ll.get("hook_graph_kernel_us"),
                          "dispatch_graph_us": ll["dispatch_graph_us"], "combine_graph_us": ll["combine_graph_us"],
                          "dispatch_eager_us": ll["dispatch_us"], "combine_eager_us": ll["combine_us"]}}
     if "reference" in doc:
@@ -61,18 +62,22 @@ def main() -> None:
                   "num_experts": main_doc["num_experts"], "dtype": "fp8 dispatch, bf16 combine",
                   **entry(main_doc),
                   "timing": "dispatch_us/combine_us: GPU time of tokenyard's kernels per CUDA-graph replay "
-                            "(profiler, ranks started together); *_graph_us: CUDA events around the replay",
+                            "(profiler, ranks started together); dispatch_combine_hook_us: the same for one graph "
+                            "of dispatch and combine with return_recv_hook=True, both hooks called (send and "
+                            "receive launches summed); *_graph_us: CUDA events around the replay",
                   "sweep": [entry(doc) for doc in docs.values()]}
         if args.two_ranks and num_ranks > 2:
             result["sweep"].append(entry(run_bench(128, 2, "cuda", folder)))
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"{'ranks':>5} {'tokens':>6} {'dispatch us':>12} {'combine us':>11} {'ref dispatch':>13} {'ref combine':>12}")
+    print(f"{'ranks':>5} {'tokens':>6} {'dispatch us':>12} {'combine us':>11} {'hook d+c us':>12} "
+          f"{'ref dispatch':>13} {'ref combine':>12}")
+    nan = float("nan")
     for e in result["sweep"]:
-        ref = e.get("nccl", {})
-        print(f"{e['num_ranks']:>5} {e['num_tokens']:>6} {e['tokenyard']['dispatch_us']:>12.1f} "
-              f"{e['tokenyard']['combine_us']:>11.1f} {ref.get('dispatch_us') or float('nan'):>13.1f} "
-              f"{ref.get('combine_us') or float('nan'):>12.1f}")
+        ref, ours = e.get("nccl", {}), e["tokenyard"]
+        print(f"{e['num_ranks']:>5} {e['num_tokens']:>6} {ours['dispatch_us'] or nan:>12.1f} "
+              f"{ours['combine_us'] or nan:>11.1f} {ours['dispatch_combine_hook_us'] or nan:>12.1f} "
+              f"{ref.get('dispatch_us') or nan:>13.1f} {ref.get('combine_us') or nan:>12.1f}")
 
 
 if __name__ == "__main__":

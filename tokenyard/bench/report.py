@@ -41,7 +41,8 @@ BACKEND_KEYS = {"reference": "reference", "cuda": "tokenyard"}
 LOW_LATENCY_TABLE_OPS = (("ll_dispatch", "dispatch"), ("ll_combine", "combine"),
                          ("ll_dispatch_graph", "dispatch_graph"), ("ll_combine_graph", "combine_graph"),
                          ("ll_dispatch_graph_kernel", "dispatch_graph_kernel"),
-                         ("ll_combine_graph_kernel", "combine_graph_kernel"))
+                         ("ll_combine_graph_kernel", "combine_graph_kernel"),
+                         ("ll_hook_graph", "hook_graph"), ("ll_hook_graph_kernel", "hook_graph_kernel"))
 
 
 def git_commit() -> Optional[str]:

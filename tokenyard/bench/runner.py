@@ -30,6 +30,7 @@ from .options import BenchSettings
 
 NORMAL_OPS = ("dispatch", "dispatch_cached", "combine")
 LOW_LATENCY_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_graph", "ll_combine_graph")
+HOOK_OP = "ll_hook_graph"  # dispatch and combine with return_recv_hook=True, both hooks called, as one graph
 KERNEL_SUFFIX = "_kernel"  # the same operation timed as the GPU time of its kernels (timing.kernel_medians)
 TOKENYARD_KERNELS = ("tokenyard_",)
 NCCL_ALL_TO_ALL_KERNELS = ("ncclDevKernel_SendRecv", "ncclKernel_SendRecv")
@@ -183,6 +184,23 @@ def time_graphs(ctx: RankContext, dispatch, combine_with,
     return times + (ctx.kernel_medians(replays, kernels) if kernels else [None, None]), None
 
 
+def time_hook_graph(ctx: RankContext, round_trip, kernels: Optional[Tuple[str, ...]]):
+    """Replay time of a CUDA graph of `round_trip` and, with `kernels`, the GPU time of those kernels in it
+    -> ``([event seconds, kernel seconds or None], None)`` or ``(None, why)``."""
+    if not ctx.timer.gpu:
+        return None, "CUDA graphs need GPUs"
+    graph, error = None, None
+    try:
+        graph = timing.capture_graph(round_trip)[0]
+    except Exception as exc:  # noqa: BLE001 - any capture failure is reported, not fatal
+        error = _first_line(exc)
+    error = _agree(ctx, error)
+    if error is not None:
+        torch.cuda.synchronize(ctx.device)
+        return None, error
+    return ctx.medians([graph.replay]) + (ctx.kernel_medians([graph.replay], kernels) if kernels else [None]), None
+
+
 def measure_low_latency(ctx: RankContext, buffer: Buffer, problem: Problem):
     """Low-latency dispatch and combine, eager and as CUDA graphs -> (samples, why graphs are missing)."""
     s, p = ctx.settings, problem
@@ -199,6 +217,15 @@ def measure_low_latency(ctx: RankContext, buffer: Buffer, problem: Problem):
 
     def combine_with(handle):
         return buffer.low_latency_combine(expert_output, p.topk_idx, p.topk_weights, handle)[0]
+
+    def round_trip_with_hooks():  # the sends return at once; each hook receives (DeepEP's overlap mode)
+        *_, handle, _, receive = buffer.low_latency_dispatch(p.x, p.topk_idx, num_max, s.num_experts,
+                                                             use_fp8=use_fp8, return_recv_hook=True)
+        receive()
+        combined, _, receive = buffer.low_latency_combine(expert_output, p.topk_idx, p.topk_weights, handle,
+                                                          return_recv_hook=True)
+        receive()
+        return combined
 
     buffer.clean_low_latency_buffer(num_max, s.hidden_size, s.num_experts)
     dispatch()
@@ -217,6 +244,12 @@ def measure_low_latency(ctx: RankContext, buffer: Buffer, problem: Problem):
     for op, seconds, sample in zip(LOW_LATENCY_OPS[2:], t_graphs[2:], samples[2:]):
         if seconds is not None:  # the graph replays' kernels
             out[op + KERNEL_SUFFIX] = (seconds, *sample[1:])
+    if graph_error is None:
+        hook_times, graph_error = time_hook_graph(ctx, round_trip_with_hooks, kernels)
+        both_bytes = tuple(a + b for a, b in zip(dispatch_bytes, combine_bytes))
+        for op, seconds in zip((HOOK_OP, HOOK_OP + KERNEL_SUFFIX), hook_times or ()):
+            if seconds is not None:
+                out[op] = (seconds, *both_bytes)
     return out, graph_error
 
 

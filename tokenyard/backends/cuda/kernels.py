@@ -90,6 +90,7 @@ _LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "ra
                         Param("int64_t", "dispatch_counts"), Param("int64_t", "combine_recv"),
                         Param("int64_t", "combine_flags"), Param("int64_t", "state"), Param("int", "do_send"),
                         Param("int", "do_recv"))
+_TRACE = (Param("uint64_t*", "trace"),)  # NOTE [low-latency trace]; nullptr except in benchmarks/ll_phases.py
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +103,7 @@ def low_latency_dispatch(num_topk: int, topk_dtype: torch.dtype, use_fp8: bool, 
          Param("int", "hidden"), Param("int", "num_experts"), Param("int", "round_scale"),
          Param("uint8_t*", "packed_recv_x"), Param("uint32_t*", "packed_recv_scales"),
          Param("int*", "packed_recv_count"), Param("int*", "src_info"), Param("int64_t*", "layout_range"),
-         Param("int*", "cumulative_stats"), Param("int*", "rank_mask")) + _LOW_LATENCY_BUFFERS + _WAIT,
+         Param("int*", "cumulative_stats"), Param("int*", "rank_mask")) + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
         LOW_LATENCY_THREADS)
 
 
@@ -114,7 +115,7 @@ def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
         (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("const float*", "topk_weights"),
          Param("const int64_t*", "layout_range"), Param("int", "num_tokens"), Param("int", "hidden"),
          Param("int", "num_experts"), Param("int4*", "combined_x"), Param("int*", "rank_mask"))
-        + _LOW_LATENCY_BUFFERS + _WAIT,
+        + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
         LOW_LATENCY_THREADS)
 
 

@@ -26,6 +26,17 @@ class LowLatencyKernels:
         self.buffer = buffer  # a SymmetricBuffer of num_rdma_bytes
         self._dispatch_calls = 0
         self._bases = {}  # half_bytes -> (device array of half 0's base on every rank, the same for half 1)
+        self.trace = None  # see start_trace
+
+    def start_trace(self) -> torch.Tensor:
+        """NOTE [low-latency trace]: from now on every launch stamps, per block, the GPU timer (ns) at each
+        trace point into the returned int64 tensor ``[2 (dispatch, combine), grid, 8]``; a diagnostic
+        (benchmarks/ll_phases.py), never on in production."""
+        self.trace = torch.zeros(2, self._grid(), 8, dtype=torch.int64, device=self.backend.ctx.device)
+        return self.trace
+
+    def _trace_ptr(self, kind: int) -> int:
+        return 0 if self.trace is None else self.trace[kind].data_ptr()
 
     def _half_bases(self, layout: workspace.LowLatencyLayout, half: int) -> torch.Tensor:
         """Both halves are made on first use, so a call captured in a graph later copies nothing."""
@@ -90,7 +101,7 @@ class LowLatencyKernels:
                    packed_recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
                    0 if stats is None else stats.data_ptr(), 0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   shared_bytes=self._shared_bytes(num_experts, num_max, num_experts // ctx.num_ranks))
+                   self._trace_ptr(0), shared_bytes=self._shared_bytes(num_experts, num_max, num_local_experts))
 
         hook = self._send_then_receive(launch, request.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk, half=half)
@@ -116,6 +127,7 @@ class LowLatencyKernels:
                    handle.layout_range.data_ptr(), num_tokens, hidden, num_experts, out.data_ptr(),
                    0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
+                   self._trace_ptr(1),
                    shared_bytes=self._shared_bytes(num_experts, num_max, num_experts // ctx.num_ranks))
 
         return out, self._send_then_receive(launch, request.return_recv_hook)

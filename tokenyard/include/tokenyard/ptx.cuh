@@ -36,6 +36,10 @@ __device__ __forceinline__ void st_relaxed_sys(uint32_t* ptr, uint32_t value) {
     asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(ptr), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ void st_relaxed_gpu(uint32_t* ptr, uint32_t value) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(ptr), "r"(value) : "memory");
+}
+
 __device__ __forceinline__ uint32_t atomic_add_release_sys(uint32_t* ptr, uint32_t value) {
     uint32_t old;
     asm volatile("atom.add.release.sys.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");

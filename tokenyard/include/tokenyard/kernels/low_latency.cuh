@@ -53,6 +53,27 @@ struct LowLatencyBuffers {
     }
 };
 
+// NOTE [low-latency trace]
+// Given a trace array ([gridDim.x][kNumTracePoints] uint64), thread 0 of every block stamps the GPU's global
+// timer as the block passes each point below (benchmarks/ll_phases.py reads them); without one (nullptr,
+// every call but a traced one) a stamp is a predictable branch.
+enum TracePoint : int {
+    kTraceStart = 0,      // the block began
+    kTracePrologue = 1,   // pair bits built (dispatch) / rows numbered (combine)
+    kTraceSent = 2,       // the block's sends are issued
+    kTraceCounted = 3,    // past the done counter
+    kTracePublished = 4,  // the last block only: signals stored
+    kTraceRecvReady = 5,  // dispatch: every source's count seen; combine: pair bits built
+    kTraceRecvMid = 6,    // dispatch: headers scanned; combine: warp 0's first item found its rows
+    kTraceEnd = 7,
+    kNumTracePoints = 8,
+};
+
+__device__ __forceinline__ void trace_mark(uint64_t* trace, int point) {
+    if (trace != nullptr && threadIdx.x == 0)
+        trace[static_cast<int64_t>(blockIdx.x) * kNumTracePoints + point] = ptx::global_timer_ns();
+}
+
 // NOTE [pair slots]
 // The slot of pair (t, k) inside expert e's region from this rank is the number of this rank's tokens
 // before t that chose e, which gives NOTE [recv order] without atomics. Every block builds, in shared
@@ -116,18 +137,20 @@ __device__ __forceinline__ uint32_t launch_epoch(const LowLatencyBuffers& b, int
     return ptx::ld_relaxed_sys(b.epoch(kind)) + (do_send ? 1u : 0u);
 }
 
+//
+// NOTE [cumulative release]
+// No block fences its peer writes at system scope. The barrier orders the block's writes before thread 0's
+// GPU-scope release (the counter's acq_rel add), the last block acquires every such release through the
+// counter, and its system-scope release of the signal is cumulative: a peer that acquires the signal sees
+// every block's writes (causality order is transitive in the PTX memory model). One system fence per rank
+// instead of one per block: the per-block fences cost microseconds of every call.
 __device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int kind) {
     __shared__ bool last;
-    // The block's peer writes happen before thread 0's fence through the barrier (as in a cooperative
-    // grid sync): one system-scope fence per block, not one per thread, which cost microseconds.
     __syncthreads();
     if (threadIdx.x == 0) {
-        ptx::fence_acq_rel_sys();
         last = ptx::atomic_add_acq_rel_gpu(b.done_counter(kind), 1) + 1 == gridDim.x;
-        if (last) {
-            ptx::st_relaxed_sys(b.done_counter(kind), 0u);
-            ptx::fence_acq_rel_sys();
-        }
+        if (last)
+            ptx::st_relaxed_gpu(b.done_counter(kind), 0u);  // the next launch follows in stream order
     }
     __syncthreads();
     return last;
@@ -191,7 +214,8 @@ __device__ __forceinline__ void low_latency_dispatch(
         int64_t* layout_range, int* cumulative_stats, int* rank_mask, uint8_t* const* peer_bases, int rank,
         int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t header_bytes,
         int64_t dispatch_select, int64_t dispatch_counts, int64_t combine_recv, int64_t combine_flags, int64_t state,
-        int do_send, int do_recv, int* error_flag, int* host_record, uint64_t timeout_ns) {
+        int do_send, int do_recv, int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
+    trace_mark(trace, kTraceStart);
     const int num_local_experts = num_experts / num_ranks;
     const LowLatencyBuffers b{peer_bases, rank, num_ranks, num_local_experts, num_max, dispatch_recv, message_bytes,
                               header_bytes, dispatch_select, dispatch_counts, combine_recv,
@@ -209,6 +233,7 @@ __device__ __forceinline__ void low_latency_dispatch(
         const int words = (num_max + 31) / 32;
         build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts,
                                                rank_mask);
+        trace_mark(trace, kTracePrologue);
         const int num_items = num_tokens * num_ranks;
         for (int item = warp * gridDim.x + blockIdx.x; item < num_items; item += gridDim.x * num_warps) {
             const int t = item / num_ranks, d = item % num_ranks;
@@ -258,7 +283,10 @@ __device__ __forceinline__ void low_latency_dispatch(
                 reinterpret_cast<int16_t*>(to + 16)[lane] = here ? static_cast<int16_t>(e % num_local_experts) : -1;
             }
         }
-        if (last_block_done(b, 0)) {
+        trace_mark(trace, kTraceSent);
+        const bool last = last_block_done(b, 0);
+        trace_mark(trace, kTraceCounted);
+        if (last) {
             for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
                 if (rank_mask != nullptr && rank_mask[d] != 0)
                     continue;
@@ -267,10 +295,13 @@ __device__ __forceinline__ void low_latency_dispatch(
             }
             if (threadIdx.x == 0)
                 ptx::st_relaxed_sys(b.epoch(0), epoch);
+            trace_mark(trace, kTracePublished);
         }
     }
-    if (!do_recv)
+    if (!do_recv) {
+        trace_mark(trace, kTraceEnd);
         return;
+    }
 
     // Receive: one block per local expert at a time.
     __shared__ int num_messages[kWarpSize], counts[kWarpSize], begins[kWarpSize];
@@ -288,6 +319,7 @@ __device__ __forceinline__ void low_latency_dispatch(
             num_messages[s] = count;
         }
         __syncthreads();
+        trace_mark(trace, kTraceRecvReady);
         for (int s = warp; s < num_ranks; s += num_warps) {
             int* selected = b.selection(l, s);
             int found = 0;
@@ -320,6 +352,7 @@ __device__ __forceinline__ void low_latency_dispatch(
                         (static_cast<int64_t>(total) << 32) | static_cast<int64_t>(counts[s]);
                 total += counts[s];
             }
+            trace_mark(trace, kTraceRecvMid);
             packed_recv_count[l] = total;
             if (cumulative_stats != nullptr)
                 cumulative_stats[l] += total;
@@ -356,6 +389,7 @@ __device__ __forceinline__ void low_latency_dispatch(
         }
         __syncthreads();
     }
+    trace_mark(trace, kTraceEnd);
 }
 
 // NOTE [low-latency combine]
@@ -376,7 +410,8 @@ __device__ __forceinline__ void low_latency_combine(
         int hidden, int num_experts, int4* combined_x, int* rank_mask, uint8_t* const* peer_bases, int rank,
         int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t header_bytes,
         int64_t dispatch_select, int64_t dispatch_counts, int64_t combine_recv, int64_t combine_flags, int64_t state,
-        int do_send, int do_recv, int* error_flag, int* host_record, uint64_t timeout_ns) {
+        int do_send, int do_recv, int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
+    trace_mark(trace, kTraceStart);
     const int num_local_experts = num_experts / num_ranks;
     const LowLatencyBuffers b{peer_bases, rank, num_ranks, num_local_experts, num_max, dispatch_recv, message_bytes,
                               header_bytes, dispatch_select, dispatch_counts, combine_recv,
@@ -402,6 +437,7 @@ __device__ __forceinline__ void low_latency_combine(
             first_row[num_local_experts] = total;
         }
         __syncthreads();
+        trace_mark(trace, kTracePrologue);
         const int total_rows = first_row[num_local_experts];
         int l = 0;
         for (int item = warp * gridDim.x + blockIdx.x; item < total_rows; item += gridDim.x * num_warps) {
@@ -419,20 +455,28 @@ __device__ __forceinline__ void low_latency_combine(
             warp_copy<8, false>(reinterpret_cast<int4*>(b.combine_row(s, rank * num_local_experts + l, j)), src,
                                 hidden_int4, lane);
         }
-        if (last_block_done(b, 1)) {
+        trace_mark(trace, kTraceSent);
+        const bool last = last_block_done(b, 1);
+        trace_mark(trace, kTraceCounted);
+        if (last) {
             for (int s = threadIdx.x; s < num_ranks; s += blockDim.x)
                 if (rank_mask == nullptr || rank_mask[s] == 0)
                     ptx::st_release_sys(b.combine_flag(s, rank), (static_cast<uint64_t>(epoch) << 32) | 1u);
             if (threadIdx.x == 0)
                 ptx::st_relaxed_sys(b.epoch(1), epoch);
+            trace_mark(trace, kTracePublished);
         }
     }
-    if (!do_recv)
+    if (!do_recv) {
+        trace_mark(trace, kTraceEnd);
         return;
+    }
 
     uint32_t* bits = shared_words;
     const int words = (num_max + 31) / 32;
     build_pair_bits<kNumTopk, TopkT>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts, rank_mask);
+    trace_mark(trace, kTraceRecvReady);
+    bool first_item = true;
     const int num_chunks = (hidden_int4 + kCombineChunkInt4 - 1) / kCombineChunkInt4;
     for (int item = warp * gridDim.x + blockIdx.x; item < num_tokens * num_chunks; item += gridDim.x * num_warps) {
         const int t = item / num_chunks, chunk = item % num_chunks;
@@ -457,6 +501,10 @@ __device__ __forceinline__ void low_latency_combine(
         }
         if (!__all_sync(0xffffffffu, ok))
             return;
+        if (first_item) {
+            trace_mark(trace, kTraceRecvMid);
+            first_item = false;
+        }
         const int end = min(hidden_int4, (chunk + 1) * kCombineChunkInt4);
         for (int i = chunk * kCombineChunkInt4 + lane; i < end; i += kWarpSize) {
             float acc[8];
@@ -484,6 +532,7 @@ __device__ __forceinline__ void low_latency_combine(
             ptx::st_na_v4(combined_x + static_cast<int64_t>(t) * hidden_int4 + i, out);
         }
     }
+    trace_mark(trace, kTraceEnd);
 }
 
 }  // namespace tokenyard::kernels
