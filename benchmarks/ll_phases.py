@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's tokenyard
 
 POINTS = ("start", "prologue", "sent", "counted", "published", "recv_ready", "recv_mid", "end")
 
@@ -50,9 +54,12 @@ def rank_main(num_tokens: int, hidden: int, num_experts: int, num_topk: int, ite
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     together = torch.ones(1, device=device)
     records = {"dispatch": [], "combine": []}
-    for it in range(iters + 3):
-        x, topk_idx, weights = make_rank_inputs(it * 7919 + 1, num_ranks, num_tokens, hidden, num_experts, num_topk,
-                                                device=device)[rank]
+    # Every call's inputs first: the host making them between calls would leave the GPU idle (and its clocks
+    # low) right before each call.
+    calls = [make_rank_inputs(it * 7919 + 1, num_ranks, num_tokens, hidden, num_experts, num_topk)[rank]
+             for it in range(iters + 3)]
+    calls = [tuple(t.to(device) for t in inputs) for inputs in calls]
+    for it, (x, topk_idx, weights) in enumerate(calls):
         handle = None
         for kind, op in enumerate(("dispatch", "combine")):
             trace.zero_()

@@ -13,7 +13,7 @@ if os.path.isdir(os.path.join(_ROOT, "tokenyard")):
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from tokenyard.launch import free_port  # noqa: E402
+from tokenyard.launch import free_port, init_rank, leave_group  # noqa: E402
 
 
 def parse_args(description: str, num_experts: int, steps: int) -> argparse.Namespace:
@@ -32,6 +32,16 @@ def parse_args(description: str, num_experts: int, steps: int) -> argparse.Names
     return args
 
 
+def _rank_main(rank: int, fn, num_ranks: int, port: int, use_cuda: bool, steps: int, backend: str) -> None:
+    device = init_rank(rank, num_ranks, port, use_cuda)
+    try:
+        fn(rank, num_ranks, device, steps, backend)
+    finally:
+        leave_group()  # after fn has returned and its Buffers are gone: NOTE [gloo threads at exit]
+
+
 def spawn(fn, args: argparse.Namespace) -> None:
-    """fn(rank, num_ranks, port, use_cuda, steps, backend) on every rank (NCCL on GPUs, else gloo)."""
-    mp.spawn(fn, args=(args.ranks, free_port(), args.use_cuda, args.steps, args.backend), nprocs=args.ranks)
+    """fn(rank, num_ranks, device, steps, backend) on every rank, in a group (NCCL on GPUs, else gloo) that
+    this joins before fn and leaves after it."""
+    mp.spawn(_rank_main, args=(fn, args.ranks, free_port(), args.use_cuda, args.steps, args.backend),
+             nprocs=args.ranks)

@@ -19,15 +19,13 @@ import torch.distributed as dist
 
 import _common  # noqa: E402  (puts this checkout first on sys.path)
 from tokenyard import Buffer, moe  # noqa: E402
-from tokenyard.launch import init_rank  # noqa: E402
 
 VOCAB, HIDDEN, INTERMEDIATE, NUM_EXPERTS, NUM_TOPK = 256, 128, 256, 16, 4
 BATCH_PER_RANK = 8                   # sequences decoded by each rank
 NUM_MAX_DISPATCH_TOKENS_PER_RANK = 8  # M: the most tokens any rank dispatches in one step
 
 
-def decode(rank: int, num_ranks: int, port: int, use_cuda: bool, steps: int, backend: str) -> None:
-    device = init_rank(rank, num_ranks, port, use_cuda)
+def decode(rank: int, num_ranks: int, device: torch.device, steps: int, backend: str) -> None:
     dtype = torch.bfloat16
 
     # The whole model, the same on every rank (one seed); each rank runs only experts r*L .. r*L+L-1.
@@ -78,8 +76,7 @@ def decode(rank: int, num_ranks: int, port: int, use_cuda: bool, steps: int, bac
               f"{BATCH_PER_RANK} tokens per rank, {NUM_EXPERTS // num_ranks} experts per rank")
         if max(error for _, error in gathered) > 2 ** -6:
             raise SystemExit("the expert-parallel output drifted from the dense block beyond bf16 rounding")
-    buffer.destroy()
-    dist.destroy_process_group()
+    buffer.destroy()  # _common leaves the group once this has returned
 
 
 def main() -> None:

@@ -19,14 +19,12 @@ import torch.nn.functional as F
 
 import _common  # noqa: E402  (puts this checkout first on sys.path)
 from tokenyard import moe  # noqa: E402
-from tokenyard.launch import init_rank  # noqa: E402
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, NUM_TOPK, TOKENS_PER_RANK = 64, 128, 8, 2, 64
 
 
-def train(rank: int, num_ranks: int, port: int, use_cuda: bool, steps: int, backend: str) -> None:
-    device = init_rank(rank, num_ranks, port, use_cuda)
-    dtype = torch.bfloat16 if use_cuda else torch.float32
+def train(rank: int, num_ranks: int, device: torch.device, steps: int, backend: str) -> None:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     # The dense model's weights, the same on every rank; each rank then keeps experts r*L .. r*L+L-1.
     generator = torch.Generator().manual_seed(0)
@@ -62,8 +60,7 @@ def train(rank: int, num_ranks: int, port: int, use_cuda: bool, steps: int, back
     if rank == 0:
         print(f"{num_ranks} ranks on {device.type} ({buffer.backend} backend), experts per rank "
               f"{layer.experts.num_local_experts}, {dtype}")
-    buffer.destroy()
-    dist.destroy_process_group()
+    buffer.destroy()  # _common leaves the group once this has returned
 
 
 def main() -> None:

@@ -93,8 +93,8 @@ class Buffer(LowLatencyCalls):
         if group is not None:
             self.rank, self.group_size = group.rank(), group.size()
 
-            def all_gather_object(obj):
-                gathered = [None] * self.group_size
+            def all_gather_object(obj):  # not `self`: see NOTE [gloo threads at exit] in launch.py
+                gathered = [None] * group.size()
                 dist.all_gather_object(gathered, obj, group=group)
                 return gathered
         elif comm is not None:

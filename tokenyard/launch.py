@@ -5,11 +5,27 @@ On the shared multi-GPU machines NVLink multicast (NVLS) must stay off: a progra
 objects can take the host's GPUs out of service. tokenyard never needs it, and every launcher sets
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 (unless already set)
 before NCCL or anything else starts.
+
+NOTE [gloo threads at exit]
+A gloo group runs each collective on one of its worker threads, and that thread drops its reference to
+the finished collective, and so to the caller's tensors, only after it has woken the caller. Dropping the
+last C++ reference to a tensor that has a Python object takes the GIL. If the rank has returned and the
+interpreter is finalizing by then, Python ends the thread (pthread_exit) inside that noexcept destructor,
+and the process aborts with "terminate called without an active exception" after its work is done (seen
+in core dumps of the examples: ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> take_gil ->
+PyThread_exit_thread). The worker threads are joined only when the group's C++ object dies, and
+`dist.destroy_process_group()` drops only torch's own references: a Buffer, or a module holding one,
+keeps the group and its threads alive, and an object in a reference cycle lives until the garbage
+collector runs, at the latest during finalization, too late. So a rank ends in this order: its function
+returns (its locals, the Buffers among them, go), then `leave_group` destroys the group and collects the
+garbage, so the group dies and its threads are joined while they can still take the GIL. Buffer itself
+holds no reference cycle, so a Buffer dropped anywhere releases its group at once.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import traceback
@@ -51,18 +67,25 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
     return torch.device("cpu")
 
 
-def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, group_timeout_s: float, fn, args,
-                reports) -> None:
+def leave_group() -> None:
+    """Destroy the default group (if any) and free what still holds it, once the rank's function has
+    returned; see NOTE [gloo threads at exit]."""
     import torch.distributed as dist
 
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, group_timeout_s: float, fn, args,
+                reports) -> None:
     try:
         init_rank(rank, num_ranks, port, use_cuda, group_timeout_s)
         reports.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - reported by the launcher
         reports.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
 
 
 def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 600.0,

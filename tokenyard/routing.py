@@ -209,12 +209,16 @@ def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.T
 
 def low_latency_combine(expert_outputs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
                         topk_weights: Sequence[torch.Tensor], layout_ranges: Sequence[torch.Tensor],
-                        num_experts: int) -> List[torch.Tensor]:
+                        num_experts: int, pre_reduce: bool = False) -> List[torch.Tensor]:
     """What every rank gets back from a low-latency combine.
 
     For rank s and its token t: ``acc = 0``; for k in increasing order with ``e = topk_idx[t, k] >= 0``,
     ``acc = acc + w[t, k] * float32(y)`` (one float32 product, then one float32 sum, no fused multiply-add)
     where y is the expert output in the slot the pair (t, k) was dispatched to; the result is bf16.
+
+    With `pre_reduce`, the arithmetic of the CUDA kernels (NOTE [low-latency combine]): the token's pairs
+    on each rank r are summed as above into a bf16 partial, and ``acc = acc + float32(partial_r)`` over
+    the ranks in increasing order gives the result; it is within bf16 rounding of the plain sum.
     """
     num_ranks = len(expert_outputs)
     num_local_experts = num_experts // num_ranks
@@ -236,11 +240,16 @@ def low_latency_combine(expert_outputs: Sequence[torch.Tensor], topk_idxs: Seque
                 slot_of[(t, k)] = (r, l, begin + seen.get(e, 0))
                 seen[e] = seen.get(e, 0) + 1
         for t in range(num_tokens):
-            acc = torch.zeros(hidden, dtype=torch.float32)
+            partials = {}  # owner rank -> the float32 sum of the token's pairs there, in k order
             for k in range(num_topk):
                 if (t, k) in slot_of:
                     r, l, slot = slot_of[(t, k)]
-                    acc = acc + weights[t, k].float() * expert_outputs[r][l, slot].float()
+                    owner = r if pre_reduce else 0
+                    term = weights[t, k].float() * expert_outputs[r][l, slot].float()
+                    partials[owner] = partials.get(owner, torch.zeros(hidden, dtype=torch.float32)) + term
+            acc = torch.zeros(hidden, dtype=torch.float32)
+            for owner in sorted(partials):
+                acc = acc + (partials[owner].to(torch.bfloat16).float() if pre_reduce else partials[owner])
             out[t] = acc
         results.append(out.to(torch.bfloat16))
     return results

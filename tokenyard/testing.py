@@ -69,3 +69,16 @@ def make_rank_inputs(seed: int, num_ranks: int, num_tokens: int, hidden: int, nu
             topk_idx, weights = topk_idx.to(device), weights.to(device)
         inputs.append((x, topk_idx, weights))
     return inputs
+
+
+def assert_within_bf16_rounding(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Two bf16 results of the same sums, rounded at different points (a combine pre-reduced per rank, as
+    the CUDA low-latency kernels do, against one sum): elementwise within a few bf16 roundings of the row's
+    largest value. A wrong row, weight or token is off by about the values themselves and fails."""
+    got, want = got.float(), want.float()
+    bound = 2.0**-6 * want.abs().amax(dim=-1, keepdim=True) + 2.0**-7 * want.abs()
+    excess = (got - want).abs() - bound
+    if want.numel() and excess.max() > 0:
+        where = tuple(int(i) for i in (excess == excess.max()).nonzero()[0])
+        raise AssertionError(f"{what}: {int((excess > 0).sum())} values beyond bf16 rounding; at {where} "
+                             f"got {got[where]:.6g}, want {want[where]:.6g}")

@@ -136,8 +136,13 @@ class LowLatencyLayout:
                     int16 local expert of each top-k choice, -1 where elsewhere, at 16), then the FP8
                     data and float32 scales, or the bf16 data
     dispatch_select [L][R][M] int32: which messages of source r carry local expert l, in order
+    dispatch_positions [R][M][MAX_TOPK] int32: for message j of source r and its top-k choice k on this
+                    rank, the place of j in that local expert's selection list (the inverse of dispatch_select)
     dispatch_counts [R] uint64: ``(epoch << 32) | tokens`` that source r sent to this rank
-    combine_recv    [E][M] bf16 rows: expert e's output for this rank's slot j of e
+    combine_weights [R][M][MAX_TOPK] float32: source r's top-k weights of its tokens, sent at combine
+    combine_weight_flags [R] uint64: ``(epoch << 32) | 1`` once source r's weights are here
+    combine_recv    [R][M] bf16 rows: owner r's partial sum for this rank's message slot j to r
+                    (NOTE [low-latency combine])
     combine_flags   [R] uint64: ``(epoch << 32) | 1`` once owner r has sent every row back
     state           [4] uint32, this rank only: blocks done sending (dispatch, combine), then the
                     dispatch and combine epochs (NOTE [low-latency epochs] in kernels/low_latency.cuh)
@@ -147,7 +152,10 @@ class LowLatencyLayout:
     dispatch_recv: int
     dispatch_message_bytes: int
     dispatch_select: int
+    dispatch_positions: int
     dispatch_counts: int
+    combine_weights: int
+    combine_weight_flags: int
     combine_recv: int
     combine_flags: int
     state: int
@@ -166,12 +174,16 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
         offset = align(offset + num_bytes, REGION_ALIGN_BYTES)
         return begin
 
-    dispatch_recv = take(num_ranks * num_max_dispatch_tokens_per_rank * message)
+    num_messages = num_ranks * num_max_dispatch_tokens_per_rank
+    dispatch_recv = take(num_messages * message)
     dispatch_select = take(num_slots * 4)
+    dispatch_positions = take(num_messages * MAX_TOPK * 4)
     dispatch_counts = take(num_ranks * 8)
-    combine_recv = take(num_slots * low_latency_combine_message_bytes(hidden))
+    combine_weights = take(num_messages * MAX_TOPK * 4)
+    combine_weight_flags = take(num_ranks * 8)
+    combine_recv = take(num_messages * low_latency_combine_message_bytes(hidden))
     combine_flags = take(num_ranks * 8)
     state = take(4 * 4)
     return LowLatencyLayout(low_latency_half_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts),
-                            dispatch_recv, message, dispatch_select, dispatch_counts, combine_recv, combine_flags,
-                            state)
+                            dispatch_recv, message, dispatch_select, dispatch_positions, dispatch_counts,
+                            combine_weights, combine_weight_flags, combine_recv, combine_flags, state)

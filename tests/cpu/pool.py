@@ -39,7 +39,9 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
             outbox.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - reported to the test
             outbox.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    from tokenyard.launch import leave_group
+
+    leave_group()  # NOTE [gloo threads at exit]
 
 
 class RankPool:

@@ -32,3 +32,30 @@ def test_hidden_7168_topk_8_like_deepseek(ranks, seed):
 
 def test_masked_rank_is_skipped(ranks, seed):
     ranks(4).run(scenarios.low_latency_masked_rank, seed, 8, 128, 16, 4)
+
+
+def test_pre_reduced_combine_is_within_bf16_rounding_of_one_sum(seed):
+    """routing's pre_reduce (the CUDA kernels' arithmetic, NOTE [low-latency combine]) against the plain sum:
+    equal on one rank, within bf16 rounding (and not always equal) on four."""
+    import torch
+
+    from tokenyard import routing
+    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+
+    for num_ranks in (1, 4):
+        num_experts, num_max = 8 * num_ranks, 24
+        inputs = make_rank_inputs(seed, num_ranks, num_max, 256, num_experts, 6, "masked")
+        oracle = routing.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], num_max, num_experts,
+                                              use_fp8=False)
+        outputs = [torch.randn(o["packed_recv_x"].shape).to(torch.bfloat16) for o in oracle]
+        args = (outputs, [i[1] for i in inputs], [i[2] for i in inputs], [o["layout_range"] for o in oracle],
+                num_experts)
+        plain, pre = routing.low_latency_combine(*args), routing.low_latency_combine(*args, pre_reduce=True)
+        for r in range(num_ranks):
+            assert_within_bf16_rounding(pre[r], plain[r], f"rank {r} of {num_ranks}")
+        same = all(torch.equal(a, b) for a, b in zip(plain, pre))
+        assert same == (num_ranks == 1), "one rank must agree bit for bit; four ranks round partials"
+        broken = [p.clone() for p in pre]
+        broken[0][1] += 1.0  # a wrong row is caught
+        with pytest.raises(AssertionError):
+            assert_within_bf16_rounding(broken[0], plain[0], "broken")

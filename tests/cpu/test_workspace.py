@@ -54,10 +54,14 @@ def test_every_cuda_kernel_description_generates_one_include_and_one_instantiati
 def test_low_latency_layout_fits_in_half_the_hint_without_overlaps(args):
     layout = workspace.low_latency_layout(*args)
     num_max, hidden, num_ranks, num_experts = args
-    regions = sorted([(layout.dispatch_recv, num_ranks * num_max * layout.dispatch_message_bytes),
+    num_messages = num_ranks * num_max
+    regions = sorted([(layout.dispatch_recv, num_messages * layout.dispatch_message_bytes),
                       (layout.dispatch_select, num_experts * num_max * 4),
+                      (layout.dispatch_positions, num_messages * workspace.MAX_TOPK * 4),
                       (layout.dispatch_counts, num_ranks * 8),
-                      (layout.combine_recv, num_experts * num_max * hidden * 2),
+                      (layout.combine_weights, num_messages * workspace.MAX_TOPK * 4),
+                      (layout.combine_weight_flags, num_ranks * 8),
+                      (layout.combine_recv, num_messages * hidden * 2),
                       (layout.combine_flags, num_ranks * 8), (layout.state, 16)])
     for (begin, size), (next_begin, _) in zip(regions, regions[1:]):
         assert begin + size <= next_begin

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .. import quant, routing
 from ..buffer import Buffer, _group_device as group_device
 from ..config import Config
+from ..launch import leave_group
 from ..testing import make_rank_inputs
 from . import BenchError, bandwidth, timing
 from .options import BenchSettings
@@ -397,4 +398,4 @@ def run_rank(rank: int, num_ranks: int, port: int, settings: BenchSettings) -> O
         gathered = measure_group(group_context(settings, dist.group.WORLD), binding)
         return gathered if rank == 0 else None
     finally:
-        dist.destroy_process_group()
+        leave_group()  # NOTE [gloo threads at exit]

@@ -55,13 +55,12 @@ class LowLatencyKernels:
         ctx = self.backend.ctx
         return (self._half_bases(layout, half).data_ptr(), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
                 layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES, layout.dispatch_select,
-                layout.dispatch_counts, layout.combine_recv, layout.combine_flags,
-                layout.state, do_send, do_recv)
+                layout.dispatch_positions, layout.dispatch_counts, layout.combine_weights,
+                layout.combine_weight_flags, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv)
 
-    @staticmethod
-    def _shared_bytes(num_experts: int, num_max: int, num_local_experts: int) -> int:
-        """The pair bits of NOTE [pair slots], or the combine's first row per local expert (int32 [L + 1])."""
-        return max(num_experts * ((num_max + 31) // 32), num_local_experts + 1) * 4
+    def _shared_bytes(self, num_max: int) -> int:
+        """The pair bits of NOTE [pair slots], a row per rank."""
+        return self.backend.ctx.num_ranks * ((num_max + 31) // 32) * 4
 
     def dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         backend, ctx = self.backend, self.backend.ctx
@@ -101,7 +100,7 @@ class LowLatencyKernels:
                    packed_recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
                    0 if stats is None else stats.data_ptr(), 0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   self._trace_ptr(0), shared_bytes=self._shared_bytes(num_experts, num_max, num_local_experts))
+                   self._trace_ptr(0), shared_bytes=self._shared_bytes(num_max))
 
         hook = self._send_then_receive(launch, request.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk, half=half)
@@ -127,8 +126,7 @@ class LowLatencyKernels:
                    handle.layout_range.data_ptr(), num_tokens, hidden, num_experts, out.data_ptr(),
                    0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   self._trace_ptr(1),
-                   shared_bytes=self._shared_bytes(num_experts, num_max, num_experts // ctx.num_ranks))
+                   self._trace_ptr(1), shared_bytes=self._shared_bytes(num_max))
 
         return out, self._send_then_receive(launch, request.return_recv_hook)
 

@@ -59,6 +59,12 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
     return value;
 }
 
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* ptr) {
+    uint64_t value;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
 __device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t value) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(ptr), "l"(value) : "memory");
 }

@@ -19,6 +19,7 @@ enum Stage : int {
     kStageCombineRecv = 4,
     kStageLowLatencyDispatchRecv = 5,
     kStageLowLatencyCombineRecv = 6,
+    kStageLowLatencyCombineWeights = 7,
 };
 
 enum ErrorKind : int { kErrorTimeout = 1, kErrorOverflow = 2 };

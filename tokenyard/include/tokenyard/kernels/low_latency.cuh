@@ -17,11 +17,15 @@ struct LowLatencyBuffers {
     int num_ranks;
     int num_local_experts;
     int num_max;                 // M: tokens per rank at most
+    int num_topk;                // K: the stride of the per-message top-k arrays
     int64_t dispatch_recv;
     int64_t message_bytes;
     int64_t header_bytes;
     int64_t dispatch_select;
+    int64_t dispatch_positions;
     int64_t dispatch_counts;
+    int64_t combine_weights;
+    int64_t combine_weight_flags;
     int64_t combine_recv;
     int64_t combine_row_bytes;
     int64_t combine_flags;
@@ -36,11 +40,26 @@ struct LowLatencyBuffers {
         return reinterpret_cast<int*>(peer_bases[rank] + dispatch_select) +
                (static_cast<int64_t>(local_expert) * num_ranks + source) * num_max;
     }
+    // Per top-k choice of this rank's message `slot` from `source`: its place in the choice's selection list.
+    __device__ __forceinline__ int* positions(int source, int slot) const {
+        return reinterpret_cast<int*>(peer_bases[rank] + dispatch_positions) +
+               (static_cast<int64_t>(source) * num_max + slot) * num_topk;
+    }
     __device__ __forceinline__ uint64_t* count(int owner, int source) const {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_counts) + source;
     }
-    __device__ __forceinline__ uint8_t* combine_row(int owner, int expert, int slot) const {
-        return peer_bases[owner] + combine_recv + (static_cast<int64_t>(expert) * num_max + slot) * combine_row_bytes;
+    // Rank `source`'s top-k weights of its token `token`, in rank `owner`'s buffer.
+    __device__ __forceinline__ float* weights(int owner, int source, int token) const {
+        return reinterpret_cast<float*>(peer_bases[owner] + combine_weights) +
+               (static_cast<int64_t>(source) * num_max + token) * num_topk;
+    }
+    __device__ __forceinline__ uint64_t* weight_flag(int owner, int source) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_weight_flags) + source;
+    }
+    // Expert rank `from`'s partial sum for rank `owner`'s message `slot` to it.
+    __device__ __forceinline__ int4* combine_row(int owner, int from, int slot) const {
+        return reinterpret_cast<int4*>(peer_bases[owner] + combine_recv +
+                                       (static_cast<int64_t>(from) * num_max + slot) * combine_row_bytes);
     }
     __device__ __forceinline__ uint64_t* combine_flag(int owner, int source) const {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_flags) + source;
@@ -52,6 +71,20 @@ struct LowLatencyBuffers {
         return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + 2 + kind;
     }
 };
+
+// The kernels' shared parameter list (kernels.py, _LOW_LATENCY_BUFFERS) as the struct above.
+#define TOKENYARD_LOW_LATENCY_BUFFER_PARAMS                                                                        \
+    uint8_t *const *peer_bases, int rank, int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, \
+            int64_t header_bytes, int64_t dispatch_select, int64_t dispatch_positions, int64_t dispatch_counts,     \
+            int64_t combine_weights, int64_t combine_weight_flags, int64_t combine_recv, int64_t combine_flags,     \
+            int64_t state, int do_send, int do_recv
+
+#define TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, num_topk, hidden)                                              \
+    LowLatencyBuffers {                                                                                          \
+        peer_bases, rank, num_ranks, (num_experts) / num_ranks, num_max, (num_topk), dispatch_recv, message_bytes, \
+                header_bytes, dispatch_select, dispatch_positions, dispatch_counts, combine_weights,              \
+                combine_weight_flags, combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags, state       \
+    }
 
 // NOTE [low-latency trace]
 // Given a trace array ([gridDim.x][kNumTracePoints] uint64), thread 0 of every block stamps the GPU's global
@@ -189,37 +222,37 @@ __device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) 
                      static_cast<int>(packed[3]));
 }
 
-constexpr int kSendUnroll = 4;
+// A piece of a row: 16 channels per lane (two 16-byte loads of bf16), 4 FP8 scale groups per warp.
+constexpr int kPieceChannels = kWarpSize * 16;
 
 // NOTE [low-latency dispatch]
 // A token crosses to a rank once, whatever number of its experts live there, and the receiver fans it out
 // to its local experts (4 ranks, top-8 of 256: ~3.6 messages per token instead of 8 pair copies).
-// Send (do_send): the work items are the pairs (t, d) of a token and a rank it goes to (NOTE [pair slots]
-// with rows = ranks); consecutive items go to different SMs (item i to warp i / gridDim.x of block
-// i % gridDim.x), so a handful of tokens still spreads over the whole GPU. The message lands in d's region
-// of this rank at slot = this rank's tokens before t that go to d. A warp quantizes its token on the fly
-// (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with an IEEE
-// division, optionally rounded up to a power of two, q = e4m3(clamp(x / scale))), each lane 16 channels,
-// and writes the message with 16-byte stores: header (token index; then, per top-k choice, its local
-// expert on d or -1), data, float32 scales. The last block to finish publishes to each rank d
-// (epoch << 32) | tokens sent to d. Receive (do_recv): a block per local expert l waits for every source's
-// count; a warp per source scans that source's headers in order and writes the slots of those carrying l
-// to l's selection list (a ballot per 32 messages keeps the order); the sources' lists laid one after the
-// other give layout_range, and all warps then copy the selected messages into l's packed rows. With a
-// recv hook the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
+// Send (do_send): the work items are the pieces of kPieceChannels channels of every token, dealt so that
+// consecutive items go to different SMs (item i to warp i / gridDim.x of block i % gridDim.x): one token
+// keeps 14 warps busy at hidden 7168 instead of one warp walking its row, which cost ~10 us at one token.
+// A warp loads its piece, quantizes it once (FP8 per 128 channels, exactly as quant.py: amax floored at
+// 1e-4, scale = amax / 448 with an IEEE division, optionally rounded up to a power of two,
+// q = e4m3(clamp(x / scale))), each lane 16 channels, and stores it with 16-byte stores into the message
+// of every rank d the token goes to (NOTE [pair slots] with rows = ranks): d's region of this rank at
+// slot = this rank's tokens before t that go to d. Piece 0 also writes the header (token index; then, per
+// top-k choice, its local expert on d or -1). The last block to finish publishes to each rank d
+// (epoch << 32) | tokens sent to d (NOTE [cumulative release]).
+// Receive (do_recv): a block per local expert l waits for every source's count; a warp per source scans
+// that source's headers in order and writes the slots of those carrying l to l's selection list (a ballot
+// per 32 messages keeps the order) and, per message, the place it got there (`positions`, which combine
+// reads); the sources' lists laid one after the other give layout_range, and all warps then copy the
+// selected messages into l's packed rows. With a recv hook the two halves run as two launches. Signals
+// carry the epoch of NOTE [low-latency epochs].
 template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
 __device__ __forceinline__ void low_latency_dispatch(
         const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
         uint8_t* packed_recv_x, uint32_t* packed_recv_scales, int* packed_recv_count, int* src_info,
-        int64_t* layout_range, int* cumulative_stats, int* rank_mask, uint8_t* const* peer_bases, int rank,
-        int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t header_bytes,
-        int64_t dispatch_select, int64_t dispatch_counts, int64_t combine_recv, int64_t combine_flags, int64_t state,
-        int do_send, int do_recv, int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
+        int64_t* layout_range, int* cumulative_stats, int* rank_mask, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
+        int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
     trace_mark(trace, kTraceStart);
-    const int num_local_experts = num_experts / num_ranks;
-    const LowLatencyBuffers b{peer_bases, rank, num_ranks, num_local_experts, num_max, dispatch_recv, message_bytes,
-                              header_bytes, dispatch_select, dispatch_counts, combine_recv,
-                              static_cast<int64_t>(hidden) * 2, combine_flags, state};
+    const LowLatencyBuffers b = TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, kNumTopk, hidden);
+    const int num_local_experts = b.num_local_experts;
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_warps = blockDim.x / kWarpSize;
@@ -234,53 +267,46 @@ __device__ __forceinline__ void low_latency_dispatch(
         build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts,
                                                rank_mask);
         trace_mark(trace, kTracePrologue);
-        const int num_items = num_tokens * num_ranks;
-        for (int item = warp * gridDim.x + blockIdx.x; item < num_items; item += gridDim.x * num_warps) {
-            const int t = item / num_ranks, d = item % num_ranks;
-            if (!pair_chosen(bits, words, d, t))
-                continue;  // the same for the whole warp
-            uint8_t* to = b.message(d, rank, pair_slot(bits, words, d, t));
-            uint8_t* data = to + header_bytes;
+        const int num_pieces = (hidden + kPieceChannels - 1) / kPieceChannels;
+        for (int item = warp * gridDim.x + blockIdx.x; item < num_tokens * num_pieces; item += gridDim.x * num_warps) {
+            const int t = item / num_pieces, piece = item % num_pieces;
+            const int c = piece * kPieceChannels + lane * 16;  // this lane's 16 channels
             const int4* row = x + static_cast<int64_t>(t) * hidden / 8;
-            // kSendUnroll rounds of 512 channels: every load of the batch is issued before the first cast,
-            // so a lane waits for memory once per batch. The loop bounds are the same for the whole warp
-            // (the cast's shuffles need every lane); lanes past the row's end cast zeros and store nothing.
-            for (int base = 0; base < hidden; base += kSendUnroll * kWarpSize * 16) {
-                int4 raw[kSendUnroll][2];
-#pragma unroll
-                for (int u = 0; u < kSendUnroll; ++u) {
-                    const int c = base + (u * kWarpSize + lane) * 16;  // this lane's 16 channels
-                    // FP8 needs hidden % 128 == 0; bf16 rows may end after the lane's first 8 channels.
-                    raw[u][0] = c < hidden ? ptx::ld_nc_v4(row + c / 8) : make_int4(0, 0, 0, 0);
-                    raw[u][1] = c + 8 < hidden ? ptx::ld_nc_v4(row + c / 8 + 1) : make_int4(0, 0, 0, 0);
-                }
-#pragma unroll
-                for (int u = 0; u < kSendUnroll; ++u) {
-                    const int c = base + (u * kWarpSize + lane) * 16;
-                    if constexpr (kUseFp8) {
-                        if (base + u * kWarpSize * 16 >= hidden)
-                            break;  // the same for the whole warp
-                        float scale;
-                        const int4 q = round_scale ? cast_fp8_16<true>(raw[u], scale) : cast_fp8_16<false>(raw[u], scale);
-                        if (c < hidden) {
-                            ptx::st_na_v4(reinterpret_cast<int4*>(data + c), q);
-                            if (lane % 8 == 0)
-                                reinterpret_cast<float*>(data + hidden)[c / 128] = scale;
-                        }
-                    } else {
-                        if (c < hidden)
-                            ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8, raw[u][0]);
-                        if (c + 8 < hidden)
-                            ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8 + 1, raw[u][1]);
+            // FP8 needs hidden % 128 == 0 (a scale group is all in or all out); bf16 rows may end after the
+            // lane's first 8 channels. Lanes past the end load zeros and store nothing.
+            int4 raw[2];
+            raw[0] = c < hidden ? ptx::ld_nc_v4(row + c / 8) : make_int4(0, 0, 0, 0);
+            raw[1] = c + 8 < hidden ? ptx::ld_nc_v4(row + c / 8 + 1) : make_int4(0, 0, 0, 0);
+            float scale = 0.0f;
+            int4 q = raw[0];
+            if constexpr (kUseFp8)  // every lane: the cast's shuffles need the whole warp
+                q = round_scale ? cast_fp8_16<true>(raw, scale) : cast_fp8_16<false>(raw, scale);
+            for (int d = 0; d < num_ranks; ++d) {
+                if (!pair_chosen(bits, words, d, t))
+                    continue;  // the same for the whole warp
+                uint8_t* to = b.message(d, rank, pair_slot(bits, words, d, t));
+                uint8_t* data = to + header_bytes;
+                if constexpr (kUseFp8) {
+                    if (c < hidden) {
+                        ptx::st_na_v4(reinterpret_cast<int4*>(data + c), q);
+                        if (lane % 8 == 0)
+                            reinterpret_cast<float*>(data + hidden)[c / 128] = scale;
                     }
+                } else {
+                    if (c < hidden)
+                        ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8, raw[0]);
+                    if (c + 8 < hidden)
+                        ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8 + 1, raw[1]);
                 }
-            }
-            if (lane == 0)
-                *reinterpret_cast<int*>(to) = t;
-            if (lane < kNumTopk) {  // which of the token's choices live on d, as local experts
-                const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane]);
-                const bool here = e >= 0 && e < num_experts && e / num_local_experts == d;
-                reinterpret_cast<int16_t*>(to + 16)[lane] = here ? static_cast<int16_t>(e % num_local_experts) : -1;
+                if (piece != 0)
+                    continue;
+                if (lane == 0)
+                    *reinterpret_cast<int*>(to) = t;
+                if (lane < kNumTopk) {  // which of the token's choices live on d, as local experts
+                    const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane]);
+                    const bool here = e >= 0 && e < num_experts && e / num_local_experts == d;
+                    reinterpret_cast<int16_t*>(to + 16)[lane] = here ? static_cast<int16_t>(e % num_local_experts) : -1;
+                }
             }
         }
         trace_mark(trace, kTraceSent);
@@ -325,19 +351,24 @@ __device__ __forceinline__ void low_latency_dispatch(
             int found = 0;
             for (int first = 0; first < num_messages[s]; first += kWarpSize) {
                 const int j = first + lane;
-                bool carries = false;
+                int choice = -1;  // the top-k choice of message j that is l
                 if (j < num_messages[s]) {
                     const int* choices = reinterpret_cast<const int*>(b.message(rank, s, j) + 16);
 #pragma unroll
                     for (int w = 0; w < (kNumTopk + 1) / 2; ++w) {  // two int16 choices per word
                         const int word = ptx::ld_na_s32(choices + w);
-                        carries |= static_cast<int16_t>(word & 0xffff) == l ||
-                                   (2 * w + 1 < kNumTopk && static_cast<int16_t>(word >> 16) == l);
+                        if (static_cast<int16_t>(word & 0xffff) == l)
+                            choice = 2 * w;
+                        if (2 * w + 1 < kNumTopk && static_cast<int16_t>(word >> 16) == l)
+                            choice = 2 * w + 1;
                     }
                 }
-                const uint32_t ballot = __ballot_sync(0xffffffffu, carries);
-                if (carries)
-                    selected[found + __popc(ballot & ((1u << lane) - 1u))] = j;
+                const uint32_t ballot = __ballot_sync(0xffffffffu, choice >= 0);
+                if (choice >= 0) {
+                    const int place = found + __popc(ballot & ((1u << lane) - 1u));
+                    selected[place] = j;
+                    b.positions(s, j)[choice] = place;
+                }
                 found += __popc(ballot);
             }
             if (lane == 0)
@@ -392,76 +423,170 @@ __device__ __forceinline__ void low_latency_dispatch(
     trace_mark(trace, kTraceEnd);
 }
 
-// NOTE [low-latency combine]
-// Send (do_send): for each local expert l and source s, the rows begin..begin+count of l that came from s
-// (layout_range) go back to s, row j of them into s's combine region at (expert, slot j): the same slot
-// numbering as the dispatch (NOTE [pair slots]). The rows of all local experts are numbered one after the
-// other (a prefix over experts in shared memory) and dealt to the grid's warps like the dispatch items, so
-// every SM sends. The last block to finish publishes (epoch << 32) | 1 to every source. Reduce (do_recv):
-// the items are (token, chunk of kCombineChunkInt4 16-byte columns), so 128 tokens of hidden 7168 make
-// 128 * 7 items for the whole GPU; a warp takes one; lane k finds pair (t, k)'s expert, slot and owner and
-// waits for that owner's flag; the warp then sums its columns, for k in order, weight * row in float32
-// (a product, then a sum) and writes bf16.
-constexpr int kCombineChunkInt4 = 4 * kWarpSize;  // columns of one reduce item: 4 vectors per lane
+// Columns of one reduce item: kReduceVectors 16-byte vectors per lane, 512 bf16 channels per warp.
+constexpr int kReduceVectors = 2;
+constexpr int kReduceInt4 = kReduceVectors * kWarpSize;
+constexpr int kReduceBatch = 4;  // rows whose loads are in flight together
 
+// For this lane's columns first + u * 32 + lane (u < kReduceVectors, below num_int4): acc += weight * row,
+// for the lanes set in `rows_from` in increasing order, each lane offering its `row` and `weight`. One
+// float32 product, then one float32 sum, as routing.py; the loads of kReduceBatch rows are issued before
+// the first sum, so a warp waits for memory once per batch rather than once per row.
+template <bool kFromPeers>
+__device__ __forceinline__ void accumulate_rows(float (&acc)[kReduceVectors][8], uint32_t rows_from, const int4* row,
+                                                float weight, int first, int num_int4, int lane) {
+    while (rows_from != 0u) {
+        int from[kReduceBatch];
+        int n = 0;
+#pragma unroll
+        for (int u = 0; u < kReduceBatch; ++u) {
+            from[u] = rows_from != 0u ? __ffs(rows_from) - 1 : 0;
+            n += rows_from != 0u ? 1 : 0;
+            rows_from &= rows_from - 1u;
+        }
+        int4 v[kReduceBatch][kReduceVectors];
+#pragma unroll
+        for (int u = 0; u < kReduceBatch; ++u) {
+            const int4* src = reinterpret_cast<const int4*>(
+                    __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), from[u]));
+#pragma unroll
+            for (int c = 0; c < kReduceVectors; ++c) {
+                const int i = first + c * kWarpSize + lane;
+                v[u][c] = make_int4(0, 0, 0, 0);
+                if (u < n && i < num_int4)
+                    v[u][c] = kFromPeers ? ptx::ld_na_v4(src + i) : ptx::ld_nc_v4(src + i);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kReduceBatch; ++u) {
+            const float w = __shfl_sync(0xffffffffu, weight, from[u]);
+            if (u >= n)
+                break;
+#pragma unroll
+            for (int c = 0; c < kReduceVectors; ++c) {
+                const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[u][c]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    acc[c][e] = __fadd_rn(acc[c][e], __fmul_rn(w, __bfloat162float(h[e])));
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduceVectors][8], int first, int num_int4,
+                                           int lane) {
+#pragma unroll
+    for (int c = 0; c < kReduceVectors; ++c) {
+        const int i = first + c * kWarpSize + lane;
+        if (i >= num_int4)
+            continue;
+        int4 out;
+        __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            o[e] = __float2bfloat16_rn(acc[c][e]);
+        ptx::st_na_v4(dst + i, out);
+    }
+}
+
+// NOTE [low-latency combine]
+// The expert's rank pre-reduces: a token comes back from each rank as one bf16 row, the weighted sum of
+// its experts there, instead of one row per expert (4 ranks, top-8: ~3.6 rows instead of 8, which halves
+// the bytes on NVLink). The weights are the combine's, so they travel first.
+// Send (do_send): (1) the block d < R writes this rank's topk_weights to rank d and releases d's weight
+// flag. (2) Every block waits for every source's weights. The items are (source s, message j from s in
+// this half's dispatch, piece of kReduceInt4 columns): the message's header names the token and its
+// choices on this rank; choice k on local expert l is row layout_range[l][s].begin + positions(s, j)[k]
+// of l's expert outputs; the warp sums weight * row over those choices in k order (float32, as routing.py)
+// and writes bf16 into s's combine region at (this rank, j). (3) The last block to finish publishes
+// (epoch << 32) | 1 to every source. Reduce (do_recv): the items are (token, piece); lane d finds whether
+// the token went to rank d, waits for d's flag and points at d's row (the message slot of NOTE [pair
+// slots] with rows = ranks); the warp sums the rows in rank order in float32 and writes bf16. The result
+// is routing.low_latency_combine(..., pre_reduce=True) bit for bit: within bf16 rounding of one sum.
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
         const int4* x, const TopkT* topk_idx, const float* topk_weights, const int64_t* layout_range, int num_tokens,
-        int hidden, int num_experts, int4* combined_x, int* rank_mask, uint8_t* const* peer_bases, int rank,
-        int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, int64_t header_bytes,
-        int64_t dispatch_select, int64_t dispatch_counts, int64_t combine_recv, int64_t combine_flags, int64_t state,
-        int do_send, int do_recv, int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
+        int hidden, int num_experts, int4* combined_x, int* rank_mask, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
+        int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
     trace_mark(trace, kTraceStart);
-    const int num_local_experts = num_experts / num_ranks;
-    const LowLatencyBuffers b{peer_bases, rank, num_ranks, num_local_experts, num_max, dispatch_recv, message_bytes,
-                              header_bytes, dispatch_select, dispatch_counts, combine_recv,
-                              static_cast<int64_t>(hidden) * 2, combine_flags, state};
+    const LowLatencyBuffers b = TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, kNumTopk, hidden);
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_warps = blockDim.x / kWarpSize;
     const int hidden_int4 = hidden * 2 / 16;
     const int num_slots = num_ranks * num_max;
+    const int num_pieces = (hidden_int4 + kReduceInt4 - 1) / kReduceInt4;
     const uint32_t epoch = launch_epoch(b, 1, do_send);
-    extern __shared__ uint32_t shared_words[];
+    const auto masked = [&](int r) { return rank_mask != nullptr && rank_mask[r] != 0; };
 
     if (do_send) {
-        // first_row[l]: rows of local experts before l (layout_range: the sources' blocks one after the other).
-        int* first_row = reinterpret_cast<int*>(shared_words);
-        if (threadIdx.x == 0) {
-            int total = 0;
-            for (int l = 0; l < num_local_experts; ++l) {
-                first_row[l] = total;
-                const int64_t last = layout_range[static_cast<int64_t>(l) * num_ranks + num_ranks - 1];
-                total += static_cast<int>(last >> 32) + static_cast<int>(last & 0xffffffff);
+        // (1) This rank's weights to every rank.
+        for (int d = blockIdx.x; d < num_ranks; d += gridDim.x) {
+            if (warp != 0 || masked(d))
+                continue;
+            float* to = b.weights(d, rank, 0);
+            for (int i = lane; i < num_tokens * kNumTopk; i += kWarpSize)
+                to[i] = topk_weights[i];
+            __syncwarp();  // the lanes' stores before lane 0's release (NOTE [cumulative release])
+            if (lane == 0)
+                ptx::st_release_sys(b.weight_flag(d, rank), (static_cast<uint64_t>(epoch) << 32) | 1u);
+        }
+        // (2) Every source's weights, and how many messages it sent in the dispatch of this half.
+        __shared__ int first_item[kWarpSize + 1];
+        if (threadIdx.x < num_ranks) {
+            const int s = threadIdx.x;
+            int num_messages = 0;
+            if (!masked(s)) {
+                if (wait_for_seq(wait, b.weight_flag(rank, s), epoch, s, kStageLowLatencyCombineWeights,
+                                 rank_mask == nullptr) >= 0) {
+                    // A source masked during that dispatch left an older epoch there: nothing from it.
+                    const uint64_t word = ptx::ld_relaxed_sys(b.count(rank, s));
+                    if (static_cast<uint32_t>(word >> 32) == ptx::ld_relaxed_sys(b.epoch(0)))
+                        num_messages = static_cast<int>(word & 0xffffffffu);
+                } else if (rank_mask != nullptr) {
+                    atomicExch(rank_mask + s, 1);  // NOTE [rank masking]
+                }
             }
-            first_row[num_local_experts] = total;
+            first_item[s + 1] = num_messages * num_pieces;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            first_item[0] = 0;
+            for (int s = 0; s < num_ranks; ++s)
+                first_item[s + 1] += first_item[s];
         }
         __syncthreads();
         trace_mark(trace, kTracePrologue);
-        const int total_rows = first_row[num_local_experts];
-        int l = 0;
-        for (int item = warp * gridDim.x + blockIdx.x; item < total_rows; item += gridDim.x * num_warps) {
-            while (first_row[l + 1] <= item)  // items only grow, so l never moves back
-                ++l;
-            const int i = item - first_row[l];
-            const int64_t* ranges = layout_range + static_cast<int64_t>(l) * num_ranks;
-            int s = 0;
-            while (s + 1 < num_ranks && static_cast<int>(ranges[s + 1] >> 32) <= i)
+        int s = 0;
+        for (int item = warp * gridDim.x + blockIdx.x; item < first_item[num_ranks]; item += gridDim.x * num_warps) {
+            while (first_item[s + 1] <= item)  // items only grow, so s never moves back
                 ++s;
-            if (rank_mask != nullptr && rank_mask[s] != 0)
-                continue;
-            const int j = i - static_cast<int>(ranges[s] >> 32);
-            const int4* src = x + (static_cast<int64_t>(l) * num_slots + i) * hidden_int4;
-            warp_copy<8, false>(reinterpret_cast<int4*>(b.combine_row(s, rank * num_local_experts + l, j)), src,
-                                hidden_int4, lane);
+            const int j = (item - first_item[s]) / num_pieces, piece = (item - first_item[s]) % num_pieces;
+            const uint8_t* header = b.message(rank, s, j);
+            const int4* row = nullptr;
+            float weight = 0.0f;
+            if (lane < kNumTopk) {
+                const int l = reinterpret_cast<const int16_t*>(header + 16)[lane];
+                if (l >= 0) {
+                    const int token = ptx::ld_na_s32(reinterpret_cast<const int*>(header));
+                    const int begin = static_cast<int>(layout_range[static_cast<int64_t>(l) * num_ranks + s] >> 32);
+                    const int place = b.positions(s, j)[lane];
+                    row = x + (static_cast<int64_t>(l) * num_slots + begin + place) * hidden_int4;
+                    weight = b.weights(rank, s, token)[lane];
+                }
+            }
+            float acc[kReduceVectors][8] = {};
+            accumulate_rows<false>(acc, __ballot_sync(0xffffffffu, row != nullptr), row, weight, piece * kReduceInt4,
+                                   hidden_int4, lane);
+            store_bf16(b.combine_row(s, rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
         }
         trace_mark(trace, kTraceSent);
         const bool last = last_block_done(b, 1);
         trace_mark(trace, kTraceCounted);
         if (last) {
-            for (int s = threadIdx.x; s < num_ranks; s += blockDim.x)
-                if (rank_mask == nullptr || rank_mask[s] == 0)
-                    ptx::st_release_sys(b.combine_flag(s, rank), (static_cast<uint64_t>(epoch) << 32) | 1u);
+            for (int r = threadIdx.x; r < num_ranks; r += blockDim.x)
+                if (!masked(r))
+                    ptx::st_release_sys(b.combine_flag(r, rank), (static_cast<uint64_t>(epoch) << 32) | 1u);
             if (threadIdx.x == 0)
                 ptx::st_relaxed_sys(b.epoch(1), epoch);
             trace_mark(trace, kTracePublished);
@@ -472,65 +597,36 @@ __device__ __forceinline__ void low_latency_combine(
         return;
     }
 
-    uint32_t* bits = shared_words;
+    extern __shared__ uint32_t bits[];
     const int words = (num_max + 31) / 32;
-    build_pair_bits<kNumTopk, TopkT>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts, rank_mask);
+    build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, b.num_local_experts,
+                                           rank_mask);
     trace_mark(trace, kTraceRecvReady);
-    bool first_item = true;
-    const int num_chunks = (hidden_int4 + kCombineChunkInt4 - 1) / kCombineChunkInt4;
-    for (int item = warp * gridDim.x + blockIdx.x; item < num_tokens * num_chunks; item += gridDim.x * num_warps) {
-        const int t = item / num_chunks, chunk = item % num_chunks;
-        const uint8_t* row = nullptr;
-        float weight = 0.0f;
+    bool traced = false;
+    for (int item = warp * gridDim.x + blockIdx.x; item < num_tokens * num_pieces; item += gridDim.x * num_warps) {
+        const int t = item / num_pieces, piece = item % num_pieces;
+        const int4* row = nullptr;
         bool ok = true;
-        if (lane < kNumTopk) {
-            const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane]);
-            if (e >= 0 && e < num_experts && pair_chosen(bits, words, static_cast<int>(e), t)) {
-                const int owner = static_cast<int>(e / num_local_experts);
-                const bool arrived = wait_for_seq(wait, b.combine_flag(rank, owner), epoch, owner,
-                                                  kStageLowLatencyCombineRecv, rank_mask == nullptr) >= 0;
-                if (arrived) {
-                    row = b.combine_row(rank, static_cast<int>(e), pair_slot(bits, words, static_cast<int>(e), t));
-                    weight = topk_weights[static_cast<int64_t>(t) * kNumTopk + lane];
-                } else if (rank_mask != nullptr) {
-                    atomicExch(rank_mask + owner, 1);  // NOTE [rank masking]
-                } else {
-                    ok = false;
-                }
-            }
+        if (lane < num_ranks && pair_chosen(bits, words, lane, t)) {
+            const int d = lane;
+            if (wait_for_seq(wait, b.combine_flag(rank, d), epoch, d, kStageLowLatencyCombineRecv,
+                             rank_mask == nullptr) >= 0)
+                row = b.combine_row(rank, d, pair_slot(bits, words, d, t));
+            else if (rank_mask != nullptr)
+                atomicExch(rank_mask + d, 1);  // NOTE [rank masking]
+            else
+                ok = false;
         }
         if (!__all_sync(0xffffffffu, ok))
             return;
-        if (first_item) {
+        if (!traced) {
             trace_mark(trace, kTraceRecvMid);
-            first_item = false;
+            traced = true;
         }
-        const int end = min(hidden_int4, (chunk + 1) * kCombineChunkInt4);
-        for (int i = chunk * kCombineChunkInt4 + lane; i < end; i += kWarpSize) {
-            float acc[8];
-#pragma unroll
-            for (int c = 0; c < 8; ++c)
-                acc[c] = 0.0f;
-#pragma unroll
-            for (int k = 0; k < kNumTopk; ++k) {
-                const uint8_t* from = reinterpret_cast<const uint8_t*>(
-                        __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), k));
-                const float w = __shfl_sync(0xffffffffu, weight, k);
-                if (from == nullptr)
-                    continue;
-                const int4 v = ptx::ld_na_v4(reinterpret_cast<const int4*>(from) + i);
-                const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-#pragma unroll
-                for (int c = 0; c < 8; ++c)
-                    acc[c] = __fadd_rn(acc[c], __fmul_rn(w, __bfloat162float(h[c])));
-            }
-            int4 out;
-            __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
-#pragma unroll
-            for (int c = 0; c < 8; ++c)
-                o[c] = __float2bfloat16_rn(acc[c]);
-            ptx::st_na_v4(combined_x + static_cast<int64_t>(t) * hidden_int4 + i, out);
-        }
+        float acc[kReduceVectors][8] = {};
+        accumulate_rows<true>(acc, __ballot_sync(0xffffffffu, row != nullptr), row, 1.0f, piece * kReduceInt4,
+                              hidden_int4, lane);
+        store_bf16(combined_x + static_cast<int64_t>(t) * hidden_int4, acc, piece * kReduceInt4, hidden_int4, lane);
     }
     trace_mark(trace, kTraceEnd);
 }
