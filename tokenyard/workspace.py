@@ -22,8 +22,9 @@ NOTE [low-latency buffer]
 The low-latency buffer of ``num_rdma_bytes`` is two halves used alternately by consecutive calls (so
 one call's outputs survive the next call). Each half holds a dispatch receive region of one message per
 (source rank, token), since a token crosses to a rank once whatever number of its experts live there
-(NOTE [low-latency dispatch] in kernels/low_latency.cuh), the receiver's selection lists, a combine
-receive region of one row per (expert, source-rank-token) pair, plus signalling words. The size hint
+(NOTE [low-latency dispatch] in kernels/low_latency.cuh), where each message landed among its experts'
+rows, the combine's weights and a combine receive region of one pre-reduced row per (rank, message)
+(NOTE [low-latency combine]), plus signalling words. The size hint
 depends only on (tokens per rank, hidden, ranks, experts), as DeepEP's does, and is larger than the
 layout needs (it also covers one message per pair); top-k up to ``MAX_TOPK``.
 """
@@ -135,9 +136,8 @@ class LowLatencyLayout:
     dispatch_recv   [R][M] messages of `dispatch_message_bytes`: header (int32 source token index at 0,
                     int16 local expert of each top-k choice, -1 where elsewhere, at 16), then the FP8
                     data and float32 scales, or the bf16 data
-    dispatch_select [L][R][M] int32: which messages of source r carry local expert l, in order
     dispatch_positions [R][M][MAX_TOPK] int32: for message j of source r and its top-k choice k on this
-                    rank, the place of j in that local expert's selection list (the inverse of dispatch_select)
+                    rank, the place of j among the rows its local expert received from r
     dispatch_counts [R] uint64: ``(epoch << 32) | tokens`` that source r sent to this rank
     combine_weights [R][M][MAX_TOPK] float32: source r's top-k weights of its tokens, sent at combine
     combine_weight_flags [R] uint64: ``(epoch << 32) | 1`` once source r's weights are here
@@ -151,7 +151,6 @@ class LowLatencyLayout:
     half_bytes: int
     dispatch_recv: int
     dispatch_message_bytes: int
-    dispatch_select: int
     dispatch_positions: int
     dispatch_counts: int
     combine_weights: int
@@ -164,7 +163,6 @@ class LowLatencyLayout:
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                        num_experts: int) -> LowLatencyLayout:
     """Offsets of one half; the half fits in `low_latency_half_bytes` (checked by the tests)."""
-    num_slots = num_experts * num_max_dispatch_tokens_per_rank
     message = low_latency_dispatch_message_bytes(hidden)
     offset = 0
 
@@ -176,7 +174,6 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
 
     num_messages = num_ranks * num_max_dispatch_tokens_per_rank
     dispatch_recv = take(num_messages * message)
-    dispatch_select = take(num_slots * 4)
     dispatch_positions = take(num_messages * MAX_TOPK * 4)
     dispatch_counts = take(num_ranks * 8)
     combine_weights = take(num_messages * MAX_TOPK * 4)
@@ -185,5 +182,5 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
     combine_flags = take(num_ranks * 8)
     state = take(4 * 4)
     return LowLatencyLayout(low_latency_half_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts),
-                            dispatch_recv, message, dispatch_select, dispatch_positions, dispatch_counts,
+                            dispatch_recv, message, dispatch_positions, dispatch_counts,
                             combine_weights, combine_weight_flags, combine_recv, combine_flags, state)

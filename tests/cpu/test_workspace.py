@@ -56,7 +56,6 @@ def test_low_latency_layout_fits_in_half_the_hint_without_overlaps(args):
     num_max, hidden, num_ranks, num_experts = args
     num_messages = num_ranks * num_max
     regions = sorted([(layout.dispatch_recv, num_messages * layout.dispatch_message_bytes),
-                      (layout.dispatch_select, num_experts * num_max * 4),
                       (layout.dispatch_positions, num_messages * workspace.MAX_TOPK * 4),
                       (layout.dispatch_counts, num_ranks * 8),
                       (layout.combine_weights, num_messages * workspace.MAX_TOPK * 4),

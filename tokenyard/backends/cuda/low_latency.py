@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ... import workspace
+from ...errors import InvalidInputError
 from ...handle import LowLatencyHandle
 from ...requests import LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from . import kernels
@@ -54,13 +55,15 @@ class LowLatencyKernels:
     def _buffer_args(self, layout, half: int, do_send: int, do_recv: int, num_max: int):
         ctx = self.backend.ctx
         return (self._half_bases(layout, half).data_ptr(), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
-                layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES, layout.dispatch_select,
+                layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES,
                 layout.dispatch_positions, layout.dispatch_counts, layout.combine_weights,
                 layout.combine_weight_flags, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv)
 
     def _shared_bytes(self, num_max: int) -> int:
-        """The pair bits of NOTE [pair slots], a row per rank."""
-        return self.backend.ctx.num_ranks * ((num_max + 31) // 32) * 4
+        """The pair bits of NOTE [pair slots] (a row of words per rank) while sending; while receiving, the
+        message of each of an expert's rows (int32 [R*M]) and each chunk's first row (int32 [R][M/32])."""
+        num_ranks, words = self.backend.ctx.num_ranks, (num_max + 31) // 32
+        return max(num_ranks * words, num_ranks * num_max + num_ranks * words) * 4
 
     def dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         backend, ctx = self.backend, self.backend.ctx
@@ -87,6 +90,13 @@ class LowLatencyKernels:
         src_info = backend._empty(num_local_experts, num_slots, dtype=torch.int32, device=device)
         layout_range = backend._empty(num_local_experts, ctx.num_ranks, dtype=torch.int64, device=device)
 
+        shared_bytes = self._shared_bytes(num_max)
+        limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 227 << 10)
+        if shared_bytes > limit:
+            raise InvalidInputError(
+                f"low-latency dispatch of num_max_dispatch_tokens_per_rank={num_max} on {ctx.num_ranks} ranks needs "
+                f"{shared_bytes} bytes of shared memory per block, more than this GPU's {limit}; use at most "
+                f"{limit // 4 // ctx.num_ranks * 32 // 33} tokens per rank")
         kernel = backend._kernel(kernels.low_latency_dispatch(num_topk, topk_idx.dtype, request.use_fp8,
                                                               request.use_ue8m0))
         grid = self._grid()
@@ -100,7 +110,7 @@ class LowLatencyKernels:
                    packed_recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
                    0 if stats is None else stats.data_ptr(), 0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   self._trace_ptr(0), shared_bytes=self._shared_bytes(num_max))
+                   self._trace_ptr(0), shared_bytes=shared_bytes)
 
         hook = self._send_then_receive(launch, request.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk, half=half)
@@ -126,7 +136,7 @@ class LowLatencyKernels:
                    handle.layout_range.data_ptr(), num_tokens, hidden, num_experts, out.data_ptr(),
                    0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   self._trace_ptr(1), shared_bytes=self._shared_bytes(num_max))
+                   self._trace_ptr(1), shared_bytes=ctx.num_ranks * ((num_max + 31) // 32) * 4)  # pair bits
 
         return out, self._send_then_receive(launch, request.return_recv_hook)
 

@@ -100,6 +100,12 @@ __device__ __forceinline__ int4 ld_na_v4(const int4* ptr) {
     return v;
 }
 
+__device__ __forceinline__ float ld_na_f32(const float* ptr) {
+    float value;
+    asm volatile("ld.global.L1::no_allocate.f32 %0, [%1];" : "=f"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
 __device__ __forceinline__ int ld_na_s32(const int* ptr) {
     int v;
     asm volatile("ld.global.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");

@@ -21,7 +21,6 @@ struct LowLatencyBuffers {
     int64_t dispatch_recv;
     int64_t message_bytes;
     int64_t header_bytes;
-    int64_t dispatch_select;
     int64_t dispatch_positions;
     int64_t dispatch_counts;
     int64_t combine_weights;
@@ -35,12 +34,8 @@ struct LowLatencyBuffers {
     __device__ __forceinline__ uint8_t* message(int owner, int source, int slot) const {
         return peer_bases[owner] + dispatch_recv + (static_cast<int64_t>(source) * num_max + slot) * message_bytes;
     }
-    // This rank's list of the messages from `source` that carry `local_expert`, in token order.
-    __device__ __forceinline__ int* selection(int local_expert, int source) const {
-        return reinterpret_cast<int*>(peer_bases[rank] + dispatch_select) +
-               (static_cast<int64_t>(local_expert) * num_ranks + source) * num_max;
-    }
-    // Per top-k choice of this rank's message `slot` from `source`: its place in the choice's selection list.
+    // Per top-k choice of this rank's message `slot` from `source`: its place among the rows that its local
+    // expert received from `source` (written by the dispatch, read by the combine).
     __device__ __forceinline__ int* positions(int source, int slot) const {
         return reinterpret_cast<int*>(peer_bases[rank] + dispatch_positions) +
                (static_cast<int64_t>(source) * num_max + slot) * num_topk;
@@ -75,14 +70,14 @@ struct LowLatencyBuffers {
 // The kernels' shared parameter list (kernels.py, _LOW_LATENCY_BUFFERS) as the struct above.
 #define TOKENYARD_LOW_LATENCY_BUFFER_PARAMS                                                                        \
     uint8_t *const *peer_bases, int rank, int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, \
-            int64_t header_bytes, int64_t dispatch_select, int64_t dispatch_positions, int64_t dispatch_counts,     \
+            int64_t header_bytes, int64_t dispatch_positions, int64_t dispatch_counts,                              \
             int64_t combine_weights, int64_t combine_weight_flags, int64_t combine_recv, int64_t combine_flags,     \
             int64_t state, int do_send, int do_recv
 
 #define TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, num_topk, hidden)                                              \
     LowLatencyBuffers {                                                                                          \
         peer_bases, rank, num_ranks, (num_experts) / num_ranks, num_max, (num_topk), dispatch_recv, message_bytes, \
-                header_bytes, dispatch_select, dispatch_positions, dispatch_counts, combine_weights,              \
+                header_bytes, dispatch_positions, dispatch_counts, combine_weights,                               \
                 combine_weight_flags, combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags, state       \
     }
 
@@ -225,6 +220,33 @@ __device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) 
 // A piece of a row: 16 channels per lane (two 16-byte loads of bf16), 4 FP8 scale groups per warp.
 constexpr int kPieceChannels = kWarpSize * 16;
 
+// Which top-k choice of a message is local expert `l` (the header's int16 choices at +16), or -1.
+template <int kNumTopk>
+__device__ __forceinline__ int choice_of(const uint8_t* message, int l) {
+    const int* choices = reinterpret_cast<const int*>(message + 16);
+    int choice = -1;
+#pragma unroll
+    for (int w = 0; w < (kNumTopk + 1) / 2; ++w) {  // two int16 choices per word
+        const int word = ptx::ld_na_s32(choices + w);
+        if (static_cast<int16_t>(word & 0xffff) == l)
+            choice = 2 * w;
+        if (2 * w + 1 < kNumTopk && static_cast<int16_t>(word >> 16) == l)
+            choice = 2 * w + 1;
+    }
+    return choice;
+}
+
+// This lane's 16 channels of piece `item` (token item / num_pieces), zeros past the row's end or past the
+// last item. FP8 needs hidden % 128 == 0 (a scale group is all in or all out); bf16 rows may end after the
+// lane's first 8 channels.
+__device__ __forceinline__ void load_piece(int4 (&raw)[2], const int4* x, int item, int num_items, int num_pieces,
+                                           int hidden, int lane) {
+    const int t = item / num_pieces, c = (item % num_pieces) * kPieceChannels + lane * 16;
+    const int4* row = x + static_cast<int64_t>(t) * hidden / 8;
+    raw[0] = item < num_items && c < hidden ? ptx::ld_nc_v4(row + c / 8) : make_int4(0, 0, 0, 0);
+    raw[1] = item < num_items && c + 8 < hidden ? ptx::ld_nc_v4(row + c / 8 + 1) : make_int4(0, 0, 0, 0);
+}
+
 // NOTE [low-latency dispatch]
 // A token crosses to a rank once, whatever number of its experts live there, and the receiver fans it out
 // to its local experts (4 ranks, top-8 of 256: ~3.6 messages per token instead of 8 pair copies).
@@ -238,12 +260,13 @@ constexpr int kPieceChannels = kWarpSize * 16;
 // slot = this rank's tokens before t that go to d. Piece 0 also writes the header (token index; then, per
 // top-k choice, its local expert on d or -1). The last block to finish publishes to each rank d
 // (epoch << 32) | tokens sent to d (NOTE [cumulative release]).
-// Receive (do_recv): a block per local expert l waits for every source's count; a warp per source scans
-// that source's headers in order and writes the slots of those carrying l to l's selection list (a ballot
-// per 32 messages keeps the order) and, per message, the place it got there (`positions`, which combine
-// reads); the sources' lists laid one after the other give layout_range, and all warps then copy the
-// selected messages into l's packed rows. With a recv hook the two halves run as two launches. Signals
-// carry the epoch of NOTE [low-latency epochs].
+// Receive (do_recv): the blocks of local expert l (two per expert where the grid has twice as many blocks
+// as experts) wait for every source's count; the warps scan the headers, a chunk of 32 messages of one
+// source each, all chunks at once: a ballot counts the messages carrying l, a prefix over (source, chunk)
+// gives each chunk its first row (NOTE [recv order]), and a second ballot places each message in l's
+// rows (a list in shared memory) and records where it went (`positions`, which the combine reads). The
+// sources' row ranges give layout_range, and the blocks then copy their share of the rows. With a recv
+// hook the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
 template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
 __device__ __forceinline__ void low_latency_dispatch(
         const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
@@ -261,26 +284,28 @@ __device__ __forceinline__ void low_latency_dispatch(
     const int num_slots = num_ranks * num_max;
     const uint32_t epoch = launch_epoch(b, 0, do_send);
 
+    extern __shared__ uint32_t shared_words[];
     if (do_send) {
-        extern __shared__ uint32_t bits[];
+        uint32_t* bits = shared_words;
         const int words = (num_max + 31) / 32;
+        const int num_pieces = (hidden + kPieceChannels - 1) / kPieceChannels;
+        const int num_items = num_tokens * num_pieces, stride = gridDim.x * num_warps;
+        // Loads run one item ahead of the stores, and the first before the pair bits are built.
+        int item = warp * gridDim.x + blockIdx.x;
+        int4 raw[2];
+        load_piece(raw, x, item, num_items, num_pieces, hidden, lane);
         build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts,
                                                rank_mask);
         trace_mark(trace, kTracePrologue);
-        const int num_pieces = (hidden + kPieceChannels - 1) / kPieceChannels;
-        for (int item = warp * gridDim.x + blockIdx.x; item < num_tokens * num_pieces; item += gridDim.x * num_warps) {
+        for (; item < num_items; item += stride) {
             const int t = item / num_pieces, piece = item % num_pieces;
             const int c = piece * kPieceChannels + lane * 16;  // this lane's 16 channels
-            const int4* row = x + static_cast<int64_t>(t) * hidden / 8;
-            // FP8 needs hidden % 128 == 0 (a scale group is all in or all out); bf16 rows may end after the
-            // lane's first 8 channels. Lanes past the end load zeros and store nothing.
-            int4 raw[2];
-            raw[0] = c < hidden ? ptx::ld_nc_v4(row + c / 8) : make_int4(0, 0, 0, 0);
-            raw[1] = c + 8 < hidden ? ptx::ld_nc_v4(row + c / 8 + 1) : make_int4(0, 0, 0, 0);
             float scale = 0.0f;
             int4 q = raw[0];
             if constexpr (kUseFp8)  // every lane: the cast's shuffles need the whole warp
                 q = round_scale ? cast_fp8_16<true>(raw, scale) : cast_fp8_16<false>(raw, scale);
+            const int4 piece_raw[2] = {raw[0], raw[1]};
+            load_piece(raw, x, item + stride, num_items, num_pieces, hidden, lane);
             for (int d = 0; d < num_ranks; ++d) {
                 if (!pair_chosen(bits, words, d, t))
                     continue;  // the same for the whole warp
@@ -294,9 +319,9 @@ __device__ __forceinline__ void low_latency_dispatch(
                     }
                 } else {
                     if (c < hidden)
-                        ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8, raw[0]);
+                        ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8, piece_raw[0]);
                     if (c + 8 < hidden)
-                        ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8 + 1, raw[1]);
+                        ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8 + 1, piece_raw[1]);
                 }
                 if (piece != 0)
                     continue;
@@ -329,9 +354,16 @@ __device__ __forceinline__ void low_latency_dispatch(
         return;
     }
 
-    // Receive: one block per local expert at a time.
+    // Receive: `parts` blocks per local expert where the grid has room (2 of 132 SMs for 64 local experts);
+    // each scans all of the expert's messages and copies its share of the rows.
     __shared__ int num_messages[kWarpSize], counts[kWarpSize], begins[kWarpSize];
-    for (int l = blockIdx.x; l < num_local_experts; l += gridDim.x) {
+    const int num_chunks = (num_max + kWarpSize - 1) / kWarpSize;  // of 32 messages, per source
+    int* rows = reinterpret_cast<int*>(shared_words);              // [R*M]: the message (s * M + j) of each row
+    int* chunk_first = rows + num_slots;                           // [R][num_chunks]: the chunk's first row
+    const int parts = max(1, static_cast<int>(gridDim.x) / num_local_experts);
+    const int part = blockIdx.x / num_local_experts;  // 0 where the experts outnumber the blocks
+    for (int l = blockIdx.x % num_local_experts; part < parts && l < num_local_experts; l += gridDim.x) {
+        __syncthreads();  // the shared words are free (the pair bits, or the previous expert's rows)
         if (threadIdx.x < num_ranks) {
             const int s = threadIdx.x;
             int count = 0;
@@ -346,55 +378,54 @@ __device__ __forceinline__ void low_latency_dispatch(
         }
         __syncthreads();
         trace_mark(trace, kTraceRecvReady);
-        for (int s = warp; s < num_ranks; s += num_warps) {
-            int* selected = b.selection(l, s);
-            int found = 0;
-            for (int first = 0; first < num_messages[s]; first += kWarpSize) {
-                const int j = first + lane;
-                int choice = -1;  // the top-k choice of message j that is l
-                if (j < num_messages[s]) {
-                    const int* choices = reinterpret_cast<const int*>(b.message(rank, s, j) + 16);
-#pragma unroll
-                    for (int w = 0; w < (kNumTopk + 1) / 2; ++w) {  // two int16 choices per word
-                        const int word = ptx::ld_na_s32(choices + w);
-                        if (static_cast<int16_t>(word & 0xffff) == l)
-                            choice = 2 * w;
-                        if (2 * w + 1 < kNumTopk && static_cast<int16_t>(word >> 16) == l)
-                            choice = 2 * w + 1;
-                    }
-                }
-                const uint32_t ballot = __ballot_sync(0xffffffffu, choice >= 0);
-                if (choice >= 0) {
-                    const int place = found + __popc(ballot & ((1u << lane) - 1u));
-                    selected[place] = j;
-                    b.positions(s, j)[choice] = place;
-                }
-                found += __popc(ballot);
-            }
+        // The rows of l in order: pass 1 counts, per chunk of 32 messages of a source, those that carry l
+        // (a chunk per warp, all at once); a prefix gives each chunk its first row; pass 2 places them.
+        for (int sc = warp; sc < num_ranks * num_chunks; sc += num_warps) {
+            const int s = sc / num_chunks, j = sc % num_chunks * kWarpSize + lane;
+            const int choice = j < num_messages[s] ? choice_of<kNumTopk>(b.message(rank, s, j), l) : -1;
+            const uint32_t ballot = __ballot_sync(0xffffffffu, choice >= 0);
             if (lane == 0)
-                counts[s] = found;
+                chunk_first[sc] = __popc(ballot);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
             int total = 0;
             for (int s = 0; s < num_ranks; ++s) {
                 begins[s] = total;
-                layout_range[static_cast<int64_t>(l) * num_ranks + s] =
-                        (static_cast<int64_t>(total) << 32) | static_cast<int64_t>(counts[s]);
-                total += counts[s];
+                for (int c = 0; c < num_chunks; ++c) {
+                    const int found = chunk_first[s * num_chunks + c];
+                    chunk_first[s * num_chunks + c] = total;
+                    total += found;
+                }
+                counts[s] = total - begins[s];
+                if (part == 0)
+                    layout_range[static_cast<int64_t>(l) * num_ranks + s] =
+                            (static_cast<int64_t>(begins[s]) << 32) | static_cast<int64_t>(counts[s]);
             }
             trace_mark(trace, kTraceRecvMid);
-            packed_recv_count[l] = total;
-            if (cumulative_stats != nullptr)
-                cumulative_stats[l] += total;
+            if (part == 0) {
+                packed_recv_count[l] = total;
+                if (cumulative_stats != nullptr)
+                    cumulative_stats[l] += total;
+            }
+        }
+        __syncthreads();
+        for (int sc = warp; sc < num_ranks * num_chunks; sc += num_warps) {
+            const int s = sc / num_chunks, j = sc % num_chunks * kWarpSize + lane;
+            const int choice = j < num_messages[s] ? choice_of<kNumTopk>(b.message(rank, s, j), l) : -1;
+            const uint32_t ballot = __ballot_sync(0xffffffffu, choice >= 0);
+            if (choice >= 0) {
+                const int row = chunk_first[sc] + __popc(ballot & ((1u << lane) - 1u));
+                rows[row] = s * num_max + j;
+                if (part == 0)
+                    b.positions(s, j)[choice] = row - begins[s];  // for the combine
+            }
         }
         __syncthreads();
         const int total = begins[num_ranks - 1] + counts[num_ranks - 1];
-        for (int row = warp; row < total; row += num_warps) {
-            int s = 0;
-            while (s + 1 < num_ranks && begins[s + 1] <= row)
-                ++s;
-            const uint8_t* msg = b.message(rank, s, b.selection(l, s)[row - begins[s]]);
+        for (int row = part * num_warps + warp; row < total; row += parts * num_warps) {
+            const int s = rows[row] / num_max;
+            const uint8_t* msg = b.message(rank, s, rows[row] % num_max);
             const uint8_t* data = msg + header_bytes;
             const int64_t out = static_cast<int64_t>(l) * num_slots + row;
             warp_copy<8, true>(reinterpret_cast<int4*>(packed_recv_x + out * data_bytes),
@@ -418,7 +449,6 @@ __device__ __forceinline__ void low_latency_dispatch(
             if (lane == 0)
                 src_info[out] = ptx::ld_na_s32(reinterpret_cast<const int*>(msg));
         }
-        __syncthreads();
     }
     trace_mark(trace, kTraceEnd);
 }
@@ -494,8 +524,9 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // its experts there, instead of one row per expert (4 ranks, top-8: ~3.6 rows instead of 8, which halves
 // the bytes on NVLink). The weights are the combine's, so they travel first.
 // Send (do_send): (1) the block d < R writes this rank's topk_weights to rank d and releases d's weight
-// flag. (2) Every block waits for every source's weights. The items are (source s, message j from s in
-// this half's dispatch, piece of kReduceInt4 columns): the message's header names the token and its
+// flag. (2) The items are (source s, message j from s in this half's dispatch, piece of kReduceInt4
+// columns), and a warp waits for s's weights before its first item of s (so the sources' items start as
+// their weights land, not when the last source's do); the message's header names the token and its
 // choices on this rank; choice k on local expert l is row layout_range[l][s].begin + positions(s, j)[k]
 // of l's expert outputs; the warp sums weight * row over those choices in k order (float32, as routing.py)
 // and writes bf16 into s's combine region at (this rank, j). (3) The last block to finish publishes
@@ -520,34 +551,39 @@ __device__ __forceinline__ void low_latency_combine(
     const auto masked = [&](int r) { return rank_mask != nullptr && rank_mask[r] != 0; };
 
     if (do_send) {
-        // (1) This rank's weights to every rank.
+        // (1) This rank's weights to every rank: block d serves rank d, every load of a batch in flight
+        //     before the first store.
         for (int d = blockIdx.x; d < num_ranks; d += gridDim.x) {
-            if (warp != 0 || masked(d))
-                continue;
+            if (masked(d))
+                continue;  // the same for the whole block
             float* to = b.weights(d, rank, 0);
-            for (int i = lane; i < num_tokens * kNumTopk; i += kWarpSize)
-                to[i] = topk_weights[i];
-            __syncwarp();  // the lanes' stores before lane 0's release (NOTE [cumulative release])
-            if (lane == 0)
+            constexpr int kBatch = 4;
+            for (int base = 0; base < num_tokens * kNumTopk; base += kBatch * blockDim.x) {
+                float w[kBatch];
+#pragma unroll
+                for (int u = 0; u < kBatch; ++u) {
+                    const int i = base + u * blockDim.x + threadIdx.x;
+                    w[u] = i < num_tokens * kNumTopk ? topk_weights[i] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < kBatch; ++u) {
+                    const int i = base + u * blockDim.x + threadIdx.x;
+                    if (i < num_tokens * kNumTopk)
+                        to[i] = w[u];
+                }
+            }
+            __syncthreads();  // the block's stores before thread 0's release (NOTE [cumulative release])
+            if (threadIdx.x == 0)
                 ptx::st_release_sys(b.weight_flag(d, rank), (static_cast<uint64_t>(epoch) << 32) | 1u);
         }
-        // (2) Every source's weights, and how many messages it sent in the dispatch of this half.
+        // (2) How many messages each source sent in the dispatch of this half (a source masked during that
+        //     dispatch left an older epoch there: nothing from it), numbered as items source by source.
         __shared__ int first_item[kWarpSize + 1];
         if (threadIdx.x < num_ranks) {
             const int s = threadIdx.x;
-            int num_messages = 0;
-            if (!masked(s)) {
-                if (wait_for_seq(wait, b.weight_flag(rank, s), epoch, s, kStageLowLatencyCombineWeights,
-                                 rank_mask == nullptr) >= 0) {
-                    // A source masked during that dispatch left an older epoch there: nothing from it.
-                    const uint64_t word = ptx::ld_relaxed_sys(b.count(rank, s));
-                    if (static_cast<uint32_t>(word >> 32) == ptx::ld_relaxed_sys(b.epoch(0)))
-                        num_messages = static_cast<int>(word & 0xffffffffu);
-                } else if (rank_mask != nullptr) {
-                    atomicExch(rank_mask + s, 1);  // NOTE [rank masking]
-                }
-            }
-            first_item[s + 1] = num_messages * num_pieces;
+            const uint64_t word = ptx::ld_relaxed_sys(b.count(rank, s));
+            const bool sent = !masked(s) && static_cast<uint32_t>(word >> 32) == ptx::ld_relaxed_sys(b.epoch(0));
+            first_item[s + 1] = sent ? static_cast<int>(word & 0xffffffffu) * num_pieces : 0;
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -557,10 +593,26 @@ __device__ __forceinline__ void low_latency_combine(
         }
         __syncthreads();
         trace_mark(trace, kTracePrologue);
-        int s = 0;
+        // Each item waits for its source's weights only, so the sources' items start as their weights land.
+        int s = 0, weights = -1;  // of source s: -1 not yet awaited, 1 here, 0 lost (recorded or masked)
         for (int item = warp * gridDim.x + blockIdx.x; item < first_item[num_ranks]; item += gridDim.x * num_warps) {
-            while (first_item[s + 1] <= item)  // items only grow, so s never moves back
+            while (first_item[s + 1] <= item) {  // items only grow, so s never moves back
                 ++s;
+                weights = -1;
+            }
+            if (weights < 0) {
+                bool arrived = true;
+                if (lane == 0) {
+                    arrived = wait_for_seq(wait, b.weight_flag(rank, s), epoch, s, kStageLowLatencyCombineWeights,
+                                           rank_mask == nullptr) >= 0;
+                    if (!arrived && rank_mask != nullptr)
+                        atomicExch(rank_mask + s, 1);  // NOTE [rank masking]
+                }
+                __syncwarp();  // orders lane 0's acquire before every lane's loads of the weights
+                weights = __shfl_sync(0xffffffffu, arrived, 0) ? 1 : 0;
+            }
+            if (weights == 0)
+                continue;  // the signals below still go out; the error (if any) is raised on the host
             const int j = (item - first_item[s]) / num_pieces, piece = (item - first_item[s]) % num_pieces;
             const uint8_t* header = b.message(rank, s, j);
             const int4* row = nullptr;
@@ -572,7 +624,7 @@ __device__ __forceinline__ void low_latency_combine(
                     const int begin = static_cast<int>(layout_range[static_cast<int64_t>(l) * num_ranks + s] >> 32);
                     const int place = b.positions(s, j)[lane];
                     row = x + (static_cast<int64_t>(l) * num_slots + begin + place) * hidden_int4;
-                    weight = b.weights(rank, s, token)[lane];
+                    weight = ptx::ld_na_f32(b.weights(rank, s, token) + lane);
                 }
             }
             float acc[kReduceVectors][8] = {};
@@ -617,6 +669,7 @@ __device__ __forceinline__ void low_latency_combine(
             else
                 ok = false;
         }
+        __syncwarp();  // orders each lane's acquire before every lane's loads of that rank's row
         if (!__all_sync(0xffffffffu, ok))
             return;
         if (!traced) {
