@@ -137,9 +137,10 @@ class LowLatencyLayout:
                     int16 local expert of each top-k choice, -1 where elsewhere, at 16), then the FP8
                     data and float32 scales, or the bf16 data
     dispatch_positions [R][M][MAX_TOPK] int32: for message j of source r and its top-k choice k on this
-                    rank, the place of j among the rows its local expert received from r
+                    rank, the packed row it was copied to (``l * R * M + row`` for local expert l)
     dispatch_counts [R] uint64: ``(epoch << 32) | tokens`` that source r sent to this rank
-    combine_weights [R][M][MAX_TOPK] float32: source r's top-k weights of its tokens, sent at combine
+    combine_weights [R][M][MAX_TOPK] float32: source r's top-k weights of the token of its message j,
+                    sent at combine
     combine_weight_flags [R] uint64: ``(epoch << 32) | 1`` once source r's weights are here
     combine_recv    [R][M] bf16 rows: owner r's partial sum for this rank's message slot j to r
                     (NOTE [low-latency combine])

@@ -115,7 +115,7 @@ def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
     return KernelSpec(
         "tokenyard/kernels/low_latency.cuh", "tokenyard::kernels::low_latency_combine", (num_topk, topk_t),
         (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("const float*", "topk_weights"),
-         Param("const int64_t*", "layout_range"), Param("int", "num_tokens"), Param("int", "hidden"),
+         Param("int", "num_tokens"), Param("int", "hidden"),
          Param("int", "num_experts"), Param("int4*", "combined_x"), Param("int*", "rank_mask"))
         + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
         LOW_LATENCY_THREADS)

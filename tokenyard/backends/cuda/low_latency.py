@@ -132,8 +132,8 @@ class LowLatencyKernels:
         mask = request.rank_mask
 
         def launch(do_send: int, do_recv: int) -> None:
-            kernel(grid, backend._stream(), x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(),
-                   handle.layout_range.data_ptr(), num_tokens, hidden, num_experts, out.data_ptr(),
+            kernel(grid, backend._stream(), x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens,
+                   hidden, num_experts, out.data_ptr(),
                    0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
                    self._trace_ptr(1), shared_bytes=ctx.num_ranks * ((num_max + 31) // 32) * 4)  # pair bits

@@ -34,8 +34,8 @@ struct LowLatencyBuffers {
     __device__ __forceinline__ uint8_t* message(int owner, int source, int slot) const {
         return peer_bases[owner] + dispatch_recv + (static_cast<int64_t>(source) * num_max + slot) * message_bytes;
     }
-    // Per top-k choice of this rank's message `slot` from `source`: its place among the rows that its local
-    // expert received from `source` (written by the dispatch, read by the combine).
+    // Per top-k choice of this rank's message `slot` from `source`: the packed row it was copied to
+    // (l * R * M + row for local expert l), written by the dispatch, read by the combine.
     __device__ __forceinline__ int* positions(int source, int slot) const {
         return reinterpret_cast<int*>(peer_bases[rank] + dispatch_positions) +
                (static_cast<int64_t>(source) * num_max + slot) * num_topk;
@@ -43,10 +43,10 @@ struct LowLatencyBuffers {
     __device__ __forceinline__ uint64_t* count(int owner, int source) const {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_counts) + source;
     }
-    // Rank `source`'s top-k weights of its token `token`, in rank `owner`'s buffer.
-    __device__ __forceinline__ float* weights(int owner, int source, int token) const {
+    // Rank `source`'s top-k weights of the token of its message `slot` to rank `owner`, in `owner`'s buffer.
+    __device__ __forceinline__ float* weights(int owner, int source, int slot) const {
         return reinterpret_cast<float*>(peer_bases[owner] + combine_weights) +
-               (static_cast<int64_t>(source) * num_max + token) * num_topk;
+               (static_cast<int64_t>(source) * num_max + slot) * num_topk;
     }
     __device__ __forceinline__ uint64_t* weight_flag(int owner, int source) const {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_weight_flags) + source;
@@ -247,6 +247,13 @@ __device__ __forceinline__ void load_piece(int4 (&raw)[2], const int4* x, int it
     raw[1] = item < num_items && c + 8 < hidden ? ptx::ld_nc_v4(row + c / 8 + 1) : make_int4(0, 0, 0, 0);
 }
 
+// Scale words of a received row that a lane loads with the row's data (hidden up to 16384; wider rows
+// load the rest after).
+constexpr int kRowScales = 4;
+// 16-byte vectors a lane loads per batch when it copies a received row: 14 take a 7168-channel FP8 row in
+// one batch (16 would spill registers at 512 threads).
+constexpr int kRowBatch = 14;
+
 // NOTE [low-latency dispatch]
 // A token crosses to a rank once, whatever number of its experts live there, and the receiver fans it out
 // to its local experts (4 ranks, top-8 of 256: ~3.6 messages per token instead of 8 pair copies).
@@ -418,7 +425,7 @@ __device__ __forceinline__ void low_latency_dispatch(
                 const int row = chunk_first[sc] + __popc(ballot & ((1u << lane) - 1u));
                 rows[row] = s * num_max + j;
                 if (part == 0)
-                    b.positions(s, j)[choice] = row - begins[s];  // for the combine
+                    b.positions(s, j)[choice] = l * num_slots + row;  // for the combine
             }
         }
         __syncthreads();
@@ -428,26 +435,51 @@ __device__ __forceinline__ void low_latency_dispatch(
             const uint8_t* msg = b.message(rank, s, rows[row] % num_max);
             const uint8_t* data = msg + header_bytes;
             const int64_t out = static_cast<int64_t>(l) * num_slots + row;
-            warp_copy<8, true>(reinterpret_cast<int4*>(packed_recv_x + out * data_bytes),
-                               reinterpret_cast<const int4*>(data), data_bytes / 16, lane);
+            // The row's scales and source index are loaded with its data, before the first store: issue is in
+            // order, so a store waiting for its load holds back every load behind it (three round trips per
+            // row instead of one cost microseconds).
+            const int* scales = reinterpret_cast<const int*>(data + hidden);
+            int scale_bits[kRowScales] = {};
             if constexpr (kUseFp8) {
-                const int* scales = reinterpret_cast<const int*>(data + hidden);
-                if constexpr (kUseUe8m0) {
-                    // Four groups' biased exponents per int32, little-endian (quant.pack_ue8m0).
-                    for (int g4 = lane; g4 < num_scales / 4; g4 += kWarpSize) {
-                        uint32_t word = 0;
-                        for (int i = 0; i < 4; ++i)
-                            word |= ((static_cast<uint32_t>(ptx::ld_na_s32(scales + 4 * g4 + i)) >> 23) & 0xffu) << (8 * i);
-                        packed_recv_scales[(static_cast<int64_t>(l) * (num_scales / 4) + g4) * num_slots + row] = word;
-                    }
-                } else {
-                    for (int g = lane; g < num_scales; g += kWarpSize)  // column-major, as DeepEP
-                        packed_recv_scales[(static_cast<int64_t>(l) * num_scales + g) * num_slots + row] =
-                                ptx::ld_na_s32(scales + g);
+#pragma unroll
+                for (int u = 0; u < kRowScales; ++u) {  // UE8M0: the 4 groups of word `lane`; else groups lane + 32u
+                    const int g = kUseUe8m0 ? 4 * lane + u : lane + u * kWarpSize;
+                    if (g < num_scales)
+                        scale_bits[u] = ptx::ld_na_s32(scales + g);
                 }
             }
+            const int source_token = lane == 0 ? ptx::ld_na_s32(reinterpret_cast<const int*>(msg)) : 0;
+            warp_copy<kRowBatch, true>(reinterpret_cast<int4*>(packed_recv_x + out * data_bytes),
+                                reinterpret_cast<const int4*>(data), data_bytes / 16, lane);
+            if constexpr (kUseFp8 && kUseUe8m0) {
+                // Four groups' biased exponents per int32, little-endian (quant.pack_ue8m0).
+                const auto pack = [](const int (&groups)[4]) {
+                    uint32_t word = 0;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        word |= ((static_cast<uint32_t>(groups[i]) >> 23) & 0xffu) << (8 * i);
+                    return word;
+                };
+                uint32_t* to = packed_recv_scales + static_cast<int64_t>(l) * (num_scales / 4) * num_slots + row;
+                if (lane < num_scales / 4)
+                    to[static_cast<int64_t>(lane) * num_slots] = pack(scale_bits);
+                for (int g4 = lane + kWarpSize; g4 < num_scales / 4; g4 += kWarpSize) {  // wider rows
+                    int groups[4];
+                    for (int i = 0; i < 4; ++i)
+                        groups[i] = ptx::ld_na_s32(scales + 4 * g4 + i);
+                    to[static_cast<int64_t>(g4) * num_slots] = pack(groups);
+                }
+            } else if constexpr (kUseFp8) {  // column-major, as DeepEP
+                uint32_t* to = packed_recv_scales + static_cast<int64_t>(l) * num_scales * num_slots + row;
+#pragma unroll
+                for (int u = 0; u < kRowScales; ++u)
+                    if (lane + u * kWarpSize < num_scales)
+                        to[static_cast<int64_t>(lane + u * kWarpSize) * num_slots] = scale_bits[u];
+                for (int g = lane + kRowScales * kWarpSize; g < num_scales; g += kWarpSize)  // wider rows
+                    to[static_cast<int64_t>(g) * num_slots] = ptx::ld_na_s32(scales + g);
+            }
             if (lane == 0)
-                src_info[out] = ptx::ld_na_s32(reinterpret_cast<const int*>(msg));
+                src_info[out] = source_token;
         }
     }
     trace_mark(trace, kTraceEnd);
@@ -523,21 +555,20 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // The expert's rank pre-reduces: a token comes back from each rank as one bf16 row, the weighted sum of
 // its experts there, instead of one row per expert (4 ranks, top-8: ~3.6 rows instead of 8, which halves
 // the bytes on NVLink). The weights are the combine's, so they travel first.
-// Send (do_send): (1) the block d < R writes this rank's topk_weights to rank d and releases d's weight
-// flag. (2) The items are (source s, message j from s in this half's dispatch, piece of kReduceInt4
-// columns), and a warp waits for s's weights before its first item of s (so the sources' items start as
-// their weights land, not when the last source's do); the message's header names the token and its
-// choices on this rank; choice k on local expert l is row layout_range[l][s].begin + positions(s, j)[k]
-// of l's expert outputs; the warp sums weight * row over those choices in k order (float32, as routing.py)
-// and writes bf16 into s's combine region at (this rank, j). (3) The last block to finish publishes
+// Send (do_send): (1) the block d < R writes this rank's topk_weights to rank d, each token's at the slot
+// of its dispatch message to d, and releases d's weight flag. (2) The items are (source s, message j from
+// s in this half's dispatch, piece of kReduceInt4 columns), and a warp waits for s's weights before its
+// first item of s (so the sources' items start as their weights land, not when the last source's do); the
+// message's header names the token's choices on this rank, positions(s, j) the packed row each went to
+// (the dispatch wrote it) and weights(s, j) their weights; the warp sums weight * row over those choices in
+// k order (float32, as routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last block to finish publishes
 // (epoch << 32) | 1 to every source. Reduce (do_recv): the items are (token, piece); lane d finds whether
 // the token went to rank d, waits for d's flag and points at d's row (the message slot of NOTE [pair
 // slots] with rows = ranks); the warp sums the rows in rank order in float32 and writes bf16. The result
 // is routing.low_latency_combine(..., pre_reduce=True) bit for bit: within bf16 rounding of one sum.
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
-        const int4* x, const TopkT* topk_idx, const float* topk_weights, const int64_t* layout_range, int num_tokens,
-        int hidden, int num_experts, int4* combined_x, int* rank_mask, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
+        const int4* x, const TopkT* topk_idx, const float* topk_weights, int num_tokens, int hidden, int num_experts, int4* combined_x, int* rank_mask, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
         int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
     trace_mark(trace, kTraceStart);
     const LowLatencyBuffers b = TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, kNumTopk, hidden);
@@ -549,28 +580,28 @@ __device__ __forceinline__ void low_latency_combine(
     const int num_pieces = (hidden_int4 + kReduceInt4 - 1) / kReduceInt4;
     const uint32_t epoch = launch_epoch(b, 1, do_send);
     const auto masked = [&](int r) { return rank_mask != nullptr && rank_mask[r] != 0; };
+    extern __shared__ uint32_t bits[];  // NOTE [pair slots], a row per rank
+    const int words = (num_max + 31) / 32;
 
     if (do_send) {
-        // (1) This rank's weights to every rank: block d serves rank d, every load of a batch in flight
-        //     before the first store.
+        // (1) This rank's weights to every rank: block d serves rank d, a thread per token, each token's
+        //     weights to the message slot it had in the dispatch (NOTE [pair slots] with rows = ranks).
         for (int d = blockIdx.x; d < num_ranks; d += gridDim.x) {
             if (masked(d))
                 continue;  // the same for the whole block
-            float* to = b.weights(d, rank, 0);
-            constexpr int kBatch = 4;
-            for (int base = 0; base < num_tokens * kNumTopk; base += kBatch * blockDim.x) {
-                float w[kBatch];
+            build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts,
+                                                   b.num_local_experts, rank_mask);
+            for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) {
+                if (!pair_chosen(bits, words, d, t))
+                    continue;
+                float w[kNumTopk];
 #pragma unroll
-                for (int u = 0; u < kBatch; ++u) {
-                    const int i = base + u * blockDim.x + threadIdx.x;
-                    w[u] = i < num_tokens * kNumTopk ? topk_weights[i] : 0.0f;
-                }
+                for (int k = 0; k < kNumTopk; ++k)
+                    w[k] = topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
+                float* to = b.weights(d, rank, pair_slot(bits, words, d, t));
 #pragma unroll
-                for (int u = 0; u < kBatch; ++u) {
-                    const int i = base + u * blockDim.x + threadIdx.x;
-                    if (i < num_tokens * kNumTopk)
-                        to[i] = w[u];
-                }
+                for (int k = 0; k < kNumTopk; ++k)
+                    to[k] = w[k];
             }
             __syncthreads();  // the block's stores before thread 0's release (NOTE [cumulative release])
             if (threadIdx.x == 0)
@@ -617,14 +648,13 @@ __device__ __forceinline__ void low_latency_combine(
             const uint8_t* header = b.message(rank, s, j);
             const int4* row = nullptr;
             float weight = 0.0f;
-            if (lane < kNumTopk) {
+            if (lane < kNumTopk) {  // three independent loads, then the rows: two round trips per item
                 const int l = reinterpret_cast<const int16_t*>(header + 16)[lane];
+                const int packed_row = b.positions(s, j)[lane];
+                const float w = ptx::ld_na_f32(b.weights(rank, s, j) + lane);
                 if (l >= 0) {
-                    const int token = ptx::ld_na_s32(reinterpret_cast<const int*>(header));
-                    const int begin = static_cast<int>(layout_range[static_cast<int64_t>(l) * num_ranks + s] >> 32);
-                    const int place = b.positions(s, j)[lane];
-                    row = x + (static_cast<int64_t>(l) * num_slots + begin + place) * hidden_int4;
-                    weight = ptx::ld_na_f32(b.weights(rank, s, token) + lane);
+                    row = x + static_cast<int64_t>(packed_row) * hidden_int4;
+                    weight = w;
                 }
             }
             float acc[kReduceVectors][8] = {};
@@ -649,8 +679,6 @@ __device__ __forceinline__ void low_latency_combine(
         return;
     }
 
-    extern __shared__ uint32_t bits[];
-    const int words = (num_max + 31) / 32;
     build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, b.num_local_experts,
                                            rank_mask);
     trace_mark(trace, kTraceRecvReady);
