@@ -8,18 +8,23 @@ before NCCL or anything else starts.
 
 NOTE [gloo threads at exit]
 A gloo group runs each collective on one of its worker threads, and that thread drops its reference to
-the finished collective, and so to the caller's tensors, only after it has woken the caller. Dropping the
-last C++ reference to a tensor that has a Python object takes the GIL. If the rank has returned and the
+the finished collective, and so to the caller's tensors, only after it has woken the caller. Dropping a
+C++ reference to a tensor that has a Python object takes the GIL. If the rank has returned and the
 interpreter is finalizing by then, Python ends the thread (pthread_exit) inside that noexcept destructor,
-and the process aborts with "terminate called without an active exception" after its work is done (seen
-in core dumps of the examples: ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> take_gil ->
-PyThread_exit_thread). The worker threads are joined only when the group's C++ object dies, and
-`dist.destroy_process_group()` drops only torch's own references: a Buffer, or a module holding one,
-keeps the group and its threads alive, and an object in a reference cycle lives until the garbage
-collector runs, at the latest during finalization, too late. So a rank ends in this order: its function
-returns (its locals, the Buffers among them, go), then `leave_group` destroys the group and collects the
-garbage, so the group dies and its threads are joined while they can still take the GIL. Buffer itself
-holds no reference cycle, so a Buffer dropped anywhere releases its group at once.
+and the process aborts with "terminate called without an active exception" after its work is done (core
+dumps of the examples: ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> THPVariable_dealloc ->
+take_gil -> PyThread_exit_thread; pytorch/pytorch#190489). The worker threads are joined only when the
+group's C++ object dies, and `dist.destroy_process_group()` drops only torch's own references; whatever
+else holds the group keeps it, and its threads, alive into finalization. Two such holders were found:
+- a Buffer in a reference cycle, freed only by the garbage collector: Buffer holds none (its closures do
+  not capture `self`), tests/cpu/test_lifetime.py;
+- default arguments bound at import: torch.distributed.nn.functional has ``group=group.WORLD``, and
+  torch.optim imports it (through torch._dynamo) on the first optimizer, so after `init_process_group` it
+  pins the group for good: `init_rank` imports it first, while ``group.WORLD`` is None.
+So a rank ends in this order: its function returns (its locals, the Buffers among them, go), then
+`leave_group` destroys the group and collects the garbage, so the group dies and its threads are joined
+while they can still take the GIL. A group that still lives then draws a warning, which
+tests/cpu/test_examples.py fails on: a new holder fails every run instead of aborting one in ten.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import gc
 import os
 import socket
 import traceback
+import warnings
+import weakref
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -54,6 +61,8 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
     import torch
     import torch.distributed as dist
 
+    import torch.distributed.nn  # noqa: F401 - before the group exists: NOTE [gloo threads at exit]
+
     disable_nvlink_multicast()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -69,12 +78,18 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
 
 def leave_group() -> None:
     """Destroy the default group (if any) and free what still holds it, once the rank's function has
-    returned; see NOTE [gloo threads at exit]."""
+    returned; warns if the group outlives this (NOTE [gloo threads at exit])."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
     gc.collect()
+    if group() is not None:
+        warnings.warn("tokenyard: something still holds the process group after destroy_process_group, so "
+                      "its threads live on and may abort the process at exit (NOTE [gloo threads at exit] in "
+                      "tokenyard/launch.py)", stacklevel=2)
 
 
 def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, group_timeout_s: float, fn, args,

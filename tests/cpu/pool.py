@@ -7,28 +7,15 @@ that rank's traceback; a pool whose ranks stop answering is killed and started a
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing
-import os
 import queue
-import socket
 import traceback
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tokenyard.launch import free_port, init_rank, leave_group
 
 
 def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    init_rank(rank, world_size, port, use_cuda=False)
     outbox.put((rank, True, "ready"))
     while True:
         item = inbox.get()
@@ -39,16 +26,14 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
             outbox.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - reported to the test
             outbox.put((rank, False, traceback.format_exc()))
-    from tokenyard.launch import leave_group
-
-    leave_group()  # NOTE [gloo threads at exit]
+    leave_group()  # NOTE [gloo threads at exit] in tokenyard/launch.py
 
 
 class RankPool:
     def __init__(self, world_size: int, start_timeout_s: float = 180.0):
         self.world_size = world_size
         ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         self._procs = [ctx.Process(target=_worker, args=(r, world_size, port, self._inboxes[r], self._outbox),
