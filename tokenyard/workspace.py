@@ -32,6 +32,7 @@ layout needs (it also covers one message per pair); top-k up to ``MAX_TOPK``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 ALIGN_BYTES = 16
 REGION_ALIGN_BYTES = 128
@@ -86,6 +87,7 @@ class NormalLayout:
     capacity: int
 
 
+@functools.lru_cache(maxsize=256)  # pure, and asked on every call
 def normal_layout(num_nvl_bytes: int, num_ranks: int, row_bytes: int) -> NormalLayout:
     capacity = normal_token_capacity(num_nvl_bytes, num_ranks, row_bytes)
     return NormalLayout(normal_control_bytes(num_ranks), capacity * row_bytes, NORMAL_HEADER_BYTES, MAX_CHUNKS,
@@ -111,6 +113,7 @@ def low_latency_combine_message_bytes(hidden: int) -> int:
     return align(hidden * 2)
 
 
+@functools.lru_cache(maxsize=256)  # pure, and asked on every call
 def low_latency_half_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                            num_experts: int) -> int:
     """One of the two alternating halves (see NOTE [low-latency buffer])."""
@@ -161,6 +164,7 @@ class LowLatencyLayout:
     state: int
 
 
+@functools.lru_cache(maxsize=256)  # pure, and asked on every call
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                        num_experts: int) -> LowLatencyLayout:
     """Offsets of one half; the half fits in `low_latency_half_bytes` (checked by the tests)."""

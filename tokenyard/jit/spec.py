@@ -70,9 +70,10 @@ class KernelSpec:
                 f"    {self.function}<{template}>({call_args});\n"
                 f"}}\n")
 
-    @property
+    @functools.cached_property
     def args_type(self):
-        """A ctypes Structure laid out as the kernel's parameter buffer (natural alignment, in order)."""
+        """A ctypes Structure laid out as the kernel's parameter buffer (natural alignment, in order).
+        Kept on the instance: the cache lookup would hash every parameter on every launch."""
         return _args_type(self.params)
 
     def pack(self, values):

@@ -107,6 +107,7 @@ class CudaBackend(Backend):
         self._barrier_calls = 0
         self._failure: Optional[TokenyardError] = None
         self.poison_outputs = False  # tests set it: outputs start as 0xAB bytes, so unwritten rows show
+        self._kernels = {}  # id(spec) -> (spec, Kernel), see _kernel
         from ..reference import ReferenceBackend
         from .low_latency import LowLatencyKernels
 
@@ -120,11 +121,16 @@ class CudaBackend(Backend):
     # -- helpers --------------------------------------------------------------------------------------
 
     def _kernel(self, spec):
-        return load(spec, self.device_index)
+        """The loaded kernel of `spec`; specs come from lru_caches, so one object per kernel: looked up by
+        identity (hashing a spec hashes its ~40 parameters, microseconds per call)."""
+        entry = self._kernels.get(id(spec))
+        if entry is None:
+            entry = self._kernels[id(spec)] = (spec, load(spec, self.device_index))  # holds spec: ids stay unique
+        return entry[1]
 
-    @staticmethod
-    def _stream() -> int:
-        return torch.cuda.current_stream().cuda_stream
+    def _stream(self) -> int:
+        """The current stream of this backend's device, as a raw handle (NOTE [host cost per call])."""
+        return torch._C._cuda_getCurrentRawStream(self.device_index)
 
     def _wait_args(self):
         return (self.error_flag.data_ptr(), self.host_record_ptr, self.timeout_ns)

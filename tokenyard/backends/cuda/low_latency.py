@@ -28,6 +28,8 @@ class LowLatencyKernels:
         self._dispatch_calls = 0
         self._bases = {}  # half_bytes -> (device array of half 0's base on every rank, the same for half 1)
         self.trace = None  # see start_trace
+        self._shared_limit = getattr(torch.cuda.get_device_properties(backend.device_index),
+                                     "shared_memory_per_block_optin", 227 << 10)  # bytes per block, opted in
 
     def start_trace(self) -> torch.Tensor:
         """NOTE [low-latency trace]: from now on every launch stamps, per block, the GPU timer (ns) at each
@@ -91,7 +93,7 @@ class LowLatencyKernels:
         layout_range = backend._empty(num_local_experts, ctx.num_ranks, dtype=torch.int64, device=device)
 
         shared_bytes = self._shared_bytes(num_max)
-        limit = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 227 << 10)
+        limit = self._shared_limit
         if shared_bytes > limit:
             raise InvalidInputError(
                 f"low-latency dispatch of num_max_dispatch_tokens_per_rank={num_max} on {ctx.num_ranks} ranks needs "
