@@ -109,8 +109,14 @@ def main() -> None:
                 cells = [per_rank[r][op].get(name) for r in range(num_ranks)]
                 print(f"{name:>11} " + " ".join(f"{c[0]:6.1f}/{c[1]:6.1f}" if c else f"{'-':>13}" for c in cells))
     if args.json:
+        import datetime
+
+        from tokenyard.bench.report import git_commit
+
         with open(args.json, "w") as f:
-            json.dump({"num_ranks": num_ranks, "hidden": args.hidden, "num_experts": args.num_experts,
+            json.dump({"commit": git_commit(), "device": f"{torch.cuda.get_device_name()} x {num_ranks}",
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "num_ranks": num_ranks, "hidden": args.hidden, "num_experts": args.num_experts,
                        "num_topk": args.num_topk, "iters": args.iters, "points": POINTS, "by_tokens": result}, f,
                       indent=1)
 
