@@ -19,7 +19,8 @@ and 5), round 1 s0:t2 t3 (rows 2-3), round 2 s0:t4 (row 4); rank 1 sends two emp
 Every rank must run the same rounds, so the round count n = ceil(max_s T_s / R) is agreed on:
 - fresh dispatch: one all-reduce of the token counts (the call waits for the CPU anyway), then, when
   n > 1, one all-gather of every rank's tokens per (round, destination); that count matrix
-  ``counts[s, r, d]`` gives every offset on the host.
+  ``counts[s, r, d]`` gives every offset on the host. The all-reduce comes after round 0's backend call,
+  whose count exchange is a bounded wait (NOTE [agree after the count exchange]).
 - with `num_worst_tokens` = W: no host sync. W bounds num_ranks * tokens per rank, so n is
   ``ceil(ceil(W / num_ranks) / R)`` on every rank (a rank with more than n * R tokens is refused); the
   count matrix stays on the device and rows are placed with ``index_copy_``; each round's request has
@@ -147,6 +148,7 @@ class Exchange:
                  all_gather_object: Callable):
         self.group, self.device, self.rank, self.num_ranks = group, device, rank, num_ranks
         self._all_gather_object = all_gather_object
+        self._stream = None  # CUDA: start_max's own stream
 
     def max_int(self, value: int) -> int:
         """The largest `value` over the ranks (a host sync)."""
@@ -155,20 +157,25 @@ class Exchange:
     def start_max(self, value: int) -> Callable[[], int]:
         """Start taking the largest `value` over the ranks; the returned function waits for it.
 
-        On CUDA the all-reduce and a copy into pinned memory are queued on the current stream and the wait
-        is for them alone (an event), not for the work queued after them.
+        On CUDA the all-reduce and a copy into pinned memory run on a stream of their own, so they wait for
+        none of the work queued before them, and the wait is for them alone (an event).
         """
         if self.group is None:
             most = max(self._all_gather_object(int(value)))
             return lambda: most
-        t = torch.full((1,), value, dtype=torch.int64, device=self.device)  # no host-to-device copy
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         if self.device.type != "cuda":
+            t = torch.full((1,), value, dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             return lambda: int(t[0])
-        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._stream):
+            t = torch.full((1,), value, dtype=torch.int64, device=self.device)  # no host-to-device copy
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
 
         def wait() -> int:
             done.synchronize()
@@ -318,9 +325,14 @@ def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: 
         if num_rounds == 1:
             return backend.dispatch(request), rounds
         return _dispatch_rounds(backend, request, rounds, exchange, check_values, None)
-    pending = exchange.start_max(num_tokens)
+    # NOTE [agree after the count exchange]: a rank that skips this call must make the others fail in round
+    # 0's count exchange, a bounded wait that raises CommTimeoutError, and not leave them inside a host
+    # collective it never joins: that collective would pair with the skipping rank's next one (a barrier,
+    # a new Buffer's handle exchange) and every later call would hang. So the round count is agreed on
+    # only once round 0's exchange has succeeded on this rank, on a stream of its own so that it does not
+    # wait for round 0's transfer.
     first = backend.dispatch(_round_request(request, 0, 0, min(num_tokens, round_tokens), 0))
-    most = pending()
+    most = exchange.max_int(num_tokens)
     rounds = Rounds(round_tokens, max(1, _ceil_div(most, round_tokens)), min(round_tokens, most))
     if rounds.num_rounds == 1:
         return first, rounds
