@@ -71,3 +71,42 @@ def test_bounded_benchmark_runs_on_gloo_ranks_and_writes_its_json(tmp_path):
         assert entry["dispatch_us"] > 0 and entry["combine_nvlink_gbps"] > 0
     assert [(e["num_tokens"], e["num_rounds"]) for e in doc["runs"]] == [(24, 1), (96, 2)]
     assert doc["unbounded_4096"]["num_rounds"] == 1
+
+
+def test_a_fresh_dispatch_agrees_on_rounds_only_after_its_count_exchange():
+    """NOTE [agree after the count exchange]: when round 0's backend call fails (a peer skipped the call and
+    the bounded count exchange timed out), no host collective has been started that the peer never joins."""
+    import torch
+
+    from tokenyard import rounds
+    from tokenyard.config import Config
+    from tokenyard.errors import CommTimeoutError
+    from tokenyard.requests import DispatchRequest
+
+    num_tokens, num_ranks = 6, 2
+    topk_idx = torch.randint(0, 4, (num_tokens, 2))
+    in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool).scatter_(1, topk_idx // 2, True)
+    request = DispatchRequest(torch.randn(num_tokens, 8), None, topk_idx, torch.rand(num_tokens, 2),
+                              in_rank.sum(0, dtype=torch.int32), in_rank, torch.bincount(topk_idx.flatten(), minlength=4),
+                              None, 1, 0, Config())
+    calls = []
+
+    class SkippedPeer:
+        def dispatch(self, round_request):
+            calls.append(("dispatch", round_request.x.size(0)))
+            raise CommTimeoutError(0, 1, "dispatch/notify", "the peer never arrived")
+
+    class Exchange:
+        num_ranks, rank = 2, 0
+
+        def max_int(self, value):
+            calls.append(("max_int", value))
+            return value
+
+        def start_max(self, value):
+            calls.append(("start_max", value))
+            return lambda: value
+
+    with pytest.raises(CommTimeoutError):
+        rounds.dispatch(SkippedPeer(), request, round_tokens=4, exchange=Exchange(), check_values=False)
+    assert calls == [("dispatch", 4)], calls
