@@ -9,10 +9,12 @@ from ... import workspace
 from . import kernels
 
 
-def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, warmup: int = 3) -> float:
+def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, warmup: int = 3,
+                            pattern: str = "interleaved", num_blocks: int = 0) -> float:
     """Egress GB/s per GPU while every rank writes `num_bytes_per_peer` into each peer's buffer.
 
-    Uses the Buffer's normal-mode memory (its rows are overwritten) and every SM of the GPU; the
+    Uses the Buffer's normal-mode memory (its rows are overwritten) and every SM of the GPU (or
+    `num_blocks` blocks), writing the way `pattern` says (NOTE [copy patterns] in copy_limit.cuh); the
     median over `iters` launches, each started after a group barrier.
     """
     backend = buffer.runtime
@@ -22,15 +24,17 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
     stride = (ctx.num_nvl_bytes - control) // num_ranks // 16 * 16
     num_bytes = min(num_bytes_per_peer, stride) // 16 * 16
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=ctx.device)
-    kernel = backend._kernel(kernels.copy_to_peers(num_ranks))
+    kernel = backend._kernel(kernels.copy_to_peers(num_ranks, pattern))
+    grid = num_blocks or backend.device_sms
+    shared = kernels.DATA_THREADS // 32 * 2 * 4096 if pattern == "bulk" else 0  # two 4 KB stages per warp
     times = []
     for i in range(warmup + iters):
         dist.barrier(group=ctx.group)
         torch.cuda.synchronize()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        kernel(backend.device_sms, torch.cuda.current_stream().cuda_stream, src.data_ptr(), num_bytes // 16,
-               backend.normal.bases_tensor.data_ptr(), ctx.rank, control, stride)
+        kernel(grid, torch.cuda.current_stream().cuda_stream, src.data_ptr(), num_bytes // 16,
+               backend.normal.bases_tensor.data_ptr(), ctx.rank, control, stride, shared_bytes=shared)
         stop.record()
         stop.synchronize()
         if i >= warmup:

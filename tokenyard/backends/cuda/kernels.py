@@ -121,10 +121,14 @@ def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
         LOW_LATENCY_THREADS)
 
 
+COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2}  # NOTE [copy patterns] in copy_limit.cuh
+
+
 @functools.lru_cache(maxsize=None)
-def copy_to_peers(num_ranks: int) -> KernelSpec:
+def copy_to_peers(num_ranks: int, pattern: str = "interleaved") -> KernelSpec:
     return KernelSpec(
-        "tokenyard/kernels/copy_limit.cuh", "tokenyard::kernels::copy_to_peers", (num_ranks, DATA_THREADS),
+        "tokenyard/kernels/copy_limit.cuh", "tokenyard::kernels::copy_to_peers",
+        (num_ranks, DATA_THREADS, COPY_PATTERNS[pattern]),
         (Param("const int4*", "src"), Param("int64_t", "num_int4"), Param("uint8_t* const*", "peer_bases"),
          Param("int", "rank"), Param("int64_t", "offset_bytes"), Param("int64_t", "stride_bytes")),
         DATA_THREADS)
@@ -136,7 +140,8 @@ def every_kernel():
         for dtype in (torch.int64, torch.int32):
             yield dispatch_layout(ranks, dtype)
         yield dispatch_notify(ranks)
-        yield copy_to_peers(ranks)
+        for pattern in COPY_PATTERNS:
+            yield copy_to_peers(ranks, pattern)
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64)   # FP8 with scales, DeepSeek-V3
         yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64)    # bf16
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k

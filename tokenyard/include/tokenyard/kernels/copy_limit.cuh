@@ -1,36 +1,103 @@
 // copy_to_peers: the physical limit the benchmark compares against (NOTE [copy limit] in bench/runner.py).
-// Every block copies its slice of `src` into the buffer of every other rank at once (one read, one write
-// per peer), with the same 16-byte accesses and unrolling as the dispatch sender.
+// Every rank writes the same `num_int4` vectors of `src` into the buffer of every other rank at once.
+//
+// NOTE [copy patterns]
+// Our kernels write to peers at ~250 GB/s per GPU where the machine is said to allow ~350, so the way the
+// writes are issued is under test (benchmarks/copy_patterns.py):
+//   kCopyInterleaved (0): every block copies a slice of `src` to every peer, a batch of 16-byte stores
+//       per peer in turn, as the dispatch senders do;
+//   kCopyPeerMajor (1): the blocks are split between the peers, each block writing only to its peer, so
+//       one SM's stores all travel to one destination;
+//   kCopyBulk (2): each warp stages a 4 KB piece in shared memory and one lane sends it to every peer with
+//       TMA bulk copies (cp.async.bulk, sm_90), two stages per warp so loads overlap the sends.
 #pragma once
 
-#include "../ptx.cuh"
+#include "../copy.cuh"
 
 namespace tokenyard::kernels {
 
-template <int kNumRanks, int kNumThreads>
+enum CopyPattern : int { kCopyInterleaved = 0, kCopyPeerMajor = 1, kCopyBulk = 2 };
+
+constexpr int kCopyUnroll = 8;                              // 16-byte vectors per thread per batch
+constexpr int kBulkPieceInt4 = kCopyUnroll * kWarpSize;     // 4 KB per warp and stage
+
+__device__ __forceinline__ void bulk_store_to_global(void* dst, const void* src_shared, uint32_t num_bytes) {
+    const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(src_shared));
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src), "r"(num_bytes) : "memory");
+}
+
+template <int kNumRanks, int kNumThreads, int kPattern = kCopyInterleaved>
 __device__ __forceinline__ void copy_to_peers(const int4* src, int64_t num_int4, uint8_t* const* peer_bases, int rank,
                                               int64_t offset_bytes, int64_t stride_bytes) {
-    constexpr int kUnroll = 8;
-    const int64_t per_block = (num_int4 + gridDim.x - 1) / gridDim.x;
-    const int64_t begin = blockIdx.x * per_block, end = min(num_int4, begin + per_block);
     int4* dst[kNumRanks];
 #pragma unroll
     for (int q = 0; q < kNumRanks; ++q)
         dst[q] = reinterpret_cast<int4*>(peer_bases[q] + offset_bytes + rank * stride_bytes);
-    for (int64_t base = begin + threadIdx.x; base < end; base += kUnroll * kNumThreads) {
-        int4 v[kUnroll];
+
+    if constexpr (kPattern == kCopyBulk) {
+        extern __shared__ int4 stages[];  // [warps][2][kBulkPieceInt4]
+        const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+        const int num_warps = kNumThreads / kWarpSize;
+        const int64_t num_pieces = (num_int4 + kBulkPieceInt4 - 1) / kBulkPieceInt4;
+        int stage = 0;
+        for (int64_t piece = static_cast<int64_t>(blockIdx.x) * num_warps + warp; piece < num_pieces;
+             piece += static_cast<int64_t>(gridDim.x) * num_warps, stage ^= 1) {
+            int4* staged = stages + (warp * 2 + stage) * kBulkPieceInt4;
+            const int64_t first = piece * kBulkPieceInt4;
+            const int n = static_cast<int>(min(static_cast<int64_t>(kBulkPieceInt4), num_int4 - first));
+            if (lane == 0)  // the stage's previous sends have read it
+                asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            __syncwarp();
+            int4 v[kCopyUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kCopyUnroll; ++u)
+                if (u * kWarpSize + lane < n)
+                    v[u] = ptx::ld_nc_v4(src + first + u * kWarpSize + lane);
+#pragma unroll
+            for (int u = 0; u < kCopyUnroll; ++u)
+                if (u * kWarpSize + lane < n)
+                    staged[u * kWarpSize + lane] = v[u];
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes before async reads
+            __syncwarp();
+            if (lane == 0) {
+#pragma unroll
+                for (int q = 0; q < kNumRanks; ++q)
+                    if (q != rank)
+                        bulk_store_to_global(dst[q] + first, staged, static_cast<uint32_t>(n) * 16u);
+                asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            }
+        }
+        if (lane == 0)
+            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        return;
+    }
+
+    // kCopyInterleaved: every block, every peer. kCopyPeerMajor: block b writes only to peer b % (R - 1).
+    const int num_targets = kPattern == kCopyPeerMajor ? kNumRanks - 1 : 1;
+    const int num_slices = kPattern == kCopyPeerMajor ? max(1, static_cast<int>(gridDim.x) / num_targets)
+                                                      : static_cast<int>(gridDim.x);
+    const int slice = kPattern == kCopyPeerMajor ? static_cast<int>(blockIdx.x) / num_targets : blockIdx.x;
+    if (slice >= num_slices)
+        return;  // peer-major with a grid that is not a multiple of R - 1: the spare blocks idle
+    const int only = kPattern == kCopyPeerMajor ? (static_cast<int>(blockIdx.x) % num_targets + rank + 1) % kNumRanks
+                                                : -1;
+    const int64_t per_block = (num_int4 + num_slices - 1) / num_slices;
+    const int64_t begin = slice * per_block, end = min(num_int4, begin + per_block);
+    for (int64_t base = begin + threadIdx.x; base < end; base += kCopyUnroll * kNumThreads) {
+        int4 v[kCopyUnroll];
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
             const int64_t i = base + u * kNumThreads;
             if (i < end)
                 v[u] = ptx::ld_nc_v4(src + i);
         }
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q) {
-            if (q == rank)
+            if (q == rank || (only >= 0 && q != only))
                 continue;
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
+            for (int u = 0; u < kCopyUnroll; ++u) {
                 const int64_t i = base + u * kNumThreads;
                 if (i < end)
                     ptx::st_na_v4(dst[q] + i, v[u]);

@@ -1,0 +1,72 @@
+"""How fast can a GPU write to all its peers at once, by how the writes are issued (NOTE [copy patterns]).
+
+    python benchmarks/copy_patterns.py [--num_ranks 4] [--blocks 24,48,0] [--json OUT.json]
+
+Every rank writes one rank's share of the DeepSeek-V3 normal-mode bytes (4096 tokens of 7168 FP8 channels
+with scales, ~30 MB) into each peer's buffer at the same time, with each pattern of
+include/tokenyard/kernels/copy_limit.cuh and each grid size (0: every SM), and prints the egress GB/s per
+GPU (the slowest rank's median). The benchmark's copy limit uses the "interleaved" pattern with every SM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's tokenyard
+
+
+def rank_main(blocks, num_bytes_per_peer: int):
+    import torch
+    import torch.distributed as dist
+
+    from tokenyard import Buffer
+    from tokenyard.backends.cuda import measure_copy_limit_gbps
+    from tokenyard.backends.cuda.kernels import COPY_PATTERNS
+
+    num_ranks = dist.get_world_size()
+    num_nvl_bytes = ((num_ranks + 1) * num_bytes_per_peer >> 20) + 64 << 20  # room for a slice per rank
+    buffer = Buffer(dist.group.WORLD, num_nvl_bytes, 0, backend="cuda")
+    result = {}
+    for pattern in COPY_PATTERNS:
+        for num_blocks in blocks:
+            result[f"{pattern}/{num_blocks or 'all'}"] = measure_copy_limit_gbps(
+                buffer, num_bytes_per_peer, pattern=pattern, num_blocks=num_blocks)
+    torch.cuda.synchronize()
+    dist.barrier()
+    buffer.destroy()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num_ranks", type=int, default=None)
+    parser.add_argument("--blocks", default="24,48,0")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import torch
+
+    from tokenyard.bench import bandwidth
+    from tokenyard.bench.report import git_commit
+    from tokenyard.launch import run_on_ranks
+
+    num_ranks = args.num_ranks or torch.cuda.device_count()
+    num_bytes = round(4096 * bandwidth.row_bytes(7168, fp8=True))
+    blocks = [int(b) for b in args.blocks.split(",")]
+    per_rank = run_on_ranks(num_ranks, rank_main, blocks, num_bytes, use_cuda=True)
+    gbps = {key: min(r[key] for r in per_rank) for key in per_rank[0]}
+    print(f"egress GB/s per GPU, {num_ranks} ranks, {num_bytes / 1e6:.1f} MB to each peer (slowest rank):")
+    for key, value in gbps.items():
+        print(f"  {key:<22} {value:7.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"commit": git_commit(), "device": f"{torch.cuda.get_device_name()} x {num_ranks}",
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "num_ranks": num_ranks, "bytes_per_peer": num_bytes, "egress_gbps": gbps}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
