@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Everything the device machine should prove in one call: the GPU tests, then the normal-mode benchmarks
-# (4 ranks at 24 SMs, 2 ranks, a token sweep) and the per-kernel profile. Logs and JSON go to $OUT.
+# What the device machine should prove, a part per call (each fits the 10-minute limit with a warm kernel
+# cache): the GPU tests; the low-latency sweep and its phase trace; the normal-mode benchmarks (4 ranks at
+# 24 SMs, 2 ranks, a token sweep) and the per-kernel profile; the diagnostics (Python-side cost per call,
+# ways of writing to the peers). Logs and JSON go to $OUT.
 #
-#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|bench|low_latency|all]
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|low_latency|bench|diagnostics|all]
 #
-# The device copy of the tree has no git metadata: pass the commit so the JSON records it.
+# The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
+# kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
+# every kernel that includes it, minutes of device time.
 set -uo pipefail
 what="${1:-all}"
 out="${OUT:-/tmp/tokenyard-out}"
@@ -13,19 +17,16 @@ export PYTHONUNBUFFERED=1 TOKENYARD_CACHE_DIR="${TOKENYARD_CACHE_DIR:-$PWD/.jit_
 num_gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    timeout 300 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -5
+    timeout 420 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -5
 fi
 if [ "$what" = low_latency ] || [ "$what" = all ]; then
-    # The low-latency kernels (on) beside the reference backend over NCCL, as CUDA-graph replays; then the
-    # normal mode once more with each rank bound to its GPU's cores and NUMA node (the JSON records it).
-    ll="timeout 150 python3 -m tokenyard.bench --quiet --mode low_latency"
-    TOKENYARD_LOW_LATENCY_KERNELS=on $ll --json "$out/low_latency.json" 2>&1 | tail -8
-    if [ "$num_gpus" -ge 2 ]; then
-        TOKENYARD_LOW_LATENCY_KERNELS=on $ll --num_ranks 2 --backends cuda --json "$out/low_latency_2ranks.json" \
-            2>&1 | tail -4
-    fi
-    timeout 150 python3 -m tokenyard.bench --quiet --mode normal --backends cuda --bind --json "$out/bind.json" \
-        2>&1 | tail -6
+    # The low-latency kernels beside the reference backend over NCCL, as CUDA-graph replays, 1-256 tokens
+    # (and 2 ranks at 128), then where the 128-token kernels spend their time.
+    two_ranks=""
+    [ "$num_gpus" -gt 2 ] && two_ranks="--two_ranks"
+    timeout 330 python3 benchmarks/low_latency.py $two_ranks --json "$out/low_latency.json" 2>&1 | tail -8
+    timeout 100 python3 benchmarks/ll_phases.py --tokens 1,128 --iters 20 --json "$out/low_latency_phases.json" \
+        2>&1 | tail -42
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     bench="timeout 200 python3 -m tokenyard.bench --quiet --num_sms 24"
@@ -39,3 +40,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 120 python3 benchmarks/profile_normal.py --sms 24 2>&1 | grep -v "^frame\|^#" | tee "$out/profile.log" \
         | tail -40
 fi
+if [ "$what" = diagnostics ] || [ "$what" = all ]; then
+    timeout 90 python3 benchmarks/host_cost.py --num_ranks 2 --iters 100 --profile --json "$out/host_cost.json" \
+        > "$out/host_cost.log" 2>&1
+    head -8 "$out/host_cost.log"
+    timeout 150 python3 benchmarks/copy_patterns.py --json "$out/copy_patterns.json" 2>&1 | tail -12
+fi
+tar czf "$out/jit_cache.tgz" "${TOKENYARD_CACHE_DIR#$PWD/}" 2>/dev/null || true
