@@ -121,7 +121,8 @@ class Buffer(LowLatencyCalls):
         self.check_inputs = settings.check_inputs if check_inputs is None else bool(check_inputs)
         self.device = _group_device(group)
         self._id = next(_buffer_ids)
-        self._exchange = rounds.Exchange(group, self.device, self.rank, self.group_size, all_gather_object)
+        self._exchange = rounds.Exchange(group, self.device, self.rank, self.group_size, all_gather_object,
+                                         self.timeout_s)
 
         context = GroupContext(group=group, rank=self.rank, num_ranks=self.group_size, device=self.device,
                                all_gather_object=all_gather_object, num_nvl_bytes=num_nvl_bytes,
@@ -269,6 +270,7 @@ class Buffer(LowLatencyCalls):
         # through several Python layers (~20 us each on the H200 hosts); the raw getters below do the same.
         stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(self.device.index)
         compute = torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
+        caller_device = torch._C._cuda_getDevice()  # set_stream also makes the stream's device current
         waited = previous_event.event if previous_event is not None else None
         if waited is not None and waited.event is not None:
             self._comm_stream.wait_event(waited.event)
@@ -279,6 +281,8 @@ class Buffer(LowLatencyCalls):
             yield scope
         finally:
             torch.cuda.set_stream(compute)
+            if caller_device != device_index:
+                torch.cuda.set_device(caller_device)
         if async_finish:
             scope.event = EventOverlap(EventHandle(self._comm_stream))
         else:

@@ -15,6 +15,13 @@ from .handle import LowLatencyHandle
 from .requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
 
 
+def _no_async_with_hook(async_finish: bool, return_recv_hook: bool) -> None:
+    """A recv hook receives on the stream the call was made on; an event for a call whose receive has not
+    been launched would mean nothing, so DeepEP refuses the pair, and so do we."""
+    if async_finish and return_recv_hook:
+        raise InvalidInputError("async_finish=True and return_recv_hook=True cannot be combined (as in DeepEP)")
+
+
 class LowLatencyCalls:
     """Low-latency dispatch/combine, hooks, zero-copy buffers and rank masking; see `Buffer`."""
 
@@ -66,8 +73,11 @@ class LowLatencyCalls:
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise InvalidInputError(f"{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
                                     f"{num_max_dispatch_tokens_per_rank}")
+        if hidden % 8 != 0:
+            raise InvalidInputError(f"low-latency rows must be a multiple of 16 bytes: hidden % 8 == 0, got {hidden}")
         if use_fp8 and hidden % 128 != 0:
             raise InvalidInputError(f"FP8 dispatch needs hidden % 128 == 0, got hidden={hidden}")
+        _no_async_with_hook(async_finish, return_recv_hook)
         if use_fp8 and use_ue8m0 and hidden % 512 != 0:
             raise InvalidInputError(f"UE8M0 scales need hidden % 512 == 0, got hidden={hidden}")
         num_local_experts = num_experts // self.group_size
@@ -123,6 +133,10 @@ class LowLatencyCalls:
         checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(num_local_experts, self.group_size * num_max, hidden),
                       device=self.device)
         checks.topk_idx(topk_idx, num_tokens=None, device=self.device, max_topk=workspace.MAX_TOPK)
+        if topk_idx.size(0) > num_max:
+            raise InvalidInputError(f"topk_idx has {topk_idx.size(0)} rows, more than the dispatch's "
+                                    f"num_max_dispatch_tokens_per_rank={num_max}")
+        _no_async_with_hook(async_finish, return_recv_hook)
         if handle.num_topk is not None and topk_idx.size(1) != handle.num_topk:
             raise InvalidInputError(f"topk_idx has {topk_idx.size(1)} columns; the dispatch had {handle.num_topk}")
         checks.topk_weights(topk_weights, like=topk_idx, device=self.device)

@@ -44,13 +44,14 @@ transfer (that needs a backend that alternates two halves of its buffer).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from . import workspace
-from .errors import InvalidInputError
+from .errors import CommTimeoutError, InvalidInputError
 from .handle import DispatchHandle
 from .requests import CombineRequest, DispatchRequest, DispatchResult
 
@@ -145,9 +146,10 @@ class Exchange:
     CUDA for NCCL), or over an mpi4py communicator's `allgather` where there is no group."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, rank: int, num_ranks: int,
-                 all_gather_object: Callable):
+                 all_gather_object: Callable, timeout_s: float = 100.0):
         self.group, self.device, self.rank, self.num_ranks = group, device, rank, num_ranks
         self._all_gather_object = all_gather_object
+        self.timeout_s = timeout_s
         self._stream = None  # CUDA: start_max's own stream
 
     def max_int(self, value: int) -> int:
@@ -177,8 +179,15 @@ class Exchange:
             done = torch.cuda.Event()
             done.record()
 
-        def wait() -> int:
-            done.synchronize()
+        def wait() -> int:  # bounded: a rank that failed round 0 after this one passed never joins
+            deadline, spins = time.monotonic() + self.timeout_s, 0
+            while not done.query():
+                spins += 1
+                if spins > 20000:  # spin ~ms first: a sleep overshoots by tens of microseconds
+                    if time.monotonic() > deadline:
+                        raise CommTimeoutError(self.rank, -1, "dispatch/rounds",
+                                               "the ranks did not agree on the round count; destroy this Buffer")
+                    time.sleep(20e-6)
             return int(host[0])
 
         return wait

@@ -116,14 +116,17 @@ def low_latency_combine_message_bytes(hidden: int) -> int:
 @functools.lru_cache(maxsize=256)  # pure, and asked on every call
 def low_latency_half_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                            num_experts: int) -> int:
-    """One of the two alternating halves (see NOTE [low-latency buffer])."""
+    """One of the two alternating halves (see NOTE [low-latency buffer]): room for one message per pair
+    (DeepEP's sizing, which the reference implementation uses), and never less than the CUDA kernels'
+    layout needs."""
     num_slots = num_experts * num_max_dispatch_tokens_per_rank
     dispatch_msg = low_latency_dispatch_message_bytes(hidden)
     combine_msg = low_latency_combine_message_bytes(hidden)
     send = num_max_dispatch_tokens_per_rank * max(dispatch_msg, combine_msg * MAX_TOPK)
     recv = num_slots * (dispatch_msg + combine_msg)
     signals = 4 * (num_experts + num_ranks) * 8
-    return align(send, REGION_ALIGN_BYTES) + align(recv, REGION_ALIGN_BYTES) + align(signals, REGION_ALIGN_BYTES)
+    pairs = align(send, REGION_ALIGN_BYTES) + align(recv, REGION_ALIGN_BYTES) + align(signals, REGION_ALIGN_BYTES)
+    return max(pairs, _low_latency_regions(num_max_dispatch_tokens_per_rank, hidden, num_ranks)[1])
 
 
 def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -136,6 +139,8 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, nu
 class LowLatencyLayout:
     """Byte offsets inside one half of the low-latency buffer (NOTE [low-latency buffer]).
 
+    state           [4] uint32, this rank only, at offset 0: blocks done sending (dispatch, combine), then
+                    the dispatch and combine epochs (NOTE [low-latency epochs] in kernels/low_latency.cuh)
     dispatch_recv   [R][M] messages of `dispatch_message_bytes`: header (int32 source token index at 0,
                     int16 local expert of each top-k choice, -1 where elsewhere, at 16), then the FP8
                     data and float32 scales, or the bf16 data
@@ -148,8 +153,6 @@ class LowLatencyLayout:
     combine_recv    [R][M] bf16 rows: owner r's partial sum for this rank's message slot j to r
                     (NOTE [low-latency combine])
     combine_flags   [R] uint64: ``(epoch << 32) | 1`` once owner r has sent every row back
-    state           [4] uint32, this rank only: blocks done sending (dispatch, combine), then the
-                    dispatch and combine epochs (NOTE [low-latency epochs] in kernels/low_latency.cuh)
     """
 
     half_bytes: int
@@ -164,28 +167,30 @@ class LowLatencyLayout:
     state: int
 
 
+def _low_latency_regions(num_max: int, hidden: int, num_ranks: int):
+    """``({region: offset}, end)`` of one half, in LowLatencyLayout's order."""
+    num_messages = num_ranks * num_max
+    sizes = {"state": 4 * 4,
+             "dispatch_recv": num_messages * low_latency_dispatch_message_bytes(hidden),
+             "dispatch_positions": num_messages * MAX_TOPK * 4,
+             "dispatch_counts": num_ranks * 8,
+             "combine_weights": num_messages * MAX_TOPK * 4,
+             "combine_weight_flags": num_ranks * 8,
+             "combine_recv": num_messages * low_latency_combine_message_bytes(hidden),
+             "combine_flags": num_ranks * 8}
+    offsets, end = {}, 0
+    for name, num_bytes in sizes.items():
+        offsets[name] = end
+        end = align(end + num_bytes, REGION_ALIGN_BYTES)
+    return offsets, end
+
+
 @functools.lru_cache(maxsize=256)  # pure, and asked on every call
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                        num_experts: int) -> LowLatencyLayout:
-    """Offsets of one half; the half fits in `low_latency_half_bytes` (checked by the tests)."""
-    message = low_latency_dispatch_message_bytes(hidden)
-    offset = 0
-
-    def take(num_bytes: int) -> int:
-        nonlocal offset
-        begin = offset
-        offset = align(offset + num_bytes, REGION_ALIGN_BYTES)
-        return begin
-
-    num_messages = num_ranks * num_max_dispatch_tokens_per_rank
-    dispatch_recv = take(num_messages * message)
-    dispatch_positions = take(num_messages * MAX_TOPK * 4)
-    dispatch_counts = take(num_ranks * 8)
-    combine_weights = take(num_messages * MAX_TOPK * 4)
-    combine_weight_flags = take(num_ranks * 8)
-    combine_recv = take(num_messages * low_latency_combine_message_bytes(hidden))
-    combine_flags = take(num_ranks * 8)
-    state = take(4 * 4)
+    """Offsets of one half; the regions end within `low_latency_half_bytes`. `state` comes first, at the
+    same offset whatever the problem's sizes, so its counters and epochs stay true when a Buffer's calls
+    change shape (the signal words of the new shape need `clean_low_latency_buffer`, as in DeepEP)."""
+    offsets, _ = _low_latency_regions(num_max_dispatch_tokens_per_rank, hidden, num_ranks)
     return LowLatencyLayout(low_latency_half_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts),
-                            dispatch_recv, message, dispatch_positions, dispatch_counts,
-                            combine_weights, combine_weight_flags, combine_recv, combine_flags, state)
+                            dispatch_message_bytes=low_latency_dispatch_message_bytes(hidden), **offsets)

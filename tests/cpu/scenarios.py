@@ -383,6 +383,27 @@ def _bad_ll_topk_above_16():
     _ll_buffer(num_experts=64).low_latency_dispatch(x, topk_idx, 8, 64)
 
 
+def _bad_ll_bf16_hidden_not_8():
+    rank, num_ranks = _world()
+    x, topk_idx, _ = make_rank_inputs(1, num_ranks, 4, 260, 8, 2)[rank]
+    _ll_buffer(hidden=260).low_latency_dispatch(x, topk_idx, 8, 8, use_fp8=False)
+
+
+def _bad_ll_async_with_hook():
+    rank, num_ranks = _world()
+    x, topk_idx, _ = make_rank_inputs(1, num_ranks, 4, 256, 8, 2)[rank]
+    _ll_buffer().low_latency_dispatch(x, topk_idx, 8, 8, async_finish=True, return_recv_hook=True)
+
+
+def _bad_ll_combine_rows():
+    rank, num_ranks = _world()
+    x, topk_idx, weights = make_rank_inputs(1, num_ranks, 8, 256, 8, 2)[rank]
+    buffer = _ll_buffer()
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 8, 8, use_fp8=False)
+    more = torch.cat([topk_idx, topk_idx[:1]])
+    buffer.low_latency_combine(recv_x, more, torch.cat([weights, weights[:1]]), handle)
+
+
 def _bad_mask_without_shrink():
     _ll_buffer().low_latency_update_mask_buffer(0, True)
 
@@ -415,5 +436,8 @@ BAD_CALLS = {
     "use_logfmt": _bad_ll_logfmt,
     "top-k above 16 in low-latency mode": _bad_ll_topk_above_16,
     "mask without enable_shrink": _bad_mask_without_shrink,
+    "low-latency bf16 hidden not a multiple of 8": _bad_ll_bf16_hidden_not_8,
+    "async_finish with a recv hook": _bad_ll_async_with_hook,
+    "low-latency combine with more tokens than the dispatch's maximum": _bad_ll_combine_rows,
     "use after destroy": _bad_use_after_destroy,
 }

@@ -26,6 +26,10 @@ EXPECTED = {
     "use_logfmt": ("InvalidInputError", "use_logfmt"),
     "top-k above 16 in low-latency mode": ("InvalidInputError", "maximum 16"),
     "mask without enable_shrink": ("InvalidInputError", "enable_shrink"),
+    "low-latency bf16 hidden not a multiple of 8": ("InvalidInputError", "hidden % 8"),
+    "async_finish with a recv hook": ("InvalidInputError", "cannot be combined"),
+    "low-latency combine with more tokens than the dispatch's maximum": ("InvalidInputError",
+                                                                       "num_max_dispatch_tokens_per_rank=8"),
     "use after destroy": ("TokenyardError", "destroyed"),
 }
 

@@ -50,7 +50,8 @@ def test_every_cuda_kernel_description_generates_one_include_and_one_instantiati
         raise AssertionError("a short argument list was packed")
 
 
-@pytest.mark.parametrize("args", [(128, 7168, 4, 256), (1, 128, 2, 2), (1024, 2048, 8, 64), (256, 7168, 8, 288)])
+@pytest.mark.parametrize("args", [(128, 7168, 4, 256), (1, 128, 2, 2), (1024, 2048, 8, 64), (256, 7168, 8, 288),
+                                  (128, 16, 8, 8), (128, 64, 32, 32)])
 def test_low_latency_layout_fits_in_half_the_hint_without_overlaps(args):
     layout = workspace.low_latency_layout(*args)
     num_max, hidden, num_ranks, num_experts = args
@@ -66,3 +67,4 @@ def test_low_latency_layout_fits_in_half_the_hint_without_overlaps(args):
         assert begin + size <= next_begin
     assert regions[-1][0] + regions[-1][1] <= layout.half_bytes
     assert 2 * layout.half_bytes == workspace.low_latency_size_hint(*args)
+    assert layout.state == 0, "state sits at a fixed offset whatever the sizes"

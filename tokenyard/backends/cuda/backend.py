@@ -331,6 +331,11 @@ class CudaBackend(Backend):
         impl = self._low_latency_impl()
         return impl.combine(request) if impl else self._low_latency.low_latency_combine(request)
 
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        impl = self._low_latency_impl()
+        if impl is not None:
+            impl.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
     def next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         return self._low_latency.next_low_latency_combine_buffer(num_max_dispatch_tokens_per_rank, hidden,
                                                                  num_experts)

@@ -38,6 +38,24 @@ class LowLatencyKernels:
         self.trace = torch.zeros(2, self._grid(), 8, dtype=torch.int64, device=self.backend.ctx.device)
         return self.trace
 
+    def clean(self, num_max: int, hidden: int, num_experts: int) -> None:
+        """DeepEP's clean_low_latency_buffer, a call every rank makes: zero both halves' state and signal
+        words for this shape between two group barriers, so that no word left by another shape (or by other
+        use of the memory) can match an epoch, and every rank restarts from the same epochs."""
+        ctx = self.backend.ctx
+        layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
+        words = ((layout.state, 16), (layout.dispatch_counts, ctx.num_ranks * 8),
+                 (layout.combine_weight_flags, ctx.num_ranks * 8), (layout.combine_flags, ctx.num_ranks * 8))
+        torch.cuda.synchronize(ctx.device)
+        ctx.all_gather_object(None)  # no rank still sends into this buffer
+        local = self.buffer.tensor
+        for half in (0, 1):
+            for offset, num_bytes in words:
+                begin = half * layout.half_bytes + offset
+                local[begin:begin + num_bytes].zero_()
+        torch.cuda.synchronize(ctx.device)
+        ctx.all_gather_object(None)  # no rank sends before every rank is clean
+
     def _trace_ptr(self, kind: int) -> int:
         return 0 if self.trace is None else self.trace[kind].data_ptr()
 
@@ -93,7 +111,7 @@ class LowLatencyKernels:
         layout_range = backend._empty(num_local_experts, ctx.num_ranks, dtype=torch.int64, device=device)
 
         shared_bytes = self._shared_bytes(num_max)
-        limit = self._shared_limit
+        limit = self._shared_limit - 1024  # the kernel's static shared arrays
         if shared_bytes > limit:
             raise InvalidInputError(
                 f"low-latency dispatch of num_max_dispatch_tokens_per_rank={num_max} on {ctx.num_ranks} ranks needs "
@@ -105,8 +123,10 @@ class LowLatencyKernels:
         stats = request.cumulative_local_expert_recv_stats
         mask = request.rank_mask
 
+        stream = backend._stream()  # a recv hook launches where the send did, as DeepEP's does
+
         def launch(do_send: int, do_recv: int) -> None:
-            kernel(grid, backend._stream(), x.data_ptr(), topk_idx.data_ptr(), num_tokens, hidden, num_experts,
+            kernel(grid, stream, x.data_ptr(), topk_idx.data_ptr(), num_tokens, hidden, num_experts,
                    int(request.round_scale), packed_recv_x.data_ptr(),
                    0 if packed_recv_x_scales is None else packed_recv_x_scales.data_ptr(),
                    packed_recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
@@ -133,8 +153,10 @@ class LowLatencyKernels:
         grid = self._grid()
         mask = request.rank_mask
 
+        stream = backend._stream()  # a recv hook launches where the send did, as DeepEP's does
+
         def launch(do_send: int, do_recv: int) -> None:
-            kernel(grid, backend._stream(), x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens,
+            kernel(grid, stream, x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens,
                    hidden, num_experts, out.data_ptr(),
                    0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),

@@ -74,7 +74,7 @@ __device__ __forceinline__ void copy_to_peers(const int4* src, int64_t num_int4,
     }
 
     // kCopyInterleaved: every block, every peer. kCopyPeerMajor: block b writes only to peer b % (R - 1).
-    const int num_targets = kPattern == kCopyPeerMajor ? kNumRanks - 1 : 1;
+    const int num_targets = kPattern == kCopyPeerMajor ? max(1, kNumRanks - 1) : 1;
     const int num_slices = kPattern == kCopyPeerMajor ? max(1, static_cast<int>(gridDim.x) / num_targets)
                                                       : static_cast<int>(gridDim.x);
     const int slice = kPattern == kCopyPeerMajor ? static_cast<int>(blockIdx.x) / num_targets : blockIdx.x;

@@ -687,7 +687,9 @@ __device__ __forceinline__ void low_latency_combine(
         const int t = item / num_pieces, piece = item % num_pieces;
         const int4* row = nullptr;
         bool ok = true;
-        if (lane < num_ranks && pair_chosen(bits, words, lane, t)) {
+        // A rank masked during this launch (by another warp's timeout) is absent, not waited for again.
+        if (lane < num_ranks && pair_chosen(bits, words, lane, t) &&
+            (rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + lane) == 0)) {
             const int d = lane;
             if (wait_for_seq(wait, b.combine_flag(rank, d), epoch, d, kStageLowLatencyCombineRecv,
                              rank_mask == nullptr) >= 0)
