@@ -193,6 +193,52 @@ def test_low_latency_kernels_replay_in_a_cuda_graph_with_fresh_inputs(num_ranks)
     print(spawn.run(num_ranks, _graph_replay, _seed())[0])
 
 
+def _shapes_on_one_buffer(seed):
+    """One Buffer, calls of two shapes with clean_low_latency_buffer between them, as DeepEP users switch."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer
+    from tokenyard.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    shapes = [(128, 7168, 256, 8), (64, 4096, 64, 6), (128, 7168, 256, 8)]  # (num_max, hidden, experts, top-k)
+    size = max(Buffer.get_low_latency_rdma_size_hint(m, h, num_ranks, e) for m, h, e, _ in shapes)
+    ref = Buffer(dist.group.WORLD, 0, size, backend="reference")
+    cuda = Buffer(dist.group.WORLD, 0, size, backend="cuda", timeout_s=30)
+    cuda.runtime.use_low_latency_kernels = True
+    cuda.runtime.poison_outputs = True
+    for i, (num_max, hidden, num_experts, num_topk) in enumerate(shapes):
+        cuda.clean_low_latency_buffer(num_max, hidden, num_experts)
+        all_inputs = make_rank_inputs(seed + i, num_ranks, num_max, hidden, num_experts, num_topk, "uniform", "bf16",
+                                      device)
+        x, topk_idx, weights = all_inputs[rank]
+        for call in range(3):  # both halves, then the first again
+            outs = []
+            for buffer in (ref, cuda):
+                recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_max, num_experts)
+                y = recv[0].float().to(torch.bfloat16)
+                outs.append((recv, count, handle, y, buffer.low_latency_combine(y, topk_idx, weights, handle)[0]))
+            torch.cuda.synchronize()
+            (r_recv, r_count, r_handle, r_y, _), (c_recv, c_count, c_handle, _, c_comb) = outs
+            what = f"shape {i} call {call}"
+            assert torch.equal(r_count, c_count), f"{what}: counts differ"
+            valid = _valid_slots(r_handle.layout_range, num_ranks * num_max)
+            assert torch.equal(r_recv[0][valid].view(torch.uint8), c_recv[0][valid].view(torch.uint8)), \
+                f"{what}: data differ"
+            assert torch.equal(c_comb, _pre_reduced(r_y, r_handle.layout_range, all_inputs, num_experts)), \
+                f"{what}: combine differs from the pre-reduced oracle"
+    cuda.runtime.check_failures()
+    ref.destroy()
+    cuda.destroy()
+    return "three shapes on one Buffer match the reference"
+
+
+@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+def test_calls_of_several_shapes_on_one_buffer_after_clean(num_ranks):
+    print(spawn.run(num_ranks, _shapes_on_one_buffer, _seed())[0])
+
+
 def _masked_rank(seed):
     """With enable_shrink, a rank that stops answering is masked and the others keep serving."""
     import time
