@@ -44,7 +44,6 @@ transfer (that needs a backend that alternates two halves of its buffer).
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
@@ -54,6 +53,7 @@ from . import workspace
 from .errors import CommTimeoutError, InvalidInputError
 from .handle import DispatchHandle
 from .requests import CombineRequest, DispatchRequest, DispatchResult
+from .waiting import wait_until
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -150,25 +150,21 @@ class Exchange:
         self.group, self.device, self.rank, self.num_ranks = group, device, rank, num_ranks
         self._all_gather_object = all_gather_object
         self.timeout_s = timeout_s
-        self._stream = None  # CUDA: start_max's own stream
+        self._stream = None  # CUDA: max_int's own stream
 
     def max_int(self, value: int) -> int:
-        """The largest `value` over the ranks (a host sync)."""
-        return self.start_max(value)()
-
-    def start_max(self, value: int) -> Callable[[], int]:
-        """Start taking the largest `value` over the ranks; the returned function waits for it.
+        """The largest `value` over the ranks (a host sync).
 
         On CUDA the all-reduce and a copy into pinned memory run on a stream of their own, so they wait for
-        none of the work queued before them, and the wait is for them alone (an event).
+        none of the work queued before them, and the wait is for them alone (an event), bounded: a rank
+        that failed round 0 after this one passed it never joins.
         """
         if self.group is None:
-            most = max(self._all_gather_object(int(value)))
-            return lambda: most
+            return max(self._all_gather_object(int(value)))
         if self.device.type != "cuda":
             t = torch.full((1,), value, dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            return lambda: int(t[0])
+            return int(t[0])
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
@@ -178,19 +174,10 @@ class Exchange:
             host.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-
-        def wait() -> int:  # bounded: a rank that failed round 0 after this one passed never joins
-            deadline, spins = time.monotonic() + self.timeout_s, 0
-            while not done.query():
-                spins += 1
-                if spins > 20000:  # spin ~ms first: a sleep overshoots by tens of microseconds
-                    if time.monotonic() > deadline:
-                        raise CommTimeoutError(self.rank, -1, "dispatch/rounds",
-                                               "the ranks did not agree on the round count; destroy this Buffer")
-                    time.sleep(20e-6)
-            return int(host[0])
-
-        return wait
+        if not wait_until(done.query, self.timeout_s):
+            raise CommTimeoutError(self.rank, -1, "dispatch/rounds",
+                                   "the ranks did not agree on the round count; destroy this Buffer")
+        return int(host[0])
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """``[num_ranks, *t.shape]``: every rank's `t` (no host sync on a group)."""

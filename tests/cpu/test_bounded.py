@@ -103,10 +103,6 @@ def test_a_fresh_dispatch_agrees_on_rounds_only_after_its_count_exchange():
             calls.append(("max_int", value))
             return value
 
-        def start_max(self, value):
-            calls.append(("start_max", value))
-            return lambda: value
-
     with pytest.raises(CommTimeoutError):
         rounds.dispatch(SkippedPeer(), request, round_tokens=4, exchange=Exchange(), check_values=False)
     assert calls == [("dispatch", 4)], calls

@@ -6,7 +6,6 @@ implementation over the same group until its kernels exist.
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
@@ -16,6 +15,7 @@ from ...errors import BackendUnavailableError, CommTimeoutError, InvalidInputErr
 from ...handle import DispatchHandle
 from ...jit import load
 from ...requests import CombineRequest, DispatchRequest, DispatchResult
+from ...waiting import wait_until
 from ..base import Backend, GroupContext
 from . import heuristics, kernels, runtime
 
@@ -169,17 +169,10 @@ class CudaBackend(Backend):
 
     def _wait_host_counts(self, call_id: int) -> None:
         """The CPU wait of a dispatch: until the notify kernel published the counts, bounded."""
-        deadline = time.monotonic() + self.ctx.timeout_s
-        spins = 0
-        while (self.host_counts[0] & _MASK32) != call_id:
-            self.check_failures()
-            spins += 1
-            if spins > 20000:  # spin ~ms first: a sleep overshoots by tens of microseconds
-                if time.monotonic() > deadline:
-                    self._failure = CommTimeoutError(self.ctx.rank, -1, "dispatch/notify (CPU wait)",
-                                                     "the counts never arrived")
-                    raise self._failure
-                time.sleep(20e-6)
+        if not wait_until(lambda: (self.host_counts[0] & _MASK32) == call_id, self.ctx.timeout_s,
+                          self.check_failures):
+            self._failure = CommTimeoutError(self.ctx.rank, -1, "dispatch/notify (CPU wait)", "the counts never arrived")
+            raise self._failure
 
     # -- normal mode ----------------------------------------------------------------------------------
 
