@@ -79,11 +79,14 @@ class LowLatencyKernels:
                 layout.dispatch_positions, layout.dispatch_counts, layout.combine_weights,
                 layout.combine_weight_flags, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv)
 
+    def _pair_bits_bytes(self, num_max: int) -> int:
+        """The pair bits of NOTE [pair slots]: a row of words per rank (combine's dynamic shared memory)."""
+        return self.backend.ctx.num_ranks * ((num_max + 31) // 32) * 4
+
     def _shared_bytes(self, num_max: int) -> int:
-        """The pair bits of NOTE [pair slots] (a row of words per rank) while sending; while receiving, the
-        message of each of an expert's rows (int32 [R*M]) and each chunk's first row (int32 [R][M/32])."""
-        num_ranks, words = self.backend.ctx.num_ranks, (num_max + 31) // 32
-        return max(num_ranks * words, num_ranks * num_max + num_ranks * words) * 4
+        """The dispatch's: the pair bits while sending; while receiving, the message of each of an expert's
+        rows (int32 [R*M]) and each chunk of 32 messages' first row (int32 [R][M/32], as many as the bits)."""
+        return self.backend.ctx.num_ranks * num_max * 4 + self._pair_bits_bytes(num_max)
 
     def dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         backend, ctx = self.backend, self.backend.ctx
@@ -160,7 +163,7 @@ class LowLatencyKernels:
                    hidden, num_experts, out.data_ptr(),
                    0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   self._trace_ptr(1), shared_bytes=ctx.num_ranks * ((num_max + 31) // 32) * 4)  # pair bits
+                   self._trace_ptr(1), shared_bytes=self._pair_bits_bytes(num_max))
 
         return out, self._send_then_receive(launch, request.return_recv_hook)
 

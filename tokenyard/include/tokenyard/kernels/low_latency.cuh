@@ -184,6 +184,33 @@ __device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int 
     return last;
 }
 
+// The end of a sending launch: once the block's sends are issued and it has reported done, the last
+// block stores to every unmasked rank r its signal (epoch << 32) | value with release (NOTE
+// [cumulative release]), then the launch's epoch for the next launch (NOTE [low-latency epochs]).
+struct Signal {
+    uint64_t* word;
+    uint32_t value;
+};
+
+template <typename SignalOf>
+__device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, int kind, uint32_t epoch,
+                                                  const int* rank_mask, uint64_t* trace, SignalOf signal_of) {
+    trace_mark(trace, kTraceSent);
+    const bool last = last_block_done(b, kind);
+    trace_mark(trace, kTraceCounted);
+    if (!last)
+        return;
+    for (int r = threadIdx.x; r < b.num_ranks; r += blockDim.x) {
+        if (rank_mask != nullptr && rank_mask[r] != 0)
+            continue;
+        const Signal signal = signal_of(r);
+        ptx::st_release_sys(signal.word, (static_cast<uint64_t>(epoch) << 32) | signal.value);
+    }
+    if (threadIdx.x == 0)
+        ptx::st_relaxed_sys(b.epoch(kind), epoch);
+    trace_mark(trace, kTracePublished);
+}
+
 // NOTE [rank masking]
 // With a rank mask (Buffer(enable_shrink=True)), a rank whose signal misses the deadline is marked in the
 // mask instead of failing the call: its pairs count as absent in this call, and later calls neither send
@@ -341,20 +368,9 @@ __device__ __forceinline__ void low_latency_dispatch(
                 }
             }
         }
-        trace_mark(trace, kTraceSent);
-        const bool last = last_block_done(b, 0);
-        trace_mark(trace, kTraceCounted);
-        if (last) {
-            for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
-                if (rank_mask != nullptr && rank_mask[d] != 0)
-                    continue;
-                const uint64_t word = (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(row_count(bits, words, d));
-                ptx::st_release_sys(b.count(d, rank), word);
-            }
-            if (threadIdx.x == 0)
-                ptx::st_relaxed_sys(b.epoch(0), epoch);
-            trace_mark(trace, kTracePublished);
-        }
+        publish_when_last(b, 0, epoch, rank_mask, trace, [&](int d) {  // the tokens sent to d
+            return Signal{b.count(d, rank), static_cast<uint32_t>(row_count(bits, words, d))};
+        });
     }
     if (!do_recv) {
         trace_mark(trace, kTraceEnd);
@@ -662,17 +678,7 @@ __device__ __forceinline__ void low_latency_combine(
                                    hidden_int4, lane);
             store_bf16(b.combine_row(s, rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
         }
-        trace_mark(trace, kTraceSent);
-        const bool last = last_block_done(b, 1);
-        trace_mark(trace, kTraceCounted);
-        if (last) {
-            for (int r = threadIdx.x; r < num_ranks; r += blockDim.x)
-                if (!masked(r))
-                    ptx::st_release_sys(b.combine_flag(r, rank), (static_cast<uint64_t>(epoch) << 32) | 1u);
-            if (threadIdx.x == 0)
-                ptx::st_relaxed_sys(b.epoch(1), epoch);
-            trace_mark(trace, kTracePublished);
-        }
+        publish_when_last(b, 1, epoch, rank_mask, trace, [&](int r) { return Signal{b.combine_flag(r, rank), 1u}; });
     }
     if (!do_recv) {
         trace_mark(trace, kTraceEnd);
