@@ -3,7 +3,8 @@
     python benchmarks/profile_normal.py [--num_ranks 4] [--sms 24]
 
 Prints, on rank 0, the average time of each kernel for a cached dispatch and a combine at the
-DeepSeek-V3 setting, for each sender variant. A diagnostic for tuning; the figures that count are the
+DeepSeek-V3 setting, for each share of sending blocks, with a rank's own rows written directly or
+through the buffer (heuristics.LOCAL_ROWS_DIRECT). A diagnostic for tuning; the figures that count are the
 benchmark's (python -m tokenyard.bench).
 """
 
@@ -68,8 +69,13 @@ def _profile(num_sms: int, num_tokens: int):
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
     lines.append("--- cProfile of 20 cached dispatch + combine calls (host) ---")
     lines += [line for line in text.getvalue().splitlines() if line.strip()][-16:]
-    for send_share in (2 / 3, 1 / 2):
-        heuristics.DISPATCH_SEND_SHARE = send_share
+    variants = [(share, share, direct, chunk) for direct in (True, False) for share in (1 / 2, 1 / 3)
+                for chunk in (8, 32)]
+    for dispatch_share, combine_share, direct, chunk in variants:
+        heuristics.DISPATCH_SEND_SHARE = dispatch_share
+        heuristics.COMBINE_SEND_SHARE = combine_share
+        heuristics.LOCAL_ROWS_DIRECT = direct
+        heuristics.DISPATCH_CHUNK_TOKENS = chunk
         for _ in range(3):
             buffer.dispatch(x, handle=handle)
             buffer.combine(y, handle)
@@ -82,10 +88,31 @@ def _profile(num_sms: int, num_tokens: int):
                 dist.barrier()
                 buffer.combine(y, handle)
             torch.cuda.synchronize()
-        lines.append(f"--- dispatch send share {send_share:.2f}, {num_sms} SMs, rank {rank} ---")
+        lines.append(f"--- send share {dispatch_share:.2f} (dispatch) {combine_share:.2f} (combine), own rows "
+                     f"{'direct' if direct else 'through the buffer'}, chunks of {chunk} tokens, {num_sms} SMs, "
+                     f"rank {rank} ---")
         for event in prof.key_averages():
             if event.device_time_total > 0 and "nccl" not in event.key.lower():
                 lines.append(f"{event.key[:60]:60s} {event.count:4d} x {event.device_time_total / max(event.count, 1):9.1f} us")
+    # The dispatch split around its CPU wait: every block sends in one launch, then every block receives,
+    # which times the senders and the receivers apart.
+    heuristics.DISPATCH_SEND_SHARE, heuristics.DISPATCH_CHUNK_TOKENS = 1 / 2, 8
+    heuristics.LOCAL_ROWS_DIRECT, heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT = True, True
+    fresh = dict(topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                 num_tokens_per_expert=per_expert)
+    for _ in range(2):
+        buffer.dispatch(x, **fresh)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            dist.barrier()
+            buffer.dispatch(x, **fresh)
+        torch.cuda.synchronize()
+    times = [e.device_time_total for e in prof.events() if e.name == "tokenyard_dispatch" and e.device_time_total > 0]
+    lines.append(f"--- split dispatch, {num_sms} SMs, rank {rank}: senders-only and receivers-only launches (us) ---")
+    lines.append(" ".join(f"{t:.1f}" for t in times))
+    heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT = False
     buffer.destroy()
     return "\n".join(lines)
 

@@ -13,10 +13,12 @@ fixed addresses whatever the row size, so no call can mistake another call's row
 region holds up to ``capacity`` rows; a dispatch row is the token's data
 bytes, its scale bytes, and ``num_topk`` (int32 index, float32 weight) pairs plus its int32 source index,
 each part padded to 16 bytes. A combine row is the bf16 hidden vector plus ``num_topk`` float32 weights.
+Both are padded to 128 bytes, so that every row starts on a cache line: rows that did not (7472 bytes
+apart) split each 512-byte warp store over five lines, partly written, instead of four whole ones.
 A rank can send at most ``capacity`` tokens per call, since in the worst case every token goes to every
 rank; a call with more runs in rounds of at most that many (NOTE [rounds] in rounds.py). Example: 4 ranks,
-hidden 7168 FP8 (7168 + 224 scale bytes), top-8: a row is 7168 + 224 + 80 = 7472 bytes, and 4096 tokens
-need 64 KiB + 4 * 128 KiB of slots + 4 * 4096 * 7472 bytes = 117 MiB.
+hidden 7168 FP8 (7168 + 224 scale bytes), top-8: a row is 7168 + 224 + 80 = 7472 bytes padded to 7552,
+and 4096 tokens need 64 KiB + 4 * 128 KiB of slots + 4 * 4096 * 7552 bytes = 118.6 MiB.
 
 NOTE [low-latency buffer]
 The low-latency buffer of ``num_rdma_bytes`` is two halves used alternately by consecutive calls (so
@@ -36,6 +38,7 @@ import functools
 
 ALIGN_BYTES = 16
 REGION_ALIGN_BYTES = 128
+ROW_ALIGN_BYTES = 128  # a normal-mode row starts on a cache line, so its stores over NVLink are whole lines
 NORMAL_HEADER_BYTES = 1 << 16
 CHUNK_ROWS = 8
 MAX_CHUNKS = 8192
@@ -51,12 +54,12 @@ def align(num_bytes: int, alignment: int = ALIGN_BYTES) -> int:
 
 def normal_dispatch_row_bytes(data_bytes: int, scale_bytes: int, num_topk: int) -> int:
     """Bytes of one dispatch row (see NOTE [normal-mode buffer])."""
-    return align(data_bytes) + align(scale_bytes) + align(num_topk * 8 + 4)
+    return align(align(data_bytes) + align(scale_bytes) + align(num_topk * 8 + 4), ROW_ALIGN_BYTES)
 
 
 def normal_combine_row_bytes(hidden: int, num_topk: int) -> int:
     """Bytes of one combine row: bf16 hidden plus float32 top-k weights."""
-    return align(hidden * 2) + align(num_topk * 4)
+    return align(align(hidden * 2) + align(num_topk * 4), ROW_ALIGN_BYTES)
 
 
 def normal_control_bytes(num_ranks: int) -> int:

@@ -25,15 +25,17 @@ def test_rounds_of_any_size_match_one_shot_dispatch_cached_dispatch_and_combine(
 
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_budget_alone_sets_the_round_size_for_fp8_tuples_and_bf16(ranks, seed, dtype):
-    # Room for 5 combine rows (hidden 256 bf16 + 8 weights) per rank. FP8 dispatch rows are narrower, so
-    # rounds of 5 (the combine replays them); bf16 dispatch rows with top-8 are wider: rounds of 4.
-    combine_row = workspace.normal_combine_row_bytes(256, 8)
+    # Room for 5 combine rows (hidden 256 bf16 + 16 weights: 640 bytes) per rank. FP8 dispatch rows are
+    # narrower (512), so rounds of 5 (the combine replays them); bf16 dispatch rows with top-16 are wider
+    # (768): rounds of 4.
+    combine_row = workspace.normal_combine_row_bytes(256, 16)
     budget = workspace.normal_required_bytes(2, 5, combine_row)
     fp8 = dtype == "fp8"
-    dispatch_row = workspace.normal_dispatch_row_bytes(256 if fp8 else 512, 8 if fp8 else 0, 8)
+    dispatch_row = workspace.normal_dispatch_row_bytes(256 if fp8 else 512, 8 if fp8 else 0, 16)
+    assert (combine_row, dispatch_row) == (640, 512 if fp8 else 768)
     round_tokens = min(workspace.normal_token_capacity(budget, 2, row) for row in (dispatch_row, combine_row))
     assert round_tokens == (5 if dtype == "fp8" else 4)
-    results = ranks(2).run(bounded_scenarios.rounds_match_one_shot, seed, [12, 29], 256, 16, 8, dtype,
+    results = ranks(2).run(bounded_scenarios.rounds_match_one_shot, seed, [12, 29], 256, 32, 16, dtype,
                            num_nvl_bytes=budget, expert_alignment=4)
     assert results == [-(-29 // round_tokens)] * 2
 
@@ -51,7 +53,7 @@ def test_env_cap_bounds_a_huge_buffer_and_the_calls_run_in_rounds(ranks, seed):
 
 
 def test_requests_that_cannot_run_say_what_they_need(ranks):
-    for messages in ranks(2).run(bounded_scenarios.refusals, 9, 128, 8, 2):
+    for messages in ranks(2).run(bounded_scenarios.refusals, 9, 128, 16, 16):
         assert set(messages) == {"never fits", "per_round_tokens", "num_worst_tokens"}
 
 

@@ -20,7 +20,8 @@ def test_hint_has_room_for_its_tokens_at_any_topk_up_to_16(num_ranks, hidden, sc
 
 def test_required_bytes_and_capacity_agree():
     row = workspace.normal_dispatch_row_bytes(7168, 224, 8)
-    assert row == 7168 + 224 + 80
+    assert row == 7552  # 7168 + 224 + 80, padded to a whole number of 128-byte lines
+    assert workspace.normal_combine_row_bytes(7168, 8) == 14464  # 14336 + 32, padded
     need = workspace.normal_required_bytes(4, 4096, row)
     assert workspace.normal_token_capacity(need, 4, row) == 4096
     assert workspace.normal_token_capacity(need - 1, 4, row) == 4095

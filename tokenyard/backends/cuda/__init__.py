@@ -2,5 +2,6 @@
 
 from .backend import CudaBackend
 from .copy_limit import measure_copy_limit_gbps
+from .kernels import COPY_PATTERNS
 
-__all__ = ["CudaBackend", "measure_copy_limit_gbps"]
+__all__ = ["COPY_PATTERNS", "CudaBackend", "measure_copy_limit_gbps"]

@@ -230,7 +230,8 @@ class CudaBackend(Backend):
         #    can size the outputs, they may start before the wait (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT)
         #    and the receivers follow in a launch of their own.
         grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.DISPATCH_SEND_SHARE)
-        kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, num_scales, num_topk, topk_dtype))
+        kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, num_scales, num_topk, topk_dtype,
+                                                heuristics.DISPATCH_CHUNK_TOKENS))
         buffer_args = self._buffer_args(layout, self._next("_seq"))
         scale_strides = (0, 0) if scales is None else (scales.stride(0), scales.stride(1))
         send_head = None if cached else self._empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
@@ -245,7 +246,7 @@ class CudaBackend(Backend):
                    source_num_tokens.data_ptr(), num_tokens, num_local_experts, num_send_blocks,
                    *(0 if t is None else t.data_ptr() for t in (recv_x, recv_scales, recv_topk_idx,
                                                                  recv_topk_weights, recv_src_idx, send_head)),
-                   request.num_worst_tokens, *buffer_args, *self._wait_args())
+                   request.num_worst_tokens, int(heuristics.LOCAL_ROWS_DIRECT and not split), *buffer_args, *self._wait_args())
 
         cpu_wait = not cached and not request.num_worst_tokens
         split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
@@ -303,7 +304,7 @@ class CudaBackend(Backend):
             0 if request.bias_0 is None else request.bias_0.data_ptr(),
             0 if request.bias_1 is None else request.bias_1.data_ptr(),
             handle.rank_prefix_matrix.data_ptr(), handle.send_head.data_ptr(), num_tokens, grid.num_send_blocks,
-            combined_x.data_ptr(), 0 if combined_w is None else combined_w.data_ptr(),
+            combined_x.data_ptr(), 0 if combined_w is None else combined_w.data_ptr(), int(heuristics.LOCAL_ROWS_DIRECT),
             *self._buffer_args(layout, self._next("_seq")), barrier_expected, *self._wait_args())
         return combined_x, combined_w
 

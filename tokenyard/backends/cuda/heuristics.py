@@ -26,6 +26,13 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
 DISPATCH_SEND_SHARE = 1 / 2
 COMBINE_SEND_SHARE = 1 / 2    # reducers read every row of every token
 
+# Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS).
+DISPATCH_CHUNK_TOKENS = 8
+
+# A token's row for its own rank skips the buffer: dispatch senders write it into the outputs and combine
+# reducers read it from the expert output (NOTE [dispatch roles], NOTE [combine roles]).
+LOCAL_ROWS_DIRECT = True
+
 # A dispatch that waits on the CPU for the counts launches its senders before the wait and its receivers
 # after it, so the rows travel while the host sizes the outputs. Off until measured on the device machine
 # (tests/gpu/test_normal_cuda.py runs both ways).

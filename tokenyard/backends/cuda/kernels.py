@@ -56,11 +56,15 @@ def dispatch_notify(num_ranks: int) -> KernelSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
+def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
+             chunk_tokens: int = CHUNK_TOKENS) -> KernelSpec:
+    """`chunk_tokens`: tokens a sender warp publishes at once, a multiple of CHUNK_TOKENS (so the chunks
+    of a call never outnumber the slots)."""
+    assert chunk_tokens % CHUNK_TOKENS == 0, chunk_tokens
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
-        (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, CHUNK_TOKENS),
+        (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -68,7 +72,8 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("const int*", "source_num_tokens"), Param("int", "num_tokens"), Param("int", "num_local_experts"),
          Param("int", "num_send_blocks"), Param("int4*", "recv_x"), Param("uint32_t*", "recv_scales"),
          Param(f"{topk_t}*", "recv_topk_idx"), Param("float*", "recv_topk_weights"), Param("int*", "recv_src_idx"),
-         Param("int*", "send_head"), Param("int", "num_worst_tokens")) + _BUFFERS + _WAIT,
+         Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("int", "local_direct"))
+        + _BUFFERS + _WAIT,
         DATA_THREADS)
 
 
@@ -80,7 +85,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "send_head"),
          Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
-         Param("float*", "combined_topk_weights")) + _BUFFERS + (Param("uint32_t", "barrier_expected"),) + _WAIT,
+         Param("float*", "combined_topk_weights"), Param("int", "local_direct")) + _BUFFERS + (Param("uint32_t", "barrier_expected"),) + _WAIT,
         DATA_THREADS)
 
 

@@ -36,12 +36,14 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // (chunk, source) items, as dispatch's senders do. The other blocks reduce: a warp
 // takes one token at a time in increasing order; lane q finds the token's row at rank q from send_head,
 // waits for the chunk that holds it, and the warp then sums bias_0, bias_1 and the rows of ranks
-// 0, 1, ... in float32, as the semantics fix the order.
+// 0, 1, ... in float32, as the semantics fix the order. With `local_direct`, the rows this rank returns to
+// itself never enter the buffer: the senders skip that source and the reducers read those rows, and their
+// weights, from `x` and `topk_weights` (send_head of this rank is the row of x itself).
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows>
 __device__ __forceinline__ void combine(
         const int4* x, const float* topk_weights, const int4* bias_0, const int4* bias_1,
         const int* rank_prefix_matrix, const int* send_head, int num_tokens, int num_send_blocks,
-        int4* combined_x, float* combined_topk_weights, uint8_t* const* peer_bases, int rank,
+        int4* combined_x, float* combined_topk_weights, int local_direct, uint8_t* const* peer_bases, int rank,
         int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
         uint32_t seq,
         uint32_t barrier_expected, int* error_flag, int* host_record, uint64_t timeout_ns) {
@@ -65,13 +67,13 @@ __device__ __forceinline__ void combine(
             const int chunk = item / kNumRanks, source = item % kNumRanks;
             const int first = source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
             const int rows = rank_prefix_matrix[source * kNumRanks + rank] - first;
-            if (chunk * kChunkRows >= rows)
+            if (chunk * kChunkRows >= rows || (local_direct && source == rank))
                 continue;
             const int j1 = min(rows, (chunk + 1) * kChunkRows);
             for (int j = chunk * kChunkRows; j < j1; ++j) {
                 uint8_t* dst = buffers.row(source, rank, j);
                 const int64_t from = first + j;
-                warp_copy<8, false>(reinterpret_cast<int4*>(dst), x + from * kHiddenInt4, kHiddenInt4, lane);
+                warp_copy<16, false>(reinterpret_cast<int4*>(dst), x + from * kHiddenInt4, kHiddenInt4, lane);
                 if (lane < kNumTopk)
                     reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = topk_weights[from * kNumTopk + lane];
             }
@@ -93,7 +95,9 @@ __device__ __forceinline__ void combine(
         bool ready = true;
         if (lane < kNumRanks) {
             const int head = send_head[token * kNumRanks + lane];
-            if (head >= 0) {
+            if (head >= 0 && local_direct && lane == rank) {
+                index = head;  // a row of x
+            } else if (head >= 0) {
                 index = head - (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + lane] : 0);
                 ready = wait_at_least(wait, &buffers.slot(rank, lane, index / kChunkRows)->seq, seq, lane,
                                       kStageCombineRecv);
@@ -102,9 +106,14 @@ __device__ __forceinline__ void combine(
         if (!__all_sync(0xffffffffu, ready))
             return;
         int indices[kNumRanks];
+        const int4* rows_in[kNumRanks];  // where each rank's row of this token is read
 #pragma unroll
-        for (int q = 0; q < kNumRanks; ++q)
+        for (int q = 0; q < kNumRanks; ++q) {
             indices[q] = __shfl_sync(0xffffffffu, index, q);
+            rows_in[q] = indices[q] < 0 ? nullptr
+                         : local_direct && q == rank ? x + static_cast<int64_t>(indices[q]) * kHiddenInt4
+                         : reinterpret_cast<const int4*>(buffers.row(rank, q, indices[q]));
+        }
         // kUnroll vectors per lane, each with its kNumRanks loads issued before any is summed (16 loads in
         // flight per lane); the sum of
         // every element still runs bias_0, bias_1, rank 0, rank 1, ... as the semantics fix.
@@ -118,7 +127,7 @@ __device__ __forceinline__ void combine(
 #pragma unroll
                 for (int q = 0; q < kNumRanks; ++q)
                     if (i < kHiddenInt4 && indices[q] >= 0)
-                        rows[u][q] = ptx::ld_na_v4(reinterpret_cast<const int4*>(buffers.row(rank, q, indices[q])) + i);
+                        rows[u][q] = ptx::ld_na_v4(rows_in[q] + i);
             }
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
@@ -162,7 +171,9 @@ __device__ __forceinline__ void combine(
             for (int q = 0; q < kNumRanks; ++q) {
                 if (indices[q] < 0)
                     continue;
-                const float* w = reinterpret_cast<const float*>(buffers.row(rank, q, indices[q]) + kWeightsOffset);
+                const float* w = local_direct && q == rank
+                    ? topk_weights + static_cast<int64_t>(indices[q]) * kNumTopk
+                    : reinterpret_cast<const float*>(buffers.row(rank, q, indices[q]) + kWeightsOffset);
                 acc = __fadd_rn(acc, __int_as_float(ptx::ld_na_s32(reinterpret_cast<const int*>(w) + lane)));
             }
             combined_topk_weights[token * kNumTopk + lane] = acc;

@@ -19,6 +19,11 @@ namespace tokenyard::kernels {
 // source i % kNumRanks. A receiver waits for the slot, then copies its rows to the output rows that follow
 // the rows of lower source ranks (rank_prefix_matrix), turning the metadata into recv_topk_idx /
 // recv_topk_weights / recv_src_idx.
+// A token's row for this rank itself skips the buffer when `local_direct` is set: the sender writes it
+// straight into the outputs (row rank_prefix_matrix[rank - 1][rank] + prefix_excl[t][rank], metadata in
+// its final form) and the receivers skip their own source, which takes about a quarter of the rows off
+// the receivers (the dispatch's bottleneck, heuristics.py). It is clear only when the senders run before
+// the outputs exist (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT).
 //
 // Row layout (workspace.normal_dispatch_row_bytes): data (kDataInt4 vectors), then kNumScales 4-byte
 // scales padded to 16 bytes, then kNumTopk int32 local expert ids, kNumTopk float32 weights and the int32
@@ -30,24 +35,72 @@ __device__ __forceinline__ void dispatch(
         const TopkT* topk_idx, const float* topk_weights, const bool* is_token_in_rank, const int* prefix_excl,
         const int* rank_prefix_matrix, const int* source_num_tokens, int num_tokens, int num_local_experts,
         int num_send_blocks, int4* recv_x, uint32_t* recv_scales, TopkT* recv_topk_idx, float* recv_topk_weights,
-        int* recv_src_idx, int* send_head, int num_worst_tokens, uint8_t* const* peer_bases, int rank,
+        int* recv_src_idx, int* send_head, int num_worst_tokens, int local_direct, uint8_t* const* peer_bases, int rank,
         int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
         uint32_t seq,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     constexpr int kNumWarps = kNumThreads / kWarpSize;
-    constexpr int kScaleInts = (kNumScales + 3) / 4 * 4;
-    constexpr int kMetaOffset = kDataInt4 * 16 + kScaleInts * 4;
+    // The row's tail (scales, then metadata) moves as whole 16-byte vectors, one per lane (NOTE [row tail]).
+    constexpr int kScaleInt4 = (kNumScales + 3) / 4;
+    constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
+    constexpr int kTailPerLane = (kTailInt4 + kWarpSize - 1) / kWarpSize;
     const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_offset, max_chunks, row_bytes};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
 
-    // One warp sends token t to every rank it goes to: one read of x, up to kNumRanks writes.
+    // NOTE [row tail]
+    // After its data, a row holds its scales (padded to 16 bytes) and its metadata: kNumTopk int32 local
+    // expert ids (-1 where the expert lives elsewhere), kNumTopk float32 weights (0 there) and the int32
+    // source index, padded to 16 bytes. Lane i of a warp owns the tail's 16-byte vector i: the scales
+    // 4i..4i+3, or metadata words 4m..4m+3 with m = i - kScaleInt4. The sender builds the vectors in
+    // registers (the metadata once per destination, from the top-k lanes by shuffles) and each destination
+    // gets the tail in one store instruction, where scalar stores would have sent many small NVLink writes;
+    // the receiver loads it with the data, one vector per lane, and scatters the words to the outputs.
+
+    // Metadata word w of destination `q` for this lane, built from lane w (or w - kNumTopk) of the top-k.
+    auto meta_word = [&](int w, int q, int64_t expert, float weight, int t) {
+        const int64_t first = static_cast<int64_t>(q) * num_local_experts;
+        const bool local = lane < kNumTopk && expert >= first && expert < first + num_local_experts;
+        const int id = __shfl_sync(0xffffffffu, local ? static_cast<int>(expert - first) : -1, w % kWarpSize);
+        const int bits = __shfl_sync(0xffffffffu, local ? __float_as_int(weight) : 0, (w - kNumTopk) & (kWarpSize - 1));
+        return w < kNumTopk ? id : w < 2 * kNumTopk ? bits : w == 2 * kNumTopk ? t : 0;
+    };
+
+    // One warp sends token t to every rank it goes to: one read of x, up to kNumRanks writes. Everything the
+    // token needs is loaded before any of it is used (the row's first batch of up to kBatch vectors per
+    // lane, its scales and top-k, and where it goes), so a token costs about one memory round trip before
+    // its stores rather than one per dependent load; each vector is read once and written to every
+    // destination.
     auto send_token = [&](int t) {
+        constexpr int kBatch = 16;
         const int64_t token = t;
+        const int4* src = x + token * kDataInt4;
+        int4 v[kBatch];
+        load_batch<kBatch, false>(v, src, 0, kDataInt4, lane);
+        int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
+#pragma unroll
+        for (int u = 0; u < kTailPerLane; ++u) {
+            int words[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = (u * kWarpSize + lane) * 4 + c;
+                if (u * kWarpSize + lane < kScaleInt4 && j < kNumScales)
+                    words[c] = static_cast<int>(x_scales[token * scale_token_stride + j * scale_hidden_stride]);
+            }
+            tail[u] = make_int4(words[0], words[1], words[2], words[3]);
+        }
+        int64_t expert = -1;
+        float weight = 0.0f;
+        if (lane < kNumTopk) {
+            expert = static_cast<int64_t>(topk_idx[token * kNumTopk + lane]);
+            weight = topk_weights != nullptr ? topk_weights[token * kNumTopk + lane] : 0.0f;
+        }
         const bool hit = lane < kNumRanks && is_token_in_rank[token * kNumRanks + lane];
+        const int slot_index = lane < kNumRanks ? prefix_excl[token * kNumRanks + lane] : 0;
+
         const uint32_t mask = __ballot_sync(0xffffffffu, hit);
-        const int index = hit ? prefix_excl[token * kNumRanks + lane] : -1;
+        const int index = hit ? slot_index : -1;
         if (send_head != nullptr && lane < kNumRanks) {
             const int before = rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + lane] : 0;
             send_head[token * kNumRanks + lane] = hit ? before + index : -1;
@@ -56,99 +109,108 @@ __device__ __forceinline__ void dispatch(
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q)
             dst[q] = ((mask >> q) & 1u) ? buffers.row(q, rank, __shfl_sync(0xffffffffu, index, q)) : nullptr;
-        // Every load of a batch (up to kBatch data vectors per lane, plus the scales and top-k with the
-        // first) is issued before any store; each vector is read once and written to every destination.
-        constexpr int kBatch = 16;
-        constexpr int kScalesPerLane = (kNumScales + kWarpSize - 1) / kWarpSize;
-        const int4* src = x + token * kDataInt4;
-        uint32_t scale_values[kScalesPerLane > 0 ? kScalesPerLane : 1];
-        int64_t expert = -1;
-        float weight = 0.0f;
+        // This rank's own row, written straight into the outputs (NOTE [dispatch roles]).
+        int64_t direct_row = -1;
+        if (local_direct && dst[rank] != nullptr) {
+            dst[rank] = nullptr;
+            direct_row = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) +
+                         __shfl_sync(0xffffffffu, index, rank);
+            if (num_worst_tokens > 0 && direct_row >= num_worst_tokens)
+                direct_row = -1;  // recorded by the receivers as an overflow error
+        }
+        int4* direct = direct_row >= 0 ? recv_x + direct_row * kDataInt4 : nullptr;
         for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
-            int4 v[kBatch];
-            load_batch<kBatch, false>(v, src, base, kDataInt4, lane);
-            if (base == 0) {
-#pragma unroll
-                for (int u = 0; u < kScalesPerLane; ++u) {
-                    const int j = u * kWarpSize + lane;
-                    if (j < kNumScales)
-                        scale_values[u] = x_scales[token * scale_token_stride + j * scale_hidden_stride];
-                }
-                if (lane < kNumTopk) {
-                    expert = static_cast<int64_t>(topk_idx[token * kNumTopk + lane]);
-                    weight = topk_weights != nullptr ? topk_weights[token * kNumTopk + lane] : 0.0f;
-                }
-            }
+            if (base > 0)
+                load_batch<kBatch, false>(v, src, base, kDataInt4, lane);
 #pragma unroll
             for (int q = 0; q < kNumRanks; ++q)
                 if (dst[q] != nullptr)
                     store_batch<kBatch>(reinterpret_cast<int4*>(dst[q]), v, base, kDataInt4, lane);
+            if (direct != nullptr)
+                store_batch<kBatch>(direct, v, base, kDataInt4, lane);
+        }
+        if (direct != nullptr) {
+#pragma unroll
+            for (int u = 0; u < kTailPerLane; ++u) {
+                const int* words = reinterpret_cast<const int*>(&tail[u]);
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int j = (u * kWarpSize + lane) * 4 + c;
+                    if (u * kWarpSize + lane < kScaleInt4 && j < kNumScales)
+                        recv_scales[direct_row * kNumScales + j] = static_cast<uint32_t>(words[c]);
+                }
+            }
+            if (lane < kNumTopk) {
+                const int64_t first = static_cast<int64_t>(rank) * num_local_experts;
+                const bool local = expert >= first && expert < first + num_local_experts;
+                recv_topk_idx[direct_row * kNumTopk + lane] = static_cast<TopkT>(local ? expert - first : -1);
+                recv_topk_weights[direct_row * kNumTopk + lane] = local ? weight : 0.0f;
+            }
+            if (lane == 0)
+                recv_src_idx[direct_row] = t;
         }
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q) {
-            if (dst[q] == nullptr)
-                continue;
+            if (((mask >> q) & 1u) == 0)
+                continue;  // uniform over the warp: every lane takes part in the shuffles
 #pragma unroll
-            for (int u = 0; u < kScalesPerLane; ++u) {
-                const int j = u * kWarpSize + lane;
-                if (j < kNumScales)
-                    reinterpret_cast<uint32_t*>(dst[q] + kDataInt4 * 16)[j] = scale_values[u];
+            for (int u = 0; u < kTailPerLane; ++u) {
+                const int i = u * kWarpSize + lane;
+                int4 vec = tail[u];
+                if (u * kWarpSize + kWarpSize > kScaleInt4) {  // this slot holds metadata for some lanes
+                    const int m = i - kScaleInt4;
+                    const int w0 = meta_word(4 * m, q, expert, weight, t), w1 = meta_word(4 * m + 1, q, expert, weight, t);
+                    const int w2 = meta_word(4 * m + 2, q, expert, weight, t), w3 = meta_word(4 * m + 3, q, expert, weight, t);
+                    if (m >= 0)
+                        vec = make_int4(w0, w1, w2, w3);
+                }
+                if (dst[q] != nullptr && i < kTailInt4)
+                    ptx::st_na_v4(reinterpret_cast<int4*>(dst[q] + kDataInt4 * 16) + i, vec);
             }
-            if (lane < kNumTopk) {
-                const int64_t first = static_cast<int64_t>(q) * num_local_experts;
-                const bool local = expert >= first && expert < first + num_local_experts;
-                int* meta = reinterpret_cast<int*>(dst[q] + kMetaOffset);
-                meta[lane] = local ? static_cast<int>(expert - first) : -1;
-                reinterpret_cast<float*>(meta + kNumTopk)[lane] = local ? weight : 0.0f;
-            }
-        }
-        if (lane == 0) {
-#pragma unroll
-            for (int q = 0; q < kNumRanks; ++q)
-                if (dst[q] != nullptr)
-                    reinterpret_cast<int*>(dst[q] + kMetaOffset)[2 * kNumTopk] = t;
         }
     };
 
     // One warp copies row `src` of this rank's buffer to output row `out`. Every load of a batch (up to
-    // kBatch data vectors per lane, plus the scales and metadata with the first batch) is issued before
-    // any store, so a row costs about one memory round trip rather than one per field.
+    // kBatch data vectors per lane, plus the row's tail with the first batch) is issued before any store,
+    // so a row costs about one memory round trip rather than one per field.
     auto receive_row = [&](const uint8_t* src, int64_t out) {
         constexpr int kBatch = 16;
-        constexpr int kScalesPerLane = (kNumScales + kWarpSize - 1) / kWarpSize;
-        const int* scales_in = reinterpret_cast<const int*>(src + kDataInt4 * 16);
-        const int* meta = reinterpret_cast<const int*>(src + kMetaOffset);
-        int scale_values[kScalesPerLane > 0 ? kScalesPerLane : 1];
-        int topk_value = 0, weight_value = 0, src_value = 0;
         const int4* data_in = reinterpret_cast<const int4*>(src);
+        const int4* tail_in = data_in + kDataInt4;
         int4* data_out = recv_x + out * kDataInt4;
+        int4 tail[kTailPerLane];
         for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
             int4 v[kBatch];
             load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
             if (base == 0) {
 #pragma unroll
-                for (int u = 0; u < kScalesPerLane; ++u)
-                    if (u * kWarpSize + lane < kNumScales)
-                        scale_values[u] = ptx::ld_na_s32(scales_in + u * kWarpSize + lane);
-                if (lane < kNumTopk) {
-                    topk_value = ptx::ld_na_s32(meta + lane);
-                    weight_value = ptx::ld_na_s32(meta + kNumTopk + lane);
-                }
-                if (lane == 0)
-                    src_value = ptx::ld_na_s32(meta + 2 * kNumTopk);
+                for (int u = 0; u < kTailPerLane; ++u)
+                    if (u * kWarpSize + lane < kTailInt4)
+                        tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
             }
             store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
         }
 #pragma unroll
-        for (int u = 0; u < kScalesPerLane; ++u)
-            if (u * kWarpSize + lane < kNumScales)
-                recv_scales[out * kNumScales + u * kWarpSize + lane] = scale_values[u];
-        if (lane < kNumTopk) {
-            recv_topk_idx[out * kNumTopk + lane] = static_cast<TopkT>(topk_value);
-            recv_topk_weights[out * kNumTopk + lane] = __int_as_float(weight_value);
+        for (int u = 0; u < kTailPerLane; ++u) {
+            const int i = u * kWarpSize + lane;
+            if (i >= kTailInt4)
+                continue;
+            const int* words = reinterpret_cast<const int*>(&tail[u]);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = i * 4 + c, w = (i - kScaleInt4) * 4 + c;
+                if (i < kScaleInt4) {
+                    if (j < kNumScales)
+                        recv_scales[out * kNumScales + j] = static_cast<uint32_t>(words[c]);
+                } else if (w < kNumTopk) {
+                    recv_topk_idx[out * kNumTopk + w] = static_cast<TopkT>(words[c]);
+                } else if (w < 2 * kNumTopk) {
+                    recv_topk_weights[out * kNumTopk + w - kNumTopk] = __int_as_float(words[c]);
+                } else if (w == 2 * kNumTopk) {
+                    recv_src_idx[out] = words[c];
+                }
+            }
         }
-        if (lane == 0)
-            recv_src_idx[out] = src_value;
     };
 
     if (static_cast<int>(blockIdx.x) < num_send_blocks) {
@@ -182,7 +244,7 @@ __device__ __forceinline__ void dispatch(
     const int num_recv_warps = num_receivers * kNumWarps;
     for (int item = receiver * kNumWarps + warp; item < most_chunks * kNumRanks; item += num_recv_warps) {
         const int chunk = item / kNumRanks, source = item % kNumRanks;
-        if (chunk * kChunkTokens >= source_num_tokens[source])
+        if (chunk * kChunkTokens >= source_num_tokens[source] || (local_direct && source == rank))
             continue;
         int begin = 0, end = 0;
         bool ok = true;
