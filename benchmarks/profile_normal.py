@@ -4,7 +4,7 @@
 
 Prints, on rank 0, the average time of each kernel for a cached dispatch and a combine at the
 DeepSeek-V3 setting, for each share of sending blocks, with a rank's own rows written directly or
-through the buffer (heuristics.LOCAL_ROWS_DIRECT). A diagnostic for tuning; the figures that count are the
+through the buffer (heuristics.*_OWN_ROWS_DIRECT). A diagnostic for tuning; the figures that count are the
 benchmark's (python -m tokenyard.bench).
 """
 
@@ -74,7 +74,7 @@ def _profile(num_sms: int, num_tokens: int):
     for dispatch_share, combine_share, direct, chunk in variants:
         heuristics.DISPATCH_SEND_SHARE = dispatch_share
         heuristics.COMBINE_SEND_SHARE = combine_share
-        heuristics.LOCAL_ROWS_DIRECT = direct
+        heuristics.DISPATCH_OWN_ROWS_DIRECT = heuristics.COMBINE_OWN_ROWS_DIRECT = direct
         heuristics.DISPATCH_CHUNK_TOKENS = chunk
         for _ in range(3):
             buffer.dispatch(x, handle=handle)
@@ -97,7 +97,7 @@ def _profile(num_sms: int, num_tokens: int):
     # The dispatch split around its CPU wait: every block sends in one launch, then every block receives,
     # which times the senders and the receivers apart.
     heuristics.DISPATCH_SEND_SHARE, heuristics.DISPATCH_CHUNK_TOKENS = 1 / 2, 8
-    heuristics.LOCAL_ROWS_DIRECT, heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT = True, True
+    heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT = True
     fresh = dict(topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                  num_tokens_per_expert=per_expert)
     for _ in range(2):

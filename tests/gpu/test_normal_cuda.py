@@ -144,6 +144,14 @@ def _compare_ranks_split(seed, cases):
     return _compare_ranks(seed, cases)
 
 
+def _compare_ranks_own_rows_the_other_way(seed, cases):
+    from tokenyard.backends.cuda import heuristics
+
+    heuristics.DISPATCH_OWN_ROWS_DIRECT = not heuristics.DISPATCH_OWN_ROWS_DIRECT
+    heuristics.COMBINE_OWN_ROWS_DIRECT = not heuristics.COMBINE_OWN_ROWS_DIRECT
+    return _compare_ranks(seed, cases)
+
+
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4, 8) if n <= NUM_GPUS])
 def test_cuda_normal_mode_matches_reference(num_ranks):
     seed = _seed()
@@ -155,6 +163,13 @@ def test_cuda_normal_mode_matches_reference(num_ranks):
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
 def test_cuda_dispatch_with_senders_started_before_the_cpu_wait_matches_reference(num_ranks):
     for line in spawn.run(num_ranks, _compare_ranks_split, _seed(), CASES[:3])[0]:
+        print(line)
+
+
+@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+def test_own_rows_taken_the_other_way_match_reference(num_ranks):
+    # heuristics.*_OWN_ROWS_DIRECT: each path a token's row for its own rank can take, in both kernels.
+    for line in spawn.run(num_ranks, _compare_ranks_own_rows_the_other_way, _seed(), CASES)[0]:
         print(line)
 
 

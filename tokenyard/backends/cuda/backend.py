@@ -246,7 +246,7 @@ class CudaBackend(Backend):
                    source_num_tokens.data_ptr(), num_tokens, num_local_experts, num_send_blocks,
                    *(0 if t is None else t.data_ptr() for t in (recv_x, recv_scales, recv_topk_idx,
                                                                  recv_topk_weights, recv_src_idx, send_head)),
-                   request.num_worst_tokens, int(heuristics.LOCAL_ROWS_DIRECT and not split), *buffer_args, *self._wait_args())
+                   request.num_worst_tokens, int(heuristics.DISPATCH_OWN_ROWS_DIRECT and not split), *buffer_args, *self._wait_args())
 
         cpu_wait = not cached and not request.num_worst_tokens
         split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
@@ -304,7 +304,7 @@ class CudaBackend(Backend):
             0 if request.bias_0 is None else request.bias_0.data_ptr(),
             0 if request.bias_1 is None else request.bias_1.data_ptr(),
             handle.rank_prefix_matrix.data_ptr(), handle.send_head.data_ptr(), num_tokens, grid.num_send_blocks,
-            combined_x.data_ptr(), 0 if combined_w is None else combined_w.data_ptr(), int(heuristics.LOCAL_ROWS_DIRECT),
+            combined_x.data_ptr(), 0 if combined_w is None else combined_w.data_ptr(), int(heuristics.COMBINE_OWN_ROWS_DIRECT),
             *self._buffer_args(layout, self._next("_seq")), barrier_expected, *self._wait_args())
         return combined_x, combined_w
 

@@ -29,9 +29,13 @@ COMBINE_SEND_SHARE = 1 / 2    # reducers read every row of every token
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS).
 DISPATCH_CHUNK_TOKENS = 8
 
-# A token's row for its own rank skips the buffer: dispatch senders write it into the outputs and combine
-# reducers read it from the expert output (NOTE [dispatch roles], NOTE [combine roles]).
-LOCAL_ROWS_DIRECT = True
+# Whether a token's row for its own rank skips the buffer: dispatch senders write it into the outputs,
+# combine reducers read it from the expert output (NOTE [dispatch roles], NOTE [combine roles]). Measured on
+# 4 H200s with 24 SMs (benchmarks/profile_normal.py, two runs): the dispatch was about 8% faster with its own
+# rows through the buffer (the senders are its bottleneck, and the receivers have time to spare); the
+# combine was as fast or faster reading them directly.
+DISPATCH_OWN_ROWS_DIRECT = False
+COMBINE_OWN_ROWS_DIRECT = True
 
 # A dispatch that waits on the CPU for the counts launches its senders before the wait and its receivers
 # after it, so the rows travel while the host sizes the outputs. Off until measured on the device machine
