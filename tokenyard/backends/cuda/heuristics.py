@@ -30,11 +30,12 @@ COMBINE_SEND_SHARE = 1 / 2    # reducers read every row of every token
 DISPATCH_CHUNK_TOKENS = 8
 
 # Whether a token's row for its own rank skips the buffer: dispatch senders write it into the outputs,
-# combine reducers read it from the expert output (NOTE [dispatch roles], NOTE [combine roles]). Measured on
-# 4 H200s with 24 SMs (benchmarks/profile_normal.py, two runs): the dispatch was about 8% faster with its own
-# rows through the buffer (the senders are its bottleneck, and the receivers have time to spare); the
-# combine was as fast or faster reading them directly.
-DISPATCH_OWN_ROWS_DIRECT = False
+# combine reducers read it from the expert output (NOTE [dispatch roles], NOTE [combine roles]). The
+# benchmark (python -m tokenyard.bench, L2 flushed, ranks started together) on 2 H200s at 55fa43b, both ways
+# twice in one session: cached dispatch kernel 168.5 / 168.7 us direct, 186.6 / 186.6 us through the buffer;
+# combine unchanged. (benchmarks/profile_normal.py, which neither flushes L2 nor aligns the ranks, had
+# pointed the other way: trust the benchmark.)
+DISPATCH_OWN_ROWS_DIRECT = True
 COMBINE_OWN_ROWS_DIRECT = True
 
 # A dispatch that waits on the CPU for the counts launches its senders before the wait and its receivers

@@ -21,10 +21,9 @@ namespace tokenyard::kernels {
 // recv_topk_weights / recv_src_idx.
 // A token's row for this rank itself skips the buffer when `local_direct` is set: the sender writes it
 // straight into the outputs (row rank_prefix_matrix[rank - 1][rank] + prefix_excl[t][rank], metadata in
-// its final form) and the receivers skip their own source. That takes a quarter of the rows off the
-// receivers but adds work to the senders, which are the bottleneck, so it is off by default
-// (heuristics.DISPATCH_OWN_ROWS_DIRECT), and always off when the senders run before the outputs exist
-// (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT).
+// its final form) and the receivers skip their own source, a quarter of their rows
+// (heuristics.DISPATCH_OWN_ROWS_DIRECT, measured faster). It is off when the senders run before the outputs
+// exist (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT).
 //
 // Row layout (workspace.normal_dispatch_row_bytes): data (kDataInt4 vectors), then kNumScales 4-byte
 // scales padded to 16 bytes, then kNumTopk int32 local expert ids, kNumTopk float32 weights and the int32
