@@ -63,11 +63,14 @@ __device__ __forceinline__ void combine(
             most_chunks = max(most_chunks, (rows + kChunkRows - 1) / kChunkRows);
         }
         const int num_send_warps = num_send_blocks * kNumWarps;
-        for (int item = blockIdx.x * kNumWarps + warp; item < most_chunks * kNumRanks; item += num_send_warps) {
-            const int chunk = item / kNumRanks, source = item % kNumRanks;
+        // With local_direct the items cover the other sources only (as the dispatch's receivers do).
+        const int num_sources = local_direct ? kNumRanks - 1 : kNumRanks;
+        for (int item = blockIdx.x * kNumWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
+            const int chunk = item / num_sources, other = item % num_sources;
+            const int source = local_direct && other >= rank ? other + 1 : other;
             const int first = source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
             const int rows = rank_prefix_matrix[source * kNumRanks + rank] - first;
-            if (chunk * kChunkRows >= rows || (local_direct && source == rank))
+            if (chunk * kChunkRows >= rows)
                 continue;
             const int j1 = min(rows, (chunk + 1) * kChunkRows);
             for (int j = chunk * kChunkRows; j < j1; ++j) {

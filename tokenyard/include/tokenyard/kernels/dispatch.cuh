@@ -242,9 +242,13 @@ __device__ __forceinline__ void dispatch(
     if (num_worst_tokens > 0 && num_recv > num_worst_tokens && receiver == 0 && threadIdx.x == 0)
         record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, num_recv, num_worst_tokens);
     const int num_recv_warps = num_receivers * kNumWarps;
-    for (int item = receiver * kNumWarps + warp; item < most_chunks * kNumRanks; item += num_recv_warps) {
-        const int chunk = item / kNumRanks, source = item % kNumRanks;
-        if (chunk * kChunkTokens >= source_num_tokens[source] || (local_direct && source == rank))
+    // With local_direct the items cover the other sources only: had this rank's own source kept its item
+    // numbers, a warp count that is a multiple of kNumRanks would leave every warp landing on it idle.
+    const int num_sources = local_direct ? kNumRanks - 1 : kNumRanks;
+    for (int item = receiver * kNumWarps + warp; item < most_chunks * num_sources; item += num_recv_warps) {
+        const int chunk = item / num_sources, other = item % num_sources;
+        const int source = local_direct && other >= rank ? other + 1 : other;
+        if (chunk * kChunkTokens >= source_num_tokens[source])
             continue;
         int begin = 0, end = 0;
         bool ok = true;
