@@ -72,7 +72,7 @@ def _profile(num_sms: int, num_tokens: int):
     variants = [(share, share, direct, chunk) for direct in (True, False) for share in (1 / 2, 1 / 3)
                 for chunk in (8, 32)]
     for dispatch_share, combine_share, direct, chunk in variants:
-        heuristics.DISPATCH_SEND_SHARE = dispatch_share
+        heuristics.DISPATCH_SEND_SHARE, heuristics.DISPATCH_SEND_SHARE_BY_RANKS = dispatch_share, {}
         heuristics.COMBINE_SEND_SHARE = combine_share
         heuristics.DISPATCH_OWN_ROWS_DIRECT = heuristics.COMBINE_OWN_ROWS_DIRECT = direct
         heuristics.DISPATCH_CHUNK_TOKENS = chunk

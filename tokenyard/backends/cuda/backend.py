@@ -229,7 +229,7 @@ class CudaBackend(Backend):
         # 2. The rows. The senders need no output tensor, so where the CPU must wait for the counts before it
         #    can size the outputs, they may start before the wait (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT)
         #    and the receivers follow in a launch of their own.
-        grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.DISPATCH_SEND_SHARE)
+        grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.dispatch_send_share(num_ranks))
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, num_scales, num_topk, topk_dtype,
                                                 heuristics.DISPATCH_CHUNK_TOKENS))
         buffer_args = self._buffer_args(layout, self._next("_seq"))

@@ -21,10 +21,20 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
     return DataGrid(blocks, min(senders, blocks - 1))
 
 
-# Measured on 4 H200s at the DeepSeek-V3 setting with 24 SMs (benchmarks/profile_normal.py): the dispatch
-# kernel took 496 us with 2/3 of the blocks sending and 336 us with 1/2; receivers were the bottleneck.
-DISPATCH_SEND_SHARE = 1 / 2
-COMBINE_SEND_SHARE = 1 / 2    # reducers read every row of every token
+# Shares of sending blocks, from the benchmark (python -m tokenyard.bench, L2 flushed, ranks started together)
+# at the DeepSeek-V3 setting with 24 SMs:
+# - 2 H200s at 898daf3: cached dispatch 157.8 us at 2/3, 167.4 at 1/2; combine 231.9 us at 1/3, 284.1 at 1/4,
+#   296.5 at 1/2. Fewer combine senders finish each chunk sooner, so the reducers start sooner.
+# - 4 H200s: 1/2 and 1/2 measured at 104fba0 (benchmarks/results/normal.md). Since then the warps on a rank's
+#   own source no longer idle (898daf3), which leaves the combine's 1/3 with 128 sending warps, near the
+#   144 that were active at 104fba0. The 4-rank dispatch keeps 1/2 until it is measured.
+DISPATCH_SEND_SHARE_BY_RANKS = {2: 2 / 3}
+DISPATCH_SEND_SHARE = 1 / 2   # any other number of ranks
+COMBINE_SEND_SHARE = 1 / 3
+
+
+def dispatch_send_share(num_ranks: int) -> float:
+    return DISPATCH_SEND_SHARE_BY_RANKS.get(num_ranks, DISPATCH_SEND_SHARE)
 
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS).
 DISPATCH_CHUNK_TOKENS = 8
