@@ -37,8 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GPU_DEFAULTS = dict(num_ranks=4, hidden=7168, num_experts=256, num_topk=8, num_tokens=(4096, 8192, 16384, 32768),
                     budget_bytes=1 << 30, unbounded_tokens=4096, iters=30, warmup=5)
-# On CPU the budget holds 68 tokens of the combine's rows per round: 24 tokens run in one round, 96 in two.
-CPU_DEFAULTS = dict(num_ranks=2, hidden=256, num_experts=16, num_topk=4, num_tokens=(24, 96), budget_bytes=400_000,
+# On CPU the budget holds 68 tokens of the combine's rows (640 bytes) per round: 24 tokens run in one round, 96 in
+# two.
+CPU_DEFAULTS = dict(num_ranks=2, hidden=256, num_experts=16, num_topk=4, num_tokens=(24, 96), budget_bytes=545_792,
                     unbounded_tokens=24, iters=3, warmup=1)
 FIGURES = ("dispatch_us", "combine_us", "dispatch_nvlink_gbps", "combine_nvlink_gbps")
 

@@ -9,7 +9,8 @@ The normal-mode (NVLink) buffer of ``num_nvl_bytes`` on every rank is a control 
 region of rows per source rank. The control block holds the barrier and notify words (NOTE [control
 block] in include/tokenyard/layout.cuh) and, from `NORMAL_HEADER_BYTES` on, `MAX_CHUNKS` 16-byte chunk
 slots per source rank, where a sender publishes each finished chunk of `CHUNK_ROWS` rows. The slots sit at
-fixed addresses whatever the row size, so no call can mistake another call's rows for its slots. Each
+fixed addresses whatever the row size, so no call can mistake another call's rows for its slots. (A
+dispatch publishes pieces of its sender warps' token ranges in them, a combine chunks of rows.) Each
 region holds up to ``capacity`` rows; a dispatch row is the token's data
 bytes, its scale bytes, and ``num_topk`` (int32 index, float32 weight) pairs plus its int32 source index,
 each part padded to 16 bytes. A combine row is the bf16 hidden vector plus ``num_topk`` float32 weights.
@@ -18,7 +19,7 @@ apart) split each 512-byte warp store over five lines, partly written, instead o
 A rank can send at most ``capacity`` tokens per call, since in the worst case every token goes to every
 rank; a call with more runs in rounds of at most that many (NOTE [rounds] in rounds.py). Example: 4 ranks,
 hidden 7168 FP8 (7168 + 224 scale bytes), top-8: a row is 7168 + 224 + 80 = 7472 bytes padded to 7552,
-and 4096 tokens need 64 KiB + 4 * 128 KiB of slots + 4 * 4096 * 7552 bytes = 118.6 MiB.
+and 4096 tokens need 64 KiB + 4 * 192 KiB of slots + 4 * 4096 * 7552 bytes = 118.8 MiB.
 
 NOTE [low-latency buffer]
 The low-latency buffer of ``num_rdma_bytes`` is two halves used alternately by consecutive calls (so
@@ -41,8 +42,8 @@ REGION_ALIGN_BYTES = 128
 ROW_ALIGN_BYTES = 128  # a normal-mode row starts on a cache line, so its stores over NVLink are whole lines
 NORMAL_HEADER_BYTES = 1 << 16
 CHUNK_ROWS = 8
-MAX_CHUNKS = 8192
-MAX_NORMAL_TOKENS_PER_RANK = MAX_CHUNKS * CHUNK_ROWS
+MAX_NORMAL_TOKENS_PER_RANK = 8192 * CHUNK_ROWS
+MAX_CHUNKS = 12288  # the slots of 65536 tokens in chunks of 8, plus one per sending warp (4096 warps)
 MAX_TOPK = 16
 DEFAULT_HINT_TOKENS_PER_RANK = 4096
 LOW_LATENCY_MESSAGE_HEADER_BYTES = 16 + 2 * MAX_TOPK  # token index, then the int16 local experts it chose
@@ -60,6 +61,13 @@ def normal_dispatch_row_bytes(data_bytes: int, scale_bytes: int, num_topk: int) 
 def normal_combine_row_bytes(hidden: int, num_topk: int) -> int:
     """Bytes of one combine row: bf16 hidden plus float32 top-k weights."""
     return align(align(hidden * 2) + align(num_topk * 4), ROW_ALIGN_BYTES)
+
+
+def normal_dispatch_slots(num_tokens: int, num_send_warps: int, chunk_tokens: int) -> int:
+    """Chunk slots per source a dispatch of `num_tokens` tokens uses: each of `num_send_warps` sender warps
+    publishes its range in pieces of `chunk_tokens` (NOTE [sender ranges] in kernels/dispatch.cuh)."""
+    per_warp = -(-num_tokens // num_send_warps)
+    return num_send_warps * -(-per_warp // chunk_tokens)
 
 
 def normal_control_bytes(num_ranks: int) -> int:

@@ -246,10 +246,17 @@ class CudaBackend(Backend):
                    source_num_tokens.data_ptr(), num_tokens, num_local_experts, num_send_blocks,
                    *(0 if t is None else t.data_ptr() for t in (recv_x, recv_scales, recv_topk_idx,
                                                                  recv_topk_weights, recv_src_idx, send_head)),
-                   request.num_worst_tokens, int(heuristics.DISPATCH_OWN_ROWS_DIRECT and not split), *buffer_args, *self._wait_args())
+                   request.num_worst_tokens, int(heuristics.DISPATCH_OWN_ROWS_DIRECT and not split), num_send_warps,
+                   *buffer_args, *self._wait_args())
 
         cpu_wait = not cached and not request.num_worst_tokens
         split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
+        # The warps of the sending launch (NOTE [sender ranges]): the receivers need the same count.
+        num_send_warps = (grid.num_blocks if split else grid.num_send_blocks) * (kernels.DATA_THREADS // 32)
+        slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, heuristics.DISPATCH_CHUNK_TOKENS)
+        if slots > layout.max_chunks:
+            raise InvalidInputError(f"{num_send_warps} sending warps need {slots} chunk slots per source, more than "
+                                    f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         if split:
             launch(grid.num_blocks)  # senders only
         per_expert_list = None

@@ -72,7 +72,8 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("const int*", "source_num_tokens"), Param("int", "num_tokens"), Param("int", "num_local_experts"),
          Param("int", "num_send_blocks"), Param("int4*", "recv_x"), Param("uint32_t*", "recv_scales"),
          Param(f"{topk_t}*", "recv_topk_idx"), Param("float*", "recv_topk_weights"), Param("int*", "recv_src_idx"),
-         Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("int", "local_direct"))
+         Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("int", "local_direct"),
+         Param("int", "num_send_warps"))
         + _BUFFERS + _WAIT,
         DATA_THREADS)
 
