@@ -4,7 +4,10 @@
 # 24 SMs, 2 ranks, a token sweep) and the per-kernel profile; the diagnostics (Python-side cost per call,
 # ways of writing to the peers). Logs and JSON go to $OUT.
 #
-#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|low_latency|bench|diagnostics|all]
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|low_latency|bench|diagnostics|shares|all]
+#
+# `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks
+# (TOKENYARD_SEND_SHARES, dispatch then combine) to choose heuristics.py's defaults.
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -45,5 +48,12 @@ if [ "$what" = diagnostics ] || [ "$what" = all ]; then
         > "$out/host_cost.log" 2>&1
     head -8 "$out/host_cost.log"
     timeout 150 python3 benchmarks/copy_patterns.py --json "$out/copy_patterns.json" 2>&1 | tail -12
+fi
+if [ "$what" = shares ]; then
+    for shares in 0.5,0.333 0.667,0.333 0.583,0.333 0.5,0.5 0.667,0.25; do
+        echo "TOKENYARD_SEND_SHARES=$shares"
+        TOKENYARD_SEND_SHARES=$shares timeout 100 python3 -m tokenyard.bench --quiet --num_sms 24 --mode normal \
+            --backends cuda --json "$out/shares_${shares/,/_}.json" 2>&1 | grep -E "tokenyard .*kernel|copy limit"
+    done
 fi
 tar czf "$out/jit_cache.tgz" "${TOKENYARD_CACHE_DIR#$PWD/}" 2>/dev/null || true

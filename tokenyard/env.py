@@ -17,6 +17,8 @@ change under a running program.
 | TOKENYARD_LOW_LATENCY_KERNELS | str   | "auto"   | CUDA low-latency calls: auto (kernels once validated), on, off |
 | TOKENYARD_NVL_BUFFER_BYTES    | int   | 0        | cap on every Buffer's num_nvl_bytes (0: no cap); calls that |
 |                               |       |          | need more run in rounds (NOTE [rounds] in rounds.py)     |
+| TOKENYARD_SEND_SHARES         | str   | ""       | "D,C": shares of sending blocks of the CUDA normal-mode  |
+|                               |       |          | dispatch and combine, for tuning ("": heuristics.py)     |
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"cannot read {text!r} as a boolean")
 
 
+def _parse_shares(text: str) -> tuple:
+    if not text.strip():
+        return ()
+    shares = tuple(float(part) for part in text.split(","))
+    if len(shares) != 2 or not all(0.0 < share < 1.0 for share in shares):
+        raise ValueError("expected two shares strictly between 0 and 1, dispatch then combine, as in '0.5,0.33'")
+    return shares
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     backend: str = "auto"
@@ -47,6 +58,7 @@ class Settings:
     profile_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tokenyard", "profiles")
     low_latency_kernels: str = "auto"
     nvl_buffer_bytes: int = 0
+    send_shares: tuple = ()
 
 
 # field name -> (variable, parser)
@@ -61,6 +73,7 @@ _TABLE = {
     "profile_dir": ("TOKENYARD_PROFILE_DIR", str),
     "low_latency_kernels": ("TOKENYARD_LOW_LATENCY_KERNELS", str),
     "nvl_buffer_bytes": ("TOKENYARD_NVL_BUFFER_BYTES", int),
+    "send_shares": ("TOKENYARD_SEND_SHARES", _parse_shares),
 }
 
 

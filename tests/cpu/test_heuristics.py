@@ -1,5 +1,7 @@
 """Launch configurations of the CUDA backend are pure functions (checked on CPU)."""
 
+import pytest
+
 from tokenyard.backends.cuda import heuristics
 
 
@@ -15,3 +17,25 @@ def test_layout_grid_covers_every_token_with_at_most_one_block_per_sm():
     assert heuristics.layout_grid(4096, 256, 132) == 16
     assert heuristics.layout_grid(1, 256, 132) == 1
     assert heuristics.layout_grid(10**6, 256, 132) == 132
+
+
+def test_send_shares_come_from_the_heuristics_unless_the_environment_overrides_them(monkeypatch):
+    from tokenyard import env
+
+    monkeypatch.delenv("TOKENYARD_SEND_SHARES", raising=False)
+    env.settings.cache_clear()
+    try:
+        assert heuristics.dispatch_send_share(2) == heuristics.DISPATCH_SEND_SHARE_BY_RANKS[2]
+        assert heuristics.dispatch_send_share(5) == heuristics.DISPATCH_SEND_SHARE
+        assert heuristics.combine_send_share() == heuristics.COMBINE_SEND_SHARE
+        monkeypatch.setenv("TOKENYARD_SEND_SHARES", "0.625,0.25")
+        env.settings.cache_clear()
+        assert (heuristics.dispatch_send_share(2), heuristics.combine_send_share()) == (0.625, 0.25)
+        for bad in ("0.5", "0.5,1.0", "half,third"):
+            monkeypatch.setenv("TOKENYARD_SEND_SHARES", bad)
+            env.settings.cache_clear()
+            with pytest.raises(ValueError, match="TOKENYARD_SEND_SHARES"):
+                env.settings()
+    finally:
+        monkeypatch.delenv("TOKENYARD_SEND_SHARES", raising=False)
+        env.settings.cache_clear()

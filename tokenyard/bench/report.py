@@ -3,8 +3,8 @@
 The JSON document (`build`), one entry ``{us, nvlink_gbps, logical_gbps, num_sms}`` per operation
 (null where not measured in this mode)::
 
-    commit, device, date, settings, num_ranks, num_tokens, num_tokens_low_latency, hidden, num_topk,
-    num_experts, dtype, copy_limit_gbps
+    commit, device, date, settings, env (the TOKENYARD_* variables set), num_ranks, num_tokens,
+    num_tokens_low_latency, hidden, num_topk, num_experts, dtype, copy_limit_gbps
     nccl:        {backend ("nccl" or "gloo"), dispatch, combine, dispatch_kernel, combine_kernel}
                  the all_to_all_single baseline
     reference, tokenyard (the CUDA backend), for each backend run:
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -102,6 +103,7 @@ def build(settings: BenchSettings, ranks: List[dict], commit: Optional[str], dat
         "device": gpu_label if settings.gpu else f"cpu ({settings.num_ranks} gloo ranks)",
         "date": date,
         "settings": dataclasses.asdict(settings),
+        "env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("TOKENYARD_")},
         "num_ranks": settings.num_ranks,
         "num_tokens": settings.num_tokens,
         "num_tokens_low_latency": settings.num_tokens_low_latency,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ... import env
+
 
 @dataclasses.dataclass(frozen=True)
 class DataGrid:
@@ -27,14 +29,21 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
 #   296.5 at 1/2. Fewer combine senders finish each chunk sooner, so the reducers start sooner.
 # - 4 H200s: 1/2 and 1/2 measured at 104fba0 (benchmarks/results/normal.md). Since then the warps on a rank's
 #   own source no longer idle (898daf3), which leaves the combine's 1/3 with 128 sending warps, near the
-#   144 that were active at 104fba0. The 4-rank dispatch keeps 1/2 until it is measured.
+#   144 that were active at 104fba0. The 4-rank dispatch keeps 1/2 until it is measured
+#   (`benchmarks/run_device.sh shares` sweeps them through TOKENYARD_SEND_SHARES).
 DISPATCH_SEND_SHARE_BY_RANKS = {2: 2 / 3}
 DISPATCH_SEND_SHARE = 1 / 2   # any other number of ranks
 COMBINE_SEND_SHARE = 1 / 3
 
 
 def dispatch_send_share(num_ranks: int) -> float:
-    return DISPATCH_SEND_SHARE_BY_RANKS.get(num_ranks, DISPATCH_SEND_SHARE)
+    override = env.settings().send_shares  # TOKENYARD_SEND_SHARES, for tuning sweeps
+    return override[0] if override else DISPATCH_SEND_SHARE_BY_RANKS.get(num_ranks, DISPATCH_SEND_SHARE)
+
+
+def combine_send_share() -> float:
+    override = env.settings().send_shares
+    return override[1] if override else COMBINE_SEND_SHARE
 
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS).
 DISPATCH_CHUNK_TOKENS = 8
