@@ -20,7 +20,8 @@ Every rank must run the same rounds, so the round count n = ceil(max_s T_s / R) 
 - fresh dispatch: one all-reduce of the token counts (the call waits for the CPU anyway), then, when
   n > 1, one all-gather of every rank's tokens per (round, destination); that count matrix
   ``counts[s, r, d]`` gives every offset on the host. The all-reduce comes after round 0's backend call,
-  whose count exchange is a bounded wait (NOTE [agree after the count exchange]).
+  whose count exchange is a bounded wait (NOTE [agree after the count exchange]). Later rounds run
+  without a CPU wait (NOTE [rounds without a CPU wait]).
 - with `num_worst_tokens` = W: no host sync. W bounds num_ranks * tokens per rank, so n is
   ``ceil(ceil(W / num_ranks) / R)`` on every rank (a rank with more than n * R tokens is refused); the
   count matrix stays on the device and rows are placed with ``index_copy_``; each round's request has
@@ -354,6 +355,12 @@ def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, exchange
     else:
         host = _spans(counts.tolist(), rank)
         num_rows, round_rows = sum(place.num_rows for place in host), 0
+        # NOTE [rounds without a CPU wait]: every rank now knows every round's receive counts, so rounds
+        # after the first are sized for the most rows any rank receives in them, the same number on every
+        # rank, and run as num_worst_tokens calls: no CPU wait, so the host queues round r + 1 while round r
+        # is still moving. Each rank keeps its own rows (the spans), and its round handles hold only those;
+        # the padding rows are dropped.
+        most_per_round = counts.sum(0).max(1).values.tolist()  # counts[s, r, d] -> most rows of round r
     dump = host is None
     outputs = [_Final(num_rows, dump), _Final(num_rows, dump), _Final(num_rows, dump, -1),
                _Final(num_rows, dump, 0), _Final(num_rows, dump, -1)]
@@ -364,7 +371,8 @@ def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, exchange
         if first is not None:  # round 0, sent while the ranks agreed on the round count
             part, first = first, None
         else:
-            part = backend.dispatch(_round_request(request, r, begin, end, round_rows))
+            part = backend.dispatch(_round_request(request, r, begin, end,
+                                                   round_rows if dump else int(most_per_round[r])))
         place = offsets.scatter(r, part.recv_x.size(0), num_rows) if dump else host[r]
         round_handle = part.handle
         for final, piece in zip(outputs, (part.recv_x, part.recv_x_scales, part.recv_topk_idx,
@@ -374,7 +382,10 @@ def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, exchange
         send_head[begin:end] = torch.where(head >= 0, head + offsets.shift[r], -1)
         if r == 0:
             per_expert_list = part.num_recv_tokens_per_expert_list
-        handles.append(DispatchHandle(*round_handle, num_recv_tokens=None if dump else place.num_rows))
+        fields = list(round_handle)
+        if not dump:  # a round padded to the most rows of any rank keeps its own rows in its handle
+            fields[3] = round_handle.recv_src_idx[:place.num_rows]
+        handles.append(DispatchHandle(*fields, num_recv_tokens=None if dump else place.num_rows))
         places.append(place)
     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = (f.result() for f in outputs)
     handle = DispatchHandle(offsets.rank_prefix_matrix, offsets.channel_prefix_matrix,

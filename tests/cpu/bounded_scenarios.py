@@ -78,7 +78,13 @@ def rounds_match_one_shot(seed, token_counts, hidden, num_experts, num_topk, dty
 
     # Dispatch: every output and every handle field.
     want = one_shot.dispatch(x, **kwargs)
-    got = bounded.dispatch(x, **kwargs)
+    backend, asked = bounded.runtime, []  # num_worst_tokens of each backend call the rounds make
+    backend_dispatch = backend.dispatch
+    backend.dispatch = lambda request: asked.append(request.num_worst_tokens) or backend_dispatch(request)
+    try:
+        got = bounded.dispatch(x, **kwargs)
+    finally:
+        backend.dispatch = backend_dispatch
     want_handle, handle = want[4], got[4]
     assert want_handle.rounds.num_rounds == 1
     plan = bounded.normal_round_plan(max_tokens, hidden, num_topk, _split(x)[0].dtype)
@@ -110,6 +116,12 @@ def rounds_match_one_shot(seed, token_counts, hidden, num_experts, num_topk, dty
     assert_same("recv_topk_weights", got[2], want[2])
     assert got[3] == want[3], f"num_recv_tokens_per_expert_list {got[3]} != {want[3]}"
     assert_same_handle("handle", handle, want_handle, num_recv)
+
+    # NOTE [rounds without a CPU wait]: after round 0, rounds are sized for the most rows any rank receives.
+    if num_rounds > 1 and not num_worst_tokens:
+        most = torch.tensor([place.num_rows for place in handle.rounds.places])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        assert asked == [0] + most[1:].tolist(), (asked, most.tolist())
 
     # The rounds derived from the six fields alone are the rounds the dispatch ran.
     if num_rounds > 1 and not num_worst_tokens:
