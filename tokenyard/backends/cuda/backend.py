@@ -311,8 +311,8 @@ class CudaBackend(Backend):
             0 if request.bias_0 is None else request.bias_0.data_ptr(),
             0 if request.bias_1 is None else request.bias_1.data_ptr(),
             handle.rank_prefix_matrix.data_ptr(), handle.send_head.data_ptr(), num_tokens, grid.num_send_blocks,
-            combined_x.data_ptr(), 0 if combined_w is None else combined_w.data_ptr(), int(heuristics.COMBINE_OWN_ROWS_DIRECT),
-            *self._buffer_args(layout, self._next("_seq")), barrier_expected, *self._wait_args())
+            combined_x.data_ptr(), 0 if combined_w is None else combined_w.data_ptr(),
+            int(heuristics.COMBINE_OWN_ROWS_DIRECT), *self._buffer_args(layout, self._next("_seq")), barrier_expected, *self._wait_args())
         return combined_x, combined_w
 
     # -- low-latency mode -----------------------------------------------------------------------------

@@ -26,7 +26,8 @@ namespace tokenyard::kernels {
 //
 // Row layout (workspace.normal_dispatch_row_bytes): data (kDataInt4 vectors), then kNumScales 4-byte
 // scales padded to 16 bytes, then kNumTopk int32 local expert ids, kNumTopk float32 weights and the int32
-// source index, padded to 16 bytes.
+// source index, padded to 16 bytes (NOTE [row tail]); rows are 128 bytes apart or a multiple of it.
+//
 // NOTE [sender ranges]
 // Sender warp w of the W = num_send_warps warps of the sending launch owns the tokens
 // [T * w / W, T * (w + 1) / W) of its rank's T tokens; ranges differ by at most one token, so no warp
@@ -179,10 +180,12 @@ __device__ __forceinline__ void dispatch(
                 int4 vec = tail[u];
                 if (u * kWarpSize + kWarpSize > kScaleInt4) {  // this slot holds metadata for some lanes
                     const int m = i - kScaleInt4;
-                    const int w0 = meta_word(4 * m, q, expert, weight, t), w1 = meta_word(4 * m + 1, q, expert, weight, t);
-                    const int w2 = meta_word(4 * m + 2, q, expert, weight, t), w3 = meta_word(4 * m + 3, q, expert, weight, t);
+                    int words[4];
+#pragma unroll
+                    for (int c = 0; c < 4; ++c)
+                        words[c] = meta_word(4 * m + c, q, expert, weight, t);
                     if (m >= 0)
-                        vec = make_int4(w0, w1, w2, w3);
+                        vec = make_int4(words[0], words[1], words[2], words[3]);
                 }
                 if (dst[q] != nullptr && i < kTailInt4)
                     ptx::st_na_v4(reinterpret_cast<int4*>(dst[q] + kDataInt4 * 16) + i, vec);
