@@ -58,8 +58,8 @@ def dispatch_notify(num_ranks: int) -> KernelSpec:
 @functools.lru_cache(maxsize=None)
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
              chunk_tokens: int = CHUNK_TOKENS) -> KernelSpec:
-    """`chunk_tokens`: tokens a sender warp publishes at once, a multiple of CHUNK_TOKENS (so the chunks
-    of a call never outnumber the slots)."""
+    """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
+    of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized."""
     assert chunk_tokens % CHUNK_TOKENS == 0, chunk_tokens
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
@@ -86,7 +86,8 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "send_head"),
          Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
-         Param("float*", "combined_topk_weights"), Param("int", "local_direct")) + _BUFFERS + (Param("uint32_t", "barrier_expected"),) + _WAIT,
+         Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
+        + _BUFFERS + (Param("uint32_t", "barrier_expected"),) + _WAIT,
         DATA_THREADS)
 
 

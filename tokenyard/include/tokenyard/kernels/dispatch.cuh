@@ -26,7 +26,7 @@ namespace tokenyard::kernels {
 //
 // Row layout (workspace.normal_dispatch_row_bytes): data (kDataInt4 vectors), then kNumScales 4-byte
 // scales padded to 16 bytes, then kNumTopk int32 local expert ids, kNumTopk float32 weights and the int32
-// source index, padded to 16 bytes (NOTE [row tail]); rows are 128 bytes apart or a multiple of it.
+// source index, padded to 16 bytes (NOTE [row tail]); the whole row is padded to a multiple of 128 bytes.
 //
 // NOTE [sender ranges]
 // Sender warp w of the W = num_send_warps warps of the sending launch owns the tokens
