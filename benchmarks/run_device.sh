@@ -50,7 +50,9 @@ if [ "$what" = diagnostics ] || [ "$what" = all ]; then
     timeout 150 python3 benchmarks/copy_patterns.py --json "$out/copy_patterns.json" 2>&1 | tail -12
 fi
 if [ "$what" = shares ]; then
-    for shares in 0.5,0.333 0.667,0.333 0.583,0.333 0.5,0.5 0.667,0.25; do
+    # Dispatch and combine are separate kernels, so each run times one share of each: at 24 SMs, 12-17
+    # dispatch senders against 6-12 combine senders (the extra 0.0001 keeps int(24 * share) exact).
+    for shares in 0.5,0.25 0.5834,0.2917 0.625,0.3334 0.6667,0.4167 0.7084,0.5; do
         echo "TOKENYARD_SEND_SHARES=$shares"
         TOKENYARD_SEND_SHARES=$shares timeout 100 python3 -m tokenyard.bench --quiet --num_sms 24 --mode normal \
             --backends cuda --json "$out/shares_${shares/,/_}.json" 2>&1 | grep -E "tokenyard .*kernel|copy limit"
