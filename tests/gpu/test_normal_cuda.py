@@ -133,6 +133,47 @@ def _timeout_then_recover(seed):
     return f"{message}; a new Buffer then dispatched {recv.size(0)} rows"
 
 
+def _different_sms_then_recover(seed):
+    # NOTE [sender ranges]: the receivers assume every rank sends with as many warps as they do. Ranks that
+    # use different SM counts must get an error, never rows misplaced or missing.
+    import torch.distributed as dist
+
+    import tokenyard
+    from tokenyard import Buffer, Config
+    from tokenyard.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, topk_idx, weights = make_rank_inputs(seed, num_ranks, 512, 1024, 16, 4, "uniform", "bf16", device)[rank]
+    size = Config(num_max_tokens_per_rank=512).get_nvl_buffer_size_hint(2048, num_ranks)
+    buffer = Buffer(dist.group.WORLD, size, 0, backend="cuda", timeout_s=5)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 16)
+    args = dict(topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert)
+    Buffer.set_num_sms(24 if rank == 0 else 20)
+    message = None
+    try:
+        buffer.dispatch(x, **args)
+        torch.cuda.synchronize()
+        buffer.runtime.check_failures()
+    except tokenyard.TokenyardError as exc:
+        message = str(exc)
+    torch.cuda.synchronize()
+    gathered = [None] * num_ranks
+    dist.all_gather_object(gathered, message)
+    errors = [m for m in gathered if m is not None]
+    assert errors, "ranks with different SM counts dispatched without an error"
+    assert all("same number of SMs" in m or "timed out" in m.lower() for m in errors), errors
+    assert any("same number of SMs" in m for m in errors), errors
+    buffer.destroy()
+    Buffer.set_num_sms(24)
+    fresh = Buffer(dist.group.WORLD, size, 0, backend="cuda", timeout_s=30)
+    recv = fresh.dispatch(x, **args)[0]
+    torch.cuda.synchronize()
+    fresh.destroy()
+    return f"{errors[0]}; a new Buffer then dispatched {recv.size(0)} rows"
+
+
 def _seed():
     return int(os.environ.get("TOKENYARD_TEST_SEED", secrets.randbelow(2**30)))
 
@@ -170,6 +211,12 @@ def test_cuda_dispatch_with_senders_started_before_the_cpu_wait_matches_referenc
 def test_own_rows_taken_the_other_way_match_reference(num_ranks):
     # heuristics.*_OWN_ROWS_DIRECT: each path a token's row for its own rank can take, in both kernels.
     for line in spawn.run(num_ranks, _compare_ranks_own_rows_the_other_way, _seed(), CASES)[0]:
+        print(line)
+
+
+@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+def test_ranks_with_different_sm_counts_get_an_error_then_a_new_buffer_works(num_ranks):
+    for line in spawn.run(num_ranks, _different_sms_then_recover, _seed()):
         print(line)
 
 

@@ -148,6 +148,11 @@ class CudaBackend(Backend):
                 self._failure = InvalidInputError(
                     f"rank {rank} received {seen} rows at {stage_name}, more than num_worst_tokens={expected}; "
                     "rows past it were dropped")
+            elif kind == 3:
+                self._failure = InvalidInputError(
+                    f"rank {peer} dispatched with {seen} sending warps and rank {rank} with {expected}: every rank "
+                    "must use the same number of SMs (Buffer.set_num_sms, Config.num_sms); destroy this Buffer "
+                    "and make a new one")
             else:
                 self._failure = CommTimeoutError(rank, peer, stage_name,
                                                  f"flag was {seen & _MASK32}, expected {expected & _MASK32}; "

@@ -11,7 +11,8 @@ constexpr int64_t kBarrierOffset = 0;        // uint32 [num_ranks]: slot s count
 constexpr int64_t kNotifyFlagOffset = 256;   // uint32 [num_ranks]: slot s counts rank s's notify pieces
 constexpr int64_t kNotifyDataOffset = 1024;  // int32 [num_ranks][num_ranks + 1 + num_local_experts]
 
-// A chunk slot: the sender's sequence number (stored last, with release) and the row range it filled.
+// A chunk slot: the sender's sequence number (stored last, with release) and the row range it filled; a
+// dispatch also stores its number of sending warps in `pad` (NOTE [sender ranges]).
 struct alignas(16) ChunkSlot {
     uint32_t seq;
     int begin;

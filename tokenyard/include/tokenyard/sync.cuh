@@ -8,8 +8,9 @@
 namespace tokenyard {
 
 // NOTE [error record]: int32 words in pinned host memory, read by backends/cuda/errors.py.
-//   [0] 0 = no error, 1 = timeout, 2 = more rows than the output holds (value seen > expected);  [1] rank;  [2] peer;  [3] stage (Stage below);  [4] value seen;
-//   [5] value expected.
+//   [0] 0 = no error, 1 = timeout, 2 = more rows than the output holds (value seen > expected), 3 = a peer
+//   sent with another launch shape (value seen: its sending warps, expected: ours);  [1] rank;  [2] peer;
+//   [3] stage (Stage below);  [4] value seen;  [5] value expected.
 // The first failing wait wins a compare-and-swap on `error_flag` in device memory (atomics on host memory
 // need PCIe atomics, which a VM may lack) and then writes the host record with plain stores.
 enum Stage : int {
@@ -22,7 +23,7 @@ enum Stage : int {
     kStageLowLatencyCombineWeights = 7,
 };
 
-enum ErrorKind : int { kErrorTimeout = 1, kErrorOverflow = 2 };
+enum ErrorKind : int { kErrorTimeout = 1, kErrorOverflow = 2, kErrorMismatch = 3 };
 
 struct WaitContext {
     int* error_flag;          // device memory, 0 until a wait fails

@@ -37,7 +37,8 @@ namespace tokenyard::kernels {
 // p in slot w * P + p, with P = ceil(ceil(T / W) / kChunkTokens) pieces per warp; at most T / kChunkTokens
 // + W slots (workspace.MAX_CHUNKS covers every T the buffer allows for W up to 4096). Receivers compute
 // each source's ranges from its token count and W, so every rank launches the same number of sending
-// warps (the same num_sms, as DeepEP also requires).
+// warps (the same num_sms, as DeepEP also requires); every slot carries its sender's W, and a receiver
+// that finds another records a mismatch error instead of copying rows it would misplace or miss.
 struct SenderRanges {
     int num_tokens, num_warps, num_pieces;
     __device__ __forceinline__ SenderRanges(int tokens, int warps, int chunk)
@@ -251,6 +252,7 @@ __device__ __forceinline__ void dispatch(
                 ptx::fence_acq_rel_sys();
                 ptx::st_relaxed_sys(&slot->begin, prefix_excl[static_cast<int64_t>(t0) * kNumRanks + lane]);
                 ptx::st_relaxed_sys(&slot->end, prefix_excl[static_cast<int64_t>(t1) * kNumRanks + lane]);
+                ptx::st_relaxed_sys(&slot->pad, num_send_warps);  // the receiver checks it is its own W
                 ptx::st_release_sys(&slot->seq, seq);
             }
         }
@@ -285,6 +287,11 @@ __device__ __forceinline__ void dispatch(
             ok = wait_at_least(wait, &slot->seq, seq, source, kStageDispatchRecv);
             begin = ptx::ld_na_s32(&slot->begin);
             end = ptx::ld_na_s32(&slot->end);
+            const int sender_warps = ptx::ld_na_s32(&slot->pad);
+            if (ok && sender_warps != num_send_warps) {  // NOTE [sender ranges]: not the same num_sms
+                record_error(wait, kErrorMismatch, source, kStageDispatchRecv, sender_warps, num_send_warps);
+                ok = false;
+            }
         }
         if (!__shfl_sync(0xffffffffu, ok, 0))
             return;
