@@ -69,3 +69,13 @@ def test_low_latency_layout_fits_in_half_the_hint_without_overlaps(args):
     assert regions[-1][0] + regions[-1][1] <= layout.half_bytes
     assert 2 * layout.half_bytes == workspace.low_latency_size_hint(*args)
     assert layout.state == 0, "state sits at a fixed offset whatever the sizes"
+
+
+def test_dispatch_slots_never_outnumber_the_buffer_slots():
+    # NOTE [sender ranges]: W sender warps publish ceil(ceil(T / W) / 8) pieces each; every call the buffer
+    # allows (T up to MAX_NORMAL_TOKENS_PER_RANK) must fit MAX_CHUNKS for any W up to 4096 (256 SMs).
+    worst = max(workspace.normal_dispatch_slots(tokens, warps, workspace.CHUNK_ROWS)
+                for warps in range(1, 4097) for tokens in (workspace.MAX_NORMAL_TOKENS_PER_RANK, 65000, 4096, 257, 1))
+    assert worst <= workspace.MAX_CHUNKS
+    assert workspace.normal_dispatch_slots(4096, 192, 8) == 192 * 3  # 21 or 22 tokens per warp: 3 pieces
+    assert workspace.normal_dispatch_slots(0, 192, 8) == 0

@@ -100,21 +100,32 @@ def _compare_ranks(seed, cases):
     return reports
 
 
-def _timeout_then_recover(seed):
+def _small_dispatch(seed, num_tokens, timeout_s):
+    """A CUDA Buffer and the arguments of one small bf16 dispatch (hidden 1024, top-4 of 16 experts)."""
     import torch.distributed as dist
 
-    import tokenyard
     from tokenyard import Buffer, Config
     from tokenyard.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
-    x, topk_idx, weights = make_rank_inputs(seed, num_ranks, 64, 1024, 16, 4, "uniform", "bf16", device)[rank]
-    size = Config(num_max_tokens_per_rank=64).get_nvl_buffer_size_hint(2048, num_ranks)
-    buffer = Buffer(dist.group.WORLD, size, 0, backend="cuda", timeout_s=3)
+    x, topk_idx, weights = make_rank_inputs(seed, num_ranks, num_tokens, 1024, 16, 4, "uniform", "bf16", device)[rank]
+    size = Config(num_max_tokens_per_rank=num_tokens).get_nvl_buffer_size_hint(2048, num_ranks)
+    buffer = Buffer(dist.group.WORLD, size, 0, backend="cuda", timeout_s=timeout_s)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 16)
     args = dict(topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                 num_tokens_per_expert=per_expert)
+    return x, args, size, buffer
+
+
+def _timeout_then_recover(seed):
+    import torch.distributed as dist
+
+    import tokenyard
+    from tokenyard import Buffer
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    x, args, size, buffer = _small_dispatch(seed, 64, timeout_s=3)
     message = "skipped"
     if rank != num_ranks - 1:  # the last rank skips this call
         try:
@@ -139,18 +150,13 @@ def _different_sms_then_recover(seed):
     import torch.distributed as dist
 
     import tokenyard
-    from tokenyard import Buffer, Config
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard import Buffer
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
-    x, topk_idx, weights = make_rank_inputs(seed, num_ranks, 512, 1024, 16, 4, "uniform", "bf16", device)[rank]
-    size = Config(num_max_tokens_per_rank=512).get_nvl_buffer_size_hint(2048, num_ranks)
-    buffer = Buffer(dist.group.WORLD, size, 0, backend="cuda", timeout_s=5)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 16)
-    args = dict(topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                num_tokens_per_expert=per_expert)
-    Buffer.set_num_sms(24 if rank == 0 else 20)
+    x, args, size, buffer = _small_dispatch(seed, 512, timeout_s=5)
+    default_sms = Buffer.num_sms
+    if rank == 0:
+        Buffer.set_num_sms(default_sms + 4)
     message = None
     try:
         buffer.dispatch(x, **args)
@@ -166,7 +172,7 @@ def _different_sms_then_recover(seed):
     assert all("same number of SMs" in m or "timed out" in m.lower() for m in errors), errors
     assert any("same number of SMs" in m for m in errors), errors
     buffer.destroy()
-    Buffer.set_num_sms(24)
+    Buffer.set_num_sms(default_sms)
     fresh = Buffer(dist.group.WORLD, size, 0, backend="cuda", timeout_s=30)
     recv = fresh.dispatch(x, **args)[0]
     torch.cuda.synchronize()
