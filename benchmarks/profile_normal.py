@@ -73,7 +73,7 @@ def _profile(num_sms: int, num_tokens: int):
                 for chunk in (8, 32)]
     for dispatch_share, combine_share, direct, chunk in variants:
         heuristics.DISPATCH_SEND_SHARE, heuristics.DISPATCH_SEND_SHARE_BY_RANKS = dispatch_share, {}
-        heuristics.COMBINE_SEND_SHARE = combine_share
+        heuristics.COMBINE_SEND_SHARE, heuristics.COMBINE_SEND_SHARE_BY_RANKS = combine_share, {}
         heuristics.DISPATCH_OWN_ROWS_DIRECT = heuristics.COMBINE_OWN_ROWS_DIRECT = direct
         heuristics.DISPATCH_CHUNK_TOKENS = chunk
         for _ in range(3):

@@ -27,10 +27,12 @@ def test_send_shares_come_from_the_heuristics_unless_the_environment_overrides_t
     try:
         assert heuristics.dispatch_send_share(2) == heuristics.DISPATCH_SEND_SHARE_BY_RANKS[2]
         assert heuristics.dispatch_send_share(5) == heuristics.DISPATCH_SEND_SHARE
-        assert heuristics.combine_send_share() == heuristics.COMBINE_SEND_SHARE
+        assert heuristics.combine_send_share(2) == heuristics.COMBINE_SEND_SHARE_BY_RANKS[2]
+        assert heuristics.combine_send_share(4) == heuristics.COMBINE_SEND_SHARE
+        assert heuristics.data_grid(24, 132, heuristics.combine_send_share(4)).num_send_blocks == 9
         monkeypatch.setenv("TOKENYARD_SEND_SHARES", "0.625,0.25")
         env.settings.cache_clear()
-        assert (heuristics.dispatch_send_share(2), heuristics.combine_send_share()) == (0.625, 0.25)
+        assert (heuristics.dispatch_send_share(2), heuristics.combine_send_share(4)) == (0.625, 0.25)
         for bad in ("0.5", "0.5,1.0", "half,third"):
             monkeypatch.setenv("TOKENYARD_SEND_SHARES", bad)
             env.settings.cache_clear()

@@ -309,7 +309,8 @@ class CudaBackend(Backend):
         combined_x = self._empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
         combined_w = None if weights is None else self._empty(num_tokens, num_topk, dtype=torch.float32,
                                                               device=x.device)
-        grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.combine_send_share())
+        grid = heuristics.data_grid(request.config.num_sms, self.device_sms,
+                                    heuristics.combine_send_share(self.ctx.num_ranks))
         barrier_expected = self._next("_barrier_calls")
         self._kernel(kernels.combine(self.ctx.num_ranks, hidden * 2 // 16, num_topk))(
             grid.num_blocks, self._stream(), x.data_ptr(), 0 if weights is None else weights.data_ptr(),

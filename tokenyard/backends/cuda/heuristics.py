@@ -27,13 +27,14 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
 # at the DeepSeek-V3 setting with 24 SMs:
 # - 2 H200s at 898daf3: cached dispatch 157.8 us at 2/3, 167.4 at 1/2; combine 231.9 us at 1/3, 284.1 at 1/4,
 #   296.5 at 1/2. Fewer combine senders finish each chunk sooner, so the reducers start sooner.
-# - 4 H200s: 1/2 and 1/2 measured at 104fba0 (benchmarks/results/normal.md). Since then the warps on a rank's
-#   own source no longer idle (898daf3), which leaves the combine's 1/3 with 128 sending warps, near the
-#   144 that were active at 104fba0. The 4-rank dispatch keeps 1/2 until it is measured
-#   (`benchmarks/run_device.sh shares` sweeps them through TOKENYARD_SEND_SHARES).
+# - 4 H200s: 1/2 and 1/2 measured at 104fba0 (benchmarks/results/normal.md), when a quarter of the combine's
+#   sending warps idled on the rank's own source: 144 of 192 sent. Since then none idles (898daf3), and 3/8
+#   of 24 SMs gives the same 144 sending warps, with more reducers than then. The 4-rank dispatch keeps 1/2
+#   until it is measured (`benchmarks/run_device.sh shares` sweeps both through TOKENYARD_SEND_SHARES).
 DISPATCH_SEND_SHARE_BY_RANKS = {2: 2 / 3}
 DISPATCH_SEND_SHARE = 1 / 2   # any other number of ranks
-COMBINE_SEND_SHARE = 1 / 3
+COMBINE_SEND_SHARE_BY_RANKS = {2: 1 / 3}
+COMBINE_SEND_SHARE = 3 / 8    # any other number of ranks
 
 
 def dispatch_send_share(num_ranks: int) -> float:
@@ -41,9 +42,9 @@ def dispatch_send_share(num_ranks: int) -> float:
     return override[0] if override else DISPATCH_SEND_SHARE_BY_RANKS.get(num_ranks, DISPATCH_SEND_SHARE)
 
 
-def combine_send_share() -> float:
+def combine_send_share(num_ranks: int) -> float:
     override = env.settings().send_shares
-    return override[1] if override else COMBINE_SEND_SHARE
+    return override[1] if override else COMBINE_SEND_SHARE_BY_RANKS.get(num_ranks, COMBINE_SEND_SHARE)
 
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS).
 DISPATCH_CHUNK_TOKENS = 8
