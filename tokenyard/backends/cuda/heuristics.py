@@ -26,7 +26,8 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
 # Shares of sending blocks, from the benchmark (python -m tokenyard.bench, L2 flushed, ranks started together)
 # at the DeepSeek-V3 setting with 24 SMs:
 # - 2 H200s at 898daf3: cached dispatch 157.8 us at 2/3, 167.4 at 1/2; combine 231.9 us at 1/3, 284.1 at 1/4,
-#   296.5 at 1/2. Fewer combine senders finish each chunk sooner, so the reducers start sooner.
+#   296.5 at 1/2. (A likely reason: fewer combine senders finish each chunk sooner, so the reducers start
+#   sooner.)
 # - 4 H200s: 1/2 and 1/2 measured at 104fba0 (benchmarks/results/normal.md), when a quarter of the combine's
 #   sending warps idled on the rank's own source: 144 of 192 sent. Since then none idles (898daf3), and 3/8
 #   of 24 SMs gives the same 144 sending warps, with more reducers than then. The 4-rank dispatch keeps 1/2
@@ -45,6 +46,7 @@ def dispatch_send_share(num_ranks: int) -> float:
 def combine_send_share(num_ranks: int) -> float:
     override = env.settings().send_shares
     return override[1] if override else COMBINE_SEND_SHARE_BY_RANKS.get(num_ranks, COMBINE_SEND_SHARE)
+
 
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS).
 DISPATCH_CHUNK_TOKENS = 8
