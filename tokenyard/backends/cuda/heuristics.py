@@ -60,6 +60,10 @@ DISPATCH_CHUNK_TOKENS = 8
 DISPATCH_OWN_ROWS_DIRECT = True
 COMBINE_OWN_ROWS_DIRECT = True
 
+# Dispatch and combine senders ask L2 for their next row while they move the current one (a bulk prefetch,
+# sm_90). Not yet measured: the next benchmark compares it on and off.
+PREFETCH_NEXT_ROW = True
+
 # A dispatch that waits on the CPU for the counts launches its senders before the wait and its receivers
 # after it, so the rows travel while the host sizes the outputs. Off until measured on the device machine
 # (tests/gpu/test_normal_cuda.py runs both ways).

@@ -73,7 +73,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int", "num_send_blocks"), Param("int4*", "recv_x"), Param("uint32_t*", "recv_scales"),
          Param(f"{topk_t}*", "recv_topk_idx"), Param("float*", "recv_topk_weights"), Param("int*", "recv_src_idx"),
          Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("int", "local_direct"),
-         Param("int", "num_send_warps"))
+         Param("int", "num_send_warps"), Param("int", "prefetch"))
         + _BUFFERS + _WAIT,
         DATA_THREADS)
 
@@ -86,7 +86,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "send_head"),
          Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
-         Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
+         Param("float*", "combined_topk_weights"), Param("int", "local_direct"), Param("int", "prefetch"))
         + _BUFFERS + (Param("uint32_t", "barrier_expected"),) + _WAIT,
         DATA_THREADS)
 

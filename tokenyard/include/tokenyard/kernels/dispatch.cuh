@@ -56,7 +56,7 @@ __device__ __forceinline__ void dispatch(
         const TopkT* topk_idx, const float* topk_weights, const bool* is_token_in_rank, const int* prefix_excl,
         const int* rank_prefix_matrix, const int* source_num_tokens, int num_tokens, int num_local_experts,
         int num_send_blocks, int4* recv_x, uint32_t* recv_scales, TopkT* recv_topk_idx, float* recv_topk_weights,
-        int* recv_src_idx, int* send_head, int num_worst_tokens, int local_direct, int num_send_warps,
+        int* recv_src_idx, int* send_head, int num_worst_tokens, int local_direct, int num_send_warps, int prefetch,
         uint8_t* const* peer_bases, int rank,
         int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
         uint32_t seq,
@@ -94,12 +94,16 @@ __device__ __forceinline__ void dispatch(
     // lane, its scales and top-k, and where it goes), so a token costs about one memory round trip before
     // its stores rather than one per dependent load; each vector is read once and written to every
     // destination.
-    auto send_token = [&](int t) {
+    // With `prefetch`, the warp's next token's row is asked into L2 once this token's loads are out, so its
+    // loads find it there rather than in HBM (x is cold in the benchmark, which flushes L2 before each call).
+    auto send_token = [&](int t, int next) {
         constexpr int kBatch = 16;
         const int64_t token = t;
         const int4* src = x + token * kDataInt4;
         int4 v[kBatch];
         load_batch<kBatch, false>(v, src, 0, kDataInt4, lane);
+        if (prefetch && next >= 0 && lane == 0)
+            ptx::prefetch_l2(x + static_cast<int64_t>(next) * kDataInt4, kDataInt4 * 16);
         int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
@@ -244,7 +248,7 @@ __device__ __forceinline__ void dispatch(
         for (int piece = 0, t0 = ranges.begin(send_warp); t0 < t_end; ++piece, t0 += kChunkTokens) {
             const int t1 = min(t_end, t0 + kChunkTokens);
             for (int t = t0; t < t1; ++t)
-                send_token(t);
+                send_token(t, t + 1 < t_end ? t + 1 : -1);
             // Publish the piece at every destination: its rows first (fence), then the sequence number.
             __syncwarp();
             if (lane < kNumRanks) {
