@@ -6,8 +6,8 @@
 #
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|low_latency|bench|diagnostics|shares|all]
 #
-# `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks
-# (TOKENYARD_SEND_SHARES, dispatch then combine) to choose heuristics.py's defaults.
+# `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks, and without
+# the next-row prefetch (TOKENYARD_TUNING), to choose heuristics.py's defaults.
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -53,9 +53,14 @@ if [ "$what" = shares ]; then
     # Dispatch and combine are separate kernels, so each run times one share of each: at 24 SMs, 12-17
     # dispatch senders against 6-12 combine senders (the extra 0.0001 keeps int(24 * share) exact).
     for shares in 0.5,0.25 0.5834,0.2917 0.625,0.3334 0.6667,0.4167 0.7084,0.5; do
-        echo "TOKENYARD_SEND_SHARES=$shares"
-        TOKENYARD_SEND_SHARES=$shares timeout 100 python3 -m tokenyard.bench --quiet --num_sms 24 --mode normal \
-            --backends cuda --json "$out/shares_${shares/,/_}.json" 2>&1 | grep -E "tokenyard .*kernel|copy limit"
+        tuning="dispatch_share=${shares%,*},combine_share=${shares#*,}"
+        for extra in "" ",prefetch=0"; do
+            [ -n "$extra" ] && [ "$shares" != 0.5,0.25 ] && continue  # prefetch off: once, at 1/2 and 1/4
+            echo "TOKENYARD_TUNING=$tuning$extra"
+            TOKENYARD_TUNING="$tuning$extra" timeout 100 python3 -m tokenyard.bench --quiet --num_sms 24 \
+                --mode normal --backends cuda --json "$out/shares_${shares/,/_}${extra:+_noprefetch}.json" 2>&1 \
+                | grep -E "tokenyard .*kernel|copy limit"
+        done
     done
 fi
 tar czf "$out/jit_cache.tgz" "${TOKENYARD_CACHE_DIR#$PWD/}" 2>/dev/null || true

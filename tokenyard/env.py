@@ -17,8 +17,8 @@ change under a running program.
 | TOKENYARD_LOW_LATENCY_KERNELS | str   | "auto"   | CUDA low-latency calls: auto (kernels once validated), on, off |
 | TOKENYARD_NVL_BUFFER_BYTES    | int   | 0        | cap on every Buffer's num_nvl_bytes (0: no cap); calls that |
 |                               |       |          | need more run in rounds (NOTE [rounds] in rounds.py)     |
-| TOKENYARD_SEND_SHARES         | str   | ""       | "D,C": shares of sending blocks of the CUDA normal-mode  |
-|                               |       |          | dispatch and combine, for tuning ("": heuristics.py)     |
+| TOKENYARD_TUNING              | str   | ""       | "key=value,...": overrides of the CUDA backend's launch  |
+|                               |       |          | heuristics, for tuning sweeps (TUNING_KEYS below)        |
 """
 
 from __future__ import annotations
@@ -37,13 +37,32 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"cannot read {text!r} as a boolean")
 
 
-def _parse_shares(text: str) -> tuple:
-    if not text.strip():
-        return ()
-    shares = tuple(float(part) for part in text.split(","))
-    if len(shares) != 2 or not all(0.0 < share < 1.0 for share in shares):
-        raise ValueError("expected two shares strictly between 0 and 1, dispatch then combine, as in '0.5,0.33'")
-    return shares
+def _parse_share(text: str) -> float:
+    share = float(text)
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"a share is strictly between 0 and 1, got {share}")
+    return share
+
+
+# TOKENYARD_TUNING: what each key overrides in tokenyard/backends/cuda/heuristics.py, and how it is read.
+TUNING_KEYS = {
+    "dispatch_share": _parse_share,            # share of a normal dispatch's blocks that send
+    "combine_share": _parse_share,             # share of a normal combine's blocks that send
+    "dispatch_own_rows_direct": _parse_bool,   # DISPATCH_OWN_ROWS_DIRECT
+    "combine_own_rows_direct": _parse_bool,    # COMBINE_OWN_ROWS_DIRECT
+    "prefetch": _parse_bool,                   # PREFETCH_NEXT_ROW
+}
+
+
+def _parse_tuning(text: str) -> tuple:
+    """"dispatch_share=0.625,prefetch=0" -> (("dispatch_share", 0.625), ("prefetch", False))."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in TUNING_KEYS or not value:
+            raise ValueError(f"expected key=value with a key among {sorted(TUNING_KEYS)}, got {item!r}")
+        pairs.append((key, TUNING_KEYS[key](value)))
+    return tuple(pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +77,7 @@ class Settings:
     profile_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tokenyard", "profiles")
     low_latency_kernels: str = "auto"
     nvl_buffer_bytes: int = 0
-    send_shares: tuple = ()
+    tuning: tuple = ()
 
 
 # field name -> (variable, parser)
@@ -73,7 +92,7 @@ _TABLE = {
     "profile_dir": ("TOKENYARD_PROFILE_DIR", str),
     "low_latency_kernels": ("TOKENYARD_LOW_LATENCY_KERNELS", str),
     "nvl_buffer_bytes": ("TOKENYARD_NVL_BUFFER_BYTES", int),
-    "send_shares": ("TOKENYARD_SEND_SHARES", _parse_shares),
+    "tuning": ("TOKENYARD_TUNING", _parse_tuning),
 }
 
 

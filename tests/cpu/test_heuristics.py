@@ -19,10 +19,10 @@ def test_layout_grid_covers_every_token_with_at_most_one_block_per_sm():
     assert heuristics.layout_grid(10**6, 256, 132) == 132
 
 
-def test_send_shares_come_from_the_heuristics_unless_the_environment_overrides_them(monkeypatch):
+def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrides_them(monkeypatch):
     from tokenyard import env
 
-    monkeypatch.delenv("TOKENYARD_SEND_SHARES", raising=False)
+    monkeypatch.delenv("TOKENYARD_TUNING", raising=False)
     env.settings.cache_clear()
     try:
         assert heuristics.dispatch_send_share(2) == heuristics.DISPATCH_SEND_SHARE_BY_RANKS[2]
@@ -30,14 +30,17 @@ def test_send_shares_come_from_the_heuristics_unless_the_environment_overrides_t
         assert heuristics.combine_send_share(2) == heuristics.COMBINE_SEND_SHARE_BY_RANKS[2]
         assert heuristics.combine_send_share(4) == heuristics.COMBINE_SEND_SHARE
         assert heuristics.data_grid(24, 132, heuristics.combine_send_share(4)).num_send_blocks == 9
-        monkeypatch.setenv("TOKENYARD_SEND_SHARES", "0.625,0.25")
+        assert heuristics.prefetch_next_row() is heuristics.PREFETCH_NEXT_ROW
+        monkeypatch.setenv("TOKENYARD_TUNING", "dispatch_share=0.625, combine_share=0.25,prefetch=off")
         env.settings.cache_clear()
         assert (heuristics.dispatch_send_share(2), heuristics.combine_send_share(4)) == (0.625, 0.25)
-        for bad in ("0.5", "0.5,1.0", "half,third"):
-            monkeypatch.setenv("TOKENYARD_SEND_SHARES", bad)
+        assert heuristics.prefetch_next_row() is False
+        assert heuristics.dispatch_own_rows_direct() is heuristics.DISPATCH_OWN_ROWS_DIRECT  # not overridden
+        for bad in ("dispatch_share=1.0", "share=0.5", "prefetch", "prefetch=maybe"):
+            monkeypatch.setenv("TOKENYARD_TUNING", bad)
             env.settings.cache_clear()
-            with pytest.raises(ValueError, match="TOKENYARD_SEND_SHARES"):
+            with pytest.raises(ValueError, match="TOKENYARD_TUNING"):
                 env.settings()
     finally:
-        monkeypatch.delenv("TOKENYARD_SEND_SHARES", raising=False)
+        monkeypatch.delenv("TOKENYARD_TUNING", raising=False)
         env.settings.cache_clear()

@@ -241,6 +241,7 @@ class CudaBackend(Backend):
         scale_strides = (0, 0) if scales is None else (scales.stride(0), scales.stride(1))
         send_head = None if cached else self._empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
         outputs = None
+        own_rows_direct, prefetch = heuristics.dispatch_own_rows_direct(), heuristics.prefetch_next_row()
 
         def launch(num_send_blocks: int) -> None:
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs or (None,) * 5
@@ -251,8 +252,8 @@ class CudaBackend(Backend):
                    source_num_tokens.data_ptr(), num_tokens, num_local_experts, num_send_blocks,
                    *(0 if t is None else t.data_ptr() for t in (recv_x, recv_scales, recv_topk_idx,
                                                                  recv_topk_weights, recv_src_idx, send_head)),
-                   request.num_worst_tokens, int(heuristics.DISPATCH_OWN_ROWS_DIRECT and not split), num_send_warps,
-                   int(heuristics.PREFETCH_NEXT_ROW), *buffer_args, *self._wait_args())
+                   request.num_worst_tokens, int(own_rows_direct and not split), num_send_warps, int(prefetch),
+                   *buffer_args, *self._wait_args())
 
         cpu_wait = not cached and not request.num_worst_tokens
         split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
@@ -318,7 +319,8 @@ class CudaBackend(Backend):
             0 if request.bias_1 is None else request.bias_1.data_ptr(),
             handle.rank_prefix_matrix.data_ptr(), handle.send_head.data_ptr(), num_tokens, grid.num_send_blocks,
             combined_x.data_ptr(), 0 if combined_w is None else combined_w.data_ptr(),
-            int(heuristics.COMBINE_OWN_ROWS_DIRECT), int(heuristics.PREFETCH_NEXT_ROW), *self._buffer_args(layout, self._next("_seq")), barrier_expected, *self._wait_args())
+            int(heuristics.combine_own_rows_direct()), int(heuristics.prefetch_next_row()),
+            *self._buffer_args(layout, self._next("_seq")), barrier_expected, *self._wait_args())
         return combined_x, combined_w
 
     # -- low-latency mode -----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
 # - 4 H200s: 1/2 and 1/2 measured at 104fba0 (benchmarks/results/normal.md), when a quarter of the combine's
 #   sending warps idled on the rank's own source: 144 of 192 sent. Since then none idles (898daf3), and 3/8
 #   of 24 SMs gives the same 144 sending warps, with more reducers than then. The 4-rank dispatch keeps 1/2
-#   until it is measured (`benchmarks/run_device.sh shares` sweeps both through TOKENYARD_SEND_SHARES).
+#   until it is measured (`benchmarks/run_device.sh shares` sweeps both through TOKENYARD_TUNING).
 DISPATCH_SEND_SHARE_BY_RANKS = {2: 2 / 3}
 DISPATCH_SEND_SHARE = 1 / 2   # any other number of ranks
 COMBINE_SEND_SHARE_BY_RANKS = {2: 1 / 3}
@@ -39,13 +39,11 @@ COMBINE_SEND_SHARE = 3 / 8    # any other number of ranks
 
 
 def dispatch_send_share(num_ranks: int) -> float:
-    override = env.settings().send_shares  # TOKENYARD_SEND_SHARES, for tuning sweeps
-    return override[0] if override else DISPATCH_SEND_SHARE_BY_RANKS.get(num_ranks, DISPATCH_SEND_SHARE)
+    return _tuned("dispatch_share", DISPATCH_SEND_SHARE_BY_RANKS.get(num_ranks, DISPATCH_SEND_SHARE))
 
 
 def combine_send_share(num_ranks: int) -> float:
-    override = env.settings().send_shares
-    return override[1] if override else COMBINE_SEND_SHARE_BY_RANKS.get(num_ranks, COMBINE_SEND_SHARE)
+    return _tuned("combine_share", COMBINE_SEND_SHARE_BY_RANKS.get(num_ranks, COMBINE_SEND_SHARE))
 
 
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS).
@@ -63,6 +61,26 @@ COMBINE_OWN_ROWS_DIRECT = True
 # Dispatch and combine senders ask L2 for their next row while they move the current one (a bulk prefetch,
 # sm_90). Not yet measured: the next benchmark compares it on and off.
 PREFETCH_NEXT_ROW = True
+
+
+def dispatch_own_rows_direct() -> bool:
+    return _tuned("dispatch_own_rows_direct", DISPATCH_OWN_ROWS_DIRECT)
+
+
+def combine_own_rows_direct() -> bool:
+    return _tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
+
+
+def prefetch_next_row() -> bool:
+    return _tuned("prefetch", PREFETCH_NEXT_ROW)
+
+
+def _tuned(key: str, default):
+    """The TOKENYARD_TUNING value of `key` (env.TUNING_KEYS), for tuning sweeps, else `default`."""
+    for name, value in env.settings().tuning:
+        if name == key:
+            return value
+    return default
 
 # A dispatch that waits on the CPU for the counts launches its senders before the wait and its receivers
 # after it, so the rows travel while the host sizes the outputs. Off until measured on the device machine
