@@ -402,10 +402,15 @@ __device__ __forceinline__ void low_latency_dispatch(
         __syncthreads();
         trace_mark(trace, kTraceRecvReady);
         // The rows of l in order: pass 1 counts, per chunk of 32 messages of a source, those that carry l
-        // (a chunk per warp, all at once); a prefix gives each chunk its first row; pass 2 places them.
+        // (a chunk per warp, all at once); a prefix gives each chunk its first row; pass 2 places them. A
+        // warp keeps the choice it read for its first chunk (its only one where the chunks are no more than
+        // the warps: 4 ranks of 128 tokens make 16), so pass 2 reads those headers no second time.
+        int first_choice = -1;
         for (int sc = warp; sc < num_ranks * num_chunks; sc += num_warps) {
             const int s = sc / num_chunks, j = sc % num_chunks * kWarpSize + lane;
             const int choice = j < num_messages[s] ? choice_of<kNumTopk>(b.message(rank, s, j), l) : -1;
+            if (sc == warp)
+                first_choice = choice;
             const uint32_t ballot = __ballot_sync(0xffffffffu, choice >= 0);
             if (lane == 0)
                 chunk_first[sc] = __popc(ballot);
@@ -435,7 +440,8 @@ __device__ __forceinline__ void low_latency_dispatch(
         __syncthreads();
         for (int sc = warp; sc < num_ranks * num_chunks; sc += num_warps) {
             const int s = sc / num_chunks, j = sc % num_chunks * kWarpSize + lane;
-            const int choice = j < num_messages[s] ? choice_of<kNumTopk>(b.message(rank, s, j), l) : -1;
+            const int choice = sc == warp ? first_choice
+                               : j < num_messages[s] ? choice_of<kNumTopk>(b.message(rank, s, j), l) : -1;
             const uint32_t ballot = __ballot_sync(0xffffffffu, choice >= 0);
             if (choice >= 0) {
                 const int row = chunk_first[sc] + __popc(ballot & ((1u << lane) - 1u));
