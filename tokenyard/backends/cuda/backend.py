@@ -216,6 +216,17 @@ class CudaBackend(Backend):
         num_scales = 0 if scales is None else scales.size(1)
         layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
                                          workspace.normal_dispatch_row_bytes(data_bytes, num_scales * 4, num_topk))
+        # The data kernel's shape, decided (and refused) before any kernel runs. The senders need no output
+        # tensor, so where the CPU must wait for the counts before it can size the outputs, they may start
+        # before the wait (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT), the receivers following in a launch of
+        # their own; the receivers need the sending launch's warp count (NOTE [sender ranges]).
+        grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.dispatch_send_share(num_ranks))
+        split = not cached and not request.num_worst_tokens and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
+        num_send_warps = (grid.num_blocks if split else grid.num_send_blocks) * (kernels.DATA_THREADS // 32)
+        slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, heuristics.DISPATCH_CHUNK_TOKENS)
+        if slots > layout.max_chunks:
+            raise InvalidInputError(f"{num_send_warps} sending warps need {slots} chunk slots per source, more than "
+                                    f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         stream = self._stream()
         is_token_in_rank = request.is_token_in_rank.contiguous()
 
@@ -231,10 +242,7 @@ class CudaBackend(Backend):
             source_num_tokens.data_ptr(), self.host_counts_ptr, call_id, self.normal.bases_tensor.data_ptr(), rank,
             (call_id * num_ranks) & _MASK32, *self._wait_args())
 
-        # 2. The rows. The senders need no output tensor, so where the CPU must wait for the counts before it
-        #    can size the outputs, they may start before the wait (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT)
-        #    and the receivers follow in a launch of their own.
-        grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.dispatch_send_share(num_ranks))
+        # 2. The rows.
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, num_scales, num_topk, topk_dtype,
                                                 heuristics.DISPATCH_CHUNK_TOKENS))
         buffer_args = self._buffer_args(layout, self._next("_seq"))
@@ -255,14 +263,6 @@ class CudaBackend(Backend):
                    request.num_worst_tokens, int(own_rows_direct and not split), num_send_warps, int(prefetch),
                    *buffer_args, *self._wait_args())
 
-        cpu_wait = not cached and not request.num_worst_tokens
-        split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
-        # The warps of the sending launch (NOTE [sender ranges]): the receivers need the same count.
-        num_send_warps = (grid.num_blocks if split else grid.num_send_blocks) * (kernels.DATA_THREADS // 32)
-        slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, heuristics.DISPATCH_CHUNK_TOKENS)
-        if slots > layout.max_chunks:
-            raise InvalidInputError(f"{num_send_warps} sending warps need {slots} chunk slots per source, more than "
-                                    f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         if split:
             launch(grid.num_blocks)  # senders only
         per_expert_list = None
