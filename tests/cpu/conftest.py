@@ -1,6 +1,3 @@
-import os
-import secrets
-
 import pytest
 
 from .pool import RankPool
@@ -23,11 +20,3 @@ def ranks():
     yield get
     for pool in _pools.values():
         pool.close()
-
-
-@pytest.fixture
-def seed(request):
-    """A fresh seed every run (TOKENYARD_TEST_SEED pins one); printed so a failure can be replayed."""
-    value = int(os.environ.get("TOKENYARD_TEST_SEED", secrets.randbelow(2**31)))
-    print(f"\n{request.node.name}: seed {value} (replay with TOKENYARD_TEST_SEED={value})")
-    return value

@@ -8,9 +8,6 @@ one has none.
 
 from __future__ import annotations
 
-import os
-import secrets
-
 import pytest
 import torch
 
@@ -125,13 +122,7 @@ def compare_rounds(seed, cases, backend="cuda"):
     return reports
 
 
-def _seed():
-    return int(os.environ.get("TOKENYARD_TEST_SEED", secrets.randbelow(2**30)))
-
-
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS])
-def test_cuda_calls_in_rounds_match_reference_one_shot(num_ranks):
-    seed = _seed()
-    print(f"seed {seed}")
+def test_cuda_calls_in_rounds_match_reference_one_shot(num_ranks, seed):
     for line in spawn.run(num_ranks, compare_rounds, seed, CASES)[0]:
         print(line)

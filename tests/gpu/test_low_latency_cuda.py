@@ -8,9 +8,6 @@ with fresh inputs each replay. Outputs are poisoned before the kernels write the
 
 from __future__ import annotations
 
-import os
-import secrets
-
 import pytest
 import torch
 
@@ -176,21 +173,15 @@ def _graph_replay(seed):
     return "graph replays match the reference"
 
 
-def _seed():
-    return int(os.environ.get("TOKENYARD_TEST_SEED", secrets.randbelow(2**30)))
-
-
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4, 8) if n <= NUM_GPUS])
-def test_low_latency_kernels_match_reference(num_ranks):
-    seed = _seed()
-    print(f"seed {seed}")
+def test_low_latency_kernels_match_reference(num_ranks, seed):
     for line in spawn.run(num_ranks, _compare, seed, CASES)[0]:
         print(line)
 
 
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
-def test_low_latency_kernels_replay_in_a_cuda_graph_with_fresh_inputs(num_ranks):
-    print(spawn.run(num_ranks, _graph_replay, _seed())[0])
+def test_low_latency_kernels_replay_in_a_cuda_graph_with_fresh_inputs(num_ranks, seed):
+    print(spawn.run(num_ranks, _graph_replay, seed)[0])
 
 
 def _shapes_on_one_buffer(seed):
@@ -235,8 +226,8 @@ def _shapes_on_one_buffer(seed):
 
 
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
-def test_calls_of_several_shapes_on_one_buffer_after_clean(num_ranks):
-    print(spawn.run(num_ranks, _shapes_on_one_buffer, _seed())[0])
+def test_calls_of_several_shapes_on_one_buffer_after_clean(num_ranks, seed):
+    print(spawn.run(num_ranks, _shapes_on_one_buffer, seed)[0])
 
 
 def _masked_rank(seed):
@@ -298,6 +289,6 @@ def _masked_rank(seed):
 
 
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
-def test_a_stopped_rank_is_masked_and_the_others_keep_serving(num_ranks):
-    for line in spawn.run(num_ranks, _masked_rank, _seed()):
+def test_a_stopped_rank_is_masked_and_the_others_keep_serving(num_ranks, seed):
+    for line in spawn.run(num_ranks, _masked_rank, seed):
         print(line)

@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import pathlib
-import secrets
 
 import pytest
 import torch
@@ -59,10 +58,6 @@ def _measure_ranks(seed, cases):
     return measured
 
 
-def _seed():
-    return int(os.environ.get("TOKENYARD_TEST_SEED", secrets.randbelow(2**30)))
-
-
 def _write(results, seed):
     folder = os.environ.get("TOKENYARD_RESULTS_DIR")
     if not folder:
@@ -85,10 +80,8 @@ def _write(results, seed):
     print(f"wrote {path}")
 
 
-def test_moe_layer_on_cuda_backend_matches_transformers_blocks():
+def test_moe_layer_on_cuda_backend_matches_transformers_blocks(seed):
     pytest.importorskip("transformers")
-    seed = _seed()
-    print(f"seed {seed}")
     results = []
     for num_ranks in [n for n in (2, 4, 8) if n <= NUM_GPUS]:
         for run in spawn.run(num_ranks, _measure_ranks, seed, CASES)[0]:

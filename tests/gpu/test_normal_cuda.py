@@ -6,9 +6,6 @@ bf16 rounding. Outputs are poisoned before the kernels write them.
 
 from __future__ import annotations
 
-import os
-import secrets
-
 import pytest
 import torch
 
@@ -180,10 +177,6 @@ def _different_sms_then_recover(seed):
     return f"{errors[0]}; a new Buffer then dispatched {recv.size(0)} rows"
 
 
-def _seed():
-    return int(os.environ.get("TOKENYARD_TEST_SEED", secrets.randbelow(2**30)))
-
-
 def _compare_ranks_split(seed, cases):
     from tokenyard.backends.cuda import heuristics
 
@@ -200,33 +193,31 @@ def _compare_ranks_own_rows_the_other_way(seed, cases):
 
 
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4, 8) if n <= NUM_GPUS])
-def test_cuda_normal_mode_matches_reference(num_ranks):
-    seed = _seed()
-    print(f"seed {seed}")
+def test_cuda_normal_mode_matches_reference(num_ranks, seed):
     for line in spawn.run(num_ranks, _compare_ranks, seed, CASES)[0]:
         print(line)
 
 
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
-def test_cuda_dispatch_with_senders_started_before_the_cpu_wait_matches_reference(num_ranks):
-    for line in spawn.run(num_ranks, _compare_ranks_split, _seed(), CASES[:3])[0]:
+def test_cuda_dispatch_with_senders_started_before_the_cpu_wait_matches_reference(num_ranks, seed):
+    for line in spawn.run(num_ranks, _compare_ranks_split, seed, CASES[:3])[0]:
         print(line)
 
 
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
-def test_own_rows_taken_the_other_way_match_reference(num_ranks):
+def test_own_rows_taken_the_other_way_match_reference(num_ranks, seed):
     # heuristics.*_OWN_ROWS_DIRECT: each path a token's row for its own rank can take, in both kernels.
-    for line in spawn.run(num_ranks, _compare_ranks_own_rows_the_other_way, _seed(), CASES)[0]:
+    for line in spawn.run(num_ranks, _compare_ranks_own_rows_the_other_way, seed, CASES)[0]:
         print(line)
 
 
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
-def test_ranks_with_different_sm_counts_get_an_error_then_a_new_buffer_works(num_ranks):
-    for line in spawn.run(num_ranks, _different_sms_then_recover, _seed()):
+def test_ranks_with_different_sm_counts_get_an_error_then_a_new_buffer_works(num_ranks, seed):
+    for line in spawn.run(num_ranks, _different_sms_then_recover, seed):
         print(line)
 
 
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
-def test_missing_rank_raises_timeout_naming_rank_and_stage_then_new_buffer_works(num_ranks):
-    for line in spawn.run(num_ranks, _timeout_then_recover, _seed()):
+def test_missing_rank_raises_timeout_naming_rank_and_stage_then_new_buffer_works(num_ranks, seed):
+    for line in spawn.run(num_ranks, _timeout_then_recover, seed):
         print(line)
