@@ -353,14 +353,16 @@ def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, exchange
                 raise InvalidInputError(f"rank {which} receives {most_rows} tokens, more than "
                                         f"num_worst_tokens={num_worst}")
     else:
-        host = _spans(counts.tolist(), rank)
+        host_counts = counts.tolist()  # [s][r][d], one device-to-host copy for everything below
+        host = _spans(host_counts, rank)
         num_rows, round_rows = sum(place.num_rows for place in host), 0
         # NOTE [rounds without a CPU wait]: every rank now knows every round's receive counts, so rounds
         # after the first are sized for the most rows any rank receives in them, the same number on every
         # rank, and run as num_worst_tokens calls: no CPU wait, so the host queues round r + 1 while round r
         # is still moving. Each rank keeps its own rows (the spans), and its round handles hold only those;
         # the padding rows are dropped.
-        most_per_round = counts.sum(0).max(1).values.tolist()  # counts[s, r, d] -> most rows of round r
+        most_per_round = [max(sum(per_source[r][d] for per_source in host_counts) for d in range(num_ranks))
+                          for r in range(rounds.num_rounds)]
     dump = host is None
     outputs = [_Final(num_rows, dump), _Final(num_rows, dump), _Final(num_rows, dump, -1),
                _Final(num_rows, dump, 0), _Final(num_rows, dump, -1)]
