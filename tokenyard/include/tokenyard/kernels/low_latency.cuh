@@ -216,6 +216,15 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
 // mask instead of failing the call: its pairs count as absent in this call, and later calls neither send
 // to it nor wait for it (build_pair_bits drops its experts), so the surviving ranks keep serving. Without a
 // mask the timeout is recorded and raised as CommTimeoutError.
+//
+// Every wait for a peer's signal goes through wait_or_mask: -> the signal's value, or -1 past the deadline.
+__device__ __forceinline__ int wait_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t epoch, int peer,
+                                            int stage, int* rank_mask) {
+    const int value = wait_for_seq(wait, word, epoch, peer, stage, rank_mask == nullptr);
+    if (value < 0 && rank_mask != nullptr)
+        atomicExch(rank_mask + peer, 1);
+    return value;
+}
 
 // FP8 cast of 16 consecutive channels held by one lane, exactly as quant.py (NOTE [low-latency dispatch]):
 // the 8 lanes of one 128-channel group share its amax, so every lane returns the group's scale too.
@@ -391,11 +400,8 @@ __device__ __forceinline__ void low_latency_dispatch(
             const int s = threadIdx.x;
             int count = 0;
             if (rank_mask == nullptr || rank_mask[s] == 0) {
-                count = wait_for_seq(wait, b.count(rank, s), epoch, s, kStageLowLatencyDispatchRecv,
-                                     rank_mask == nullptr);
-                if (count < 0 && rank_mask != nullptr)
-                    atomicExch(rank_mask + s, 1);  // NOTE [rank masking]
-                count = max(0, count);
+                count = max(0, wait_or_mask(wait, b.count(rank, s), epoch, s, kStageLowLatencyDispatchRecv,
+                                            rank_mask));
             }
             num_messages[s] = count;
         }
@@ -655,12 +661,9 @@ __device__ __forceinline__ void low_latency_combine(
             }
             if (weights < 0) {
                 bool arrived = true;
-                if (lane == 0) {
-                    arrived = wait_for_seq(wait, b.weight_flag(rank, s), epoch, s, kStageLowLatencyCombineWeights,
-                                           rank_mask == nullptr) >= 0;
-                    if (!arrived && rank_mask != nullptr)
-                        atomicExch(rank_mask + s, 1);  // NOTE [rank masking]
-                }
+                if (lane == 0)
+                    arrived = wait_or_mask(wait, b.weight_flag(rank, s), epoch, s, kStageLowLatencyCombineWeights,
+                                           rank_mask) >= 0;
                 __syncwarp();  // orders lane 0's acquire before every lane's loads of the weights
                 weights = __shfl_sync(0xffffffffu, arrived, 0) ? 1 : 0;
             }
@@ -703,12 +706,9 @@ __device__ __forceinline__ void low_latency_combine(
         if (lane < num_ranks && pair_chosen(bits, words, lane, t) &&
             (rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + lane) == 0)) {
             const int d = lane;
-            if (wait_for_seq(wait, b.combine_flag(rank, d), epoch, d, kStageLowLatencyCombineRecv,
-                             rank_mask == nullptr) >= 0)
+            if (wait_or_mask(wait, b.combine_flag(rank, d), epoch, d, kStageLowLatencyCombineRecv, rank_mask) >= 0)
                 row = b.combine_row(rank, d, pair_slot(bits, words, d, t));
-            else if (rank_mask != nullptr)
-                atomicExch(rank_mask + d, 1);  // NOTE [rank masking]
-            else
+            else if (rank_mask == nullptr)
                 ok = false;
         }
         __syncwarp();  // orders each lane's acquire before every lane's loads of that rank's row
