@@ -7,12 +7,25 @@ these frozen records to the backend, so the ~20 arguments of a dispatch are spel
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from .config import Config
 from .handle import DispatchHandle, LowLatencyHandle
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one round of a call in rounds writes: straight into the whole call's tensors (NOTE [placed
+    rounds] in rounds.py). Only backends with ``places_rounds`` take one."""
+
+    recv_first: torch.Tensor                 # [R] int32 on the device: row of the whole call's receive order
+                                             # that the round's first row from source s takes
+    outputs: Tuple[Optional[torch.Tensor], ...]  # dispatch: the whole call's (recv_x, recv_x_scales,
+                                             # recv_topk_idx, recv_topk_weights, recv_src_idx); combine: the
+                                             # round's tokens of (combined_x, combined_topk_weights)
+    token_base: int = 0                      # dispatch: the round's first token, added to recv_src_idx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +41,7 @@ class DispatchRequest:
     expert_alignment: int
     num_worst_tokens: int
     config: Config
+    placement: Optional[Placement] = None    # a placed round: its rows go straight into the whole call's tensors
 
     @property
     def num_experts(self) -> int:
@@ -52,6 +66,7 @@ class CombineRequest:
     bias_0: Optional[torch.Tensor]           # [T, H] bf16
     bias_1: Optional[torch.Tensor]
     config: Config
+    placement: Optional[Placement] = None    # a placed round: x and topk_weights are the whole call's
 
 
 @dataclasses.dataclass(frozen=True)

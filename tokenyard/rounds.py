@@ -4,28 +4,38 @@ NOTE [rounds]
 A buffer of `num_nvl_bytes` carries at most ``capacity`` tokens per rank in one call
 (workspace.normal_token_capacity). A call whose largest rank has more tokens than the round size R runs in
 rounds: round r carries tokens ``[r*R, min((r+1)*R, T_s))`` of every rank s (a rank with fewer tokens sends
-an empty round), each as an ordinary one-call request to the backend, and this module assembles the
-outputs. Since every rank's tokens are cut into contiguous slices, the rows rank q receives from source s
-in round r are one contiguous range of the one-shot receive order (NOTE [recv order] in routing.py: source
-rank major, then token index): they follow the rows of every lower source (all rounds) and the rows of s
-in earlier rounds. So the outputs are slice copies of the rounds' outputs, equal to the one-shot outputs
-bit for bit, every handle field keeps its canonical meaning (NOTE [handle contents]), and combine sums
-each token in exactly one round, in the same order.
+an empty round), each as one request to the backend. Since every rank's tokens are cut into contiguous
+slices, the rows rank q receives from source s in round r are one contiguous range of the one-shot receive
+order (NOTE [recv order] in routing.py: source rank major, then token index): they follow the rows of
+every lower source (all rounds) and the rows of s in earlier rounds. So the outputs equal the one-shot
+outputs bit for bit, every handle field keeps its canonical meaning (NOTE [handle contents]), and combine
+sums each token in exactly one round, in the same order.
 
 Example: 2 ranks, R = 2. Rank 0 sends its tokens 0..4 to rank 1, rank 1 sends its one token to itself.
 One-shot, rank 1 receives [s0:t0 t1 t2 t3 t4, s1:t0]. Round 0 brings s0:t0 t1 and s1:t0 (final rows 0-1
 and 5), round 1 s0:t2 t3 (rows 2-3), round 2 s0:t4 (row 4); rank 1 sends two empty rounds.
 
+NOTE [placed rounds]
+A round makes no tensors of its own: its request carries a `Placement`, and the backend writes the round's
+rows straight into the whole call's receive tensors (dispatch), or reads them straight from the whole
+call's `x` and writes its tokens' rows of the whole output (combine). The placement is, per source s, the
+row where the round's first row from s goes: ``recv_first[r, s]`` = the rows from every lower source
+plus the rows from s in earlier rounds (the example: recv_first[1] = [2, 6] on rank 1), and the round's
+first token, added to recv_src_idx. The CUDA kernels address rows through it; the reference backend runs
+the round as a call of its own and copies (routing.placed_rows). The one round that is copied on every
+backend is a fresh dispatch's round 0 without `num_worst_tokens`, which runs before the ranks know that
+there are rounds (below). Rounds after it need no CPU wait: their outputs exist.
+
 Every rank must run the same rounds, so the round count n = ceil(max_s T_s / R) is agreed on:
 - fresh dispatch: one all-reduce of the token counts (the call waits for the CPU anyway), then, when
   n > 1, one all-gather of every rank's tokens per (round, destination); that count matrix
-  ``counts[s, r, d]`` gives every offset on the host. The all-reduce comes after round 0's backend call,
-  whose count exchange is a bounded wait (NOTE [agree after the count exchange]). Later rounds run
-  without a CPU wait (NOTE [rounds without a CPU wait]).
+  ``counts[s, r, d]`` gives every offset (on the device; this rank's received rows per round on the
+  host, to size the outputs). The all-reduce comes after round 0's backend call, whose count exchange is a
+  bounded wait (NOTE [agree after the count exchange]).
 - with `num_worst_tokens` = W: no host sync. W bounds num_ranks * tokens per rank, so n is
   ``ceil(ceil(W / num_ranks) / R)`` on every rank (a rank with more than n * R tokens is refused); the
-  count matrix stays on the device and rows are placed with ``index_copy_``; each round's request has
-  ``min(W, num_ranks * R)`` worst-case rows.
+  outputs have W rows, the padding values written when they are made; each round handle has
+  ``min(W, num_ranks * R)`` rows, as a one-shot num_worst_tokens dispatch of the round's slices.
 - cached dispatch and combine replay the rounds stored on the handle (`DispatchHandle.rounds`) when they
   fit this call's rows; otherwise (a plain 6-tuple, or wider rows) the rounds are derived from the
   handle's six fields with the same two collectives.
@@ -45,15 +55,15 @@ transfer (that needs a backend that alternates two halves of its buffer).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import workspace
+from . import routing, workspace
 from .errors import CommTimeoutError, InvalidInputError
 from .handle import DispatchHandle
-from .requests import CombineRequest, DispatchRequest, DispatchResult
+from .requests import CombineRequest, DispatchRequest, DispatchResult, Placement
 from .waiting import wait_until
 
 
@@ -70,68 +80,25 @@ def _indexable(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
-# --------------------------------------------------------------------------------------------------
-# where one round's rows go in the final receive order
-# --------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Spans:
-    """Host offsets: ``(round_row, final_row, num_rows)`` per source with rows in the round."""
-
-    spans: Tuple[Tuple[int, int, int], ...]
-    num_rows: int  # rows of the round
-
-    def put(self, final: torch.Tensor, part: torch.Tensor) -> None:
-        for round_row, final_row, num_rows in self.spans:
-            final.narrow(0, final_row, num_rows).copy_(part.narrow(0, round_row, num_rows))
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """The round's rows of a tensor in the final order (a view where they are one range)."""
-        if len(self.spans) == 1:
-            return full.narrow(0, self.spans[0][1], self.num_rows)
-        part = full.new_empty((self.num_rows,) + tuple(full.shape[1:]))
-        for round_row, final_row, num_rows in self.spans:
-            part.narrow(0, round_row, num_rows).copy_(full.narrow(0, final_row, num_rows))
-        return part
-
-
-@dataclasses.dataclass(frozen=True)
-class Scatter:
-    """Device offsets (`num_worst_tokens`): ``index[i]`` is the final row of round row i, or `dump`
-    (= the final row count) for the round's padding rows and for rows past the final count."""
-
-    index: torch.Tensor
-    dump: int
-
-    def put(self, final: torch.Tensor, part: torch.Tensor) -> None:
-        _indexable(final).index_copy_(0, self.index[:part.size(0)], _indexable(part))
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        # Padding rows read some valid row: a backend reads only the rows its handle counts.
-        return full.index_select(0, self.index.clamp_max(max(self.dump - 1, 0)))
-
-
-Place = Union[Spans, Scatter]
-
-
 @dataclasses.dataclass(frozen=True)
 class Rounds:
     """The rounds of one dispatch, kept on its handle (`DispatchHandle.rounds`) for combine and cached
-    dispatch. Identical on every rank except `handles` and `places`.
+    dispatch. Identical on every rank except `handles` and `recv_first`.
 
     round_tokens: each rank's tokens are cut into slices of this many.
     num_rounds: 1 means one-shot (the handle itself is the round's handle).
     max_round_tokens: the most tokens any rank sends in one round; a call whose round size is at least
         this replays these rounds.
-    handles, places: per round, its handle (as a one-shot dispatch of the slices makes it) and where its
-        rows sit in the final receive order; empty when one-shot.
+    handles: per round, its handle, as a one-shot dispatch of the slices makes it; empty when one-shot.
+    recv_first: ``[num_rounds, R]`` int32 on the device: where round r's rows from source s start in the
+        whole call's receive order (NOTE [placed rounds]); None when one-shot.
     """
 
     round_tokens: int
     num_rounds: int
     max_round_tokens: int
     handles: Tuple[DispatchHandle, ...] = ()
-    places: Tuple[Place, ...] = ()
+    recv_first: Optional[torch.Tensor] = None
 
     def bounds(self, r: int, num_tokens: int) -> Tuple[int, int]:
         """Tokens [begin, end) of a rank with `num_tokens` tokens in round r."""
@@ -215,6 +182,8 @@ class _Offsets:
         self.recv_channel_prefix_matrix = self.final_excl[:, rank].to(torch.int32).view(-1, 1)
         # [r, d]: this rank's token at row j of round r's rows on d lands at row j + shift[r, d] one-shot.
         self.shift = self.final_excl[rank].unsqueeze(0) + self.prior[rank] - self.round_excl[rank]
+        # [r, s]: where round r's rows from source s start on this rank (NOTE [placed rounds]).
+        self.recv_first = (self.final_excl[:, rank].unsqueeze(0) + self.prior[:, :, rank].t()).to(torch.int32)
 
     def round_handle_fields(self, r: int):
         """rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix of round r."""
@@ -222,72 +191,15 @@ class _Offsets:
         return (counts_r.cumsum(0).to(torch.int32), counts_r[self.rank].to(torch.int32).view(-1, 1),
                 self.round_excl[:, r, self.rank].to(torch.int32).view(-1, 1))
 
-    def scatter(self, r: int, num_round_rows: int, num_rows: int) -> Scatter:
-        """Round r's rows (`num_round_rows` of them, padding included) in a final order of `num_rows`."""
-        num_ranks = self.counts.size(0)
-        column = self.counts[:, r, self.rank]
-        row = torch.arange(num_round_rows, device=column.device)
-        source = torch.searchsorted(column.cumsum(0), row, right=True)   # num_ranks past the round's rows
-        valid = source < num_ranks
-        source = source.clamp_max(num_ranks - 1)
-        dest = (self.final_excl[:, self.rank][source] + self.prior[:, r, self.rank][source] + row
-                - self.round_excl[:, r, self.rank][source])
-        return Scatter(torch.where(valid & (dest < num_rows), dest, num_rows), num_rows)
-
-
-def _spans(host: List[List[List[int]]], rank: int) -> List[Spans]:
-    """Host twin of `_Offsets.scatter`, for every round, from ``host[s][r][d]`` (no padding rows)."""
-    columns = [[per_round[rank] for per_round in per_source] for per_source in host]   # [s][r] rows to rank
-    first, source_first = 0, []
-    for column in columns:
-        source_first.append(first)
-        first += sum(column)
-    prior = [0] * len(columns)
-    out = []
-    for r in range(len(columns[0])):
-        spans, round_row = [], 0
-        for s, column in enumerate(columns):
-            if column[r]:
-                spans.append((round_row, source_first[s] + prior[s], column[r]))
-            round_row += column[r]
-            prior[s] += column[r]
-        out.append(Spans(tuple(spans), round_row))
-    return out
-
-
-class _Final:
-    """One output of a rounded call, allocated like the first round's part and filled round by round.
-
-    With `dump` (the `Scatter` case) it has one extra row that padding rows land in, and the rows no round
-    fills keep `fill` (``-1`` for recv_topk_idx and recv_src_idx, ``0`` for weights, as docs/semantics.md
-    has them); without, the rounds fill every row.
-    """
-
-    def __init__(self, num_rows: int, dump: bool, fill=None):
-        self.num_rows, self.dump, self.fill, self.tensor = num_rows, dump, fill, None
-
-    def put(self, place: Place, part: Optional[torch.Tensor]) -> None:
-        if part is None:
-            return
-        if self.tensor is None:
-            shape = (self.num_rows + int(self.dump),) + tuple(part.shape[1:])
-            fill = self.fill if self.dump else None
-            self.tensor = part.new_empty(shape) if fill is None else part.new_full(shape, fill)
-        place.put(self.tensor, part)
-
-    def result(self) -> Optional[torch.Tensor]:
-        if self.tensor is None or not self.dump:
-            return self.tensor
-        return self.tensor[:self.num_rows]
-
 
 # --------------------------------------------------------------------------------------------------
 # the calls
 # --------------------------------------------------------------------------------------------------
 
-def _round_request(request: DispatchRequest, r: int, begin: int, end: int, round_rows: int) -> DispatchRequest:
+def _round_request(request: DispatchRequest, r: int, begin: int, end: int,
+                   placement: Optional[Placement]) -> DispatchRequest:
     """Round r's request: tokens [begin, end) of this rank, the whole per-expert count in round 0 only."""
-    if begin == 0 and end == request.x.size(0) and round_rows == request.num_worst_tokens:
+    if placement is None and begin == 0 and end == request.x.size(0):
         return request
     in_rank = request.is_token_in_rank[begin:end]
     per_expert = request.num_tokens_per_expert
@@ -295,7 +207,8 @@ def _round_request(request: DispatchRequest, r: int, begin: int, end: int, round
         request, x=request.x[begin:end], x_scales=_rows(request.x_scales, begin, end),
         topk_idx=_rows(request.topk_idx, begin, end), topk_weights=_rows(request.topk_weights, begin, end),
         num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert if r == 0 else torch.zeros_like(per_expert), num_worst_tokens=round_rows)
+        num_tokens_per_expert=per_expert if r == 0 else torch.zeros_like(per_expert),
+        num_worst_tokens=0 if placement is not None else request.num_worst_tokens, placement=placement)
 
 
 def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: Exchange,
@@ -328,12 +241,52 @@ def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: 
     # a new Buffer's handle exchange) and every later call would hang. So the round count is agreed on
     # only once round 0's exchange has succeeded on this rank, on a stream of its own so that it does not
     # wait for round 0's transfer.
-    first = backend.dispatch(_round_request(request, 0, 0, min(num_tokens, round_tokens), 0))
+    first = backend.dispatch(_round_request(request, 0, 0, min(num_tokens, round_tokens), None))
     most = exchange.max_int(num_tokens)
     rounds = Rounds(round_tokens, max(1, _ceil_div(most, round_tokens)), min(round_tokens, most))
     if rounds.num_rounds == 1:
         return first, rounds
     return _dispatch_rounds(backend, request, rounds, exchange, check_values, first)
+
+
+def _whole_outputs(backend, request: DispatchRequest, num_rows: int) -> Tuple[Optional[torch.Tensor], ...]:
+    """The whole call's (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx), which the
+    rounds fill. With `num_worst_tokens` the rows no round fills keep the padding values of
+    docs/semantics.md (-1 indices, 0 weights); recv_topk_weights exists even without input weights, as
+    the kernels write it."""
+    x, scales, topk_idx = request.x, request.x_scales, request.topk_idx
+    pad = bool(request.num_worst_tokens)
+
+    def new(row_shape, dtype, padding=None):
+        shape = (num_rows,) + tuple(row_shape)
+        if pad and padding is not None:
+            return torch.full(shape, padding, dtype=dtype, device=x.device)
+        return backend.empty(*shape, dtype=dtype, device=x.device)
+
+    return (new(x.shape[1:], x.dtype), None if scales is None else new(scales.shape[1:], scales.dtype),
+            new(topk_idx.shape[1:], topk_idx.dtype, -1), new(topk_idx.shape[1:], torch.float32, 0),
+            new((), torch.int32, -1))
+
+
+def put_round(part: DispatchResult, placement: Placement, rank: int) -> None:
+    """Copy a round that made tensors of its own (round 0 of a fresh dispatch, a round on the reference
+    backend) into the whole call's."""
+    index = routing.placed_rows(part.handle.rank_prefix_matrix, rank, placement.recv_first, part.recv_x.size(0))
+    pieces = (part.recv_x, part.recv_x_scales, part.recv_topk_idx, part.recv_topk_weights,
+              part.handle.recv_src_idx + placement.token_base)
+    for whole, piece in zip(placement.outputs, pieces):
+        if whole is not None and piece is not None:
+            _indexable(whole).index_copy_(0, index, _indexable(piece))
+
+
+def _round_src_idx(recv_src_idx: torch.Tensor, rank_prefix_matrix: torch.Tensor, rank: int,
+                   recv_first: torch.Tensor, num_round_rows: int, token_base: int) -> torch.Tensor:
+    """A round handle's recv_src_idx, read from the whole call's: the round's own token indices, -1 on its
+    padding rows (and on rows past the whole call's, which the kernels dropped)."""
+    index = routing.placed_rows(rank_prefix_matrix, rank, recv_first, num_round_rows)
+    valid = (index >= 0) & (index < recv_src_idx.size(0))
+    taken = recv_src_idx[index.clamp(0, max(recv_src_idx.size(0) - 1, 0))] if recv_src_idx.numel() else index
+    return torch.where(valid, taken - token_base, -1).to(torch.int32)
 
 
 def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, exchange: Exchange, check_values: bool,
@@ -344,94 +297,78 @@ def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, exchange
     in_rank = request.is_token_in_rank
     counts = exchange.all_gather(per_round_counts(in_rank, round_tokens, rounds.num_rounds)).long()
     offsets = _Offsets(counts, rank)
-    host = None
     if num_worst:
-        num_rows, round_rows = num_worst, min(num_worst, num_ranks * round_tokens)
+        # A round handle is sized like a one-shot num_worst_tokens dispatch of the round's slices.
+        num_rows, round_rows = num_worst, [min(num_worst, num_ranks * round_tokens)] * rounds.num_rounds
         if check_values:  # every rank holds all counts, so every rank raises together
             most_rows, which = (int(v) for v in torch.max(counts.sum((0, 1)), dim=0))
             if most_rows > num_worst:
                 raise InvalidInputError(f"rank {which} receives {most_rows} tokens, more than "
                                         f"num_worst_tokens={num_worst}")
     else:
-        host_counts = counts.tolist()  # [s][r][d], one device-to-host copy for everything below
-        host = _spans(host_counts, rank)
-        num_rows, round_rows = sum(place.num_rows for place in host), 0
-        # NOTE [rounds without a CPU wait]: every rank now knows every round's receive counts, so rounds
-        # after the first are sized for the most rows any rank receives in them, the same number on every
-        # rank, and run as num_worst_tokens calls: no CPU wait, so the host queues round r + 1 while round r
-        # is still moving. Each rank keeps its own rows (the spans), and its round handles hold only those;
-        # the padding rows are dropped.
-        most_per_round = [max(sum(per_source[r][d] for per_source in host_counts) for d in range(num_ranks))
-                          for r in range(rounds.num_rounds)]
-    dump = host is None
-    outputs = [_Final(num_rows, dump), _Final(num_rows, dump), _Final(num_rows, dump, -1),
-               _Final(num_rows, dump, 0), _Final(num_rows, dump, -1)]
+        received = counts[:, :, rank].sum(0).tolist()  # [r] rows this rank receives per round
+        num_rows, round_rows = sum(received), received
+    outputs = _whole_outputs(backend, request, num_rows)
     send_head = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=x.device)
-    handles, places, per_expert_list = [], [], None
+    handles, per_expert_list = [], None
     for r in range(rounds.num_rounds):
         begin, end = rounds.bounds(r, num_tokens)
+        placement = Placement(offsets.recv_first[r], outputs, r * round_tokens)
         if first is not None:  # round 0, sent while the ranks agreed on the round count
             part, first = first, None
+            put_round(part, placement, rank)
         else:
-            part = backend.dispatch(_round_request(request, r, begin, end,
-                                                   round_rows if dump else int(most_per_round[r])))
-        place = offsets.scatter(r, part.recv_x.size(0), num_rows) if dump else host[r]
+            part = backend.dispatch(_round_request(request, r, begin, end, placement))
         round_handle = part.handle
-        for final, piece in zip(outputs, (part.recv_x, part.recv_x_scales, part.recv_topk_idx,
-                                          part.recv_topk_weights, round_handle.recv_src_idx + r * round_tokens)):
-            final.put(place, piece)
         head = round_handle.send_head
         send_head[begin:end] = torch.where(head >= 0, head + offsets.shift[r], -1)
-        if r == 0:
-            per_expert_list = part.num_recv_tokens_per_expert_list
+        if r == 0:  # with num_worst_tokens an empty list, as one-shot
+            per_expert_list = [] if num_worst else part.num_recv_tokens_per_expert_list
         fields = list(round_handle)
-        if not dump:  # a round padded to the most rows of any rank keeps its own rows in its handle
-            fields[3] = round_handle.recv_src_idx[:place.num_rows]
-        handles.append(DispatchHandle(*fields, num_recv_tokens=None if dump else place.num_rows))
-        places.append(place)
-    recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = (f.result() for f in outputs)
+        fields[3] = _round_src_idx(outputs[4], round_handle.rank_prefix_matrix, rank, placement.recv_first,
+                                   round_rows[r], placement.token_base)
+        handles.append(DispatchHandle(*fields, num_recv_tokens=None if num_worst else round_rows[r]))
+    recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
     handle = DispatchHandle(offsets.rank_prefix_matrix, offsets.channel_prefix_matrix,
                             offsets.recv_channel_prefix_matrix, recv_src_idx, in_rank, send_head)
-    result = DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
-    return result, dataclasses.replace(rounds, handles=tuple(handles), places=tuple(places))
+    result = DispatchResult(recv_x, recv_x_scales, recv_topk_idx,
+                            None if request.topk_weights is None else recv_topk_weights, per_expert_list, handle)
+    return result, dataclasses.replace(rounds, handles=tuple(handles), recv_first=offsets.recv_first)
 
 
 def cached_dispatch(backend, request: DispatchRequest, rounds: Rounds) -> DispatchResult:
     """A dispatch with a handle, replaying `rounds` (from `plan_for`)."""
     if rounds.num_rounds == 1:
         return backend.dispatch(request)
-    handle = request.handle
-    dump = isinstance(rounds.places[0], Scatter)
-    outputs = [_Final(handle.num_rows, dump), _Final(handle.num_rows, dump)]
-    for r, (round_handle, place) in enumerate(zip(rounds.handles, rounds.places)):
+    handle, x, scales = request.handle, request.x, request.x_scales
+    recv_x = backend.empty(handle.num_rows, *x.shape[1:], dtype=x.dtype, device=x.device)
+    recv_scales = None if scales is None else backend.empty(handle.num_rows, *scales.shape[1:], dtype=scales.dtype,
+                                                           device=x.device)
+    outputs = (recv_x, recv_scales, None, None, None)
+    for r, round_handle in enumerate(rounds.handles):
         begin, end = rounds.bounds(r, handle.num_tokens)
-        part = backend.dispatch(dataclasses.replace(
-            request, x=request.x[begin:end], x_scales=_rows(request.x_scales, begin, end),
-            is_token_in_rank=round_handle.is_token_in_rank, handle=round_handle))
-        outputs[0].put(place, part.recv_x)
-        outputs[1].put(place, part.recv_x_scales)
-    return DispatchResult(outputs[0].result(), outputs[1].result(), None, None, None, handle)
+        backend.dispatch(dataclasses.replace(
+            request, x=x[begin:end], x_scales=_rows(scales, begin, end),
+            is_token_in_rank=round_handle.is_token_in_rank, handle=round_handle,
+            placement=Placement(rounds.recv_first[r], outputs, r * rounds.round_tokens)))
+    return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
 
 def combine(backend, request: CombineRequest, rounds: Rounds):
     """A combine replaying `rounds` (from `plan_for`): -> (combined_x, combined_topk_weights)."""
     if rounds.num_rounds == 1:
         return backend.combine(request)
-    num_tokens = request.handle.num_tokens
-    weights, combined = request.topk_weights, [None, None]
-    for r, (round_handle, place) in enumerate(zip(rounds.handles, rounds.places)):
+    x, weights, num_tokens = request.x, request.topk_weights, request.handle.num_tokens
+    combined_x = backend.empty(num_tokens, x.size(1), dtype=x.dtype, device=x.device)
+    combined_w = None if weights is None else backend.empty(num_tokens, weights.size(1), dtype=torch.float32,
+                                                            device=x.device)
+    for r, round_handle in enumerate(rounds.handles):
         begin, end = rounds.bounds(r, num_tokens)
-        parts = backend.combine(CombineRequest(
-            x=place.take(request.x), handle=round_handle, topk_weights=None if weights is None else place.take(weights),
-            bias_0=_rows(request.bias_0, begin, end), bias_1=_rows(request.bias_1, begin, end),
-            config=request.config))
-        for i, part in enumerate(parts):
-            if part is None:
-                continue
-            if combined[i] is None:
-                combined[i] = part.new_empty((num_tokens,) + tuple(part.shape[1:]))
-            combined[i].narrow(0, begin, end - begin).copy_(part)
-    return combined[0], combined[1]
+        backend.combine(dataclasses.replace(
+            request, handle=round_handle, bias_0=_rows(request.bias_0, begin, end),
+            bias_1=_rows(request.bias_1, begin, end),
+            placement=Placement(rounds.recv_first[r], (combined_x[begin:end], _rows(combined_w, begin, end)))))
+    return combined_x, combined_w
 
 
 def derive(handle: DispatchHandle, round_tokens: int, exchange: Exchange) -> Rounds:
@@ -447,15 +384,18 @@ def derive(handle: DispatchHandle, round_tokens: int, exchange: Exchange) -> Rou
         return rounds
     counts = exchange.all_gather(per_round_counts(handle.is_token_in_rank, round_tokens, num_rounds)).long()
     offsets = _Offsets(counts, rank)
-    handles, places = [], _spans(counts.tolist(), rank)
-    for r, place in enumerate(places):
+    received = counts[:, :, rank].sum(0).tolist()
+    handles = []
+    for r in range(num_rounds):
         begin, end = rounds.bounds(r, num_tokens)
         head = handle.send_head[begin:end]
         send_head = torch.where(head >= 0, head - offsets.shift[r], -1).to(torch.int32)
-        recv_src_idx = place.take(handle.recv_src_idx) - r * round_tokens
-        handles.append(DispatchHandle(*offsets.round_handle_fields(r), recv_src_idx, handle.is_token_in_rank[begin:end],
-                                      send_head, num_recv_tokens=place.num_rows))
-    return dataclasses.replace(rounds, handles=tuple(handles), places=tuple(places))
+        fields = offsets.round_handle_fields(r)
+        recv_src_idx = _round_src_idx(handle.recv_src_idx, fields[0], rank, offsets.recv_first[r], received[r],
+                                      r * round_tokens)
+        handles.append(DispatchHandle(*fields, recv_src_idx, handle.is_token_in_rank[begin:end], send_head,
+                                      num_recv_tokens=received[r]))
+    return dataclasses.replace(rounds, handles=tuple(handles), recv_first=offsets.recv_first)
 
 
 def plan_for(handle: DispatchHandle, round_tokens: int, exchange: Exchange) -> Rounds:

@@ -54,6 +54,26 @@ def to_local_topk(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], 
     return local_idx, local_weights
 
 
+def placed_rows(rank_prefix_matrix: torch.Tensor, rank: int, recv_first: torch.Tensor,
+                num_rows: int) -> torch.Tensor:
+    """Per rank. Where a round's rows go in the whole call's receive order (NOTE [placed rounds] in
+    rounds.py): row i of the round's own order (NOTE [recv order]) comes from the source s whose rows hold
+    it and lands at ``recv_first[s] + i - (the round's rows from sources before s)``.
+
+    rank_prefix_matrix: the round's ``[R, R]``; recv_first: ``[R]``; num_rows: the round's rows, padding
+    included. Returns int64 ``[num_rows]``, -1 on padding rows.
+    Example: 2 sources sending 2 and 1 rows, recv_first [5, 9] -> rows [5, 6, 9].
+    """
+    inclusive = rank_prefix_matrix[:, rank].long()
+    row = torch.arange(num_rows, device=inclusive.device)
+    source = torch.searchsorted(inclusive, row, right=True)  # R on padding rows
+    valid = source < inclusive.numel()
+    source = source.clamp_max(inclusive.numel() - 1)
+    before = inclusive - torch.diff(inclusive, prepend=inclusive.new_zeros(1))  # exclusive
+    placed = recv_first.long()[source] + row - before[source]
+    return torch.where(valid, placed, -1)
+
+
 def align_counts(counts: Sequence[int], expert_alignment: int) -> List[int]:
     """Per rank. Round each count up to a multiple of `expert_alignment`."""
     return [(int(c) + expert_alignment - 1) // expert_alignment * expert_alignment for c in counts]

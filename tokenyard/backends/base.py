@@ -35,9 +35,19 @@ class Backend(abc.ABC):
     """One implementation of the tokenyard operations."""
 
     name: str = "?"
+    # Whether dispatch and combine take a `Placement` (NOTE [placed rounds] in rounds.py).
+    places_rounds: bool = False
 
     def __init__(self, ctx: GroupContext):
         self.ctx = ctx
+        self.poison_outputs = False  # tests set it: outputs start as 0xAB bytes, so unwritten rows show
+
+    def empty(self, *shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """An output tensor, poisoned where the tests ask for it."""
+        t = torch.empty(*shape, dtype=dtype, device=device)
+        if self.poison_outputs and t.numel():
+            t.view(torch.uint8).fill_(0xAB)
+        return t
 
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):

@@ -9,6 +9,7 @@ boolean-mask indexing or repeat_interleave in that path).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import List, Optional
 
@@ -53,6 +54,7 @@ def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 class ReferenceBackend(Backend):
     name = "reference"
+    places_rounds = True  # by copying: a round runs as a call of its own (NOTE [placed rounds] in rounds.py)
 
     def __init__(self, ctx: GroupContext):
         super().__init__(ctx)
@@ -77,6 +79,12 @@ class ReferenceBackend(Backend):
         return routing.dispatch_layout(topk_idx, num_experts, self.ctx.num_ranks)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        return self._placed_dispatch(request) if request.placement is not None else self._dispatch(request)
+
+    def combine(self, request: CombineRequest):
+        return self._placed_combine(request) if request.placement is not None else self._combine(request)
+
+    def _dispatch(self, request: DispatchRequest) -> DispatchResult:
         num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
         x, is_token_in_rank = request.x, request.is_token_in_rank
         num_tokens = x.size(0)
@@ -166,7 +174,7 @@ class ReferenceBackend(Backend):
                                     send_head)
         return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
 
-    def combine(self, request: CombineRequest):
+    def _combine(self, request: CombineRequest):
         num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
         handle = request.handle
         send_head = handle.send_head
@@ -200,6 +208,39 @@ class ReferenceBackend(Backend):
                 acc_w[dest] = acc_w[dest] + weights[begin:end]
             begin = end
         return acc.to(request.x.dtype), acc_w
+
+    # -- placed rounds (NOTE [placed rounds] in rounds.py): a round runs as a call of its own, and its rows
+    # are copied to where the CUDA kernels write them ----------------------------------------------------
+
+    def _placed_dispatch(self, request: DispatchRequest) -> DispatchResult:
+        from .. import rounds
+
+        placement = request.placement
+        part = self._dispatch(dataclasses.replace(request, placement=None, num_worst_tokens=0))
+        last = int(routing.placed_rows(part.handle.rank_prefix_matrix, self.ctx.rank, placement.recv_first,
+                                       part.recv_x.size(0)).max()) if part.recv_x.size(0) else -1
+        if last >= placement.outputs[0].size(0):
+            raise InvalidInputError(f"rank {self.ctx.rank} receives at least {last + 1} rows, more than "
+                                    f"num_worst_tokens={placement.outputs[0].size(0)}")
+        rounds.put_round(part, placement, self.ctx.rank)
+        recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = placement.outputs
+        handle = part.handle if request.handle is not None else DispatchHandle(*part.handle[:3], recv_src_idx,
+                                                                                 *part.handle[4:])
+        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+                              part.num_recv_tokens_per_expert_list, handle)
+
+    def _placed_combine(self, request: CombineRequest):
+        placement, handle = request.placement, request.handle
+        rows = routing.placed_rows(handle.rank_prefix_matrix, self.ctx.rank, placement.recv_first,
+                                   handle.num_rows).clamp_min(0)  # padding rows read row 0, never summed
+        weights = request.topk_weights
+        parts = self._combine(dataclasses.replace(
+            request, x=request.x.index_select(0, rows), placement=None,
+            topk_weights=None if weights is None else weights.index_select(0, rows)))
+        for whole, part in zip(placement.outputs, parts):
+            if whole is not None:
+                whole.copy_(part)
+        return placement.outputs
 
     # -- low-latency mode -----------------------------------------------------------------------------
 

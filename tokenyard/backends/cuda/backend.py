@@ -57,6 +57,7 @@ class SymmetricBuffer:
 
 class CudaBackend(Backend):
     name = "cuda"
+    places_rounds = True
     # `backend="auto"` picks this backend only once its GPU tests have passed on the device machine
     # (tests/gpu/test_normal_cuda.py: bit for bit against the reference backend on 2 and 4 H200s).
     VALIDATED = True
@@ -106,7 +107,6 @@ class CudaBackend(Backend):
         self._notify_calls = 0
         self._barrier_calls = 0
         self._failure: Optional[TokenyardError] = None
-        self.poison_outputs = False  # tests set it: outputs start as 0xAB bytes, so unwritten rows show
         self._kernels = {}  # id(spec) -> (spec, Kernel), see _kernel
         from ..reference import ReferenceBackend
         from .low_latency import LowLatencyKernels
@@ -146,7 +146,8 @@ class CudaBackend(Backend):
             stage_name = _STAGES.get(stage, f"stage {stage}")
             if kind == 2:
                 self._failure = InvalidInputError(
-                    f"rank {rank} received {seen} rows at {stage_name}, more than num_worst_tokens={expected}; "
+                    f"rank {rank} received at least {seen} rows at {stage_name}, more than "
+                    f"num_worst_tokens={expected}; "
                     "rows past it were dropped")
             elif kind == 3:
                 self._failure = InvalidInputError(
@@ -159,12 +160,6 @@ class CudaBackend(Backend):
                                                  "destroy this Buffer and make a new one")
         if self._failure is not None:
             raise self._failure
-
-    def _empty(self, *shape, dtype, device) -> torch.Tensor:
-        t = torch.empty(*shape, dtype=dtype, device=device)
-        if self.poison_outputs and t.numel():
-            t.view(torch.uint8).fill_(0xAB)
-        return t
 
     def _next(self, counter: str) -> int:
         """Advance one of the call counters (the same on every rank, since every rank makes the same calls)."""
@@ -203,6 +198,7 @@ class CudaBackend(Backend):
         device = x.device
         num_tokens = x.size(0)
         cached = request.handle is not None
+        placement = request.placement  # NOTE [placed rounds] in rounds.py: the outputs exist
         topk_idx = None if cached else request.topk_idx
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
         if num_topk > kernels.MAX_TOPK:
@@ -221,7 +217,8 @@ class CudaBackend(Backend):
         # before the wait (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT), the receivers following in a launch of
         # their own; the receivers need the sending launch's warp count (NOTE [sender ranges]).
         grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.dispatch_send_share(num_ranks))
-        split = not cached and not request.num_worst_tokens and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
+        split = (not cached and not request.num_worst_tokens and placement is None
+                 and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT)
         num_send_warps = (grid.num_blocks if split else grid.num_send_blocks) * (kernels.DATA_THREADS // 32)
         slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, heuristics.DISPATCH_CHUNK_TOKENS)
         if slots > layout.max_chunks:
@@ -247,9 +244,13 @@ class CudaBackend(Backend):
                                                 heuristics.DISPATCH_CHUNK_TOKENS))
         buffer_args = self._buffer_args(layout, self._next("_seq"))
         scale_strides = (0, 0) if scales is None else (scales.stride(0), scales.stride(1))
-        send_head = None if cached else self._empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
+        send_head = None if cached else self.empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
         outputs = None
         own_rows_direct, prefetch = heuristics.dispatch_own_rows_direct(), heuristics.prefetch_next_row()
+        num_worst, recv_first, src_idx_base = request.num_worst_tokens, 0, 0
+        if placement is not None:
+            outputs = placement.outputs
+            num_worst, recv_first, src_idx_base = outputs[0].size(0), placement.recv_first.data_ptr(), placement.token_base
 
         def launch(num_send_blocks: int) -> None:
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs or (None,) * 5
@@ -260,13 +261,16 @@ class CudaBackend(Backend):
                    source_num_tokens.data_ptr(), num_tokens, num_local_experts, num_send_blocks,
                    *(0 if t is None else t.data_ptr() for t in (recv_x, recv_scales, recv_topk_idx,
                                                                  recv_topk_weights, recv_src_idx, send_head)),
-                   request.num_worst_tokens, int(own_rows_direct and not split), num_send_warps, int(prefetch),
+                   num_worst, recv_first, src_idx_base, int(own_rows_direct and not split), num_send_warps,
+                   int(prefetch),
                    *buffer_args, *self._wait_args())
 
         if split:
             launch(grid.num_blocks)  # senders only
         per_expert_list = None
-        if cached:
+        if placement is not None:
+            num_rows = None
+        elif cached:
             num_rows = request.handle.num_rows
         elif request.num_worst_tokens:
             num_rows = request.num_worst_tokens
@@ -276,14 +280,17 @@ class CudaBackend(Backend):
             num_rows = int(self.host_counts[1])
             per_expert_list = [int(self.host_counts[2 + l]) for l in range(num_local_experts)]
 
-        recv_x = self._empty(num_rows, x.size(1), dtype=x.dtype, device=device)
-        recv_scales = None if scales is None else self._empty(num_rows, num_scales, dtype=scales.dtype, device=device)
-        recv_topk_idx = recv_topk_weights = None
-        if topk_idx is not None:
-            recv_topk_idx = self._empty(num_rows, num_topk, dtype=topk_dtype, device=device)
-            recv_topk_weights = self._empty(num_rows, num_topk, dtype=torch.float32, device=device)
-        recv_src_idx = self._empty(num_rows, dtype=torch.int32, device=device)
-        outputs = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx)
+        if outputs is None:
+            recv_x = self.empty(num_rows, x.size(1), dtype=x.dtype, device=device)
+            recv_scales = None if scales is None else self.empty(num_rows, num_scales, dtype=scales.dtype,
+                                                                  device=device)
+            recv_topk_idx = recv_topk_weights = None
+            if topk_idx is not None:
+                recv_topk_idx = self.empty(num_rows, num_topk, dtype=topk_dtype, device=device)
+                recv_topk_weights = self.empty(num_rows, num_topk, dtype=torch.float32, device=device)
+            recv_src_idx = self.empty(num_rows, dtype=torch.int32, device=device)
+            outputs = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
         if split:
             launch(0)  # receivers only
         else:
@@ -307,9 +314,13 @@ class CudaBackend(Backend):
         num_topk = 0 if weights is None else weights.size(1)
         layout = workspace.normal_layout(self.ctx.num_nvl_bytes, self.ctx.num_ranks,
                                          workspace.normal_combine_row_bytes(hidden, num_topk))
-        combined_x = self._empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-        combined_w = None if weights is None else self._empty(num_tokens, num_topk, dtype=torch.float32,
-                                                              device=x.device)
+        placement = request.placement  # NOTE [placed rounds] in rounds.py
+        if placement is not None:
+            combined_x, combined_w = placement.outputs
+        else:
+            combined_x = self.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+            combined_w = None if weights is None else self.empty(num_tokens, num_topk, dtype=torch.float32,
+                                                                  device=x.device)
         grid = heuristics.data_grid(request.config.num_sms, self.device_sms,
                                     heuristics.combine_send_share(self.ctx.num_ranks))
         barrier_expected = self._next("_barrier_calls")
@@ -317,7 +328,8 @@ class CudaBackend(Backend):
             grid.num_blocks, self._stream(), x.data_ptr(), 0 if weights is None else weights.data_ptr(),
             0 if request.bias_0 is None else request.bias_0.data_ptr(),
             0 if request.bias_1 is None else request.bias_1.data_ptr(),
-            handle.rank_prefix_matrix.data_ptr(), handle.send_head.data_ptr(), num_tokens, grid.num_send_blocks,
+            handle.rank_prefix_matrix.data_ptr(), 0 if placement is None else placement.recv_first.data_ptr(),
+            handle.send_head.data_ptr(), num_tokens, grid.num_send_blocks,
             combined_x.data_ptr(), 0 if combined_w is None else combined_w.data_ptr(),
             int(heuristics.combine_own_rows_direct()), int(heuristics.prefetch_next_row()),
             *self._buffer_args(layout, self._next("_seq")), barrier_expected, *self._wait_args())

@@ -38,12 +38,15 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // waits for the chunk that holds it, and the warp then sums bias_0, bias_1 and the rows of ranks
 // 0, 1, ... in float32, as the semantics fix the order. With `local_direct`, the rows this rank returns to
 // itself never enter the buffer: the senders skip that source and the reducers read those rows, and their
-// weights, from `x` and `topk_weights` (send_head of this rank is the row of x itself).
+// weights, from `x` and `topk_weights`.
+// In a placed round (NOTE [placed rounds] in dispatch.cuh), `x` and `topk_weights` are the whole call's and
+// the round's rows from source s start at row recv_first[s] of them (else rank_prefix_matrix gives it);
+// send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows>
 __device__ __forceinline__ void combine(
         const int4* x, const float* topk_weights, const int4* bias_0, const int4* bias_1,
-        const int* rank_prefix_matrix, const int* send_head, int num_tokens, int num_send_blocks,
-        int4* combined_x, float* combined_topk_weights, int local_direct, int prefetch, uint8_t* const* peer_bases,
+        const int* rank_prefix_matrix, const int* recv_first, const int* send_head, int num_tokens,
+        int num_send_blocks, int4* combined_x, float* combined_topk_weights, int local_direct, int prefetch, uint8_t* const* peer_bases,
         int rank,
         int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
         uint32_t seq,
@@ -54,13 +57,18 @@ __device__ __forceinline__ void combine(
     const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_offset, max_chunks, row_bytes};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    // The first row from `source` in this round's part of the receive order, and in `x`.
+    auto round_first = [&](int source) {
+        return source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
+    };
+    auto x_first = [&](int source) { return recv_first != nullptr ? recv_first[source] : round_first(source); };
     if (!normal_barrier<kNumRanks>(buffers, wait, barrier_expected))
         return;
 
     if (static_cast<int>(blockIdx.x) < num_send_blocks) {
         int most_chunks = 0;
         for (int s = 0; s < kNumRanks; ++s) {
-            const int rows = rank_prefix_matrix[s * kNumRanks + rank] - (s > 0 ? rank_prefix_matrix[(s - 1) * kNumRanks + rank] : 0);
+            const int rows = rank_prefix_matrix[s * kNumRanks + rank] - round_first(s);
             most_chunks = max(most_chunks, (rows + kChunkRows - 1) / kChunkRows);
         }
         const int num_send_warps = num_send_blocks * kNumWarps;
@@ -69,8 +77,8 @@ __device__ __forceinline__ void combine(
         for (int item = blockIdx.x * kNumWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
             const int chunk = item / num_sources, other = item % num_sources;
             const int source = local_direct && other >= rank ? other + 1 : other;
-            const int first = source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
-            const int rows = rank_prefix_matrix[source * kNumRanks + rank] - first;
+            const int first = x_first(source);
+            const int rows = rank_prefix_matrix[source * kNumRanks + rank] - round_first(source);
             if (chunk * kChunkRows >= rows)
                 continue;
             const int j1 = min(rows, (chunk + 1) * kChunkRows);
@@ -101,23 +109,22 @@ __device__ __forceinline__ void combine(
         bool ready = true;
         if (lane < kNumRanks) {
             const int head = send_head[token * kNumRanks + lane];
-            if (head >= 0 && local_direct && lane == rank) {
-                index = head;  // a row of x
-            } else if (head >= 0) {
+            if (head >= 0)  // the token's row among this rank's rows at rank `lane`
                 index = head - (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + lane] : 0);
+            if (head >= 0 && !(local_direct && lane == rank))
                 ready = wait_at_least(wait, &buffers.slot(rank, lane, index / kChunkRows)->seq, seq, lane,
                                       kStageCombineRecv);
-            }
         }
         if (!__all_sync(0xffffffffu, ready))
             return;
         int indices[kNumRanks];
         const int4* rows_in[kNumRanks];  // where each rank's row of this token is read
+        const int64_t own_row = x_first(rank) + __shfl_sync(0xffffffffu, index, rank);  // in x, local_direct
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q) {
             indices[q] = __shfl_sync(0xffffffffu, index, q);
             rows_in[q] = indices[q] < 0 ? nullptr
-                         : local_direct && q == rank ? x + static_cast<int64_t>(indices[q]) * kHiddenInt4
+                         : local_direct && q == rank ? x + own_row * kHiddenInt4
                          : reinterpret_cast<const int4*>(buffers.row(rank, q, indices[q]));
         }
         // kUnroll vectors per lane, each with its kNumRanks loads issued before any is summed (16 loads in
@@ -178,7 +185,7 @@ __device__ __forceinline__ void combine(
                 if (indices[q] < 0)
                     continue;
                 const float* w = local_direct && q == rank
-                    ? topk_weights + static_cast<int64_t>(indices[q]) * kNumTopk
+                    ? topk_weights + own_row * kNumTopk
                     : reinterpret_cast<const float*>(buffers.row(rank, q, indices[q]) + kWeightsOffset);
                 acc = __fadd_rn(acc, __int_as_float(ptx::ld_na_s32(reinterpret_cast<const int*>(w) + lane)));
             }

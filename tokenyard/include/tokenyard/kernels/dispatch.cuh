@@ -24,6 +24,13 @@ namespace tokenyard::kernels {
 // (heuristics.DISPATCH_OWN_ROWS_DIRECT, measured faster). It is off when the senders run before the outputs
 // exist (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT).
 //
+// NOTE [placed rounds]
+// A round of a call in rounds (tokenyard/rounds.py) writes straight into the whole call's receive tensors:
+// `recv_first[s]` is the output row of the round's first row from source s (else rank_prefix_matrix gives
+// it, one-shot), `src_idx_base` the round's first token (added to recv_src_idx), and `num_worst_tokens`
+// the rows the whole call's tensors hold. The caller has filled the padding rows, so the kernel writes
+// none; a row past the tensors is dropped and recorded as an overflow error, as one-shot.
+//
 // Row layout (workspace.normal_dispatch_row_bytes): data (kDataInt4 vectors), then kNumScales 4-byte
 // scales padded to 16 bytes, then kNumTopk int32 local expert ids, kNumTopk float32 weights and the int32
 // source index, padded to 16 bytes (NOTE [row tail]); the whole row is padded to a multiple of 128 bytes.
@@ -56,8 +63,8 @@ __device__ __forceinline__ void dispatch(
         const TopkT* topk_idx, const float* topk_weights, const bool* is_token_in_rank, const int* prefix_excl,
         const int* rank_prefix_matrix, const int* source_num_tokens, int num_tokens, int num_local_experts,
         int num_send_blocks, int4* recv_x, uint32_t* recv_scales, TopkT* recv_topk_idx, float* recv_topk_weights,
-        int* recv_src_idx, int* send_head, int num_worst_tokens, int local_direct, int num_send_warps, int prefetch,
-        uint8_t* const* peer_bases, int rank,
+        int* recv_src_idx, int* send_head, int num_worst_tokens, const int* recv_first, int src_idx_base,
+        int local_direct, int num_send_warps, int prefetch, uint8_t* const* peer_bases, int rank,
         int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
         uint32_t seq,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
@@ -70,6 +77,11 @@ __device__ __forceinline__ void dispatch(
     const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_offset, max_chunks, row_bytes};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    // The output row of the first row from `source` (NOTE [placed rounds]).
+    auto out_first = [&](int source) {
+        return recv_first != nullptr ? recv_first[source]
+                                     : source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
+    };
 
     // NOTE [row tail]
     // After its data, a row holds its scales (padded to 16 bytes) and its metadata: kNumTopk int32 local
@@ -139,10 +151,12 @@ __device__ __forceinline__ void dispatch(
         int64_t direct_row = -1;
         if (local_direct && dst[rank] != nullptr) {
             dst[rank] = nullptr;
-            direct_row = (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + rank] : 0) +
-                         __shfl_sync(0xffffffffu, index, rank);
-            if (num_worst_tokens > 0 && direct_row >= num_worst_tokens)
-                direct_row = -1;  // recorded by the receivers as an overflow error
+            direct_row = out_first(rank) + __shfl_sync(0xffffffffu, index, rank);
+            if (num_worst_tokens > 0 && direct_row >= num_worst_tokens) {
+                if (lane == 0)
+                    record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, direct_row + 1, num_worst_tokens);
+                direct_row = -1;
+            }
         }
         int4* direct = direct_row >= 0 ? recv_x + direct_row * kDataInt4 : nullptr;
         for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
@@ -172,8 +186,8 @@ __device__ __forceinline__ void dispatch(
                 recv_topk_idx[direct_row * kNumTopk + lane] = static_cast<TopkT>(local ? expert - first : -1);
                 recv_topk_weights[direct_row * kNumTopk + lane] = local ? weight : 0.0f;
             }
-            if (lane == 0)
-                recv_src_idx[direct_row] = t;
+            if (lane == 0 && recv_src_idx != nullptr)
+                recv_src_idx[direct_row] = src_idx_base + t;
         }
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q) {
@@ -234,8 +248,8 @@ __device__ __forceinline__ void dispatch(
                     recv_topk_idx[out * kNumTopk + w] = static_cast<TopkT>(words[c]);
                 } else if (w < 2 * kNumTopk) {
                     recv_topk_weights[out * kNumTopk + w - kNumTopk] = __int_as_float(words[c]);
-                } else if (w == 2 * kNumTopk) {
-                    recv_src_idx[out] = words[c];
+                } else if (w == 2 * kNumTopk && recv_src_idx != nullptr) {
+                    recv_src_idx[out] = src_idx_base + words[c];
                 }
             }
         }
@@ -270,7 +284,8 @@ __device__ __forceinline__ void dispatch(
     for (int s = 0; s < kNumRanks; ++s)
         most_pieces = max(most_pieces, SenderRanges(source_num_tokens[s], num_send_warps, kChunkTokens).num_pieces);
     const int num_recv = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + rank];
-    if (num_worst_tokens > 0 && num_recv > num_worst_tokens && receiver == 0 && threadIdx.x == 0)
+    if (num_worst_tokens > 0 && recv_first == nullptr && num_recv > num_worst_tokens && receiver == 0 &&
+        threadIdx.x == 0)
         record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, num_recv, num_worst_tokens);
     const int num_recv_warps = num_receivers * kNumWarps;
     // With local_direct the items cover the other sources only: had this rank's own source kept its item
@@ -301,16 +316,17 @@ __device__ __forceinline__ void dispatch(
             return;
         begin = __shfl_sync(0xffffffffu, begin, 0);
         end = __shfl_sync(0xffffffffu, end, 0);
-        const int first = source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
-        for (int j = begin; j < end; ++j) {
-            const int64_t out = first + j;
-            if (num_worst_tokens > 0 && out >= num_worst_tokens)
-                continue;  // recorded above as an overflow error
-            receive_row(buffers.row(rank, source, j), out);
+        const int first = out_first(source);
+        if (num_worst_tokens > 0 && first + end > num_worst_tokens) {
+            if (lane == 0)  // one-shot, also recorded above with the whole count
+                record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, first + end, num_worst_tokens);
+            end = max(begin, num_worst_tokens - first);
         }
+        for (int j = begin; j < end; ++j)
+            receive_row(buffers.row(rank, source, j), first + j);
     }
-    // Padding rows of a worst-case-sized output (docs/semantics.md).
-    if (num_worst_tokens > 0) {
+    // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
+    if (num_worst_tokens > 0 && recv_first == nullptr) {
         const int stride = num_receivers * kNumThreads;
         for (int64_t r = num_recv + receiver * kNumThreads + threadIdx.x; r < num_worst_tokens; r += stride) {
             recv_src_idx[r] = -1;
