@@ -42,6 +42,7 @@ class DispatchRequest:
     num_worst_tokens: int
     config: Config
     placement: Optional[Placement] = None    # a placed round: its rows go straight into the whole call's tensors
+    num_call_tokens: Optional[int] = None    # round 0 of a call in rounds: the whole call's tokens on this rank
 
     @property
     def num_experts(self) -> int:
@@ -56,6 +57,9 @@ class DispatchResult:
     recv_topk_weights: Optional[torch.Tensor]
     num_recv_tokens_per_expert_list: Optional[list]
     handle: DispatchHandle
+    # The largest num_call_tokens (else token count) of any rank, where the count exchange learned it on
+    # the host (a fresh dispatch that waited for the CPU); None elsewhere.
+    most_call_tokens: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,11 +27,13 @@ backend is a fresh dispatch's round 0 without `num_worst_tokens`, which runs bef
 there are rounds (below). Rounds after it need no CPU wait: their outputs exist.
 
 Every rank must run the same rounds, so the round count n = ceil(max_s T_s / R) is agreed on:
-- fresh dispatch: one all-reduce of the token counts (the call waits for the CPU anyway), then, when
-  n > 1, one all-gather of every rank's tokens per (round, destination); that count matrix
+- fresh dispatch: round 0's count exchange also carries every rank's whole token count, so the host
+  learns n with round 0's counts (the call waits for the CPU anyway; a backend that does not report it
+  adds one all-reduce); then, when n > 1, one all-gather of every rank's tokens per (round, destination);
+  that count matrix
   ``counts[s, r, d]`` gives every offset (on the device; this rank's received rows per round on the
-  host, to size the outputs). The all-reduce comes after round 0's backend call, whose count exchange is a
-  bounded wait (NOTE [agree after the count exchange]).
+  host, to size the outputs). Both come after round 0's backend call, whose count exchange is a bounded
+  wait (NOTE [agree after the count exchange]).
 - with `num_worst_tokens` = W: no host sync. W bounds num_ranks * tokens per rank, so n is
   ``ceil(ceil(W / num_ranks) / R)`` on every rank (a rank with more than n * R tokens is refused); the
   outputs have W rows, the padding values written when they are made; each round handle has
@@ -183,12 +185,14 @@ class _Offsets:
         # [r, d]: this rank's token at row j of round r's rows on d lands at row j + shift[r, d] one-shot.
         self.shift = self.final_excl[rank].unsqueeze(0) + self.prior[rank] - self.round_excl[rank]
         # [r, s]: where round r's rows from source s start on this rank (NOTE [placed rounds]).
-        self.recv_first = (self.final_excl[:, rank].unsqueeze(0) + self.prior[:, :, rank].t()).to(torch.int32)
+        # Contiguous, as the kernels read it: the sum with a transposed view is laid out like the view.
+        self.recv_first = (self.final_excl[:, rank].unsqueeze(0) + self.prior[:, :, rank].t()).to(
+            torch.int32).contiguous()
 
     def round_handle_fields(self, r: int):
         """rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix of round r."""
         counts_r = self.counts[:, r, :]
-        return (counts_r.cumsum(0).to(torch.int32), counts_r[self.rank].to(torch.int32).view(-1, 1),
+        return (counts_r.cumsum(0).to(torch.int32).contiguous(), counts_r[self.rank].to(torch.int32).view(-1, 1),
                 self.round_excl[:, r, self.rank].to(torch.int32).view(-1, 1))
 
 
@@ -238,11 +242,14 @@ def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: 
     # NOTE [agree after the count exchange]: a rank that skips this call must make the others fail in round
     # 0's count exchange, a bounded wait that raises CommTimeoutError, and not leave them inside a host
     # collective it never joins: that collective would pair with the skipping rank's next one (a barrier,
-    # a new Buffer's handle exchange) and every later call would hang. So the round count is agreed on
-    # only once round 0's exchange has succeeded on this rank, on a stream of its own so that it does not
-    # wait for round 0's transfer.
-    first = backend.dispatch(_round_request(request, 0, 0, min(num_tokens, round_tokens), None))
-    most = exchange.max_int(num_tokens)
+    # a new Buffer's handle exchange) and every later call would hang. So round 0 goes first, and its count
+    # exchange also carries every rank's whole token count (num_call_tokens), which gives the round count
+    # with no collective of its own; a backend that does not report it (most_call_tokens None) has the
+    # count agreed on once round 0's exchange has succeeded on this rank, on a stream of its own so that
+    # it does not wait for round 0's transfer.
+    first = backend.dispatch(dataclasses.replace(_round_request(request, 0, 0, min(num_tokens, round_tokens), None),
+                                                 num_call_tokens=num_tokens))
+    most = first.most_call_tokens if first.most_call_tokens is not None else exchange.max_int(num_tokens)
     rounds = Rounds(round_tokens, max(1, _ceil_div(most, round_tokens)), min(round_tokens, most))
     if rounds.num_rounds == 1:
         return first, rounds

@@ -70,6 +70,15 @@ def normal_dispatch_slots(num_tokens: int, num_send_warps: int, chunk_tokens: in
     return num_send_warps * -(-per_warp // chunk_tokens)
 
 
+NOTIFY_DATA_OFFSET = 1024  # kNotifyDataOffset in include/tokenyard/layout.cuh
+
+
+def normal_max_local_experts(num_ranks: int) -> int:
+    """The most experts per rank the count exchange has room for in the control block's header: a row of
+    ``num_ranks + 2 + num_local_experts`` int32 per source (NOTE [notify] in kernels/notify.cuh)."""
+    return (NORMAL_HEADER_BYTES - NOTIFY_DATA_OFFSET) // 4 // num_ranks - num_ranks - 2
+
+
 def normal_control_bytes(num_ranks: int) -> int:
     """The control block: header words, then `MAX_CHUNKS` slots per source rank."""
     return NORMAL_HEADER_BYTES + num_ranks * MAX_CHUNKS * 16

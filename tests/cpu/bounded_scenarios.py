@@ -81,10 +81,15 @@ def rounds_match_one_shot(seed, token_counts, hidden, num_experts, num_topk, dty
     backend, asked = bounded.runtime, []  # whether each backend call the rounds make is placed
     backend_dispatch = backend.dispatch
     backend.dispatch = lambda request: asked.append(request.placement is not None) or backend_dispatch(request)
+    agreed = []  # round counts agreed on by a collective of their own (NOTE [agree after the count exchange])
+    exchange_max = bounded._exchange.max_int
+    bounded._exchange.max_int = lambda value: agreed.append(value) or exchange_max(value)
     try:
         got = bounded.dispatch(x, **kwargs)
     finally:
         backend.dispatch = backend_dispatch
+        bounded._exchange.max_int = exchange_max
+    assert not agreed, "round 0's count exchange carries the token counts: no all-reduce of its own"
     want_handle, handle = want[4], got[4]
     assert want_handle.rounds.num_rounds == 1
     plan = bounded.normal_round_plan(max_tokens, hidden, num_topk, _split(x)[0].dtype)
@@ -120,6 +125,7 @@ def rounds_match_one_shot(seed, token_counts, hidden, num_experts, num_topk, dty
     # NOTE [placed rounds]: every round but a fresh dispatch's round 0 writes into the whole call's tensors.
     if num_rounds > 1:
         assert asked == [bool(num_worst_tokens)] + [True] * (num_rounds - 1), asked
+        assert handle.rounds.recv_first.is_contiguous()  # the CUDA kernels read it as a plain array
 
     # The rounds derived from the six fields alone are the rounds the dispatch ran.
     if num_rounds > 1 and not num_worst_tokens:

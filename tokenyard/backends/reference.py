@@ -90,18 +90,23 @@ class ReferenceBackend(Backend):
         num_tokens = x.size(0)
         cached = request.handle is not None
 
-        # 1. Counts: counts[s, r] = tokens rank s sends to rank r (same on every rank).
+        # 1. Counts: counts[s, r] = tokens rank s sends to rank r (same on every rank), with every rank's
+        # call token count (DispatchResult.most_call_tokens).
+        most_call_tokens = None
         if cached:
             rank_prefix_matrix = request.handle.rank_prefix_matrix
             counts = torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
         else:
             num_experts = request.num_experts
             num_local_experts = num_experts // num_ranks
-            mine = torch.cat([request.num_tokens_per_rank, request.num_tokens_per_expert]).to(torch.int32)
+            call_tokens = num_tokens if request.num_call_tokens is None else request.num_call_tokens
+            mine = torch.cat([request.num_tokens_per_rank.to(torch.int32), request.num_tokens_per_rank.new_full(
+                (1,), call_tokens, dtype=torch.int32), request.num_tokens_per_expert.to(torch.int32)])
             gathered = self._all_gather(mine)
             counts = gathered[:, :num_ranks]
+            most_call_tokens = int(gathered[:, num_ranks].max())
             rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
-            first = num_ranks + rank * num_local_experts
+            first = num_ranks + 1 + rank * num_local_experts
             per_expert = gathered[:, first:first + num_local_experts].sum(0).tolist()
         send_counts = counts[rank].tolist()
         recv_counts = counts[:, rank].tolist()
@@ -172,7 +177,8 @@ class ReferenceBackend(Backend):
             handle = DispatchHandle(rank_prefix_matrix, counts[rank].view(-1, 1).to(torch.int32).clone(),
                                     recv_first.view(-1, 1).to(torch.int32), recv_src_idx, is_token_in_rank,
                                     send_head)
-        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
+        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle,
+                              most_call_tokens)
 
     def _combine(self, request: CombineRequest):
         num_ranks, rank = self.ctx.num_ranks, self.ctx.rank

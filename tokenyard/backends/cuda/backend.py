@@ -19,7 +19,7 @@ from ...waiting import wait_until
 from ..base import Backend, GroupContext
 from . import heuristics, kernels, runtime
 
-HOST_COUNTS_INTS = 2 + 4096  # [call id, received rows, per-local-expert counts...]
+HOST_COUNTS_INTS = 3 + 4096  # [call id, received rows, most call tokens, per-local-expert counts...] (NOTE [notify])
 # The Stage enum of include/tokenyard/sync.cuh, by value.
 _STAGES = {1: "barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combine/receive",
            5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive", 7: "low_latency_combine/weights"}
@@ -206,8 +206,10 @@ class CudaBackend(Backend):
         topk_dtype = torch.int64 if topk_idx is None else topk_idx.dtype
         num_experts = num_ranks if cached else request.num_experts
         num_local_experts = num_experts // num_ranks
-        if num_local_experts > HOST_COUNTS_INTS - 2:
-            raise InvalidInputError(f"the CUDA backend handles up to {HOST_COUNTS_INTS - 2} experts per rank")
+        most_local_experts = min(HOST_COUNTS_INTS - 3, workspace.normal_max_local_experts(num_ranks))
+        if num_local_experts > most_local_experts:
+            raise InvalidInputError(f"the CUDA backend handles up to {most_local_experts} experts per rank on "
+                                    f"{num_ranks} ranks, got {num_local_experts}")
         data_bytes = x.size(1) * x.element_size()
         num_scales = 0 if scales is None else scales.size(1)
         layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
@@ -236,7 +238,8 @@ class CudaBackend(Backend):
         self._kernel(kernels.dispatch_notify(num_ranks))(
             num_ranks + 1, stream, is_token_in_rank.data_ptr(), num_tokens, per_expert, num_experts,
             request.expert_alignment, prefix_excl.data_ptr(), rank_prefix_matrix.data_ptr(),
-            source_num_tokens.data_ptr(), self.host_counts_ptr, call_id, self.normal.bases_tensor.data_ptr(), rank,
+            source_num_tokens.data_ptr(),
+            num_tokens if request.num_call_tokens is None else request.num_call_tokens, self.host_counts_ptr, call_id, self.normal.bases_tensor.data_ptr(), rank,
             (call_id * num_ranks) & _MASK32, *self._wait_args())
 
         # 2. The rows.
@@ -267,7 +270,7 @@ class CudaBackend(Backend):
 
         if split:
             launch(grid.num_blocks)  # senders only
-        per_expert_list = None
+        per_expert_list = most_call_tokens = None
         if placement is not None:
             num_rows = None
         elif cached:
@@ -277,8 +280,8 @@ class CudaBackend(Backend):
             per_expert_list = []
         else:
             self._wait_host_counts(call_id)
-            num_rows = int(self.host_counts[1])
-            per_expert_list = [int(self.host_counts[2 + l]) for l in range(num_local_experts)]
+            num_rows, most_call_tokens = int(self.host_counts[1]), int(self.host_counts[2])
+            per_expert_list = [int(self.host_counts[3 + l]) for l in range(num_local_experts)]
 
         if outputs is None:
             recv_x = self.empty(num_rows, x.size(1), dtype=x.dtype, device=device)
@@ -304,7 +307,8 @@ class CudaBackend(Backend):
             handle = DispatchHandle(rank_prefix_matrix, counts, recv_first, recv_src_idx, is_token_in_rank, send_head)
         if request.topk_weights is None:
             recv_topk_weights = None
-        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
+        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle,
+                              most_call_tokens)
 
     def combine(self, request: CombineRequest):
         self.check_failures()

@@ -101,17 +101,17 @@ class LowLatencyKernels:
         device = x.device
 
         data_dtype = torch.float8_e4m3fn if request.use_fp8 else torch.bfloat16
-        packed_recv_x = backend._empty(num_local_experts, num_slots, hidden, dtype=data_dtype, device=device)
+        packed_recv_x = backend.empty(num_local_experts, num_slots, hidden, dtype=data_dtype, device=device)
         packed_recv_x_scales = None
         if request.use_fp8:
             # Column-major in the last two axes, as DeepEP lays them out for TMA.
             groups = hidden // 128 // (4 if request.use_ue8m0 else 1)
             scale_dtype = torch.int32 if request.use_ue8m0 else torch.float32
-            packed_recv_x_scales = backend._empty(num_local_experts, groups, num_slots, dtype=scale_dtype,
+            packed_recv_x_scales = backend.empty(num_local_experts, groups, num_slots, dtype=scale_dtype,
                                                   device=device).transpose(1, 2)
-        packed_recv_count = backend._empty(num_local_experts, dtype=torch.int32, device=device)
-        src_info = backend._empty(num_local_experts, num_slots, dtype=torch.int32, device=device)
-        layout_range = backend._empty(num_local_experts, ctx.num_ranks, dtype=torch.int64, device=device)
+        packed_recv_count = backend.empty(num_local_experts, dtype=torch.int32, device=device)
+        src_info = backend.empty(num_local_experts, num_slots, dtype=torch.int32, device=device)
+        layout_range = backend.empty(num_local_experts, ctx.num_ranks, dtype=torch.int64, device=device)
 
         shared_bytes = self._shared_bytes(num_max)
         limit = self._shared_limit - 1024  # the kernel's static shared arrays
@@ -150,7 +150,7 @@ class LowLatencyKernels:
         num_max, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         half = handle.half
-        out = request.out if request.out is not None else backend._empty(num_tokens, hidden, dtype=torch.bfloat16,
+        out = request.out if request.out is not None else backend.empty(num_tokens, hidden, dtype=torch.bfloat16,
                                                                            device=x.device)
         kernel = backend._kernel(kernels.low_latency_combine(num_topk, topk_idx.dtype))
         grid = self._grid()

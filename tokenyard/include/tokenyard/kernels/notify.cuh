@@ -9,23 +9,27 @@ namespace tokenyard::kernels {
 // NOTE [notify]
 // Grid of kNumRanks + 1 blocks. Block q (< kNumRanks) scans column q of is_token_in_rank into
 // prefix_excl[t][q] = tokens before t that go to rank q (row num_tokens holds the total), then writes
-// that total to every rank's notify data (row = this rank), its token count, and the counts of rank q's
-// experts to rank q; last it adds 1 to every rank's notify counter for this source. Block kNumRanks
-// waits until every source's counter reached `notify_expected` (= calls so far * kNumRanks), then
-// builds rank_prefix_matrix, the received total and the per-expert counts, and publishes them to the
-// host (host_counts[1..], then host_counts[0] = call_id). Since a rank only enters this kernel after its
+// that total to every rank's notify data (row = this rank), its token count, the token count of the whole
+// call this request is round 0 of (`call_num_tokens`, NOTE [rounds] in rounds.py; the token count itself
+// one-shot), and the counts of rank q's experts to rank q; last it adds 1 to every rank's notify counter
+// for this source. Block kNumRanks waits until every source's counter reached `notify_expected` (= calls
+// so far * kNumRanks), then builds rank_prefix_matrix, the received total, the largest call token count
+// of any rank and the per-expert counts, and publishes them to the host (host_counts[1..], then
+// host_counts[0] = call_id). Notify data row of source s: kNumRanks counts, token count, call token
+// count, then the counts of the destination's experts. Since a rank only enters this kernel after its
 // previous normal-mode kernels finished, a completed notify also means every rank is done with the
 // buffer's previous contents: it is the barrier before the data kernel.
 template <int kNumRanks, int kNumThreads>
 __device__ __forceinline__ void dispatch_notify(
         const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
         int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens,
-        int* host_counts, uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
+        int call_num_tokens, int* host_counts, uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
     const NormalBuffers buffers{peer_bases, rank, 0, 0, 0, 0, 0};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int num_local_experts = num_experts / kNumRanks;
-    const int stride = kNumRanks + 1 + num_local_experts;
+    constexpr int kExpertsAt = kNumRanks + 2;
+    const int stride = kExpertsAt + num_local_experts;
     __shared__ int scan[kNumThreads];
     __shared__ bool ok;
 
@@ -57,12 +61,14 @@ __device__ __forceinline__ void dispatch_notify(
         if (threadIdx.x < kNumRanks) {
             int* data = buffers.notify_data(threadIdx.x) + rank * stride;
             ptx::st_relaxed_sys(data + q, total);
-            if (q == 0)
+            if (q == 0) {
                 ptx::st_relaxed_sys(data + kNumRanks, num_tokens);
+                ptx::st_relaxed_sys(data + kNumRanks + 1, call_num_tokens);
+            }
         }
         for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads) {
             const int count = num_tokens_per_expert != nullptr ? num_tokens_per_expert[q * num_local_experts + l] : 0;
-            ptx::st_relaxed_sys(buffers.notify_data(q) + rank * stride + kNumRanks + 1 + l, count);
+            ptx::st_relaxed_sys(buffers.notify_data(q) + rank * stride + kExpertsAt + l, count);
         }
         __syncthreads();
         if (threadIdx.x < kNumRanks) {
@@ -93,12 +99,18 @@ __device__ __forceinline__ void dispatch_notify(
         source_num_tokens[q] = ptx::ld_na_s32(data + q * stride + kNumRanks);
         if (q == rank)
             host_counts[1] = running;
+        if (q == 0) {
+            int most = 0;
+            for (int s = 0; s < kNumRanks; ++s)
+                most = max(most, ptx::ld_na_s32(data + s * stride + kNumRanks + 1));
+            host_counts[2] = most;
+        }
     }
     for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads) {
         int count = 0;
         for (int s = 0; s < kNumRanks; ++s)
-            count += ptx::ld_na_s32(data + s * stride + kNumRanks + 1 + l);
-        host_counts[2 + l] = (count + expert_alignment - 1) / expert_alignment * expert_alignment;
+            count += ptx::ld_na_s32(data + s * stride + kExpertsAt + l);
+        host_counts[3 + l] = (count + expert_alignment - 1) / expert_alignment * expert_alignment;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
