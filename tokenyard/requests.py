@@ -42,7 +42,11 @@ class DispatchRequest:
     num_worst_tokens: int
     config: Config
     placement: Optional[Placement] = None    # a placed round: its rows go straight into the whole call's tensors
-    num_call_tokens: Optional[int] = None    # round 0 of a call in rounds: the whole call's tokens on this rank
+    # Round 0 of a call in rounds (NOTE [rounds] in rounds.py): the whole call's tokens on this rank and
+    # what it sends each rank. The count exchange shares them; the result reports most_call_tokens and
+    # holds the whole call's rows, round 0's placed (NOTE [placed rounds]).
+    call_num_tokens: Optional[int] = None
+    call_tokens_per_rank: Optional[torch.Tensor] = None  # [R] int32
 
     @property
     def num_experts(self) -> int:
@@ -57,7 +61,7 @@ class DispatchResult:
     recv_topk_weights: Optional[torch.Tensor]
     num_recv_tokens_per_expert_list: Optional[list]
     handle: DispatchHandle
-    # The largest num_call_tokens (else token count) of any rank, where the count exchange learned it on
+    # The largest call_num_tokens (else token count) of any rank, where the count exchange learned it on
     # the host (a fresh dispatch that waited for the CPU); None elsewhere.
     most_call_tokens: Optional[int] = None
 

@@ -22,25 +22,29 @@ call's `x` and writes its tokens' rows of the whole output (combine). The placem
 row where the round's first row from s goes: ``recv_first[r, s]`` = the rows from every lower source
 plus the rows from s in earlier rounds (the example: recv_first[1] = [2, 6] on rank 1), and the round's
 first token, added to recv_src_idx. The CUDA kernels address rows through it; the reference backend runs
-the round as a call of its own and copies (routing.placed_rows). The one round that is copied on every
-backend is a fresh dispatch's round 0 without `num_worst_tokens`, which runs before the ranks know that
-there are rounds (below). Rounds after it need no CPU wait: their outputs exist.
+the round as a call of its own and copies (routing.placed_rows). A fresh dispatch's round 0 without
+`num_worst_tokens` runs before the ranks know that there are rounds (below), so it carries the whole
+call's counts (`call_num_tokens`, `call_tokens_per_rank`) into its count exchange: the backend learns the
+whole call's received rows with round 0's, makes the whole call's tensors and places round 0 in them
+(one-shot, the whole call is round 0 and nothing changes). Rounds after it need no CPU wait: their
+outputs exist.
 
 Every rank must run the same rounds, so the round count n = ceil(max_s T_s / R) is agreed on:
 - fresh dispatch: round 0's count exchange also carries every rank's whole token count, so the host
   learns n with round 0's counts (the call waits for the CPU anyway; a backend that does not report it
-  adds one all-reduce); then, when n > 1, one all-gather of every rank's tokens per (round, destination);
-  that count matrix
-  ``counts[s, r, d]`` gives every offset (on the device; this rank's received rows per round on the
-  host, to size the outputs). Both come after round 0's backend call, whose count exchange is a bounded
-  wait (NOTE [agree after the count exchange]).
+  adds one all-reduce); then, when n > 1, one all-gather of every rank's tokens per (round, destination),
+  with no host sync: that count matrix ``counts[s, r, d]`` gives every offset on the device. Both come
+  after round 0's backend call, whose count exchange is a bounded wait (NOTE [agree after the count
+  exchange]).
 - with `num_worst_tokens` = W: no host sync. W bounds num_ranks * tokens per rank, so n is
   ``ceil(ceil(W / num_ranks) / R)`` on every rank (a rank with more than n * R tokens is refused); the
-  outputs have W rows, the padding values written when they are made; each round handle has
-  ``min(W, num_ranks * R)`` rows, as a one-shot num_worst_tokens dispatch of the round's slices.
+  outputs have W rows, the padding values written when they are made.
 - cached dispatch and combine replay the rounds stored on the handle (`DispatchHandle.rounds`) when they
   fit this call's rows; otherwise (a plain 6-tuple, or wider rows) the rounds are derived from the
   handle's six fields with the same two collectives.
+Round handles (kept for combine and cached dispatch) have ``min(N, num_ranks * R)`` rows for N rows of
+the whole call, -1 past the round's own, as a one-shot num_worst_tokens dispatch of the round's slices
+makes them: their exact sizes would take a device-to-host copy.
 Per-expert counts: round 0's request carries the caller's whole ``num_tokens_per_expert`` and later rounds
 zeros, so round 0's list is the one-shot list (backends only sum those counts).
 
@@ -75,11 +79,6 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _rows(t: Optional[torch.Tensor], begin: int, end: int) -> Optional[torch.Tensor]:
     return None if t is None else t[begin:end]
-
-
-def _indexable(t: torch.Tensor) -> torch.Tensor:
-    """A view index_copy_ accepts: FP8 has no index kernels, so 1-byte dtypes move as uint8."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +247,8 @@ def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: 
     # count agreed on once round 0's exchange has succeeded on this rank, on a stream of its own so that
     # it does not wait for round 0's transfer.
     first = backend.dispatch(dataclasses.replace(_round_request(request, 0, 0, min(num_tokens, round_tokens), None),
-                                                 num_call_tokens=num_tokens))
+                                                 call_num_tokens=num_tokens,
+                                                 call_tokens_per_rank=request.num_tokens_per_rank))
     most = first.most_call_tokens if first.most_call_tokens is not None else exchange.max_int(num_tokens)
     rounds = Rounds(round_tokens, max(1, _ceil_div(most, round_tokens)), min(round_tokens, most))
     if rounds.num_rounds == 1:
@@ -257,33 +257,18 @@ def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: 
 
 
 def _whole_outputs(backend, request: DispatchRequest, num_rows: int) -> Tuple[Optional[torch.Tensor], ...]:
-    """The whole call's (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx), which the
-    rounds fill. With `num_worst_tokens` the rows no round fills keep the padding values of
-    docs/semantics.md (-1 indices, 0 weights); recv_topk_weights exists even without input weights, as
-    the kernels write it."""
-    x, scales, topk_idx = request.x, request.x_scales, request.topk_idx
-    pad = bool(request.num_worst_tokens)
+    """The whole call's (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx) of a
+    `num_worst_tokens` dispatch, which its rounds fill; the rows none fills keep the padding values of
+    docs/semantics.md (-1 indices and sources, 0 weights)."""
+    x, scales, topk_idx, weights = request.x, request.x_scales, request.topk_idx, request.topk_weights
 
-    def new(row_shape, dtype, padding=None):
-        shape = (num_rows,) + tuple(row_shape)
-        if pad and padding is not None:
-            return torch.full(shape, padding, dtype=dtype, device=x.device)
-        return backend.empty(*shape, dtype=dtype, device=x.device)
+    def padded(row_shape, dtype, value):
+        return torch.full((num_rows,) + tuple(row_shape), value, dtype=dtype, device=x.device)
 
-    return (new(x.shape[1:], x.dtype), None if scales is None else new(scales.shape[1:], scales.dtype),
-            new(topk_idx.shape[1:], topk_idx.dtype, -1), new(topk_idx.shape[1:], torch.float32, 0),
-            new((), torch.int32, -1))
-
-
-def put_round(part: DispatchResult, placement: Placement, rank: int) -> None:
-    """Copy a round that made tensors of its own (round 0 of a fresh dispatch, a round on the reference
-    backend) into the whole call's."""
-    index = routing.placed_rows(part.handle.rank_prefix_matrix, rank, placement.recv_first, part.recv_x.size(0))
-    pieces = (part.recv_x, part.recv_x_scales, part.recv_topk_idx, part.recv_topk_weights,
-              part.handle.recv_src_idx + placement.token_base)
-    for whole, piece in zip(placement.outputs, pieces):
-        if whole is not None and piece is not None:
-            _indexable(whole).index_copy_(0, index, _indexable(piece))
+    return (backend.empty(num_rows, *x.shape[1:], dtype=x.dtype, device=x.device),
+            None if scales is None else backend.empty(num_rows, *scales.shape[1:], dtype=scales.dtype, device=x.device),
+            padded(topk_idx.shape[1:], topk_idx.dtype, -1),
+            None if weights is None else padded(topk_idx.shape[1:], torch.float32, 0), padded((), torch.int32, -1))
 
 
 def _round_src_idx(recv_src_idx: torch.Tensor, rank_prefix_matrix: torch.Tensor, rank: int,
@@ -304,26 +289,28 @@ def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, exchange
     in_rank = request.is_token_in_rank
     counts = exchange.all_gather(per_round_counts(in_rank, round_tokens, rounds.num_rounds)).long()
     offsets = _Offsets(counts, rank)
-    if num_worst:
-        # A round handle is sized like a one-shot num_worst_tokens dispatch of the round's slices.
-        num_rows, round_rows = num_worst, [min(num_worst, num_ranks * round_tokens)] * rounds.num_rounds
-        if check_values:  # every rank holds all counts, so every rank raises together
-            most_rows, which = (int(v) for v in torch.max(counts.sum((0, 1)), dim=0))
-            if most_rows > num_worst:
-                raise InvalidInputError(f"rank {which} receives {most_rows} tokens, more than "
-                                        f"num_worst_tokens={num_worst}")
+    if first is not None:  # round 0 made the whole call's tensors (NOTE [placed rounds])
+        outputs = (first.recv_x, first.recv_x_scales, first.recv_topk_idx, first.recv_topk_weights,
+                   first.handle.recv_src_idx)
+        num_rows = first.recv_x.size(0)
     else:
-        received = counts[:, :, rank].sum(0).tolist()  # [r] rows this rank receives per round
-        num_rows, round_rows = sum(received), received
-    outputs = _whole_outputs(backend, request, num_rows)
+        num_rows = num_worst
+        outputs = _whole_outputs(backend, request, num_rows)
+    # A round handle is sized like a one-shot num_worst_tokens dispatch of the round's slices: its rows on
+    # the host would take a device-to-host copy, and a backend asks none of a placed round's handle.
+    round_rows = min(num_rows, num_ranks * round_tokens)
+    if num_worst and check_values:  # every rank holds all counts, so every rank raises together  # every rank holds all counts, so every rank raises together
+        most_rows, which = (int(v) for v in torch.max(counts.sum((0, 1)), dim=0))
+        if most_rows > num_worst:
+            raise InvalidInputError(f"rank {which} receives {most_rows} tokens, more than "
+                                    f"num_worst_tokens={num_worst}")
     send_head = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=x.device)
     handles, per_expert_list = [], None
     for r in range(rounds.num_rounds):
         begin, end = rounds.bounds(r, num_tokens)
         placement = Placement(offsets.recv_first[r], outputs, r * round_tokens)
-        if first is not None:  # round 0, sent while the ranks agreed on the round count
+        if first is not None:  # round 0, whose count exchange gave the round count
             part, first = first, None
-            put_round(part, placement, rank)
         else:
             part = backend.dispatch(_round_request(request, r, begin, end, placement))
         round_handle = part.handle
@@ -333,13 +320,12 @@ def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, exchange
             per_expert_list = [] if num_worst else part.num_recv_tokens_per_expert_list
         fields = list(round_handle)
         fields[3] = _round_src_idx(outputs[4], round_handle.rank_prefix_matrix, rank, placement.recv_first,
-                                   round_rows[r], placement.token_base)
-        handles.append(DispatchHandle(*fields, num_recv_tokens=None if num_worst else round_rows[r]))
+                                   round_rows, placement.token_base)
+        handles.append(DispatchHandle(*fields))
     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
     handle = DispatchHandle(offsets.rank_prefix_matrix, offsets.channel_prefix_matrix,
                             offsets.recv_channel_prefix_matrix, recv_src_idx, in_rank, send_head)
-    result = DispatchResult(recv_x, recv_x_scales, recv_topk_idx,
-                            None if request.topk_weights is None else recv_topk_weights, per_expert_list, handle)
+    result = DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
     return result, dataclasses.replace(rounds, handles=tuple(handles), recv_first=offsets.recv_first)
 
 
@@ -391,17 +377,16 @@ def derive(handle: DispatchHandle, round_tokens: int, exchange: Exchange) -> Rou
         return rounds
     counts = exchange.all_gather(per_round_counts(handle.is_token_in_rank, round_tokens, num_rounds)).long()
     offsets = _Offsets(counts, rank)
-    received = counts[:, :, rank].sum(0).tolist()
+    round_rows = min(handle.num_rows, exchange.num_ranks * round_tokens)  # as _dispatch_rounds sizes them
     handles = []
     for r in range(num_rounds):
         begin, end = rounds.bounds(r, num_tokens)
         head = handle.send_head[begin:end]
         send_head = torch.where(head >= 0, head - offsets.shift[r], -1).to(torch.int32)
         fields = offsets.round_handle_fields(r)
-        recv_src_idx = _round_src_idx(handle.recv_src_idx, fields[0], rank, offsets.recv_first[r], received[r],
+        recv_src_idx = _round_src_idx(handle.recv_src_idx, fields[0], rank, offsets.recv_first[r], round_rows,
                                       r * round_tokens)
-        handles.append(DispatchHandle(*fields, recv_src_idx, handle.is_token_in_rank[begin:end], send_head,
-                                      num_recv_tokens=received[r]))
+        handles.append(DispatchHandle(*fields, recv_src_idx, handle.is_token_in_rank[begin:end], send_head))
     return dataclasses.replace(rounds, handles=tuple(handles), recv_first=offsets.recv_first)
 
 

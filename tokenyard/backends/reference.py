@@ -20,7 +20,7 @@ from .. import quant, routing
 from ..errors import InvalidInputError
 from ..handle import DispatchHandle, LowLatencyHandle
 from ..requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
-                        LowLatencyDispatchRequest, LowLatencyDispatchResult)
+                        LowLatencyDispatchRequest, LowLatencyDispatchResult, Placement)
 from .base import Backend, GroupContext
 
 
@@ -46,6 +46,11 @@ def _pack(columns: List[torch.Tensor]):
         spans.append((begin, begin + c.size(1)))
         begin += c.size(1)
     return torch.cat(columns, dim=1), spans
+
+
+def _as_index_target(t: torch.Tensor) -> torch.Tensor:
+    """A view index_copy_ accepts: FP8 has no index kernels, so 1-byte dtypes move as uint8."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
 def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -90,23 +95,26 @@ class ReferenceBackend(Backend):
         num_tokens = x.size(0)
         cached = request.handle is not None
 
-        # 1. Counts: counts[s, r] = tokens rank s sends to rank r (same on every rank), with every rank's
-        # call token count (DispatchResult.most_call_tokens).
-        most_call_tokens = None
+        # 1. Counts: counts[s, r] = tokens rank s sends to rank r (same on every rank), with the same of the
+        # whole call this request is round 0 of (NOTE [notify] in kernels/notify.cuh says what for).
+        most_call_tokens = call_counts = None
         if cached:
             rank_prefix_matrix = request.handle.rank_prefix_matrix
             counts = torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
         else:
             num_experts = request.num_experts
             num_local_experts = num_experts // num_ranks
-            call_tokens = num_tokens if request.num_call_tokens is None else request.num_call_tokens
-            mine = torch.cat([request.num_tokens_per_rank.to(torch.int32), request.num_tokens_per_rank.new_full(
-                (1,), call_tokens, dtype=torch.int32), request.num_tokens_per_expert.to(torch.int32)])
+            per_rank = request.num_tokens_per_rank.to(torch.int32)
+            call_tokens = num_tokens if request.call_num_tokens is None else request.call_num_tokens
+            call_per_rank = per_rank if request.call_tokens_per_rank is None else request.call_tokens_per_rank
+            mine = torch.cat([per_rank, per_rank.new_full((1,), call_tokens), call_per_rank.to(torch.int32),
+                              request.num_tokens_per_expert.to(torch.int32)])
             gathered = self._all_gather(mine)
             counts = gathered[:, :num_ranks]
             most_call_tokens = int(gathered[:, num_ranks].max())
+            call_counts = gathered[:, num_ranks + 1:2 * num_ranks + 1]
             rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
-            first = num_ranks + 1 + rank * num_local_experts
+            first = 2 * num_ranks + 1 + rank * num_local_experts
             per_expert = gathered[:, first:first + num_local_experts].sum(0).tolist()
         send_counts = counts[rank].tolist()
         recv_counts = counts[:, rank].tolist()
@@ -177,8 +185,16 @@ class ReferenceBackend(Backend):
             handle = DispatchHandle(rank_prefix_matrix, counts[rank].view(-1, 1).to(torch.int32).clone(),
                                     recv_first.view(-1, 1).to(torch.int32), recv_src_idx, is_token_in_rank,
                                     send_head)
-        return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle,
-                              most_call_tokens)
+        result = DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle,
+                                most_call_tokens)
+        call_rows = None if call_counts is None or request.num_worst_tokens else int(call_counts[:, rank].sum())
+        if call_rows is not None and call_rows != num_recv:  # the whole call's tensors, this round's rows placed
+            outputs = tuple(None if t is None else self.empty(call_rows, *t.shape[1:], dtype=t.dtype, device=t.device)
+                            for t in (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx))
+            self._put(result, Placement(_exclusive_cumsum(call_counts[:, rank], 0).to(torch.int32), outputs))
+            result = DispatchResult(*outputs[:4], per_expert_list, DispatchHandle(*handle[:3], outputs[4], *handle[4:]),
+                                    most_call_tokens)
+        return result
 
     def _combine(self, request: CombineRequest):
         num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
@@ -218,9 +234,17 @@ class ReferenceBackend(Backend):
     # -- placed rounds (NOTE [placed rounds] in rounds.py): a round runs as a call of its own, and its rows
     # are copied to where the CUDA kernels write them ----------------------------------------------------
 
-    def _placed_dispatch(self, request: DispatchRequest) -> DispatchResult:
-        from .. import rounds
+    def _put(self, part: DispatchResult, placement: Placement) -> None:
+        """Copy a round's own tensors into the whole call's."""
+        index = routing.placed_rows(part.handle.rank_prefix_matrix, self.ctx.rank, placement.recv_first,
+                                    part.recv_x.size(0))
+        pieces = (part.recv_x, part.recv_x_scales, part.recv_topk_idx, part.recv_topk_weights,
+                  part.handle.recv_src_idx + placement.token_base)
+        for whole, piece in zip(placement.outputs, pieces):
+            if whole is not None and piece is not None:
+                _as_index_target(whole).index_copy_(0, index, _as_index_target(piece))
 
+    def _placed_dispatch(self, request: DispatchRequest) -> DispatchResult:
         placement = request.placement
         part = self._dispatch(dataclasses.replace(request, placement=None, num_worst_tokens=0))
         last = int(routing.placed_rows(part.handle.rank_prefix_matrix, self.ctx.rank, placement.recv_first,
@@ -228,7 +252,7 @@ class ReferenceBackend(Backend):
         if last >= placement.outputs[0].size(0):
             raise InvalidInputError(f"rank {self.ctx.rank} receives at least {last + 1} rows, more than "
                                     f"num_worst_tokens={placement.outputs[0].size(0)}")
-        rounds.put_round(part, placement, self.ctx.rank)
+        self._put(part, placement)
         recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = placement.outputs
         handle = part.handle if request.handle is not None else DispatchHandle(*part.handle[:3], recv_src_idx,
                                                                                  *part.handle[4:])

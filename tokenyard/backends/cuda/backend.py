@@ -19,7 +19,7 @@ from ...waiting import wait_until
 from ..base import Backend, GroupContext
 from . import heuristics, kernels, runtime
 
-HOST_COUNTS_INTS = 3 + 4096  # [call id, received rows, most call tokens, per-local-expert counts...] (NOTE [notify])
+HOST_COUNTS_INTS = 4 + 4096  # NOTE [notify]: call id, three counts, then the per-local-expert counts
 # The Stage enum of include/tokenyard/sync.cuh, by value.
 _STAGES = {1: "barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combine/receive",
            5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive", 7: "low_latency_combine/weights"}
@@ -206,7 +206,7 @@ class CudaBackend(Backend):
         topk_dtype = torch.int64 if topk_idx is None else topk_idx.dtype
         num_experts = num_ranks if cached else request.num_experts
         num_local_experts = num_experts // num_ranks
-        most_local_experts = min(HOST_COUNTS_INTS - 3, workspace.normal_max_local_experts(num_ranks))
+        most_local_experts = min(HOST_COUNTS_INTS - 4, workspace.normal_max_local_experts(num_ranks))
         if num_local_experts > most_local_experts:
             raise InvalidInputError(f"the CUDA backend handles up to {most_local_experts} experts per rank on "
                                     f"{num_ranks} ranks, got {num_local_experts}")
@@ -235,12 +235,21 @@ class CudaBackend(Backend):
         source_num_tokens = torch.empty(num_ranks, dtype=torch.int32, device=device)
         call_id = self._next("_notify_calls")
         per_expert = 0 if cached else request.num_tokens_per_expert.data_ptr()
+        # Round 0 of a call in rounds: the outputs hold the whole call, round 0's rows placed in them (NOTE
+        # [placed rounds] in rounds.py), where the notify kernel says they start.
+        whole_call = (request.call_tokens_per_rank is not None and not cached and not request.num_worst_tokens
+                      and placement is None)
+        call_tokens_per_rank = call_recv_first = None
+        if whole_call:
+            call_tokens_per_rank = request.call_tokens_per_rank.to(torch.int32).contiguous()
+            call_recv_first = torch.empty(num_ranks, dtype=torch.int32, device=device)
         self._kernel(kernels.dispatch_notify(num_ranks))(
             num_ranks + 1, stream, is_token_in_rank.data_ptr(), num_tokens, per_expert, num_experts,
             request.expert_alignment, prefix_excl.data_ptr(), rank_prefix_matrix.data_ptr(),
-            source_num_tokens.data_ptr(),
-            num_tokens if request.num_call_tokens is None else request.num_call_tokens, self.host_counts_ptr, call_id, self.normal.bases_tensor.data_ptr(), rank,
-            (call_id * num_ranks) & _MASK32, *self._wait_args())
+            source_num_tokens.data_ptr(), num_tokens if request.call_num_tokens is None else request.call_num_tokens,
+            0 if call_tokens_per_rank is None else call_tokens_per_rank.data_ptr(),
+            0 if call_recv_first is None else call_recv_first.data_ptr(), self.host_counts_ptr, call_id,
+            self.normal.bases_tensor.data_ptr(), rank, (call_id * num_ranks) & _MASK32, *self._wait_args())
 
         # 2. The rows.
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, num_scales, num_topk, topk_dtype,
@@ -281,7 +290,10 @@ class CudaBackend(Backend):
         else:
             self._wait_host_counts(call_id)
             num_rows, most_call_tokens = int(self.host_counts[1]), int(self.host_counts[2])
-            per_expert_list = [int(self.host_counts[3 + l]) for l in range(num_local_experts)]
+            if whole_call:
+                num_rows = int(self.host_counts[3])
+                num_worst, recv_first = num_rows, call_recv_first.data_ptr()
+            per_expert_list = [int(self.host_counts[4 + l]) for l in range(num_local_experts)]
 
         if outputs is None:
             recv_x = self.empty(num_rows, x.size(1), dtype=x.dtype, device=device)
@@ -290,7 +302,8 @@ class CudaBackend(Backend):
             recv_topk_idx = recv_topk_weights = None
             if topk_idx is not None:
                 recv_topk_idx = self.empty(num_rows, num_topk, dtype=topk_dtype, device=device)
-                recv_topk_weights = self.empty(num_rows, num_topk, dtype=torch.float32, device=device)
+                if request.topk_weights is not None:
+                    recv_topk_weights = self.empty(num_rows, num_topk, dtype=torch.float32, device=device)
             recv_src_idx = self.empty(num_rows, dtype=torch.int32, device=device)
             outputs = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
@@ -303,10 +316,9 @@ class CudaBackend(Backend):
             handle = request.handle
         else:
             counts = prefix_excl[num_tokens * num_ranks:].view(num_ranks, 1).clone()
-            recv_first = torch.cat([rank_prefix_matrix.new_zeros(1), rank_prefix_matrix[:-1, rank]]).view(-1, 1)
-            handle = DispatchHandle(rank_prefix_matrix, counts, recv_first, recv_src_idx, is_token_in_rank, send_head)
-        if request.topk_weights is None:
-            recv_topk_weights = None
+            source_first = torch.cat([rank_prefix_matrix.new_zeros(1), rank_prefix_matrix[:-1, rank]]).view(-1, 1)
+            handle = DispatchHandle(rank_prefix_matrix, counts, source_first, recv_src_idx, is_token_in_rank,
+                                    send_head)
         return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle,
                               most_call_tokens)
 

@@ -9,7 +9,7 @@ namespace tokenyard {
 // NOTE [control block]: words at the start of every rank's buffer (offsets in bytes).
 constexpr int64_t kBarrierOffset = 0;        // uint32 [num_ranks]: slot s counts rank s's barrier arrivals
 constexpr int64_t kNotifyFlagOffset = 256;   // uint32 [num_ranks]: slot s counts rank s's notify pieces
-constexpr int64_t kNotifyDataOffset = 1024;  // int32 [num_ranks][num_ranks + 2 + num_local_experts] (NOTE [notify])
+constexpr int64_t kNotifyDataOffset = 1024;  // int32 [num_ranks][2 * num_ranks + 2 + num_local_experts] (NOTE [notify])
 
 // A chunk slot: the sender's sequence number (stored last, with release) and the row range it filled; a
 // dispatch also stores its number of sending warps in `pad` (NOTE [sender ranges]).

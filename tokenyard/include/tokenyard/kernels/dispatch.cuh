@@ -31,6 +31,8 @@ namespace tokenyard::kernels {
 // the rows the whole call's tensors hold. The caller has filled the padding rows, so the kernel writes
 // none; a row past the tensors is dropped and recorded as an overflow error, as one-shot.
 //
+// Outputs the caller does not want are null: recv_topk_weights without input weights, the metadata of a
+// cached dispatch.
 // Row layout (workspace.normal_dispatch_row_bytes): data (kDataInt4 vectors), then kNumScales 4-byte
 // scales padded to 16 bytes, then kNumTopk int32 local expert ids, kNumTopk float32 weights and the int32
 // source index, padded to 16 bytes (NOTE [row tail]); the whole row is padded to a multiple of 128 bytes.
@@ -184,7 +186,8 @@ __device__ __forceinline__ void dispatch(
                 const int64_t first = static_cast<int64_t>(rank) * num_local_experts;
                 const bool local = expert >= first && expert < first + num_local_experts;
                 recv_topk_idx[direct_row * kNumTopk + lane] = static_cast<TopkT>(local ? expert - first : -1);
-                recv_topk_weights[direct_row * kNumTopk + lane] = local ? weight : 0.0f;
+                if (recv_topk_weights != nullptr)
+                    recv_topk_weights[direct_row * kNumTopk + lane] = local ? weight : 0.0f;
             }
             if (lane == 0 && recv_src_idx != nullptr)
                 recv_src_idx[direct_row] = src_idx_base + t;
@@ -247,7 +250,8 @@ __device__ __forceinline__ void dispatch(
                 } else if (w < kNumTopk) {
                     recv_topk_idx[out * kNumTopk + w] = static_cast<TopkT>(words[c]);
                 } else if (w < 2 * kNumTopk) {
-                    recv_topk_weights[out * kNumTopk + w - kNumTopk] = __int_as_float(words[c]);
+                    if (recv_topk_weights != nullptr)
+                        recv_topk_weights[out * kNumTopk + w - kNumTopk] = __int_as_float(words[c]);
                 } else if (w == 2 * kNumTopk && recv_src_idx != nullptr) {
                     recv_src_idx[out] = src_idx_base + words[c];
                 }
@@ -332,7 +336,8 @@ __device__ __forceinline__ void dispatch(
             recv_src_idx[r] = -1;
             for (int k = 0; k < kNumTopk; ++k) {
                 recv_topk_idx[r * kNumTopk + k] = static_cast<TopkT>(-1);
-                recv_topk_weights[r * kNumTopk + k] = 0.0f;
+                if (recv_topk_weights != nullptr)
+                    recv_topk_weights[r * kNumTopk + k] = 0.0f;
             }
         }
     }

@@ -9,26 +9,31 @@ namespace tokenyard::kernels {
 // NOTE [notify]
 // Grid of kNumRanks + 1 blocks. Block q (< kNumRanks) scans column q of is_token_in_rank into
 // prefix_excl[t][q] = tokens before t that go to rank q (row num_tokens holds the total), then writes
-// that total to every rank's notify data (row = this rank), its token count, the token count of the whole
-// call this request is round 0 of (`call_num_tokens`, NOTE [rounds] in rounds.py; the token count itself
-// one-shot), and the counts of rank q's experts to rank q; last it adds 1 to every rank's notify counter
-// for this source. Block kNumRanks waits until every source's counter reached `notify_expected` (= calls
-// so far * kNumRanks), then builds rank_prefix_matrix, the received total, the largest call token count
-// of any rank and the per-expert counts, and publishes them to the host (host_counts[1..], then
-// host_counts[0] = call_id). Notify data row of source s: kNumRanks counts, token count, call token
-// count, then the counts of the destination's experts. Since a rank only enters this kernel after its
+// that total to every rank's notify data (row = this rank), with the same for the whole call this
+// request is round 0 of (`call_tokens_per_rank[q]`; NOTE [rounds] in rounds.py), and block 0 the token
+// counts (this request's, the whole call's); rank q's expert counts go to rank q. Last it adds 1 to every
+// rank's notify counter for this source. One-shot, the whole call is this request (null
+// call_tokens_per_rank, call_num_tokens = num_tokens). Block kNumRanks waits until every source's counter
+// reached `notify_expected` (= calls so far * kNumRanks), then builds rank_prefix_matrix, the received
+// total, `call_recv_first` (where each source's rows start in the whole call's receive order) and the
+// whole call's received total, the largest call token count of any rank and the per-expert counts, and
+// publishes them to the host: host_counts = [call_id (last), received rows, most call tokens, whole call's
+// received rows, per-local-expert counts...].
+// Notify data row of source s: kNumRanks counts, token count, call token count, kNumRanks call counts,
+// then the counts of the destination's experts. Since a rank only enters this kernel after its
 // previous normal-mode kernels finished, a completed notify also means every rank is done with the
 // buffer's previous contents: it is the barrier before the data kernel.
 template <int kNumRanks, int kNumThreads>
 __device__ __forceinline__ void dispatch_notify(
         const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
         int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens,
-        int call_num_tokens, int* host_counts, uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
+        int call_num_tokens, const int* call_tokens_per_rank, int* call_recv_first, int* host_counts,
+        uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
     const NormalBuffers buffers{peer_bases, rank, 0, 0, 0, 0, 0};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int num_local_experts = num_experts / kNumRanks;
-    constexpr int kExpertsAt = kNumRanks + 2;
+    constexpr int kCallCountsAt = kNumRanks + 2, kExpertsAt = 2 * kNumRanks + 2;
     const int stride = kExpertsAt + num_local_experts;
     __shared__ int scan[kNumThreads];
     __shared__ bool ok;
@@ -61,6 +66,7 @@ __device__ __forceinline__ void dispatch_notify(
         if (threadIdx.x < kNumRanks) {
             int* data = buffers.notify_data(threadIdx.x) + rank * stride;
             ptx::st_relaxed_sys(data + q, total);
+            ptx::st_relaxed_sys(data + kCallCountsAt + q, call_tokens_per_rank != nullptr ? call_tokens_per_rank[q] : total);
             if (q == 0) {
                 ptx::st_relaxed_sys(data + kNumRanks, num_tokens);
                 ptx::st_relaxed_sys(data + kNumRanks + 1, call_num_tokens);
@@ -100,17 +106,21 @@ __device__ __forceinline__ void dispatch_notify(
         if (q == rank)
             host_counts[1] = running;
         if (q == 0) {
-            int most = 0;
-            for (int s = 0; s < kNumRanks; ++s)
+            int most = 0, call_rows = 0;
+            for (int s = 0; s < kNumRanks; ++s) {
                 most = max(most, ptx::ld_na_s32(data + s * stride + kNumRanks + 1));
+                call_recv_first[s] = call_rows;
+                call_rows += ptx::ld_na_s32(data + s * stride + kCallCountsAt + rank);
+            }
             host_counts[2] = most;
+            host_counts[3] = call_rows;
         }
     }
     for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads) {
         int count = 0;
         for (int s = 0; s < kNumRanks; ++s)
             count += ptx::ld_na_s32(data + s * stride + kExpertsAt + l);
-        host_counts[3 + l] = (count + expert_alignment - 1) / expert_alignment * expert_alignment;
+        host_counts[4 + l] = (count + expert_alignment - 1) / expert_alignment * expert_alignment;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
