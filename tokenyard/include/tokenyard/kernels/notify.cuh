@@ -109,7 +109,8 @@ __device__ __forceinline__ void dispatch_notify(
             int most = 0, call_rows = 0;
             for (int s = 0; s < kNumRanks; ++s) {
                 most = max(most, ptx::ld_na_s32(data + s * stride + kNumRanks + 1));
-                call_recv_first[s] = call_rows;
+                if (call_recv_first != nullptr)  // null where the caller has no use for it
+                    call_recv_first[s] = call_rows;
                 call_rows += ptx::ld_na_s32(data + s * stride + kCallCountsAt + rank);
             }
             host_counts[2] = most;
