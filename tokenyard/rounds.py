@@ -61,6 +61,7 @@ transfer (that needs a backend that alternates two halves of its buffer).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -170,23 +171,48 @@ def per_round_counts(is_token_in_rank: torch.Tensor, round_tokens: int, num_roun
 
 
 class _Offsets:
-    """Offsets of every round from ``counts[s, r, d]`` (int64, the same on every rank), on the device."""
+    """Offsets of every round from ``counts[s, r, d]`` (int64, the same on every rank), on the device.
+
+    Each is made when first asked for: the rounds are launched with `recv_first` alone, and the rest (for
+    the handles) is made while they run, since every small op here costs the host tens of microseconds
+    (benchmarks/profile_rounds.py showed the host, not the GPU, between the rounds)."""
 
     def __init__(self, counts: torch.Tensor, rank: int):
         self.counts, self.rank = counts, rank
-        total = counts.sum(1)                                   # [s, d] rows s sends d, all rounds
-        self.final_excl = total.cumsum(0) - total               # [s, d] rows on d before source s
-        self.prior = counts.cumsum(1) - counts                  # [s, r, d] rows s sent d in rounds < r
-        self.round_excl = counts.cumsum(0) - counts             # [s, r, d] rows on d before s in round r
-        self.rank_prefix_matrix = total.cumsum(0).to(torch.int32)
-        self.channel_prefix_matrix = total[rank].to(torch.int32).view(-1, 1)
-        self.recv_channel_prefix_matrix = self.final_excl[:, rank].to(torch.int32).view(-1, 1)
-        # [r, d]: this rank's token at row j of round r's rows on d lands at row j + shift[r, d] one-shot.
-        self.shift = self.final_excl[rank].unsqueeze(0) + self.prior[rank] - self.round_excl[rank]
-        # [r, s]: where round r's rows from source s start on this rank (NOTE [placed rounds]).
-        # Contiguous, as the kernels read it: the sum with a transposed view is laid out like the view.
-        self.recv_first = (self.final_excl[:, rank].unsqueeze(0) + self.prior[:, :, rank].t()).to(
-            torch.int32).contiguous()
+
+    @functools.cached_property
+    def total(self) -> torch.Tensor:
+        return self.counts.sum(1)                               # [s, d] rows s sends d, all rounds
+
+    @functools.cached_property
+    def final_excl(self) -> torch.Tensor:
+        return self.total.cumsum(0) - self.total                # [s, d] rows on d before source s
+
+    @functools.cached_property
+    def prior(self) -> torch.Tensor:
+        return self.counts.cumsum(1) - self.counts              # [s, r, d] rows s sent d in rounds < r
+
+    @functools.cached_property
+    def round_excl(self) -> torch.Tensor:
+        return self.counts.cumsum(0) - self.counts              # [s, r, d] rows on d before s in round r
+
+    @functools.cached_property
+    def recv_first(self) -> torch.Tensor:
+        """[r, s]: where round r's rows from source s start on this rank (NOTE [placed rounds]); contiguous,
+        as the kernels read it (a sum with a transposed view would be laid out like the view)."""
+        column = self.counts[:, :, self.rank].t()              # [r, s] rows s sends this rank in round r
+        mine = column.sum(0)
+        before = (mine.cumsum(0) - mine).unsqueeze(0)           # rows from lower sources, all rounds
+        return (before + column.cumsum(0) - column).to(torch.int32).contiguous()
+
+    def handle_fields(self):
+        """rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix of the whole call."""
+        return (self.total.cumsum(0).to(torch.int32), self.total[self.rank].to(torch.int32).view(-1, 1),
+                self.final_excl[:, self.rank].to(torch.int32).view(-1, 1))
+
+    def shift(self, r: int) -> torch.Tensor:
+        """[d]: this rank's token at row j of round r's rows on d lands at row j + shift one-shot."""
+        return self.final_excl[self.rank] + self.prior[self.rank, r] - self.round_excl[self.rank, r]
 
     def round_handle_fields(self, r: int):
         """rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix of round r."""
@@ -299,32 +325,31 @@ def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, exchange
     # A round handle is sized like a one-shot num_worst_tokens dispatch of the round's slices: its rows on
     # the host would take a device-to-host copy, and a backend asks none of a placed round's handle.
     round_rows = min(num_rows, num_ranks * round_tokens)
-    if num_worst and check_values:  # every rank holds all counts, so every rank raises together  # every rank holds all counts, so every rank raises together
+    if num_worst and check_values:  # every rank holds all counts, so every rank raises together
         most_rows, which = (int(v) for v in torch.max(counts.sum((0, 1)), dim=0))
         if most_rows > num_worst:
             raise InvalidInputError(f"rank {which} receives {most_rows} tokens, more than "
                                     f"num_worst_tokens={num_worst}")
-    send_head = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=x.device)
-    handles, per_expert_list = [], None
-    for r in range(rounds.num_rounds):
+    parts = [first]  # every round launched before any handle bookkeeping (see _Offsets)
+    for r in range(1 if first is not None else 0, rounds.num_rounds):
         begin, end = rounds.bounds(r, num_tokens)
-        placement = Placement(offsets.recv_first[r], outputs, r * round_tokens)
-        if first is not None:  # round 0, whose count exchange gave the round count
-            part, first = first, None
-        else:
-            part = backend.dispatch(_round_request(request, r, begin, end, placement))
+        parts.append(backend.dispatch(_round_request(
+            request, r, begin, end, Placement(offsets.recv_first[r], outputs, r * round_tokens))))
+    parts = [part for part in parts if part is not None]
+    send_head = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=x.device)
+    handles = []
+    for r, part in enumerate(parts):
+        begin, end = rounds.bounds(r, num_tokens)
         round_handle = part.handle
         head = round_handle.send_head
-        send_head[begin:end] = torch.where(head >= 0, head + offsets.shift[r], -1)
-        if r == 0:  # with num_worst_tokens an empty list, as one-shot
-            per_expert_list = [] if num_worst else part.num_recv_tokens_per_expert_list
+        send_head[begin:end] = torch.where(head >= 0, head + offsets.shift(r), -1)
         fields = list(round_handle)
-        fields[3] = _round_src_idx(outputs[4], round_handle.rank_prefix_matrix, rank, placement.recv_first,
-                                   round_rows, placement.token_base)
+        fields[3] = _round_src_idx(outputs[4], round_handle.rank_prefix_matrix, rank, offsets.recv_first[r],
+                                   round_rows, r * round_tokens)
         handles.append(DispatchHandle(*fields))
+    per_expert_list = [] if num_worst else parts[0].num_recv_tokens_per_expert_list  # num_worst: as one-shot
     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
-    handle = DispatchHandle(offsets.rank_prefix_matrix, offsets.channel_prefix_matrix,
-                            offsets.recv_channel_prefix_matrix, recv_src_idx, in_rank, send_head)
+    handle = DispatchHandle(*offsets.handle_fields(), recv_src_idx, in_rank, send_head)
     result = DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
     return result, dataclasses.replace(rounds, handles=tuple(handles), recv_first=offsets.recv_first)
 
@@ -382,7 +407,7 @@ def derive(handle: DispatchHandle, round_tokens: int, exchange: Exchange) -> Rou
     for r in range(num_rounds):
         begin, end = rounds.bounds(r, num_tokens)
         head = handle.send_head[begin:end]
-        send_head = torch.where(head >= 0, head - offsets.shift[r], -1).to(torch.int32)
+        send_head = torch.where(head >= 0, head - offsets.shift(r), -1).to(torch.int32)
         fields = offsets.round_handle_fields(r)
         recv_src_idx = _round_src_idx(handle.recv_src_idx, fields[0], rank, offsets.recv_first[r], round_rows,
                                       r * round_tokens)
