@@ -18,7 +18,7 @@ from .handle import DispatchHandle, LowLatencyHandle
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where one round of a call in rounds writes: straight into the whole call's tensors (NOTE [placed
-    rounds] in rounds.py). Only backends with ``places_rounds`` take one."""
+    rounds] in rounds.py). Every backend takes one on dispatch and combine (Backend.dispatch)."""
 
     recv_first: torch.Tensor                 # [R] int32 on the device: row of the whole call's receive order
                                              # that the round's first row from source s takes

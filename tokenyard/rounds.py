@@ -268,7 +268,7 @@ def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: 
     # 0's count exchange, a bounded wait that raises CommTimeoutError, and not leave them inside a host
     # collective it never joins: that collective would pair with the skipping rank's next one (a barrier,
     # a new Buffer's handle exchange) and every later call would hang. So round 0 goes first, and its count
-    # exchange also carries every rank's whole token count (num_call_tokens), which gives the round count
+    # exchange also carries every rank's whole token count (call_num_tokens), which gives the round count
     # with no collective of its own; a backend that does not report it (most_call_tokens None) has the
     # count agreed on once round 0's exchange has succeeded on this rank, on a stream of its own so that
     # it does not wait for round 0's transfer.

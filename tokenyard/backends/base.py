@@ -35,8 +35,6 @@ class Backend(abc.ABC):
     """One implementation of the tokenyard operations."""
 
     name: str = "?"
-    # Whether dispatch and combine take a `Placement` (NOTE [placed rounds] in rounds.py).
-    places_rounds: bool = False
 
     def __init__(self, ctx: GroupContext):
         self.ctx = ctx
@@ -54,11 +52,15 @@ class Backend(abc.ABC):
         """-> (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])."""
 
     @abc.abstractmethod
-    def dispatch(self, request: DispatchRequest) -> DispatchResult: ...
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        """With `request.placement`, the round's rows go into the placement's tensors, which the result
+        holds; with `call_tokens_per_rank` (round 0 of a call in rounds), the result holds the whole call's
+        tensors with this round's rows placed, and reports most_call_tokens (NOTE [placed rounds])."""
 
     @abc.abstractmethod
     def combine(self, request: CombineRequest):
-        """-> (combined_x [T, H], combined_topk_weights [T, K] or None)."""
+        """-> (combined_x [T, H], combined_topk_weights [T, K] or None); with `request.placement`, the
+        placement's tensors, written."""
 
     @abc.abstractmethod
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult: ...

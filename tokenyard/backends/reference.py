@@ -59,7 +59,6 @@ def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 class ReferenceBackend(Backend):
     name = "reference"
-    places_rounds = True  # by copying: a round runs as a call of its own (NOTE [placed rounds] in rounds.py)
 
     def __init__(self, ctx: GroupContext):
         super().__init__(ctx)

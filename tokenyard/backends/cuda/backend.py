@@ -57,7 +57,6 @@ class SymmetricBuffer:
 
 class CudaBackend(Backend):
     name = "cuda"
-    places_rounds = True
     # `backend="auto"` picks this backend only once its GPU tests have passed on the device machine
     # (tests/gpu/test_normal_cuda.py: bit for bit against the reference backend on 2 and 4 H200s).
     VALIDATED = True
