@@ -234,9 +234,13 @@ class ReferenceBackend(Backend):
     # are copied to where the CUDA kernels write them ----------------------------------------------------
 
     def _put(self, part: DispatchResult, placement: Placement) -> None:
-        """Copy a round's own tensors into the whole call's."""
+        """Copy a round's own tensors into the whole call's; refuse rows past them (as the kernels record)."""
         index = routing.placed_rows(part.handle.rank_prefix_matrix, self.ctx.rank, placement.recv_first,
                                     part.recv_x.size(0))
+        last = int(index.max()) if index.numel() else -1
+        if last >= placement.outputs[0].size(0):
+            raise InvalidInputError(f"rank {self.ctx.rank} receives at least {last + 1} rows, more than "
+                                    f"num_worst_tokens={placement.outputs[0].size(0)}")
         pieces = (part.recv_x, part.recv_x_scales, part.recv_topk_idx, part.recv_topk_weights,
                   part.handle.recv_src_idx + placement.token_base)
         for whole, piece in zip(placement.outputs, pieces):
@@ -246,11 +250,6 @@ class ReferenceBackend(Backend):
     def _placed_dispatch(self, request: DispatchRequest) -> DispatchResult:
         placement = request.placement
         part = self._dispatch(dataclasses.replace(request, placement=None, num_worst_tokens=0))
-        last = int(routing.placed_rows(part.handle.rank_prefix_matrix, self.ctx.rank, placement.recv_first,
-                                       part.recv_x.size(0)).max()) if part.recv_x.size(0) else -1
-        if last >= placement.outputs[0].size(0):
-            raise InvalidInputError(f"rank {self.ctx.rank} receives at least {last + 1} rows, more than "
-                                    f"num_worst_tokens={placement.outputs[0].size(0)}")
         self._put(part, placement)
         recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = placement.outputs
         handle = part.handle if request.handle is not None else DispatchHandle(*part.handle[:3], recv_src_idx,
