@@ -21,11 +21,26 @@ class Placement:
     rounds] in rounds.py). Every backend takes one on dispatch and combine (Backend.dispatch)."""
 
     recv_first: torch.Tensor                 # [R] int32 on the device: row of the whole call's receive order
-                                             # that the round's first row from source s takes
-    outputs: Tuple[Optional[torch.Tensor], ...]  # dispatch: the whole call's (recv_x, recv_x_scales,
-                                             # recv_topk_idx, recv_topk_weights, recv_src_idx); combine: the
-                                             # round's tokens of (combined_x, combined_topk_weights)
+                                             # that the round's first row from source s takes; with `cursor`,
+                                             # written by the round's count exchange
+    outputs: Optional[Tuple[Optional[torch.Tensor], ...]]  # dispatch: the whole call's (recv_x, recv_x_scales,
+                                             # recv_topk_idx, recv_topk_weights, recv_src_idx), None where
+                                             # round 0 makes them (`DispatchRequest.call` gives their rows);
+                                             # combine: the round's tokens of (combined_x, combined_topk_weights)
     token_base: int = 0                      # dispatch: the round's first token, added to recv_src_idx
+    cursor: Optional[torch.Tensor] = None    # dispatch, [R] int32: the whole call's next free row per source.
+                                             # The count exchange sets recv_first to it (to where each source's
+                                             # rows start, given `call`), then adds the round's rows to it
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeCall:
+    """Round 0 of a dispatch in rounds (NOTE [placed rounds] in rounds.py): the whole call, which round 0's
+    count exchange shares."""
+
+    num_tokens: int                          # this rank's tokens
+    tokens_per_rank: torch.Tensor            # [R] int32: what this rank sends each rank
+    prefix_matrix: torch.Tensor              # [R, R] int32, written: the whole call's rank_prefix_matrix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +57,7 @@ class DispatchRequest:
     num_worst_tokens: int
     config: Config
     placement: Optional[Placement] = None    # a placed round: its rows go straight into the whole call's tensors
-    # Round 0 of a call in rounds (NOTE [rounds] in rounds.py): the whole call's tokens on this rank and
-    # what it sends each rank. The count exchange shares them; the result reports most_call_tokens and
-    # holds the whole call's rows, round 0's placed (NOTE [placed rounds]).
-    call_num_tokens: Optional[int] = None
-    call_tokens_per_rank: Optional[torch.Tensor] = None  # [R] int32
+    call: Optional[WholeCall] = None         # round 0 of a call in rounds: the result reports most_call_tokens
 
     @property
     def num_experts(self) -> int:
@@ -61,8 +72,8 @@ class DispatchResult:
     recv_topk_weights: Optional[torch.Tensor]
     num_recv_tokens_per_expert_list: Optional[list]
     handle: DispatchHandle
-    # The largest call_num_tokens (else token count) of any rank, where the count exchange learned it on
-    # the host (a fresh dispatch that waited for the CPU); None elsewhere.
+    # The largest whole-call (`request.call`, else this call's) token count of any rank, where the count
+    # exchange learned it on the host (a fresh dispatch that waited for the CPU); None elsewhere.
     most_call_tokens: Optional[int] = None
 
 

@@ -19,29 +19,34 @@ NOTE [placed rounds]
 A round makes no tensors of its own: its request carries a `Placement`, and the backend writes the round's
 rows straight into the whole call's receive tensors (dispatch), or reads them straight from the whole
 call's `x` and writes its tokens' rows of the whole output (combine). The placement is, per source s, the
-row where the round's first row from s goes: ``recv_first[r, s]`` = the rows from every lower source
+row where the round's first row from s goes: ``recv_first[r][s]`` = the rows from every lower source
 plus the rows from s in earlier rounds (the example: recv_first[1] = [2, 6] on rank 1), and the round's
 first token, added to recv_src_idx. The CUDA kernels address rows through it; the reference backend runs
-the round as a call of its own and copies (routing.placed_rows). A fresh dispatch's round 0 without
-`num_worst_tokens` runs before the ranks know that there are rounds (below), so it carries the whole
-call's counts (`call_num_tokens`, `call_tokens_per_rank`) into its count exchange: the backend learns the
-whole call's received rows with round 0's, makes the whole call's tensors and places round 0 in them
-(one-shot, the whole call is round 0 and nothing changes). Rounds after it need no CPU wait: their
-outputs exist.
+the round as a call of its own and copies (routing.placed_rows).
+In a fresh dispatch no host computes recv_first: round 0 carries the whole call (`WholeCall`: this rank's
+tokens and what it sends each rank) into its count exchange, which so learns where each source's rows
+start in the whole call, and each round's count exchange writes its recv_first from a cursor per source
+(`Placement.cursor`) and moves the cursor past the round's rows (NOTE [notify] in kernels/notify.cuh).
+So the rounds are sent back to back: no collective, no host sync and no host arithmetic between them
+(the host was what kept the GPU idle between rounds, benchmarks/profile_rounds.py). Round 0's count
+exchange also gives the whole call's rank_prefix_matrix, from which the whole call's handle and the
+rounds' handles are made while the rounds run.
+Round 0 without `num_worst_tokens` runs before the ranks know that there are rounds (below), so its
+backend makes the whole call's tensors, of the rows the count exchange learned, and places round 0 in
+them (one-shot, the whole call is round 0 and nothing changes); the rounds after it need no CPU wait.
 
 Every rank must run the same rounds, so the round count n = ceil(max_s T_s / R) is agreed on:
 - fresh dispatch: round 0's count exchange also carries every rank's whole token count, so the host
   learns n with round 0's counts (the call waits for the CPU anyway; a backend that does not report it
-  adds one all-reduce); then, when n > 1, one all-gather of every rank's tokens per (round, destination),
-  with no host sync: that count matrix ``counts[s, r, d]`` gives every offset on the device. Both come
-  after round 0's backend call, whose count exchange is a bounded wait (NOTE [agree after the count
+  adds one all-reduce, after round 0's count exchange, a bounded wait: NOTE [agree after the count
   exchange]).
 - with `num_worst_tokens` = W: no host sync. W bounds num_ranks * tokens per rank, so n is
   ``ceil(ceil(W / num_ranks) / R)`` on every rank (a rank with more than n * R tokens is refused); the
   outputs have W rows, the padding values written when they are made.
 - cached dispatch and combine replay the rounds stored on the handle (`DispatchHandle.rounds`) when they
   fit this call's rows; otherwise (a plain 6-tuple, or wider rows) the rounds are derived from the
-  handle's six fields with the same two collectives.
+  handle's six fields with an all-reduce of the token counts and an all-gather of every rank's tokens
+  per (round, destination), ``counts[s, r, d]``, which gives every offset on the device.
 Round handles (kept for combine and cached dispatch) have ``min(N, num_ranks * R)`` rows for N rows of
 the whole call, -1 past the round's own, as a one-shot num_worst_tokens dispatch of the round's slices
 makes them: their exact sizes would take a device-to-host copy.
@@ -54,7 +59,7 @@ combine can replay the dispatch's rounds, for the combine rows of the same hidde
 Streams: the rounds run one after another on the stream the call runs on (the Buffer's communication
 stream), so `async_finish`, `previous_event` and `allocate_on_comm_stream` hold for the call as a whole;
 the rounds' own tensors (round handles, offsets) are made and used on that stream only. Each round is a
-whole backend call, its count exchange included: round r + 1's exchange does not yet overlap round r's
+whole backend call, its count exchange included: round r + 1's exchange does not overlap round r's
 transfer (that needs a backend that alternates two halves of its buffer).
 """
 
@@ -70,7 +75,7 @@ import torch.distributed as dist
 from . import routing, workspace
 from .errors import CommTimeoutError, InvalidInputError
 from .handle import DispatchHandle
-from .requests import CombineRequest, DispatchRequest, DispatchResult, Placement
+from .requests import CombineRequest, DispatchRequest, DispatchResult, Placement, WholeCall
 from .waiting import wait_until
 
 
@@ -92,7 +97,7 @@ class Rounds:
     max_round_tokens: the most tokens any rank sends in one round; a call whose round size is at least
         this replays these rounds.
     handles: per round, its handle, as a one-shot dispatch of the slices makes it; empty when one-shot.
-    recv_first: ``[num_rounds, R]`` int32 on the device: where round r's rows from source s start in the
+    recv_first: per round, ``[R]`` int32 on the device: where the round's rows from source s start in the
         whole call's receive order (NOTE [placed rounds]); None when one-shot.
     """
 
@@ -100,7 +105,7 @@ class Rounds:
     num_rounds: int
     max_round_tokens: int
     handles: Tuple[DispatchHandle, ...] = ()
-    recv_first: Optional[torch.Tensor] = None
+    recv_first: Optional[Tuple[torch.Tensor, ...]] = None
 
     def bounds(self, r: int, num_tokens: int) -> Tuple[int, int]:
         """Tokens [begin, end) of a rank with `num_tokens` tokens in round r."""
@@ -171,11 +176,8 @@ def per_round_counts(is_token_in_rank: torch.Tensor, round_tokens: int, num_roun
 
 
 class _Offsets:
-    """Offsets of every round from ``counts[s, r, d]`` (int64, the same on every rank), on the device.
-
-    Each is made when first asked for: the rounds are launched with `recv_first` alone, and the rest (for
-    the handles) is made while they run, since every small op here costs the host tens of microseconds
-    (benchmarks/profile_rounds.py showed the host, not the GPU, between the rounds)."""
+    """Offsets of every round from ``counts[s, r, d]`` (int64, the same on every rank), on the device, for
+    rounds derived from a handle's fields (`derive`); each is made when first asked for."""
 
     def __init__(self, counts: torch.Tensor, rank: int):
         self.counts, self.rank = counts, rank
@@ -198,17 +200,12 @@ class _Offsets:
 
     @functools.cached_property
     def recv_first(self) -> torch.Tensor:
-        """[r, s]: where round r's rows from source s start on this rank (NOTE [placed rounds]); contiguous,
-        as the kernels read it (a sum with a transposed view would be laid out like the view)."""
+        """Per round r, [s]: where round r's rows from source s start on this rank (NOTE [placed rounds]);
+        contiguous, as the kernels read it (a sum with a transposed view would be laid out like the view)."""
         column = self.counts[:, :, self.rank].t()              # [r, s] rows s sends this rank in round r
         mine = column.sum(0)
         before = (mine.cumsum(0) - mine).unsqueeze(0)           # rows from lower sources, all rounds
-        return (before + column.cumsum(0) - column).to(torch.int32).contiguous()
-
-    def handle_fields(self):
-        """rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix of the whole call."""
-        return (self.total.cumsum(0).to(torch.int32), self.total[self.rank].to(torch.int32).view(-1, 1),
-                self.final_excl[:, self.rank].to(torch.int32).view(-1, 1))
+        return (before + column.cumsum(0) - column).to(torch.int32).contiguous().unbind(0)
 
     def shift(self, r: int) -> torch.Tensor:
         """[d]: this rank's token at row j of round r's rows on d lands at row j + shift one-shot."""
@@ -225,11 +222,11 @@ class _Offsets:
 # the calls
 # --------------------------------------------------------------------------------------------------
 
-def _round_request(request: DispatchRequest, r: int, begin: int, end: int,
-                   placement: Optional[Placement]) -> DispatchRequest:
+def _round_request(request: DispatchRequest, r: int, begin: int, end: int, placement: Placement,
+                   call: Optional[WholeCall]) -> DispatchRequest:
     """Round r's request: tokens [begin, end) of this rank, the whole per-expert count in round 0 only."""
-    if placement is None and begin == 0 and end == request.x.size(0):
-        return request
+    if r == 0 and end == request.x.size(0):
+        return dataclasses.replace(request, num_worst_tokens=0, placement=placement, call=call)
     in_rank = request.is_token_in_rank[begin:end]
     per_expert = request.num_tokens_per_expert
     return dataclasses.replace(
@@ -237,7 +234,11 @@ def _round_request(request: DispatchRequest, r: int, begin: int, end: int,
         topk_idx=_rows(request.topk_idx, begin, end), topk_weights=_rows(request.topk_weights, begin, end),
         num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert if r == 0 else torch.zeros_like(per_expert),
-        num_worst_tokens=0 if placement is not None else request.num_worst_tokens, placement=placement)
+        num_worst_tokens=0, placement=placement, call=call)
+
+
+def _int32(shape, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.int32, device=device)
 
 
 def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: Exchange,
@@ -263,23 +264,29 @@ def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: 
         rounds = Rounds(round_tokens, num_rounds, round_tokens)
         if num_rounds == 1:
             return backend.dispatch(request), rounds
-        return _dispatch_rounds(backend, request, rounds, exchange, check_values, None)
+        return _dispatch_rounds(backend, request, rounds, check_values)
     # NOTE [agree after the count exchange]: a rank that skips this call must make the others fail in round
     # 0's count exchange, a bounded wait that raises CommTimeoutError, and not leave them inside a host
     # collective it never joins: that collective would pair with the skipping rank's next one (a barrier,
     # a new Buffer's handle exchange) and every later call would hang. So round 0 goes first, and its count
-    # exchange also carries every rank's whole token count (call_num_tokens), which gives the round count
+    # exchange also carries every rank's whole token count (WholeCall), which gives the round count
     # with no collective of its own; a backend that does not report it (most_call_tokens None) has the
     # count agreed on once round 0's exchange has succeeded on this rank, on a stream of its own so that
     # it does not wait for round 0's transfer.
-    first = backend.dispatch(dataclasses.replace(_round_request(request, 0, 0, min(num_tokens, round_tokens), None),
-                                                 call_num_tokens=num_tokens,
-                                                 call_tokens_per_rank=request.num_tokens_per_rank))
+    call = _whole_call(request)
+    placement = Placement(_int32(num_ranks, request.x.device), None, 0, _int32(num_ranks, request.x.device))
+    first = backend.dispatch(_round_request(request, 0, 0, min(num_tokens, round_tokens), placement, call))
     most = first.most_call_tokens if first.most_call_tokens is not None else exchange.max_int(num_tokens)
     rounds = Rounds(round_tokens, max(1, _ceil_div(most, round_tokens)), min(round_tokens, most))
     if rounds.num_rounds == 1:
         return first, rounds
-    return _dispatch_rounds(backend, request, rounds, exchange, check_values, first)
+    return _dispatch_rounds(backend, request, rounds, check_values, (first, call, placement))
+
+
+def _whole_call(request: DispatchRequest) -> WholeCall:
+    num_ranks = request.is_token_in_rank.size(1)
+    return WholeCall(request.x.size(0), request.num_tokens_per_rank.to(torch.int32).contiguous(),
+                     _int32((num_ranks, num_ranks), request.x.device))
 
 
 def _whole_outputs(backend, request: DispatchRequest, num_rows: int) -> Tuple[Optional[torch.Tensor], ...]:
@@ -307,51 +314,64 @@ def _round_src_idx(recv_src_idx: torch.Tensor, rank_prefix_matrix: torch.Tensor,
     return torch.where(valid, taken - token_base, -1).to(torch.int32)
 
 
-def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, exchange: Exchange, check_values: bool,
-                     first: Optional[DispatchResult]) -> Tuple[DispatchResult, Rounds]:
-    """Rounds of a fresh dispatch (round 0's result already in `first` where given): see NOTE [rounds]."""
-    x, num_ranks, rank = request.x, exchange.num_ranks, exchange.rank
+def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, check_values: bool,
+                     started: Optional[Tuple[DispatchResult, WholeCall, Placement]] = None
+                     ) -> Tuple[DispatchResult, Rounds]:
+    """Rounds of a fresh dispatch, round 0 already sent where `started` holds its (result, call, placement):
+    see NOTE [rounds]. Each round's count exchange places it (Placement.cursor), so the rounds are sent
+    back to back with no collective and no host sync between them, and the handles are made while they run."""
+    x, device, num_ranks, rank = request.x, request.x.device, request.is_token_in_rank.size(1), backend.ctx.rank
     num_tokens, num_worst, round_tokens = x.size(0), request.num_worst_tokens, rounds.round_tokens
-    in_rank = request.is_token_in_rank
-    counts = exchange.all_gather(per_round_counts(in_rank, round_tokens, rounds.num_rounds)).long()
-    offsets = _Offsets(counts, rank)
-    if first is not None:  # round 0 made the whole call's tensors (NOTE [placed rounds])
+    if started is not None:  # round 0 made the whole call's tensors (NOTE [placed rounds])
+        first, call, placement = started
+        parts = [first]
         outputs = (first.recv_x, first.recv_x_scales, first.recv_topk_idx, first.recv_topk_weights,
                    first.handle.recv_src_idx)
-        num_rows = first.recv_x.size(0)
     else:
-        num_rows = num_worst
-        outputs = _whole_outputs(backend, request, num_rows)
+        call, parts = _whole_call(request), []
+        outputs = _whole_outputs(backend, request, num_worst)
+        placement = Placement(_int32(num_ranks, device), outputs, 0, _int32(num_ranks, device))
+    recv_firsts = [placement.recv_first]
+    for r in range(len(parts), rounds.num_rounds):
+        begin, end = rounds.bounds(r, num_tokens)
+        if r > 0:
+            placement = dataclasses.replace(placement, recv_first=_int32(num_ranks, device), outputs=outputs,
+                                            token_base=r * round_tokens)  # every source's round starts there
+            recv_firsts.append(placement.recv_first)
+        parts.append(backend.dispatch(_round_request(request, r, begin, end, placement, call if r == 0 else None)))
+        if r == 0 and num_worst and check_values:  # every rank holds all counts, so every rank raises together
+            most_rows, which = (int(v) for v in torch.max(call.prefix_matrix[-1], dim=0))
+            if most_rows > num_worst:
+                raise InvalidInputError(f"rank {which} receives {most_rows} tokens, more than "
+                                        f"num_worst_tokens={num_worst}")
+    # The handles: round r's rows on destination d land, in the whole call, after every lower source's rows
+    # (the whole call's rank_prefix_matrix) and this rank's rows of earlier rounds, instead of after the
+    # lower sources' rows of round r (the round's).
     # A round handle is sized like a one-shot num_worst_tokens dispatch of the round's slices: its rows on
     # the host would take a device-to-host copy, and a backend asks none of a placed round's handle.
+    num_rows = outputs[0].size(0)
     round_rows = min(num_rows, num_ranks * round_tokens)
-    if num_worst and check_values:  # every rank holds all counts, so every rank raises together
-        most_rows, which = (int(v) for v in torch.max(counts.sum((0, 1)), dim=0))
-        if most_rows > num_worst:
-            raise InvalidInputError(f"rank {which} receives {most_rows} tokens, more than "
-                                    f"num_worst_tokens={num_worst}")
-    parts = [first]  # every round launched before any handle bookkeeping (see _Offsets)
-    for r in range(1 if first is not None else 0, rounds.num_rounds):
-        begin, end = rounds.bounds(r, num_tokens)
-        parts.append(backend.dispatch(_round_request(
-            request, r, begin, end, Placement(offsets.recv_first[r], outputs, r * round_tokens))))
-    parts = [part for part in parts if part is not None]
-    send_head = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=x.device)
+    per_rank = request.num_tokens_per_rank.to(torch.int32)
+    shift = call.prefix_matrix[rank] - per_rank                   # rows on d before this rank, whole call
+    send_head = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
     handles = []
     for r, part in enumerate(parts):
         begin, end = rounds.bounds(r, num_tokens)
-        round_handle = part.handle
+        round_handle, sent = part.handle, part.handle.channel_prefix_matrix[:, 0]
         head = round_handle.send_head
-        send_head[begin:end] = torch.where(head >= 0, head + offsets.shift(r), -1)
+        round_shift = shift - (round_handle.rank_prefix_matrix[rank] - sent)
+        send_head[begin:end] = torch.where(head >= 0, head + round_shift, -1)
+        shift = shift + sent
         fields = list(round_handle)
-        fields[3] = _round_src_idx(outputs[4], round_handle.rank_prefix_matrix, rank, offsets.recv_first[r],
-                                   round_rows, r * round_tokens)
+        fields[3] = _round_src_idx(outputs[4], round_handle.rank_prefix_matrix, rank, recv_firsts[r], round_rows,
+                                   r * round_tokens)
         handles.append(DispatchHandle(*fields))
     per_expert_list = [] if num_worst else parts[0].num_recv_tokens_per_expert_list  # num_worst: as one-shot
     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
-    handle = DispatchHandle(*offsets.handle_fields(), recv_src_idx, in_rank, send_head)
+    handle = DispatchHandle(call.prefix_matrix, per_rank.view(-1, 1).clone(), recv_firsts[0].view(-1, 1),
+                            recv_src_idx, request.is_token_in_rank, send_head)
     result = DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle)
-    return result, dataclasses.replace(rounds, handles=tuple(handles), recv_first=offsets.recv_first)
+    return result, dataclasses.replace(rounds, handles=tuple(handles), recv_first=tuple(recv_firsts))
 
 
 def cached_dispatch(backend, request: DispatchRequest, rounds: Rounds) -> DispatchResult:

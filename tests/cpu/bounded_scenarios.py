@@ -78,18 +78,26 @@ def rounds_match_one_shot(seed, token_counts, hidden, num_experts, num_topk, dty
 
     # Dispatch: every output and every handle field.
     want = one_shot.dispatch(x, **kwargs)
-    backend, asked = bounded.runtime, []  # whether each backend call the rounds make is placed
+    backend, asked = bounded.runtime, []  # per backend call the rounds make: (outputs exist, placed by cursor)
     backend_dispatch = backend.dispatch
-    backend.dispatch = lambda request: asked.append(request.placement is not None) or backend_dispatch(request)
-    agreed = []  # round counts agreed on by a collective of their own (NOTE [agree after the count exchange])
-    exchange_max = bounded._exchange.max_int
-    bounded._exchange.max_int = lambda value: agreed.append(value) or exchange_max(value)
+
+    def spy(request):
+        placement = request.placement
+        asked.append((placement is not None and placement.outputs is not None,
+                      placement is not None and placement.cursor is not None))
+        return backend_dispatch(request)
+
+    backend.dispatch = spy
+    collectives = []  # the rounds' own collectives (NOTE [agree after the count exchange], [placed rounds])
+    exchange_max, exchange_gather = bounded._exchange.max_int, bounded._exchange.all_gather
+    bounded._exchange.max_int = lambda value: collectives.append("max_int") or exchange_max(value)
+    bounded._exchange.all_gather = lambda t: collectives.append("all_gather") or exchange_gather(t)
     try:
         got = bounded.dispatch(x, **kwargs)
     finally:
         backend.dispatch = backend_dispatch
-        bounded._exchange.max_int = exchange_max
-    assert not agreed, "round 0's count exchange carries the token counts: no all-reduce of its own"
+        bounded._exchange.max_int, bounded._exchange.all_gather = exchange_max, exchange_gather
+    assert not collectives, f"the count exchanges carry the counts: no collective of the rounds' own, ran {collectives}"
     want_handle, handle = want[4], got[4]
     assert want_handle.rounds.num_rounds == 1
     plan = bounded.normal_round_plan(max_tokens, hidden, num_topk, _split(x)[0].dtype)
@@ -122,16 +130,18 @@ def rounds_match_one_shot(seed, token_counts, hidden, num_experts, num_topk, dty
     assert got[3] == want[3], f"num_recv_tokens_per_expert_list {got[3]} != {want[3]}"
     assert_same_handle("handle", handle, want_handle, num_recv)
 
-    # NOTE [placed rounds]: every round but a fresh dispatch's round 0 writes into the whole call's tensors.
+    # NOTE [placed rounds]: every round but a fresh dispatch's round 0 writes into the whole call's tensors,
+    # and every round's count exchange places it.
     if num_rounds > 1:
-        assert asked == [bool(num_worst_tokens)] + [True] * (num_rounds - 1), asked
-        assert handle.rounds.recv_first.is_contiguous()  # the CUDA kernels read it as a plain array
+        assert asked == [(bool(num_worst_tokens), True)] + [(True, True)] * (num_rounds - 1), asked
+        assert len(handle.rounds.recv_first) == num_rounds
+        assert all(t.is_contiguous() for t in handle.rounds.recv_first)  # the CUDA kernels read plain arrays
 
     # The rounds derived from the six fields alone are the rounds the dispatch ran.
     if num_rounds > 1 and not num_worst_tokens:
         derived = rounds.derive(handle, round_tokens, bounded._exchange)
         assert derived.num_rounds == num_rounds
-        assert_same("derived recv_first", derived.recv_first, handle.rounds.recv_first)
+        assert_same("derived recv_first", torch.stack(derived.recv_first), torch.stack(handle.rounds.recv_first))
         for r, (a, b) in enumerate(zip(derived.handles, handle.rounds.handles)):
             assert_same_handle(f"derived round {r}", a, b)
 

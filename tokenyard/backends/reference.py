@@ -83,7 +83,9 @@ class ReferenceBackend(Backend):
         return routing.dispatch_layout(topk_idx, num_experts, self.ctx.num_ranks)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
-        return self._placed_dispatch(request) if request.placement is not None else self._dispatch(request)
+        placement = request.placement
+        return self._placed_dispatch(request) if placement is not None and placement.outputs is not None \
+            else self._dispatch(request)
 
     def combine(self, request: CombineRequest):
         return self._placed_combine(request) if request.placement is not None else self._combine(request)
@@ -96,7 +98,7 @@ class ReferenceBackend(Backend):
 
         # 1. Counts: counts[s, r] = tokens rank s sends to rank r (same on every rank), with the same of the
         # whole call this request is round 0 of (NOTE [notify] in kernels/notify.cuh says what for).
-        most_call_tokens = call_counts = None
+        most_call_tokens = None
         if cached:
             rank_prefix_matrix = request.handle.rank_prefix_matrix
             counts = torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
@@ -104,15 +106,16 @@ class ReferenceBackend(Backend):
             num_experts = request.num_experts
             num_local_experts = num_experts // num_ranks
             per_rank = request.num_tokens_per_rank.to(torch.int32)
-            call_tokens = num_tokens if request.call_num_tokens is None else request.call_num_tokens
-            call_per_rank = per_rank if request.call_tokens_per_rank is None else request.call_tokens_per_rank
-            mine = torch.cat([per_rank, per_rank.new_full((1,), call_tokens), call_per_rank.to(torch.int32),
+            call = request.call
+            mine = torch.cat([per_rank, per_rank.new_full((1,), num_tokens if call is None else call.num_tokens),
+                              per_rank if call is None else call.tokens_per_rank.to(torch.int32),
                               request.num_tokens_per_expert.to(torch.int32)])
             gathered = self._all_gather(mine)
             counts = gathered[:, :num_ranks]
             most_call_tokens = int(gathered[:, num_ranks].max())
-            call_counts = gathered[:, num_ranks + 1:2 * num_ranks + 1]
             rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
+            if call is not None:
+                call.prefix_matrix.copy_(gathered[:, num_ranks + 1:2 * num_ranks + 1].cumsum(0))
             first = 2 * num_ranks + 1 + rank * num_local_experts
             per_expert = gathered[:, first:first + num_local_experts].sum(0).tolist()
         send_counts = counts[rank].tolist()
@@ -186,11 +189,15 @@ class ReferenceBackend(Backend):
                                     send_head)
         result = DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle,
                                 most_call_tokens)
-        call_rows = None if call_counts is None or request.num_worst_tokens else int(call_counts[:, rank].sum())
-        if call_rows is not None and call_rows != num_recv:  # the whole call's tensors, this round's rows placed
+        placement = request.placement
+        if placement is not None:  # round 0 of a call in rounds: the whole call's tensors, this round's rows placed
+            self._advance(request, result)
+            call_rows = int(request.call.prefix_matrix[-1, rank])
+            if call_rows == num_recv:  # one round: its tensors are the whole call's, recv_first as one-shot
+                return result
             outputs = tuple(None if t is None else self.empty(call_rows, *t.shape[1:], dtype=t.dtype, device=t.device)
                             for t in (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx))
-            self._put(result, Placement(_exclusive_cumsum(call_counts[:, rank], 0).to(torch.int32), outputs))
+            self._put(result, dataclasses.replace(placement, outputs=outputs))
             result = DispatchResult(*outputs[:4], per_expert_list, DispatchHandle(*handle[:3], outputs[4], *handle[4:]),
                                     most_call_tokens)
         return result
@@ -247,9 +254,29 @@ class ReferenceBackend(Backend):
             if whole is not None and piece is not None:
                 _as_index_target(whole).index_copy_(0, index, _as_index_target(piece))
 
+    def _advance(self, request: DispatchRequest, part: DispatchResult) -> None:
+        """A round's recv_first from its placement's cursor, or from the whole call's counts in round 0;
+        then the cursor past the round's rows (NOTE [notify] in kernels/notify.cuh)."""
+        placement, rank = request.placement, self.ctx.rank
+        if placement.cursor is None:
+            return
+        if request.call is not None:
+            column = request.call.prefix_matrix[:, rank]
+            placement.recv_first.copy_(column - torch.diff(column, prepend=column.new_zeros(1)))
+        else:
+            placement.recv_first.copy_(placement.cursor)
+        column = part.handle.rank_prefix_matrix[:, rank]
+        placement.cursor.copy_(placement.recv_first + torch.diff(column, prepend=column.new_zeros(1)))
+
     def _placed_dispatch(self, request: DispatchRequest) -> DispatchResult:
         placement = request.placement
         part = self._dispatch(dataclasses.replace(request, placement=None, num_worst_tokens=0))
+        if request.call is not None and request.handle is None:  # as one-shot: every rank raises together
+            most, which = (int(v) for v in torch.max(request.call.prefix_matrix[-1], dim=0))
+            if most > placement.outputs[0].size(0):
+                raise InvalidInputError(f"rank {which} receives {most} tokens, more than num_worst_tokens="
+                                        f"{placement.outputs[0].size(0)}")
+        self._advance(request, part)
         self._put(part, placement)
         recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = placement.outputs
         handle = part.handle if request.handle is not None else DispatchHandle(*part.handle[:3], recv_src_idx,

@@ -218,8 +218,10 @@ class CudaBackend(Backend):
         # before the wait (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT), the receivers following in a launch of
         # their own; the receivers need the sending launch's warp count (NOTE [sender ranges]).
         grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.dispatch_send_share(num_ranks))
-        split = (not cached and not request.num_worst_tokens and placement is None
-                 and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT)
+        # Round 0 of a call in rounds makes the whole call's outputs (NOTE [placed rounds] in rounds.py).
+        makes_outputs = placement is None or placement.outputs is None
+        cpu_wait = not cached and not request.num_worst_tokens and makes_outputs
+        split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
         num_send_warps = (grid.num_blocks if split else grid.num_send_blocks) * (kernels.DATA_THREADS // 32)
         slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, heuristics.DISPATCH_CHUNK_TOKENS)
         if slots > layout.max_chunks:
@@ -234,20 +236,16 @@ class CudaBackend(Backend):
         source_num_tokens = torch.empty(num_ranks, dtype=torch.int32, device=device)
         call_id = self._next("_notify_calls")
         per_expert = 0 if cached else request.num_tokens_per_expert.data_ptr()
-        # Round 0 of a call in rounds: the outputs hold the whole call, round 0's rows placed in them (NOTE
-        # [placed rounds] in rounds.py), where the notify kernel says they start.
-        whole_call = (request.call_tokens_per_rank is not None and not cached and not request.num_worst_tokens
-                      and placement is None)
-        call_tokens_per_rank = call_recv_first = None
-        if whole_call:
-            call_tokens_per_rank = request.call_tokens_per_rank.to(torch.int32).contiguous()
-            call_recv_first = torch.empty(num_ranks, dtype=torch.int32, device=device)
+        call = request.call
+        placed_by_notify = placement is not None and placement.cursor is not None
         self._kernel(kernels.dispatch_notify(num_ranks))(
             num_ranks + 1, stream, is_token_in_rank.data_ptr(), num_tokens, per_expert, num_experts,
             request.expert_alignment, prefix_excl.data_ptr(), rank_prefix_matrix.data_ptr(),
-            source_num_tokens.data_ptr(), num_tokens if request.call_num_tokens is None else request.call_num_tokens,
-            0 if call_tokens_per_rank is None else call_tokens_per_rank.data_ptr(),
-            0 if call_recv_first is None else call_recv_first.data_ptr(), self.host_counts_ptr, call_id,
+            source_num_tokens.data_ptr(), num_tokens if call is None else call.num_tokens,
+            0 if call is None else call.tokens_per_rank.data_ptr(),
+            0 if call is None else call.prefix_matrix.data_ptr(),
+            placement.recv_first.data_ptr() if placed_by_notify else 0,
+            placement.cursor.data_ptr() if placed_by_notify else 0, self.host_counts_ptr, call_id,
             self.normal.bases_tensor.data_ptr(), rank, (call_id * num_ranks) & _MASK32, *self._wait_args())
 
         # 2. The rows.
@@ -256,11 +254,10 @@ class CudaBackend(Backend):
         buffer_args = self._buffer_args(layout, self._next("_seq"))
         scale_strides = (0, 0) if scales is None else (scales.stride(0), scales.stride(1))
         send_head = None if cached else self.empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
-        outputs = None
+        outputs = None if makes_outputs else placement.outputs
         own_rows_direct, prefetch = heuristics.dispatch_own_rows_direct(), heuristics.prefetch_next_row()
         num_worst, recv_first, src_idx_base = request.num_worst_tokens, 0, 0
-        if placement is not None:
-            outputs = placement.outputs
+        if outputs is not None:
             num_worst, recv_first, src_idx_base = outputs[0].size(0), placement.recv_first.data_ptr(), placement.token_base
 
         def launch(num_send_blocks: int) -> None:
@@ -279,7 +276,7 @@ class CudaBackend(Backend):
         if split:
             launch(grid.num_blocks)  # senders only
         per_expert_list = most_call_tokens = None
-        if placement is not None:
+        if not makes_outputs:
             num_rows = None
         elif cached:
             num_rows = request.handle.num_rows
@@ -289,9 +286,9 @@ class CudaBackend(Backend):
         else:
             self._wait_host_counts(call_id)
             num_rows, most_call_tokens = int(self.host_counts[1]), int(self.host_counts[2])
-            if whole_call:
+            if placement is not None:  # the whole call's rows, this round's placed
                 num_rows = int(self.host_counts[3])
-                num_worst, recv_first = num_rows, call_recv_first.data_ptr()
+                num_worst, recv_first = num_rows, placement.recv_first.data_ptr()
             per_expert_list = [int(self.host_counts[4 + l]) for l in range(num_local_experts)]
 
         if outputs is None:

@@ -15,10 +15,15 @@ namespace tokenyard::kernels {
 // rank's notify counter for this source. One-shot, the whole call is this request (null
 // call_tokens_per_rank, call_num_tokens = num_tokens). Block kNumRanks waits until every source's counter
 // reached `notify_expected` (= calls so far * kNumRanks), then builds rank_prefix_matrix, the received
-// total, `call_recv_first` (where each source's rows start in the whole call's receive order) and the
-// whole call's received total, the largest call token count of any rank and the per-expert counts, and
-// publishes them to the host: host_counts = [call_id (last), received rows, most call tokens, whole call's
-// received rows, per-local-expert counts...].
+// total, the whole call's rank_prefix_matrix (`call_prefix_matrix`, where given) and received total, the
+// largest call token count of any rank and the per-expert counts, and publishes them to the host:
+// host_counts = [call_id (last), received rows, most call tokens, whole call's received rows,
+// per-local-expert counts...].
+// A round of a fresh dispatch in rounds (NOTE [placed rounds] in rounds.py) also gets `recv_first` and
+// `cursor` (both or neither): recv_first[s] = where the round's rows from source s start in the whole
+// call's receive order, computed from the whole call's counts in round 0 (given call_tokens_per_rank) and
+// read from cursor in later rounds; then cursor[s] = recv_first[s] + the round's rows from s, for the next
+// round. So no round waits for the host to place it.
 // Notify data row of source s: kNumRanks counts, token count, call token count, kNumRanks call counts,
 // then the counts of the destination's experts. Since a rank only enters this kernel after its
 // previous normal-mode kernels finished, a completed notify also means every rank is done with the
@@ -27,7 +32,8 @@ template <int kNumRanks, int kNumThreads>
 __device__ __forceinline__ void dispatch_notify(
         const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
         int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens,
-        int call_num_tokens, const int* call_tokens_per_rank, int* call_recv_first, int* host_counts,
+        int call_num_tokens, const int* call_tokens_per_rank, int* call_prefix_matrix, int* recv_first, int* cursor,
+        int* host_counts,
         uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
     const NormalBuffers buffers{peer_bases, rank, 0, 0, 0, 0, 0};
@@ -97,24 +103,34 @@ __device__ __forceinline__ void dispatch_notify(
     const int* data = buffers.notify_data(rank);
     if (threadIdx.x < kNumRanks) {
         const int q = threadIdx.x;
-        int running = 0;
+        int running = 0, call_running = 0;
         for (int s = 0; s < kNumRanks; ++s) {
             running += ptx::ld_na_s32(data + s * stride + q);
             rank_prefix_matrix[s * kNumRanks + q] = running;
+            call_running += ptx::ld_na_s32(data + s * stride + kCallCountsAt + q);
+            if (call_prefix_matrix != nullptr)
+                call_prefix_matrix[s * kNumRanks + q] = call_running;
         }
         source_num_tokens[q] = ptx::ld_na_s32(data + q * stride + kNumRanks);
-        if (q == rank)
+        if (q == rank) {
             host_counts[1] = running;
-        if (q == 0) {
-            int most = 0, call_rows = 0;
-            for (int s = 0; s < kNumRanks; ++s) {
-                most = max(most, ptx::ld_na_s32(data + s * stride + kNumRanks + 1));
-                if (call_recv_first != nullptr)  // null where the caller has no use for it
-                    call_recv_first[s] = call_rows;
-                call_rows += ptx::ld_na_s32(data + s * stride + kCallCountsAt + rank);
+            host_counts[3] = call_running;
+            if (recv_first != nullptr) {
+                int call_first = 0;
+                for (int s = 0; s < kNumRanks; ++s) {
+                    const int first = call_tokens_per_rank != nullptr ? call_first : cursor[s];
+                    recv_first[s] = first;
+                    if (cursor != nullptr)
+                        cursor[s] = first + ptx::ld_na_s32(data + s * stride + rank);
+                    call_first += ptx::ld_na_s32(data + s * stride + kCallCountsAt + rank);
+                }
             }
+        }
+        if (q == 0) {
+            int most = 0;
+            for (int s = 0; s < kNumRanks; ++s)
+                most = max(most, ptx::ld_na_s32(data + s * stride + kNumRanks + 1));
             host_counts[2] = most;
-            host_counts[3] = call_rows;
         }
     }
     for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads) {
