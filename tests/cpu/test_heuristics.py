@@ -31,10 +31,11 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
         assert heuristics.combine_send_share(4) == heuristics.COMBINE_SEND_SHARE
         assert heuristics.data_grid(24, 132, heuristics.combine_send_share(4)).num_send_blocks == 9
         assert heuristics.prefetch_next_row() is heuristics.PREFETCH_NEXT_ROW
-        monkeypatch.setenv("TOKENYARD_TUNING", "dispatch_share=0.625, combine_share=0.25,prefetch=off")
+        flipped = "off" if heuristics.PREFETCH_NEXT_ROW else "on"
+        monkeypatch.setenv("TOKENYARD_TUNING", f"dispatch_share=0.625, combine_share=0.25,prefetch={flipped}")
         env.settings.cache_clear()
         assert (heuristics.dispatch_send_share(2), heuristics.combine_send_share(4)) == (0.625, 0.25)
-        assert heuristics.prefetch_next_row() is False
+        assert heuristics.prefetch_next_row() is not heuristics.PREFETCH_NEXT_ROW
         assert heuristics.dispatch_own_rows_direct() is heuristics.DISPATCH_OWN_ROWS_DIRECT  # not overridden
         for bad in ("dispatch_share=1.0", "share=0.5", "prefetch", "prefetch=maybe"):
             monkeypatch.setenv("TOKENYARD_TUNING", bad)

@@ -28,12 +28,12 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
 # - 2 H200s at 898daf3: cached dispatch 157.8 us at 2/3, 167.4 at 1/2; combine 231.9 us at 1/3, 284.1 at 1/4,
 #   296.5 at 1/2. (A likely reason: fewer combine senders finish each chunk sooner, so the reducers start
 #   sooner.)
-# - 4 H200s: 1/2 and 1/2 measured at 104fba0 (benchmarks/results/normal.md), when a quarter of the combine's
-#   sending warps idled on the rank's own source: 144 of 192 sent. Since then none idles (898daf3), and 3/8
-#   of 24 SMs gives the same 144 sending warps, with more reducers than then. The 4-rank dispatch keeps 1/2
-#   until it is measured (`benchmarks/run_device.sh shares` sweeps both through TOKENYARD_TUNING).
+# - 4 H200s at 166cfde (`benchmarks/run_device.sh shares` and a second sweep, benchmarks/results/shares_4ranks.md):
+#   the dispatch is fastest with fewer senders than on 2 ranks, cached kernel 315.1 us at 3/8 (prefetch off),
+#   322.8 at 5/12, 339.3 at 1/2, 373.8 at 1/3; the combine is flat from 3/8 to 1/2 (561-583 us) and slower
+#   at 1/4 (704-781).
 DISPATCH_SEND_SHARE_BY_RANKS = {2: 2 / 3}
-DISPATCH_SEND_SHARE = 1 / 2   # any other number of ranks
+DISPATCH_SEND_SHARE = 3 / 8   # any other number of ranks
 COMBINE_SEND_SHARE_BY_RANKS = {2: 1 / 3}
 COMBINE_SEND_SHARE = 3 / 8    # any other number of ranks
 
@@ -58,9 +58,11 @@ DISPATCH_CHUNK_TOKENS = 8
 DISPATCH_OWN_ROWS_DIRECT = True
 COMBINE_OWN_ROWS_DIRECT = True
 
-# Dispatch and combine senders ask L2 for their next row while they move the current one (a bulk prefetch,
-# sm_90). Not yet measured: the next benchmark compares it on and off.
-PREFETCH_NEXT_ROW = True
+# Dispatch and combine senders can ask L2 for their next row while they move the current one (a bulk
+# prefetch, sm_90). On 4 H200s at 166cfde it was never faster and often slower (benchmarks/results/
+# shares_4ranks.md): at 3/8 and 11/24 cached dispatch 326.4 -> 315.1 us and combine 581.1 -> 561.0 us without
+# it; at 1/2 and 1/4, 339.3 -> 341.7 and 780.9 -> 703.8. Off.
+PREFETCH_NEXT_ROW = False
 
 
 def dispatch_own_rows_direct() -> bool:
