@@ -44,6 +44,13 @@ def _parse_share(text: str) -> float:
     return share
 
 
+def _parse_count(text: str) -> int:
+    count = int(text)
+    if count < 1:
+        raise ValueError(f"a count is at least 1, got {count}")
+    return count
+
+
 # TOKENYARD_TUNING: what each key overrides in tokenyard/backends/cuda/heuristics.py, and how it is read.
 TUNING_KEYS = {
     "dispatch_share": _parse_share,            # share of a normal dispatch's blocks that send
@@ -51,6 +58,7 @@ TUNING_KEYS = {
     "dispatch_own_rows_direct": _parse_bool,   # DISPATCH_OWN_ROWS_DIRECT
     "combine_own_rows_direct": _parse_bool,    # COMBINE_OWN_ROWS_DIRECT
     "prefetch": _parse_bool,                   # PREFETCH_NEXT_ROW
+    "dispatch_tail": _parse_count,             # DISPATCH_TAIL_TOKENS
 }
 
 

@@ -63,11 +63,18 @@ def normal_combine_row_bytes(hidden: int, num_topk: int) -> int:
     return align(align(hidden * 2) + align(num_topk * 4), ROW_ALIGN_BYTES)
 
 
-def normal_dispatch_slots(num_tokens: int, num_send_warps: int, chunk_tokens: int) -> int:
+def dispatch_pieces(num_tokens: int, chunk_tokens: int, tail_tokens: int) -> int:
+    """Pieces a dispatch sender warp publishes a range of `num_tokens` tokens in: `chunk_tokens` at a time,
+    its last `chunk_tokens` (or fewer) `tail_tokens` at a time (NOTE [tail pieces] in kernels/dispatch.cuh).
+    Example: 28 tokens, 8 and 2: 8 8 4 | 2 2 2 2, 7 pieces."""
+    tail = min(num_tokens, chunk_tokens)
+    return -(-(num_tokens - tail) // chunk_tokens) + -(-tail // tail_tokens)
+
+
+def normal_dispatch_slots(num_tokens: int, num_send_warps: int, chunk_tokens: int, tail_tokens: int) -> int:
     """Chunk slots per source a dispatch of `num_tokens` tokens uses: each of `num_send_warps` sender warps
-    publishes its range in pieces of `chunk_tokens` (NOTE [sender ranges] in kernels/dispatch.cuh)."""
-    per_warp = -(-num_tokens // num_send_warps)
-    return num_send_warps * -(-per_warp // chunk_tokens)
+    publishes its range in pieces (NOTE [sender ranges] in kernels/dispatch.cuh)."""
+    return num_send_warps * dispatch_pieces(-(-num_tokens // num_send_warps), chunk_tokens, tail_tokens)
 
 
 NOTIFY_DATA_OFFSET = 1024  # kNotifyDataOffset in include/tokenyard/layout.cuh

@@ -72,10 +72,19 @@ def test_low_latency_layout_fits_in_half_the_hint_without_overlaps(args):
 
 
 def test_dispatch_slots_never_outnumber_the_buffer_slots():
-    # NOTE [sender ranges]: W sender warps publish ceil(ceil(T / W) / 8) pieces each; every call the buffer
-    # allows (T up to MAX_NORMAL_TOKENS_PER_RANK) must fit MAX_CHUNKS for any W up to 4096 (256 SMs).
-    worst = max(workspace.normal_dispatch_slots(tokens, warps, workspace.CHUNK_ROWS)
+    # NOTE [sender ranges]: W sender warps publish ceil(ceil(T / W) / 8) pieces each in whole chunks, the
+    # backend's fallback where tail pieces need more slots than the buffer has; every call the buffer allows
+    # (T up to MAX_NORMAL_TOKENS_PER_RANK) must fit MAX_CHUNKS so for any W up to 4096 (256 SMs).
+    chunk = workspace.CHUNK_ROWS
+    worst = max(workspace.normal_dispatch_slots(tokens, warps, chunk, chunk)
                 for warps in range(1, 4097) for tokens in (workspace.MAX_NORMAL_TOKENS_PER_RANK, 65000, 4096, 257, 1))
     assert worst <= workspace.MAX_CHUNKS
-    assert workspace.normal_dispatch_slots(4096, 192, 8) == 192 * 3  # 21 or 22 tokens per warp: 3 pieces
-    assert workspace.normal_dispatch_slots(0, 192, 8) == 0
+    assert workspace.normal_dispatch_slots(4096, 192, 8, 8) == 192 * 3  # 21 or 22 tokens per warp: 3 pieces
+    assert workspace.normal_dispatch_slots(0, 192, 8, 2) == 0
+    # NOTE [tail pieces]: the last 8 tokens of a range go 2 at a time.
+    assert [workspace.dispatch_pieces(n, 8, 2) for n in (1, 2, 3, 8, 9, 16, 17, 28)] == [1, 1, 2, 4, 5, 5, 6, 7]
+    assert workspace.normal_dispatch_slots(4096, 192, 8, 2) == 192 * 6  # 21 or 22: 8 5 | 2 2 2 2 (or 8 6 | ...)
+    # The DeepSeek-V3 benchmark's call (4096 tokens, 9 of 24 SMs sending) fits with tail pieces, and so does
+    # the largest call at 132 SMs.
+    assert workspace.normal_dispatch_slots(4096, 9 * 16, 8, 2) <= workspace.MAX_CHUNKS
+    assert workspace.normal_dispatch_slots(workspace.MAX_NORMAL_TOKENS_PER_RANK, 49 * 16, 8, 2) <= workspace.MAX_CHUNKS

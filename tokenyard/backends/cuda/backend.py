@@ -223,7 +223,11 @@ class CudaBackend(Backend):
         cpu_wait = not cached and not request.num_worst_tokens and makes_outputs
         split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
         num_send_warps = (grid.num_blocks if split else grid.num_send_blocks) * (kernels.DATA_THREADS // 32)
-        slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, heuristics.DISPATCH_CHUNK_TOKENS)
+        chunk_tokens, tail_tokens = heuristics.DISPATCH_CHUNK_TOKENS, heuristics.dispatch_tail_tokens()
+        slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens)
+        if slots > layout.max_chunks:  # whole chunks to the end (NOTE [tail pieces]); alike on every rank
+            tail_tokens = chunk_tokens
+            slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens)
         if slots > layout.max_chunks:
             raise InvalidInputError(f"{num_send_warps} sending warps need {slots} chunk slots per source, more than "
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
@@ -250,7 +254,7 @@ class CudaBackend(Backend):
 
         # 2. The rows.
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, num_scales, num_topk, topk_dtype,
-                                                heuristics.DISPATCH_CHUNK_TOKENS))
+                                                chunk_tokens, tail_tokens))
         buffer_args = self._buffer_args(layout, self._next("_seq"))
         scale_strides = (0, 0) if scales is None else (scales.stride(0), scales.stride(1))
         send_head = None if cached else self.empty(num_tokens, num_ranks, dtype=torch.int32, device=device)

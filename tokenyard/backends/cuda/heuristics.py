@@ -46,8 +46,17 @@ def combine_send_share(num_ranks: int) -> float:
     return _tuned("combine_share", COMBINE_SEND_SHARE_BY_RANKS.get(num_ranks, COMBINE_SEND_SHARE))
 
 
-# Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS).
+# Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS), and
+# the same for the last DISPATCH_CHUNK_TOKENS of its range (NOTE [tail pieces] in kernels/dispatch.cuh).
+# 8 and 8 until 166cfde. Chunks of 32 made the 4-rank cached dispatch 432 us against 340 with 8
+# (benchmarks/profile_normal.py at a46842c): the last wave of pieces, copied out after the senders finish,
+# is what the tail pieces shrink.
 DISPATCH_CHUNK_TOKENS = 8
+DISPATCH_TAIL_TOKENS = 2
+
+
+def dispatch_tail_tokens() -> int:
+    return min(_tuned("dispatch_tail", DISPATCH_TAIL_TOKENS), DISPATCH_CHUNK_TOKENS)
 
 # Whether a token's row for its own rank skips the buffer: dispatch senders write it into the outputs,
 # combine reducers read it from the expert output (NOTE [dispatch roles], NOTE [combine roles]). The

@@ -59,14 +59,15 @@ def dispatch_notify(num_ranks: int) -> KernelSpec:
 
 @functools.lru_cache(maxsize=None)
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
-             chunk_tokens: int = CHUNK_TOKENS) -> KernelSpec:
+             chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
-    of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized."""
-    assert chunk_tokens % CHUNK_TOKENS == 0, chunk_tokens
+    of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
+    `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens."""
+    assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
-        (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens),
+        (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),

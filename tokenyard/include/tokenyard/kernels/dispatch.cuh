@@ -42,24 +42,52 @@ namespace tokenyard::kernels {
 // [T * w / W, T * (w + 1) / W) of its rank's T tokens; ranges differ by at most one token, so no warp
 // carries more than ceil(T / W). (Dealing chunks of 8 round robin gave the busiest of 192 warps 24 of
 // 4096 tokens, against 21.3 on average, and the slowest warp sets the kernel's time.) Example: 10 tokens,
-// 4 warps: [0, 2) [2, 5) [5, 7) [7, 10). A warp publishes its range in pieces of kChunkTokens tokens, piece
-// p in slot w * P + p, with P = ceil(ceil(T / W) / kChunkTokens) pieces per warp; at most T / kChunkTokens
-// + W slots (workspace.MAX_CHUNKS covers every T the buffer allows for W up to 4096). Receivers compute
-// each source's ranges from its token count and W, so every rank launches the same number of sending
-// warps (the same num_sms, as DeepEP also requires); every slot carries its sender's W, and a receiver
-// that finds another records a mismatch error instead of copying rows it would misplace or miss.
+// 4 warps: [0, 2) [2, 5) [5, 7) [7, 10). A warp publishes its range piece by piece (NOTE [tail pieces]),
+// piece p in slot w * P + p, with P the pieces of a range of ceil(T / W) tokens; at most
+// T / kChunkTokens + W * (kChunkTokens / kTailTokens + 1) slots (workspace.normal_dispatch_slots, checked
+// against the buffer's before any kernel runs). Receivers compute each source's ranges from its token
+// count and W, so every rank launches the same number of sending warps (the same num_sms, as DeepEP also
+// requires); every slot carries its sender's W, and a receiver that finds another records a mismatch
+// error instead of copying rows it would misplace or miss.
+//
+// NOTE [tail pieces]
+// Every sender warp moves its range at about the same pace, so the pieces with one index land on the
+// receivers at about the same time, in waves, and the rows of the last wave are copied out after the
+// last sender is done: that copy is the dispatch's tail. So a range goes in pieces of kChunkTokens but
+// its last kChunkTokens tokens (or fewer) in pieces of kTailTokens: a small last wave, for a few more
+// slots. Example, 28 tokens, pieces of 8 and tail pieces of 2: 8 8 4 | 2 2 2 2.
+template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
+    static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
     int num_tokens, num_warps, num_pieces;
-    __device__ __forceinline__ SenderRanges(int tokens, int warps, int chunk)
-        : num_tokens(tokens), num_warps(warps), num_pieces(((tokens + warps - 1) / warps + chunk - 1) / chunk) {}
+    __device__ __forceinline__ SenderRanges(int tokens, int warps)
+        : num_tokens(tokens), num_warps(warps), num_pieces(pieces((tokens + warps - 1) / warps)) {}
+    // Pieces of a range of n tokens (never fewer for a longer range).
+    __device__ __forceinline__ static int pieces(int n) {
+        const int tail = min(n, kChunkTokens);
+        return (n - tail + kChunkTokens - 1) / kChunkTokens + (tail + kTailTokens - 1) / kTailTokens;
+    }
     __device__ __forceinline__ int begin(int w) const {
         return static_cast<int>(static_cast<int64_t>(num_tokens) * w / num_warps);
+    }
+    __device__ __forceinline__ int pieces_of(int w) const { return pieces(begin(w + 1) - begin(w)); }
+    // Tokens [t0, t1) of warp w's piece p (p < pieces_of(w)).
+    __device__ __forceinline__ void piece(int w, int p, int& t0, int& t1) const {
+        const int first = begin(w), n = begin(w + 1) - first;
+        const int head = n - min(n, kChunkTokens), head_pieces = (head + kChunkTokens - 1) / kChunkTokens;
+        if (p < head_pieces) {
+            t0 = first + p * kChunkTokens;
+            t1 = first + min(head, (p + 1) * kChunkTokens);
+        } else {
+            t0 = first + head + (p - head_pieces) * kTailTokens;
+            t1 = min(first + n, t0 + kTailTokens);
+        }
     }
     __device__ __forceinline__ int slot(int w, int piece) const { return w * num_pieces + piece; }
 };
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
-          int kChunkTokens>
+          int kChunkTokens, int kTailTokens>
 __device__ __forceinline__ void dispatch(
         const int4* x, const uint32_t* x_scales, int64_t scale_token_stride, int64_t scale_hidden_stride,
         const TopkT* topk_idx, const float* topk_weights, const bool* is_token_in_rank, const int* prefix_excl,
@@ -72,6 +100,7 @@ __device__ __forceinline__ void dispatch(
         int* error_flag, int* host_record, uint64_t timeout_ns) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     constexpr int kNumWarps = kNumThreads / kWarpSize;
+    using Ranges = SenderRanges<kChunkTokens, kTailTokens>;
     // The row's tail (scales, then metadata) moves as whole 16-byte vectors, one per lane (NOTE [row tail]).
     constexpr int kScaleInt4 = (kNumScales + 3) / 4;
     constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
@@ -261,10 +290,11 @@ __device__ __forceinline__ void dispatch(
 
     if (static_cast<int>(blockIdx.x) < num_send_blocks) {
         const int send_warp = blockIdx.x * kNumWarps + warp;
-        const SenderRanges ranges(num_tokens, num_send_warps, kChunkTokens);
-        const int t_end = ranges.begin(send_warp + 1);
-        for (int piece = 0, t0 = ranges.begin(send_warp); t0 < t_end; ++piece, t0 += kChunkTokens) {
-            const int t1 = min(t_end, t0 + kChunkTokens);
+        const Ranges ranges(num_tokens, num_send_warps);
+        const int t_end = ranges.begin(send_warp + 1), num_pieces = ranges.pieces_of(send_warp);
+        for (int piece = 0; piece < num_pieces; ++piece) {
+            int t0, t1;
+            ranges.piece(send_warp, piece, t0, t1);
             for (int t = t0; t < t1; ++t)
                 send_token(t, t + 1 < t_end ? t + 1 : -1);
             // Publish the piece at every destination: its rows first (fence), then the sequence number.
@@ -286,7 +316,7 @@ __device__ __forceinline__ void dispatch(
     const int receiver = blockIdx.x - num_send_blocks, num_receivers = gridDim.x - num_send_blocks;
     int most_pieces = 0;
     for (int s = 0; s < kNumRanks; ++s)
-        most_pieces = max(most_pieces, SenderRanges(source_num_tokens[s], num_send_warps, kChunkTokens).num_pieces);
+        most_pieces = max(most_pieces, Ranges(source_num_tokens[s], num_send_warps).num_pieces);
     const int num_recv = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + rank];
     if (num_worst_tokens > 0 && recv_first == nullptr && num_recv > num_worst_tokens && receiver == 0 &&
         threadIdx.x == 0)
@@ -300,8 +330,8 @@ __device__ __forceinline__ void dispatch(
         const int piece = item / items_per_piece, sender = item % items_per_piece / num_sources;
         const int other = item % num_sources;
         const int source = local_direct && other >= rank ? other + 1 : other;
-        const SenderRanges ranges(source_num_tokens[source], num_send_warps, kChunkTokens);
-        if (ranges.begin(sender) + piece * kChunkTokens >= ranges.begin(sender + 1))
+        const Ranges ranges(source_num_tokens[source], num_send_warps);
+        if (piece >= ranges.pieces_of(sender))
             continue;
         int begin = 0, end = 0;
         bool ok = true;
