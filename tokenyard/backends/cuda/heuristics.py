@@ -28,7 +28,8 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
 # - 2 H200s at 898daf3: cached dispatch 157.8 us at 2/3, 167.4 at 1/2; combine 231.9 us at 1/3, 284.1 at 1/4,
 #   296.5 at 1/2. (A likely reason: fewer combine senders finish each chunk sooner, so the reducers start
 #   sooner.)
-# - 4 H200s at 166cfde (`benchmarks/run_device.sh shares` and a second sweep, benchmarks/results/shares_4ranks.md):
+# - 4 H200s at 166cfde (`benchmarks/run_device.sh shares` and a second sweep,
+#   benchmarks/results/send_share/README.md):
 #   the dispatch is fastest with fewer senders than on 2 ranks, cached kernel 315.1 us at 3/8 (prefetch off),
 #   322.8 at 5/12, 339.3 at 1/2, 373.8 at 1/3; the combine is flat from 3/8 to 1/2 (561-583 us) and slower
 #   at 1/4 (704-781).
@@ -48,9 +49,10 @@ def combine_send_share(num_ranks: int) -> float:
 
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS), and
 # the same for the last DISPATCH_CHUNK_TOKENS of its range (NOTE [tail pieces] in kernels/dispatch.cuh).
-# 8 and 8 until 166cfde. Chunks of 32 made the 4-rank cached dispatch 432 us against 340 with 8
-# (benchmarks/profile_normal.py at a46842c): the last wave of pieces, copied out after the senders finish,
-# is what the tail pieces shrink.
+# Chunks of 32 made the 4-rank cached dispatch 432 us against 340 with 8 (benchmarks/profile_normal.py at
+# a46842c): the last wave of pieces, copied out after the senders finish, is what the tail pieces shrink.
+# Tail pieces of 2 against none (8), 4 H200s at 05fd725: cached dispatch 308-311 us against 326-327 in four
+# alternating runs (benchmarks/results/send_share/README.md).
 DISPATCH_CHUNK_TOKENS = 8
 DISPATCH_TAIL_TOKENS = 2
 
@@ -68,9 +70,9 @@ DISPATCH_OWN_ROWS_DIRECT = True
 COMBINE_OWN_ROWS_DIRECT = True
 
 # Dispatch and combine senders can ask L2 for their next row while they move the current one (a bulk
-# prefetch, sm_90). On 4 H200s at 166cfde it was never faster and often slower (benchmarks/results/
-# shares_4ranks.md): at 3/8 and 11/24 cached dispatch 326.4 -> 315.1 us and combine 581.1 -> 561.0 us without
-# it; at 1/2 and 1/4, 339.3 -> 341.7 and 780.9 -> 703.8. Off.
+# prefetch, sm_90). On 4 H200s at 166cfde it was never faster and often slower (benchmarks/results/send_share/
+# README.md): at 3/8 and 11/24, cached dispatch 326.4 -> 315.1 us and combine 581.1 -> 561.0 us without it;
+# at 1/2 and 1/4, 339.3 -> 341.7 and 780.9 -> 703.8. Off.
 PREFETCH_NEXT_ROW = False
 
 
