@@ -54,8 +54,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """With `request.placement`, the round's rows go into the placement's tensors, which the result
-        holds; with `call_tokens_per_rank` (round 0 of a call in rounds), the result holds the whole call's
-        tensors with this round's rows placed, and reports most_call_tokens (NOTE [placed rounds])."""
+        holds; a placement without tensors (round 0 of a call in rounds, with `request.call`) has the result
+        hold the whole call's tensors, this round's rows placed, and report most_call_tokens. A placement
+        with a cursor has its recv_first written and the cursor advanced first (NOTE [placed rounds]); a
+        `request.call` has its prefix_matrix written."""
 
     @abc.abstractmethod
     def combine(self, request: CombineRequest):
