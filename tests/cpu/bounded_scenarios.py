@@ -259,6 +259,20 @@ def refusals(num_tokens, hidden, num_experts, num_topk):
         messages["num_worst_tokens"] = str(exc)
     else:
         raise AssertionError("num_worst_tokens below the tokens ran")
+    # More received rows than num_worst_tokens, found by round 0's count exchange: every rank raises alike.
+    # Every token goes to rank 0 alone (its experts, then -1), so rank 0 receives them all.
+    only_rank0 = torch.arange(num_topk).remainder(num_experts // num_ranks).view(1, -1).repeat(num_tokens, 1)
+    only_rank0[:, num_experts // num_ranks:] = -1
+    worst = num_tokens * num_ranks - 1  # rounds of 4 carry ceil(worst / num_ranks) >= num_tokens tokens
+    try:
+        fitting.dispatch(x, topk_idx=only_rank0, topk_weights=topk_weights, num_worst_tokens=worst,
+                         **_layout(fitting, only_rank0, num_experts))
+    except InvalidInputError as exc:
+        assert f"rank 0 receives {num_tokens * num_ranks} tokens, more than num_worst_tokens={worst}" in str(exc), \
+            str(exc)
+        messages["past num_worst_tokens"] = str(exc)
+    else:
+        raise AssertionError("more received rows than num_worst_tokens ran")
     try:
         Buffer(dist.group.WORLD, budget, 0, backend="reference", per_round_tokens=0)
     except InvalidInputError:

@@ -54,7 +54,7 @@ def test_env_cap_bounds_a_huge_buffer_and_the_calls_run_in_rounds(ranks, seed):
 
 def test_requests_that_cannot_run_say_what_they_need(ranks):
     for messages in ranks(2).run(bounded_scenarios.refusals, 9, 128, 16, 16):
-        assert set(messages) == {"never fits", "per_round_tokens", "num_worst_tokens"}
+        assert set(messages) == {"never fits", "per_round_tokens", "num_worst_tokens", "past num_worst_tokens"}
 
 
 def test_bounded_benchmark_runs_on_gloo_ranks_and_writes_its_json(tmp_path):
