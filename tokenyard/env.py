@@ -59,6 +59,7 @@ TUNING_KEYS = {
     "combine_own_rows_direct": _parse_bool,    # COMBINE_OWN_ROWS_DIRECT
     "prefetch": _parse_bool,                   # PREFETCH_NEXT_ROW
     "dispatch_tail": _parse_count,             # DISPATCH_TAIL_TOKENS
+    "dispatch_peer_major": _parse_bool,        # DISPATCH_PEER_MAJOR
 }
 
 

@@ -192,6 +192,13 @@ def _compare_ranks_own_rows_the_other_way(seed, cases):
     return _compare_ranks(seed, cases)
 
 
+def _compare_ranks_senders_the_other_way(seed, cases):
+    from tokenyard.backends.cuda import heuristics
+
+    heuristics.DISPATCH_PEER_MAJOR = not heuristics.DISPATCH_PEER_MAJOR
+    return _compare_ranks(seed, cases)
+
+
 @pytest.mark.parametrize("num_ranks", [n for n in (2, 4, 8) if n <= NUM_GPUS])
 def test_cuda_normal_mode_matches_reference(num_ranks, seed):
     for line in spawn.run(num_ranks, _compare_ranks, seed, CASES)[0]:
@@ -208,6 +215,13 @@ def test_cuda_dispatch_with_senders_started_before_the_cpu_wait_matches_referenc
 def test_own_rows_taken_the_other_way_match_reference(num_ranks, seed):
     # heuristics.*_OWN_ROWS_DIRECT: each path a token's row for its own rank can take, in both kernels.
     for line in spawn.run(num_ranks, _compare_ranks_own_rows_the_other_way, seed, CASES)[0]:
+        print(line)
+
+
+@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+def test_dispatch_senders_the_other_way_match_reference(num_ranks, seed):
+    # heuristics.DISPATCH_PEER_MAJOR: senders in one group per destination, or every sender to every rank.
+    for line in spawn.run(num_ranks, _compare_ranks_senders_the_other_way, seed, CASES)[0]:
         print(line)
 
 

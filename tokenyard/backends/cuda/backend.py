@@ -224,10 +224,13 @@ class CudaBackend(Backend):
         split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
         num_send_warps = (grid.num_blocks if split else grid.num_send_blocks) * (kernels.DATA_THREADS // 32)
         chunk_tokens, tail_tokens = heuristics.DISPATCH_CHUNK_TOKENS, heuristics.dispatch_tail_tokens()
-        slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens)
+        peer_major = heuristics.dispatch_peer_major(num_ranks, num_send_warps)
+        num_groups = num_ranks if peer_major else 1
+        slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens, num_groups)
         if slots > layout.max_chunks:  # whole chunks to the end (NOTE [tail pieces]); alike on every rank
             tail_tokens = chunk_tokens
-            slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens)
+            slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens,
+                                                    num_groups)
         if slots > layout.max_chunks:
             raise InvalidInputError(f"{num_send_warps} sending warps need {slots} chunk slots per source, more than "
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
@@ -274,7 +277,7 @@ class CudaBackend(Backend):
                    *(0 if t is None else t.data_ptr() for t in (recv_x, recv_scales, recv_topk_idx,
                                                                  recv_topk_weights, recv_src_idx, send_head)),
                    num_worst, recv_first, src_idx_base, int(own_rows_direct and not split), num_send_warps,
-                   int(prefetch),
+                   int(prefetch), int(peer_major),
                    *buffer_args, *self._wait_args())
 
         if split:

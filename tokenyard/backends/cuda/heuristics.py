@@ -60,6 +60,17 @@ DISPATCH_TAIL_TOKENS = 2
 def dispatch_tail_tokens() -> int:
     return min(_tuned("dispatch_tail", DISPATCH_TAIL_TOKENS), DISPATCH_CHUNK_TOKENS)
 
+
+# Dispatch sender warps in one group per destination (NOTE [peer-major senders] in kernels/dispatch.cuh):
+# a plain copy with 9 blocks on 4 H200s sends 298 GB/s so against 278 GB/s with every block writing to every
+# peer (benchmarks/results/copy_patterns_few_blocks.json). Off until the dispatch itself is measured both ways.
+DISPATCH_PEER_MAJOR = False
+
+
+def dispatch_peer_major(num_ranks: int, num_send_warps: int) -> bool:
+    """Peer-major senders where asked for and every destination gets a warp."""
+    return _tuned("dispatch_peer_major", DISPATCH_PEER_MAJOR) and num_send_warps >= num_ranks
+
 # Whether a token's row for its own rank skips the buffer: dispatch senders write it into the outputs,
 # combine reducers read it from the expert output (NOTE [dispatch roles], NOTE [combine roles]). The
 # benchmark (python -m tokenyard.bench, L2 flushed, ranks started together) on 2 H200s at 55fa43b, both ways

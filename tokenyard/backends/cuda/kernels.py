@@ -77,7 +77,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param(f"{topk_t}*", "recv_topk_idx"), Param("float*", "recv_topk_weights"), Param("int*", "recv_src_idx"),
          Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("const int*", "recv_first"),
          Param("int", "src_idx_base"), Param("int", "local_direct"),
-         Param("int", "num_send_warps"), Param("int", "prefetch"))
+         Param("int", "num_send_warps"), Param("int", "prefetch"), Param("int", "peer_major"))
         + _BUFFERS + _WAIT,
         DATA_THREADS)
 
