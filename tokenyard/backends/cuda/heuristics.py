@@ -63,7 +63,9 @@ def dispatch_tail_tokens() -> int:
 
 # Dispatch sender warps in one group per destination (NOTE [peer-major senders] in kernels/dispatch.cuh):
 # a plain copy with 9 blocks on 4 H200s sends 298 GB/s so against 278 GB/s with every block writing to every
-# peer (benchmarks/results/copy_patterns_few_blocks.json). Off until the dispatch itself is measured both ways.
+# peer (benchmarks/results/copy_patterns_few_blocks.json), but the 4-rank dispatch at 23d5409 was not faster:
+# cached 396.6 us at 3/8 of the blocks sending and 318.6 at 1/2, against 314.6-318.0 as it is
+# (benchmarks/results/send_share/README.md). Off; kept for other rank counts and machines to try.
 DISPATCH_PEER_MAJOR = False
 
 
