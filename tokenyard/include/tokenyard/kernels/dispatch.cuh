@@ -57,7 +57,8 @@ namespace tokenyard::kernels {
 // SM's stores all travel to one destination, which a plain copy with 9 blocks sends at 298 GB/s against
 // 278 GB/s when each block writes to every peer (benchmarks/copy_patterns.py, 4 H200s); a token's row is read
 // once per destination instead of once (from L2 after the first). The receivers at rank q number the
-// pieces of a source over group q's warps. Needs at least one warp per rank (the host checks).
+// pieces of a source over group q's warps. Needs at least one warp per rank (the host checks). The 4-rank
+// dispatch was not faster so (heuristics.DISPATCH_PEER_MAJOR): off by default.
 //
 // NOTE [tail pieces]
 // Every sender warp moves its range at about the same pace, so the pieces with one index land on the
