@@ -102,6 +102,15 @@ def dispatch_x(x, *, device):
     return x, x_scales
 
 
+def received_rows(rows_per_rank: torch.Tensor, num_worst_tokens: int) -> None:
+    """Refuse a dispatch in which some rank receives more rows than `num_worst_tokens`. `rows_per_rank`
+    ([R], the same on every rank after a count exchange) is read on the host, so every rank raises alike
+    and none is left waiting."""
+    most, which = (int(v) for v in torch.max(rows_per_rank, dim=0))
+    if most > num_worst_tokens:
+        _fail(f"rank {which} receives {most} tokens, more than num_worst_tokens={num_worst_tokens}")
+
+
 def _owned_handle(handle, convert, buffer_id: int):
     try:
         handle = convert(handle)

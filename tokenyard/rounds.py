@@ -72,7 +72,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import routing, workspace
+from . import checks, routing, workspace
 from .errors import CommTimeoutError, InvalidInputError
 from .handle import DispatchHandle
 from .requests import CombineRequest, DispatchRequest, DispatchResult, Placement, WholeCall
@@ -339,11 +339,8 @@ def _dispatch_rounds(backend, request: DispatchRequest, rounds: Rounds, check_va
                                             token_base=r * round_tokens)  # every source's round starts there
             recv_firsts.append(placement.recv_first)
         parts.append(backend.dispatch(_round_request(request, r, begin, end, placement, call if r == 0 else None)))
-        if r == 0 and num_worst and check_values:  # every rank holds all counts, so every rank raises together
-            most_rows, which = (int(v) for v in torch.max(call.prefix_matrix[-1], dim=0))
-            if most_rows > num_worst:
-                raise InvalidInputError(f"rank {which} receives {most_rows} tokens, more than "
-                                        f"num_worst_tokens={num_worst}")
+        if r == 0 and num_worst and check_values:  # round 0's count exchange gave every rank's received rows
+            checks.received_rows(call.prefix_matrix[-1], num_worst)
     # The handles: round r's rows on destination d land, in the whole call, after every lower source's rows
     # (the whole call's rank_prefix_matrix) and this rank's rows of earlier rounds, instead of after the
     # lower sources' rows of round r (the round's).

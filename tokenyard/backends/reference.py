@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import quant, routing
+from .. import checks, quant, routing
 from ..errors import InvalidInputError
 from ..handle import DispatchHandle, LowLatencyHandle
 from ..requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
@@ -122,11 +122,7 @@ class ReferenceBackend(Backend):
         recv_counts = counts[:, rank].tolist()
         num_recv = sum(recv_counts)
         if request.num_worst_tokens:
-            # Every rank sees all counts, so every rank raises together and none is left waiting.
-            most, which = (int(v) for v in torch.max(counts.sum(0), dim=0))
-            if most > request.num_worst_tokens:
-                raise InvalidInputError(f"rank {which} receives {most} tokens, more than num_worst_tokens="
-                                        f"{request.num_worst_tokens}")
+            checks.received_rows(counts.sum(0), request.num_worst_tokens)
 
         # 2. Rows in send order: for each destination rank, its tokens in increasing index.
         dest_rows = [is_token_in_rank[:, r].nonzero().flatten() for r in range(num_ranks)]
@@ -271,11 +267,8 @@ class ReferenceBackend(Backend):
     def _placed_dispatch(self, request: DispatchRequest) -> DispatchResult:
         placement = request.placement
         part = self._dispatch(dataclasses.replace(request, placement=None, num_worst_tokens=0))
-        if request.call is not None and request.handle is None:  # as one-shot: every rank raises together
-            most, which = (int(v) for v in torch.max(request.call.prefix_matrix[-1], dim=0))
-            if most > placement.outputs[0].size(0):
-                raise InvalidInputError(f"rank {which} receives {most} tokens, more than num_worst_tokens="
-                                        f"{placement.outputs[0].size(0)}")
+        if request.call is not None and request.handle is None:  # as one-shot, before any rank's _put refuses
+            checks.received_rows(request.call.prefix_matrix[-1], placement.outputs[0].size(0))
         self._advance(request, part)
         self._put(part, placement)
         recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = placement.outputs
