@@ -300,6 +300,17 @@ __device__ __forceinline__ void dispatch(
         }
     };
 
+    // Publish tokens [t0, t1) of a sender's piece in slot `index` at destination q (one lane): its rows
+    // first (fence), then the sequence number, with the sender's launch width for the receiver to check.
+    auto publish = [&](int q, int index, int t0, int t1) {
+        ChunkSlot* slot = buffers.slot(q, rank, index);
+        ptx::fence_acq_rel_sys();
+        ptx::st_relaxed_sys(&slot->begin, prefix_excl[static_cast<int64_t>(t0) * kNumRanks + q]);
+        ptx::st_relaxed_sys(&slot->end, prefix_excl[static_cast<int64_t>(t1) * kNumRanks + q]);
+        ptx::st_relaxed_sys(&slot->pad, num_send_warps);  // the receiver checks it is its own W
+        ptx::st_release_sys(&slot->seq, seq);
+    };
+
     if (static_cast<int>(blockIdx.x) < num_send_blocks && peer_major) {
         const int send_warp = blockIdx.x * kNumWarps + warp;
         int q = 0;
@@ -321,14 +332,8 @@ __device__ __forceinline__ void dispatch(
                 todo &= todo - 1u;
             }
             __syncwarp();
-            if (lane == q) {
-                ChunkSlot* slot = buffers.slot(q, rank, ranges.slot(j, piece));
-                ptx::fence_acq_rel_sys();
-                ptx::st_relaxed_sys(&slot->begin, prefix_excl[static_cast<int64_t>(t0) * kNumRanks + q]);
-                ptx::st_relaxed_sys(&slot->end, prefix_excl[static_cast<int64_t>(t1) * kNumRanks + q]);
-                ptx::st_relaxed_sys(&slot->pad, num_send_warps);
-                ptx::st_release_sys(&slot->seq, seq);
-            }
+            if (lane == q)
+                publish(q, ranges.slot(j, piece), t0, t1);
         }
         return;
     }
@@ -341,16 +346,9 @@ __device__ __forceinline__ void dispatch(
             ranges.piece(send_warp, piece, t0, t1);
             for (int t = t0; t < t1; ++t)
                 send_token(t, t + 1 < t_end ? t + 1 : -1, -1);
-            // Publish the piece at every destination: its rows first (fence), then the sequence number.
             __syncwarp();
-            if (lane < kNumRanks) {
-                ChunkSlot* slot = buffers.slot(lane, rank, ranges.slot(send_warp, piece));
-                ptx::fence_acq_rel_sys();
-                ptx::st_relaxed_sys(&slot->begin, prefix_excl[static_cast<int64_t>(t0) * kNumRanks + lane]);
-                ptx::st_relaxed_sys(&slot->end, prefix_excl[static_cast<int64_t>(t1) * kNumRanks + lane]);
-                ptx::st_relaxed_sys(&slot->pad, num_send_warps);  // the receiver checks it is its own W
-                ptx::st_release_sys(&slot->seq, seq);
-            }
+            if (lane < kNumRanks)  // the piece at every destination
+                publish(lane, ranges.slot(send_warp, piece), t0, t1);
         }
         return;
     }
