@@ -46,7 +46,8 @@ MAX_NORMAL_TOKENS_PER_RANK = 8192 * CHUNK_ROWS
 MAX_CHUNKS = 12288  # the slots of 65536 tokens in chunks of 8, plus one per sending warp (4096 warps)
 MAX_TOPK = 16
 DEFAULT_HINT_TOKENS_PER_RANK = 4096
-LOW_LATENCY_MESSAGE_HEADER_BYTES = 16 + 2 * MAX_TOPK  # token index, then the int16 local experts it chose
+# Token index; then per top-k choice, as int16, its local expert and its pair slot (kernels/low_latency.cuh).
+LOW_LATENCY_MESSAGE_HEADER_BYTES = 16 + 2 * 2 * MAX_TOPK
 
 
 def align(num_bytes: int, alignment: int = ALIGN_BYTES) -> int:
@@ -157,7 +158,7 @@ def low_latency_half_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, n
     recv = num_slots * (dispatch_msg + combine_msg)
     signals = 4 * (num_experts + num_ranks) * 8
     pairs = align(send, REGION_ALIGN_BYTES) + align(recv, REGION_ALIGN_BYTES) + align(signals, REGION_ALIGN_BYTES)
-    return max(pairs, _low_latency_regions(num_max_dispatch_tokens_per_rank, hidden, num_ranks)[1])
+    return max(pairs, _low_latency_regions(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)[1])
 
 
 def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -172,12 +173,13 @@ class LowLatencyLayout:
 
     state           [4] uint32, this rank only, at offset 0: blocks done sending (dispatch, combine), then
                     the dispatch and combine epochs (NOTE [low-latency epochs] in kernels/low_latency.cuh)
-    dispatch_recv   [R][M] messages of `dispatch_message_bytes`: header (int32 source token index at 0,
-                    int16 local expert of each top-k choice, -1 where elsewhere, at 16), then the FP8
-                    data and float32 scales, or the bf16 data
+    dispatch_recv   [R][M] messages of `dispatch_message_bytes`: header (int32 source token index at 0;
+                    per top-k choice, int16 local expert, -1 where elsewhere, at 16 and int16 pair slot at
+                    48), then the FP8 data and float32 scales, or the bf16 data
     dispatch_positions [R][M][MAX_TOPK] int32: for message j of source r and its top-k choice k on this
                     rank, the packed row it was copied to (``l * R * M + row`` for local expert l)
     dispatch_counts [R] uint64: ``(epoch << 32) | tokens`` that source r sent to this rank
+    dispatch_expert_counts [R][L] uint64: ``(epoch << 32) | tokens`` of source r that chose local expert l
     combine_weights [R][M][MAX_TOPK] float32: source r's top-k weights of the token of its message j,
                     sent at combine
     combine_weight_flags [R] uint64: ``(epoch << 32) | 1`` once source r's weights are here
@@ -191,6 +193,7 @@ class LowLatencyLayout:
     dispatch_message_bytes: int
     dispatch_positions: int
     dispatch_counts: int
+    dispatch_expert_counts: int
     combine_weights: int
     combine_weight_flags: int
     combine_recv: int
@@ -198,13 +201,14 @@ class LowLatencyLayout:
     state: int
 
 
-def _low_latency_regions(num_max: int, hidden: int, num_ranks: int):
+def _low_latency_regions(num_max: int, hidden: int, num_ranks: int, num_experts: int):
     """``({region: offset}, end)`` of one half, in LowLatencyLayout's order."""
     num_messages = num_ranks * num_max
     sizes = {"state": 4 * 4,
              "dispatch_recv": num_messages * low_latency_dispatch_message_bytes(hidden),
              "dispatch_positions": num_messages * MAX_TOPK * 4,
              "dispatch_counts": num_ranks * 8,
+             "dispatch_expert_counts": num_experts * 8,
              "combine_weights": num_messages * MAX_TOPK * 4,
              "combine_weight_flags": num_ranks * 8,
              "combine_recv": num_messages * low_latency_combine_message_bytes(hidden),
@@ -222,6 +226,6 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
     """Offsets of one half; the regions end within `low_latency_half_bytes`. `state` comes first, at the
     same offset whatever the problem's sizes, so its counters and epochs stay true when a Buffer's calls
     change shape (the signal words of the new shape need `clean_low_latency_buffer`, as in DeepEP)."""
-    offsets, _ = _low_latency_regions(num_max_dispatch_tokens_per_rank, hidden, num_ranks)
+    offsets, _ = _low_latency_regions(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
     return LowLatencyLayout(low_latency_half_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts),
                             dispatch_message_bytes=low_latency_dispatch_message_bytes(hidden), **offsets)

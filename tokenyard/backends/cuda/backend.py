@@ -22,7 +22,8 @@ from . import heuristics, kernels, runtime
 HOST_COUNTS_INTS = 4 + 4096  # NOTE [notify]: call id, three counts, then the per-local-expert counts
 # The Stage enum of include/tokenyard/sync.cuh, by value.
 _STAGES = {1: "barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combine/receive",
-           5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive", 7: "low_latency_combine/weights"}
+           5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive", 7: "low_latency_combine/weights",
+           8: "low_latency_dispatch/expert_counts"}
 _MASK32 = 0xFFFFFFFF
 
 

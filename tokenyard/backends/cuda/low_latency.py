@@ -45,6 +45,7 @@ class LowLatencyKernels:
         ctx = self.backend.ctx
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         words = ((layout.state, 16), (layout.dispatch_counts, ctx.num_ranks * 8),
+                 (layout.dispatch_expert_counts, num_experts * 8),
                  (layout.combine_weight_flags, ctx.num_ranks * 8), (layout.combine_flags, ctx.num_ranks * 8))
         torch.cuda.synchronize(ctx.device)
         ctx.all_gather_object(None)  # no rank still sends into this buffer
@@ -76,17 +77,17 @@ class LowLatencyKernels:
         ctx = self.backend.ctx
         return (self._half_bases(layout, half).data_ptr(), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
                 layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES,
-                layout.dispatch_positions, layout.dispatch_counts, layout.combine_weights,
+                layout.dispatch_positions, layout.dispatch_counts, layout.dispatch_expert_counts, layout.combine_weights,
                 layout.combine_weight_flags, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv)
 
-    def _pair_bits_bytes(self, num_max: int) -> int:
-        """The pair bits of NOTE [pair slots]: a row of words per rank (combine's dynamic shared memory)."""
-        return self.backend.ctx.num_ranks * ((num_max + 31) // 32) * 4
+    def _pair_bits_bytes(self, num_max: int, num_rows: int) -> int:
+        """The pair bits of NOTE [pair slots]: a row of words per rank, or per expert and per rank."""
+        return num_rows * ((num_max + 31) // 32) * 4
 
-    def _shared_bytes(self, num_max: int) -> int:
-        """The dispatch's: the pair bits while sending; while receiving, the message of each of an expert's
-        rows (int32 [R*M]) and each chunk of 32 messages' first row (int32 [R][M/32], as many as the bits)."""
-        return self.backend.ctx.num_ranks * num_max * 4 + self._pair_bits_bytes(num_max)
+    def _shared_bytes(self, num_max: int, num_experts: int) -> int:
+        """The dispatch's: the pair bits (expert and rank rows) while sending, then while receiving two int32
+        per (local expert, source): its count and its first row."""
+        return max(self._pair_bits_bytes(num_max, num_experts + self.backend.ctx.num_ranks), 2 * num_experts * 4)
 
     def dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         backend, ctx = self.backend, self.backend.ctx
@@ -113,13 +114,14 @@ class LowLatencyKernels:
         src_info = backend.empty(num_local_experts, num_slots, dtype=torch.int32, device=device)
         layout_range = backend.empty(num_local_experts, ctx.num_ranks, dtype=torch.int64, device=device)
 
-        shared_bytes = self._shared_bytes(num_max)
+        shared_bytes = self._shared_bytes(num_max, num_experts)
         limit = self._shared_limit - 1024  # the kernel's static shared arrays
         if shared_bytes > limit:
+            num_rows = num_experts + ctx.num_ranks
             raise InvalidInputError(
-                f"low-latency dispatch of num_max_dispatch_tokens_per_rank={num_max} on {ctx.num_ranks} ranks needs "
-                f"{shared_bytes} bytes of shared memory per block, more than this GPU's {limit}; use at most "
-                f"{limit // 4 // ctx.num_ranks * 32 // 33} tokens per rank")
+                f"low-latency dispatch of num_max_dispatch_tokens_per_rank={num_max} with {num_experts} experts on "
+                f"{ctx.num_ranks} ranks needs {shared_bytes} bytes of shared memory per block, more than this GPU's "
+                f"{limit}; use at most {limit // 4 // num_rows * 32} tokens per rank")
         kernel = backend._kernel(kernels.low_latency_dispatch(num_topk, topk_idx.dtype, request.use_fp8,
                                                               request.use_ue8m0))
         grid = self._grid()
@@ -163,7 +165,7 @@ class LowLatencyKernels:
                    hidden, num_experts, out.data_ptr(),
                    0 if mask is None else mask.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   self._trace_ptr(1), shared_bytes=self._pair_bits_bytes(num_max))
+                   self._trace_ptr(1), shared_bytes=self._pair_bits_bytes(num_max, ctx.num_ranks))
 
         return out, self._send_then_receive(launch, request.return_recv_hook)
 

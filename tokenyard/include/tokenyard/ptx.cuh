@@ -36,6 +36,10 @@ __device__ __forceinline__ void st_relaxed_sys(uint32_t* ptr, uint32_t value) {
     asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(ptr), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* ptr, uint64_t value) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(ptr), "l"(value) : "memory");
+}
+
 __device__ __forceinline__ void st_relaxed_gpu(uint32_t* ptr, uint32_t value) {
     asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(ptr), "r"(value) : "memory");
 }

@@ -21,6 +21,7 @@ enum Stage : int {
     kStageLowLatencyDispatchRecv = 5,
     kStageLowLatencyCombineRecv = 6,
     kStageLowLatencyCombineWeights = 7,
+    kStageLowLatencyDispatchCounts = 8,
 };
 
 enum ErrorKind : int { kErrorTimeout = 1, kErrorOverflow = 2, kErrorMismatch = 3 };

@@ -23,6 +23,7 @@ struct LowLatencyBuffers {
     int64_t header_bytes;
     int64_t dispatch_positions;
     int64_t dispatch_counts;
+    int64_t dispatch_expert_counts;
     int64_t combine_weights;
     int64_t combine_weight_flags;
     int64_t combine_recv;
@@ -42,6 +43,12 @@ struct LowLatencyBuffers {
     }
     __device__ __forceinline__ uint64_t* count(int owner, int source) const {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_counts) + source;
+    }
+    // How many of `source`'s tokens chose each of rank `owner`'s local experts, in `owner`'s buffer: [L]
+    // words (epoch << 32) | count (NOTE [low-latency dispatch]).
+    __device__ __forceinline__ uint64_t* expert_counts(int owner, int source) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_expert_counts) +
+               static_cast<int64_t>(source) * num_local_experts;
     }
     // Rank `source`'s top-k weights of the token of its message `slot` to rank `owner`, in `owner`'s buffer.
     __device__ __forceinline__ float* weights(int owner, int source, int slot) const {
@@ -71,15 +78,24 @@ struct LowLatencyBuffers {
 #define TOKENYARD_LOW_LATENCY_BUFFER_PARAMS                                                                        \
     uint8_t *const *peer_bases, int rank, int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, \
             int64_t header_bytes, int64_t dispatch_positions, int64_t dispatch_counts,                              \
-            int64_t combine_weights, int64_t combine_weight_flags, int64_t combine_recv, int64_t combine_flags,     \
-            int64_t state, int do_send, int do_recv
+            int64_t dispatch_expert_counts, int64_t combine_weights, int64_t combine_weight_flags,                  \
+            int64_t combine_recv, int64_t combine_flags, int64_t state, int do_send, int do_recv
 
 #define TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, num_topk, hidden)                                              \
     LowLatencyBuffers {                                                                                          \
         peer_bases, rank, num_ranks, (num_experts) / num_ranks, num_max, (num_topk), dispatch_recv, message_bytes, \
-                header_bytes, dispatch_positions, dispatch_counts, combine_weights,                               \
+                header_bytes, dispatch_positions, dispatch_counts, dispatch_expert_counts, combine_weights,        \
                 combine_weight_flags, combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags, state       \
     }
+
+// NOTE [destination order]
+// A sending warp takes the ranks in turn from the next one: rank r writes first to r + 1, then r + 2, ...,
+// itself last. Were every rank to start with rank 0, all of them would write into rank 0's NVLink ports at
+// once while the other ranks' stood idle, then into rank 1's: in the 4-rank trace (benchmarks/ll_phases.py)
+// rank 0's sends ended 4 us before rank 3's. In turn, every rank is written by one source at a time.
+__device__ __forceinline__ int next_peer(int rank, int num_ranks, int turn) {
+    return (rank + 1 + turn) % num_ranks;
+}
 
 // NOTE [low-latency trace]
 // Given a trace array ([gridDim.x][kNumTracePoints] uint64), thread 0 of every block stamps the GPU's global
@@ -91,8 +107,8 @@ enum TracePoint : int {
     kTraceSent = 2,       // the block's sends are issued
     kTraceCounted = 3,    // past the done counter
     kTracePublished = 4,  // the last block only: signals stored
-    kTraceRecvReady = 5,  // dispatch: every source's count seen; combine: pair bits built
-    kTraceRecvMid = 6,    // dispatch: headers scanned; combine: warp 0's first item found its rows
+    kTraceRecvReady = 5,  // dispatch: rows numbered from the expert counts; combine: pair bits built
+    kTraceRecvMid = 6,    // dispatch: every source's data signal seen; combine: every rank's rows signalled
     kTraceEnd = 7,
     kNumTracePoints = 8,
 };
@@ -107,12 +123,14 @@ __device__ __forceinline__ void trace_mark(uint64_t* trace, int point) {
 // before t that chose e, which gives NOTE [recv order] without atomics. Every block builds, in shared
 // memory, one bit per (expert, token): bits[e * words + t / 32] bit t % 32. A slot is then a few popcounts,
 // and an expert's pair count the popcount of its row. Pairs whose expert is -1, out of range, or on a
-// masked rank set no bit and travel nowhere. With kByRank the rows are ranks instead of experts (a bit per
-// (rank, token): the token goes to that rank), which numbers the dispatch messages the same way.
-template <int kNumTopk, typename TopkT, bool kByRank = false>
+// masked rank set no bit and travel nowhere. A row per rank (a bit per (rank, token): the token goes to
+// that rank) numbers the dispatch messages the same way; with kWithExperts the rank rows follow the E
+// expert rows (row E + d), else they are all there is (row d).
+template <int kNumTopk, typename TopkT, bool kWithExperts>
 __device__ __forceinline__ void build_pair_bits(uint32_t* bits, int words, const TopkT* topk_idx, int num_tokens,
                                                 int num_experts, int num_local_experts, const int* rank_mask) {
-    const int num_rows = kByRank ? num_experts / num_local_experts : num_experts;
+    const int num_ranks = num_experts / num_local_experts;
+    const int num_rows = kWithExperts ? num_experts + num_ranks : num_ranks;
     for (int i = threadIdx.x; i < num_rows * words; i += blockDim.x)
         bits[i] = 0;
     __syncthreads();
@@ -120,9 +138,10 @@ __device__ __forceinline__ void build_pair_bits(uint32_t* bits, int words, const
         const int64_t e = static_cast<int64_t>(topk_idx[p]);
         if (e < 0 || e >= num_experts || (rank_mask != nullptr && rank_mask[e / num_local_experts] != 0))
             continue;
-        const int t = p / kNumTopk;
-        const int row = kByRank ? static_cast<int>(e / num_local_experts) : static_cast<int>(e);
-        atomicOr(&bits[row * words + t / 32], 1u << (t % 32));
+        const int t = p / kNumTopk, d = static_cast<int>(e / num_local_experts);
+        atomicOr(&bits[((kWithExperts ? num_experts : 0) + d) * words + t / 32], 1u << (t % 32));
+        if constexpr (kWithExperts)
+            atomicOr(&bits[static_cast<int>(e) * words + t / 32], 1u << (t % 32));
     }
     __syncthreads();
 }
@@ -218,6 +237,11 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
 // mask the timeout is recorded and raised as CommTimeoutError.
 //
 // Every wait for a peer's signal goes through wait_or_mask: -> the signal's value, or -1 past the deadline.
+//
+// NOTE [block waits]
+// One thread per block polls each signal word, and the block's other threads learn from shared memory.
+// When every warp polled the words it needed (thousands of pollers on four words of one L2 sector), the
+// combine saw its rows' signals 3-6 us after the last rank had published them (benchmarks/ll_phases.py).
 __device__ __forceinline__ int wait_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t epoch, int peer,
                                             int stage, int* rank_mask) {
     const int value = wait_for_seq(wait, word, epoch, peer, stage, rank_mask == nullptr);
@@ -256,20 +280,18 @@ __device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) 
 // A piece of a row: 16 channels per lane (two 16-byte loads of bf16), 4 FP8 scale groups per warp.
 constexpr int kPieceChannels = kWarpSize * 16;
 
-// Which top-k choice of a message is local expert `l` (the header's int16 choices at +16), or -1.
-template <int kNumTopk>
-__device__ __forceinline__ int choice_of(const uint8_t* message, int l) {
-    const int* choices = reinterpret_cast<const int*>(message + 16);
-    int choice = -1;
-#pragma unroll
-    for (int w = 0; w < (kNumTopk + 1) / 2; ++w) {  // two int16 choices per word
-        const int word = ptx::ld_na_s32(choices + w);
-        if (static_cast<int16_t>(word & 0xffff) == l)
-            choice = 2 * w;
-        if (2 * w + 1 < kNumTopk && static_cast<int16_t>(word >> 16) == l)
-            choice = 2 * w + 1;
-    }
-    return choice;
+// The dispatch message's header (workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES): the source token index (int32)
+// at 0; per top-k choice, as int16, its local expert on the receiving rank (-1 where elsewhere) at
+// kHeaderChoices and its pair slot (NOTE [pair slots]: the sender's tokens before it that chose that
+// expert) at kHeaderSlots.
+constexpr int kHeaderMaxTopk = 16;
+constexpr int kHeaderChoices = 16;
+constexpr int kHeaderSlots = kHeaderChoices + 2 * kHeaderMaxTopk;
+
+// Lane `lane`'s int16 of the header array at `offset` (a lane per top-k choice), read through L2.
+__device__ __forceinline__ int header_int16(const uint8_t* message, int offset, int lane) {
+    const int word = ptx::ld_na_s32(reinterpret_cast<const int*>(message + offset) + lane / 2);
+    return static_cast<int16_t>(lane % 2 == 0 ? word & 0xffff : (word >> 16) & 0xffff);
 }
 
 // This lane's 16 channels of piece `item` (token item / num_pieces), zeros past the row's end or past the
@@ -283,12 +305,10 @@ __device__ __forceinline__ void load_piece(int4 (&raw)[2], const int4* x, int it
     raw[1] = item < num_items && c + 8 < hidden ? ptx::ld_nc_v4(row + c / 8 + 1) : make_int4(0, 0, 0, 0);
 }
 
-// Scale words of a received row that a lane loads with the row's data (hidden up to 16384; wider rows
-// load the rest after).
-constexpr int kRowScales = 4;
-// 16-byte vectors a lane loads per batch when it copies a received row: 14 take a 7168-channel FP8 row in
-// one batch (16 would spill registers at 512 threads).
-constexpr int kRowBatch = 14;
+// 16-byte vectors a lane moves per receive item: an item is a piece of 2048 bytes of a message's data (FP8:
+// 2048 channels, 16 scale groups; bf16: 1024 channels).
+constexpr int kRecvVectors = 4;
+constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 
 // NOTE [low-latency dispatch]
 // A token crosses to a rank once, whatever number of its experts live there, and the receiver fans it out
@@ -299,23 +319,31 @@ constexpr int kRowBatch = 14;
 // A warp loads its piece, quantizes it once (FP8 per 128 channels, exactly as quant.py: amax floored at
 // 1e-4, scale = amax / 448 with an IEEE division, optionally rounded up to a power of two,
 // q = e4m3(clamp(x / scale))), each lane 16 channels, and stores it with 16-byte stores into the message
-// of every rank d the token goes to (NOTE [pair slots] with rows = ranks): d's region of this rank at
-// slot = this rank's tokens before t that go to d. Piece 0 also writes the header (token index; then, per
-// top-k choice, its local expert on d or -1). The last block to finish publishes to each rank d
-// (epoch << 32) | tokens sent to d (NOTE [cumulative release]).
-// Receive (do_recv): the blocks of local expert l (two per expert where the grid has twice as many blocks
-// as experts) wait for every source's count; the warps scan the headers, a chunk of 32 messages of one
-// source each, all chunks at once: a ballot counts the messages carrying l, a prefix over (source, chunk)
-// gives each chunk its first row (NOTE [recv order]), and a second ballot places each message in l's
-// rows (a list in shared memory) and records where it went (`positions`, which the combine reads). The
-// sources' row ranges give layout_range, and the blocks then copy their share of the rows. With a recv
-// hook the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
+// of every rank d the token goes to (NOTE [pair slots], rank rows): d's region of this rank at slot = this
+// rank's tokens before t that go to d. Piece 0 also writes the header, which carries for each choice on
+// d its local expert and its pair slot (expert rows): the row it takes among this rank's rows of that
+// expert. Before any data, warp 0 of block 0 sends each rank d how many of this rank's tokens chose each
+// of d's experts, and releases them with their own flag. The last block to finish publishes to each rank
+// d (epoch << 32) | tokens sent to d (NOTE [cumulative release]).
+// Receive (do_recv): every block waits for every source's expert counts and numbers the packed rows
+// (NOTE [recv order]: the rows of local expert l from source s begin after those of the sources before
+// s) while the data is still in flight; then it waits for the data signals, and block 0 writes
+// packed_recv_count, layout_range and the stats. The items are then (source s, message j, piece of
+// kRecvPieceVectors), dealt as the sends are: a warp loads the header's choices and slots and the piece's
+// data and scales at once (one round trip), and stores the piece into the row of every choice (row =
+// first row of (l, s) + slot) with the piece's scales; piece 0 records src_info and, in `positions`, where
+// each choice went (which the combine reads). No scan of the headers and no wait for another block: every
+// message is read once, and all of them at once (the previous receiver, a block per expert scanning the
+// headers and copying its rows, took 9 us after the signals at 128 tokens; this one ~5). A source masked
+// between its counts and its data is left out and the rows renumbered. With a recv hook the two halves
+// run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
 template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
 __device__ __forceinline__ void low_latency_dispatch(
         const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
         uint8_t* packed_recv_x, uint32_t* packed_recv_scales, int* packed_recv_count, int* src_info,
         int64_t* layout_range, int* cumulative_stats, int* rank_mask, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
         int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
+    static_assert(kNumTopk <= kHeaderMaxTopk, "the message header has room for 16 top-k choices");
     trace_mark(trace, kTraceStart);
     const LowLatencyBuffers b = TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, kNumTopk, hidden);
     const int num_local_experts = b.num_local_experts;
@@ -329,7 +357,7 @@ __device__ __forceinline__ void low_latency_dispatch(
 
     extern __shared__ uint32_t shared_words[];
     if (do_send) {
-        uint32_t* bits = shared_words;
+        uint32_t* bits = shared_words;  // expert rows, then rank rows (NOTE [pair slots])
         const int words = (num_max + 31) / 32;
         const int num_pieces = (hidden + kPieceChannels - 1) / kPieceChannels;
         const int num_items = num_tokens * num_pieces, stride = gridDim.x * num_warps;
@@ -339,6 +367,14 @@ __device__ __forceinline__ void low_latency_dispatch(
         load_piece(raw, x, item, num_items, num_pieces, hidden, lane);
         build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts,
                                                rank_mask);
+        if (blockIdx.x == 0) {  // every unmasked rank's expert counts, each word tagged with the epoch
+            for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+                const int d = e / num_local_experts;
+                if (rank_mask == nullptr || rank_mask[d] == 0)
+                    ptx::st_relaxed_sys(b.expert_counts(d, rank) + e % num_local_experts,
+                                        (static_cast<uint64_t>(epoch) << 32) | row_count(bits, words, e));
+            }
+        }
         trace_mark(trace, kTracePrologue);
         for (; item < num_items; item += stride) {
             const int t = item / num_pieces, piece = item % num_pieces;
@@ -348,11 +384,16 @@ __device__ __forceinline__ void low_latency_dispatch(
             if constexpr (kUseFp8)  // every lane: the cast's shuffles need the whole warp
                 q = round_scale ? cast_fp8_16<true>(raw, scale) : cast_fp8_16<false>(raw, scale);
             const int4 piece_raw[2] = {raw[0], raw[1]};
+            // Piece 0 writes the header: lane k's top-k choice.
+            const int64_t e = piece == 0 && lane < kNumTopk
+                                      ? static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane])
+                                      : -1;
             load_piece(raw, x, item + stride, num_items, num_pieces, hidden, lane);
-            for (int d = 0; d < num_ranks; ++d) {
-                if (!pair_chosen(bits, words, d, t))
+            for (int turn = 0; turn < num_ranks; ++turn) {
+                const int d = next_peer(rank, num_ranks, turn);
+                if (!pair_chosen(bits, words, num_experts + d, t))
                     continue;  // the same for the whole warp
-                uint8_t* to = b.message(d, rank, pair_slot(bits, words, d, t));
+                uint8_t* to = b.message(d, rank, pair_slot(bits, words, num_experts + d, t));
                 uint8_t* data = to + header_bytes;
                 if constexpr (kUseFp8) {
                     if (c < hidden) {
@@ -370,15 +411,17 @@ __device__ __forceinline__ void low_latency_dispatch(
                     continue;
                 if (lane == 0)
                     *reinterpret_cast<int*>(to) = t;
-                if (lane < kNumTopk) {  // which of the token's choices live on d, as local experts
-                    const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane]);
+                if (lane < kNumTopk) {  // which of the token's choices live on d: local expert and pair slot
                     const bool here = e >= 0 && e < num_experts && e / num_local_experts == d;
-                    reinterpret_cast<int16_t*>(to + 16)[lane] = here ? static_cast<int16_t>(e % num_local_experts) : -1;
+                    reinterpret_cast<int16_t*>(to + kHeaderChoices)[lane] =
+                            here ? static_cast<int16_t>(e % num_local_experts) : -1;
+                    reinterpret_cast<int16_t*>(to + kHeaderSlots)[lane] =
+                            here ? static_cast<int16_t>(pair_slot(bits, words, static_cast<int>(e), t)) : 0;
                 }
             }
         }
         publish_when_last(b, 0, epoch, rank_mask, trace, [&](int d) {  // the tokens sent to d
-            return Signal{b.count(d, rank), static_cast<uint32_t>(row_count(bits, words, d))};
+            return Signal{b.count(d, rank), static_cast<uint32_t>(row_count(bits, words, num_experts + d))};
         });
     }
     if (!do_recv) {
@@ -386,128 +429,135 @@ __device__ __forceinline__ void low_latency_dispatch(
         return;
     }
 
-    // Receive: `parts` blocks per local expert where the grid has room (2 of 132 SMs for 64 local experts);
-    // each scans all of the expert's messages and copies its share of the rows.
-    __shared__ int num_messages[kWarpSize], counts[kWarpSize], begins[kWarpSize];
-    const int num_chunks = (num_max + kWarpSize - 1) / kWarpSize;  // of 32 messages, per source
-    int* rows = reinterpret_cast<int*>(shared_words);              // [R*M]: the message (s * M + j) of each row
-    int* chunk_first = rows + num_slots;                           // [R][num_chunks]: the chunk's first row
-    const int parts = max(1, static_cast<int>(gridDim.x) / num_local_experts);
-    const int part = blockIdx.x / num_local_experts;  // 0 where the experts outnumber the blocks
-    for (int l = blockIdx.x % num_local_experts; part < parts && l < num_local_experts; l += gridDim.x) {
-        __syncthreads();  // the shared words are free (the pair bits, or the previous expert's rows)
-        if (threadIdx.x < num_ranks) {
-            const int s = threadIdx.x;
-            int count = 0;
-            if (rank_mask == nullptr || rank_mask[s] == 0) {
-                count = max(0, wait_or_mask(wait, b.count(rank, s), epoch, s, kStageLowLatencyDispatchRecv,
-                                            rank_mask));
-            }
-            num_messages[s] = count;
-        }
-        __syncthreads();
-        trace_mark(trace, kTraceRecvReady);
-        // The rows of l in order: pass 1 counts, per chunk of 32 messages of a source, those that carry l
-        // (a chunk per warp, all at once); a prefix gives each chunk its first row; pass 2 places them. A
-        // warp keeps the choice it read for its first chunk (its only one where the chunks are no more than
-        // the warps: 4 ranks of 128 tokens make 16), so pass 2 reads those headers no second time.
-        int first_choice = -1;
-        for (int sc = warp; sc < num_ranks * num_chunks; sc += num_warps) {
-            const int s = sc / num_chunks, j = sc % num_chunks * kWarpSize + lane;
-            const int choice = j < num_messages[s] ? choice_of<kNumTopk>(b.message(rank, s, j), l) : -1;
-            if (sc == warp)
-                first_choice = choice;
-            const uint32_t ballot = __ballot_sync(0xffffffffu, choice >= 0);
-            if (lane == 0)
-                chunk_first[sc] = __popc(ballot);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
+    // Receive: the rows of every (local expert, source) are numbered from the expert counts, which travel
+    // without a fence and come while the data is still in flight; then the data signals.
+    __shared__ int num_messages[kWarpSize], first_item[kWarpSize + 1];
+    __shared__ bool present[kWarpSize];  // every count of the source (then also its data) is here
+    int* counts = reinterpret_cast<int*>(shared_words);  // [L][R]
+    int* begins = counts + num_experts;                   // [L][R]: the first row of (l, s)
+    // From the present sources; `record` (block 0, once the data is here): the outputs that say so too.
+    const auto number_rows = [&](bool record) {
+        for (int l = threadIdx.x; l < num_local_experts; l += blockDim.x) {
             int total = 0;
             for (int s = 0; s < num_ranks; ++s) {
-                begins[s] = total;
-                for (int c = 0; c < num_chunks; ++c) {
-                    const int found = chunk_first[s * num_chunks + c];
-                    chunk_first[s * num_chunks + c] = total;
-                    total += found;
-                }
-                counts[s] = total - begins[s];
-                if (part == 0)
+                const int count = present[s] ? counts[l * num_ranks + s] : 0;
+                begins[l * num_ranks + s] = total;
+                if (record)
                     layout_range[static_cast<int64_t>(l) * num_ranks + s] =
-                            (static_cast<int64_t>(begins[s]) << 32) | static_cast<int64_t>(counts[s]);
+                            (static_cast<int64_t>(total) << 32) | static_cast<int64_t>(count);
+                total += count;
             }
-            trace_mark(trace, kTraceRecvMid);
-            if (part == 0) {
+            if (record) {
                 packed_recv_count[l] = total;
                 if (cumulative_stats != nullptr)
                     cumulative_stats[l] += total;
             }
         }
+    };
+    __syncthreads();  // the shared words are free (the pair bits)
+    if (threadIdx.x < num_ranks)
+        present[threadIdx.x] = rank_mask == nullptr || rank_mask[threadIdx.x] == 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) {  // a thread per (source, local expert)
+        const int s = i / num_local_experts, l = i % num_local_experts;
+        int count = -1;
+        if (present[s]) {
+            count = wait_or_mask(wait, b.expert_counts(rank, s) + l, epoch, s, kStageLowLatencyDispatchCounts,
+                                 rank_mask);
+        }
+        if (count < 0)
+            present[s] = false;  // every writer writes false
+        counts[l * num_ranks + s] = max(0, count);
+    }
+    __syncthreads();
+    number_rows(false);
+    trace_mark(trace, kTraceRecvReady);
+    bool lost = false;  // a source whose counts came but whose data did not (masked meanwhile)
+    if (threadIdx.x < num_ranks) {
+        const int s = threadIdx.x;
+        int count = -1;
+        if (present[s] && (rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + s) == 0))
+            count = wait_or_mask(wait, b.count(rank, s), epoch, s, kStageLowLatencyDispatchRecv, rank_mask);
+        lost = present[s] && count < 0;
+        present[s] = count >= 0;
+        num_messages[s] = max(0, count);
+    }
+    if (__syncthreads_or(lost) || blockIdx.x == 0) {
+        number_rows(blockIdx.x == 0);  // block 0 writes the outputs; every block renumbers without a lost source
         __syncthreads();
-        for (int sc = warp; sc < num_ranks * num_chunks; sc += num_warps) {
-            const int s = sc / num_chunks, j = sc % num_chunks * kWarpSize + lane;
-            const int choice = sc == warp ? first_choice
-                               : j < num_messages[s] ? choice_of<kNumTopk>(b.message(rank, s, j), l) : -1;
-            const uint32_t ballot = __ballot_sync(0xffffffffu, choice >= 0);
-            if (choice >= 0) {
-                const int row = chunk_first[sc] + __popc(ballot & ((1u << lane) - 1u));
-                rows[row] = s * num_max + j;
-                if (part == 0)
-                    b.positions(s, j)[choice] = l * num_slots + row;  // for the combine
+    }
+    const int num_vectors = data_bytes / 16;
+    const int num_pieces = (num_vectors + kRecvPieceVectors - 1) / kRecvPieceVectors;
+    if (threadIdx.x == 0) {
+        first_item[0] = 0;
+        for (int s = 0; s < num_ranks; ++s)
+            first_item[s + 1] = first_item[s] + num_messages[s] * num_pieces;
+    }
+    __syncthreads();
+    trace_mark(trace, kTraceRecvMid);
+
+    int s = 0;
+    for (int item = warp * gridDim.x + blockIdx.x; item < first_item[num_ranks]; item += gridDim.x * num_warps) {
+        while (first_item[s + 1] <= item)  // items only grow, so s never moves back
+            ++s;
+        const int j = (item - first_item[s]) / num_pieces, piece = (item - first_item[s]) % num_pieces;
+        const uint8_t* msg = b.message(rank, s, j);
+        const int4* data = reinterpret_cast<const int4*>(msg + header_bytes);
+        // Every load of the item before its first store (issue is in order: a store waiting for its load
+        // holds back every load behind it): lane k's choice and slot, the piece's vectors, its scales.
+        int l = -1, slot = 0;
+        if (lane < kNumTopk) {
+            l = header_int16(msg, kHeaderChoices, lane);
+            slot = header_int16(msg, kHeaderSlots, lane);
+        }
+        int4 v[kRecvVectors];
+        load_batch<kRecvVectors, true>(v, data, piece * kRecvPieceVectors, num_vectors, lane);
+        const int* scales = reinterpret_cast<const int*>(msg + header_bytes + hidden);
+        // FP8: lane g < 16 has scale group g of the piece; UE8M0: lane w < 4 has word w (groups 4w..4w+3).
+        constexpr int kPieceGroups = kRecvPieceVectors / 8;  // 128 channels = 8 vectors of FP8
+        int scale_bits[4] = {};
+        int group = 0;
+        if constexpr (kUseFp8) {
+            if constexpr (kUseUe8m0) {
+                group = piece * kPieceGroups + 4 * lane;
+                if (lane < kPieceGroups / 4 && group < num_scales) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        scale_bits[i] = ptx::ld_na_s32(scales + group + i);
+                }
+            } else {
+                group = piece * kPieceGroups + lane;
+                if (lane < kPieceGroups && group < num_scales)
+                    scale_bits[0] = ptx::ld_na_s32(scales + group);
             }
         }
-        __syncthreads();
-        const int total = begins[num_ranks - 1] + counts[num_ranks - 1];
-        for (int row = part * num_warps + warp; row < total; row += parts * num_warps) {
-            const int s = rows[row] / num_max;
-            const uint8_t* msg = b.message(rank, s, rows[row] % num_max);
-            const uint8_t* data = msg + header_bytes;
-            const int64_t out = static_cast<int64_t>(l) * num_slots + row;
-            // The row's scales and source index are loaded with its data, before the first store: issue is in
-            // order, so a store waiting for its load holds back every load behind it (three round trips per
-            // row instead of one cost microseconds).
-            const int* scales = reinterpret_cast<const int*>(data + hidden);
-            int scale_bits[kRowScales] = {};
-            if constexpr (kUseFp8) {
-#pragma unroll
-                for (int u = 0; u < kRowScales; ++u) {  // UE8M0: the 4 groups of word `lane`; else groups lane + 32u
-                    const int g = kUseUe8m0 ? 4 * lane + u : lane + u * kWarpSize;
-                    if (g < num_scales)
-                        scale_bits[u] = ptx::ld_na_s32(scales + g);
-                }
-            }
-            const int source_token = lane == 0 ? ptx::ld_na_s32(reinterpret_cast<const int*>(msg)) : 0;
-            warp_copy<kRowBatch, true>(reinterpret_cast<int4*>(packed_recv_x + out * data_bytes),
-                                reinterpret_cast<const int4*>(data), data_bytes / 16, lane);
-            if constexpr (kUseFp8 && kUseUe8m0) {
-                // Four groups' biased exponents per int32, little-endian (quant.pack_ue8m0).
-                const auto pack = [](const int (&groups)[4]) {
+        const int token = __shfl_sync(
+                0xffffffffu, piece == 0 && lane == 0 ? ptx::ld_na_s32(reinterpret_cast<const int*>(msg)) : 0, 0);
+        const int row = l >= 0 ? begins[l * num_ranks + s] + slot : -1;
+        if (piece == 0 && row >= 0) {  // lane k: where choice k went
+            b.positions(s, j)[lane] = l * num_slots + row;
+            src_info[static_cast<int64_t>(l) * num_slots + row] = token;
+        }
+        for (uint32_t targets = __ballot_sync(0xffffffffu, row >= 0); targets != 0u; targets &= targets - 1u) {
+            const int k = __ffs(targets) - 1;
+            const int to_l = __shfl_sync(0xffffffffu, l, k), to_row = __shfl_sync(0xffffffffu, row, k);
+            const int64_t out = static_cast<int64_t>(to_l) * num_slots + to_row;
+            store_batch<kRecvVectors>(reinterpret_cast<int4*>(packed_recv_x + out * data_bytes), v,
+                                      piece * kRecvPieceVectors, num_vectors, lane);
+            if constexpr (kUseFp8 && kUseUe8m0) {  // four groups' biased exponents per int32 (quant.pack_ue8m0)
+                if (lane < kPieceGroups / 4 && group < num_scales) {
                     uint32_t word = 0;
 #pragma unroll
                     for (int i = 0; i < 4; ++i)
-                        word |= ((static_cast<uint32_t>(groups[i]) >> 23) & 0xffu) << (8 * i);
-                    return word;
-                };
-                uint32_t* to = packed_recv_scales + static_cast<int64_t>(l) * (num_scales / 4) * num_slots + row;
-                if (lane < num_scales / 4)
-                    to[static_cast<int64_t>(lane) * num_slots] = pack(scale_bits);
-                for (int g4 = lane + kWarpSize; g4 < num_scales / 4; g4 += kWarpSize) {  // wider rows
-                    int groups[4];
-                    for (int i = 0; i < 4; ++i)
-                        groups[i] = ptx::ld_na_s32(scales + 4 * g4 + i);
-                    to[static_cast<int64_t>(g4) * num_slots] = pack(groups);
+                        word |= ((static_cast<uint32_t>(scale_bits[i]) >> 23) & 0xffu) << (8 * i);
+                    packed_recv_scales[(static_cast<int64_t>(to_l) * (num_scales / 4) + group / 4) * num_slots +
+                                       to_row] = word;
                 }
             } else if constexpr (kUseFp8) {  // column-major, as DeepEP
-                uint32_t* to = packed_recv_scales + static_cast<int64_t>(l) * num_scales * num_slots + row;
-#pragma unroll
-                for (int u = 0; u < kRowScales; ++u)
-                    if (lane + u * kWarpSize < num_scales)
-                        to[static_cast<int64_t>(lane + u * kWarpSize) * num_slots] = scale_bits[u];
-                for (int g = lane + kRowScales * kWarpSize; g < num_scales; g += kWarpSize)  // wider rows
-                    to[static_cast<int64_t>(g) * num_slots] = ptx::ld_na_s32(scales + g);
+                if (lane < kPieceGroups && group < num_scales)
+                    packed_recv_scales[(static_cast<int64_t>(to_l) * num_scales + group) * num_slots + to_row] =
+                            scale_bits[0];
             }
-            if (lane == 0)
-                src_info[out] = source_token;
         }
     }
     trace_mark(trace, kTraceEnd);
@@ -585,18 +635,20 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // the bytes on NVLink). The weights are the combine's, so they travel first.
 // Send (do_send): (1) the block d < R writes this rank's topk_weights to rank d, each token's at the slot
 // of its dispatch message to d, and releases d's weight flag. (2) The items are (source s, message j from
-// s in this half's dispatch, piece of kReduceInt4 columns), and a warp waits for s's weights before its
-// first item of s (so the sources' items start as their weights land, not when the last source's do); the
-// message's header names the token's choices on this rank, positions(s, j) the packed row each went to
-// (the dispatch wrote it) and weights(s, j) their weights; the warp sums weight * row over those choices in
-// k order (float32, as routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last block to finish publishes
-// (epoch << 32) | 1 to every source. Reduce (do_recv): the items are (token, piece); lane d finds whether
-// the token went to rank d, waits for d's flag and points at d's row (the message slot of NOTE [pair
-// slots] with rows = ranks); the warp sums the rows in rank order in float32 and writes bf16. The result
+// s in this half's dispatch, piece of kReduceInt4 columns), the sources in the turn of NOTE [destination
+// order], and a warp waits for s's weights before its first item of s (so the sources' items start as
+// their weights land, not when the last source's do); the message's header names the token's choices on
+// this rank, positions(s, j) the packed row each went to (the dispatch wrote it) and weights(s, j) their
+// weights; the warp sums weight * row over those choices in k order (float32, as routing.py) and writes
+// bf16 into s's combine region at (this rank, j). (3) The last block to finish publishes (epoch << 32) | 1
+// to every source. Reduce (do_recv): the items are (token, piece); lane d finds whether the token went to
+// rank d, waits for d's flag and points at d's row (the message slot of NOTE [pair slots] with rows =
+// ranks); the warp sums the rows in rank order in float32 and writes bf16. The result
 // is routing.low_latency_combine(..., pre_reduce=True) bit for bit: within bf16 rounding of one sum.
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
-        const int4* x, const TopkT* topk_idx, const float* topk_weights, int num_tokens, int hidden, int num_experts, int4* combined_x, int* rank_mask, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
+        const int4* x, const TopkT* topk_idx, const float* topk_weights, int num_tokens, int hidden, int num_experts,
+        int4* combined_x, int* rank_mask, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
         int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
     trace_mark(trace, kTraceStart);
     const LowLatencyBuffers b = TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, kNumTopk, hidden);
@@ -617,7 +669,7 @@ __device__ __forceinline__ void low_latency_combine(
         for (int d = blockIdx.x; d < num_ranks; d += gridDim.x) {
             if (masked(d))
                 continue;  // the same for the whole block
-            build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts,
+            build_pair_bits<kNumTopk, TopkT, false>(bits, words, topk_idx, num_tokens, num_experts,
                                                    b.num_local_experts, rank_mask);
             for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) {
                 if (!pair_chosen(bits, words, d, t))
@@ -636,52 +688,65 @@ __device__ __forceinline__ void low_latency_combine(
                 ptx::st_release_sys(b.weight_flag(d, rank), (static_cast<uint64_t>(epoch) << 32) | 1u);
         }
         // (2) How many messages each source sent in the dispatch of this half (a source masked during that
-        //     dispatch left an older epoch there: nothing from it), numbered as items source by source.
+        //     dispatch left an older epoch there: nothing from it), numbered as items source by source, the
+        //     sources in the turn of NOTE [destination order].
         __shared__ int first_item[kWarpSize + 1];
         if (threadIdx.x < num_ranks) {
-            const int s = threadIdx.x;
+            const int s = next_peer(rank, num_ranks, threadIdx.x);
             const uint64_t word = ptx::ld_relaxed_sys(b.count(rank, s));
             const bool sent = !masked(s) && static_cast<uint32_t>(word >> 32) == ptx::ld_relaxed_sys(b.epoch(0));
-            first_item[s + 1] = sent ? static_cast<int>(word & 0xffffffffu) * num_pieces : 0;
+            first_item[threadIdx.x + 1] = sent ? static_cast<int>(word & 0xffffffffu) * num_pieces : 0;
         }
         __syncthreads();
         if (threadIdx.x == 0) {
             first_item[0] = 0;
-            for (int s = 0; s < num_ranks; ++s)
-                first_item[s + 1] += first_item[s];
+            for (int i = 0; i < num_ranks; ++i)
+                first_item[i + 1] += first_item[i];
+        }
+        __syncthreads();
+        // The item of (turn, j, piece) numbered `item`, or false past the last.
+        const auto item_at = [&](int item, int& turn, int& j, int& piece) {
+            if (item >= first_item[num_ranks])
+                return false;
+            while (first_item[turn + 1] <= item)  // items only grow, so the turn never moves back
+                ++turn;
+            j = (item - first_item[turn]) / num_pieces;
+            piece = (item - first_item[turn]) % num_pieces;
+            return true;
+        };
+        // Lane k: the packed row of message j's choice k from s, where it is on this rank.
+        const auto rows_of = [&](int s, int j) -> const int4* {
+            if (lane >= kNumTopk)
+                return nullptr;
+            const int l = reinterpret_cast<const int16_t*>(b.message(rank, s, j) + kHeaderChoices)[lane];
+            return l >= 0 ? x + static_cast<int64_t>(b.positions(s, j)[lane]) * hidden_int4 : nullptr;
+        };
+        // The rows of each warp's first item come into L2 while the weights travel; then one thread per source
+        // waits for its weights (NOTE [block waits]).
+        int turn = 0, j = 0, piece = 0;
+        if (item_at(warp * gridDim.x + blockIdx.x, turn, j, piece)) {
+            const int4* row = rows_of(next_peer(rank, num_ranks, turn), j);
+            const int first = piece * kReduceInt4;
+            if (row != nullptr)
+                ptx::prefetch_l2(row + first, static_cast<uint32_t>(min(kReduceInt4, hidden_int4 - first)) * 16);
+        }
+        __shared__ bool weights_here[kWarpSize];  // by turn; only sources with items are waited for
+        if (threadIdx.x < num_ranks) {
+            const int s = next_peer(rank, num_ranks, threadIdx.x);
+            weights_here[threadIdx.x] = first_item[threadIdx.x + 1] > first_item[threadIdx.x] && !masked(s) &&
+                                        wait_or_mask(wait, b.weight_flag(rank, s), epoch, s,
+                                                     kStageLowLatencyCombineWeights, rank_mask) >= 0;
         }
         __syncthreads();
         trace_mark(trace, kTracePrologue);
-        // Each item waits for its source's weights only, so the sources' items start as their weights land.
-        int s = 0, weights = -1;  // of source s: -1 not yet awaited, 1 here, 0 lost (recorded or masked)
-        for (int item = warp * gridDim.x + blockIdx.x; item < first_item[num_ranks]; item += gridDim.x * num_warps) {
-            while (first_item[s + 1] <= item) {  // items only grow, so s never moves back
-                ++s;
-                weights = -1;
-            }
-            if (weights < 0) {
-                bool arrived = true;
-                if (lane == 0)
-                    arrived = wait_or_mask(wait, b.weight_flag(rank, s), epoch, s, kStageLowLatencyCombineWeights,
-                                           rank_mask) >= 0;
-                __syncwarp();  // orders lane 0's acquire before every lane's loads of the weights
-                weights = __shfl_sync(0xffffffffu, arrived, 0) ? 1 : 0;
-            }
-            if (weights == 0)
+        turn = 0;
+        for (int item = warp * gridDim.x + blockIdx.x; item_at(item, turn, j, piece); item += gridDim.x * num_warps) {
+            const int s = next_peer(rank, num_ranks, turn);
+            if (!weights_here[turn])
                 continue;  // the signals below still go out; the error (if any) is raised on the host
-            const int j = (item - first_item[s]) / num_pieces, piece = (item - first_item[s]) % num_pieces;
-            const uint8_t* header = b.message(rank, s, j);
-            const int4* row = nullptr;
-            float weight = 0.0f;
-            if (lane < kNumTopk) {  // three independent loads, then the rows: two round trips per item
-                const int l = reinterpret_cast<const int16_t*>(header + 16)[lane];
-                const int packed_row = b.positions(s, j)[lane];
-                const float w = ptx::ld_na_f32(b.weights(rank, s, j) + lane);
-                if (l >= 0) {
-                    row = x + static_cast<int64_t>(packed_row) * hidden_int4;
-                    weight = w;
-                }
-            }
+            const int4* row = rows_of(s, j);
+            const float w = lane < kNumTopk ? ptx::ld_na_f32(b.weights(rank, s, j) + lane) : 0.0f;
+            const float weight = row != nullptr ? w : 0.0f;
             float acc[kReduceVectors][8] = {};
             accumulate_rows<false>(acc, __ballot_sync(0xffffffffu, row != nullptr), row, weight, piece * kReduceInt4,
                                    hidden_int4, lane);
@@ -694,30 +759,30 @@ __device__ __forceinline__ void low_latency_combine(
         return;
     }
 
-    build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, b.num_local_experts,
-                                           rank_mask);
+    build_pair_bits<kNumTopk, TopkT, false>(bits, words, topk_idx, num_tokens, num_experts, b.num_local_experts,
+                                            rank_mask);
     trace_mark(trace, kTraceRecvReady);
-    bool traced = false;
+    // One thread per rank that has rows for this rank waits for them (NOTE [block waits]); a rank masked
+    // before or meanwhile is absent.
+    __shared__ bool rows_here[kWarpSize];
+    bool missed = false;  // recorded (no mask): the host raises it, and the block has nothing more to do
+    if (threadIdx.x < num_ranks) {
+        const int d = threadIdx.x;
+        rows_here[d] = false;
+        if (row_count(bits, words, d) > 0 && !masked(d)) {
+            rows_here[d] = wait_or_mask(wait, b.combine_flag(rank, d), epoch, d, kStageLowLatencyCombineRecv,
+                                        rank_mask) >= 0;
+            missed = !rows_here[d] && rank_mask == nullptr;
+        }
+    }
+    if (__syncthreads_or(missed))
+        return;
+    trace_mark(trace, kTraceRecvMid);
     for (int item = warp * gridDim.x + blockIdx.x; item < num_tokens * num_pieces; item += gridDim.x * num_warps) {
         const int t = item / num_pieces, piece = item % num_pieces;
         const int4* row = nullptr;
-        bool ok = true;
-        // A rank masked during this launch (by another warp's timeout) is absent, not waited for again.
-        if (lane < num_ranks && pair_chosen(bits, words, lane, t) &&
-            (rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + lane) == 0)) {
-            const int d = lane;
-            if (wait_or_mask(wait, b.combine_flag(rank, d), epoch, d, kStageLowLatencyCombineRecv, rank_mask) >= 0)
-                row = b.combine_row(rank, d, pair_slot(bits, words, d, t));
-            else if (rank_mask == nullptr)
-                ok = false;
-        }
-        __syncwarp();  // orders each lane's acquire before every lane's loads of that rank's row
-        if (!__all_sync(0xffffffffu, ok))
-            return;
-        if (!traced) {
-            trace_mark(trace, kTraceRecvMid);
-            traced = true;
-        }
+        if (lane < num_ranks && rows_here[lane] && pair_chosen(bits, words, lane, t))
+            row = b.combine_row(rank, lane, pair_slot(bits, words, lane, t));
         float acc[kReduceVectors][8] = {};
         accumulate_rows<true>(acc, __ballot_sync(0xffffffffu, row != nullptr), row, 1.0f, piece * kReduceInt4,
                               hidden_int4, lane);
