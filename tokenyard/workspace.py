@@ -180,9 +180,8 @@ class LowLatencyLayout:
                     rank, the packed row it was copied to (``l * R * M + row`` for local expert l)
     dispatch_counts [R] uint64: ``(epoch << 32) | tokens`` that source r sent to this rank
     dispatch_expert_counts [R][L] uint64: ``(epoch << 32) | tokens`` of source r that chose local expert l
-    combine_weights [R][M][MAX_TOPK] float32: source r's top-k weights of the token of its message j,
-                    sent at combine
-    combine_weight_flags [R] uint64: ``(epoch << 32) | 1`` once source r's weights are here
+    combine_weights [R][M][MAX_TOPK] uint64: ``(epoch << 32) | float32 bits``, source r's top-k weights of
+                    the token of its message j, sent at combine
     combine_recv    [R][M] bf16 rows: owner r's partial sum for this rank's message slot j to r
                     (NOTE [low-latency combine])
     combine_flags   [R] uint64: ``(epoch << 32) | 1`` once owner r has sent every row back
@@ -195,7 +194,6 @@ class LowLatencyLayout:
     dispatch_counts: int
     dispatch_expert_counts: int
     combine_weights: int
-    combine_weight_flags: int
     combine_recv: int
     combine_flags: int
     state: int
@@ -209,8 +207,7 @@ def _low_latency_regions(num_max: int, hidden: int, num_ranks: int, num_experts:
              "dispatch_positions": num_messages * MAX_TOPK * 4,
              "dispatch_counts": num_ranks * 8,
              "dispatch_expert_counts": num_experts * 8,
-             "combine_weights": num_messages * MAX_TOPK * 4,
-             "combine_weight_flags": num_ranks * 8,
+             "combine_weights": num_messages * MAX_TOPK * 8,
              "combine_recv": num_messages * low_latency_combine_message_bytes(hidden),
              "combine_flags": num_ranks * 8}
     offsets, end = {}, 0

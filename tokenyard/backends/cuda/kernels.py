@@ -101,7 +101,7 @@ _LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "ra
                         Param("int", "num_max"), Param("int64_t", "dispatch_recv"), Param("int64_t", "message_bytes"),
                         Param("int64_t", "header_bytes"), Param("int64_t", "dispatch_positions"),
                         Param("int64_t", "dispatch_counts"), Param("int64_t", "dispatch_expert_counts"),
-                        Param("int64_t", "combine_weights"), Param("int64_t", "combine_weight_flags"),
+                        Param("int64_t", "combine_weights"),
                         Param("int64_t", "combine_recv"), Param("int64_t", "combine_flags"), Param("int64_t", "state"),
                         Param("int", "do_send"), Param("int", "do_recv"))
 _TRACE = (Param("uint64_t*", "trace"),)  # NOTE [low-latency trace]; nullptr except in benchmarks/ll_phases.py

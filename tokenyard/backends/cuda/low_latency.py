@@ -46,7 +46,8 @@ class LowLatencyKernels:
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         words = ((layout.state, 16), (layout.dispatch_counts, ctx.num_ranks * 8),
                  (layout.dispatch_expert_counts, num_experts * 8),
-                 (layout.combine_weight_flags, ctx.num_ranks * 8), (layout.combine_flags, ctx.num_ranks * 8))
+                 (layout.combine_weights, ctx.num_ranks * num_max * workspace.MAX_TOPK * 8),
+                 (layout.combine_flags, ctx.num_ranks * 8))
         torch.cuda.synchronize(ctx.device)
         ctx.all_gather_object(None)  # no rank still sends into this buffer
         local = self.buffer.tensor
@@ -78,7 +79,7 @@ class LowLatencyKernels:
         return (self._half_bases(layout, half).data_ptr(), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
                 layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES,
                 layout.dispatch_positions, layout.dispatch_counts, layout.dispatch_expert_counts, layout.combine_weights,
-                layout.combine_weight_flags, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv)
+                layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv)
 
     def _pair_bits_bytes(self, num_max: int, num_rows: int) -> int:
         """The pair bits of NOTE [pair slots]: a row of words per rank, or per expert and per rank."""

@@ -71,16 +71,20 @@ __device__ __forceinline__ bool wait_at_least(const WaitContext& ctx, const uint
     }
 }
 
-// Spin until the high half of *word equals `seq` (a word the peer stores as (tag << 32) | value with
-// release, the tag being a call's epoch); returns the low half, or -1 at the deadline, having recorded a
-// timeout unless `record` is false (the caller masks the peer instead).
-__device__ __forceinline__ int wait_for_seq(const WaitContext& ctx, const uint64_t* word, uint32_t seq, int peer,
-                                            int stage, bool record = true) {
+// Spin until the high half of *word equals `seq` (a word the peer stores as (tag << 32) | value, the tag
+// being a call's epoch): -> true with the low half in `value`, or false at the deadline, having recorded a
+// timeout unless `record` is false (the caller masks the peer instead). kAcquire: the word was stored with
+// release and guards other data; without it the word is its own data, and a relaxed read is enough.
+template <bool kAcquire = true>
+__device__ __forceinline__ bool wait_for_tag(const WaitContext& ctx, const uint64_t* word, uint32_t seq, int peer,
+                                             int stage, bool record, uint32_t& value) {
     uint64_t start = 0;
     for (int spin = 0;; ++spin) {
-        const uint64_t seen = ptx::ld_acquire_sys(word);
-        if (static_cast<uint32_t>(seen >> 32) == seq)
-            return static_cast<int>(seen & 0xffffffffu);
+        const uint64_t seen = kAcquire ? ptx::ld_acquire_sys(word) : ptx::ld_relaxed_sys(word);
+        if (static_cast<uint32_t>(seen >> 32) == seq) {
+            value = static_cast<uint32_t>(seen & 0xffffffffu);
+            return true;
+        }
         if ((spin & 255) == 0) {
             const uint64_t now = ptx::global_timer_ns();
             if (start == 0) {
@@ -88,10 +92,17 @@ __device__ __forceinline__ int wait_for_seq(const WaitContext& ctx, const uint64
             } else if (now - start > ctx.timeout_ns || (record && failed(ctx))) {
                 if (record)
                     record_error(ctx, kErrorTimeout, peer, stage, static_cast<uint32_t>(seen >> 32), seq);
-                return -1;
+                return false;
             }
         }
     }
+}
+
+// wait_for_tag of a signal whose value is a count: -> the count, or -1 at the deadline.
+__device__ __forceinline__ int wait_for_seq(const WaitContext& ctx, const uint64_t* word, uint32_t seq, int peer,
+                                            int stage, bool record = true) {
+    uint32_t value = 0;
+    return wait_for_tag(ctx, word, seq, peer, stage, record, value) ? static_cast<int>(value) : -1;
 }
 
 }  // namespace tokenyard

@@ -25,7 +25,6 @@ struct LowLatencyBuffers {
     int64_t dispatch_counts;
     int64_t dispatch_expert_counts;
     int64_t combine_weights;
-    int64_t combine_weight_flags;
     int64_t combine_recv;
     int64_t combine_row_bytes;
     int64_t combine_flags;
@@ -50,13 +49,11 @@ struct LowLatencyBuffers {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_expert_counts) +
                static_cast<int64_t>(source) * num_local_experts;
     }
-    // Rank `source`'s top-k weights of the token of its message `slot` to rank `owner`, in `owner`'s buffer.
-    __device__ __forceinline__ float* weights(int owner, int source, int slot) const {
-        return reinterpret_cast<float*>(peer_bases[owner] + combine_weights) +
+    // Rank `source`'s top-k weights of the token of its message `slot` to rank `owner`, in `owner`'s buffer:
+    // words (epoch << 32) | float bits (NOTE [low-latency combine]).
+    __device__ __forceinline__ uint64_t* weights(int owner, int source, int slot) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_weights) +
                (static_cast<int64_t>(source) * num_max + slot) * num_topk;
-    }
-    __device__ __forceinline__ uint64_t* weight_flag(int owner, int source) const {
-        return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_weight_flags) + source;
     }
     // Expert rank `from`'s partial sum for rank `owner`'s message `slot` to it.
     __device__ __forceinline__ int4* combine_row(int owner, int from, int slot) const {
@@ -78,21 +75,22 @@ struct LowLatencyBuffers {
 #define TOKENYARD_LOW_LATENCY_BUFFER_PARAMS                                                                        \
     uint8_t *const *peer_bases, int rank, int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, \
             int64_t header_bytes, int64_t dispatch_positions, int64_t dispatch_counts,                              \
-            int64_t dispatch_expert_counts, int64_t combine_weights, int64_t combine_weight_flags,                  \
-            int64_t combine_recv, int64_t combine_flags, int64_t state, int do_send, int do_recv
+            int64_t dispatch_expert_counts, int64_t combine_weights, int64_t combine_recv, int64_t combine_flags,   \
+            int64_t state, int do_send, int do_recv
 
 #define TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, num_topk, hidden)                                              \
     LowLatencyBuffers {                                                                                          \
         peer_bases, rank, num_ranks, (num_experts) / num_ranks, num_max, (num_topk), dispatch_recv, message_bytes, \
                 header_bytes, dispatch_positions, dispatch_counts, dispatch_expert_counts, combine_weights,        \
-                combine_weight_flags, combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags, state       \
+                combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags, state                             \
     }
 
 // NOTE [destination order]
 // A sending warp takes the ranks in turn from the next one: rank r writes first to r + 1, then r + 2, ...,
 // itself last. Were every rank to start with rank 0, all of them would write into rank 0's NVLink ports at
-// once while the other ranks' stood idle, then into rank 1's: in the 4-rank trace (benchmarks/ll_phases.py)
-// rank 0's sends ended 4 us before rank 3's. In turn, every rank is written by one source at a time.
+// once while the other ranks' stood idle, then into rank 1's. In turn, every rank is written by one source
+// at a time. The 4-rank trace at 128 tokens (benchmarks/ll_phases.py): the dispatch's sends ended at 10.2 us
+// on rank 0 and 14.5 on rank 3 when all began with rank 0; in turn, at 11.7-12.4 on every rank.
 __device__ __forceinline__ int next_peer(int rank, int num_ranks, int turn) {
     return (rank + 1 + turn) % num_ranks;
 }
@@ -241,7 +239,8 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
 // NOTE [block waits]
 // One thread per block polls each signal word, and the block's other threads learn from shared memory.
 // When every warp polled the words it needed (thousands of pollers on four words of one L2 sector), the
-// combine saw its rows' signals 3-6 us after the last rank had published them (benchmarks/ll_phases.py).
+// combine saw its rows' signals 3-7 us after the last rank had published them; with one poller per block,
+// 1-2 us after (benchmarks/ll_phases.py, 4 ranks, 128 tokens).
 __device__ __forceinline__ int wait_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t epoch, int peer,
                                             int stage, int* rank_mask) {
     const int value = wait_for_seq(wait, word, epoch, peer, stage, rank_mask == nullptr);
@@ -322,9 +321,10 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // of every rank d the token goes to (NOTE [pair slots], rank rows): d's region of this rank at slot = this
 // rank's tokens before t that go to d. Piece 0 also writes the header, which carries for each choice on
 // d its local expert and its pair slot (expert rows): the row it takes among this rank's rows of that
-// expert. Before any data, warp 0 of block 0 sends each rank d how many of this rank's tokens chose each
-// of d's experts, and releases them with their own flag. The last block to finish publishes to each rank
-// d (epoch << 32) | tokens sent to d (NOTE [cumulative release]).
+// expert. Block 0, before its data, sends each rank d how many of this rank's tokens chose each of d's
+// experts, each count a word (epoch << 32) | count, which needs no fence (a release of their own waited
+// ~11 us behind the data in the 4-rank trace). The last block to finish publishes to each rank d
+// (epoch << 32) | tokens sent to d (NOTE [cumulative release]).
 // Receive (do_recv): every block waits for every source's expert counts and numbers the packed rows
 // (NOTE [recv order]: the rows of local expert l from source s begin after those of the sources before
 // s) while the data is still in flight; then it waits for the data signals, and block 0 writes
@@ -334,9 +334,9 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // first row of (l, s) + slot) with the piece's scales; piece 0 records src_info and, in `positions`, where
 // each choice went (which the combine reads). No scan of the headers and no wait for another block: every
 // message is read once, and all of them at once (the previous receiver, a block per expert scanning the
-// headers and copying its rows, took 9 us after the signals at 128 tokens; this one ~5). A source masked
-// between its counts and its data is left out and the rows renumbered. With a recv hook the two halves
-// run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
+// headers and copying its rows, took ~9.5 us after the signals at 4 ranks and 128 tokens; this one ~3.5).
+// A source masked between its counts and its data is left out and the rows renumbered. With a recv hook
+// the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
 template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
 __device__ __forceinline__ void low_latency_dispatch(
         const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
@@ -634,16 +634,19 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // its experts there, instead of one row per expert (4 ranks, top-8: ~3.6 rows instead of 8, which halves
 // the bytes on NVLink). The weights are the combine's, so they travel first.
 // Send (do_send): (1) the block d < R writes this rank's topk_weights to rank d, each token's at the slot
-// of its dispatch message to d, and releases d's weight flag. (2) The items are (source s, message j from
-// s in this half's dispatch, piece of kReduceInt4 columns), the sources in the turn of NOTE [destination
-// order], and a warp waits for s's weights before its first item of s (so the sources' items start as
-// their weights land, not when the last source's do); the message's header names the token's choices on
+// of its dispatch message to d, each weight a word (epoch << 32) | float bits: a word that carries its own
+// epoch needs no fence and no flag (with a release and a flag per rank, the items began 5-7 us into the
+// call and the sends ended ~2 us later than now, at 4 ranks and 128 tokens).
+// (2) The items are (source s, message j from s in this half's dispatch, piece of kReduceInt4 columns),
+// the sources in the turn of NOTE [destination order]; the message's header names the token's choices on
 // this rank, positions(s, j) the packed row each went to (the dispatch wrote it) and weights(s, j) their
-// weights; the warp sums weight * row over those choices in k order (float32, as routing.py) and writes
+// weights, read with the rows' addresses and waited for only while their tag is older; the warp sums
+// weight * row over those choices in k order (float32, as routing.py) and writes
 // bf16 into s's combine region at (this rank, j). (3) The last block to finish publishes (epoch << 32) | 1
-// to every source. Reduce (do_recv): the items are (token, piece); lane d finds whether the token went to
-// rank d, waits for d's flag and points at d's row (the message slot of NOTE [pair slots] with rows =
-// ranks); the warp sums the rows in rank order in float32 and writes bf16. The result
+// to every source. Reduce (do_recv): one thread per block waits for each rank's flag (NOTE [block waits]);
+// the items are (token, piece); lane d finds whether the token went to rank d and points at d's row (the
+// message slot of NOTE [pair slots] with rows = ranks); the warp sums the rows in rank order in float32 and
+// writes bf16. The result
 // is routing.low_latency_combine(..., pre_reduce=True) bit for bit: within bf16 rounding of one sum.
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
@@ -665,7 +668,8 @@ __device__ __forceinline__ void low_latency_combine(
 
     if (do_send) {
         // (1) This rank's weights to every rank: block d serves rank d, a thread per token, each token's
-        //     weights to the message slot it had in the dispatch (NOTE [pair slots] with rows = ranks).
+        //     weights to the message slot it had in the dispatch (NOTE [pair slots] with rows = ranks), each
+        //     tagged with the epoch: no fence and no flag.
         for (int d = blockIdx.x; d < num_ranks; d += gridDim.x) {
             if (masked(d))
                 continue;  // the same for the whole block
@@ -678,14 +682,12 @@ __device__ __forceinline__ void low_latency_combine(
 #pragma unroll
                 for (int k = 0; k < kNumTopk; ++k)
                     w[k] = topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
-                float* to = b.weights(d, rank, pair_slot(bits, words, d, t));
+                uint64_t* to = b.weights(d, rank, pair_slot(bits, words, d, t));
 #pragma unroll
                 for (int k = 0; k < kNumTopk; ++k)
-                    to[k] = w[k];
+                    ptx::st_relaxed_sys(to + k, (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(w[k]));
             }
-            __syncthreads();  // the block's stores before thread 0's release (NOTE [cumulative release])
-            if (threadIdx.x == 0)
-                ptx::st_release_sys(b.weight_flag(d, rank), (static_cast<uint64_t>(epoch) << 32) | 1u);
+            __syncthreads();  // the pair bits are read no more
         }
         // (2) How many messages each source sent in the dispatch of this half (a source masked during that
         //     dispatch left an older epoch there: nothing from it), numbered as items source by source, the
@@ -721,32 +723,28 @@ __device__ __forceinline__ void low_latency_combine(
             const int l = reinterpret_cast<const int16_t*>(b.message(rank, s, j) + kHeaderChoices)[lane];
             return l >= 0 ? x + static_cast<int64_t>(b.positions(s, j)[lane]) * hidden_int4 : nullptr;
         };
-        // The rows of each warp's first item come into L2 while the weights travel; then one thread per source
-        // waits for its weights (NOTE [block waits]).
-        int turn = 0, j = 0, piece = 0;
-        if (item_at(warp * gridDim.x + blockIdx.x, turn, j, piece)) {
-            const int4* row = rows_of(next_peer(rank, num_ranks, turn), j);
-            const int first = piece * kReduceInt4;
-            if (row != nullptr)
-                ptx::prefetch_l2(row + first, static_cast<uint32_t>(min(kReduceInt4, hidden_int4 - first)) * 16);
-        }
-        __shared__ bool weights_here[kWarpSize];  // by turn; only sources with items are waited for
-        if (threadIdx.x < num_ranks) {
-            const int s = next_peer(rank, num_ranks, threadIdx.x);
-            weights_here[threadIdx.x] = first_item[threadIdx.x + 1] > first_item[threadIdx.x] && !masked(s) &&
-                                        wait_or_mask(wait, b.weight_flag(rank, s), epoch, s,
-                                                     kStageLowLatencyCombineWeights, rank_mask) >= 0;
-        }
-        __syncthreads();
         trace_mark(trace, kTracePrologue);
-        turn = 0;
+        int turn = 0, j = 0, piece = 0;
         for (int item = warp * gridDim.x + blockIdx.x; item_at(item, turn, j, piece); item += gridDim.x * num_warps) {
             const int s = next_peer(rank, num_ranks, turn);
-            if (!weights_here[turn])
-                continue;  // the signals below still go out; the error (if any) is raised on the host
+            if (rank_mask != nullptr && ptx::ld_relaxed_sys(rank_mask + s) != 0)
+                continue;  // masked meanwhile: its rows are absent
+            // Lane k's weight word is read with the header and positions; it is waited for only where it has
+            // not come yet (its tag is an older epoch).
+            const uint64_t* weight_word = b.weights(rank, s, j) + lane;
+            const uint64_t seen = lane < kNumTopk ? ptx::ld_relaxed_sys(weight_word) : 0;
             const int4* row = rows_of(s, j);
-            const float w = lane < kNumTopk ? ptx::ld_na_f32(b.weights(rank, s, j) + lane) : 0.0f;
-            const float weight = row != nullptr ? w : 0.0f;
+            uint32_t weight_bits = static_cast<uint32_t>(seen & 0xffffffffu);
+            bool lost = false;
+            if (row != nullptr && static_cast<uint32_t>(seen >> 32) != epoch) {
+                lost = !wait_for_tag<false>(wait, weight_word, epoch, s, kStageLowLatencyCombineWeights,
+                                            rank_mask == nullptr, weight_bits);
+                if (lost && rank_mask != nullptr)
+                    atomicExch(rank_mask + s, 1);
+            }
+            if (__any_sync(0xffffffffu, lost))
+                continue;  // the signals below still go out; the error (if any) is raised on the host
+            const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
             float acc[kReduceVectors][8] = {};
             accumulate_rows<false>(acc, __ballot_sync(0xffffffffu, row != nullptr), row, weight, piece * kReduceInt4,
                                    hidden_int4, lane);
