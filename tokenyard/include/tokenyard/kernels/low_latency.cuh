@@ -334,7 +334,7 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // first row of (l, s) + slot) with the piece's scales; piece 0 records src_info and, in `positions`, where
 // each choice went (which the combine reads). No scan of the headers and no wait for another block: every
 // message is read once, and all of them at once (the previous receiver, a block per expert scanning the
-// headers and copying its rows, took ~9.5 us after the signals at 4 ranks and 128 tokens; this one ~3.5).
+// headers and copying its rows, took ~9.5 us after the signals at 4 ranks and 128 tokens; this one ~3).
 // A source masked between its counts and its data is left out and the rows renumbered. With a recv hook
 // the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
 template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
