@@ -173,12 +173,13 @@ class LowLatencyLayout:
 
     state           [4] uint32, this rank only, at offset 0: blocks done sending (dispatch, combine), then
                     the dispatch and combine epochs (NOTE [low-latency epochs] in kernels/low_latency.cuh)
-    dispatch_recv   [R][M] messages of `dispatch_message_bytes`: header (int32 source token index at 0;
-                    per top-k choice, int16 local expert, -1 where elsewhere, at 16 and int16 pair slot at
-                    48), then the FP8 data and float32 scales, or the bf16 data
+    dispatch_recv   [R][M] messages of `dispatch_message_bytes`, source r's token j at slot j: header
+                    (uint64 ``(epoch << 32) | j`` at 0; per top-k choice, int16 local expert, -1 where
+                    elsewhere, at 16 and int16 pair slot at 48), then the FP8 data and float32 scales, or
+                    the bf16 data
     dispatch_positions [R][M][MAX_TOPK] int32: for message j of source r and its top-k choice k on this
                     rank, the packed row it was copied to (``l * R * M + row`` for local expert l)
-    dispatch_counts [R] uint64: ``(epoch << 32) | tokens`` that source r sent to this rank
+    dispatch_counts [R] uint64: ``(epoch << 32) | tokens`` of source r (its message slots) once sent
     dispatch_expert_counts [R][L] uint64: ``(epoch << 32) | tokens`` of source r that chose local expert l
     combine_weights [R][M][MAX_TOPK] uint64: ``(epoch << 32) | float32 bits``, source r's top-k weights of
                     the token of its message j, sent at combine

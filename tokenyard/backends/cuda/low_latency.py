@@ -39,12 +39,14 @@ class LowLatencyKernels:
         return self.trace
 
     def clean(self, num_max: int, hidden: int, num_experts: int) -> None:
-        """DeepEP's clean_low_latency_buffer, a call every rank makes: zero both halves' state and signal
-        words for this shape between two group barriers, so that no word left by another shape (or by other
-        use of the memory) can match an epoch, and every rank restarts from the same epochs."""
+        """DeepEP's clean_low_latency_buffer, a call every rank makes: zero both halves' state and every word
+        tagged with an epoch (signals, message headers, expert counts, weights) for this shape between two
+        group barriers, so that no word left by another shape (or by other use of the memory) can match an
+        epoch, and every rank restarts from the same epochs."""
         ctx = self.backend.ctx
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         words = ((layout.state, 16), (layout.dispatch_counts, ctx.num_ranks * 8),
+                 (layout.dispatch_recv, ctx.num_ranks * num_max * layout.dispatch_message_bytes),
                  (layout.dispatch_expert_counts, num_experts * 8),
                  (layout.combine_weights, ctx.num_ranks * num_max * workspace.MAX_TOPK * 8),
                  (layout.combine_flags, ctx.num_ranks * 8))
@@ -78,17 +80,17 @@ class LowLatencyKernels:
         ctx = self.backend.ctx
         return (self._half_bases(layout, half).data_ptr(), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
                 layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES,
-                layout.dispatch_positions, layout.dispatch_counts, layout.dispatch_expert_counts, layout.combine_weights,
-                layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv)
+                layout.dispatch_positions, layout.dispatch_counts, layout.dispatch_expert_counts,
+                layout.combine_weights, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv)
 
     def _pair_bits_bytes(self, num_max: int, num_rows: int) -> int:
         """The pair bits of NOTE [pair slots]: a row of words per rank, or per expert and per rank."""
         return num_rows * ((num_max + 31) // 32) * 4
 
     def _shared_bytes(self, num_max: int, num_experts: int) -> int:
-        """The dispatch's: the pair bits (expert and rank rows) while sending, then while receiving two int32
-        per (local expert, source): its count and its first row."""
-        return max(self._pair_bits_bytes(num_max, num_experts + self.backend.ctx.num_ranks), 2 * num_experts * 4)
+        """The dispatch's: the pair bits (expert rows) while sending, then while receiving two int32 per
+        (local expert, source): its count and its first row."""
+        return max(self._pair_bits_bytes(num_max, num_experts), 2 * num_experts * 4)
 
     def dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
         backend, ctx = self.backend, self.backend.ctx
@@ -118,11 +120,10 @@ class LowLatencyKernels:
         shared_bytes = self._shared_bytes(num_max, num_experts)
         limit = self._shared_limit - 1024  # the kernel's static shared arrays
         if shared_bytes > limit:
-            num_rows = num_experts + ctx.num_ranks
             raise InvalidInputError(
                 f"low-latency dispatch of num_max_dispatch_tokens_per_rank={num_max} with {num_experts} experts on "
                 f"{ctx.num_ranks} ranks needs {shared_bytes} bytes of shared memory per block, more than this GPU's "
-                f"{limit}; use at most {limit // 4 // num_rows * 32} tokens per rank")
+                f"{limit}; use at most {limit // 4 // num_experts * 32} tokens per rank")
         kernel = backend._kernel(kernels.low_latency_dispatch(num_topk, topk_idx.dtype, request.use_fp8,
                                                               request.use_ue8m0))
         grid = self._grid()

@@ -121,25 +121,27 @@ __device__ __forceinline__ void trace_mark(uint64_t* trace, int point) {
 // before t that chose e, which gives NOTE [recv order] without atomics. Every block builds, in shared
 // memory, one bit per (expert, token): bits[e * words + t / 32] bit t % 32. A slot is then a few popcounts,
 // and an expert's pair count the popcount of its row. Pairs whose expert is -1, out of range, or on a
-// masked rank set no bit and travel nowhere. A row per rank (a bit per (rank, token): the token goes to
-// that rank) numbers the dispatch messages the same way; with kWithExperts the rank rows follow the E
-// expert rows (row E + d), else they are all there is (row d).
-template <int kNumTopk, typename TopkT, bool kWithExperts>
+// masked rank set no bit and travel nowhere. With kByRank the rows are ranks instead of experts (a bit per
+// (rank, token): the token goes to that rank).
+// Whether a pair with expert `e` travels: an expert in range, on an unmasked rank.
+__device__ __forceinline__ bool routed(int64_t e, int num_experts, int num_local_experts, const int* rank_mask) {
+    return e >= 0 && e < num_experts && (rank_mask == nullptr || rank_mask[e / num_local_experts] == 0);
+}
+
+template <int kNumTopk, typename TopkT, bool kByRank>
 __device__ __forceinline__ void build_pair_bits(uint32_t* bits, int words, const TopkT* topk_idx, int num_tokens,
                                                 int num_experts, int num_local_experts, const int* rank_mask) {
-    const int num_ranks = num_experts / num_local_experts;
-    const int num_rows = kWithExperts ? num_experts + num_ranks : num_ranks;
+    const int num_rows = kByRank ? num_experts / num_local_experts : num_experts;
     for (int i = threadIdx.x; i < num_rows * words; i += blockDim.x)
         bits[i] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < num_tokens * kNumTopk; p += blockDim.x) {
         const int64_t e = static_cast<int64_t>(topk_idx[p]);
-        if (e < 0 || e >= num_experts || (rank_mask != nullptr && rank_mask[e / num_local_experts] != 0))
+        if (!routed(e, num_experts, num_local_experts, rank_mask))
             continue;
-        const int t = p / kNumTopk, d = static_cast<int>(e / num_local_experts);
-        atomicOr(&bits[((kWithExperts ? num_experts : 0) + d) * words + t / 32], 1u << (t % 32));
-        if constexpr (kWithExperts)
-            atomicOr(&bits[static_cast<int>(e) * words + t / 32], 1u << (t % 32));
+        const int t = p / kNumTopk;
+        const int row = kByRank ? static_cast<int>(e / num_local_experts) : static_cast<int>(e);
+        atomicOr(&bits[row * words + t / 32], 1u << (t % 32));
     }
     __syncthreads();
 }
@@ -279,10 +281,10 @@ __device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) 
 // A piece of a row: 16 channels per lane (two 16-byte loads of bf16), 4 FP8 scale groups per warp.
 constexpr int kPieceChannels = kWarpSize * 16;
 
-// The dispatch message's header (workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES): the source token index (int32)
-// at 0; per top-k choice, as int16, its local expert on the receiving rank (-1 where elsewhere) at
-// kHeaderChoices and its pair slot (NOTE [pair slots]: the sender's tokens before it that chose that
-// expert) at kHeaderSlots.
+// The dispatch message's header (workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES): (epoch << 32) | source token
+// index (uint64) at 0; per top-k choice, as int16, its local expert on the receiving rank (-1 where
+// elsewhere) at kHeaderChoices and its pair slot (NOTE [pair slots]: the sender's tokens before it that
+// chose that expert) at kHeaderSlots.
 constexpr int kHeaderMaxTopk = 16;
 constexpr int kHeaderChoices = 16;
 constexpr int kHeaderSlots = kHeaderChoices + 2 * kHeaderMaxTopk;
@@ -315,24 +317,27 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // Send (do_send): the work items are the pieces of kPieceChannels channels of every token, dealt so that
 // consecutive items go to different SMs (item i to warp i / gridDim.x of block i % gridDim.x): one token
 // keeps 14 warps busy at hidden 7168 instead of one warp walking its row, which cost ~10 us at one token.
-// A warp loads its piece, quantizes it once (FP8 per 128 channels, exactly as quant.py: amax floored at
-// 1e-4, scale = amax / 448 with an IEEE division, optionally rounded up to a power of two,
-// q = e4m3(clamp(x / scale))), each lane 16 channels, and stores it with 16-byte stores into the message
-// of every rank d the token goes to (NOTE [pair slots], rank rows): d's region of this rank at slot = this
-// rank's tokens before t that go to d. Piece 0 also writes the header, which carries for each choice on
-// d its local expert and its pair slot (expert rows): the row it takes among this rank's rows of that
-// expert. Block 0, before its data, sends each rank d how many of this rank's tokens chose each of d's
-// experts, each count a word (epoch << 32) | count, which needs no fence (a release of their own waited
-// ~11 us behind the data in the 4-rank trace). The last block to finish publishes to each rank d
-// (epoch << 32) | tokens sent to d (NOTE [cumulative release]).
+// A warp loads its piece and its token's top-k choices, quantizes the piece once (FP8 per 128 channels,
+// exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with an IEEE division, optionally rounded
+// up to a power of two, q = e4m3(clamp(x / scale))), each lane 16 channels, and stores it with 16-byte
+// stores into the message of every rank d the token goes to: d's region of this rank at slot t, the token
+// index. Piece 0 also writes the header: its tag (epoch << 32) | t, and for each choice on d its local
+// expert. Nothing of that waits for the pair bits, so the data leaves ~2 us sooner than when the slot was
+// the rank's tokens before t going to d (a receiver learns from the tag which slots hold this call's
+// messages). Then every block builds the pair bits (expert rows), block 0 sends each rank d how many of
+// this rank's tokens chose each of d's experts, each count a word (epoch << 32) | count that needs no
+// fence (a release of their own waited ~11 us behind the data in the 4-rank trace), and a thread per pair
+// writes the pair's slot among this rank's rows of its expert into the header. The last block to finish
+// publishes to each rank d (epoch << 32) | this rank's number of tokens (NOTE [cumulative release]).
 // Receive (do_recv): every block waits for every source's expert counts and numbers the packed rows
 // (NOTE [recv order]: the rows of local expert l from source s begin after those of the sources before
 // s) while the data is still in flight; then it waits for the data signals, and block 0 writes
-// packed_recv_count, layout_range and the stats. The items are then (source s, message j, piece of
-// kRecvPieceVectors), dealt as the sends are: a warp loads the header's choices and slots and the piece's
-// data and scales at once (one round trip), and stores the piece into the row of every choice (row =
-// first row of (l, s) + slot) with the piece's scales; piece 0 records src_info and, in `positions`, where
-// each choice went (which the combine reads). No scan of the headers and no wait for another block: every
+// packed_recv_count, layout_range and the stats. The items are then (source s, slot j < its tokens, piece
+// of kRecvPieceVectors), dealt as the sends are: a warp loads the header's tag, choices and slots and the
+// piece's data and scales at once (one round trip); a tag of another call means token j of s did not come
+// here. Otherwise it stores the piece into the row of every choice (row = first row of (l, s) + slot) with
+// the piece's scales; piece 0 records src_info and, in `positions`, where each choice went (which the
+// combine reads). No scan of the headers and no wait for another block: every
 // message is read once, and all of them at once (the previous receiver, a block per expert scanning the
 // headers and copying its rows, took ~9.5 us after the signals at 4 ranks and 128 tokens; this one ~3).
 // A source masked between its counts and its data is left out and the rows renumbered. With a recv hook
@@ -357,24 +362,23 @@ __device__ __forceinline__ void low_latency_dispatch(
 
     extern __shared__ uint32_t shared_words[];
     if (do_send) {
-        uint32_t* bits = shared_words;  // expert rows, then rank rows (NOTE [pair slots])
+        uint32_t* bits = shared_words;  // a row per expert (NOTE [pair slots]), once the data is out
         const int words = (num_max + 31) / 32;
         const int num_pieces = (hidden + kPieceChannels - 1) / kPieceChannels;
         const int num_items = num_tokens * num_pieces, stride = gridDim.x * num_warps;
-        // Loads run one item ahead of the stores, and the first before the pair bits are built.
+        // Lane k: the expert of top-k choice k of the item's token, or -1 (none, out of range, masked rank).
+        const auto expert_of = [&](int item) -> int64_t {
+            if (item >= num_items || lane >= kNumTopk)
+                return -1;
+            const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(item / num_pieces) * kNumTopk +
+                                                            lane]);
+            return routed(e, num_experts, num_local_experts, rank_mask) ? e : -1;
+        };
+        // Loads (the piece and its token's choices) run one item ahead of the stores.
         int item = warp * gridDim.x + blockIdx.x;
         int4 raw[2];
         load_piece(raw, x, item, num_items, num_pieces, hidden, lane);
-        build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts,
-                                               rank_mask);
-        if (blockIdx.x == 0) {  // every unmasked rank's expert counts, each word tagged with the epoch
-            for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-                const int d = e / num_local_experts;
-                if (rank_mask == nullptr || rank_mask[d] == 0)
-                    ptx::st_relaxed_sys(b.expert_counts(d, rank) + e % num_local_experts,
-                                        (static_cast<uint64_t>(epoch) << 32) | row_count(bits, words, e));
-            }
-        }
+        int64_t next_e = expert_of(item);
         trace_mark(trace, kTracePrologue);
         for (; item < num_items; item += stride) {
             const int t = item / num_pieces, piece = item % num_pieces;
@@ -384,16 +388,15 @@ __device__ __forceinline__ void low_latency_dispatch(
             if constexpr (kUseFp8)  // every lane: the cast's shuffles need the whole warp
                 q = round_scale ? cast_fp8_16<true>(raw, scale) : cast_fp8_16<false>(raw, scale);
             const int4 piece_raw[2] = {raw[0], raw[1]};
-            // Piece 0 writes the header: lane k's top-k choice.
-            const int64_t e = piece == 0 && lane < kNumTopk
-                                      ? static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + lane])
-                                      : -1;
+            const int64_t e = next_e;
+            const uint32_t ranks = __reduce_or_sync(0xffffffffu, e >= 0 ? 1u << (e / num_local_experts) : 0u);
             load_piece(raw, x, item + stride, num_items, num_pieces, hidden, lane);
+            next_e = expert_of(item + stride);
             for (int turn = 0; turn < num_ranks; ++turn) {
                 const int d = next_peer(rank, num_ranks, turn);
-                if (!pair_chosen(bits, words, num_experts + d, t))
+                if (((ranks >> d) & 1u) == 0u)
                     continue;  // the same for the whole warp
-                uint8_t* to = b.message(d, rank, pair_slot(bits, words, num_experts + d, t));
+                uint8_t* to = b.message(d, rank, t);
                 uint8_t* data = to + header_bytes;
                 if constexpr (kUseFp8) {
                     if (c < hidden) {
@@ -409,19 +412,36 @@ __device__ __forceinline__ void low_latency_dispatch(
                 }
                 if (piece != 0)
                     continue;
-                if (lane == 0)
-                    *reinterpret_cast<int*>(to) = t;
-                if (lane < kNumTopk) {  // which of the token's choices live on d: local expert and pair slot
-                    const bool here = e >= 0 && e < num_experts && e / num_local_experts == d;
+                if (lane == 0)  // the message is this call's
+                    *reinterpret_cast<uint64_t*>(to) = (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(t);
+                if (lane < kNumTopk) {  // which of the token's choices live on d, as local experts
                     reinterpret_cast<int16_t*>(to + kHeaderChoices)[lane] =
-                            here ? static_cast<int16_t>(e % num_local_experts) : -1;
-                    reinterpret_cast<int16_t*>(to + kHeaderSlots)[lane] =
-                            here ? static_cast<int16_t>(pair_slot(bits, words, static_cast<int>(e), t)) : 0;
+                            e >= 0 && e / num_local_experts == d ? static_cast<int16_t>(e % num_local_experts) : -1;
                 }
             }
         }
-        publish_when_last(b, 0, epoch, rank_mask, trace, [&](int d) {  // the tokens sent to d
-            return Signal{b.count(d, rank), static_cast<uint32_t>(row_count(bits, words, num_experts + d))};
+        // Once the block's data is out: the pair bits, block 0's expert counts, and every pair's slot in its
+        // message's header (a thread per pair over the grid).
+        build_pair_bits<kNumTopk, TopkT, false>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts,
+                                                rank_mask);
+        if (blockIdx.x == 0) {  // every unmasked rank's expert counts, each word tagged with the epoch
+            for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+                const int d = e / num_local_experts;
+                if (rank_mask == nullptr || rank_mask[d] == 0)
+                    ptx::st_relaxed_sys(b.expert_counts(d, rank) + e % num_local_experts,
+                                        (static_cast<uint64_t>(epoch) << 32) | row_count(bits, words, e));
+            }
+        }
+        for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < num_tokens * kNumTopk; p += gridDim.x * blockDim.x) {
+            const int64_t e = static_cast<int64_t>(topk_idx[p]);
+            const int t = p / kNumTopk;
+            if (routed(e, num_experts, num_local_experts, rank_mask))
+                reinterpret_cast<int16_t*>(b.message(static_cast<int>(e / num_local_experts), rank, t) +
+                                           kHeaderSlots)[p % kNumTopk] =
+                        static_cast<int16_t>(pair_slot(bits, words, static_cast<int>(e), t));
+        }
+        publish_when_last(b, 0, epoch, rank_mask, trace, [&](int d) {  // the message slots: this rank's tokens
+            return Signal{b.count(d, rank), static_cast<uint32_t>(num_tokens)};
         });
     }
     if (!do_recv) {
@@ -504,7 +524,9 @@ __device__ __forceinline__ void low_latency_dispatch(
         const uint8_t* msg = b.message(rank, s, j);
         const int4* data = reinterpret_cast<const int4*>(msg + header_bytes);
         // Every load of the item before its first store (issue is in order: a store waiting for its load
-        // holds back every load behind it): lane k's choice and slot, the piece's vectors, its scales.
+        // holds back every load behind it): the message's tag, lane k's choice and slot, the piece's vectors,
+        // its scales. A tag of another call: token j of s did not come to this rank.
+        const uint64_t tag = lane == 0 ? ptx::ld_relaxed_sys(reinterpret_cast<const uint64_t*>(msg)) : 0;
         int l = -1, slot = 0;
         if (lane < kNumTopk) {
             l = header_int16(msg, kHeaderChoices, lane);
@@ -531,12 +553,12 @@ __device__ __forceinline__ void low_latency_dispatch(
                     scale_bits[0] = ptx::ld_na_s32(scales + group);
             }
         }
-        const int token = __shfl_sync(
-                0xffffffffu, piece == 0 && lane == 0 ? ptx::ld_na_s32(reinterpret_cast<const int*>(msg)) : 0, 0);
+        if (static_cast<uint32_t>(__shfl_sync(0xffffffffu, tag, 0) >> 32) != epoch)
+            continue;
         const int row = l >= 0 ? begins[l * num_ranks + s] + slot : -1;
         if (piece == 0 && row >= 0) {  // lane k: where choice k went
             b.positions(s, j)[lane] = l * num_slots + row;
-            src_info[static_cast<int64_t>(l) * num_slots + row] = token;
+            src_info[static_cast<int64_t>(l) * num_slots + row] = j;  // the message slot is the token index
         }
         for (uint32_t targets = __ballot_sync(0xffffffffu, row >= 0); targets != 0u; targets &= targets - 1u) {
             const int k = __ffs(targets) - 1;
@@ -637,17 +659,17 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // of its dispatch message to d, each weight a word (epoch << 32) | float bits: a word that carries its own
 // epoch needs no fence and no flag (with a release and a flag per rank, the items began 5-7 us into the
 // call and the sends ended ~2 us later than now, at 4 ranks and 128 tokens).
-// (2) The items are (source s, message j from s in this half's dispatch, piece of kReduceInt4 columns),
-// the sources in the turn of NOTE [destination order]; the message's header names the token's choices on
-// this rank, positions(s, j) the packed row each went to (the dispatch wrote it) and weights(s, j) their
-// weights, read with the rows' addresses and waited for only while their tag is older; the warp sums
-// weight * row over those choices in k order (float32, as routing.py) and writes
-// bf16 into s's combine region at (this rank, j). (3) The last block to finish publishes (epoch << 32) | 1
-// to every source. Reduce (do_recv): one thread per block waits for each rank's flag (NOTE [block waits]);
-// the items are (token, piece); lane d finds whether the token went to rank d and points at d's row (the
-// message slot of NOTE [pair slots] with rows = ranks); the warp sums the rows in rank order in float32 and
-// writes bf16. The result
-// is routing.low_latency_combine(..., pre_reduce=True) bit for bit: within bf16 rounding of one sum.
+// (2) The items are (source s, message slot j from s in this half's dispatch, piece of kReduceInt4
+// columns), the sources in the turn of NOTE [destination order]; a slot whose header's tag is of another
+// dispatch (the token did not come here) contributes nothing. The message's header names the token's
+// choices on this rank, positions(s, j) the packed row each went to (the dispatch wrote it) and weights(s,
+// j) their weights, read with the rows' addresses and waited for only while their tag is older; the warp
+// sums weight * row over those choices in k order (float32, as routing.py) and writes bf16 into s's
+// combine region at (this rank, j). (3) The last block to finish publishes (epoch << 32) | 1 to every
+// source. Reduce (do_recv): one thread per block waits for each rank's flag (NOTE [block waits]); the
+// items are (token t, piece); lane d finds whether the token went to rank d (NOTE [pair slots], rank rows)
+// and points at d's row t; the warp sums the rows in rank order in float32 and writes bf16. The result is
+// routing.low_latency_combine(..., pre_reduce=True) bit for bit: within bf16 rounding of one sum.
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
         const int4* x, const TopkT* topk_idx, const float* topk_weights, int num_tokens, int hidden, int num_experts,
@@ -668,35 +690,37 @@ __device__ __forceinline__ void low_latency_combine(
 
     if (do_send) {
         // (1) This rank's weights to every rank: block d serves rank d, a thread per token, each token's
-        //     weights to the message slot it had in the dispatch (NOTE [pair slots] with rows = ranks), each
-        //     tagged with the epoch: no fence and no flag.
+        //     weights to its message slot (the token index) if it went to d, each tagged with the epoch: no
+        //     fence and no flag.
         for (int d = blockIdx.x; d < num_ranks; d += gridDim.x) {
             if (masked(d))
-                continue;  // the same for the whole block
-            build_pair_bits<kNumTopk, TopkT, false>(bits, words, topk_idx, num_tokens, num_experts,
-                                                   b.num_local_experts, rank_mask);
+                continue;
             for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) {
-                if (!pair_chosen(bits, words, d, t))
-                    continue;
                 float w[kNumTopk];
+                bool here = false;
 #pragma unroll
-                for (int k = 0; k < kNumTopk; ++k)
+                for (int k = 0; k < kNumTopk; ++k) {
+                    const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + k]);
+                    here |= e >= 0 && e < num_experts && e / b.num_local_experts == d;
                     w[k] = topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
-                uint64_t* to = b.weights(d, rank, pair_slot(bits, words, d, t));
+                }
+                if (!here)
+                    continue;
+                uint64_t* to = b.weights(d, rank, t);
 #pragma unroll
                 for (int k = 0; k < kNumTopk; ++k)
                     ptx::st_relaxed_sys(to + k, (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(w[k]));
             }
-            __syncthreads();  // the pair bits are read no more
         }
         // (2) How many messages each source sent in the dispatch of this half (a source masked during that
         //     dispatch left an older epoch there: nothing from it), numbered as items source by source, the
         //     sources in the turn of NOTE [destination order].
         __shared__ int first_item[kWarpSize + 1];
+        const uint32_t dispatch_epoch = ptx::ld_relaxed_sys(b.epoch(0));
         if (threadIdx.x < num_ranks) {
             const int s = next_peer(rank, num_ranks, threadIdx.x);
             const uint64_t word = ptx::ld_relaxed_sys(b.count(rank, s));
-            const bool sent = !masked(s) && static_cast<uint32_t>(word >> 32) == ptx::ld_relaxed_sys(b.epoch(0));
+            const bool sent = !masked(s) && static_cast<uint32_t>(word >> 32) == dispatch_epoch;
             first_item[threadIdx.x + 1] = sent ? static_cast<int>(word & 0xffffffffu) * num_pieces : 0;
         }
         __syncthreads();
@@ -716,12 +740,16 @@ __device__ __forceinline__ void low_latency_combine(
             piece = (item - first_item[turn]) % num_pieces;
             return true;
         };
-        // Lane k: the packed row of message j's choice k from s, where it is on this rank.
+        // Lane k: the packed row of message j's choice k from s, where it is on this rank; none where token j of
+        // s did not come here (its message's tag is of another dispatch than this half's).
         const auto rows_of = [&](int s, int j) -> const int4* {
             if (lane >= kNumTopk)
                 return nullptr;
-            const int l = reinterpret_cast<const int16_t*>(b.message(rank, s, j) + kHeaderChoices)[lane];
-            return l >= 0 ? x + static_cast<int64_t>(b.positions(s, j)[lane]) * hidden_int4 : nullptr;
+            const uint8_t* message = b.message(rank, s, j);
+            const uint32_t tag = static_cast<uint32_t>(*reinterpret_cast<const uint64_t*>(message) >> 32);
+            const int l = reinterpret_cast<const int16_t*>(message + kHeaderChoices)[lane];
+            return tag == dispatch_epoch && l >= 0 ? x + static_cast<int64_t>(b.positions(s, j)[lane]) * hidden_int4
+                                                   : nullptr;
         };
         trace_mark(trace, kTracePrologue);
         int turn = 0, j = 0, piece = 0;
@@ -744,10 +772,12 @@ __device__ __forceinline__ void low_latency_combine(
             }
             if (__any_sync(0xffffffffu, lost))
                 continue;  // the signals below still go out; the error (if any) is raised on the host
+            const uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
+            if (rows_from == 0u)
+                continue;  // token j of s did not come here: nothing to send back
             const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
             float acc[kReduceVectors][8] = {};
-            accumulate_rows<false>(acc, __ballot_sync(0xffffffffu, row != nullptr), row, weight, piece * kReduceInt4,
-                                   hidden_int4, lane);
+            accumulate_rows<false>(acc, rows_from, row, weight, piece * kReduceInt4, hidden_int4, lane);
             store_bf16(b.combine_row(s, rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
         }
         publish_when_last(b, 1, epoch, rank_mask, trace, [&](int r) { return Signal{b.combine_flag(r, rank), 1u}; });
@@ -757,8 +787,8 @@ __device__ __forceinline__ void low_latency_combine(
         return;
     }
 
-    build_pair_bits<kNumTopk, TopkT, false>(bits, words, topk_idx, num_tokens, num_experts, b.num_local_experts,
-                                            rank_mask);
+    build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, b.num_local_experts,
+                                           rank_mask);
     trace_mark(trace, kTraceRecvReady);
     // One thread per rank that has rows for this rank waits for them (NOTE [block waits]); a rank masked
     // before or meanwhile is absent.
@@ -780,7 +810,7 @@ __device__ __forceinline__ void low_latency_combine(
         const int t = item / num_pieces, piece = item % num_pieces;
         const int4* row = nullptr;
         if (lane < num_ranks && rows_here[lane] && pair_chosen(bits, words, lane, t))
-            row = b.combine_row(rank, lane, pair_slot(bits, words, lane, t));
+            row = b.combine_row(rank, lane, t);  // the message slot is the token index
         float acc[kReduceVectors][8] = {};
         accumulate_rows<true>(acc, __ballot_sync(0xffffffffu, row != nullptr), row, 1.0f, piece * kReduceInt4,
                               hidden_int4, lane);
