@@ -322,8 +322,8 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // up to a power of two, q = e4m3(clamp(x / scale))), each lane 16 channels, and stores it with 16-byte
 // stores into the message of every rank d the token goes to: d's region of this rank at slot t, the token
 // index. Piece 0 also writes the header: its tag (epoch << 32) | t, and for each choice on d its local
-// expert. Nothing of that waits for the pair bits, so the data leaves ~2 us sooner than when the slot was
-// the rank's tokens before t going to d (a receiver learns from the tag which slots hold this call's
+// expert. Nothing of that waits for the pair bits, so the data leaves ~1-1.5 us sooner than when the slot
+// was the rank's tokens before t going to d (a receiver learns from the tag which slots hold this call's
 // messages). Then every block builds the pair bits (expert rows), block 0 sends each rank d how many of
 // this rank's tokens chose each of d's experts, each count a word (epoch << 32) | count that needs no
 // fence (a release of their own waited ~11 us behind the data in the 4-rank trace), and a thread per pair
