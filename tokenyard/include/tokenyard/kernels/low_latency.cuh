@@ -712,9 +712,9 @@ __device__ __forceinline__ void low_latency_combine(
                     ptx::st_relaxed_sys(to + k, (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(w[k]));
             }
         }
-        // (2) How many messages each source sent in the dispatch of this half (a source masked during that
-        //     dispatch left an older epoch there: nothing from it), numbered as items source by source, the
-        //     sources in the turn of NOTE [destination order].
+        // (2) How many message slots (its tokens) each source had in the dispatch of this half (a source
+        //     masked during that dispatch left an older epoch there: nothing from it), numbered as items
+        //     source by source, the sources in the turn of NOTE [destination order].
         __shared__ int first_item[kWarpSize + 1];
         const uint32_t dispatch_epoch = ptx::ld_relaxed_sys(b.epoch(0));
         if (threadIdx.x < num_ranks) {
