@@ -46,7 +46,8 @@ MAX_NORMAL_TOKENS_PER_RANK = 8192 * CHUNK_ROWS
 MAX_CHUNKS = 12288  # the slots of 65536 tokens in chunks of 8, plus one per sending warp (4096 warps)
 MAX_TOPK = 16
 DEFAULT_HINT_TOKENS_PER_RANK = 4096
-# Token index; then per top-k choice, as int16, its local expert and its pair slot (kernels/low_latency.cuh).
+# (epoch << 32) | token index, padded to 16 bytes; then per top-k choice, as int16, its local expert, and as
+# int16 its pair slot (kernels/low_latency.cuh).
 LOW_LATENCY_MESSAGE_HEADER_BYTES = 16 + 2 * 2 * MAX_TOPK
 
 
@@ -200,19 +201,23 @@ class LowLatencyLayout:
     state: int
 
 
+def low_latency_region_bytes(num_max: int, hidden: int, num_ranks: int, num_experts: int) -> dict:
+    """``{region: bytes}`` of one half, in LowLatencyLayout's order."""
+    num_messages = num_ranks * num_max
+    return {"state": 4 * 4,
+            "dispatch_recv": num_messages * low_latency_dispatch_message_bytes(hidden),
+            "dispatch_positions": num_messages * MAX_TOPK * 4,
+            "dispatch_counts": num_ranks * 8,
+            "dispatch_expert_counts": num_experts * 8,
+            "combine_weights": num_messages * MAX_TOPK * 8,
+            "combine_recv": num_messages * low_latency_combine_message_bytes(hidden),
+            "combine_flags": num_ranks * 8}
+
+
 def _low_latency_regions(num_max: int, hidden: int, num_ranks: int, num_experts: int):
     """``({region: offset}, end)`` of one half, in LowLatencyLayout's order."""
-    num_messages = num_ranks * num_max
-    sizes = {"state": 4 * 4,
-             "dispatch_recv": num_messages * low_latency_dispatch_message_bytes(hidden),
-             "dispatch_positions": num_messages * MAX_TOPK * 4,
-             "dispatch_counts": num_ranks * 8,
-             "dispatch_expert_counts": num_experts * 8,
-             "combine_weights": num_messages * MAX_TOPK * 8,
-             "combine_recv": num_messages * low_latency_combine_message_bytes(hidden),
-             "combine_flags": num_ranks * 8}
     offsets, end = {}, 0
-    for name, num_bytes in sizes.items():
+    for name, num_bytes in low_latency_region_bytes(num_max, hidden, num_ranks, num_experts).items():
         offsets[name] = end
         end = align(end + num_bytes, REGION_ALIGN_BYTES)
     return offsets, end

@@ -45,11 +45,10 @@ class LowLatencyKernels:
         epoch, and every rank restarts from the same epochs."""
         ctx = self.backend.ctx
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
-        words = ((layout.state, 16), (layout.dispatch_counts, ctx.num_ranks * 8),
-                 (layout.dispatch_recv, ctx.num_ranks * num_max * layout.dispatch_message_bytes),
-                 (layout.dispatch_expert_counts, num_experts * 8),
-                 (layout.combine_weights, ctx.num_ranks * num_max * workspace.MAX_TOPK * 8),
-                 (layout.combine_flags, ctx.num_ranks * 8))
+        region_bytes = workspace.low_latency_region_bytes(num_max, hidden, ctx.num_ranks, num_experts)
+        words = [(getattr(layout, name), region_bytes[name])
+                 for name in ("state", "dispatch_recv", "dispatch_counts", "dispatch_expert_counts", "combine_weights",
+                              "combine_flags")]
         torch.cuda.synchronize(ctx.device)
         ctx.all_gather_object(None)  # no rank still sends into this buffer
         local = self.buffer.tensor
