@@ -1,11 +1,13 @@
 """How fast can a GPU write to all its peers at once, by how the writes are issued (NOTE [copy patterns]).
 
-    python benchmarks/copy_patterns.py [--num_ranks 4] [--blocks 24,48,0] [--json OUT.json]
+    python benchmarks/copy_patterns.py [--num_ranks 4] [--blocks 24,48,0] [--bytes_per_peer N] [--json OUT.json]
 
 Every rank writes one rank's share of the DeepSeek-V3 normal-mode bytes (4096 tokens of 7168 FP8 channels
-with scales, ~30 MB) into each peer's buffer at the same time, with each pattern of
+with scales, ~30 MB, or `--bytes_per_peer`) into each peer's buffer at the same time, with each pattern of
 include/tokenyard/kernels/copy_limit.cuh and each grid size (0: every SM), and prints the egress GB/s per
-GPU (the slowest rank's median). The benchmark's copy limit uses the "interleaved" pattern with every SM.
+GPU (the slowest rank's median; for the pull patterns, which read from the peers, the ingress). The
+benchmark's copy limit uses the "interleaved" pattern with every SM. Small sizes time the launch and the
+ranks' skew more than the copy.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num_ranks", type=int, default=None)
     parser.add_argument("--blocks", default="24,48,0")
+    parser.add_argument("--bytes_per_peer", type=int, default=0,
+                        help="bytes to each peer (default: one rank's share of the normal-mode setting)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import torch
@@ -54,7 +58,7 @@ def main() -> None:
     from tokenyard.launch import run_on_ranks
 
     num_ranks = args.num_ranks or torch.cuda.device_count()
-    num_bytes = round(4096 * bandwidth.row_bytes(7168, fp8=True))
+    num_bytes = args.bytes_per_peer or round(4096 * bandwidth.row_bytes(7168, fp8=True))
     blocks = [int(b) for b in args.blocks.split(",")]
     per_rank = run_on_ranks(num_ranks, rank_main, blocks, num_bytes, use_cuda=True)
     gbps = {key: min(r[key] for r in per_rank) for key in per_rank[0]}

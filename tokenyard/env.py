@@ -60,6 +60,7 @@ TUNING_KEYS = {
     "prefetch": _parse_bool,                   # PREFETCH_NEXT_ROW
     "dispatch_tail": _parse_count,             # DISPATCH_TAIL_TOKENS
     "dispatch_peer_major": _parse_bool,        # DISPATCH_PEER_MAJOR
+    "low_latency_local_share": _parse_share,   # low_latency_local_blocks: share of the grid for the own rank
 }
 
 

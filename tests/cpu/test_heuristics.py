@@ -19,6 +19,27 @@ def test_layout_grid_covers_every_token_with_at_most_one_block_per_sm():
     assert heuristics.layout_grid(10**6, 256, 132) == 132
 
 
+def test_low_latency_blocks_give_every_peer_a_group_and_the_own_rank_half_a_share(monkeypatch):
+    from tokenyard import env
+
+    monkeypatch.delenv("TOKENYARD_TUNING", raising=False)
+    env.settings.cache_clear()
+    assert heuristics.low_latency_local_blocks(132, 4) == 19     # 113 blocks left: 38, 38, 37 for the peers
+    assert heuristics.low_latency_local_blocks(132, 2) == 44
+    assert heuristics.low_latency_local_blocks(132, 8) == 9
+    assert heuristics.low_latency_local_blocks(132, 1) == 132    # no peer: every block writes to its own rank
+    assert heuristics.low_latency_local_blocks(4, 4) == 1        # one block per peer is enough
+    with pytest.raises(ValueError, match="each of 7 peers"):
+        heuristics.low_latency_local_blocks(7, 8)
+    try:
+        monkeypatch.setenv("TOKENYARD_TUNING", "low_latency_local_share=0.25")
+        env.settings.cache_clear()
+        assert heuristics.low_latency_local_blocks(132, 4) == 33
+    finally:
+        monkeypatch.delenv("TOKENYARD_TUNING", raising=False)
+        env.settings.cache_clear()
+
+
 def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrides_them(monkeypatch):
     from tokenyard import env
 

@@ -26,7 +26,7 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=ctx.device)
     kernel = backend._kernel(kernels.copy_to_peers(num_ranks, pattern))
     grid = num_blocks or backend.device_sms
-    if pattern == "peer_major" and grid < num_ranks - 1:
+    if pattern in ("peer_major", "pull_peer_major") and grid < num_ranks - 1:
         raise ValueError(f"the peer-major pattern needs a block per peer: {grid} blocks for {num_ranks - 1} peers")
     shared = kernels.DATA_THREADS // 32 * 2 * 4096 if pattern == "bulk" else 0  # two 4 KB stages per warp
     times = []

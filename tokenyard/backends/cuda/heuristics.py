@@ -101,6 +101,25 @@ def prefetch_next_row() -> bool:
     return _tuned("prefetch", PREFETCH_NEXT_ROW)
 
 
+# Low-latency senders in one group of blocks per destination (NOTE [peer-major blocks] in
+# kernels/low_latency.cuh). Writes to the own rank need no NVLink, so its group gets half the blocks of a
+# peer's: 1 / (2 (R - 1) + 1) of the grid.
+def low_latency_local_blocks(grid: int, num_ranks: int) -> int:
+    """Blocks of a low-latency kernel of `grid` blocks that write to their own rank; the others are dealt
+    among the peers, at least one each.
+
+    Example: 132 blocks on 4 ranks -> 19 for the own rank, 38 (or 37) for each of the 3 peers.
+    """
+    if num_ranks == 1:
+        return grid
+    share = _tuned("low_latency_local_share", 1 / (2 * (num_ranks - 1) + 1))
+    local = max(1, round(grid * share))
+    if grid - local < num_ranks - 1:
+        raise ValueError(f"a low-latency kernel of {grid} blocks cannot give each of {num_ranks - 1} peers a "
+                         f"block and its own rank {local}")
+    return local
+
+
 def _tuned(key: str, default):
     """The TOKENYARD_TUNING value of `key` (env.TUNING_KEYS), for tuning sweeps, else `default`."""
     for name, value in env.settings().tuning:

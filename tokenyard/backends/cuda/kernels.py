@@ -103,7 +103,7 @@ _LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "ra
                         Param("int64_t", "dispatch_counts"), Param("int64_t", "dispatch_expert_counts"),
                         Param("int64_t", "combine_weights"),
                         Param("int64_t", "combine_recv"), Param("int64_t", "combine_flags"), Param("int64_t", "state"),
-                        Param("int", "do_send"), Param("int", "do_recv"))
+                        Param("int", "do_send"), Param("int", "do_recv"), Param("int", "local_blocks"))
 _TRACE = (Param("uint64_t*", "trace"),)  # NOTE [low-latency trace]; nullptr except in benchmarks/ll_phases.py
 
 
@@ -133,7 +133,8 @@ def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
         LOW_LATENCY_THREADS)
 
 
-COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2}  # NOTE [copy patterns] in copy_limit.cuh
+# NOTE [copy patterns] in copy_limit.cuh
+COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_peer_major": 4}
 
 
 @functools.lru_cache(maxsize=None)

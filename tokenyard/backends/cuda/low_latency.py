@@ -14,7 +14,7 @@ from ... import workspace
 from ...errors import InvalidInputError
 from ...handle import LowLatencyHandle
 from ...requests import LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
-from . import kernels
+from . import heuristics, kernels
 
 _MASK32 = 0xFFFFFFFF
 
@@ -80,7 +80,8 @@ class LowLatencyKernels:
         return (self._half_bases(layout, half).data_ptr(), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
                 layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES,
                 layout.dispatch_positions, layout.dispatch_counts, layout.dispatch_expert_counts,
-                layout.combine_weights, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv)
+                layout.combine_weights, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv,
+                heuristics.low_latency_local_blocks(self._grid(), ctx.num_ranks))
 
     def _pair_bits_bytes(self, num_max: int, num_rows: int) -> int:
         """The pair bits of NOTE [pair slots]: a row of words per rank, or per expert and per rank."""

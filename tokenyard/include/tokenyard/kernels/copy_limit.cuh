@@ -10,13 +10,22 @@
 //       one SM's stores all travel to one destination;
 //   kCopyBulk (2): each warp stages a 4 KB piece in shared memory and one lane sends it to every peer with
 //       TMA bulk copies (cp.async.bulk, sm_90), two stages per warp so loads overlap the sends.
+//   kCopyPull (3), kCopyPullPeerMajor (4): the other way round, as kCopyInterleaved and kCopyPeerMajor:
+//       every rank reads from each peer's buffer the slice that peer would have written to it (loads over
+//       NVLink) and stores it into its own buffer; the figure is then ingress per GPU.
 #pragma once
 
 #include "../copy.cuh"
 
 namespace tokenyard::kernels {
 
-enum CopyPattern : int { kCopyInterleaved = 0, kCopyPeerMajor = 1, kCopyBulk = 2 };
+enum CopyPattern : int {
+    kCopyInterleaved = 0,
+    kCopyPeerMajor = 1,
+    kCopyBulk = 2,
+    kCopyPull = 3,
+    kCopyPullPeerMajor = 4,
+};
 
 constexpr int kCopyUnroll = 8;                              // 16-byte vectors per thread per batch
 constexpr int kBulkPieceInt4 = kCopyUnroll * kWarpSize;     // 4 KB per warp and stage
@@ -74,16 +83,42 @@ __device__ __forceinline__ void copy_to_peers(const int4* src, int64_t num_int4,
     }
 
     // kCopyInterleaved: every block, every peer. kCopyPeerMajor: block b writes only to peer b % (R - 1).
-    const int num_targets = kPattern == kCopyPeerMajor ? max(1, kNumRanks - 1) : 1;
-    const int num_slices = kPattern == kCopyPeerMajor ? max(1, static_cast<int>(gridDim.x) / num_targets)
-                                                      : static_cast<int>(gridDim.x);
-    const int slice = kPattern == kCopyPeerMajor ? static_cast<int>(blockIdx.x) / num_targets : blockIdx.x;
+    // The pull patterns likewise, reading.
+    constexpr bool kPull = kPattern == kCopyPull || kPattern == kCopyPullPeerMajor;
+    constexpr bool kOnePeer = kPattern == kCopyPeerMajor || kPattern == kCopyPullPeerMajor;
+    const int num_targets = kOnePeer ? max(1, kNumRanks - 1) : 1;
+    const int num_slices = kOnePeer ? max(1, static_cast<int>(gridDim.x) / num_targets)
+                                    : static_cast<int>(gridDim.x);
+    const int slice = kOnePeer ? static_cast<int>(blockIdx.x) / num_targets : blockIdx.x;
     if (slice >= num_slices)
         return;  // peer-major with a grid that is not a multiple of R - 1: the spare blocks idle
-    const int only = kPattern == kCopyPeerMajor ? (static_cast<int>(blockIdx.x) % num_targets + rank + 1) % kNumRanks
-                                                : -1;
+    const int only = kOnePeer ? (static_cast<int>(blockIdx.x) % num_targets + rank + 1) % kNumRanks : -1;
     const int64_t per_block = (num_int4 + num_slices - 1) / num_slices;
     const int64_t begin = slice * per_block, end = min(num_int4, begin + per_block);
+    if constexpr (kPull) {  // from peer q's slice for this rank into this rank's slice of q
+        int4* own = reinterpret_cast<int4*>(peer_bases[rank] + offset_bytes);
+        for (int64_t base = begin + threadIdx.x; base < end; base += kCopyUnroll * kNumThreads) {
+#pragma unroll
+            for (int q = 0; q < kNumRanks; ++q) {
+                if (q == rank || (only >= 0 && q != only))
+                    continue;
+                int4 v[kCopyUnroll];
+#pragma unroll
+                for (int u = 0; u < kCopyUnroll; ++u) {
+                    const int64_t i = base + u * kNumThreads;
+                    if (i < end)
+                        v[u] = ptx::ld_na_v4(dst[q] + i);
+                }
+#pragma unroll
+                for (int u = 0; u < kCopyUnroll; ++u) {
+                    const int64_t i = base + u * kNumThreads;
+                    if (i < end)
+                        ptx::st_na_v4(own + q * (stride_bytes / 16) + i, v[u]);
+                }
+            }
+        }
+        return;
+    }
     for (int64_t base = begin + threadIdx.x; base < end; base += kCopyUnroll * kNumThreads) {
         int4 v[kCopyUnroll];
 #pragma unroll

@@ -71,12 +71,13 @@ struct LowLatencyBuffers {
     }
 };
 
-// The kernels' shared parameter list (kernels.py, _LOW_LATENCY_BUFFERS) as the struct above.
+// The kernels' shared parameter list (kernels.py, _LOW_LATENCY_BUFFERS): the struct above, which half does
+// what, and the combine's `local_blocks` (NOTE [peer-major blocks]; the dispatch ignores it).
 #define TOKENYARD_LOW_LATENCY_BUFFER_PARAMS                                                                        \
     uint8_t *const *peer_bases, int rank, int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, \
             int64_t header_bytes, int64_t dispatch_positions, int64_t dispatch_counts,                              \
             int64_t dispatch_expert_counts, int64_t combine_weights, int64_t combine_recv, int64_t combine_flags,   \
-            int64_t state, int do_send, int do_recv
+            int64_t state, int do_send, int do_recv, int local_blocks
 
 #define TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, num_topk, hidden)                                              \
     LowLatencyBuffers {                                                                                          \
@@ -93,6 +94,30 @@ struct LowLatencyBuffers {
 // on rank 0 and 14.5 on rank 3 when all began with rank 0; in turn, at 11.7-12.4 on every rank.
 __device__ __forceinline__ int next_peer(int rank, int num_ranks, int turn) {
     return (rank + 1 + turn) % num_ranks;
+}
+
+// NOTE [peer-major blocks]
+// With every SM writing, a GPU sends ~305-330 GB/s to its peers when each block writes to one peer only and
+// ~260 GB/s when every block writes to every peer (benchmarks/copy_patterns.py, 4 H200s, all 132 SMs). So
+// the combine's senders split the grid into one group of blocks per destination: the last `local_blocks`
+// blocks write to this rank itself (the last turn of NOTE [destination order]), the others to the peers in
+// turn, block b to turn b % (R - 1). The host picks `local_blocks` (heuristics.low_latency_local_blocks:
+// local writes need no NVLink, so fewer blocks) and sees that every peer gets a block. The dispatch's
+// senders do not: there a warp reads and casts its piece once and writes it to every rank its token goes
+// to, and with a group per destination (the piece read and cast once per rank) the dispatch took 1-2 us
+// longer at 4 ranks and 128 tokens.
+struct PeerBlocks {
+    int turn;   // the destination is next_peer(rank, num_ranks, turn)
+    int index;  // this block's place in its group
+    int count;  // blocks in the group
+};
+
+__device__ __forceinline__ PeerBlocks peer_blocks(int num_ranks, int local_blocks) {
+    const int remote = static_cast<int>(gridDim.x) - local_blocks, peers = num_ranks - 1;
+    const int b = static_cast<int>(blockIdx.x);
+    if (b >= remote)
+        return {num_ranks - 1, b - remote, local_blocks};
+    return {b % peers, b / peers, (remote - b % peers + peers - 1) / peers};
 }
 
 // NOTE [low-latency trace]
@@ -655,21 +680,23 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // The expert's rank pre-reduces: a token comes back from each rank as one bf16 row, the weighted sum of
 // its experts there, instead of one row per expert (4 ranks, top-8: ~3.6 rows instead of 8, which halves
 // the bytes on NVLink). The weights are the combine's, so they travel first.
-// Send (do_send): (1) the block d < R writes this rank's topk_weights to rank d, each token's at the slot
-// of its dispatch message to d, each weight a word (epoch << 32) | float bits: a word that carries its own
+// Send (do_send): the blocks form one group per rank s, the rank whose messages they send back (NOTE
+// [peer-major blocks]; at 4 ranks and 128 tokens the sends ended ~1.5 us sooner than with every block
+// sending to every rank). (1) The group writes this rank's topk_weights to s, each token's at the slot of
+// its dispatch message to s, each weight a word (epoch << 32) | float bits: a word that carries its own
 // epoch needs no fence and no flag (with a release and a flag per rank, the items began 5-7 us into the
-// call and the sends ended ~2 us later than now, at 4 ranks and 128 tokens).
-// (2) The items are (source s, message slot j from s in this half's dispatch, piece of kReduceInt4
-// columns), the sources in the turn of NOTE [destination order]; a slot whose header's tag is of another
-// dispatch (the token did not come here) contributes nothing. The message's header names the token's
-// choices on this rank, positions(s, j) the packed row each went to (the dispatch wrote it) and weights(s,
-// j) their weights, read with the rows' addresses and waited for only while their tag is older; the warp
-// sums weight * row over those choices in k order (float32, as routing.py) and writes bf16 into s's
-// combine region at (this rank, j). (3) The last block to finish publishes (epoch << 32) | 1 to every
-// source. Reduce (do_recv): one thread per block waits for each rank's flag (NOTE [block waits]); the
-// items are (token t, piece); lane d finds whether the token went to rank d (NOTE [pair slots], rank rows)
-// and points at d's row t; the warp sums the rows in rank order in float32 and writes bf16. The result is
-// routing.low_latency_combine(..., pre_reduce=True) bit for bit: within bf16 rounding of one sum.
+// call and the sends ended ~2 us later, at 4 ranks and 128 tokens).
+// (2) The items are (message slot j from s in this half's dispatch, piece of kReduceInt4 columns); a slot
+// whose header's tag is of another dispatch (the token did not come here) contributes nothing. The
+// message's header names the token's choices on this rank, positions(s, j) the packed row each went to
+// (the dispatch wrote it) and weights(s, j) their weights, all read an item ahead and the weights waited
+// for only while their tag is older; the warp sums weight * row over those choices in k order (float32,
+// as routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last block to finish
+// publishes (epoch << 32) | 1 to every source. Reduce (do_recv): one thread per block waits for each
+// rank's flag (NOTE [block waits]); the items are (token t, piece); lane d finds whether the token went to
+// rank d (NOTE [pair slots], rank rows) and points at d's row t; the warp sums the rows in rank order in
+// float32 and writes bf16. The result is routing.low_latency_combine(..., pre_reduce=True) bit for bit:
+// within bf16 rounding of one sum.
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
         const int4* x, const TopkT* topk_idx, const float* topk_weights, int num_tokens, int hidden, int num_experts,
@@ -689,89 +716,85 @@ __device__ __forceinline__ void low_latency_combine(
     const int words = (num_max + 31) / 32;
 
     if (do_send) {
-        // (1) This rank's weights to every rank: block d serves rank d, a thread per token, each token's
-        //     weights to its message slot (the token index) if it went to d, each tagged with the epoch: no
-        //     fence and no flag.
-        for (int d = blockIdx.x; d < num_ranks; d += gridDim.x) {
-            if (masked(d))
-                continue;
-            for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) {
-                float w[kNumTopk];
-                bool here = false;
-#pragma unroll
-                for (int k = 0; k < kNumTopk; ++k) {
-                    const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + k]);
-                    here |= e >= 0 && e < num_experts && e / b.num_local_experts == d;
-                    w[k] = topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
-                }
-                if (!here)
-                    continue;
-                uint64_t* to = b.weights(d, rank, t);
-#pragma unroll
-                for (int k = 0; k < kNumTopk; ++k)
-                    ptx::st_relaxed_sys(to + k, (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(w[k]));
-            }
-        }
-        // (2) How many message slots (its tokens) each source had in the dispatch of this half (a source
-        //     masked during that dispatch left an older epoch there: nothing from it), numbered as items
-        //     source by source, the sources in the turn of NOTE [destination order].
-        __shared__ int first_item[kWarpSize + 1];
+        // This block's destination: the rank whose messages it sends back (NOTE [peer-major blocks]).
+        const PeerBlocks group = peer_blocks(num_ranks, local_blocks);
+        const int s = next_peer(rank, num_ranks, group.turn);
         const uint32_t dispatch_epoch = ptx::ld_relaxed_sys(b.epoch(0));
-        if (threadIdx.x < num_ranks) {
-            const int s = next_peer(rank, num_ranks, threadIdx.x);
-            const uint64_t word = ptx::ld_relaxed_sys(b.count(rank, s));
-            const bool sent = !masked(s) && static_cast<uint32_t>(word >> 32) == dispatch_epoch;
-            first_item[threadIdx.x + 1] = sent ? static_cast<int>(word & 0xffffffffu) * num_pieces : 0;
+        // Lane k's part of item `item`: where choice k of message j went on this rank and its weight word, all
+        // loaded at once, an item ahead of the sums (a warp waits for memory once per item, for the rows).
+        // Items past the last are read too (every slot's words exist) and never used.
+        struct Choice {
+            uint64_t weight;   // (epoch << 32) | float bits once it came
+            uint32_t tag;      // the message's: token j of s came here in this half's dispatch if it is its epoch
+            int local_expert;  // -1: the choice is not on this rank
+            int position;      // the packed row it went to
+        };
+        const auto choice_of = [&](int item) -> Choice {
+            Choice choice{0, 0, -1, 0};
+            if (item < num_max * num_pieces && lane < kNumTopk) {
+                const int j = item / num_pieces;
+                const uint8_t* message = b.message(rank, s, j);
+                choice.weight = ptx::ld_relaxed_sys(b.weights(rank, s, j) + lane);
+                choice.tag = static_cast<uint32_t>(*reinterpret_cast<const uint64_t*>(message) >> 32);
+                choice.local_expert = reinterpret_cast<const int16_t*>(message + kHeaderChoices)[lane];
+                choice.position = b.positions(s, j)[lane];
+            }
+            return choice;
+        };
+        // The first item's words and s's message count are asked for before the weights go out, so that
+        // neither waits for the other.
+        const int stride = group.count * num_warps;
+        int item = warp * group.count + group.index;
+        Choice next = choice_of(item);
+        const uint64_t count_word = threadIdx.x == 0 ? ptx::ld_relaxed_sys(b.count(rank, s)) : 0;
+        // (1) This rank's weights to s, a thread per token over the group, each token's to its message slot
+        //     (the token index) if it went to s, each tagged with the epoch: no fence and no flag.
+        for (int t = group.index + group.count * static_cast<int>(threadIdx.x); t < num_tokens && !masked(s);
+             t += group.count * static_cast<int>(blockDim.x)) {
+            float w[kNumTopk];
+            bool here = false;
+#pragma unroll
+            for (int k = 0; k < kNumTopk; ++k) {
+                const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + k]);
+                here |= e >= 0 && e < num_experts && e / b.num_local_experts == s;
+                w[k] = topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
+            }
+            if (!here)
+                continue;
+            uint64_t* to = b.weights(s, rank, t);
+#pragma unroll
+            for (int k = 0; k < kNumTopk; ++k)
+                ptx::st_relaxed_sys(to + k, (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(w[k]));
         }
-        __syncthreads();
+        // (2) The items: (message slot j, piece) of s in the dispatch of this half, as many slots as s had
+        //     tokens (a source masked during that dispatch left an older epoch there: nothing from it).
+        __shared__ int num_items;
         if (threadIdx.x == 0) {
-            first_item[0] = 0;
-            for (int i = 0; i < num_ranks; ++i)
-                first_item[i + 1] += first_item[i];
+            const bool sent = !masked(s) && static_cast<uint32_t>(count_word >> 32) == dispatch_epoch;
+            num_items = sent ? static_cast<int>(count_word & 0xffffffffu) * num_pieces : 0;
         }
         __syncthreads();
-        // The item of (turn, j, piece) numbered `item`, or false past the last.
-        const auto item_at = [&](int item, int& turn, int& j, int& piece) {
-            if (item >= first_item[num_ranks])
-                return false;
-            while (first_item[turn + 1] <= item)  // items only grow, so the turn never moves back
-                ++turn;
-            j = (item - first_item[turn]) / num_pieces;
-            piece = (item - first_item[turn]) % num_pieces;
-            return true;
-        };
-        // Lane k: the packed row of message j's choice k from s, where it is on this rank; none where token j of
-        // s did not come here (its message's tag is of another dispatch than this half's).
-        const auto rows_of = [&](int s, int j) -> const int4* {
-            if (lane >= kNumTopk)
-                return nullptr;
-            const uint8_t* message = b.message(rank, s, j);
-            const uint32_t tag = static_cast<uint32_t>(*reinterpret_cast<const uint64_t*>(message) >> 32);
-            const int l = reinterpret_cast<const int16_t*>(message + kHeaderChoices)[lane];
-            return tag == dispatch_epoch && l >= 0 ? x + static_cast<int64_t>(b.positions(s, j)[lane]) * hidden_int4
-                                                   : nullptr;
-        };
         trace_mark(trace, kTracePrologue);
-        int turn = 0, j = 0, piece = 0;
-        for (int item = warp * gridDim.x + blockIdx.x; item_at(item, turn, j, piece); item += gridDim.x * num_warps) {
-            const int s = next_peer(rank, num_ranks, turn);
+        for (; item < num_items; item += stride) {
+            const int j = item / num_pieces, piece = item % num_pieces;
+            const Choice choice = next;
+            next = choice_of(item + stride);
             if (rank_mask != nullptr && ptx::ld_relaxed_sys(rank_mask + s) != 0)
-                continue;  // masked meanwhile: its rows are absent
-            // Lane k's weight word is read with the header and positions; it is waited for only where it has
-            // not come yet (its tag is an older epoch).
-            const uint64_t* weight_word = b.weights(rank, s, j) + lane;
-            const uint64_t seen = lane < kNumTopk ? ptx::ld_relaxed_sys(weight_word) : 0;
-            const int4* row = rows_of(s, j);
-            uint32_t weight_bits = static_cast<uint32_t>(seen & 0xffffffffu);
+                break;  // masked meanwhile: its rows are absent
+            const int4* row = choice.tag == dispatch_epoch && choice.local_expert >= 0
+                                      ? x + static_cast<int64_t>(choice.position) * hidden_int4
+                                      : nullptr;
+            // A weight not come yet (its tag is an older epoch) is waited for.
+            uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
             bool lost = false;
-            if (row != nullptr && static_cast<uint32_t>(seen >> 32) != epoch) {
-                lost = !wait_for_tag<false>(wait, weight_word, epoch, s, kStageLowLatencyCombineWeights,
-                                            rank_mask == nullptr, weight_bits);
+            if (row != nullptr && static_cast<uint32_t>(choice.weight >> 32) != epoch) {
+                lost = !wait_for_tag<false>(wait, b.weights(rank, s, j) + lane, epoch, s,
+                                            kStageLowLatencyCombineWeights, rank_mask == nullptr, weight_bits);
                 if (lost && rank_mask != nullptr)
                     atomicExch(rank_mask + s, 1);
             }
             if (__any_sync(0xffffffffu, lost))
-                continue;  // the signals below still go out; the error (if any) is raised on the host
+                break;  // the signals below still go out; the error (if any) is raised on the host
             const uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
             if (rows_from == 0u)
                 continue;  // token j of s did not come here: nothing to send back
