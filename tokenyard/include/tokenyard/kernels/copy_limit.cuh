@@ -12,7 +12,8 @@
 //       TMA bulk copies (cp.async.bulk, sm_90), two stages per warp so loads overlap the sends.
 //   kCopyPull (3), kCopyPullPeerMajor (4): the other way round, as kCopyInterleaved and kCopyPeerMajor:
 //       every rank reads from each peer's buffer the slice that peer would have written to it (loads over
-//       NVLink) and stores it into its own buffer; the figure is then ingress per GPU.
+//       NVLink) and stores it into its own buffer; the figure is then ingress per GPU. On 4 H200s with every
+//       SM they read 242-268 GB/s where the push patterns write 258-305 (copy_patterns_pull.json).
 #pragma once
 
 #include "../copy.cuh"
