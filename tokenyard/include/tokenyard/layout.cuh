@@ -49,4 +49,18 @@ struct NormalBuffers {
     }
 };
 
+// Where the rows that `source` sends to `owner` begin in `owner`'s receive order of one call or round:
+// after the rows of the sources before it (rank_prefix_matrix [source][owner] counts them, inclusive).
+__device__ __forceinline__ int first_row_in_order(const int* rank_prefix_matrix, int num_ranks, int owner,
+                                                  int source) {
+    return source > 0 ? rank_prefix_matrix[(source - 1) * num_ranks + owner] : 0;
+}
+
+// The same in this rank's outputs: where the host placed the round (NOTE [placed rounds]), else as above.
+__device__ __forceinline__ int first_row_placed(const int* recv_first, const int* rank_prefix_matrix, int num_ranks,
+                                                int rank, int source) {
+    return recv_first != nullptr ? recv_first[source]
+                                 : first_row_in_order(rank_prefix_matrix, num_ranks, rank, source);
+}
+
 }  // namespace tokenyard

@@ -58,10 +58,10 @@ __device__ __forceinline__ void combine(
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     // The first row from `source` in this round's part of the receive order, and in `x`.
-    auto round_first = [&](int source) {
-        return source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
+    auto round_first = [&](int source) { return first_row_in_order(rank_prefix_matrix, kNumRanks, rank, source); };
+    auto x_first = [&](int source) {
+        return first_row_placed(recv_first, rank_prefix_matrix, kNumRanks, rank, source);
     };
-    auto x_first = [&](int source) { return recv_first != nullptr ? recv_first[source] : round_first(source); };
     if (!normal_barrier<kNumRanks>(buffers, wait, barrier_expected))
         return;
 
@@ -110,7 +110,7 @@ __device__ __forceinline__ void combine(
         if (lane < kNumRanks) {
             const int head = send_head[token * kNumRanks + lane];
             if (head >= 0)  // the token's row among this rank's rows at rank `lane`
-                index = head - (rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + lane] : 0);
+                index = head - first_row_in_order(rank_prefix_matrix, kNumRanks, lane, rank);
             if (head >= 0 && !(local_direct && lane == rank))
                 ready = wait_at_least(wait, &buffers.slot(rank, lane, index / kChunkRows)->seq, seq, lane,
                                       kStageCombineRecv);

@@ -122,8 +122,7 @@ __device__ __forceinline__ void dispatch(
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     // The output row of the first row from `source` (NOTE [placed rounds]).
     auto out_first = [&](int source) {
-        return recv_first != nullptr ? recv_first[source]
-                                     : source > 0 ? rank_prefix_matrix[(source - 1) * kNumRanks + rank] : 0;
+        return first_row_placed(recv_first, rank_prefix_matrix, kNumRanks, rank, source);
     };
 
     // NOTE [row tail]
@@ -183,7 +182,7 @@ __device__ __forceinline__ void dispatch(
         const uint32_t mask = __ballot_sync(0xffffffffu, hit);
         const int index = hit ? slot_index : -1;
         if (send_head != nullptr && lane < kNumRanks && (only < 0 || lane == only)) {
-            const int before = rank > 0 ? rank_prefix_matrix[(rank - 1) * kNumRanks + lane] : 0;
+            const int before = first_row_in_order(rank_prefix_matrix, kNumRanks, lane, rank);
             send_head[token * kNumRanks + lane] = hit ? before + index : -1;
         }
         uint8_t* dst[kNumRanks];
