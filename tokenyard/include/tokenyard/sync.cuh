@@ -98,11 +98,4 @@ __device__ __forceinline__ bool wait_for_tag(const WaitContext& ctx, const uint6
     }
 }
 
-// wait_for_tag of a signal whose value is a count: -> the count, or -1 at the deadline.
-__device__ __forceinline__ int wait_for_seq(const WaitContext& ctx, const uint64_t* word, uint32_t seq, int peer,
-                                            int stage, bool record = true) {
-    uint32_t value = 0;
-    return wait_for_tag(ctx, word, seq, peer, stage, record, value) ? static_cast<int>(value) : -1;
-}
-
 }  // namespace tokenyard

@@ -261,19 +261,28 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
 // to it nor wait for it (build_pair_bits drops its experts), so the surviving ranks keep serving. Without a
 // mask the timeout is recorded and raised as CommTimeoutError.
 //
-// Every wait for a peer's signal goes through wait_or_mask: -> the signal's value, or -1 past the deadline.
+// Every wait for a peer's word goes through wait_tag_or_mask: -> whether it came (its low half in `value`);
+// past the deadline the peer is masked, or without a mask the timeout recorded (kAcquire as wait_for_tag).
+// wait_or_mask: the same for a signal stored with release whose value is a count: -> the count, or -1.
 //
 // NOTE [block waits]
 // One thread per block polls each signal word, and the block's other threads learn from shared memory.
 // When every warp polled the words it needed (thousands of pollers on four words of one L2 sector), the
 // combine saw its rows' signals 3-7 us after the last rank had published them; with one poller per block,
 // 1-2 us after (benchmarks/ll_phases.py, 4 ranks, 128 tokens).
+template <bool kAcquire>
+__device__ __forceinline__ bool wait_tag_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t epoch,
+                                                 int peer, int stage, int* rank_mask, uint32_t& value) {
+    const bool came = wait_for_tag<kAcquire>(wait, word, epoch, peer, stage, rank_mask == nullptr, value);
+    if (!came && rank_mask != nullptr)
+        atomicExch(rank_mask + peer, 1);
+    return came;
+}
+
 __device__ __forceinline__ int wait_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t epoch, int peer,
                                             int stage, int* rank_mask) {
-    const int value = wait_for_seq(wait, word, epoch, peer, stage, rank_mask == nullptr);
-    if (value < 0 && rank_mask != nullptr)
-        atomicExch(rank_mask + peer, 1);
-    return value;
+    uint32_t value = 0;
+    return wait_tag_or_mask<true>(wait, word, epoch, peer, stage, rank_mask, value) ? static_cast<int>(value) : -1;
 }
 
 // FP8 cast of 16 consecutive channels held by one lane, exactly as quant.py (NOTE [low-latency dispatch]):
@@ -788,10 +797,8 @@ __device__ __forceinline__ void low_latency_combine(
             uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
             bool lost = false;
             if (row != nullptr && static_cast<uint32_t>(choice.weight >> 32) != epoch) {
-                lost = !wait_for_tag<false>(wait, b.weights(rank, s, j) + lane, epoch, s,
-                                            kStageLowLatencyCombineWeights, rank_mask == nullptr, weight_bits);
-                if (lost && rank_mask != nullptr)
-                    atomicExch(rank_mask + s, 1);
+                lost = !wait_tag_or_mask<false>(wait, b.weights(rank, s, j) + lane, epoch, s,
+                                                kStageLowLatencyCombineWeights, rank_mask, weight_bits);
             }
             if (__any_sync(0xffffffffu, lost))
                 break;  // the signals below still go out; the error (if any) is raised on the host
