@@ -126,7 +126,7 @@ __device__ __forceinline__ PeerBlocks peer_blocks(int num_ranks, int local_block
 // every call but a traced one) a stamp is a predictable branch.
 enum TracePoint : int {
     kTraceStart = 0,      // the block began
-    kTracePrologue = 1,   // pair bits built (dispatch) / rows numbered (combine)
+    kTracePrologue = 1,   // dispatch: the first piece asked for; combine: weights sent, items counted
     kTraceSent = 2,       // the block's sends are issued
     kTraceCounted = 3,    // past the done counter
     kTracePublished = 4,  // the last block only: signals stored
@@ -690,7 +690,7 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // its experts there, instead of one row per expert (4 ranks, top-8: ~3.6 rows instead of 8, which halves
 // the bytes on NVLink). The weights are the combine's, so they travel first.
 // Send (do_send): the blocks form one group per rank s, the rank whose messages they send back (NOTE
-// [peer-major blocks]; at 4 ranks and 128 tokens the sends ended ~1.5 us sooner than with every block
+// [peer-major blocks]; at 4 ranks and 128 tokens the sends ended 1-1.5 us sooner than with every block
 // sending to every rank). (1) The group writes this rank's topk_weights to s, each token's at the slot of
 // its dispatch message to s, each weight a word (epoch << 32) | float bits: a word that carries its own
 // epoch needs no fence and no flag (with a release and a flag per rank, the items began 5-7 us into the
