@@ -8,6 +8,8 @@ so nothing needs cleaning between calls and replays signal afresh.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ... import workspace
@@ -75,13 +77,19 @@ class LowLatencyKernels:
         receive waits need every block resident, which one block per SM guarantees."""
         return self.backend.device_sms
 
+    @functools.cached_property
+    def _local_blocks(self) -> int:
+        """The combine's blocks that send to their own rank (NOTE [peer-major blocks]): fixed for the
+        backend's life, so worked out at the first call rather than at every launch."""
+        return heuristics.low_latency_local_blocks(self._grid(), self.backend.ctx.num_ranks)
+
     def _buffer_args(self, layout, half: int, do_send: int, do_recv: int, num_max: int):
         ctx = self.backend.ctx
         return (self._half_bases(layout, half).data_ptr(), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
                 layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES,
                 layout.dispatch_positions, layout.dispatch_counts, layout.dispatch_expert_counts,
                 layout.combine_weights, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv,
-                heuristics.low_latency_local_blocks(self._grid(), ctx.num_ranks))
+                self._local_blocks)
 
     def _pair_bits_bytes(self, num_max: int, num_rows: int) -> int:
         """The pair bits of NOTE [pair slots]: a row of words per rank, or per expert and per rank."""
