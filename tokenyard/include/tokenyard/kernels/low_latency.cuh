@@ -348,21 +348,23 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // NOTE [low-latency dispatch]
 // A token crosses to a rank once, whatever number of its experts live there, and the receiver fans it out
 // to its local experts (4 ranks, top-8 of 256: ~3.6 messages per token instead of 8 pair copies).
-// Send (do_send): the work items are the pieces of kPieceChannels channels of every token, dealt so that
-// consecutive items go to different SMs (item i to warp i / gridDim.x of block i % gridDim.x): one token
-// keeps 14 warps busy at hidden 7168 instead of one warp walking its row, which cost ~10 us at one token.
-// A warp loads its piece and its token's top-k choices, quantizes the piece once (FP8 per 128 channels,
+// Send (do_send): the work items are the pieces of kPieceChannels channels of every token, dealt over
+// blocks 1, 2, ... so that consecutive items go to different SMs (item i to warp i / (G - 1) of block
+// 1 + i % (G - 1) on a grid of G): one token keeps 14 warps busy at hidden 7168 instead of one warp walking
+// its row, which cost ~10 us at one token. A warp loads its piece and its token's top-k choices, quantizes the piece once (FP8 per 128 channels,
 // exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with an IEEE division, optionally rounded
 // up to a power of two, q = e4m3(clamp(x / scale))), each lane 16 channels, and stores it with 16-byte
 // stores into the message of every rank d the token goes to: d's region of this rank at slot t, the token
 // index. Piece 0 also writes the header: its tag (epoch << 32) | t, and for each choice on d its local
 // expert. Nothing of that waits for the pair bits, so the data leaves ~1-1.5 us sooner than when the slot
 // was the rank's tokens before t going to d (a receiver learns from the tag which slots hold this call's
-// messages). Then every block builds the pair bits (expert rows), block 0 sends each rank d how many of
-// this rank's tokens chose each of d's experts, each count a word (epoch << 32) | count that needs no
-// fence (a release of their own waited ~11 us behind the data in the 4-rank trace), and a thread per pair
-// writes the pair's slot among this rank's rows of its expert into the header. The last block to finish
-// publishes to each rank d (epoch << 32) | this rank's number of tokens (NOTE [cumulative release]).
+// messages). Block 0 sends no data: meanwhile it builds the pair bits (expert rows), sends each rank d how
+// many of this rank's tokens chose each of d's experts, each count a word (epoch << 32) | count that needs
+// no fence (a release of their own waited ~11 us behind the data in the 4-rank trace), and writes, a thread
+// per pair, the pair's slot among this rank's rows of its expert into the header. So the counts arrive
+// while the data is still going out and the receivers' count waits end at once, and the data blocks go
+// from their last store straight to the done counter. The last block to finish publishes to each rank d
+// (epoch << 32) | this rank's number of tokens (NOTE [cumulative release]).
 // Receive (do_recv): every block waits for every source's expert counts and numbers the packed rows
 // (NOTE [recv order]: the rows of local expert l from source s begin after those of the sources before
 // s) while the data is still in flight; then it waits for the data signals, and block 0 writes
@@ -396,10 +398,33 @@ __device__ __forceinline__ void low_latency_dispatch(
 
     extern __shared__ uint32_t shared_words[];
     if (do_send) {
-        uint32_t* bits = shared_words;  // a row per expert (NOTE [pair slots]), once the data is out
-        const int words = (num_max + 31) / 32;
+        // Block 0's books: the pair bits (expert rows), every unmasked rank's expert counts, each word tagged
+        // with the epoch, and every pair's slot in its message's header.
+        if (blockIdx.x == 0) {
+            uint32_t* bits = shared_words;  // a row per expert (NOTE [pair slots])
+            const int words = (num_max + 31) / 32;
+            build_pair_bits<kNumTopk, TopkT, false>(bits, words, topk_idx, num_tokens, num_experts,
+                                                    num_local_experts, rank_mask);
+            for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+                const int d = e / num_local_experts;
+                if (rank_mask == nullptr || rank_mask[d] == 0)
+                    ptx::st_relaxed_sys(b.expert_counts(d, rank) + e % num_local_experts,
+                                        (static_cast<uint64_t>(epoch) << 32) | row_count(bits, words, e));
+            }
+            for (int p = threadIdx.x; p < num_tokens * kNumTopk; p += blockDim.x) {
+                const int64_t e = static_cast<int64_t>(topk_idx[p]);
+                const int t = p / kNumTopk;
+                if (routed(e, num_experts, num_local_experts, rank_mask))
+                    reinterpret_cast<int16_t*>(b.message(static_cast<int>(e / num_local_experts), rank, t) +
+                                               kHeaderSlots)[p % kNumTopk] =
+                            static_cast<int16_t>(pair_slot(bits, words, static_cast<int>(e), t));
+            }
+        }
+        // The data: blocks 1, 2, ... (block 0 too on a one-block grid).
+        const int data_blocks = max(1, static_cast<int>(gridDim.x) - 1);
+        const int data_block = static_cast<int>(blockIdx.x) - (gridDim.x > 1 ? 1 : 0);
         const int num_pieces = (hidden + kPieceChannels - 1) / kPieceChannels;
-        const int num_items = num_tokens * num_pieces, stride = gridDim.x * num_warps;
+        const int num_items = num_tokens * num_pieces, stride = data_blocks * num_warps;
         // Lane k: the expert of top-k choice k of the item's token, or -1 (none, out of range, masked rank).
         const auto expert_of = [&](int item) -> int64_t {
             if (item >= num_items || lane >= kNumTopk)
@@ -409,7 +434,7 @@ __device__ __forceinline__ void low_latency_dispatch(
             return routed(e, num_experts, num_local_experts, rank_mask) ? e : -1;
         };
         // Loads (the piece and its token's choices) run one item ahead of the stores.
-        int item = warp * gridDim.x + blockIdx.x;
+        int item = data_block < 0 ? num_items : warp * data_blocks + data_block;
         int4 raw[2];
         load_piece(raw, x, item, num_items, num_pieces, hidden, lane);
         int64_t next_e = expert_of(item);
@@ -453,26 +478,6 @@ __device__ __forceinline__ void low_latency_dispatch(
                             e >= 0 && e / num_local_experts == d ? static_cast<int16_t>(e % num_local_experts) : -1;
                 }
             }
-        }
-        // Once the block's data is out: the pair bits, block 0's expert counts, and every pair's slot in its
-        // message's header (a thread per pair over the grid).
-        build_pair_bits<kNumTopk, TopkT, false>(bits, words, topk_idx, num_tokens, num_experts, num_local_experts,
-                                                rank_mask);
-        if (blockIdx.x == 0) {  // every unmasked rank's expert counts, each word tagged with the epoch
-            for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-                const int d = e / num_local_experts;
-                if (rank_mask == nullptr || rank_mask[d] == 0)
-                    ptx::st_relaxed_sys(b.expert_counts(d, rank) + e % num_local_experts,
-                                        (static_cast<uint64_t>(epoch) << 32) | row_count(bits, words, e));
-            }
-        }
-        for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < num_tokens * kNumTopk; p += gridDim.x * blockDim.x) {
-            const int64_t e = static_cast<int64_t>(topk_idx[p]);
-            const int t = p / kNumTopk;
-            if (routed(e, num_experts, num_local_experts, rank_mask))
-                reinterpret_cast<int16_t*>(b.message(static_cast<int>(e / num_local_experts), rank, t) +
-                                           kHeaderSlots)[p % kNumTopk] =
-                        static_cast<int16_t>(pair_slot(bits, words, static_cast<int>(e), t));
         }
         publish_when_last(b, 0, epoch, rank_mask, trace, [&](int d) {  // the message slots: this rank's tokens
             return Signal{b.count(d, rank), static_cast<uint32_t>(num_tokens)};
@@ -717,7 +722,6 @@ __device__ __forceinline__ void low_latency_combine(
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_warps = blockDim.x / kWarpSize;
     const int hidden_int4 = hidden * 2 / 16;
-    const int num_slots = num_ranks * num_max;
     const int num_pieces = (hidden_int4 + kReduceInt4 - 1) / kReduceInt4;
     const uint32_t epoch = launch_epoch(b, 1, do_send);
     const auto masked = [&](int r) { return rank_mask != nullptr && rank_mask[r] != 0; };
