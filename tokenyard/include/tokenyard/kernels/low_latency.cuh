@@ -629,48 +629,69 @@ constexpr int kReduceVectors = 2;
 constexpr int kReduceInt4 = kReduceVectors * kWarpSize;
 constexpr int kReduceBatch = 4;  // rows whose loads are in flight together
 
-// For this lane's columns first + u * 32 + lane (u < kReduceVectors, below num_int4): acc += weight * row,
-// for the lanes set in `rows_from` in increasing order, each lane offering its `row` and `weight`. One
-// float32 product, then one float32 sum, as routing.py; the loads of kReduceBatch rows are issued before
-// the first sum, so a warp waits for memory once per batch rather than once per row.
+// Up to kReduceBatch rows of one reduce item, their loads issued together: lane from[u] offered row u.
+struct RowBatch {
+    int4 v[kReduceBatch][kReduceVectors];
+    int from[kReduceBatch];
+    int n;
+};
+
+// Takes the first kReduceBatch lanes of `rows_from` (clearing them) and loads, of each such lane's `row`,
+// this lane's columns first + c * 32 + lane (c < kReduceVectors, below num_int4; zeros elsewhere).
 template <bool kFromPeers>
-__device__ __forceinline__ void accumulate_rows(float (&acc)[kReduceVectors][8], uint32_t rows_from, const int4* row,
-                                                float weight, int first, int num_int4, int lane) {
+__device__ __forceinline__ void load_rows(RowBatch& batch, uint32_t& rows_from, const int4* row, int first,
+                                          int num_int4, int lane) {
+    batch.n = 0;
+#pragma unroll
+    for (int u = 0; u < kReduceBatch; ++u) {
+        batch.from[u] = rows_from != 0u ? __ffs(rows_from) - 1 : 0;
+        batch.n += rows_from != 0u ? 1 : 0;
+        rows_from &= rows_from - 1u;
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceBatch; ++u) {
+        const int4* src = reinterpret_cast<const int4*>(
+                __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), batch.from[u]));
+#pragma unroll
+        for (int c = 0; c < kReduceVectors; ++c) {
+            const int i = first + c * kWarpSize + lane;
+            batch.v[u][c] = make_int4(0, 0, 0, 0);
+            if (u < batch.n && i < num_int4)
+                batch.v[u][c] = kFromPeers ? ptx::ld_na_v4(src + i) : ptx::ld_nc_v4(src + i);
+        }
+    }
+}
+
+// acc += weight * row over the batch's rows in increasing lane order, each lane offering its `weight`: one
+// float32 product, then one float32 sum, as routing.py.
+__device__ __forceinline__ void add_rows(float (&acc)[kReduceVectors][8], const RowBatch& batch, float weight) {
+#pragma unroll
+    for (int u = 0; u < kReduceBatch; ++u) {
+        const float w = __shfl_sync(0xffffffffu, weight, batch.from[u]);
+        if (u >= batch.n)
+            break;
+#pragma unroll
+        for (int c = 0; c < kReduceVectors; ++c) {
+            const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&batch.v[u][c]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                acc[c][e] = __fadd_rn(acc[c][e], __fmul_rn(w, __bfloat162float(h[e])));
+        }
+    }
+}
+
+// acc += weight * row for the lanes set in `rows_from`, each lane offering its `row` and `weight`: a batch
+// of rows at a time, so a warp waits for memory once per kReduceBatch rows rather than once per row.
+// `batch` may hold the first batch already (`loaded`: its rows are no longer in rows_from).
+template <bool kFromPeers>
+__device__ __forceinline__ void accumulate_rows(float (&acc)[kReduceVectors][8], RowBatch& batch, bool loaded,
+                                                uint32_t rows_from, const int4* row, float weight, int first,
+                                                int num_int4, int lane) {
+    if (loaded)
+        add_rows(acc, batch, weight);
     while (rows_from != 0u) {
-        int from[kReduceBatch];
-        int n = 0;
-#pragma unroll
-        for (int u = 0; u < kReduceBatch; ++u) {
-            from[u] = rows_from != 0u ? __ffs(rows_from) - 1 : 0;
-            n += rows_from != 0u ? 1 : 0;
-            rows_from &= rows_from - 1u;
-        }
-        int4 v[kReduceBatch][kReduceVectors];
-#pragma unroll
-        for (int u = 0; u < kReduceBatch; ++u) {
-            const int4* src = reinterpret_cast<const int4*>(
-                    __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), from[u]));
-#pragma unroll
-            for (int c = 0; c < kReduceVectors; ++c) {
-                const int i = first + c * kWarpSize + lane;
-                v[u][c] = make_int4(0, 0, 0, 0);
-                if (u < n && i < num_int4)
-                    v[u][c] = kFromPeers ? ptx::ld_na_v4(src + i) : ptx::ld_nc_v4(src + i);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kReduceBatch; ++u) {
-            const float w = __shfl_sync(0xffffffffu, weight, from[u]);
-            if (u >= n)
-                break;
-#pragma unroll
-            for (int c = 0; c < kReduceVectors; ++c) {
-                const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[u][c]);
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    acc[c][e] = __fadd_rn(acc[c][e], __fmul_rn(w, __bfloat162float(h[e])));
-            }
-        }
+        load_rows<kFromPeers>(batch, rows_from, row, first, num_int4, lane);
+        add_rows(acc, batch, weight);
     }
 }
 
@@ -797,7 +818,13 @@ __device__ __forceinline__ void low_latency_combine(
             const int4* row = choice.tag == dispatch_epoch && choice.local_expert >= 0
                                       ? x + static_cast<int64_t>(choice.position) * hidden_int4
                                       : nullptr;
-            // A weight not come yet (its tag is an older epoch) is waited for.
+            uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
+            if (rows_from == 0u)
+                continue;  // token j of s did not come here: nothing to send back
+            // The first rows are asked for, then a weight not come yet (its tag is an older epoch) is waited
+            // for: at the first items the weights are still on their way, and the rows come meanwhile.
+            RowBatch batch;
+            load_rows<false>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
             uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
             bool lost = false;
             if (row != nullptr && static_cast<uint32_t>(choice.weight >> 32) != epoch) {
@@ -806,12 +833,9 @@ __device__ __forceinline__ void low_latency_combine(
             }
             if (__any_sync(0xffffffffu, lost))
                 break;  // the signals below still go out; the error (if any) is raised on the host
-            const uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
-            if (rows_from == 0u)
-                continue;  // token j of s did not come here: nothing to send back
             const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
             float acc[kReduceVectors][8] = {};
-            accumulate_rows<false>(acc, rows_from, row, weight, piece * kReduceInt4, hidden_int4, lane);
+            accumulate_rows<false>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4, lane);
             store_bf16(b.combine_row(s, rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
         }
         publish_when_last(b, 1, epoch, rank_mask, trace, [&](int r) { return Signal{b.combine_flag(r, rank), 1u}; });
@@ -846,8 +870,9 @@ __device__ __forceinline__ void low_latency_combine(
         if (lane < num_ranks && rows_here[lane] && pair_chosen(bits, words, lane, t))
             row = b.combine_row(rank, lane, t);  // the message slot is the token index
         float acc[kReduceVectors][8] = {};
-        accumulate_rows<true>(acc, __ballot_sync(0xffffffffu, row != nullptr), row, 1.0f, piece * kReduceInt4,
-                              hidden_int4, lane);
+        RowBatch batch;
+        accumulate_rows<true>(acc, batch, false, __ballot_sync(0xffffffffu, row != nullptr), row, 1.0f,
+                              piece * kReduceInt4, hidden_int4, lane);
         store_bf16(combined_x + static_cast<int64_t>(t) * hidden_int4, acc, piece * kReduceInt4, hidden_int4, lane);
     }
     trace_mark(trace, kTraceEnd);
