@@ -126,7 +126,7 @@ __device__ __forceinline__ PeerBlocks peer_blocks(int num_ranks, int local_block
 // every call but a traced one) a stamp is a predictable branch.
 enum TracePoint : int {
     kTraceStart = 0,      // the block began
-    kTracePrologue = 1,   // dispatch: the first piece asked for; combine: weights sent, items counted
+    kTracePrologue = 1,   // dispatch: first piece asked for (block 0: books kept); combine: weights sent, items counted
     kTraceSent = 2,       // the block's sends are issued
     kTraceCounted = 3,    // past the done counter
     kTracePublished = 4,  // the last block only: signals stored
@@ -351,29 +351,31 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // Send (do_send): the work items are the pieces of kPieceChannels channels of every token, dealt over
 // blocks 1, 2, ... so that consecutive items go to different SMs (item i to warp i / (G - 1) of block
 // 1 + i % (G - 1) on a grid of G): one token keeps 14 warps busy at hidden 7168 instead of one warp walking
-// its row, which cost ~10 us at one token. A warp loads its piece and its token's top-k choices, quantizes the piece once (FP8 per 128 channels,
-// exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with an IEEE division, optionally rounded
-// up to a power of two, q = e4m3(clamp(x / scale))), each lane 16 channels, and stores it with 16-byte
-// stores into the message of every rank d the token goes to: d's region of this rank at slot t, the token
-// index. Piece 0 also writes the header: its tag (epoch << 32) | t, and for each choice on d its local
-// expert. Nothing of that waits for the pair bits, so the data leaves ~1-1.5 us sooner than when the slot
-// was the rank's tokens before t going to d (a receiver learns from the tag which slots hold this call's
-// messages). Block 0 sends no data: meanwhile it builds the pair bits (expert rows), sends each rank d how
-// many of this rank's tokens chose each of d's experts, each count a word (epoch << 32) | count that needs
-// no fence (a release of their own waited ~11 us behind the data in the 4-rank trace), and writes, a thread
-// per pair, the pair's slot among this rank's rows of its expert into the header. So the counts arrive
-// while the data is still going out and the receivers' count waits end at once, and the data blocks go
-// from their last store straight to the done counter. The last block to finish publishes to each rank d
+// its row, which cost ~10 us at one token. A warp loads its piece and its token's top-k choices, quantizes
+// the piece once (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with
+// an IEEE division, optionally rounded up to a power of two, q = e4m3(clamp(x / scale))), each lane 16
+// channels, and stores it with 16-byte stores into the message of every rank d the token goes to: d's
+// region of this rank at slot t, the token index. Piece 0 also writes the header: its tag (epoch << 32) | t,
+// and for each choice on d its local expert. Nothing of that waits for the pair bits, so the data leaves
+// ~1-1.5 us sooner than when the slot was the rank's tokens before t going to d (a receiver learns from the
+// tag which slots hold this call's messages). Block 0 sends no data: meanwhile it builds the pair bits
+// (expert rows), sends each rank d how many of this rank's tokens chose each of d's experts, each count a
+// word (epoch << 32) | count that needs no fence (a release of their own waited ~11 us behind the data in
+// the 4-rank trace), and writes, a thread per pair, the pair's slot among this rank's rows of its expert
+// into the header. So the counts travel while the data is still going out, and the data blocks go from
+// their last store straight to the done counter (4 ranks, 128 tokens: the sends were issued by 10.6-11.5 us
+// instead of 11.8-12.3, and the dispatch took 21.5 us against 22.0-22.7 in the same call, 11.5 against
+// 12.6-13.1 at one token; low_latency_trials.json). The last block to finish publishes to each rank d
 // (epoch << 32) | this rank's number of tokens (NOTE [cumulative release]).
 // Receive (do_recv): every block waits for every source's expert counts and numbers the packed rows
 // (NOTE [recv order]: the rows of local expert l from source s begin after those of the sources before
 // s) while the data is still in flight; then it waits for the data signals, and block 0 writes
 // packed_recv_count, layout_range and the stats. The items are then (source s, slot j < its tokens, piece
-// of kRecvPieceVectors), dealt as the sends are: a warp loads the header's tag, choices and slots and the
-// piece's data and scales at once (one round trip); a tag of another call means token j of s did not come
-// here. Otherwise it stores the piece into the row of every choice (row = first row of (l, s) + slot) with
-// the piece's scales; piece 0 records src_info and, in `positions`, where each choice went (which the
-// combine reads). No scan of the headers and no wait for another block: every
+// of kRecvPieceVectors), dealt over every block as the sends are over theirs: a warp loads the header's
+// tag, choices and slots and the piece's data and scales at once (one round trip); a tag of another call
+// means token j of s did not come here. Otherwise it stores the piece into the row of every choice (row =
+// first row of (l, s) + slot) with the piece's scales; piece 0 records src_info and, in `positions`, where
+// each choice went (which the combine reads). No scan of the headers and no wait for another block: every
 // message is read once, and all of them at once (the previous receiver, a block per expert scanning the
 // headers and copying its rows, took ~9.5 us after the signals at 4 ranks and 128 tokens; this one ~3).
 // A source masked between its counts and its data is left out and the rows renumbered. With a recv hook
@@ -724,14 +726,16 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // (2) The items are (message slot j from s in this half's dispatch, piece of kReduceInt4 columns); a slot
 // whose header's tag is of another dispatch (the token did not come here) contributes nothing. The
 // message's header names the token's choices on this rank, positions(s, j) the packed row each went to
-// (the dispatch wrote it) and weights(s, j) their weights, all read an item ahead and the weights waited
-// for only while their tag is older; the warp sums weight * row over those choices in k order (float32,
-// as routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last block to finish
-// publishes (epoch << 32) | 1 to every source. Reduce (do_recv): one thread per block waits for each
-// rank's flag (NOTE [block waits]); the items are (token t, piece); lane d finds whether the token went to
-// rank d (NOTE [pair slots], rank rows) and points at d's row t; the warp sums the rows in rank order in
-// float32 and writes bf16. The result is routing.low_latency_combine(..., pre_reduce=True) bit for bit:
-// within bf16 rounding of one sum.
+// (the dispatch wrote it) and weights(s, j) their weights, all read an item ahead; the warp asks for the
+// item's first rows, then waits for a weight only while its tag is older (the first items' weights are
+// still on their way: loading the rows meanwhile ended the sends ~1 us sooner and the combine took 27.9 us
+// against 29.3-29.5 in the same call, low_latency_trials.json), sums weight * row over those choices in k
+// order (float32, as routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last
+// block to finish publishes (epoch << 32) | 1 to every source. Reduce (do_recv): one thread per block
+// waits for each rank's flag (NOTE [block waits]); the items are (token t, piece); lane d finds whether
+// the token went to rank d (NOTE [pair slots], rank rows) and points at d's row t; the warp sums the rows
+// in rank order in float32 and writes bf16. The result is routing.low_latency_combine(..., pre_reduce=True)
+// bit for bit: within bf16 rounding of one sum.
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
         const int4* x, const TopkT* topk_idx, const float* topk_weights, int num_tokens, int hidden, int num_experts,
