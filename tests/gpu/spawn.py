@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from tokenyard.launch import disable_nvlink_multicast, run_on_ranks
 
 disable_nvlink_multicast()
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def rank_counts(largest_only: bool = False) -> list:
+    """The rank counts a test runs at: those of 2, 4 and 8 that the machine has GPUs for, or the largest of
+    them only (the slower tests). TOKENYARD_TEST_NUM_RANKS (comma-separated) keeps some: "8" runs the whole
+    suite at 8 ranks on an 8-GPU machine.
+    """
+    counts = [n for n in (2, 4, 8) if n <= NUM_GPUS]
+    chosen = os.environ.get("TOKENYARD_TEST_NUM_RANKS", "")
+    if chosen.strip():
+        wanted = {int(part) for part in chosen.split(",") if part.strip()}
+        counts = [n for n in counts if n in wanted]
+    return counts[-1:] if largest_only else counts
 
 
 def run(num_ranks: int, fn, *args, timeout_s: float = 600.0):

@@ -13,7 +13,7 @@ import torch
 
 from . import spawn
 
-NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NUM_GPUS = spawn.NUM_GPUS
 pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 or more GPUs (run on the device machine)")
 
 # (max tokens per rank, hidden, num_experts, num_topk, dtype, per_round_tokens or None for a budget of
@@ -56,7 +56,8 @@ def compare_rounds(seed, cases, backend="cuda"):
     reports = []
     for case_id, case in enumerate(cases):
         max_tokens, hidden, num_experts, num_topk, dtype, per_round_tokens, budget_tokens = case
-        counts = [max_tokens, max_tokens // 3, 0, max_tokens - 187][:num_ranks]
+        # Full, a third, none and nearly full, over and over for more than 4 ranks.
+        counts = [(max_tokens, max_tokens // 3, 0, max_tokens - 187)[r % 4] for r in range(num_ranks)]
         x, topk_idx, topk_weights = make_rank_inputs(seed + case_id, num_ranks, max_tokens, hidden, num_experts,
                                                      num_topk, "uniform", dtype, device)[rank]
         num_tokens = counts[rank]
@@ -122,7 +123,7 @@ def compare_rounds(seed, cases, backend="cuda"):
     return reports
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_cuda_calls_in_rounds_match_reference_one_shot(num_ranks, seed):
     for line in spawn.run(num_ranks, compare_rounds, seed, CASES)[0]:
         print(line)

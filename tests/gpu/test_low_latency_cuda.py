@@ -13,7 +13,7 @@ import torch
 
 from . import spawn
 
-NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NUM_GPUS = spawn.NUM_GPUS
 pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 or more GPUs (run on the device machine)")
 
 CASES = [
@@ -173,13 +173,13 @@ def _graph_replay(seed):
     return "graph replays match the reference"
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4, 8) if n <= NUM_GPUS])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_low_latency_kernels_match_reference(num_ranks, seed):
     for line in spawn.run(num_ranks, _compare, seed, CASES)[0]:
         print(line)
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_low_latency_kernels_replay_in_a_cuda_graph_with_fresh_inputs(num_ranks, seed):
     print(spawn.run(num_ranks, _graph_replay, seed)[0])
 
@@ -225,7 +225,7 @@ def _shapes_on_one_buffer(seed):
     return "three shapes on one Buffer match the reference"
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_calls_of_several_shapes_on_one_buffer_after_clean(num_ranks, seed):
     print(spawn.run(num_ranks, _shapes_on_one_buffer, seed)[0])
 
@@ -288,7 +288,7 @@ def _masked_rank(seed):
     return message
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_a_stopped_rank_is_masked_and_the_others_keep_serving(num_ranks, seed):
     for line in spawn.run(num_ranks, _masked_rank, seed):
         print(line)

@@ -20,7 +20,7 @@ import torch
 
 from . import spawn
 
-NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NUM_GPUS = spawn.NUM_GPUS
 pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 or more GPUs (run on the device machine)")
 
 BF16_UNIT = 2.0 ** -8
@@ -83,7 +83,7 @@ def _write(results, seed):
 def test_moe_layer_on_cuda_backend_matches_transformers_blocks(seed):
     pytest.importorskip("transformers")
     results = []
-    for num_ranks in [n for n in (2, 4, 8) if n <= NUM_GPUS]:
+    for num_ranks in spawn.rank_counts():
         for run in spawn.run(num_ranks, _measure_ranks, seed, CASES)[0]:
             results.append({"num_ranks": num_ranks, **run})
     _write(results, seed)

@@ -11,7 +11,7 @@ import torch
 
 from . import spawn
 
-NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NUM_GPUS = spawn.NUM_GPUS
 pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 or more GPUs (run on the device machine)")
 
 CASES = [
@@ -199,39 +199,39 @@ def _compare_ranks_senders_the_other_way(seed, cases):
     return _compare_ranks(seed, cases)
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4, 8) if n <= NUM_GPUS])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_cuda_normal_mode_matches_reference(num_ranks, seed):
     for line in spawn.run(num_ranks, _compare_ranks, seed, CASES)[0]:
         print(line)
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_cuda_dispatch_with_senders_started_before_the_cpu_wait_matches_reference(num_ranks, seed):
     for line in spawn.run(num_ranks, _compare_ranks_split, seed, CASES[:3])[0]:
         print(line)
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_own_rows_taken_the_other_way_match_reference(num_ranks, seed):
     # heuristics.*_OWN_ROWS_DIRECT: each path a token's row for its own rank can take, in both kernels.
     for line in spawn.run(num_ranks, _compare_ranks_own_rows_the_other_way, seed, CASES)[0]:
         print(line)
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_dispatch_senders_the_other_way_match_reference(num_ranks, seed):
     # heuristics.DISPATCH_PEER_MAJOR: senders in one group per destination, or every sender to every rank.
     for line in spawn.run(num_ranks, _compare_ranks_senders_the_other_way, seed, CASES)[0]:
         print(line)
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_ranks_with_different_sm_counts_get_an_error_then_a_new_buffer_works(num_ranks, seed):
     for line in spawn.run(num_ranks, _different_sms_then_recover, seed):
         print(line)
 
 
-@pytest.mark.parametrize("num_ranks", [n for n in (2, 4) if n <= NUM_GPUS][-1:])
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_missing_rank_raises_timeout_naming_rank_and_stage_then_new_buffer_works(num_ranks, seed):
     for line in spawn.run(num_ranks, _timeout_then_recover, seed):
         print(line)
