@@ -7,8 +7,8 @@
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|low_latency|bench|diagnostics|shares|all]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [ep8_tests|ep8_bench]
 #
-# `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8) run the GPU tests, the low-latency sweep, the normal-mode
-# benchmark and the bounded buffers at 8 ranks, into *_ep8.json.
+# `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
+# benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
 #
 # `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks, and without
 # the next-row prefetch (TOKENYARD_TUNING), to choose heuristics.py's defaults.
@@ -54,16 +54,17 @@ if [ "$what" = diagnostics ] || [ "$what" = all ]; then
     timeout 150 python3 benchmarks/copy_patterns.py --json "$out/copy_patterns.json" 2>&1 | tail -12
 fi
 if [ "$what" = ep8_tests ]; then
-    TOKENYARD_TEST_NUM_RANKS=8 timeout 360 python3 -m pytest -v tests/gpu -p no:cacheprovider 2>&1 \
+    # About 480 s on 8 H200s with the kernels compiled in the same call.
+    TOKENYARD_TEST_NUM_RANKS=8 timeout 560 python3 -m pytest -v tests/gpu -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_tests_ep8.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -20
-    timeout 200 python3 benchmarks/low_latency.py --num_ranks 8 --json "$out/low_latency_ep8.json" 2>&1 | tail -8
 fi
 if [ "$what" = ep8_bench ]; then
     timeout 220 python3 -m tokenyard.bench --quiet --num_sms 24 --num_ranks 8 --mode all --json "$out/normal_ep8.json" \
         --plot "$out/normal_ep8.png" 2>&1 | tail -16
+    timeout 200 python3 benchmarks/low_latency.py --num_ranks 8 --json "$out/low_latency_ep8.json" 2>&1 | tail -8
     timeout 60 python3 benchmarks/ll_phases.py --num_ranks 8 --tokens 128 --iters 20 \
         --json "$out/low_latency_phases_ep8.json" 2>&1 | tail -24
-    timeout 200 python3 benchmarks/bounded.py --num_ranks 8 --json "$out/bounded_ep8.json" 2>&1 | tail -10
+    timeout 100 python3 benchmarks/bounded.py --num_ranks 8 --json "$out/bounded_ep8.json" 2>&1 | tail -10
 fi
 if [ "$what" = shares ]; then
     # Dispatch and combine are separate kernels, so each run times one share of each: at 24 SMs, 12-17

@@ -51,6 +51,8 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
         assert heuristics.combine_send_share(2) == heuristics.COMBINE_SEND_SHARE_BY_RANKS[2]
         assert heuristics.combine_send_share(4) == heuristics.COMBINE_SEND_SHARE
         assert heuristics.data_grid(24, 132, heuristics.combine_send_share(4)).num_send_blocks == 9
+        assert heuristics.combine_send_share(8) == heuristics.COMBINE_SEND_SHARE_BY_RANKS[8]
+        assert heuristics.data_grid(24, 132, heuristics.combine_send_share(8)).num_send_blocks == 12
         assert heuristics.prefetch_next_row() is heuristics.PREFETCH_NEXT_ROW
         flipped = "off" if heuristics.PREFETCH_NEXT_ROW else "on"
         monkeypatch.setenv("TOKENYARD_TUNING", f"dispatch_share=0.625, combine_share=0.25,prefetch={flipped}")
