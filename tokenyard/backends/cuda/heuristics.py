@@ -33,7 +33,7 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
 #   the dispatch is fastest with fewer senders than on 2 ranks, cached kernel 315.1 us at 3/8 (prefetch off),
 #   322.8 at 5/12, 339.3 at 1/2, 373.8 at 1/3; the combine is flat from 3/8 to 1/2 (561-583 us) and slower
 #   at 1/4 (704-781).
-# - 8 H200s at 95ac3ba (benchmarks/results/send_share/ep8.md): the cached dispatch kernel takes 508 us at 3/8
+# - 8 H200s at 95ac3ba (benchmarks/results/send_share/README.md): the cached dispatch kernel takes 508 us at 3/8
 #   and at 1/3, 563 at 7/24, 575 at 1/2, 640 at 1/4; the combine kernel wants more senders than on 4 ranks:
 #   950.5-952.2 us at 1/2 (three runs) against 998.5-1000.5 at 3/8 (four), 970 at 7/12, 978 at 5/12, 1000 at 5/8.
 DISPATCH_SEND_SHARE_BY_RANKS = {2: 2 / 3}
