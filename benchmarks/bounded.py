@@ -37,9 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GPU_DEFAULTS = dict(num_ranks=4, hidden=7168, num_experts=256, num_topk=8, num_tokens=(4096, 8192, 16384, 32768),
                     budget_bytes=1 << 30, unbounded_tokens=4096, iters=30, warmup=5)
-# On CPU the budget holds 68 tokens of the combine's rows (640 bytes) per round: 24 tokens run in one round, 96 in
-# two.
-CPU_DEFAULTS = dict(num_ranks=2, hidden=256, num_experts=16, num_topk=4, num_tokens=(24, 96), budget_bytes=545_792,
+# On CPU the budget holds CPU_ROUND_TOKENS tokens of the combine's rows per round, for any number of ranks (2
+# ranks: 545792 bytes): 24 tokens run in one round, 96 in two.
+CPU_ROUND_TOKENS = 68
+CPU_DEFAULTS = dict(num_ranks=2, hidden=256, num_experts=16, num_topk=4, num_tokens=(24, 96), budget_bytes=None,
                     unbounded_tokens=24, iters=3, warmup=1)
 FIGURES = ("dispatch_us", "combine_us", "dispatch_nvlink_gbps", "combine_nvlink_gbps")
 
@@ -52,7 +53,8 @@ def parse(argv: Optional[List[str]], gpu: bool) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="benchmarks/bounded.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--num_tokens", type=_int_list, help="tokens per rank, comma-separated")
-    parser.add_argument("--budget_bytes", type=int, help="num_nvl_bytes of the bounded Buffer (GPU: 1 GiB)")
+    parser.add_argument("--budget_bytes", type=int,
+                        help="num_nvl_bytes of the bounded Buffer (GPU: 1 GiB; CPU: room for 68 tokens per round)")
     parser.add_argument("--unbounded_tokens", type=int, help="tokens per rank of the hint-sized run (GPU: 4096)")
     parser.add_argument("--per_round_tokens", type=int, help="Buffer(per_round_tokens=...) of the bounded runs")
     parser.add_argument("--num_ranks", type=int)
@@ -75,6 +77,11 @@ def parse(argv: Optional[List[str]], gpu: bool) -> argparse.Namespace:
             setattr(args, name, value)
     if gpu and args.iters < 20:
         parser.error("--iters must be at least 20 on GPUs")
+    if args.budget_bytes is None:
+        from tokenyard import workspace
+
+        args.budget_bytes = workspace.normal_required_bytes(
+            args.num_ranks, CPU_ROUND_TOKENS, workspace.normal_combine_row_bytes(args.hidden, args.num_topk))
     args.gpu = gpu
     return args
 
