@@ -143,11 +143,11 @@ def _measure(args, ctx, num_tokens: int, num_nvl_bytes: int, per_round_tokens: O
     peak = None
     if gpu:
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - timing.L2_FLUSH_BYTES + buffer.num_nvl_bytes
+        peak = torch.cuda.max_memory_allocated(device) - timing.L2_FLUSH_BYTES + buffer.nvl_bytes_held
     out = {"dispatch": (t_dispatch, *bandwidth.normal_dispatch_bytes(counts, rank, row)),
            "combine": (t_combine, *bandwidth.normal_combine_bytes(counts, rank, args.hidden)),
            "num_rounds": handle.rounds.num_rounds, "round_tokens": handle.rounds.round_tokens, "peak_bytes": peak,
-           "num_nvl_bytes": buffer.num_nvl_bytes, "backend": buffer.backend}
+           "num_nvl_bytes": buffer.nvl_bytes_held, "backend": buffer.backend}
     buffer.destroy()
     return out
 

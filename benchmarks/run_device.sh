@@ -6,9 +6,14 @@
 #
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|low_latency|bench|diagnostics|shares|all]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [ep8_tests|ep8_bench]
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh one_gpu
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
+#
+# `one_gpu` (on nvidia-h100-x1 or nvidia-h200, where the multi-GPU tests skip) runs tests/gpu/test_one_gpu.py
+# and the README's benchmark command at one rank: every kernel compiled and loaded on that GPU, the own-rank
+# paths against the reference backend.
 #
 # `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks, and without
 # the next-row prefetch (TOKENYARD_TUNING), to choose heuristics.py's defaults.
@@ -79,5 +84,10 @@ if [ "$what" = shares ]; then
                 | grep -E "tokenyard .*kernel|copy limit"
         done
     done
+fi
+if [ "$what" = one_gpu ]; then
+    timeout 420 python3 -m pytest -v tests/gpu/test_one_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests_one_gpu.log" \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -20
+    timeout 150 python3 -m tokenyard.bench --quiet --json "$out/bench_one_gpu.json" 2>&1 | tail -16
 fi
 tar czf "$out/jit_cache.tgz" "${TOKENYARD_CACHE_DIR#$PWD/}" 2>/dev/null || true

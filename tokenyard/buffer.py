@@ -57,7 +57,8 @@ class Buffer(LowLatencyCalls):
         group: the EP process group (any `torch.distributed` group; a subgroup is fine).
         num_nvl_bytes: normal-mode buffer size per rank, the memory budget of `dispatch` and `combine`
             (see `Config.get_nvl_buffer_size_hint`); capped by TOKENYARD_NVL_BUFFER_BYTES where that is set
-            and smaller. A call with more tokens than one round of the buffer holds runs in rounds, with
+            and smaller (the attribute `num_nvl_bytes` keeps the value asked for, `nvl_bytes_held` the
+            bytes held). A call with more tokens than one round of the buffer holds runs in rounds, with
             the one-shot results (NOTE [rounds] in rounds.py; `normal_round_plan` reports the sizes).
         num_rdma_bytes: low-latency buffer size per rank (see `get_low_latency_rdma_size_hint`).
         low_latency_mode: accepted; low-latency calls work on any Buffer with enough `num_rdma_bytes`.
@@ -102,14 +103,18 @@ class Buffer(LowLatencyCalls):
             all_gather_object = comm.allgather
         else:
             raise InvalidInputError("Buffer needs a process group (or an mpi4py comm)")
-        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
-            if not isinstance(value, int) or value < 0:
-                raise InvalidInputError(f"{name} must be a non-negative int, got {value!r}")
-        if per_round_tokens is not None and (not isinstance(per_round_tokens, int) or per_round_tokens <= 0):
-            raise InvalidInputError(f"per_round_tokens must be a positive int or None, got {per_round_tokens!r}")
+        num_nvl_bytes = checks.size_int("num_nvl_bytes", num_nvl_bytes)
+        num_rdma_bytes = checks.size_int("num_rdma_bytes", num_rdma_bytes)
+        if per_round_tokens is not None:
+            per_round_tokens = checks.size_int("per_round_tokens", per_round_tokens, positive=True)
+        # NOTE [requested and held bytes]: `num_nvl_bytes` stays what the caller asked for, since DeepEP
+        # code compares it with a size hint to decide whether to make a new Buffer (Megatron's get_buffer
+        # does, before every call): a capped value would make it rebuild the Buffer at every call. What the
+        # Buffer holds, and plans its rounds by, is `nvl_bytes_held`.
+        self.nvl_bytes_held = num_nvl_bytes
         if settings.nvl_buffer_bytes and num_nvl_bytes > settings.nvl_buffer_bytes:
             env.log(f"num_nvl_bytes {num_nvl_bytes} capped at TOKENYARD_NVL_BUFFER_BYTES={settings.nvl_buffer_bytes}")
-            num_nvl_bytes = settings.nvl_buffer_bytes
+            self.nvl_bytes_held = settings.nvl_buffer_bytes
         self.group = group if group is not None else comm
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
@@ -125,7 +130,7 @@ class Buffer(LowLatencyCalls):
                                          self.timeout_s)
 
         context = GroupContext(group=group, rank=self.rank, num_ranks=self.group_size, device=self.device,
-                               all_gather_object=all_gather_object, num_nvl_bytes=num_nvl_bytes,
+                               all_gather_object=all_gather_object, num_nvl_bytes=self.nvl_bytes_held,
                                num_rdma_bytes=num_rdma_bytes, timeout_s=self.timeout_s)
         self.runtime = create_backend(backend or settings.backend, context)
         self.backend = self.runtime.name
@@ -206,12 +211,12 @@ class Buffer(LowLatencyCalls):
         if num_scales is None:
             num_scales = hidden // 128 if element_size == 1 else 0
         dispatch_row = workspace.normal_dispatch_row_bytes(hidden * element_size, num_scales * 4, num_topk)
-        return rounds.round_plan(self.num_nvl_bytes, self.group_size, num_tokens, dispatch_row,
+        return rounds.round_plan(self.nvl_bytes_held, self.group_size, num_tokens, dispatch_row,
                                  workspace.normal_combine_row_bytes(hidden, num_topk), self.per_round_tokens)
 
     def _round_tokens(self, num_tokens: int, row_bytes: int, what: str, paired_row_bytes: Optional[int] = None):
         return checks.normal_round_tokens(num_ranks=self.group_size, num_tokens=num_tokens, row_bytes=row_bytes,
-                                          num_nvl_bytes=self.num_nvl_bytes, per_round_tokens=self.per_round_tokens,
+                                          num_nvl_bytes=self.nvl_bytes_held, per_round_tokens=self.per_round_tokens,
                                           what=what, paired_row_bytes=paired_row_bytes)
 
     @staticmethod
@@ -341,8 +346,8 @@ class Buffer(LowLatencyCalls):
 
         Arguments:
             x: ``[T, H]`` tensor (bf16, or any dtype whose rows are a multiple of 16 bytes), or a tuple
-                ``(data [T, H], scales [T, S] float32/int32)`` such as FP8 e4m3 or INT8 with per-128
-                scales (scales may have any strides).
+                ``(data [T, H], scales [T, S] or [T] float32/int32)`` such as FP8 e4m3 or INT8 with per-128
+                scales (scales may have any strides; [T] scales are received as [N]).
             handle: a previous dispatch's handle: reuse its layout (no count exchange, no CPU wait); then
                 the layout arguments and top-k must be None.
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from `get_dispatch_layout`.
@@ -352,6 +357,7 @@ class Buffer(LowLatencyCalls):
             num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows have
                 ``recv_topk_idx == -1``), the per-expert list is empty and the CPU does not wait; in rounds,
                 their number is fixed by num_worst_tokens / group size tokens per rank (NOTE [rounds]).
+                Ignored with a handle, whose rows the cached dispatch fills (as in DeepEP).
             config: performance settings (default `get_dispatch_config`).
         Returns:
             ``recv_x`` (tuple like `x`), ``recv_topk_idx`` (local ids, -1 elsewhere), ``recv_topk_weights``
@@ -364,19 +370,17 @@ class Buffer(LowLatencyCalls):
         """
         del num_tokens_per_rdma_rank
         backend = self._backend()
+        scales_1d = isinstance(x, (tuple, list)) and len(x) == 2 and getattr(x[1], "dim", lambda: 0)() == 1
         x, x_scales = checks.dispatch_x(x, device=self.device)
         num_tokens = x.size(0)
         config = config if config is not None else self.get_dispatch_config(self.group_size)
-        if not isinstance(expert_alignment, int) or expert_alignment < 1:
-            raise InvalidInputError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
-        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
-            raise InvalidInputError(f"num_worst_tokens must be a non-negative int, got {num_worst_tokens!r}")
+        expert_alignment = checks.size_int("expert_alignment", expert_alignment, positive=True)
+        num_worst_tokens = checks.size_int("num_worst_tokens", num_worst_tokens)
         if handle is not None:
             handle = checks.dispatch_handle(handle, buffer_id=self._id)
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidInputError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
-            if num_worst_tokens:
-                raise InvalidInputError("num_worst_tokens needs a fresh dispatch with topk_idx and topk_weights")
+            num_worst_tokens = 0  # as in DeepEP: the handle's rows (its num_worst_tokens, if it had one)
             if handle.num_tokens != num_tokens:
                 raise InvalidInputError(f"the handle was made for {handle.num_tokens} tokens, x has {num_tokens}")
             is_token_in_rank = handle.is_token_in_rank
@@ -434,7 +438,10 @@ class Buffer(LowLatencyCalls):
         self._hand_over(scope.owner, outputs + tuple(new_handle))
         if async_finish:
             self._hand_over(self._comm_stream, (x, x_scales, topk_idx, topk_weights, is_token_in_rank))
-        recv_x = result.recv_x if x_scales is None else (result.recv_x, result.recv_x_scales)
+        recv_scales = result.recv_x_scales
+        if scales_1d:  # [N] scales come back as [N], as in DeepEP
+            recv_scales = recv_scales.view(-1)
+        recv_x = result.recv_x if x_scales is None else (result.recv_x, recv_scales)
         if handle is not None:
             return recv_x, None, None, None, None, scope.event
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,

@@ -54,7 +54,8 @@ class LowLatencyCalls:
             x: ``[T, H]`` bf16, T <= `num_max_dispatch_tokens_per_rank` (same on every rank).
             topk_idx: ``[T, K]`` int64 global expert ids, -1 for none, distinct per row, K <= 16.
             cumulative_local_expert_recv_stats: ``[L]`` int32, incremented by the received counts.
-            dispatch_wait_recv_cost_stats: accepted and ignored (no per-peer wait timers).
+            dispatch_wait_recv_cost_stats: ``[R]`` int64: adds, per source rank, the GPU clock cycles the
+                receive waited for that rank's tokens (CUDA kernels; NOTE [wait costs] in checks.py).
             use_fp8: quantize to e4m3 with per-128-channel float32 scales (H % 128 == 0).
             round_scale, use_ue8m0: power-of-two scales; UE8M0 packs them as int32 (H % 512 == 0).
             return_recv_hook: send only; the returned hook receives.
@@ -64,8 +65,9 @@ class LowLatencyCalls:
         Raises:
             InvalidInputError, CapacityError: before any communication.
         """
-        del dispatch_wait_recv_cost_stats
         backend = self._backend()
+        checks.wait_recv_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                                    num_ranks=self.group_size, device=self.device)
         checks.tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self.device)
         num_tokens, hidden = x.shape
         checks.topk_idx(topk_idx, num_tokens=num_tokens, device=self.device, max_topk=workspace.MAX_TOPK)
@@ -90,7 +92,8 @@ class LowLatencyCalls:
             x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale or use_ue8m0,
             use_ue8m0=use_ue8m0 and use_fp8, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-            return_recv_hook=return_recv_hook, rank_mask=self._rank_mask)
+            return_recv_hook=return_recv_hook, rank_mask=self._rank_mask,
+            wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
         with self._stream_scope(use_comm_stream=async_finish, async_finish=async_finish) as scope:
             result = backend.low_latency_dispatch(request)
         handle = LowLatencyHandle(*result.handle, buffer_id=self._id, num_topk=topk_idx.size(1),
@@ -112,18 +115,22 @@ class LowLatencyCalls:
                 which reads `get_next_low_latency_combine_buffer(handle)` instead).
             topk_idx, topk_weights: the ``[T, K]`` ids given to the dispatch and float32 weights.
             handle: the low-latency dispatch's handle.
-            use_logfmt: not supported; raises.
+            use_logfmt: accepted; the rows travel as bf16 whatever it says, so the result is the plain
+                combine's (DeepEP's LogFMT-10 would round each value to one of 512 levels per group on the way).
+            zero_copy: read `get_next_low_latency_combine_buffer(handle)` instead of `x` (with `use_logfmt`
+                too, which DeepEP refuses).
             out: ``[T, H]`` bf16 to write into.
-            combine_wait_recv_cost_stats: accepted and ignored.
+            combine_wait_recv_cost_stats: ``[R]`` int64: adds, per expert rank, the GPU clock cycles the
+                receive waited for that rank's rows (CUDA kernels; NOTE [wait costs] in checks.py).
         Returns:
             ``combined_x`` [T, H] bf16, event, hook.
         Raises:
             InvalidInputError, HandleError: before any communication.
         """
-        del combine_wait_recv_cost_stats
+        del use_logfmt  # see the docstring
         backend = self._backend()
-        if use_logfmt:
-            raise InvalidInputError("use_logfmt is not supported by tokenyard yet; call with use_logfmt=False")
+        checks.wait_recv_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
+                                    num_ranks=self.group_size, device=self.device)
         handle = checks.low_latency_handle(handle, buffer_id=self._id)
         num_max, hidden, num_experts = handle[2], handle[3], handle[4]
         self._low_latency_checks(num_max, hidden, num_experts)
@@ -144,7 +151,8 @@ class LowLatencyCalls:
             checks.tensor("out", out, dtypes=(torch.bfloat16,), shape=(topk_idx.size(0), hidden), device=self.device)
         request = LowLatencyCombineRequest(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=handle,
                                            zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out,
-                                           rank_mask=self._rank_mask)
+                                           rank_mask=self._rank_mask,
+                                           wait_recv_cost_stats=combine_wait_recv_cost_stats)
         with self._stream_scope(use_comm_stream=async_finish, async_finish=async_finish) as scope:
             combined_x, hook = backend.low_latency_combine(request)
         return combined_x, scope.event, self._wrap_hook(hook)

@@ -4,6 +4,7 @@ the tensor on the host, so they run only where the caller allows a device sync (
 
 from __future__ import annotations
 
+import operator
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -41,6 +42,18 @@ def tensor(name: str, t, *, dtypes: Optional[Iterable[torch.dtype]] = None, dim:
     if contiguous and not t.is_contiguous():
         _fail(f"{name} must be contiguous (call .contiguous() first)")
     return t
+
+
+def size_int(name: str, value, *, positive: bool = False) -> int:
+    """A size given as any integer (int, numpy or 0-D torch integers, as DeepEP's C++ binding takes them)
+    -> int; refuses bools, floats and negatives (zero too with `positive`)."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        number = None
+    if number is None or number < (1 if positive else 0):
+        _fail(f"{name} must be a {'positive' if positive else 'non-negative'} int, got {value!r}")
+    return int(number)
 
 
 def num_experts(value: int, num_ranks: int) -> int:
@@ -102,6 +115,19 @@ def dispatch_x(x, *, device):
     return x, x_scales
 
 
+def wait_recv_cost_stats(name: str, t, *, num_ranks: int, device) -> None:
+    """NOTE [wait costs]
+    DeepEP's `dispatch_wait_recv_cost_stats` / `combine_wait_recv_cost_stats`: an int64 tensor of one entry
+    per rank (DeepEP's C++ checks ``size(0) == num_ranks``), to which every low-latency receive adds, for
+    each rank r it receives from, the GPU clock cycles (clock64 of one SM) from the start of the receive
+    until r's signal was seen; never reset, so a rank that is slow to send shows as the largest entry on its
+    peers (DeepEP's diagnose gathers them into a [source, destination] matrix). The CUDA kernels count them
+    in block 0. The reference backend has no per-rank waits (its all-to-all waits for all at once) and
+    leaves them unchanged."""
+    if t is not None:
+        tensor(name, t, dtypes=(torch.int64,), shape=(num_ranks,), device=device)
+
+
 def received_rows(rows_per_rank: torch.Tensor, num_worst_tokens: int) -> None:
     """Refuse a dispatch in which some rank receives more rows than `num_worst_tokens`. `rows_per_rank`
     ([R], the same on every rank after a count exchange) is read on the host, so every rank raises alike
@@ -111,24 +137,30 @@ def received_rows(rows_per_rank: torch.Tensor, num_worst_tokens: int) -> None:
         _fail(f"rank {which} receives {most} tokens, more than num_worst_tokens={num_worst_tokens}")
 
 
-def _owned_handle(handle, convert, buffer_id: int):
+def _converted(handle, convert):
     try:
-        handle = convert(handle)
+        return convert(handle)
     except TypeError as exc:
         raise HandleError(str(exc)) from None
-    if handle.buffer_id is not None and handle.buffer_id != buffer_id:
-        raise HandleError("this handle was made by another Buffer; pass it to the Buffer that dispatched")
-    return handle
 
 
 def dispatch_handle(handle, *, buffer_id: int) -> DispatchHandle:
-    """Our handle or DeepEP's 6-tuple, made by this Buffer (plain tuples are trusted)."""
-    return _owned_handle(handle, as_dispatch_handle, buffer_id)
+    """Our handle or DeepEP's 6-tuple. A handle another Buffer made is taken as its plain six fields, as
+    DeepEP takes any handle: its rounds are derived again for this Buffer (NOTE [rounds])."""
+    handle = _converted(handle, as_dispatch_handle)
+    if handle.buffer_id is not None and handle.buffer_id != buffer_id:
+        return DispatchHandle(*handle)
+    return handle
 
 
 def low_latency_handle(handle, *, buffer_id: int) -> LowLatencyHandle:
-    """Our handle or DeepEP's 5-tuple, made by this Buffer (plain tuples are trusted)."""
-    return _owned_handle(handle, as_low_latency_handle, buffer_id)
+    """Our handle or DeepEP's 5-tuple (plain tuples are trusted), made by this Buffer: the combine reads
+    what the dispatch left in this Buffer's memory, so another Buffer's handle is refused."""
+    handle = _converted(handle, as_low_latency_handle)
+    if handle.buffer_id is not None and handle.buffer_id != buffer_id:
+        raise HandleError("this low-latency handle was made by another Buffer, whose memory holds the dispatch's "
+                          "state; pass it to the Buffer that dispatched")
+    return handle
 
 
 def normal_round_tokens(*, num_ranks: int, num_tokens: int, row_bytes: int, num_nvl_bytes: int,

@@ -52,12 +52,21 @@ class _NamedTuple(tuple):
             return self[type(self)._fields.index(name)]
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
+    def __reduce__(self):
+        """copy, deepcopy and pickle keep the fields and the attributes (tuple's own reduce would pass the
+        fields to __new__ as one argument)."""
+        return _rebuild, (type(self), tuple(self), dict(self.__dict__))
+
     def __repr__(self) -> str:
         parts = []
         for name, value in zip(type(self)._fields, self):
             shown = f"tensor{tuple(value.shape)}:{value.dtype}" if isinstance(value, torch.Tensor) else repr(value)
             parts.append(f"{name}={shown}")
         return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def _rebuild(cls, values, attributes):
+    return cls(*values, **attributes)
 
 
 class DispatchHandle(_NamedTuple):
@@ -92,13 +101,15 @@ class LowLatencyHandle(_NamedTuple):
     Attributes beyond the five fields:
         buffer_id: identity of the `Buffer` that made it.
         num_topk: top-k of the dispatch.
-        half: which half of the low-latency buffer the dispatch used (CUDA backend).
+        half: which half of the low-latency buffer the dispatch used (CUDA backend); None for a handle
+            built from a plain tuple, whose half the backend finds from `src_info` (NOTE [plain low-latency
+            handles] in backends/cuda/low_latency.py).
     """
 
     _fields = _LOW_LATENCY_FIELDS
     buffer_id: Optional[int] = None
     num_topk: Optional[int] = None
-    half: int = 0
+    half: Optional[int] = None
 
 
 def _as_handle(cls, handle):

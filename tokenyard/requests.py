@@ -100,6 +100,7 @@ class LowLatencyDispatchRequest:
     cumulative_local_expert_recv_stats: Optional[torch.Tensor]  # [L] int32, accumulated in place
     return_recv_hook: bool
     rank_mask: Optional[torch.Tensor]        # [R] int32, 1 = masked (enable_shrink), or None
+    wait_recv_cost_stats: Optional[torch.Tensor] = None  # [R] int64, NOTE [wait costs]: accumulated in place
 
 
 @dataclasses.dataclass
@@ -121,3 +122,4 @@ class LowLatencyCombineRequest:
     return_recv_hook: bool
     out: Optional[torch.Tensor]              # [T, H] bf16 or None
     rank_mask: Optional[torch.Tensor]        # as in LowLatencyDispatchRequest
+    wait_recv_cost_stats: Optional[torch.Tensor] = None  # as in LowLatencyDispatchRequest

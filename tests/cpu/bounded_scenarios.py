@@ -198,7 +198,7 @@ def env_cap_bounds_the_buffer(seed, token_counts, hidden, num_experts, num_topk)
         else:
             os.environ["TOKENYARD_NVL_BUFFER_BYTES"] = before
         env.settings.cache_clear()
-    assert capped.num_nvl_bytes == cap
+    assert capped.num_nvl_bytes == 1 << 40 and capped.nvl_bytes_held == cap  # NOTE [requested and held bytes]
     plan = capped.normal_round_plan(max(token_counts), hidden, num_topk)
     assert plan.buffer_bytes == cap and plan.round_tokens == 3
     one_shot = one_shot_buffer(max(token_counts), x)

@@ -324,11 +324,11 @@ def _bad_capacity():
     small.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
 
 
-def _bad_handle_other_buffer():
-    buffer, x, topk_idx, weights, layout = _bad_setup()
-    recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
-    other = normal_buffer(8, 512)
-    other.combine(recv_x, handle)
+def _bad_ll_handle_other_buffer():
+    rank, num_ranks = _world()
+    x, topk_idx, weights = make_rank_inputs(1, num_ranks, 4, 256, 8, 2)[rank]
+    recv_x, _, handle, _, _ = _ll_buffer().low_latency_dispatch(x, topk_idx, 8, 8, use_fp8=False)
+    _ll_buffer().low_latency_combine(recv_x, topk_idx, weights, handle)
 
 
 def _bad_handle_with_topk():
@@ -369,12 +369,11 @@ def _bad_ll_duplicate_expert():
     _ll_buffer().low_latency_dispatch(x, topk_idx, 8, 8)
 
 
-def _bad_ll_logfmt():
+def _bad_ll_wait_stats_shape():
     rank, num_ranks = _world()
-    x, topk_idx, weights = make_rank_inputs(1, num_ranks, 4, 256, 8, 2)[rank]
-    buffer = _ll_buffer()
-    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 8, 8, use_fp8=False)
-    buffer.low_latency_combine(recv_x, topk_idx, weights, handle, use_logfmt=True)
+    x, topk_idx, _ = make_rank_inputs(1, num_ranks, 4, 256, 8, 2)[rank]
+    stats = torch.zeros(num_ranks, num_ranks, dtype=torch.int64)  # DeepEP's docstring says so; its code takes [R]
+    _ll_buffer().low_latency_dispatch(x, topk_idx, 8, 8, dispatch_wait_recv_cost_stats=stats)
 
 
 def _bad_ll_topk_above_16():
@@ -426,14 +425,14 @@ BAD_CALLS = {
     "layout disagrees with is_token_in_rank": _bad_layout_mismatch,
     "layout missing": _bad_missing_layout,
     "buffer too small": _bad_capacity,
-    "handle from another buffer": _bad_handle_other_buffer,
+    "low-latency handle from another buffer": _bad_ll_handle_other_buffer,
     "cached dispatch with topk": _bad_handle_with_topk,
     "combine rows mismatch": _bad_combine_rows,
     "more tokens than num_max_dispatch_tokens_per_rank": _bad_ll_too_many_tokens,
     "fp8 hidden not a multiple of 128": _bad_ll_hidden_not_128,
     "low-latency buffer too small": _bad_ll_capacity,
     "duplicate expert in a low-latency row": _bad_ll_duplicate_expert,
-    "use_logfmt": _bad_ll_logfmt,
+    "wait_recv_cost_stats not [R] int64": _bad_ll_wait_stats_shape,
     "top-k above 16 in low-latency mode": _bad_ll_topk_above_16,
     "mask without enable_shrink": _bad_mask_without_shrink,
     "low-latency bf16 hidden not a multiple of 8": _bad_ll_bf16_hidden_not_8,

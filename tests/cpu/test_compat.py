@@ -63,6 +63,41 @@ def test_framework_imports_resolve():
     assert deep_ep.Buffer is tokenyard.Buffer and deep_ep.Config is tokenyard.Config
     assert deep_ep.EventOverlap is EventOverlap and deep_ep.EventHandle is EventHandle
     assert deep_ep.topk_idx_t is tokenyard.topk_idx_t
+    from tokenyard.compat.deep_ep.buffer import Buffer
+    from tokenyard.compat.deep_ep.utils import check_nvlink_connections
+
+    assert Buffer is tokenyard.Buffer and callable(check_nvlink_connections)
+    assert deep_ep.__version__ == tokenyard.__version__
+
+
+def test_seed_readme_autotuner_benchmark_and_cli_resolve():
+    """The seed README's ``from deep_ep import AutoTuner, Benchmark`` and ``python -m deep_ep.benchmark``."""
+    import subprocess
+    import sys
+
+    from tokenyard.compat.deep_ep import AutoTuner, Benchmark
+
+    assert AutoTuner is tokenyard.AutoTuner and Benchmark is tokenyard.Benchmark
+    shown = subprocess.run([sys.executable, "-m", "tokenyard.compat.deep_ep.benchmark", "--help"], check=True,
+                           capture_output=True, text=True).stdout
+    assert "--mode" in shown and "--num_tokens" in shown
+
+
+def test_handles_survive_copy_deepcopy_and_pickle():
+    import copy
+    import pickle
+
+    import torch
+
+    fields = [torch.arange(3) + i for i in range(6)]
+    handle = tokenyard.DispatchHandle(*fields, buffer_id=3, num_recv_tokens=7)
+    low = tokenyard.LowLatencyHandle(fields[0], fields[1], 128, 7168, 256, buffer_id=3, num_topk=8, half=1)
+    for copied in (copy.copy(handle), copy.deepcopy(handle), pickle.loads(pickle.dumps(handle))):
+        assert type(copied) is tokenyard.DispatchHandle and (copied.buffer_id, copied.num_recv_tokens) == (3, 7)
+        assert all(torch.equal(a, b) for a, b in zip(copied, fields))
+    for copied in (copy.copy(low), copy.deepcopy(low), pickle.loads(pickle.dumps(low))):
+        assert type(copied) is tokenyard.LowLatencyHandle and (copied.num_topk, copied.half) == (8, 1)
+        assert tuple(copied)[2:] == (128, 7168, 256)
 
 
 def test_config_takes_deepeps_positional_arguments_and_gives_hints():
@@ -116,3 +151,17 @@ def test_importing_tokenyard_loads_no_cuda_library():
             "bad = [m for m in sys.modules if m.startswith('tokenyard.backends.cuda') or m.startswith('tokenyard.jit')]; "
             "print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_inputs_deepep_accepts_in_normal_mode_are_accepted(ranks, seed):
+    """A handle on another Buffer, num_worst_tokens with a handle, [T] scales, numpy sizes."""
+    from . import compat_scenarios
+
+    ranks(2).run(compat_scenarios.normal_leniencies, seed)
+
+
+def test_inputs_deepep_accepts_in_low_latency_mode_are_accepted(ranks, seed):
+    """use_logfmt (with zero_copy too), [R] int64 wait-cost stats, DeepEP's runtime queries."""
+    from . import compat_scenarios
+
+    ranks(2).run(compat_scenarios.low_latency_leniencies, seed)

@@ -230,6 +230,64 @@ def test_calls_of_several_shapes_on_one_buffer_after_clean(num_ranks, seed):
     print(spawn.run(num_ranks, _shapes_on_one_buffer, seed)[0])
 
 
+def _plain_handles_and_wait_costs(seed):
+    """Two micro-batches (dispatch 1, dispatch 2, combine 2, combine 1), every combine given DeepEP's plain
+    5-tuple, which does not say which half of the buffer its dispatch used (NOTE [plain low-latency handles]):
+    both combines match the reference's. Wait-cost stats (NOTE [wait costs]) grow on every rank's entry."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer
+    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_tokens, hidden, num_experts, num_topk = 64, 2048, 16 * num_ranks, 4
+    size = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
+    ref = Buffer(dist.group.WORLD, 0, size, backend="reference")
+    cuda = Buffer(dist.group.WORLD, 0, size, backend="cuda", timeout_s=30)
+    cuda.runtime.use_low_latency_kernels = True
+    cuda.runtime.poison_outputs = True
+    batches = [make_rank_inputs(seed + b, num_ranks, num_tokens, hidden, num_experts, num_topk, "uniform", "bf16",
+                                device) for b in range(2)]
+    waits = [torch.zeros(num_ranks, dtype=torch.int64, device=device) for _ in range(3)]
+    results = {}
+    for buffer in (ref, cuda):
+        handles, ys = [], []
+        for b, all_inputs in enumerate(batches):
+            x, topk_idx, _ = all_inputs[rank]
+            recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts, use_fp8=False,
+                                                                dispatch_wait_recv_cost_stats=waits[0])
+            handles.append(tuple(handle))  # DeepEP's plain fields only
+            ys.append((recv.float() * (b + 2)).to(torch.bfloat16))
+        torch.cuda.synchronize()
+        waits[1].copy_(waits[0])
+        out = [None, None]
+        for b in (1, 0):
+            _, topk_idx, weights = batches[b][rank]
+            out[b] = buffer.low_latency_combine(ys[b], topk_idx, weights, handles[b],
+                                                combine_wait_recv_cost_stats=waits[0])[0]
+        torch.cuda.synchronize()
+        waits[2].copy_(waits[0])
+        results[buffer.backend] = out
+        if buffer is ref:
+            assert int(waits[0].abs().sum()) == 0, "the reference backend counts no waits"
+    for b in range(2):
+        assert_within_bf16_rounding(results["cuda"][b], results["reference"][b],
+                                    f"micro-batch {b}: combine through a plain handle against the reference")
+    assert bool((waits[1] > 0).all()), f"dispatch wait costs {waits[1].tolist()}: every rank's must grow"
+    assert bool((waits[2] > waits[1]).all()), f"combine wait costs {waits[1].tolist()} -> {waits[2].tolist()}"
+    cuda.runtime.check_failures()
+    ref.destroy()
+    cuda.destroy()
+    return f"plain handles of two micro-batches match; wait costs {waits[2].tolist()} cycles"
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
+def test_plain_tuple_handles_of_two_micro_batches_and_wait_costs(num_ranks, seed):
+    for line in spawn.run(num_ranks, _plain_handles_and_wait_costs, seed):
+        print(line)
+
+
 def _masked_rank(seed):
     """With enable_shrink, a rank that stops answering is masked and the others keep serving."""
     import time

@@ -40,6 +40,24 @@ class Backend(abc.ABC):
         self.ctx = ctx
         self.poison_outputs = False  # tests set it: outputs start as 0xAB bytes, so unwritten rows show
 
+    # -- DeepEP's runtime queries (`buffer.runtime.*` in DeepEP code): one NVLink domain, no RDMA ranks ----
+
+    def is_available(self) -> bool:
+        return True
+
+    def get_num_rdma_ranks(self) -> int:
+        return 1
+
+    def get_rdma_rank(self) -> int:
+        return 0
+
+    def get_root_rdma_rank(self, global_: bool) -> int:
+        """The rank of this rank's peer on the first RDMA node: itself (one node), or 0 within it."""
+        return self.ctx.rank if global_ else 0
+
+    def get_local_device_id(self) -> int:
+        return self.ctx.device.index if self.ctx.device.type == "cuda" and self.ctx.device.index is not None else 0
+
     def empty(self, *shape, dtype: torch.dtype, device) -> torch.Tensor:
         """An output tensor, poisoned where the tests ask for it."""
         t = torch.empty(*shape, dtype=dtype, device=device)

@@ -117,7 +117,8 @@ def low_latency_dispatch(num_topk: int, topk_dtype: torch.dtype, use_fp8: bool, 
          Param("int", "hidden"), Param("int", "num_experts"), Param("int", "round_scale"),
          Param("uint8_t*", "packed_recv_x"), Param("uint32_t*", "packed_recv_scales"),
          Param("int*", "packed_recv_count"), Param("int*", "src_info"), Param("int64_t*", "layout_range"),
-         Param("int*", "cumulative_stats"), Param("int*", "rank_mask")) + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
+         Param("int*", "cumulative_stats"), Param("int*", "rank_mask"), Param("int64_t*", "wait_costs"))
+        + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
         LOW_LATENCY_THREADS)
 
 
@@ -128,7 +129,8 @@ def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
         "tokenyard/kernels/low_latency.cuh", "tokenyard::kernels::low_latency_combine", (num_topk, topk_t),
         (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("const float*", "topk_weights"),
          Param("int", "num_tokens"), Param("int", "hidden"),
-         Param("int", "num_experts"), Param("int4*", "combined_x"), Param("int*", "rank_mask"))
+         Param("int", "num_experts"), Param("int4*", "combined_x"), Param("int*", "rank_mask"),
+         Param("int64_t*", "wait_costs"))
         + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
         LOW_LATENCY_THREADS)
 

@@ -28,6 +28,7 @@ class LowLatencyKernels:
         self.backend = backend
         self.buffer = buffer  # a SymmetricBuffer of num_rdma_bytes
         self._dispatch_calls = 0
+        self._src_info_of_half = [None, None]  # data_ptr of each half's latest dispatch's src_info
         self._bases = {}  # half_bytes -> (device array of half 0's base on every rank, the same for half 1)
         self.trace = None  # see start_trace
         self._shared_limit = getattr(torch.cuda.get_device_properties(backend.device_index),
@@ -136,7 +137,7 @@ class LowLatencyKernels:
                                                               request.use_ue8m0))
         grid = self._grid()
         stats = request.cumulative_local_expert_recv_stats
-        mask = request.rank_mask
+        mask, wait_costs = request.rank_mask, request.wait_recv_cost_stats
 
         stream = backend._stream()  # a recv hook launches where the send did, as DeepEP's does
 
@@ -146,10 +147,11 @@ class LowLatencyKernels:
                    0 if packed_recv_x_scales is None else packed_recv_x_scales.data_ptr(),
                    packed_recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
                    0 if stats is None else stats.data_ptr(), 0 if mask is None else mask.data_ptr(),
-                   *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
+                   0 if wait_costs is None else wait_costs.data_ptr(), *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
                    self._trace_ptr(0), shared_bytes=shared_bytes)
 
         hook = self._send_then_receive(launch, request.return_recv_hook)
+        self._src_info_of_half[half] = src_info.data_ptr()
         handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk, half=half)
         return LowLatencyDispatchResult(packed_recv_x, packed_recv_x_scales, packed_recv_count, handle, hook)
 
@@ -161,23 +163,37 @@ class LowLatencyKernels:
         num_tokens, num_topk = topk_idx.shape
         num_max, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
-        half = handle.half
+        half = handle.half if handle.half is not None else self._half_of(handle.src_info)
         out = request.out if request.out is not None else backend.empty(num_tokens, hidden, dtype=torch.bfloat16,
                                                                            device=x.device)
         kernel = backend._kernel(kernels.low_latency_combine(num_topk, topk_idx.dtype))
         grid = self._grid()
-        mask = request.rank_mask
+        mask, wait_costs = request.rank_mask, request.wait_recv_cost_stats
 
         stream = backend._stream()  # a recv hook launches where the send did, as DeepEP's does
 
         def launch(do_send: int, do_recv: int) -> None:
             kernel(grid, stream, x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens,
                    hidden, num_experts, out.data_ptr(),
-                   0 if mask is None else mask.data_ptr(),
+                   0 if mask is None else mask.data_ptr(), 0 if wait_costs is None else wait_costs.data_ptr(),
                    *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
                    self._trace_ptr(1), shared_bytes=self._pair_bits_bytes(num_max, ctx.num_ranks))
 
         return out, self._send_then_receive(launch, request.return_recv_hook)
+
+    def _half_of(self, src_info: torch.Tensor) -> int:
+        """NOTE [plain low-latency handles]
+        A handle rebuilt from DeepEP's plain 5-tuple does not say which half of the buffer its dispatch used,
+        and a combine that read the other half would wait for signals that never come or read another call's
+        rows. The half is the one whose latest dispatch made this `src_info` (the latest dispatch's half is
+        looked at first: its src_info is alive, so no freed tensor of the other half can share its address);
+        a src_info that is neither (a copy) is taken as the latest dispatch's, the half DeepEP's combine
+        would use."""
+        latest = self._dispatch_calls % 2
+        for half in (latest, 1 - latest):
+            if self._src_info_of_half[half] == src_info.data_ptr():
+                return half
+        return latest
 
     def _send_then_receive(self, launch, return_recv_hook: bool):
         """One launch that sends and receives, or (with a recv hook) a send launch now and a hook that

@@ -285,6 +285,15 @@ __device__ __forceinline__ int wait_or_mask(const WaitContext& wait, const uint6
     return wait_tag_or_mask<true>(wait, word, epoch, peer, stage, rank_mask, value) ? static_cast<int>(value) : -1;
 }
 
+// NOTE [wait costs] (checks.py): DeepEP's wait_recv_cost_stats. Block 0's thread for `peer` adds the SM
+// clock cycles from the start of the receive until it saw `peer`'s signal (or gave up on it); every block
+// waits alike, so one block's count stands for all of them.
+__device__ __forceinline__ void add_wait_cost(int64_t* wait_costs, int peer, int64_t recv_start) {
+    if (wait_costs != nullptr && blockIdx.x == 0)
+        atomicAdd(reinterpret_cast<unsigned long long*>(wait_costs + peer),
+                  static_cast<unsigned long long>(clock64() - recv_start));
+}
+
 // FP8 cast of 16 consecutive channels held by one lane, exactly as quant.py (NOTE [low-latency dispatch]):
 // the 8 lanes of one 128-channel group share its amax, so every lane returns the group's scale too.
 template <bool kRoundScale>
@@ -384,7 +393,8 @@ template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
 __device__ __forceinline__ void low_latency_dispatch(
         const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
         uint8_t* packed_recv_x, uint32_t* packed_recv_scales, int* packed_recv_count, int* src_info,
-        int64_t* layout_range, int* cumulative_stats, int* rank_mask, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
+        int64_t* layout_range, int* cumulative_stats, int* rank_mask, int64_t* wait_costs,
+        TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
         int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
     static_assert(kNumTopk <= kHeaderMaxTopk, "the message header has room for 16 top-k choices");
     trace_mark(trace, kTraceStart);
@@ -492,6 +502,7 @@ __device__ __forceinline__ void low_latency_dispatch(
 
     // Receive: the rows of every (local expert, source) are numbered from the expert counts, which travel
     // without a fence and come while the data is still in flight; then the data signals.
+    const int64_t recv_start = clock64();  // NOTE [wait costs]
     __shared__ int num_messages[kWarpSize], first_item[kWarpSize + 1];
     __shared__ bool present[kWarpSize];  // every count of the source (then also its data) is here
     int* counts = reinterpret_cast<int*>(shared_words);  // [L][R]
@@ -537,8 +548,10 @@ __device__ __forceinline__ void low_latency_dispatch(
     if (threadIdx.x < num_ranks) {
         const int s = threadIdx.x;
         int count = -1;
-        if (present[s] && (rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + s) == 0))
+        if (present[s] && (rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + s) == 0)) {
             count = wait_or_mask(wait, b.count(rank, s), epoch, s, kStageLowLatencyDispatchRecv, rank_mask);
+            add_wait_cost(wait_costs, s, recv_start);
+        }
         lost = present[s] && count < 0;
         present[s] = count >= 0;
         num_messages[s] = max(0, count);
@@ -739,7 +752,7 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
         const int4* x, const TopkT* topk_idx, const float* topk_weights, int num_tokens, int hidden, int num_experts,
-        int4* combined_x, int* rank_mask, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
+        int4* combined_x, int* rank_mask, int64_t* wait_costs, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
         int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
     trace_mark(trace, kTraceStart);
     const LowLatencyBuffers b = TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, kNumTopk, hidden);
@@ -849,6 +862,7 @@ __device__ __forceinline__ void low_latency_combine(
         return;
     }
 
+    const int64_t recv_start = clock64();  // NOTE [wait costs]
     build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, b.num_local_experts,
                                            rank_mask);
     trace_mark(trace, kTraceRecvReady);
@@ -862,6 +876,7 @@ __device__ __forceinline__ void low_latency_combine(
         if (row_count(bits, words, d) > 0 && !masked(d)) {
             rows_here[d] = wait_or_mask(wait, b.combine_flag(rank, d), epoch, d, kStageLowLatencyCombineRecv,
                                         rank_mask) >= 0;
+            add_wait_cost(wait_costs, d, recv_start);
             missed = !rows_here[d] && rank_mask == nullptr;
         }
     }
