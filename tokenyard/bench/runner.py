@@ -261,10 +261,10 @@ def copy_limit_gbps(ctx: RankContext, buffer: Buffer) -> Optional[float]:
     where ``tokenyard.backends.cuda`` provides ``measure_copy_limit_gbps(buffer, num_bytes_per_peer,
     pattern=...)`` and ``COPY_PATTERNS``, it is called with the bytes one rank's tokens take, with every SM,
     once per way of issuing the writes (NOTE [copy patterns] in copy_limit.cuh), and the fastest counts: the
-    limit is the best rate a plain copy reached, never a slow way of copying. Otherwise the limit is not
-    measured (None).
+    limit is the best rate a plain copy reached, never a slow way of copying. Otherwise, and at one rank
+    (no peers to copy to), the limit is not measured (None).
     """
-    if buffer.backend != "cuda":
+    if buffer.backend != "cuda" or ctx.num_ranks < 2:
         return None
     try:
         from ..backends.cuda import COPY_PATTERNS, measure_copy_limit_gbps
