@@ -52,7 +52,8 @@ class LowLatencyCalls:
 
         Arguments:
             x: ``[T, H]`` bf16, T <= `num_max_dispatch_tokens_per_rank` (same on every rank).
-            topk_idx: ``[T, K]`` int64 global expert ids, -1 for none, distinct per row, K <= 16.
+            topk_idx: ``[T, K]`` int64 global expert ids, -1 for none, K <= 16; an expert named twice in a
+                row takes one slot (NOTE [repeated experts] in routing.py).
             cumulative_local_expert_recv_stats: ``[L]`` int32, incremented by the received counts.
             dispatch_wait_recv_cost_stats: ``[R]`` int64: adds, per source rank, the GPU clock cycles the
                 receive waited for that rank's tokens (CUDA kernels; NOTE [wait costs] in checks.py).
@@ -87,7 +88,7 @@ class LowLatencyCalls:
             checks.tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                           dtypes=(torch.int32,), shape=(num_local_experts,), device=self.device)
         if self._check_values():
-            checks.topk_values(topk_idx, num_experts, unique=True)
+            checks.topk_values(topk_idx, num_experts)
         request = LowLatencyDispatchRequest(
             x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale or use_ue8m0,

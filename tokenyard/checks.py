@@ -75,21 +75,14 @@ def topk_idx(t, *, num_tokens: Optional[int], device, max_topk: Optional[int] = 
     return t
 
 
-def topk_values(t: torch.Tensor, num_experts: int, *, unique: bool = False) -> None:
-    """Expert ids in [-1, num_experts); with `unique`, no expert twice in one row. Syncs the device."""
+def topk_values(t: torch.Tensor, num_experts: int) -> None:
+    """Expert ids in [-1, num_experts). Syncs the device."""
     if t.numel() == 0:
         return
     low, high = (int(v) for v in torch.aminmax(t))
     if low < -1 or high >= num_experts:
         bad = t[(t < -1) | (t >= num_experts)].flatten()[0].item()
         _fail(f"topk_idx holds expert id {bad}, outside [-1, {num_experts})")
-    if unique and t.size(1) > 1:
-        ordered = t.sort(dim=1).values
-        repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-        if bool(repeated.any()):
-            row = int(repeated.any(dim=1).nonzero()[0])
-            _fail(f"topk_idx row {row} names the same expert twice ({t[row].tolist()}); "
-                  "low-latency mode needs distinct experts per token")
 
 
 def topk_weights(t, *, like: torch.Tensor, device) -> torch.Tensor:

@@ -9,6 +9,12 @@ NOTE [recv order]
 Normal dispatch: rank r receives the tokens of source rank 0 first, then rank 1, ..., and within one
 source in increasing token index. Low-latency dispatch: local expert l's slots hold source rank 0's
 (token, k) pairs first, in increasing (token, k) order, then rank 1's, and so on from slot 0.
+
+NOTE [repeated experts]
+A low-latency row may name one expert twice (DeepEP takes such rows). The token then takes one slot of
+that expert, the slot of its first such choice, and every choice of it reads that slot's output in the
+combine, each with its own weight: the combined result is DeepEP's (which gives the token a slot per choice,
+whose outputs are the same), packed_recv_count counts the token once.
 """
 
 from __future__ import annotations
@@ -192,11 +198,12 @@ def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.T
             payloads.append(quant.quantize_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0))
         else:
             payloads.append((x, None))
-    # pairs[e][s]: the tokens of rank s that chose expert e, in (token, k) order.
+    # pairs[e][s]: the tokens of rank s that chose expert e, in (token, k) order, each once (NOTE
+    # [repeated experts]).
     pairs = [[[] for _ in range(num_ranks)] for _ in range(num_experts)]
     for s in range(num_ranks):
         for t, row in enumerate(topk_idxs[s].tolist()):
-            for e in row:
+            for e in dict.fromkeys(row):
                 if e >= 0:
                     pairs[e][s].append(t)
     outputs = []
@@ -234,7 +241,8 @@ def low_latency_combine(expert_outputs: Sequence[torch.Tensor], topk_idxs: Seque
 
     For rank s and its token t: ``acc = 0``; for k in increasing order with ``e = topk_idx[t, k] >= 0``,
     ``acc = acc + w[t, k] * float32(y)`` (one float32 product, then one float32 sum, no fused multiply-add)
-    where y is the expert output in the slot the pair (t, k) was dispatched to; the result is bf16.
+    where y is the expert output in the slot the pair (t, k) was dispatched to (a repeated expert's slot for
+    each of its choices, NOTE [repeated experts]); the result is bf16.
 
     With `pre_reduce`, the arithmetic of the CUDA kernels (NOTE [low-latency combine]): the token's pairs
     on each rank r are summed as above into a bf16 partial, and ``acc = acc + float32(partial_r)`` over
@@ -251,10 +259,15 @@ def low_latency_combine(expert_outputs: Sequence[torch.Tensor], topk_idxs: Seque
         seen = {}  # expert -> pairs of rank s seen so far, in (t, k) order
         slot_of = {}
         for t in range(num_tokens):
+            first_choice = {}  # expert -> the token's first k that chose it
             for k in range(num_topk):
                 e = int(topk_idx[t, k])
                 if e < 0:
                     continue
+                if e in first_choice:
+                    slot_of[(t, k)] = slot_of[(t, first_choice[e])]
+                    continue
+                first_choice[e] = k
                 r, l = divmod(e, num_local_experts)
                 begin = int(layout_ranges[r][l, s]) >> 32
                 slot_of[(t, k)] = (r, l, begin + seen.get(e, 0))

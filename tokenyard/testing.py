@@ -11,16 +11,17 @@ import torch
 
 from . import quant
 
-ROUTING_KINDS = ("uniform", "skewed", "masked", "empty_rank", "no_tokens")
+ROUTING_KINDS = ("uniform", "skewed", "masked", "empty_rank", "no_tokens", "repeated")
 
 
 def make_topk_idx(num_tokens: int, num_experts: int, num_topk: int, num_ranks: int, kind: str,
                   generator: torch.Generator, rank: int = 0) -> torch.Tensor:
-    """``[T, K]`` int64 distinct experts per row.
+    """``[T, K]`` int64 experts, distinct per row except with ``repeated``.
 
     Kinds: ``uniform`` (random experts), ``skewed`` (about 3/4 of choices on rank 0's experts),
     ``masked`` (about a quarter of entries -1, some rows all -1), ``empty_rank`` (no token picks the
-    experts of the last rank), ``no_tokens`` (rank 1 has zero tokens; others uniform).
+    experts of the last rank), ``no_tokens`` (rank 1 has zero tokens; others uniform), ``repeated``
+    (uniform, then every third row names its first expert again in its last column, where K > 1).
     """
     if kind == "no_tokens" and rank == 1:
         num_tokens = 0
@@ -35,6 +36,8 @@ def make_topk_idx(num_tokens: int, num_experts: int, num_topk: int, num_ranks: i
     if kind == "masked":
         topk_idx[torch.rand(topk_idx.shape, generator=generator) < 0.25] = -1
         topk_idx[::5] = -1
+    if kind == "repeated" and num_topk > 1:
+        topk_idx[::3, -1] = topk_idx[::3, 0]
     return topk_idx.to(torch.int64)
 
 

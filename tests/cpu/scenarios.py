@@ -361,14 +361,6 @@ def _bad_ll_capacity():
     Buffer(dist.group.WORLD, 0, 1024, backend="reference").low_latency_dispatch(x, topk_idx, 8, 8)
 
 
-def _bad_ll_duplicate_expert():
-    rank, num_ranks = _world()
-    x, topk_idx, _ = make_rank_inputs(1, num_ranks, 4, 256, 8, 2)[rank]
-    topk_idx = topk_idx.clone()
-    topk_idx[2] = 3
-    _ll_buffer().low_latency_dispatch(x, topk_idx, 8, 8)
-
-
 def _bad_ll_wait_stats_shape():
     rank, num_ranks = _world()
     x, topk_idx, _ = make_rank_inputs(1, num_ranks, 4, 256, 8, 2)[rank]
@@ -431,7 +423,6 @@ BAD_CALLS = {
     "more tokens than num_max_dispatch_tokens_per_rank": _bad_ll_too_many_tokens,
     "fp8 hidden not a multiple of 128": _bad_ll_hidden_not_128,
     "low-latency buffer too small": _bad_ll_capacity,
-    "duplicate expert in a low-latency row": _bad_ll_duplicate_expert,
     "wait_recv_cost_stats not [R] int64": _bad_ll_wait_stats_shape,
     "top-k above 16 in low-latency mode": _bad_ll_topk_above_16,
     "mask without enable_shrink": _bad_mask_without_shrink,

@@ -22,7 +22,6 @@ EXPECTED = {
     "more tokens than num_max_dispatch_tokens_per_rank": ("InvalidInputError", "exceed"),
     "fp8 hidden not a multiple of 128": ("InvalidInputError", "hidden % 128"),
     "low-latency buffer too small": ("CapacityError", "needs num_rdma_bytes >="),
-    "duplicate expert in a low-latency row": ("InvalidInputError", "same expert twice"),
     "wait_recv_cost_stats not [R] int64": ("InvalidInputError", "shape"),
     "top-k above 16 in low-latency mode": ("InvalidInputError", "maximum 16"),
     "mask without enable_shrink": ("InvalidInputError", "enable_shrink"),

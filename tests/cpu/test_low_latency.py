@@ -6,7 +6,7 @@ from . import scenarios
 
 
 @pytest.mark.parametrize("num_ranks,num_experts", [(2, 8), (3, 12), (4, 16), (8, 32)])
-@pytest.mark.parametrize("kind", ["uniform", "masked", "empty_rank", "no_tokens"])
+@pytest.mark.parametrize("kind", ["uniform", "masked", "empty_rank", "no_tokens", "repeated"])
 def test_fp8_dispatch_and_combine_match_the_oracle(ranks, seed, num_ranks, num_experts, kind):
     ranks(num_ranks).run(scenarios.low_latency_round_trip, seed, 12, 16, 256, num_experts, 4, kind)
 
@@ -19,6 +19,11 @@ def test_power_of_two_and_ue8m0_scales(ranks, seed, round_scale, use_ue8m0):
 
 def test_bf16_dispatch_then_identity_combine_is_the_weighted_sum(ranks, seed):
     ranks(4).run(scenarios.low_latency_round_trip, seed, 16, 16, 384, 16, 6, "masked", False)
+
+
+def test_repeated_expert_takes_one_slot_and_combines_to_the_weighted_sum(ranks, seed):
+    """NOTE [repeated experts]: against the oracle, and bf16 identity experts give sum_k w_k * x."""
+    ranks(4).run(scenarios.low_latency_round_trip, seed, 16, 16, 384, 16, 6, "repeated", False)
 
 
 def test_hooks_zero_copy_and_out(ranks, seed):

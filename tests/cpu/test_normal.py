@@ -6,7 +6,7 @@ from . import scenarios
 
 
 @pytest.mark.parametrize("num_ranks,num_experts", [(2, 8), (3, 12), (4, 16), (8, 32)])
-@pytest.mark.parametrize("kind", ["uniform", "skewed", "masked", "empty_rank", "no_tokens"])
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "masked", "empty_rank", "no_tokens", "repeated"])
 def test_dispatch_and_combine_match_the_oracle_for_each_routing(ranks, seed, num_ranks, num_experts, kind):
     ranks(num_ranks).run(scenarios.normal_round_trip, seed, 24, 256, num_experts, 4, kind, "bf16")
 

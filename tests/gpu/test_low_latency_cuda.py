@@ -23,6 +23,7 @@ CASES = [
     (64, 64, 4096, 64, 6, "empty_rank", False, False, False, False),
     (1, 32, 2048, 32, 1, "uniform", True, False, False, True),
     (32, 48, 1024, 16, 4, "no_tokens", True, True, False, False),
+    (64, 64, 2048, 32, 4, "repeated", True, False, False, False),  # NOTE [repeated experts]
 ]
 
 

@@ -22,6 +22,7 @@ CASES = [
     (257, 2048, 32, 1, "masked", "int8"),
     (128, 2048, 64, 16, "empty_rank", "fp8"),
     (96, 2048, 16, 4, "no_tokens", "bf16"),
+    (160, 2048, 32, 4, "repeated", "fp8"),  # an expert twice in a row: counted per (token, k), as DeepEP
 ]
 
 

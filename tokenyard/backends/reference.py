@@ -292,15 +292,23 @@ class ReferenceBackend(Backend):
 
     # -- low-latency mode -----------------------------------------------------------------------------
 
+    @staticmethod
+    def _first_choice(topk_idx: torch.Tensor) -> torch.Tensor:
+        """[T, K] int64: for each choice, the token's first k that chose the same expert (NOTE [repeated
+        experts] in routing.py); k itself where the expert is not repeated."""
+        same = topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)  # [T, K, K']: choice k' names k's expert
+        return same.int().argmax(dim=2)  # the first k' (k' <= k, since k' = k matches)
+
     def _pair_order(self, topk_idx: torch.Tensor, num_experts: int, rank_mask: Optional[torch.Tensor]):
-        """Sort this rank's (token, k) pairs by expert, stably; masked and -1 pairs sort last.
+        """Sort this rank's (token, k) pairs by expert, stably; masked, -1 and repeated pairs sort last.
 
         Returns (sorted_expert, pair_of_sorted, dest, pos): the i-th sorted pair is pair
         ``pair_of_sorted[i]`` (flat t*K+k), goes to rank ``dest[i]`` (R for none) at row ``pos[i]``.
         """
         num_ranks = self.ctx.num_ranks
         num_local_experts = num_experts // num_ranks
-        valid = topk_idx >= 0
+        num_topk = topk_idx.size(1)
+        valid = (topk_idx >= 0) & (self._first_choice(topk_idx) == torch.arange(num_topk, device=topk_idx.device))
         if rank_mask is not None:
             owner = topk_idx.clamp_min(0) // num_local_experts
             valid = valid & (rank_mask[owner] == 0)
@@ -449,8 +457,11 @@ class ReferenceBackend(Backend):
             per_pair[pair_of_sorted] = returned[flat]
             is_valid = torch.zeros(num_tokens * num_topk, dtype=torch.bool, device=device)
             is_valid[pair_of_sorted] = pair_valid
-            per_pair = per_pair.view(num_tokens, num_topk, hidden)
-            is_valid = is_valid.view(num_tokens, num_topk)
+            # A repeated expert's choices read its first choice's row (NOTE [repeated experts]).
+            first = self._first_choice(topk_idx)
+            per_pair = per_pair.view(num_tokens, num_topk, hidden).gather(
+                1, first.unsqueeze(2).expand(-1, -1, hidden))
+            is_valid = is_valid.view(num_tokens, num_topk).gather(1, first)
             acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
             for k in range(num_topk):
                 term = topk_weights[:, k:k + 1] * per_pair[:, k].float()

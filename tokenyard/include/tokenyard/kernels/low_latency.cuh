@@ -147,7 +147,9 @@ __device__ __forceinline__ void trace_mark(uint64_t* trace, int point) {
 // memory, one bit per (expert, token): bits[e * words + t / 32] bit t % 32. A slot is then a few popcounts,
 // and an expert's pair count the popcount of its row. Pairs whose expert is -1, out of range, or on a
 // masked rank set no bit and travel nowhere. With kByRank the rows are ranks instead of experts (a bit per
-// (rank, token): the token goes to that rank).
+// (rank, token): the token goes to that rank). An expert a token names twice sets its bit once, so the
+// token takes one slot there and both choices' header slots name it (NOTE [repeated experts] in routing.py):
+// the receive writes the row once per choice, the same bytes, and the combine reads it for each choice.
 // Whether a pair with expert `e` travels: an expert in range, on an unmasked rank.
 __device__ __forceinline__ bool routed(int64_t e, int num_experts, int num_local_experts, const int* rank_mask) {
     return e >= 0 && e < num_experts && (rank_mask == nullptr || rank_mask[e / num_local_experts] == 0);
