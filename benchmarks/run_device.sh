@@ -29,7 +29,7 @@ export PYTHONUNBUFFERED=1 TOKENYARD_CACHE_DIR="${TOKENYARD_CACHE_DIR:-$PWD/.jit_
 num_gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    timeout 420 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -5
+    timeout 540 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -5
 fi
 if [ "$what" = low_latency ] || [ "$what" = all ]; then
     # The low-latency kernels beside the reference backend over NCCL, as CUDA-graph replays, 1-256 tokens
@@ -86,8 +86,8 @@ if [ "$what" = shares ]; then
     done
 fi
 if [ "$what" = one_gpu ]; then
-    timeout 420 python3 -m pytest -v tests/gpu/test_one_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests_one_gpu.log" \
-        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -20
+    timeout 420 python3 -m pytest -v tests/gpu/test_one_gpu.py -p no:cacheprovider 2>&1 \
+        | tee "$out/gpu_tests_one_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -20
     timeout 150 python3 -m tokenyard.bench --quiet --json "$out/bench_one_gpu.json" 2>&1 | tail -16
 fi
 tar czf "$out/jit_cache.tgz" "${TOKENYARD_CACHE_DIR#$PWD/}" 2>/dev/null || true

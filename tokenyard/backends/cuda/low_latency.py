@@ -147,7 +147,8 @@ class LowLatencyKernels:
                    0 if packed_recv_x_scales is None else packed_recv_x_scales.data_ptr(),
                    packed_recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
                    0 if stats is None else stats.data_ptr(), 0 if mask is None else mask.data_ptr(),
-                   0 if wait_costs is None else wait_costs.data_ptr(), *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
+                   0 if wait_costs is None else wait_costs.data_ptr(),
+                   *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
                    self._trace_ptr(0), shared_bytes=shared_bytes)
 
         hook = self._send_then_receive(launch, request.return_recv_hook)
