@@ -26,6 +26,15 @@ def rank_counts(largest_only: bool = False) -> list:
     return counts[-1:] if largest_only else counts
 
 
+def one_rank_wanted() -> bool:
+    """Whether the one-rank tests (test_one_gpu.py) run: on a machine of one GPU, where the others skip, or
+    where TOKENYARD_TEST_NUM_RANKS names 1."""
+    chosen = os.environ.get("TOKENYARD_TEST_NUM_RANKS", "")
+    if chosen.strip():
+        return NUM_GPUS >= 1 and 1 in {int(part) for part in chosen.split(",") if part.strip()}
+    return NUM_GPUS == 1
+
+
 def run(num_ranks: int, fn, *args, timeout_s: float = 600.0):
     """fn(*args) on `num_ranks` GPU ranks; raise AssertionError with every failing rank's traceback."""
     try:
