@@ -137,13 +137,11 @@ def _converted(handle, convert):
         raise HandleError(str(exc)) from None
 
 
-def dispatch_handle(handle, *, buffer_id: int) -> DispatchHandle:
-    """Our handle or DeepEP's 6-tuple. A handle another Buffer made is taken as its plain six fields, as
-    DeepEP takes any handle: its rounds are derived again for this Buffer (NOTE [rounds])."""
-    handle = _converted(handle, as_dispatch_handle)
-    if handle.buffer_id is not None and handle.buffer_id != buffer_id:
-        return DispatchHandle(*handle)
-    return handle
+def dispatch_handle(handle) -> DispatchHandle:
+    """Our handle or DeepEP's 6-tuple, from any Buffer of the group, as DeepEP takes any handle: its fields
+    are tensors, and its rounds are replayed where they fit the Buffer it is given to, else derived again
+    (rounds.plan_for, NOTE [rounds])."""
+    return _converted(handle, as_dispatch_handle)
 
 
 def low_latency_handle(handle, *, buffer_id: int) -> LowLatencyHandle:

@@ -30,11 +30,15 @@ def normal_leniencies(seed, num_tokens=24, hidden=256, num_experts=16, num_topk=
     y = torch.randn(recv_x.shape, generator=torch.Generator().manual_seed(seed + rank)).to(torch.bfloat16)
     want = first.combine(y, handle, topk_weights=recv_w)
 
-    # Another Buffer of the same group takes the handle as DeepEP's plain six fields.
-    got = second.combine(y, handle, topk_weights=recv_w)
-    assert_same("combine on another Buffer", got[0], want[0])
-    assert_same("combined weights on another Buffer", got[1], want[1])
-    assert_same("cached dispatch on another Buffer", second.dispatch(x, handle=handle)[0], recv_x)
+    # Another Buffer of the group takes the handle, as DeepEP's does: one of the same size replays its
+    # rounds, one too small for them derives its own (NOTE [rounds]).
+    small = normal_buffer(num_tokens // 3, hidden * 2)
+    for other, what in ((second, "another Buffer"), (small, "a smaller Buffer")):
+        got = other.combine(y, handle, topk_weights=recv_w)
+        assert_same(f"combine on {what}", got[0], want[0])
+        assert_same(f"combined weights on {what}", got[1], want[1])
+        assert_same(f"cached dispatch on {what}", other.dispatch(x, handle=handle)[0], recv_x)
+    assert small.normal_round_plan(num_tokens, hidden, num_topk).num_rounds > 1
 
     # A cached dispatch ignores num_worst_tokens, as DeepEP's does: the handle's rows.
     assert_same("cached dispatch with num_worst_tokens", first.dispatch(x, handle=handle, num_worst_tokens=4096)[0],
@@ -48,8 +52,8 @@ def normal_leniencies(seed, num_tokens=24, hidden=256, num_experts=16, num_topk=
     assert flat[1].dim() == 1 and column[1].dim() == 2
     assert_same("[T] scales received as [N]", flat[1], column[1].view(-1))
     assert_same("data with [T] scales", flat[0], column[0])
-    first.destroy()
-    second.destroy()
+    for buffer in (first, second, small):
+        buffer.destroy()
     return int(recv_x.size(0))
 
 
