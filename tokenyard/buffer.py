@@ -370,8 +370,7 @@ class Buffer(LowLatencyCalls):
         """
         del num_tokens_per_rdma_rank
         backend = self._backend()
-        scales_1d = isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[1], torch.Tensor) and x[1].dim() == 1
-        x, x_scales = checks.dispatch_x(x, device=self.device)
+        x, x_scales, scales_1d = checks.dispatch_x(x, device=self.device)
         num_tokens = x.size(0)
         config = config if config is not None else self.get_dispatch_config(self.group_size)
         expert_alignment = checks.size_int("expert_alignment", expert_alignment, positive=True)

@@ -90,7 +90,8 @@ def topk_weights(t, *, like: torch.Tensor, device) -> torch.Tensor:
 
 
 def dispatch_x(x, *, device):
-    """``x`` or ``(x, x_scales)`` -> ``(x, x_scales)``; rows must be a multiple of 16 bytes."""
+    """``x`` or ``(x, x_scales)`` -> ``(x, x_scales, scales_1d)``; rows must be a multiple of 16 bytes. [T]
+    scales come back as [T, 1], and `scales_1d` says so (the received scales go back to [N])."""
     x_scales = None
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
@@ -104,8 +105,8 @@ def dispatch_x(x, *, device):
         if x_scales.dim() not in (1, 2) or x_scales.size(0) != x.size(0):
             _fail(f"x_scales must be [{x.size(0)}] or [{x.size(0)}, num_scales], got {list(x_scales.shape)}")
         if x_scales.dim() == 1:
-            x_scales = x_scales.view(-1, 1)
-    return x, x_scales
+            return x, x_scales.view(-1, 1), True
+    return x, x_scales, False
 
 
 def wait_recv_cost_stats(name: str, t, *, num_ranks: int, device) -> None:

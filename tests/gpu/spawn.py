@@ -19,9 +19,8 @@ def rank_counts(largest_only: bool = False) -> list:
     suite at 8 ranks on an 8-GPU machine.
     """
     counts = [n for n in (2, 4, 8) if n <= NUM_GPUS]
-    chosen = os.environ.get("TOKENYARD_TEST_NUM_RANKS", "")
-    if chosen.strip():
-        wanted = {int(part) for part in chosen.split(",") if part.strip()}
+    wanted = _chosen_counts()
+    if wanted is not None:
         counts = [n for n in counts if n in wanted]
     return counts[-1:] if largest_only else counts
 
@@ -29,10 +28,18 @@ def rank_counts(largest_only: bool = False) -> list:
 def one_rank_wanted() -> bool:
     """Whether the one-rank tests (test_one_gpu.py) run: on a machine of one GPU, where the others skip, or
     where TOKENYARD_TEST_NUM_RANKS names 1."""
-    chosen = os.environ.get("TOKENYARD_TEST_NUM_RANKS", "")
-    if chosen.strip():
-        return NUM_GPUS >= 1 and 1 in {int(part) for part in chosen.split(",") if part.strip()}
+    wanted = _chosen_counts()
+    if wanted is not None:
+        return NUM_GPUS >= 1 and 1 in wanted
     return NUM_GPUS == 1
+
+
+def _chosen_counts():
+    """The rank counts TOKENYARD_TEST_NUM_RANKS names (a set), or None where it is unset."""
+    chosen = os.environ.get("TOKENYARD_TEST_NUM_RANKS", "")
+    if not chosen.strip():
+        return None
+    return {int(part) for part in chosen.split(",") if part.strip()}
 
 
 def run(num_ranks: int, fn, *args, timeout_s: float = 600.0):

@@ -14,7 +14,7 @@ import pytest
 from . import spawn, test_low_latency_cuda, test_normal_cuda
 
 pytestmark = pytest.mark.skipif(not spawn.one_rank_wanted(),
-                                reason="needs one GPU (or TOKENYARD_TEST_NUM_RANKS=1 on more; run on the device machine)")
+                                reason="needs one GPU, or TOKENYARD_TEST_NUM_RANKS=1 on more (the device machine)")
 
 # The multi-GPU cases but "empty_rank" (no token for the last rank's experts: at one rank, for any expert).
 NORMAL_CASES = [case for case in test_normal_cuda.CASES if case[4] != "empty_rank"]
