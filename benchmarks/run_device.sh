@@ -7,6 +7,7 @@
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|low_latency|bench|diagnostics|shares|all]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [ep8_tests|ep8_bench]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh one_gpu
+#   TOKENYARD_COMMIT=<hash> TOKENYARD_TEST_NUM_RANKS=2,4 bash benchmarks/run_device.sh shared [pytest args]
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -14,6 +15,12 @@
 # `one_gpu` (on nvidia-h100-x1 or nvidia-h200, where the multi-GPU tests skip) runs tests/gpu/test_one_gpu.py
 # and the README's benchmark command at one rank: every kernel compiled and loaded on that GPU, the own-rank
 # paths against the reference backend.
+#
+# `shared` (on any machine, one GPU included) runs tests/gpu at each rank count of TOKENYARD_TEST_NUM_RANKS
+# (default 2,4,8), the ranks spread evenly over the GPUs there are, several per GPU under MPS: it starts the
+# MPS daemon with pipe and log folders of its own under /tmp and stops it at the end (NOTE [shared GPUs] in
+# tokenyard/devices.py). Extra arguments go to pytest (say, -k to run part of the suite in one call). Logs:
+# shared_gpu_<ranks>.log; benchmarks/shared_gpu.py turns them into shared_gpu.json.
 #
 # `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks, and without
 # the next-row prefetch (TOKENYARD_TUNING), to choose heuristics.py's defaults.
@@ -28,6 +35,30 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENYARD_CACHE_DIR="${TOKENYARD_CACHE_DIR:-$PWD/.jit_cache}"
 num_gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
+start_mps() {
+    # Private folders: only this script's processes (and their children) become MPS clients.
+    CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/tokenyard-mps-pipe.XXXXXX)
+    CUDA_MPS_LOG_DIRECTORY=$(mktemp -d /tmp/tokenyard-mps-log.XXXXXX)
+    export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    PATH="$PATH:/usr/local/nvidia/bin" nvidia-cuda-mps-control -d && echo "MPS daemon started ($CUDA_MPS_PIPE_DIRECTORY)"
+    trap stop_mps EXIT
+}
+stop_mps() {
+    echo quit | PATH="$PATH:/usr/local/nvidia/bin" nvidia-cuda-mps-control
+    cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$out/mps_control.log" 2>/dev/null || true
+}
+
+if [ "$what" = shared ]; then
+    shift
+    start_mps
+    IFS=, read -ra counts <<< "${TOKENYARD_TEST_NUM_RANKS:-2,4,8}"
+    for ranks in "${counts[@]}"; do
+        echo "== $ranks ranks on $num_gpus GPU(s)"
+        TOKENYARD_TEST_NUM_RANKS=$ranks timeout "${TOKENYARD_SHARED_TIMEOUT_S:-560}" python3 -m pytest -v tests/gpu \
+            -p no:cacheprovider "$@" 2>&1 | tee "$out/shared_gpu_${ranks}.log" \
+            | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -30
+    done
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
     timeout 540 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -5
 fi

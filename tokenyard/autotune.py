@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import env
+from . import devices, env
 from .buffer import Buffer
 from .config import Config
 from .errors import InvalidInputError, TokenyardError
@@ -94,15 +94,11 @@ class AutoTuner:
     # -- tuning ---------------------------------------------------------------------------------------------
 
     def _device_name(self) -> str:
-        from .bench import runner
-
-        device = runner.group_device(self.group)
+        device = devices.default_device()
         return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
     def _default_sm_counts(self) -> Sequence[int]:
-        from .bench import runner
-
-        device = runner.group_device(self.group)
+        device = devices.default_device()
         if device.type != "cuda":
             return CPU_SM_COUNTS
         num_device_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -129,7 +125,7 @@ class AutoTuner:
 
         counts = tuple(sm_counts) if sm_counts is not None else tuple(self._default_sm_counts())
         seed = self.seed if self.seed is not None else runner.from_rank_0(self.group, secrets.randbelow(2**31))
-        device = runner.group_device(self.group)
+        device = devices.default_device()
         try:
             settings = options.for_group(mode="compare_sm", hidden_size=hidden_size, num_tokens=num_tokens,
                                          num_experts=num_experts, num_topk=num_topk, num_ranks=self.group.size(),

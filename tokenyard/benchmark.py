@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import devices
 from .buffer import Buffer
 from .errors import InvalidInputError
 
@@ -54,7 +55,7 @@ class Benchmark:
         from .bench import options, runner
 
         seed = self.seed if self.seed is not None else runner.from_rank_0(self.group, secrets.randbelow(2**31))
-        gpu = runner.group_device(self.group).type == "cuda"
+        gpu = devices.default_device().type == "cuda"
         try:
             return options.for_group(mode=mode, num_ranks=self.group.size(), gpu=gpu, seed=seed,
                                      backends=self.backends, iters=self.iters, warmup=self.warmup, quiet=self.quiet,

@@ -14,9 +14,10 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import checks, env, rounds, workspace
+from . import checks, devices, env, rounds, workspace
 from .backends import create_backend
 from .backends.base import GroupContext
+from .collectives import Collectives, choose_mode
 from .buffer_low_latency import LowLatencyCalls
 from .config import Config
 from .errors import InvalidInputError, TokenyardError
@@ -37,14 +38,21 @@ class _Scope:
         self.owner = None
 
 
-def _group_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    """CUDA when the group can move CUDA tensors (NCCL), else CPU."""
-    if group is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _chosen_device(device: Optional[Union[str, torch.device]]) -> torch.device:
+    """`Buffer(device=...)`: None for the rule (NOTE [device rule]), else "cpu" or a CUDA device."""
+    if device is None:
+        return devices.default_device()
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidInputError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInputError("device='cuda', but PyTorch sees no GPU here")
+        return torch.device("cuda", chosen.index if chosen.index is not None else torch.cuda.current_device())
+    if chosen.type != "cpu":
+        raise InvalidInputError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return chosen
 
 
 class Buffer(LowLatencyCalls):
@@ -75,10 +83,20 @@ class Buffer(LowLatencyCalls):
         per_round_tokens: tokens per rank in one round of a normal-mode call (default: as many as
             `num_nvl_bytes` holds for the dispatch rows and for combine rows of the same hidden size);
             a call whose rows do not fit that many raises CapacityError saying the bytes it needs.
+        ranks_per_node: split the group into nodes of this many consecutive ranks, as the runtime queries
+            see it (default TOKENYARD_RANKS_PER_NODE, else a node per host; NOTE [virtual nodes] in
+            devices.py).
+        device: "cpu" or "cuda" (the current CUDA device) to override the device rule: by default the
+            current CUDA device wherever PyTorch sees a GPU, whatever the group's backend, else the CPU
+            (NOTE [device rule] in devices.py). Calls given CPU tensors on a GPU Buffer run on the CPU.
+
+    The group only carries host-side exchanges and collectives: its ranks may share GPUs (under MPS for the
+    CUDA backend, NOTE [shared GPUs] in devices.py), and a gloo group serves a Buffer on GPUs.
 
     Raises:
         BackendUnavailableError: ``backend="cuda"`` where the CUDA backend cannot run.
-        InvalidInputError: a negative size, or `per_round_tokens` not a positive int.
+        InvalidInputError: a negative size, `per_round_tokens` not a positive int, a bad `ranks_per_node`,
+            ranks on GPUs and on the CPU in one group, or GPUs that serve different numbers of ranks.
     """
 
     num_sms: int = 20
@@ -88,7 +106,8 @@ class Buffer(LowLatencyCalls):
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm=None, *, backend: Optional[str] = None, timeout_s: Optional[float] = None,
-                 check_inputs: Optional[bool] = None, per_round_tokens: Optional[int] = None) -> None:
+                 check_inputs: Optional[bool] = None, per_round_tokens: Optional[int] = None,
+                 ranks_per_node: Optional[int] = None, device: Optional[Union[str, torch.device]] = None) -> None:
         del num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric  # see docstring
         settings = env.settings()
         if group is not None:
@@ -124,20 +143,42 @@ class Buffer(LowLatencyCalls):
         self.enable_shrink = enable_shrink
         self.timeout_s = float(timeout_s if timeout_s is not None else settings.timeout_s)
         self.check_inputs = settings.check_inputs if check_inputs is None else bool(check_inputs)
-        self.device = _group_device(group)
+        self.device = _chosen_device(device)
         self._id = next(_buffer_ids)
-        self._exchange = rounds.Exchange(group, self.device, self.rank, self.group_size, all_gather_object,
-                                         self.timeout_s)
+        self._twin: Optional["Buffer"] = None
+        if ranks_per_node is None and settings.ranks_per_node:
+            ranks_per_node = settings.ranks_per_node
+        self.ranks_per_node = ranks_per_node
+        self.topology = devices.make_topology(self.rank, all_gather_object(devices.this_rank(self.device)),
+                                              ranks_per_node)
+        mode = "direct" if group is None else choose_mode(str(dist.get_backend(group)), self.device.type,
+                                                          self.topology.shares_gpu)
+        self._exchange = Collectives(group, self.device, mode, self.rank, self.group_size, all_gather_object,
+                                     self.timeout_s)
 
         context = GroupContext(group=group, rank=self.rank, num_ranks=self.group_size, device=self.device,
                                all_gather_object=all_gather_object, num_nvl_bytes=self.nvl_bytes_held,
-                               num_rdma_bytes=num_rdma_bytes, timeout_s=self.timeout_s)
+                               num_rdma_bytes=num_rdma_bytes, timeout_s=self.timeout_s, topology=self.topology,
+                               collectives=self._exchange)
         self.runtime = create_backend(backend or settings.backend, context)
         self.backend = self.runtime.name
         self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._rank_mask = None
         if enable_shrink:
             self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
+
+    def _cpu_twin(self) -> "Buffer":
+        """NOTE [device rule]: the Buffer that serves this one's calls on CPU tensors, made at the first such
+        call (every rank makes the same calls, so all make it together)."""
+        if self._twin is None:
+            if not isinstance(self.group, dist.ProcessGroup):
+                raise InvalidInputError("CPU tensors on a GPU Buffer need a torch.distributed group (gloo)")
+            self._twin = Buffer(self.group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
+                                explicitly_destroy=self.explicitly_destroy, enable_shrink=self.enable_shrink,
+                                backend="reference", timeout_s=self.timeout_s, check_inputs=self.check_inputs,
+                                per_round_tokens=self.per_round_tokens, ranks_per_node=self.ranks_per_node,
+                                device="cpu")
+        return self._twin
 
     # -- lifetime ---------------------------------------------------------------------------------------
 
@@ -146,6 +187,9 @@ class Buffer(LowLatencyCalls):
         if self.runtime is not None:
             self.runtime.destroy()
             self.runtime = None
+            self._exchange.destroy()
+        if self._twin is not None:
+            self._twin.destroy()
 
     def __del__(self):
         try:
@@ -304,6 +348,7 @@ class Buffer(LowLatencyCalls):
 
     # -- normal mode --------------------------------------------------------------------------------------
 
+    @devices.runs_where_tensors_are("topk_idx")
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
@@ -331,6 +376,7 @@ class Buffer(LowLatencyCalls):
         self._hand_over(scope.owner, (per_rank, per_expert, in_rank))
         return per_rank, None, per_expert, in_rank, scope.event
 
+    @devices.runs_where_tensors_are("x")
     def dispatch(self, x: XLike, handle: Optional[tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -446,6 +492,7 @@ class Buffer(LowLatencyCalls):
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 new_handle, scope.event)
 
+    @devices.runs_where_tensors_are("x")
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,

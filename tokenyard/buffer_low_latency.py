@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import checks, workspace
+from . import checks, devices, workspace
 from .errors import InvalidInputError
 from .handle import LowLatencyHandle
 from .requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
@@ -41,6 +41,7 @@ class LowLatencyCalls:
         self._low_latency_checks(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._backend().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    @devices.runs_where_tensors_are("x")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -102,6 +103,7 @@ class LowLatencyCalls:
         recv_x = (result.packed_recv_x, result.packed_recv_x_scales) if use_fp8 else result.packed_recv_x
         return recv_x, result.packed_recv_count, handle, scope.event, self._wrap_hook(result.hook)
 
+    @devices.runs_where_tensors_are("x")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,

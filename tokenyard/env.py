@@ -17,6 +17,8 @@ change under a running program.
 | TOKENYARD_LOW_LATENCY_KERNELS | str   | "auto"   | CUDA low-latency calls: auto (kernels once validated), on, off |
 | TOKENYARD_NVL_BUFFER_BYTES    | int   | 0        | cap on every Buffer's num_nvl_bytes (0: no cap); calls that |
 |                               |       |          | need more run in rounds (NOTE [rounds] in rounds.py)     |
+| TOKENYARD_RANKS_PER_NODE      | int   | 0        | ranks per node, as the runtime queries see the group (0: |
+|                               |       |          | a node per host; NOTE [virtual nodes] in devices.py)     |
 | TOKENYARD_TUNING              | str   | ""       | "key=value,...": overrides of the CUDA backend's launch  |
 |                               |       |          | heuristics, for tuning sweeps (TUNING_KEYS below)        |
 """
@@ -87,6 +89,7 @@ class Settings:
     profile_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tokenyard", "profiles")
     low_latency_kernels: str = "auto"
     nvl_buffer_bytes: int = 0
+    ranks_per_node: int = 0
     tuning: tuple = ()
 
 
@@ -102,6 +105,7 @@ _TABLE = {
     "profile_dir": ("TOKENYARD_PROFILE_DIR", str),
     "low_latency_kernels": ("TOKENYARD_LOW_LATENCY_KERNELS", str),
     "nvl_buffer_bytes": ("TOKENYARD_NVL_BUFFER_BYTES", int),
+    "ranks_per_node": ("TOKENYARD_RANKS_PER_NODE", int),
     "tuning": ("TOKENYARD_TUNING", _parse_tuning),
 }
 
@@ -127,6 +131,8 @@ def settings() -> Settings:
         raise ValueError(f"TOKENYARD_LOW_LATENCY_KERNELS must be auto, on or off, not {chosen.low_latency_kernels!r}")
     if chosen.nvl_buffer_bytes < 0:
         raise ValueError(f"TOKENYARD_NVL_BUFFER_BYTES must be >= 0, not {chosen.nvl_buffer_bytes}")
+    if chosen.ranks_per_node < 0:
+        raise ValueError(f"TOKENYARD_RANKS_PER_NODE must be >= 0, not {chosen.ranks_per_node}")
     return chosen
 
 

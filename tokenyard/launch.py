@@ -36,6 +36,9 @@ import socket
 import traceback
 import warnings
 import weakref
+from typing import Optional
+
+from . import devices
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -53,8 +56,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: float = 120.0):
-    """Join a group of `num_ranks` on 127.0.0.1:`port`: NCCL on GPU `rank` if `use_cuda`, else gloo.
+def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: float = 120.0,
+              num_gpus: Optional[int] = None):
+    """Join a group of `num_ranks` on 127.0.0.1:`port`: on GPUs if `use_cuda`, else gloo on the CPU.
+
+    On GPUs the ranks spread evenly over `num_gpus` (default: every GPU here; devices.launch_layout), and the
+    group is NCCL where each rank has a GPU of its own. Where ranks share a GPU it is gloo (NCCL refuses two
+    ranks on one GPU), and each rank gets an even MPS share of the GPU (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
+    unless set), before CUDA starts in this process (NOTE [shared GPUs] in devices.py).
 
     Returns the rank's device.
     """
@@ -67,9 +76,15 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=timeout_s)
     if use_cuda:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=num_ranks, device_id=device, timeout=timeout)
+        _, ranks_per_gpu = devices.launch_layout(num_ranks, num_gpus or torch.cuda.device_count())
+        if ranks_per_gpu > 1:
+            os.environ.setdefault(devices.MPS_PERCENTAGE_ENV, str(devices.mps_share(ranks_per_gpu)))
+        device = torch.device("cuda", devices.launch_gpu(rank, ranks_per_gpu))
+        torch.cuda.set_device(device)
+        if ranks_per_gpu == 1:
+            dist.init_process_group("nccl", rank=rank, world_size=num_ranks, device_id=device, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=num_ranks, timeout=timeout)
         return device
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=num_ranks, timeout=timeout)
@@ -92,10 +107,10 @@ def leave_group() -> None:
                       "tokenyard/launch.py)", stacklevel=2)
 
 
-def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, group_timeout_s: float, fn, args,
-                reports) -> None:
+def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, num_gpus: Optional[int],
+                group_timeout_s: float, fn, args, reports) -> None:
     try:
-        init_rank(rank, num_ranks, port, use_cuda, group_timeout_s)
+        init_rank(rank, num_ranks, port, use_cuda, group_timeout_s, num_gpus)
         reports.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - reported by the launcher
         reports.put((rank, False, traceback.format_exc()))
@@ -104,9 +119,9 @@ def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, group_time
 
 
 def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 600.0,
-                 group_timeout_s: float = 120.0) -> list:
-    """``fn(*args)`` in `num_ranks` spawned processes joined in one group (`init_rank` with `group_timeout_s`);
-    -> each rank's result.
+                 group_timeout_s: float = 120.0, num_gpus: Optional[int] = None) -> list:
+    """``fn(*args)`` in `num_ranks` spawned processes joined in one group (`init_rank` with `group_timeout_s`
+    and `num_gpus`); -> each rank's result.
 
     Raises:
         RuntimeError: with the traceback of every rank that raised, and the ranks that sent nothing within
@@ -123,7 +138,7 @@ def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 6
     reports = context.Queue()
     port = free_port()
     procs = [context.Process(target=_rank_entry,
-                             args=(r, num_ranks, port, use_cuda, group_timeout_s, fn, args, reports))
+                             args=(r, num_ranks, port, use_cuda, num_gpus, group_timeout_s, fn, args, reports))
              for r in range(num_ranks)]
     for proc in procs:
         proc.start()

@@ -67,16 +67,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from . import checks, routing, workspace
-from .errors import CommTimeoutError, InvalidInputError
+from .collectives import Collectives
+from .errors import InvalidInputError
 from .handle import DispatchHandle
 from .requests import CombineRequest, DispatchRequest, DispatchResult, Placement, WholeCall
-from .waiting import wait_until
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -114,53 +113,6 @@ class Rounds:
 
     def fits(self, round_tokens: int) -> bool:
         return self.max_round_tokens <= round_tokens
-
-
-class Exchange:
-    """The two small collectives the rounds need, over the Buffer's group (on its device: CPU for gloo,
-    CUDA for NCCL), or over an mpi4py communicator's `allgather` where there is no group."""
-
-    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, rank: int, num_ranks: int,
-                 all_gather_object: Callable, timeout_s: float = 100.0):
-        self.group, self.device, self.rank, self.num_ranks = group, device, rank, num_ranks
-        self._all_gather_object = all_gather_object
-        self.timeout_s = timeout_s
-        self._stream = None  # CUDA: max_int's own stream
-
-    def max_int(self, value: int) -> int:
-        """The largest `value` over the ranks (a host sync).
-
-        On CUDA the all-reduce and a copy into pinned memory run on a stream of their own, so they wait for
-        none of the work queued before them, and the wait is for them alone (an event), bounded: a rank
-        that failed round 0 after this one passed it never joins.
-        """
-        if self.group is None:
-            return max(self._all_gather_object(int(value)))
-        if self.device.type != "cuda":
-            t = torch.full((1,), value, dtype=torch.int64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            return int(t[0])
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._stream):
-            t = torch.full((1,), value, dtype=torch.int64, device=self.device)  # no host-to-device copy
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        if not wait_until(done.query, self.timeout_s):
-            raise CommTimeoutError(self.rank, -1, "dispatch/rounds",
-                                   "the ranks did not agree on the round count; destroy this Buffer")
-        return int(host[0])
-
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """``[num_ranks, *t.shape]``: every rank's `t` (no host sync on a group)."""
-        if self.group is None:
-            return torch.stack([p.to(t.device) for p in self._all_gather_object(t.cpu())])
-        pieces = [torch.empty_like(t) for _ in range(self.num_ranks)]
-        dist.all_gather(pieces, t.contiguous(), group=self.group)
-        return torch.stack(pieces)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,7 +193,7 @@ def _int32(shape, device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.int32, device=device)
 
 
-def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: Exchange,
+def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: Collectives,
              check_values: bool) -> Tuple[DispatchResult, Rounds]:
     """A fresh dispatch in rounds of `round_tokens` tokens per rank (one-shot where one round is enough).
 
@@ -406,7 +358,7 @@ def combine(backend, request: CombineRequest, rounds: Rounds):
     return combined_x, combined_w
 
 
-def derive(handle: DispatchHandle, round_tokens: int, exchange: Exchange) -> Rounds:
+def derive(handle: DispatchHandle, round_tokens: int, exchange: Collectives) -> Rounds:
     """The rounds of `round_tokens` tokens for a handle's layout, from its six fields (two collectives).
 
     Each round's handle is the one a one-shot dispatch of the round's slices makes (NOTE [handle contents]).
@@ -432,7 +384,7 @@ def derive(handle: DispatchHandle, round_tokens: int, exchange: Exchange) -> Rou
     return dataclasses.replace(rounds, handles=tuple(handles), recv_first=offsets.recv_first)
 
 
-def plan_for(handle: DispatchHandle, round_tokens: int, exchange: Exchange) -> Rounds:
+def plan_for(handle: DispatchHandle, round_tokens: int, exchange: Collectives) -> Rounds:
     """The rounds a cached dispatch or combine with rounds of at most `round_tokens` runs: the handle's
     own where they fit, else derived (every rank decides alike: stored rounds are the same everywhere)."""
     stored = getattr(handle, "rounds", None)

@@ -85,3 +85,16 @@ def assert_within_bf16_rounding(got: torch.Tensor, want: torch.Tensor, what: str
         where = tuple(int(i) for i in (excess == excess.max()).nonzero()[0])
         raise AssertionError(f"{what}: {int((excess > 0).sum())} values beyond bf16 rounding; at {where} "
                              f"got {got[where]:.6g}, want {want[where]:.6g}")
+
+
+def all_gather(t: torch.Tensor, group=None) -> torch.Tensor:
+    """``[world, *t.shape]``: every rank's `t`, over any group: through host memory where the group cannot move
+    `t`'s device (gloo and CUDA tensors; NOTE [device collectives]). For tests and benchmarks, which gather
+    results to compare on every rank."""
+    import torch.distributed as dist
+
+    from .collectives import Collectives, choose_mode
+
+    group = group if group is not None else dist.group.WORLD
+    mode = choose_mode(str(dist.get_backend(group)), t.device.type, shares_gpu=True)
+    return Collectives(group, t.device, mode, group.rank(), group.size(), None).all_gather(t)

@@ -89,14 +89,26 @@ def rounds_match_one_shot(seed, token_counts, hidden, num_experts, num_topk, dty
 
     backend.dispatch = spy
     collectives = []  # the rounds' own collectives (NOTE [agree after the count exchange], [placed rounds])
-    exchange_max, exchange_gather = bounded._exchange.max_int, bounded._exchange.all_gather
-    bounded._exchange.max_int = lambda value: collectives.append("max_int") or exchange_max(value)
-    bounded._exchange.all_gather = lambda t: collectives.append("all_gather") or exchange_gather(t)
+    exchange = bounded._exchange  # the backend's collectives are the same object, reached through its context
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(exchange, name)
+
+        def max_int(self, value):
+            collectives.append("max_int")
+            return exchange.max_int(value)
+
+        def all_gather(self, t):
+            collectives.append("all_gather")
+            return exchange.all_gather(t)
+
+    bounded._exchange = Spy()
     try:
         got = bounded.dispatch(x, **kwargs)
     finally:
         backend.dispatch = backend_dispatch
-        bounded._exchange.max_int, bounded._exchange.all_gather = exchange_max, exchange_gather
+        bounded._exchange = exchange
     assert not collectives, f"the count exchanges carry the counts: no collective of the rounds' own, ran {collectives}"
     want_handle, handle = want[4], got[4]
     assert want_handle.rounds.num_rounds == 1

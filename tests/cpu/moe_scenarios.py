@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenyard import Buffer, autograd, moe, routing
-from tokenyard.testing import make_rank_inputs
+from tokenyard.testing import all_gather, make_rank_inputs
 
 BF16_UNIT = 2.0 ** -8  # bf16 keeps 8 significant bits: one rounding moves a value by at most this, relatively
 
@@ -308,13 +308,8 @@ def layer_matches_transformers(case, tolerances, backend="reference"):
               "x.grad": _errors(x.grad, want["x.grad"][mine].to(device))}
     for name, p in layer.named_parameters():
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        if name.startswith("experts."):
-            pieces = [torch.empty_like(grad) for _ in range(num_ranks)]
-            dist.all_gather(pieces, grad.contiguous())
-            grad = torch.cat(pieces)
-        else:
-            grad = grad.clone()
-            dist.all_reduce(grad)
+        gathered = all_gather(grad)  # every rank's, also where the group cannot move the device's tensors
+        grad = gathered.flatten(0, 1) if name.startswith("experts.") else gathered.sum(0)
         errors[name] = _errors(grad, want[_transformers_name(name, want)].to(device))
     compared = {_transformers_name(n, want) for n in errors}
     assert compared == set(want), f"compared {sorted(compared)}, the block has {sorted(want)}"

@@ -1,4 +1,9 @@
-"""Start one process per GPU with an NCCL group, run a function on each, collect failures."""
+"""Start the ranks of a GPU test, run a function on each, collect failures.
+
+Ranks spread evenly over the GPUs here (tokenyard.launch.init_rank): one per GPU in an NCCL group where there
+are enough GPUs, else several per GPU in a gloo group, under MPS (NOTE [shared GPUs] in tokenyard/devices.py;
+`benchmarks/run_device.sh` starts the daemon). TOKENYARD_TEST_NUM_RANKS chooses the rank counts.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import os
 
 import torch
 
+from tokenyard import devices
 from tokenyard.launch import disable_nvlink_multicast, run_on_ranks
 
 disable_nvlink_multicast()
@@ -15,14 +21,24 @@ NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 def rank_counts(largest_only: bool = False) -> list:
     """The rank counts a test runs at: those of 2, 4 and 8 that the machine has GPUs for, or the largest of
-    them only (the slower tests). TOKENYARD_TEST_NUM_RANKS (comma-separated) keeps some: "8" runs the whole
-    suite at 8 ranks on an 8-GPU machine.
+    them only (the slower tests). TOKENYARD_TEST_NUM_RANKS (comma-separated) names them instead, on as many
+    GPUs as share them evenly: "8" runs the whole suite at 8 ranks, on an 8-GPU machine one rank per GPU,
+    on a 1-GPU machine 8 ranks on one GPU (under MPS).
     """
-    counts = [n for n in (2, 4, 8) if n <= NUM_GPUS]
     wanted = _chosen_counts()
-    if wanted is not None:
-        counts = [n for n in counts if n in wanted]
+    if wanted is None:
+        counts = [n for n in (2, 4, 8) if n <= NUM_GPUS]
+    else:
+        counts = sorted(n for n in wanted if n >= 2) if NUM_GPUS else []
     return counts[-1:] if largest_only else counts
+
+
+def describe(num_ranks: int) -> str:
+    """The GPUs `num_ranks` ranks run on, for reports: "NVIDIA H200 x 4", or "NVIDIA H100 80GB HBM3 x 1 shared
+    by 8 ranks (MPS)"."""
+    used, per_gpu = devices.launch_layout(num_ranks, NUM_GPUS)
+    name = torch.cuda.get_device_name(0)
+    return f"{name} x {used}" + (f" shared by {num_ranks} ranks (MPS)" if per_gpu > 1 else "")
 
 
 def one_rank_wanted() -> bool:
@@ -43,7 +59,8 @@ def _chosen_counts():
 
 
 def run(num_ranks: int, fn, *args, timeout_s: float = 600.0):
-    """fn(*args) on `num_ranks` GPU ranks; raise AssertionError with every failing rank's traceback."""
+    """fn(*args) on `num_ranks` GPU ranks (several per GPU where there are fewer GPUs); raise AssertionError
+    with every failing rank's traceback."""
     try:
         return run_on_ranks(num_ranks, fn, *args, use_cuda=True, timeout_s=timeout_s)
     except RuntimeError as exc:

@@ -13,8 +13,8 @@ import torch
 
 from . import spawn
 
-NUM_GPUS = spawn.NUM_GPUS
-pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 or more GPUs (run on the device machine)")
+pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
+                                "on a GPU with MPS (run on the device machine)")
 
 # (max tokens per rank, hidden, num_experts, num_topk, dtype, per_round_tokens or None for a budget of
 # `budget_tokens` combine rows per rank)

@@ -13,8 +13,8 @@ import torch
 
 from . import spawn
 
-NUM_GPUS = spawn.NUM_GPUS
-pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 or more GPUs (run on the device machine)")
+pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
+                                "on a GPU with MPS (run on the device machine)")
 
 CASES = [
     # (num_tokens, num_max, hidden, num_experts, num_topk, kind, use_fp8, round_scale, use_ue8m0, hook)
@@ -46,6 +46,26 @@ def _differences(want: torch.Tensor, got: torch.Tensor) -> str:
             f"got {got[first, columns[:4]].tolist()}")
 
 
+class _FilledSlots:
+    """One rank's expert outputs ``[L, R*M, H]`` as the oracle reads them (``[l, slot]`` and ``size(2)``), holding
+    only the slots its dispatch filled: a few MB where the whole tensor is hundreds, so every rank can gather
+    every rank's over any group."""
+
+    def __init__(self, y: torch.Tensor, layout_range: torch.Tensor):
+        valid = _valid_slots(layout_range, y.size(1))
+        self.rows = y[valid].cpu()
+        self.row_of = (valid.flatten().cumsum(0) - 1).view(valid.shape).cpu()
+        self.hidden = y.size(2)
+
+    def size(self, dim: int) -> int:
+        assert dim == 2, "the oracle asks for the hidden size only"
+        return self.hidden
+
+    def __getitem__(self, where):
+        local_expert, slot = where
+        return self.rows[self.row_of[local_expert, slot]]
+
+
 def _pre_reduced(y, layout_range, all_inputs, num_experts):
     """This rank's routing.low_latency_combine(..., pre_reduce=True), from every rank's expert outputs `y`
     and `layout_range` (gathered here) and every rank's inputs."""
@@ -53,12 +73,10 @@ def _pre_reduced(y, layout_range, all_inputs, num_experts):
 
     from tokenyard import routing
 
-    world = dist.get_world_size()
-    ys, ranges = [torch.empty_like(y) for _ in range(world)], [torch.empty_like(layout_range) for _ in range(world)]
-    dist.all_gather(ys, y)
-    dist.all_gather(ranges, layout_range)
-    want = routing.low_latency_combine([t.cpu() for t in ys], [i[1].cpu() for i in all_inputs],
-                                       [i[2].cpu() for i in all_inputs], [t.cpu() for t in ranges], num_experts,
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (_FilledSlots(y, layout_range), layout_range.cpu()))
+    want = routing.low_latency_combine([g[0] for g in gathered], [i[1].cpu() for i in all_inputs],
+                                       [i[2].cpu() for i in all_inputs], [g[1] for g in gathered], num_experts,
                                        pre_reduce=True)
     return want[dist.get_rank()].to(y.device)
 

@@ -20,8 +20,8 @@ import torch
 
 from . import spawn
 
-NUM_GPUS = spawn.NUM_GPUS
-pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 or more GPUs (run on the device machine)")
+pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
+                                "on a GPU with MPS (run on the device machine)")
 
 BF16_UNIT = 2.0 ** -8
 # Float32: the output and input gradient travel as bf16 through combine; weight gradients are float32
@@ -66,7 +66,7 @@ def _write(results, seed):
 
     document = {
         "commit": git_commit(),
-        "device": f"{torch.cuda.get_device_name(0)} x {NUM_GPUS}",
+        "device": f"{torch.cuda.get_device_name(0)} x {spawn.NUM_GPUS}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "seed": seed,
@@ -85,7 +85,7 @@ def test_moe_layer_on_cuda_backend_matches_transformers_blocks(seed):
     results = []
     for num_ranks in spawn.rank_counts():
         for run in spawn.run(num_ranks, _measure_ranks, seed, CASES)[0]:
-            results.append({"num_ranks": num_ranks, **run})
+            results.append({"num_ranks": num_ranks, "gpus": spawn.describe(num_ranks), **run})
     _write(results, seed)
     failures = []
     for run in results:

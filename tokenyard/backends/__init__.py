@@ -35,8 +35,8 @@ def _make_reference(ctx: GroupContext) -> Backend:
 
 def _make_cuda(ctx: GroupContext) -> Backend:
     if ctx.device.type != "cuda" or not cuda_available():
-        raise BackendUnavailableError("the CUDA backend needs CUDA GPUs, an NCCL (or mpi4py) group and a "
-                                      "CUDA compiler (NVRTC from the CUDA PyTorch wheels, or nvcc)")
+        raise BackendUnavailableError("the CUDA backend needs CUDA GPUs and a CUDA compiler (NVRTC from the CUDA "
+                                      "PyTorch wheels, or nvcc)")
     from .cuda import CudaBackend
 
     return CudaBackend(ctx)

@@ -13,13 +13,16 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..collectives import Collectives
+from ..devices import Topology
 from ..requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                         LowLatencyDispatchRequest, LowLatencyDispatchResult)
 
 
 @dataclasses.dataclass
 class GroupContext:
-    """Who we are in the EP group, and how to exchange small host objects with the group."""
+    """Who we are in the EP group, where every rank works, and how to exchange with the group: small host
+    objects (`all_gather_object`) and tensors of `device` (`collectives`, NOTE [device collectives])."""
 
     group: Optional[dist.ProcessGroup]
     rank: int
@@ -29,6 +32,8 @@ class GroupContext:
     num_nvl_bytes: int
     num_rdma_bytes: int
     timeout_s: float
+    topology: Topology
+    collectives: Collectives
 
 
 class Backend(abc.ABC):
@@ -40,20 +45,21 @@ class Backend(abc.ABC):
         self.ctx = ctx
         self.poison_outputs = False  # tests set it: outputs start as 0xAB bytes, so unwritten rows show
 
-    # -- DeepEP's runtime queries (`buffer.runtime.*` in DeepEP code): one NVLink domain, no RDMA ranks ----
+    # -- DeepEP's runtime queries (`buffer.runtime.*` in DeepEP code): nodes of `topology.ranks_per_node` ranks
+    # (NOTE [virtual nodes] in devices.py), an RDMA rank per node ------------------------------------------
 
     def is_available(self) -> bool:
         return True
 
     def get_num_rdma_ranks(self) -> int:
-        return 1
+        return self.ctx.topology.num_nodes
 
     def get_rdma_rank(self) -> int:
-        return 0
+        return self.ctx.topology.node
 
     def get_root_rdma_rank(self, global_: bool) -> int:
-        """The rank of this rank's peer on the first RDMA node: itself (one node), or 0 within it."""
-        return self.ctx.rank if global_ else 0
+        """The rank of this rank's peer on the first node: in the group with `global_`, else in its node."""
+        return self.ctx.topology.local_rank if global_ else 0
 
     def get_local_device_id(self) -> int:
         return self.ctx.device.index if self.ctx.device.type == "cuda" and self.ctx.device.index is not None else 0

@@ -14,7 +14,6 @@ import math
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from .. import checks, quant, routing
 from ..errors import InvalidInputError
@@ -67,15 +66,13 @@ class ReferenceBackend(Backend):
         self._raw_buffers = {}
         self._zero_copy_buffers = {}
 
-    # -- collectives --------------------------------------------------------------------------------
+    # -- collectives (NOTE [device collectives]) ---------------------------------------------------------
 
     def _all_to_all(self, out, inp, out_splits=None, in_splits=None, async_op=False):
-        return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.ctx.group, async_op=async_op)
+        return self.ctx.collectives.all_to_all_single(out, inp, out_splits, in_splits, async_op=async_op)
 
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        pieces = [torch.empty_like(t) for _ in range(self.ctx.num_ranks)]
-        dist.all_gather(pieces, t, group=self.ctx.group)
-        return torch.stack(pieces)
+        return self.ctx.collectives.all_gather(t)
 
     # -- normal mode ----------------------------------------------------------------------------------
 

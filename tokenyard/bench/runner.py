@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from .. import quant, routing
-from ..buffer import Buffer, _group_device as group_device
+from .. import devices
+from ..buffer import Buffer
 from ..config import Config
 from ..launch import leave_group
 from ..testing import make_rank_inputs
@@ -357,8 +358,8 @@ def measure_all(ctx: RankContext) -> dict:
 
 
 def group_context(settings: BenchSettings, group: dist.ProcessGroup) -> RankContext:
-    """The context of this rank of `group` (CUDA where the group moves CUDA tensors, else CPU)."""
-    device = group_device(group)
+    """The context of this rank of `group`, on the device a Buffer takes (NOTE [device rule])."""
+    device = devices.default_device()
     return RankContext(settings, group.rank(), group.size(), group, device, timing.Timer(group, device))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import tempfile
@@ -14,9 +15,10 @@ from .spec import KernelSpec
 
 # NOTE [kernel cache]
 # The key hashes the generated source, every header under tokenyard/include, the compiler's identity
-# (NVRTC or nvcc version), its flags and the target architecture. A unit is compiled into a temporary file
-# in the cache folder and renamed into place, so ranks that compile the same kernel at once each produce a
-# whole file and the last rename wins harmlessly.
+# (NVRTC or nvcc version), its flags and the target architecture. One process compiles a unit while the
+# others that want it wait on a lock file beside it (ranks of one machine start alike and would otherwise
+# each compile every kernel), then read what it wrote. The unit is written to a temporary file in the cache
+# folder, flushed to disk and renamed into place, so a reader finds a whole file or none.
 
 _lock = threading.Lock()
 _loaded: Dict[Tuple[str, int], object] = {}
@@ -52,6 +54,13 @@ def cache_key(spec: KernelSpec, arch: str, identity: str) -> str:
     return digest.hexdigest()
 
 
+def _cached(path: str) -> Optional[bytes]:
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def compile_cubin(spec: KernelSpec, arch: str, cache_dir: Optional[str] = None) -> bytes:
     """The cubin of `spec` for `arch` (e.g. "sm_90a"), from the cache or freshly compiled."""
     compiler = get_compiler()
@@ -59,15 +68,27 @@ def compile_cubin(spec: KernelSpec, arch: str, cache_dir: Optional[str] = None) 
     key = cache_key(spec, arch, compiler.identity)
     folder = os.path.join(cache_dir or env.settings().cache_dir, key[:2])
     path = os.path.join(folder, key + ".cubin")
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            return f.read()
-    cubin = compiler.compile(spec.source(), arch, include_dirs)
+    cubin = _cached(path)
+    if cubin is not None:
+        return cubin
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(cubin)
-    os.replace(tmp, path)
+    with open(path + ".lock", "wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
+        cubin = _cached(path)  # another process compiled it while this one waited
+        if cubin is not None:
+            return cubin
+        cubin = compiler.compile(spec.source(), arch, include_dirs)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
     env.log(f"compiled {spec.function}<{', '.join(map(str, spec.template_args))}> for {arch} ({len(cubin)} bytes)")
     return cubin
 

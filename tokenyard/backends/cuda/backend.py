@@ -1,7 +1,9 @@
 """The CUDA backend: JIT kernels over NVLink-mapped buffers of every rank of the group.
 
-Normal mode runs our kernels (include/tokenyard/kernels). Low-latency mode is served by the reference
-implementation over the same group until its kernels exist.
+Normal mode runs our kernels (include/tokenyard/kernels); low-latency mode those of low_latency.py, or the
+reference implementation over the same group where TOKENYARD_LOW_LATENCY_KERNELS=off. The group carries only
+host-side exchanges (the peers' IPC handles), so any group serves, its ranks on GPUs of their own or sharing
+GPUs under MPS (NOTE [MPS]).
 """
 
 from __future__ import annotations
@@ -87,9 +89,22 @@ class CudaBackend(Backend):
         super().__init__(ctx)
         if ctx.num_ranks > 32:
             raise BackendUnavailableError("the CUDA backend handles up to 32 ranks (one NVLink domain)")
+        # NOTE [MPS]: ranks that share a GPU wait in their kernels for each other's kernels, which run at the
+        # same time only where MPS serves the GPU; without it they would take turns (time slices of
+        # milliseconds), so every wait would crawl or time out. Refused before any buffer is made.
+        unserved = ctx.topology.without_mps()
+        if unserved:
+            raise BackendUnavailableError(
+                f"ranks share {'; '.join(unserved)} without MPS: the CUDA backend's kernels wait for each other's "
+                "kernels, which run at the same time on a shared GPU only under MPS. Start the MPS daemon "
+                "(`nvidia-cuda-mps-control -d`, as root) before the ranks start, ideally with "
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/(ranks per GPU) in each rank's environment, or give "
+                "each rank a GPU of its own")
         torch.cuda.init()
         self.device_index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
-        self.device_sms = torch.cuda.get_device_properties(self.device_index).multi_processor_count
+        # SMs this rank's grids may fill: every co-located rank's grid must be resident at once (NOTE [shared
+        # GPUs] in devices.py); the whole GPU where a rank has one of its own.
+        self.device_sms = ctx.topology.sm_budget
         self.low_latency_buffer = None
         try:
             self.normal = SymmetricBuffer(ctx, ctx.num_nvl_bytes)

@@ -93,3 +93,14 @@ def host_free(ptr: int) -> None:
 def int32_view(ptr: int, count: int):
     """A ctypes int32 array over host memory; every element read goes to memory."""
     return (ctypes.c_int32 * count).from_address(ptr)
+
+
+_DEV_ATTR_MPS_ENABLED = 133  # cudaDevAttrMpsEnabled: contexts on the device are shared through MPS
+
+
+def mps_enabled(device_index: int) -> bool:
+    """Whether MPS serves this process's contexts on the device (NOTE [MPS] in backend.py)."""
+    value = ctypes.c_int()
+    _check(libcudart().cudaDeviceGetAttribute(ctypes.byref(value), _DEV_ATTR_MPS_ENABLED, device_index),
+           "cudaDeviceGetAttribute(MpsEnabled)")
+    return bool(value.value)

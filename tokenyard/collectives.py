@@ -1,0 +1,156 @@
+"""Collectives on a Buffer's device over its group, whatever the group's backend (NOTE [device collectives]).
+
+NOTE [device collectives]
+The reference backend and the rounds move tensors of the Buffer's device over the Buffer's group
+(NOTE [device rule] in devices.py). `Collectives` does it one of three ways, chosen by `choose_mode`:
+- "direct": the group moves them itself: NCCL for CUDA tensors, gloo (or MPI) for CPU tensors;
+- "nccl": CUDA tensors over a group that cannot move them (gloo, as vLLM hands DeepEP), where every rank
+  has a GPU of its own: a private NCCL group of the same ranks, made on first use (every rank makes the
+  same calls, so the ranks reach their first collective, and make it, together);
+- "host": CUDA tensors over a gloo group whose ranks share GPUs, which NCCL refuses ("Duplicate GPU
+  detected"): each collective copies to host memory, runs over the group and copies back. That waits for
+  the GPU on the host, so a CUDA graph cannot capture it; a capture that tries raises InvalidInputError.
+Where there is no group (an mpi4py communicator), only the small exchanges of the rounds exist: objects
+through the communicator's allgather.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import CommTimeoutError, InvalidInputError
+from .waiting import wait_until
+
+MODES = ("direct", "nccl", "host")
+
+
+def choose_mode(group_backend: str, device_type: str, shares_gpu: bool) -> str:
+    """How tensors of `device_type` cross a group whose backend is `group_backend` (NOTE [device collectives]).
+
+    Examples: ("gloo", "cuda", False) -> "nccl"; ("gloo", "cuda", True) -> "host"; ("nccl", "cuda", _) ->
+    "direct"; ("cpu:gloo,cuda:nccl", "cpu", _) -> "direct".
+
+    Raises:
+        InvalidInputError: CPU tensors over a group that moves none (NCCL alone).
+    """
+    names = group_backend.lower()
+    if device_type == "cuda":
+        if "nccl" in names:
+            return "direct"
+        return "host" if shares_gpu else "nccl"
+    if "gloo" in names or "mpi" in names:
+        return "direct"
+    raise InvalidInputError(f"CPU tensors need a group that moves CPU tensors (gloo), and this group's backend is "
+                            f"{group_backend!r}; pass CUDA tensors, or a gloo group")
+
+
+class _Done:
+    """The work handle of a collective that finished before it was returned."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
+class Collectives:
+    """`all_to_all_single`, `all_gather` and `max_int` of tensors on `device` over `group`.
+
+    Arguments:
+        group: the Buffer's process group, or None with `all_gather_object` from an mpi4py communicator.
+        device: the Buffer's device.
+        mode: one of MODES (`choose_mode`); ignored without a group.
+        rank, num_ranks: this rank's place in the group.
+        all_gather_object: a function that gathers one picklable object from every rank.
+        timeout_s: the deadline of `max_int`'s wait on the GPU.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, mode: str, rank: int,
+                 num_ranks: int, all_gather_object: Callable, timeout_s: float = 100.0):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}")
+        self.group, self.device, self.mode = group, device, mode
+        self.rank, self.num_ranks = rank, num_ranks
+        self._all_gather_object = all_gather_object
+        self.timeout_s = timeout_s
+        self._nccl_group = None
+        self._stream = None  # CUDA: max_int's own stream
+
+    def _device_group(self) -> dist.ProcessGroup:
+        """The group that moves this device's tensors: the Buffer's, or the private NCCL group."""
+        if self.mode != "nccl":
+            return self.group
+        if self._nccl_group is None:
+            self._nccl_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="nccl",
+                                              use_local_synchronization=True)
+        return self._nccl_group
+
+    def _staged(self) -> bool:
+        """Whether tensors of this device go through host memory; refuses inside a CUDA graph capture."""
+        if self.mode != "host" or self.device.type != "cuda":
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            raise InvalidInputError("this group cannot move CUDA tensors and its ranks share GPUs, so the reference "
+                                    "backend stages every collective through host memory, which a CUDA graph cannot "
+                                    "capture (NOTE [device collectives]); capture the CUDA backend's calls instead")
+        return True
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]] = None,
+                          in_splits: Optional[List[int]] = None, async_op: bool = False):
+        """`dist.all_to_all_single` over the group; with `async_op`, a handle whose `wait()` ends it."""
+        if self.group is None:
+            raise InvalidInputError("an all-to-all needs a torch.distributed process group")
+        if not self._staged():
+            return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self._device_group(),
+                                          async_op=async_op)
+        landed = torch.empty(out.shape, dtype=out.dtype)
+        dist.all_to_all_single(landed, inp.cpu(), out_splits, in_splits, group=self.group)
+        out.copy_(landed)
+        return _Done() if async_op else None
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``[num_ranks, *t.shape]``: every rank's `t` (no host sync in the direct and NCCL modes)."""
+        if self.group is None:
+            return torch.stack([p.to(t.device) for p in self._all_gather_object(t.cpu())])
+        staged = self._staged()
+        mine = t.cpu() if staged else t.contiguous()
+        pieces = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        dist.all_gather(pieces, mine, group=self.group if staged else self._device_group())
+        gathered = torch.stack(pieces)
+        return gathered.to(t.device) if staged else gathered
+
+    def max_int(self, value: int) -> int:
+        """The largest `value` over the ranks (a host sync).
+
+        On CUDA the all-reduce and a copy into pinned memory run on a stream of their own, so they wait for
+        none of the work queued before them, and the wait is for them alone (an event), bounded: a rank
+        that failed round 0 after this one passed it never joins.
+        """
+        if self.group is None:
+            return max(self._all_gather_object(int(value)))
+        if self.device.type != "cuda" or self.mode == "host":
+            t = torch.full((1,), value, dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            return int(t[0])
+        group = self._device_group()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._stream):
+            t = torch.full((1,), value, dtype=torch.int64, device=self.device)  # no host-to-device copy
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        if not wait_until(done.query, self.timeout_s):
+            raise CommTimeoutError(self.rank, -1, "dispatch/rounds",
+                                   "the ranks did not agree on the round count; destroy this Buffer")
+        return int(host[0])
+
+    def destroy(self) -> None:
+        """Release the private NCCL group, if one was made."""
+        if self._nccl_group is not None:
+            dist.destroy_process_group(self._nccl_group)
+            self._nccl_group = None
