@@ -8,6 +8,7 @@
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [ep8_tests|ep8_bench]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh one_gpu
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_TEST_NUM_RANKS=2,4 bash benchmarks/run_device.sh shared [pytest args]
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh residency
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -20,7 +21,8 @@
 # (default 2,4,8), the ranks spread evenly over the GPUs there are, several per GPU under MPS: it starts the
 # MPS daemon with pipe and log folders of its own under /tmp and stops it at the end (NOTE [shared GPUs] in
 # tokenyard/devices.py). Extra arguments go to pytest (say, -k to run part of the suite in one call). Logs:
-# shared_gpu_<ranks>.log; benchmarks/shared_gpu.py turns them into shared_gpu.json.
+# shared_gpu_<ranks>.log; benchmarks/shared_gpu.py turns them into shared_gpu.json. `residency` (under MPS
+# too) measures which grids of ranks sharing a GPU are resident together (benchmarks/mps_residency.py).
 #
 # `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks, and without
 # the next-row prefetch (TOKENYARD_TUNING), to choose heuristics.py's defaults.
@@ -48,15 +50,22 @@ stop_mps() {
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$out/mps_control.log" 2>/dev/null || true
 }
 
+if [ "$what" = residency ]; then
+    start_mps
+    timeout 400 python3 benchmarks/mps_residency.py --json "$out/mps_residency.json" 2>&1 | grep -v Warn | tail -12
+fi
 if [ "$what" = shared ]; then
     shift
     start_mps
     IFS=, read -ra counts <<< "${TOKENYARD_TEST_NUM_RANKS:-2,4,8}"
     for ranks in "${counts[@]}"; do
+        log="$out/shared_gpu_${ranks}.log"
         echo "== $ranks ranks on $num_gpus GPU(s)"
+        { echo "device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"; echo "num_gpus: $num_gpus"
+          echo "num_ranks: $ranks"; echo "commit: ${TOKENYARD_COMMIT:-}"; echo "date: $(date -u +%FT%TZ)"
+          echo "pytest args: $*"; } > "$log"
         TOKENYARD_TEST_NUM_RANKS=$ranks timeout "${TOKENYARD_SHARED_TIMEOUT_S:-560}" python3 -m pytest -v tests/gpu \
-            -p no:cacheprovider "$@" 2>&1 | tee "$out/shared_gpu_${ranks}.log" \
-            | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -30
+            -p no:cacheprovider "$@" 2>&1 | tee -a "$log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -30
     done
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then

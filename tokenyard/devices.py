@@ -13,10 +13,14 @@ Ranks may share a GPU: every rank of the group says which GPU it works on (its U
 serve the same number of ranks (`ranks_per_gpu`). The CUDA backend maps the peers' buffers by CUDA IPC,
 which works between processes of one GPU as between GPUs. Its kernels wait for the peers' kernels, so
 those must run at the same time, which needs MPS on a shared GPU (NOTE [MPS] in backends/cuda/backend.py).
-Every co-located rank's grid must also be resident at once: a rank's grids fill at most `sm_budget` SMs,
-the SMs the process sees and no more than its even share of the GPU. Example: an H100 (132 SMs) shared by
-4 ranks: under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 (what tokenyard's launchers set) each rank
-sees 33 SMs and fills 33; with no percentage set each sees 132 and still fills 132 // 4 = 33.
+Every co-located rank's grid must also be resident at once, so a rank's grids fill at most `sm_budget`
+SMs: the SMs the process sees divided by the ranks of its GPU. Without an MPS share (what tokenyard's
+launchers leave) each rank sees the whole GPU and the ranks' grids together fill it: 4 ranks on an H100
+(132 SMs) fill 33 each. An MPS share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) only caps what a client may use
+and reserves nothing, so clients' kernels may land on the same SMs: low-latency grids of a whole 50% share
+(66 of 132 SMs, 2 ranks) or of 28 of a 25% share's 32 SMs (4 ranks) never all became resident, while the
+shares divided by the ranks always did (benchmarks/results/mps_residency.md). Dividing what a rank sees by
+its GPU's ranks fits even where every share covers the same SMs.
 
 NOTE [virtual nodes]
 DeepEP's runtime queries (`get_num_rdma_ranks`, `get_rdma_rank`, `get_root_rdma_rank`) see the group as
@@ -32,16 +36,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import os
 import socket
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .errors import InvalidInputError
-
-MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-
 
 def buffer_device(cuda_available: bool, current_device: int) -> torch.device:
     """NOTE [device rule]: the current CUDA device where there is a GPU, else the CPU; never the group's say."""
@@ -79,18 +79,8 @@ class RankPlace:
 
     host: str
     gpu: str = ""                          # the GPU's UUID; "" for a rank on the CPU
-    visible_sms: int = 0                   # multiprocessors this process sees (fewer under an MPS share)
-    mps: bool = False                      # MPS serves this process's GPU
-    mps_percentage: Optional[float] = None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, where set
-
-
-def _mps_percentage() -> Optional[float]:
-    raw = os.environ.get(MPS_PERCENTAGE_ENV, "").strip()
-    try:
-        value = float(raw)
-    except ValueError:
-        return None
-    return value if 0 < value <= 100 else None
+    visible_sms: int = 0   # multiprocessors this process sees (fewer under an MPS share)
+    mps: bool = False      # MPS serves this process's GPU
 
 
 def this_rank(device: torch.device) -> RankPlace:
@@ -100,7 +90,7 @@ def this_rank(device: torch.device) -> RankPlace:
         return RankPlace(host)
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    return RankPlace(host, str(props.uuid), props.multi_processor_count, _mps_serves(index), _mps_percentage())
+    return RankPlace(host, str(props.uuid), props.multi_processor_count, _mps_serves(index))
 
 
 def _mps_serves(device_index: int) -> bool:
@@ -113,18 +103,12 @@ def _mps_serves(device_index: int) -> bool:
         return False
 
 
-def sm_budget(visible_sms: int, ranks_per_gpu: int, mps_percentage: Optional[float]) -> int:
-    """SMs one rank's grids may fill (NOTE [shared GPUs]): what it sees, at most its even share of the GPU.
+def sm_budget(visible_sms: int, ranks_per_gpu: int) -> int:
+    """SMs one rank's grids may fill (NOTE [shared GPUs]): what it sees, divided by the ranks of its GPU.
 
-    The GPU's own count is read back from the share MPS gave the process (visible = GPU x percentage).
-    Examples: 66 SMs seen at 50% on 2 ranks -> 66; 132 seen without a share on 4 ranks -> 33; 132 seen
-    at 100% on 2 ranks -> 66.
+    Examples: 132 seen by each of 4 ranks -> 33; 66 seen under a 50% MPS share by each of 2 ranks -> 33.
     """
-    if ranks_per_gpu <= 1:
-        return visible_sms
-    percentage = mps_percentage or 100.0
-    gpu_sms = round(visible_sms * 100.0 / percentage)
-    return max(1, min(visible_sms, gpu_sms // ranks_per_gpu))
+    return max(1, visible_sms // max(1, ranks_per_gpu))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +137,7 @@ class Topology:
     @property
     def sm_budget(self) -> int:
         mine = self.places[self.rank]
-        return sm_budget(mine.visible_sms, self.ranks_per_gpu, mine.mps_percentage)
+        return sm_budget(mine.visible_sms, self.ranks_per_gpu)
 
     @property
     def num_nodes(self) -> int:
@@ -251,9 +235,3 @@ def launch_layout(num_ranks: int, num_gpus: int) -> Tuple[int, int]:
 def launch_gpu(rank: int, ranks_per_gpu: int) -> int:
     """The GPU a launcher gives `rank`: consecutive ranks share one (ranks 0, 1 on GPU 0 at 2 per GPU)."""
     return rank // ranks_per_gpu
-
-
-def mps_share(ranks_per_gpu: int) -> int:
-    """The MPS active-thread percentage a launcher gives each of `ranks_per_gpu` ranks of one GPU, so that
-    their shares sum to at most 100 (NVSHMEM checks that too). Example: 8 ranks -> 12 each."""
-    return max(1, 100 // ranks_per_gpu)

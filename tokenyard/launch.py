@@ -61,9 +61,8 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
     """Join a group of `num_ranks` on 127.0.0.1:`port`: on GPUs if `use_cuda`, else gloo on the CPU.
 
     On GPUs the ranks spread evenly over `num_gpus` (default: every GPU here; devices.launch_layout), and the
-    group is NCCL where each rank has a GPU of its own. Where ranks share a GPU it is gloo (NCCL refuses two
-    ranks on one GPU), and each rank gets an even MPS share of the GPU (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
-    unless set), before CUDA starts in this process (NOTE [shared GPUs] in devices.py).
+    group is NCCL where each rank has a GPU of its own, gloo where ranks share a GPU (NCCL refuses two ranks
+    on one GPU; the CUDA backend then needs MPS, NOTE [shared GPUs] in devices.py).
 
     Returns the rank's device.
     """
@@ -77,8 +76,6 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
     timeout = datetime.timedelta(seconds=timeout_s)
     if use_cuda:
         _, ranks_per_gpu = devices.launch_layout(num_ranks, num_gpus or torch.cuda.device_count())
-        if ranks_per_gpu > 1:
-            os.environ.setdefault(devices.MPS_PERCENTAGE_ENV, str(devices.mps_share(ranks_per_gpu)))
         device = torch.device("cuda", devices.launch_gpu(rank, ranks_per_gpu))
         torch.cuda.set_device(device)
         if ranks_per_gpu == 1:

@@ -13,8 +13,8 @@ from tokenyard.devices import RankPlace, make_topology
 H100 = 132
 
 
-def _gpu(host: str, gpu: str, sms: int = H100, mps: bool = True, percentage=None) -> RankPlace:
-    return RankPlace(host, gpu, sms, mps, percentage)
+def _gpu(host: str, gpu: str, sms: int = H100, mps: bool = True) -> RankPlace:
+    return RankPlace(host, gpu, sms, mps)
 
 
 def test_device_rule_takes_the_current_cuda_device_wherever_there_is_a_gpu_never_the_groups_backend():
@@ -62,18 +62,13 @@ def test_calls_with_cpu_tensors_on_a_gpu_buffer_run_on_its_cpu_twin_whatever_pos
     assert [who for who, _ in buffer.calls] == ["twin", "twin", "twin", "own"]
 
 
-def test_a_gpu_shared_by_two_ranks_gives_each_half_its_sms_with_or_without_an_mps_share():
-    places = [_gpu("h", "GPU-a", 66, percentage=50), _gpu("h", "GPU-a", 66, percentage=50)]
-    topology = make_topology(1, places)
+def test_ranks_that_share_a_gpu_divide_the_sms_each_sees_so_their_grids_fit_whatever_mps_shares_they_have():
+    topology = make_topology(1, [_gpu("h", "GPU-a"), _gpu("h", "GPU-a")])  # no MPS share: each sees 132
     assert (topology.ranks_per_gpu, topology.shares_gpu, topology.gpu_peers, topology.sm_budget) == (2, True, [0, 1], 66)
-    unshared = make_topology(0, [_gpu("h", "GPU-a"), _gpu("h", "GPU-a")])  # no percentage: each sees 132
-    assert unshared.sm_budget == 66
+    # A 50% share each: shares reserve nothing and may cover the same SMs, so each fills half of its 66.
+    assert make_topology(0, [_gpu("h", "GPU-a", 66), _gpu("h", "GPU-a", 66)]).sm_budget == 33
     assert make_topology(0, [_gpu("h", "GPU-a"), _gpu("h", "GPU-b")]).sm_budget == H100  # a GPU each
-    # Examples of devices.sm_budget's docstring, and 8 ranks at the launchers' 12%.
-    assert devices.sm_budget(132, 4, None) == 33
-    assert devices.sm_budget(132, 2, 100.0) == 66
-    assert devices.sm_budget(16, 8, 12.0) == 16
-    assert devices.sm_budget(132, 8, None) == 16
+    assert [devices.sm_budget(H100, n) for n in (1, 2, 4, 8)] == [132, 66, 33, 16]
 
 
 def test_gpus_that_serve_different_numbers_of_ranks_and_groups_of_gpu_and_cpu_ranks_are_refused():
@@ -119,7 +114,6 @@ def test_launchers_spread_ranks_evenly_over_the_gpus_there_are():
     assert devices.launch_layout(6, 4) == (3, 2)
     assert devices.launch_layout(2, 8) == (2, 1)
     assert [devices.launch_gpu(r, 2) for r in range(6)] == [0, 0, 1, 1, 2, 2]
-    assert [devices.mps_share(n) for n in (1, 2, 4, 8)] == [100, 50, 25, 12]
     with pytest.raises(InvalidInputError):
         devices.launch_layout(2, 0)
 
