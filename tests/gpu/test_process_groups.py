@@ -127,9 +127,9 @@ def _vllm_pattern(seed):
         torch.cuda.synchronize()
         _same(f"graph replay {replay}", captured, eager)
     buffer.runtime.check_failures()
+    mode, sms = buffer._exchange.mode, buffer.runtime.device_sms
     for b in (buffer, other):
         b.destroy()
-    mode, sms = buffer._exchange.mode, buffer.runtime.device_sms
     dist.destroy_process_group(gloo)
     return reports + [f"gloo group: backend cuda, {'shared GPUs' if shared else 'a GPU per rank'} ({sms} SMs a "
                       f"rank), reference collectives {mode}; graph replays match"]
