@@ -9,6 +9,7 @@
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh one_gpu
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_TEST_NUM_RANKS=2,4 bash benchmarks/run_device.sh shared [pytest args]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh residency
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh shared_bench
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -22,7 +23,8 @@
 # MPS daemon with pipe and log folders of its own under /tmp and stops it at the end (NOTE [shared GPUs] in
 # tokenyard/devices.py). Extra arguments go to pytest (say, -k to run part of the suite in one call). Logs:
 # shared_gpu_<ranks>.log; benchmarks/shared_gpu.py turns them into shared_gpu.json. `residency` (under MPS
-# too) measures which grids of ranks sharing a GPU are resident together (benchmarks/mps_residency.py).
+# too) measures which grids of ranks sharing a GPU are resident together (benchmarks/mps_residency.py);
+# `shared_bench` runs the benchmark at 2 and 4 ranks on the GPUs there are (times only where they share).
 #
 # `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks, and without
 # the next-row prefetch (TOKENYARD_TUNING), to choose heuristics.py's defaults.
@@ -50,6 +52,14 @@ stop_mps() {
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$out/mps_control.log" 2>/dev/null || true
 }
 
+if [ "$what" = shared_bench ]; then
+    # The benchmark with ranks sharing the GPUs: times only, labelled shared, no bandwidth.
+    start_mps
+    for ranks in 2 4; do
+        timeout 200 python3 -m tokenyard.bench --quiet --num_ranks $ranks --json "$out/bench_shared_${ranks}.json" \
+            2>&1 | grep -v Warn | tail -16
+    done
+fi
 if [ "$what" = residency ]; then
     start_mps
     timeout 400 python3 benchmarks/mps_residency.py --json "$out/mps_residency.json" 2>&1 | grep -v Warn | tail -12

@@ -57,7 +57,8 @@ def main(argv=None) -> None:
         header, run = found["header"], found["run"]
         if document["commit"] not in (None, header["commit"]):
             sys.exit(f"{path} is of commit {header['commit']}, the JSON of {document['commit']}: start a new JSON")
-        document.update(commit=header["commit"], device=header["device"], date=header["date"])
+        document.update(commit=header["commit"], device=header["device"],
+                        date=max(document.get("date") or "", header["date"]))  # the newest run's
         document["runs"] = [r for r in document["runs"]
                             if (r["num_ranks"], r.get("pytest_args", "")) != (run["num_ranks"], run["pytest_args"])]
         document["runs"].append(run)

@@ -107,3 +107,16 @@ def test_dashed_spellings_are_aliases_and_cpu_defaults_are_the_small_problem():
     gpu = options.resolve(parser.parse_args([]), num_gpus=8)
     assert (gpu.num_ranks, gpu.hidden_size, gpu.num_tokens, gpu.num_tokens_low_latency, gpu.num_experts,
             gpu.num_topk, gpu.iters) == (8, 7168, 4096, 128, 256, 8, 50)
+
+
+def test_a_run_of_ranks_sharing_gpus_reports_no_rate_as_bandwidth():
+    from tokenyard.bench import report
+
+    doc = {"copy_limit_gbps": 300.0, "nccl": {"dispatch": {"us": 10.0, "nvlink_gbps": 5.0, "logical_gbps": 7.0}},
+           "tokenyard": {"low_latency": {"dispatch_us": 20.0, "dispatch_nvlink_gbps": 1.0}},
+           "compare_sm": {"tokenyard": [{"num_sms": 8, "dispatch": {"us": 3.0, "nvlink_gbps": 2.0}}]}}
+    report._times_only(doc)
+    assert doc == {"copy_limit_gbps": None,
+                   "nccl": {"dispatch": {"us": 10.0, "nvlink_gbps": None, "logical_gbps": None}},
+                   "tokenyard": {"low_latency": {"dispatch_us": 20.0, "dispatch_nvlink_gbps": None}},
+                   "compare_sm": {"tokenyard": [{"num_sms": 8, "dispatch": {"us": 3.0, "nvlink_gbps": None}}]}}

@@ -31,6 +31,10 @@ def test_low_latency_blocks_give_every_peer_a_group_and_the_own_rank_half_a_shar
     assert heuristics.low_latency_local_blocks(4, 4) == 1        # one block per peer is enough
     with pytest.raises(ValueError, match="each of 7 peers"):
         heuristics.low_latency_local_blocks(7, 8)
+    for num_ranks in (1, 2, 4, 8):  # the fewest SMs the CUDA backend accepts serve both modes' grids
+        fewest = heuristics.fewest_sms(num_ranks)
+        assert heuristics.data_grid(24, fewest, 0.5).num_blocks == fewest == max(2, num_ranks)
+        assert 1 <= heuristics.low_latency_local_blocks(fewest, num_ranks) <= fewest - (num_ranks - 1)
     try:
         monkeypatch.setenv("TOKENYARD_TUNING", "low_latency_local_share=0.25")
         env.settings.cache_clear()

@@ -200,9 +200,8 @@ def for_group(*, mode: str, hidden_size: int, num_tokens: int, num_experts: int,
 
 def check(s: BenchSettings, num_gpus: int) -> None:
     """Refuse, before any process starts, a problem that some call would refuse later."""
+    del num_gpus  # more ranks than GPUs share them (tokenyard.launch.init_rank): times only, no bandwidth
     problems = []
-    if s.gpu and s.num_ranks > num_gpus:
-        problems.append(f"--num_ranks {s.num_ranks} exceeds the {num_gpus} GPUs here")
     if not s.gpu and s.backends and "cuda" in s.backends:
         problems.append("--backends cuda needs GPUs; this machine has none")
     if s.num_experts % s.num_ranks:

@@ -1,7 +1,7 @@
 """Turn every rank's samples into the JSON document and the printed table.
 
 The JSON document (`build`), one entry ``{us, nvlink_gbps, logical_gbps, num_sms}`` per operation
-(null where not measured in this mode)::
+(null where not measured in this mode, and every bandwidth null where ranks share GPUs)::
 
     commit, device, date, settings, env (the TOKENYARD_* variables set), num_ranks, num_tokens,
     num_tokens_low_latency, hidden, num_topk, num_experts, dtype, copy_limit_gbps
@@ -95,7 +95,10 @@ def _sweep(name: str, per_rank: List[dict], sm_counts) -> List[dict]:
 def build(settings: BenchSettings, ranks: List[dict], commit: Optional[str], date: str) -> dict:
     """The JSON document (see the module docstring) from every rank's samples."""
     first = ranks[0]
-    gpu_label = f"{first['device']} x {settings.num_ranks}"
+    shared = first.get("ranks_per_gpu", 1) > 1
+    gpu_label = f"{first['device']} x {first.get('num_gpus', settings.num_ranks)}"
+    if shared:
+        gpu_label += f" shared by {settings.num_ranks} ranks (MPS)"
     copy_limits = [p["backends"][name]["copy_limit_gbps"] for p in ranks for name in first["backends"]]
     copy_limits = [c for c in copy_limits if c is not None]
     doc = {
@@ -122,7 +125,20 @@ def build(settings: BenchSettings, ranks: List[dict], commit: Optional[str], dat
         doc[BACKEND_KEYS[name]] = _backend_entry(per_rank)
         if settings.runs("compare_sm"):
             doc.setdefault("compare_sm", {})[BACKEND_KEYS[name]] = _sweep(name, per_rank, settings.sm_counts)
+    if shared:
+        _times_only(doc)
     return doc
+
+
+def _times_only(doc) -> None:
+    """Ranks that share a GPU copy within it: their times say how long the calls took there, but no rate
+    of theirs is an NVLink bandwidth, so every one becomes null (and prints as "-")."""
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, value in items:
+        if isinstance(key, str) and key.endswith("gbps"):
+            doc[key] = None
+        else:
+            _times_only(value)
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -169,6 +185,8 @@ def _notes(doc: dict) -> List[str]:
              f"{doc['dtype']} dispatch, seed {doc['settings']['seed']}",
              "copy limit: " + ("not measured" if doc["copy_limit_gbps"] is None
                                else f"{doc['copy_limit_gbps']:.1f} GB/s")]
+    if "shared by" in doc["device"]:
+        notes.append("ranks share GPUs (MPS): times only, no bandwidth, no NCCL baseline")
     for key in backend_keys(doc):
         error = doc[key]["low_latency"]["graph_error"]
         if error and doc[key]["low_latency"]["dispatch_us"] is not None:

@@ -13,7 +13,6 @@ the API time the same calls the same way.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
@@ -25,7 +24,7 @@ from .. import quant, routing
 from .. import devices
 from ..buffer import Buffer
 from ..config import Config
-from ..launch import leave_group
+from ..launch import init_rank, leave_group
 from ..testing import make_rank_inputs
 from . import BenchError, bandwidth, timing
 from .options import BenchSettings
@@ -59,6 +58,7 @@ class RankContext:
     group: dist.ProcessGroup
     device: torch.device
     timer: timing.Timer
+    topology: devices.Topology  # where every rank works: ranks that share a GPU measure times only
 
     def all_gather(self, obj) -> list:
         gathered = [None] * self.num_ranks
@@ -265,7 +265,7 @@ def copy_limit_gbps(ctx: RankContext, buffer: Buffer) -> Optional[float]:
     limit is the best rate a plain copy reached, never a slow way of copying. Otherwise, and at one rank
     (no peers to copy to), the limit is not measured (None).
     """
-    if buffer.backend != "cuda" or ctx.num_ranks < 2:
+    if buffer.backend != "cuda" or ctx.num_ranks < 2 or ctx.topology.shares_gpu:
         return None
     try:
         from ..backends.cuda import COPY_PATTERNS, measure_copy_limit_gbps
@@ -349,18 +349,25 @@ def measure_all(ctx: RankContext) -> dict:
     steps_per_backend = (s.runs("normal") + s.runs("low_latency") + len(s.sm_counts) * s.runs("compare_sm"))
     with tqdm(total=1 + steps_per_backend * len(backends), disable=s.quiet or ctx.rank != 0, file=sys.stderr,
               desc="all_to_all baseline", leave=False) as progress:
-        baseline = measure_all_to_all(ctx, make_problem(ctx, s.seed, s.num_tokens, s.dtype))
+        baseline = {}  # ranks that share GPUs have no NCCL to compare with
+        if ctx.timer.on_device or not ctx.timer.gpu:
+            baseline = measure_all_to_all(ctx, make_problem(ctx, s.seed, s.num_tokens, s.dtype))
         progress.update()
         per_backend = {name: measure_backend(ctx, name, s.seed + 1 + i, progress) for i, name in enumerate(backends)}
     device = torch.cuda.get_device_name(ctx.device) if ctx.timer.gpu else "cpu"
+    topology = ctx.topology
     return {"device": device, "baseline_backend": dist.get_backend(ctx.group), "baseline": baseline,
-            "backends": per_backend}
+            "backends": per_backend, "num_gpus": len({(p.host, p.gpu) for p in topology.places}),
+            "ranks_per_gpu": topology.ranks_per_gpu}
 
 
 def group_context(settings: BenchSettings, group: dist.ProcessGroup) -> RankContext:
     """The context of this rank of `group`, on the device a Buffer takes (NOTE [device rule])."""
     device = devices.default_device()
-    return RankContext(settings, group.rank(), group.size(), group, device, timing.Timer(group, device))
+    gathered = [None] * group.size()
+    dist.all_gather_object(gathered, devices.this_rank(device), group=group)
+    return RankContext(settings, group.rank(), group.size(), group, device, timing.Timer(group, device),
+                       devices.make_topology(group.rank(), gathered))
 
 
 def from_rank_0(group: dist.ProcessGroup, obj):
@@ -385,7 +392,8 @@ def run_rank(rank: int, num_ranks: int, port: int, settings: BenchSettings) -> O
     """Join the group, measure, gather; rank 0 returns every rank's samples, the others None.
 
     With ``--bind`` the rank first binds itself (tokenyard.affinity.bind: one rank per GPU of this machine),
-    before it creates threads or communicators, and records the binding with its samples.
+    before it creates threads or communicators, and records the binding with its samples. On GPUs the ranks
+    spread over the GPUs as tokenyard.launch.init_rank spreads them (several per GPU where there are fewer).
     """
     binding = None
     if settings.bind:
@@ -393,11 +401,8 @@ def run_rank(rank: int, num_ranks: int, port: int, settings: BenchSettings) -> O
 
         binding = affinity.bind(rank, num_ranks).as_dict()
     num_cores = len(binding["cores"]) if binding and "cpu affinity" in binding["applied"] else None
+    init_rank(rank, num_ranks, port, settings.gpu, settings.timeout_s)
     torch.set_num_threads(max(1, num_cores or (os.cpu_count() or 1) // num_ranks))  # ranks share the cores
-    if settings.gpu:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if settings.gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=num_ranks, timeout=datetime.timedelta(seconds=settings.timeout_s))
     Buffer.set_num_sms(settings.num_sms)
     try:
         gathered = measure_group(group_context(settings, dist.group.WORLD), binding)

@@ -38,10 +38,13 @@ class Timer:
         self.group = group
         self.device = device
         self.gpu = device.type == "cuda"
+        # Whether the group itself moves this device's tensors (NCCL on GPUs): then barriers and the aligned
+        # start run on the GPU; over gloo on GPUs (ranks that share a GPU) they are host barriers.
+        self.on_device = self.gpu and "nccl" in str(dist.get_backend(group)).lower()
         self._scratch = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device) if self.gpu else None
 
     def barrier(self) -> None:
-        if self.gpu:
+        if self.on_device:
             dist.barrier(group=self.group, device_ids=[self.device.index])
         else:
             dist.barrier(group=self.group)
@@ -99,7 +102,8 @@ class Timer:
                     self._scratch.bitwise_not_()  # evicts L2 and marks the start of a call
                     self.barrier()
                     torch.cuda._sleep(ALIGN_SLEEP_CYCLES)  # NOTE [aligned start]
-                    dist.all_reduce(start_together, group=self.group)
+                    if self.on_device:
+                        dist.all_reduce(start_together, group=self.group)
                     step()
             torch.cuda.synchronize(self.device)
         self.barrier()

@@ -105,6 +105,13 @@ class CudaBackend(Backend):
         # SMs this rank's grids may fill: every co-located rank's grid must be resident at once (NOTE [shared
         # GPUs] in devices.py); the whole GPU where a rank has one of its own.
         self.device_sms = ctx.topology.sm_budget
+        if self.device_sms < heuristics.fewest_sms(ctx.num_ranks):
+            visible = ctx.topology.places[ctx.rank].visible_sms
+            raise BackendUnavailableError(
+                f"rank {ctx.rank} may fill {self.device_sms} SMs (the {visible} it sees over the "
+                f"{ctx.topology.ranks_per_gpu} ranks of its GPU), fewer than the {heuristics.fewest_sms(ctx.num_ranks)} "
+                "the kernels need: run fewer ranks per GPU, or without an MPS share "
+                "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), which caps the SMs a rank sees (NOTE [shared GPUs] in devices.py)")
         self.low_latency_buffer = None
         try:
             self.normal = SymmetricBuffer(ctx, ctx.num_nvl_bytes)

@@ -136,5 +136,12 @@ def _tuned(key: str, default):
 SPLIT_DISPATCH_AROUND_CPU_WAIT = False
 
 
+def fewest_sms(num_ranks: int) -> int:
+    """The fewest SMs a rank's kernels work with: two blocks of a normal-mode kernel (a sender and a
+    receiver or reducer), and in low-latency mode one block for the own rank and one per peer
+    (low_latency_local_blocks)."""
+    return max(2, num_ranks)
+
+
 def layout_grid(num_tokens: int, threads: int, device_sms: int) -> int:
     return max(1, min(device_sms, (num_tokens + threads - 1) // threads))
