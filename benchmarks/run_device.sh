@@ -138,6 +138,9 @@ fi
 if [ "$what" = one_gpu ]; then
     timeout 420 python3 -m pytest -v tests/gpu/test_one_gpu.py -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_tests_one_gpu.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -20
+    # Two ranks on one GPU without MPS (this part starts no daemon): the CUDA backend must refuse, naming MPS.
+    [ "$num_gpus" -eq 1 ] && TOKENYARD_TEST_NUM_RANKS=2 timeout 120 python3 -m pytest -v tests/gpu/test_process_groups.py \
+        -k mps -p no:cacheprovider 2>&1 | tee "$out/gpu_tests_without_mps.log" | grep -E "PASSED|FAILED|passed|failed|Error"
     timeout 150 python3 -m tokenyard.bench --quiet --json "$out/bench_one_gpu.json" 2>&1 | tail -16
 fi
 tar czf "$out/jit_cache.tgz" "${TOKENYARD_CACHE_DIR#$PWD/}" 2>/dev/null || true

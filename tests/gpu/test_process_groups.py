@@ -139,3 +139,50 @@ def _vllm_pattern(seed):
 def test_a_buffer_on_a_gloo_group_with_gpu_tensors_runs_the_cuda_backend_and_matches(num_ranks, seed):
     for line in spawn.run(num_ranks, _vllm_pattern, seed)[0]:
         print(line)
+
+
+def _cuda_backend_where_mps_serves(seed):
+    """Ranks that share a GPU: the CUDA backend under MPS; without it a refusal that names MPS and how to
+    start it, and `backend="auto"` falls back to the reference backend, which still dispatches correctly."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from tokenyard import BackendUnavailableError, Buffer, Config, routing
+    from tokenyard.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    size = Config(num_max_tokens_per_rank=NUM_TOKENS).get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks)
+    probe = Buffer(dist.group.WORLD, size, 0, backend="reference")
+    served, shared = not probe.topology.without_mps(), probe.topology.shares_gpu
+    probe.destroy()
+    if served or not shared:
+        buffer = Buffer(dist.group.WORLD, size, 0, backend="cuda", timeout_s=30)
+        buffer.destroy()
+        return "MPS serves the GPU (or a GPU each): the CUDA backend runs"
+    try:
+        Buffer(dist.group.WORLD, size, 0, backend="cuda", timeout_s=30)
+        raise AssertionError("the CUDA backend started on a GPU shared without MPS")
+    except BackendUnavailableError as exc:
+        message = str(exc)
+    assert "MPS" in message and "nvidia-cuda-mps-control -d" in message, message
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        fallback = Buffer(dist.group.WORLD, size, 0, timeout_s=30)
+    assert fallback.backend == "reference", fallback.backend
+    inputs = make_rank_inputs(seed, num_ranks, NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK, "uniform", "bf16", device)
+    x, topk_idx, weights = inputs[rank]
+    per_rank, _, per_expert, in_rank, _ = fallback.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+    recv_x = fallback.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank,
+                               is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)[0]
+    want = routing.dispatch([i[0].cpu() for i in inputs], [None] * num_ranks, [i[1].cpu() for i in inputs],
+                            [i[2].cpu() for i in inputs], NUM_EXPERTS)[rank]
+    assert torch.equal(recv_x.cpu(), want["recv_x"]), "the reference backend's dispatch differs from the oracle"
+    fallback.destroy()
+    return f"without MPS: {message.split(':')[0]}; auto took the reference backend, which dispatched correctly"
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
+def test_ranks_that_share_a_gpu_get_the_cuda_backend_under_mps_and_a_clear_refusal_without(num_ranks, seed):
+    print(spawn.run(num_ranks, _cuda_backend_where_mps_serves, seed)[0])
