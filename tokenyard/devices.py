@@ -43,6 +43,7 @@ import torch
 
 from .errors import InvalidInputError
 
+
 def buffer_device(cuda_available: bool, current_device: int) -> torch.device:
     """NOTE [device rule]: the current CUDA device where there is a GPU, else the CPU; never the group's say."""
     return torch.device("cuda", current_device) if cuda_available else torch.device("cpu")
@@ -78,7 +79,7 @@ class RankPlace:
     """What one rank tells the others about where it works."""
 
     host: str
-    gpu: str = ""                          # the GPU's UUID; "" for a rank on the CPU
+    gpu: str = ""          # the GPU's UUID; "" for a rank on the CPU
     visible_sms: int = 0   # multiprocessors this process sees (fewer under an MPS share)
     mps: bool = False      # MPS serves this process's GPU
 

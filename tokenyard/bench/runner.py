@@ -349,7 +349,7 @@ def measure_all(ctx: RankContext) -> dict:
     steps_per_backend = (s.runs("normal") + s.runs("low_latency") + len(s.sm_counts) * s.runs("compare_sm"))
     with tqdm(total=1 + steps_per_backend * len(backends), disable=s.quiet or ctx.rank != 0, file=sys.stderr,
               desc="all_to_all baseline", leave=False) as progress:
-        baseline = {}  # ranks that share GPUs have no NCCL to compare with
+        baseline = {}  # GPU ranks in a group that moves no GPU tensors (sharing GPUs, NCCL refuses): no NCCL
         if ctx.timer.on_device or not ctx.timer.gpu:
             baseline = measure_all_to_all(ctx, make_problem(ctx, s.seed, s.num_tokens, s.dtype))
         progress.update()

@@ -97,9 +97,8 @@ class CudaBackend(Backend):
             raise BackendUnavailableError(
                 f"ranks share {'; '.join(unserved)} without MPS: the CUDA backend's kernels wait for each other's "
                 "kernels, which run at the same time on a shared GPU only under MPS. Start the MPS daemon "
-                "(`nvidia-cuda-mps-control -d`, as root) before the ranks start, ideally with "
-                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/(ranks per GPU) in each rank's environment, or give "
-                "each rank a GPU of its own")
+                "(`nvidia-cuda-mps-control -d`, as root) before the ranks start (no MPS percentage is needed: "
+                "tokenyard sizes each rank's grids to fit beside the others'), or give each rank a GPU of its own")
         torch.cuda.init()
         self.device_index = ctx.device.index if ctx.device.index is not None else torch.cuda.current_device()
         # SMs this rank's grids may fill: every co-located rank's grid must be resident at once (NOTE [shared
