@@ -11,7 +11,7 @@ from . import quant, routing
 from .buffer import Buffer
 from .config import Config
 from .errors import (BackendUnavailableError, CapacityError, CommTimeoutError, HandleError, InvalidInputError,
-                     TokenyardError)
+                     PeerLostError, RankMismatchError, TokenyardError)
 from .event import EventHandle, EventOverlap
 from .handle import DispatchHandle, LowLatencyHandle
 from .quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
@@ -23,7 +23,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Buffer", "Config", "EventHandle", "EventOverlap", "DispatchHandle", "LowLatencyHandle", "topk_idx_t",
-    "TokenyardError", "InvalidInputError", "CapacityError", "HandleError", "CommTimeoutError",
+    "TokenyardError", "InvalidInputError", "CapacityError", "HandleError", "CommTimeoutError", "RankMismatchError",
+    "PeerLostError",
     "BackendUnavailableError", "quantize_fp8", "dequantize_fp8", "quantize_int8", "dequantize_int8",
     "quant", "routing", "AutoTuner", "Benchmark",
 ]

@@ -141,7 +141,7 @@ class Buffer(LowLatencyCalls):
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.timeout_s = float(timeout_s if timeout_s is not None else settings.timeout_s)
+        self.timeout_s = checks.timeout_s(timeout_s if timeout_s is not None else settings.timeout_s)
         self.check_inputs = settings.check_inputs if check_inputs is None else bool(check_inputs)
         self.device = _chosen_device(device)
         self._id = next(_buffer_ids)
@@ -366,7 +366,7 @@ class Buffer(LowLatencyCalls):
             InvalidInputError: bad dtype/shape/device, ids outside [-1, E), E not divisible by R.
         """
         backend = self._backend()
-        checks.num_experts(num_experts, self.group_size)
+        num_experts = checks.num_experts(num_experts, self.group_size)
         checks.topk_idx(topk_idx, num_tokens=None, device=self.device)
         if self._check_values():
             checks.topk_values(topk_idx, num_experts)
@@ -462,6 +462,15 @@ class Buffer(LowLatencyCalls):
         round_tokens = self._round_tokens(num_tokens, row_bytes, "dispatch", paired_row_bytes)
         check_values = self._check_values()
 
+        if backend.wants_call_agreement(False):  # NOTE [call agreement]
+            if handle is None:
+                self._exchange.agree("dispatch", hidden_bytes=x.size(1) * x.element_size(),
+                                     num_scales=0 if x_scales is None else x_scales.size(1), num_topk=num_topk,
+                                     num_experts=num_tokens_per_expert.size(0), num_worst_tokens=num_worst_tokens,
+                                     expert_alignment=expert_alignment, with_weights=int(topk_weights is not None))
+            else:
+                self._exchange.agree("cached_dispatch", hidden_bytes=x.size(1) * x.element_size(),
+                                     num_scales=0 if x_scales is None else x_scales.size(1))
         request = DispatchRequest(x=x, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
                                   num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                                   num_tokens_per_expert=num_tokens_per_expert, handle=handle,
@@ -526,6 +535,9 @@ class Buffer(LowLatencyCalls):
         round_tokens = self._round_tokens(handle.num_tokens, workspace.normal_combine_row_bytes(x.size(1), num_topk),
                                           "combine")
         config = config if config is not None else self.get_combine_config(self.group_size)
+        if backend.wants_call_agreement(False):  # NOTE [call agreement]
+            self._exchange.agree("combine", hidden=x.size(1), num_topk=num_topk,
+                                 num_biases=(bias_0 is not None) + (bias_1 is not None))
         request = CombineRequest(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
                                  config=config)
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,

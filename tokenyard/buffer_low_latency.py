@@ -27,19 +27,20 @@ class LowLatencyCalls:
 
     # -- low-latency mode ---------------------------------------------------------------------------------
 
-    def _low_latency_checks(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        checks.num_experts(num_experts, self.group_size)
-        if not isinstance(num_max_dispatch_tokens_per_rank, int) or num_max_dispatch_tokens_per_rank <= 0:
-            raise InvalidInputError("num_max_dispatch_tokens_per_rank must be a positive int, got "
-                                    f"{num_max_dispatch_tokens_per_rank!r}")
+    def _low_latency_checks(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int):
+        """-> (num_max_dispatch_tokens_per_rank, num_experts) as ints, checked against the buffer's size."""
+        num_experts = checks.num_experts(num_experts, self.group_size)
+        num_max_dispatch_tokens_per_rank = checks.size_int("num_max_dispatch_tokens_per_rank",
+                                                           num_max_dispatch_tokens_per_rank, positive=True)
         checks.low_latency_capacity(num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                                     hidden=hidden, num_ranks=self.group_size, num_experts=num_experts,
                                     num_rdma_bytes=self.num_rdma_bytes)
+        return num_max_dispatch_tokens_per_rank, num_experts
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency signalling state (after normal-mode use of the same memory, say)."""
-        self._low_latency_checks(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._backend().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        num_max, num_experts = self._low_latency_checks(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._backend().clean_low_latency_buffer(num_max, hidden, num_experts)
 
     @devices.runs_where_tensors_are("x")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -73,7 +74,8 @@ class LowLatencyCalls:
         checks.tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self.device)
         num_tokens, hidden = x.shape
         checks.topk_idx(topk_idx, num_tokens=num_tokens, device=self.device, max_topk=workspace.MAX_TOPK)
-        self._low_latency_checks(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        num_max_dispatch_tokens_per_rank, num_experts = self._low_latency_checks(num_max_dispatch_tokens_per_rank,
+                                                                                 hidden, num_experts)
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise InvalidInputError(f"{num_tokens} tokens exceed num_max_dispatch_tokens_per_rank="
                                     f"{num_max_dispatch_tokens_per_rank}")
@@ -90,6 +92,11 @@ class LowLatencyCalls:
                           dtypes=(torch.int32,), shape=(num_local_experts,), device=self.device)
         if self._check_values():
             checks.topk_values(topk_idx, num_experts)
+        if backend.wants_call_agreement(True):  # NOTE [call agreement] in collectives.py
+            self._exchange.agree("low_latency_dispatch", hidden=hidden, num_topk=topk_idx.size(1),
+                                 num_experts=num_experts, num_max=num_max_dispatch_tokens_per_rank,
+                                 use_fp8=int(use_fp8), round_scale=int(round_scale or use_ue8m0),
+                                 use_ue8m0=int(use_ue8m0 and use_fp8))
         request = LowLatencyDispatchRequest(
             x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale or use_ue8m0,
@@ -152,6 +159,9 @@ class LowLatencyCalls:
         checks.topk_weights(topk_weights, like=topk_idx, device=self.device)
         if out is not None:
             checks.tensor("out", out, dtypes=(torch.bfloat16,), shape=(topk_idx.size(0), hidden), device=self.device)
+        if backend.wants_call_agreement(True):  # NOTE [call agreement] in collectives.py
+            self._exchange.agree("low_latency_combine", hidden=hidden, num_topk=topk_idx.size(1),
+                                 num_experts=num_experts, num_max=num_max)
         request = LowLatencyCombineRequest(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=handle,
                                            zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out,
                                            rank_mask=self._rank_mask,

@@ -4,6 +4,7 @@ the tensor on the host, so they run only where the caller allows a device sync (
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Iterable, Optional, Sequence
 
@@ -57,11 +58,22 @@ def size_int(name: str, value, *, positive: bool = False) -> int:
 
 
 def num_experts(value: int, num_ranks: int) -> int:
-    if not isinstance(value, int) or value <= 0:
-        _fail(f"num_experts must be a positive int, got {value!r}")
+    """`value` as an int (any integer type, as `size_int`), positive and divisible by the group size."""
+    value = size_int("num_experts", value, positive=True)
     if value % num_ranks != 0:
         _fail(f"num_experts={value} is not divisible by the group size {num_ranks}")
     return value
+
+
+def timeout_s(value) -> float:
+    """A deadline in seconds: a positive, finite number."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds <= 0:
+        _fail(f"timeout_s must be a positive, finite number of seconds, got {value!r}")
+    return seconds
 
 
 def topk_idx(t, *, num_tokens: Optional[int], device, max_topk: Optional[int] = None) -> torch.Tensor:

@@ -11,7 +11,19 @@ The reference backend and the rounds move tensors of the Buffer's device over th
   detected"): each collective copies to host memory, runs over the group and copies back. That waits for
   the GPU on the host, so a CUDA graph cannot capture it; a capture that tries raises InvalidInputError.
 Where there is no group (an mpi4py communicator), only the small exchanges of the rounds exist: objects
-through the communicator's allgather.
+through the communicator's allgather. Over gloo (CPU tensors, or CUDA tensors staged through the host) every
+wait polls against the Buffer's `timeout_s` and raises CommTimeoutError; NCCL's waits are on the GPU stream,
+bounded by the process group's own timeout.
+
+NOTE [call agreement]
+Before a call of the reference backend moves any data, every rank sends the others a header of
+HEADER_INTS ints in one all-gather of fixed size: the call's number on this Buffer, the operation, and the
+operation's shape signature (CALL_FIELDS). Ranks that disagree (another shape, another operation, a call
+skipped before one of another kind) all read the same headers and all raise RankMismatchError naming who
+made which call, and the group stays usable: every transfer so far had the same size on every rank.
+Calls of one operation and shape are told apart only by their order: a rank that skips one of a run of
+identical calls pairs its next call with the others' skipped one, and only the last call, left without a
+partner, times out. Under CUDA-graph capture the header is not exchanged (reading it would sync the host).
 """
 
 from __future__ import annotations
@@ -21,10 +33,21 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import CommTimeoutError, InvalidInputError
+from .errors import CommTimeoutError, InvalidInputError, PeerLostError, RankMismatchError
 from .waiting import wait_until
 
 MODES = ("direct", "nccl", "host")
+
+# NOTE [call agreement]: each operation's shape signature, the fields every rank's call must agree on.
+CALL_FIELDS = {
+    "dispatch": ("hidden_bytes", "num_scales", "num_topk", "num_experts", "num_worst_tokens", "expert_alignment",
+                 "with_weights"),
+    "cached_dispatch": ("hidden_bytes", "num_scales"),
+    "combine": ("hidden", "num_topk", "num_biases"),
+    "low_latency_dispatch": ("hidden", "num_topk", "num_experts", "num_max", "use_fp8", "round_scale", "use_ue8m0"),
+    "low_latency_combine": ("hidden", "num_topk", "num_experts", "num_max"),
+}
+HEADER_INTS = 2 + max(len(fields) for fields in CALL_FIELDS.values())  # call number, operation, signature
 
 
 def choose_mode(group_backend: str, device_type: str, shares_gpu: bool) -> str:
@@ -55,6 +78,25 @@ class _Done:
         return True
 
 
+class _Bounded:
+    """A gloo collective's work handle whose `wait()` polls against the deadline (Collectives._finish)."""
+
+    def __init__(self, collectives: "Collectives", work, what: str):
+        self.collectives, self.work, self.what = collectives, work, what
+
+    def wait(self) -> bool:
+        self.collectives._finish(self.work, self.what)
+        return True
+
+
+def describe_header(header: List[int]) -> str:
+    """``call 5: dispatch(hidden_bytes=256, ...)`` for one rank's header (NOTE [call agreement])."""
+    names = list(CALL_FIELDS)
+    op = names[header[1]] if 0 <= header[1] < len(names) else f"operation {header[1]}"
+    fields = ", ".join(f"{name}={value}" for name, value in zip(CALL_FIELDS.get(op, ()), header[2:]))
+    return f"call {header[0]}: {op}({fields})"
+
+
 class Collectives:
     """`all_to_all_single`, `all_gather` and `max_int` of tensors on `device` over `group`.
 
@@ -77,6 +119,8 @@ class Collectives:
         self.timeout_s = timeout_s
         self._nccl_group = None
         self._stream = None  # CUDA: max_int's own stream
+        self._calls = 0  # calls agreed on (NOTE [call agreement])
+        self.op = "call"  # the operation under way: the first part of every stage a timeout names
 
     def _device_group(self) -> dist.ProcessGroup:
         """The group that moves this device's tensors: the Buffer's, or the private NCCL group."""
@@ -97,27 +141,83 @@ class Collectives:
                                     "capture (NOTE [device collectives]); capture the CUDA backend's calls instead")
         return True
 
+    def _bounded(self) -> bool:
+        """Whether waits poll against the deadline: over gloo (CPU tensors, or CUDA tensors staged through
+        the host); NCCL's waits are on the GPU stream."""
+        return self.group is not None and (self.device.type == "cpu" or self.mode == "host")
+
+    def _finish(self, work, what: str) -> None:
+        """Wait for a gloo collective until `timeout_s`; its own error, if it failed, comes from `wait()`."""
+        if not wait_until(work.is_completed, self.timeout_s):
+            raise CommTimeoutError(self.rank, -1, f"{self.op}/{what}",
+                                   f"a peer did not join within {self.timeout_s:g} s. The group still holds this "
+                                   "unfinished collective: make a new group, and a new Buffer on it, for the next call")
+        try:
+            work.wait()
+        except RuntimeError as exc:  # gloo: a peer's connection closed (its process died) or timed out
+            raise PeerLostError(self.rank, f"{self.op}/{what}", str(exc).splitlines()[0] if str(exc) else "") from exc
+
+    def agree(self, op: str, **fields: int) -> None:
+        """NOTE [call agreement]: check that every rank makes this call, `op` with `fields` (CALL_FIELDS[op]),
+        before any data moves.
+
+        Raises:
+            RankMismatchError: on every rank alike, where some rank's call differs.
+            CommTimeoutError: a peer did not make a call within `timeout_s` (gloo).
+        """
+        self.op = op
+        self._calls += 1
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self.group is None or capturing:
+            return
+        header = [self._calls, list(CALL_FIELDS).index(op)] + [int(fields[name]) for name in CALL_FIELDS[op]]
+        mine = torch.tensor(header + [0] * (HEADER_INTS - len(header)), dtype=torch.int64)
+        headers = self.all_gather(mine if self.device.type == "cpu" or self.mode == "host" else mine.to(self.device),
+                                  "agree").tolist()
+        if all(h == headers[0] for h in headers):
+            return
+        groups = {}
+        for r, h in enumerate(headers):
+            groups.setdefault(tuple(h), []).append(r)
+        detail = "; ".join(f"ranks {ranks} make {describe_header(list(h))}" for h, ranks in groups.items())
+        raise RankMismatchError(f"the ranks make different calls: {detail}. A rank skipped or added a call, or "
+                                "passed other shapes; every rank must make the same calls in the same order (destroy "
+                                "this Buffer and make a new one on every rank after fixing the caller)",
+                                list(groups.values()))
+
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]] = None,
                           in_splits: Optional[List[int]] = None, async_op: bool = False):
-        """`dist.all_to_all_single` over the group; with `async_op`, a handle whose `wait()` ends it."""
+        """`dist.all_to_all_single` over the group; with `async_op`, a handle whose `wait()` ends it (bounded
+        over gloo)."""
         if self.group is None:
             raise InvalidInputError("an all-to-all needs a torch.distributed process group")
-        if not self._staged():
+        staged = self._staged()
+        if not self._bounded():
             return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self._device_group(),
                                           async_op=async_op)
-        landed = torch.empty(out.shape, dtype=out.dtype)
-        dist.all_to_all_single(landed, inp.cpu(), out_splits, in_splits, group=self.group)
-        out.copy_(landed)
-        return _Done() if async_op else None
+        landed = torch.empty(out.shape, dtype=out.dtype) if staged else out
+        work = dist.all_to_all_single(landed, inp.cpu() if staged else inp, out_splits, in_splits, group=self.group,
+                                      async_op=True)
+        if staged:  # the copy back needs the data: finished here
+            self._finish(work, "all_to_all")
+            out.copy_(landed)
+            return _Done() if async_op else None
+        if async_op:
+            return _Bounded(self, work, "all_to_all")
+        self._finish(work, "all_to_all")
+        return None
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
         """``[num_ranks, *t.shape]``: every rank's `t` (no host sync in the direct and NCCL modes)."""
         if self.group is None:
             return torch.stack([p.to(t.device) for p in self._all_gather_object(t.cpu())])
         staged = self._staged()
         mine = t.cpu() if staged else t.contiguous()
         pieces = [torch.empty_like(mine) for _ in range(self.num_ranks)]
-        dist.all_gather(pieces, mine, group=self.group if staged else self._device_group())
+        if self._bounded():
+            self._finish(dist.all_gather(pieces, mine, group=self.group, async_op=True), what)
+        else:
+            dist.all_gather(pieces, mine, group=self._device_group())
         gathered = torch.stack(pieces)
         return gathered.to(t.device) if staged else gathered
 
@@ -130,9 +230,9 @@ class Collectives:
         """
         if self.group is None:
             return max(self._all_gather_object(int(value)))
-        if self.device.type != "cuda" or self.mode == "host":
+        if self._bounded():
             t = torch.full((1,), value, dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            self._finish(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "rounds")
             return int(t[0])
         group = self._device_group()
         if self._stream is None:

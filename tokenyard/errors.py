@@ -59,3 +59,30 @@ class CommTimeoutError(TokenyardError, TimeoutError):
         self.rank = rank
         self.peer = peer
         self.stage = stage
+
+
+class RankMismatchError(TokenyardError, RuntimeError):
+    """The ranks of a group made different calls (one skipped or added a call, or passed another shape),
+    found before any data moved; raised on every rank alike.
+
+    Attributes:
+        ranks: the ranks grouped by the call each made, ``[[0, 2], [1]]``.
+    """
+
+    def __init__(self, message: str, ranks):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class PeerLostError(TokenyardError, ConnectionError):
+    """A peer left the group during a call (its process died, or its connection closed).
+
+    Attributes:
+        rank: the rank that noticed; stage: where.
+    """
+
+    def __init__(self, rank: int, stage: str, detail: str):
+        super().__init__(f"rank {rank} lost a peer at stage '{stage}': {detail}. The group cannot be used any more: "
+                         "make a new group, and a new Buffer on it")
+        self.rank = rank
+        self.stage = stage

@@ -121,11 +121,13 @@ def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 6
     and `num_gpus`); -> each rank's result.
 
     Raises:
-        RuntimeError: with the traceback of every rank that raised, and the ranks that sent nothing within
-            `timeout_s` (after a failure the others get 20 s, since they may wait in a collective the failed
-            rank never joins).
+        RuntimeError: with the traceback of every rank that raised, the ranks whose process ended without a
+            report (killed by a signal, say: its exit code), and the ranks that sent nothing within `timeout_s`
+            (after a failure the others get 20 s, since they may wait in a collective the failed rank never
+            joins).
     """
     import queue
+    import time
 
     import torch.multiprocessing as mp
 
@@ -139,18 +141,26 @@ def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 6
              for r in range(num_ranks)]
     for proc in procs:
         proc.start()
-    results, failures, wait_s = {}, {}, timeout_s
+    results, failures, ended, deadline = {}, {}, set(), time.monotonic() + timeout_s
     try:
         while len(results) + len(failures) < num_ranks:
             try:
-                rank, ok, value = reports.get(timeout=wait_s)
+                rank, ok, value = reports.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(num_ranks)) - set(results) - set(failures))
-                failures.update({r: f"no answer within {wait_s:.0f} s" for r in missing})
-                break
+                # A process still without a report a poll after it ended died (killed by a signal, say): a
+                # rank's report is in the queue before its process ends.
+                failures.update({r: f"its process ended with exit code {procs[r].exitcode} without a report"
+                                 for r in missing if r in ended})
+                ended = {r for r in missing if procs[r].exitcode is not None}
+                if time.monotonic() > deadline:
+                    failures.update({r: f"no answer within {timeout_s:.0f} s of the start, or 20 s of a failure"
+                                     for r in missing if r not in failures})
+                    break
+                continue
             (results if ok else failures)[rank] = value
             if failures:
-                wait_s = 20.0
+                deadline = min(deadline, time.monotonic() + 20.0)
     finally:
         for proc in procs:
             proc.join(timeout=30)

@@ -25,7 +25,7 @@ def normal_leniencies(seed, num_tokens=24, hidden=256, num_experts=16, num_topk=
     first = normal_buffer(num_tokens, hidden * 2)
     second = Buffer(dist.group.WORLD, np.int64(first.num_nvl_bytes), np.int32(0), backend="reference")
     assert isinstance(second.num_nvl_bytes, int) and second.num_nvl_bytes == first.num_nvl_bytes
-    layout = _layout(first, topk_idx, num_experts)
+    layout = _layout(first, topk_idx, np.int64(num_experts))  # numpy sizes, as DeepEP's binding takes them
     recv_x, recv_idx, recv_w, _, handle, _ = first.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
     y = torch.randn(recv_x.shape, generator=torch.Generator().manual_seed(seed + rank)).to(torch.bfloat16)
     want = first.combine(y, handle, topk_weights=recv_w)
@@ -66,8 +66,9 @@ def low_latency_leniencies(seed, num_tokens=6, num_max=8, hidden=256, num_expert
                                                                             num_experts), backend="reference")
     stats = torch.randint(0, 1 << 40, (num_ranks,), dtype=torch.int64)
     stats_before = stats.clone()
-    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_max, num_experts, use_fp8=False,
-                                                          dispatch_wait_recv_cost_stats=stats)
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, np.int64(num_max), np.int64(num_experts),
+                                                          use_fp8=False, dispatch_wait_recv_cost_stats=stats)
+    assert handle.num_max_dispatch_tokens_per_rank == num_max and isinstance(handle.num_experts, int)
     y = torch.randn(recv_x.shape, generator=torch.Generator().manual_seed(seed + rank)).to(torch.bfloat16)
     want = buffer.low_latency_combine(y, topk_idx, weights, handle)[0]
     got = buffer.low_latency_combine(y, topk_idx, weights, handle, use_logfmt=True,

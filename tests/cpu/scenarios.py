@@ -405,7 +405,17 @@ def _bad_use_after_destroy():
     buffer.get_dispatch_layout(topk_idx, 8)
 
 
+def _bad_timeout(value):
+    def call():
+        Buffer(dist.group.WORLD, 1 << 20, 0, backend="reference", timeout_s=value)
+
+    return call
+
+
 BAD_CALLS = {
+    "timeout_s negative": _bad_timeout(-1),
+    "timeout_s not a number": _bad_timeout(float("nan")),
+    "timeout_s a string": _bad_timeout("abc"),
     "topk id above range": _bad_topk_range,
     "topk id below -1": _bad_topk_below,
     "experts not divisible by ranks": _bad_experts_indivisible,

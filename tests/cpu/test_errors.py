@@ -30,6 +30,9 @@ EXPECTED = {
     "low-latency combine with more tokens than the dispatch's maximum": ("InvalidInputError",
                                                                        "num_max_dispatch_tokens_per_rank=8"),
     "use after destroy": ("TokenyardError", "destroyed"),
+    "timeout_s negative": ("InvalidInputError", "positive, finite"),
+    "timeout_s not a number": ("InvalidInputError", "positive, finite"),
+    "timeout_s a string": ("InvalidInputError", "positive, finite"),
 }
 
 

@@ -64,6 +64,11 @@ class Backend(abc.ABC):
     def get_local_device_id(self) -> int:
         return self.ctx.device.index if self.ctx.device.type == "cuda" and self.ctx.device.index is not None else 0
 
+    def wants_call_agreement(self, low_latency: bool) -> bool:
+        """Whether the front-end agrees on each call (normal or low-latency mode) before this backend runs it
+        (NOTE [call agreement] in collectives.py): a host exchange per call, which plain collectives need."""
+        return False
+
     def empty(self, *shape, dtype: torch.dtype, device) -> torch.Tensor:
         """An output tensor, poisoned where the tests ask for it."""
         t = torch.empty(*shape, dtype=dtype, device=device)

@@ -66,6 +66,9 @@ class ReferenceBackend(Backend):
         self._raw_buffers = {}
         self._zero_copy_buffers = {}
 
+    def wants_call_agreement(self, low_latency: bool) -> bool:
+        return True  # its collectives would pair mismatched calls, or abort on mismatched sizes
+
     # -- collectives (NOTE [device collectives]) ---------------------------------------------------------
 
     def _all_to_all(self, out, inp, out_splits=None, in_splits=None, async_op=False):

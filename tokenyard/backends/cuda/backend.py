@@ -383,6 +383,11 @@ class CudaBackend(Backend):
             return self._low_latency_kernels
         return None
 
+    def wants_call_agreement(self, low_latency: bool) -> bool:
+        # Only where the reference implementation serves the call: the kernels' calls must cost the host no
+        # exchange (their own checks of the call belong in their count exchange).
+        return low_latency and self._low_latency_impl() is None
+
     def low_latency_dispatch(self, request):
         self.check_failures()
         impl = self._low_latency_impl()
