@@ -422,7 +422,7 @@ class Buffer(LowLatencyCalls):
         expert_alignment = checks.size_int("expert_alignment", expert_alignment, positive=True)
         num_worst_tokens = checks.size_int("num_worst_tokens", num_worst_tokens)
         if handle is not None:
-            handle = checks.dispatch_handle(handle)
+            handle = checks.dispatch_handle(handle, num_ranks=self.group_size, device=self.device)
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidInputError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
             num_worst_tokens = 0  # as in DeepEP: the handle's rows (its num_worst_tokens, if it had one)
@@ -521,7 +521,7 @@ class Buffer(LowLatencyCalls):
             InvalidInputError, HandleError, CapacityError: before any communication.
         """
         backend = self._backend()
-        handle = checks.dispatch_handle(handle)
+        handle = checks.dispatch_handle(handle, num_ranks=self.group_size, device=self.device)
         checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(handle.num_rows, None), device=self.device)
         if topk_weights is not None:
             checks.tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(handle.num_rows, None),

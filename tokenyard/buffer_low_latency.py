@@ -141,7 +141,8 @@ class LowLatencyCalls:
         backend = self._backend()
         checks.wait_recv_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                                     num_ranks=self.group_size, device=self.device)
-        handle = checks.low_latency_handle(handle, buffer_id=self._id)
+        handle = checks.low_latency_handle(handle, buffer_id=self._id, num_ranks=self.group_size,
+                                           device=self.device)
         num_max, hidden, num_experts = handle[2], handle[3], handle[4]
         self._low_latency_checks(num_max, hidden, num_experts)
         num_local_experts = num_experts // self.group_size
@@ -186,7 +187,8 @@ class LowLatencyCalls:
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """The bf16 ``[L, R*M, H]`` tensor to fill before ``low_latency_combine(..., zero_copy=True)``."""
-        handle = checks.low_latency_handle(handle, buffer_id=self._id)
+        handle = checks.low_latency_handle(handle, buffer_id=self._id, num_ranks=self.group_size,
+                                           device=self.device)
         return self._backend().next_low_latency_combine_buffer(handle[2], handle[3], handle[4])
 
     # -- rank masking (enable_shrink) ---------------------------------------------------------------------

@@ -150,20 +150,60 @@ def _converted(handle, convert):
         raise HandleError(str(exc)) from None
 
 
-def dispatch_handle(handle) -> DispatchHandle:
+def _handle_field(kind: str, name: str, value, **expected) -> None:
+    """One field of a handle, checked as `tensor` checks an argument, refused as a HandleError."""
+    try:
+        tensor(f"the {kind} handle's {name}", value, contiguous=False, **expected)
+    except InvalidInputError as exc:
+        raise HandleError(f"{exc} (NOTE [handle contents] in handle.py says what each field holds)") from None
+
+
+def dispatch_handle(handle, *, num_ranks: int, device) -> DispatchHandle:
     """Our handle or DeepEP's 6-tuple, from any Buffer of the group, as DeepEP takes any handle: its fields
-    are tensors, and its rounds are replayed where they fit the Buffer it is given to, else derived again
-    (rounds.plan_for, NOTE [rounds])."""
-    return _converted(handle, as_dispatch_handle)
+    are tensors of the shapes and dtypes of NOTE [handle contents] (checked here, no value read), and its
+    rounds are replayed where they fit the Buffer it is given to, else derived again (rounds.plan_for)."""
+    handle = _converted(handle, as_dispatch_handle)
+    ranks_by_one = dict(dtypes=(torch.int32,), dim=2, device=device)
+    _handle_field("dispatch", "rank_prefix_matrix", handle.rank_prefix_matrix, dtypes=(torch.int32,),
+                  shape=(num_ranks, num_ranks), device=device)
+    _handle_field("dispatch", "channel_prefix_matrix", handle.channel_prefix_matrix, **ranks_by_one)
+    _handle_field("dispatch", "recv_channel_prefix_matrix", handle.recv_channel_prefix_matrix, **ranks_by_one)
+    for name in ("channel_prefix_matrix", "recv_channel_prefix_matrix"):
+        if getattr(handle, name).size(0) != num_ranks:
+            raise HandleError(f"the dispatch handle's {name} has {getattr(handle, name).size(0)} rows, not one per "
+                              f"each of the group's {num_ranks} ranks")
+    _handle_field("dispatch", "recv_src_idx", handle.recv_src_idx, dtypes=(torch.int32,), dim=1, device=device)
+    _handle_field("dispatch", "is_token_in_rank", handle.is_token_in_rank, dtypes=(torch.bool,),
+                  shape=(None, num_ranks), device=device)
+    _handle_field("dispatch", "send_head", handle.send_head, dtypes=(torch.int32,),
+                  shape=(handle.is_token_in_rank.size(0), num_ranks), device=device)
+    return handle
 
 
-def low_latency_handle(handle, *, buffer_id: int) -> LowLatencyHandle:
-    """Our handle or DeepEP's 5-tuple (plain tuples are trusted), made by this Buffer: the combine reads
-    what the dispatch left in this Buffer's memory, so another Buffer's handle is refused."""
+def low_latency_handle(handle, *, buffer_id: int, num_ranks: int, device) -> LowLatencyHandle:
+    """Our handle or DeepEP's 5-tuple, made by this Buffer (the combine reads what the dispatch left in this
+    Buffer's memory, so another Buffer's handle is refused); its fields as NOTE [handle contents] says
+    (checked here, no value read)."""
     handle = _converted(handle, as_low_latency_handle)
     if handle.buffer_id is not None and handle.buffer_id != buffer_id:
         raise HandleError("this low-latency handle was made by another Buffer, whose memory holds the dispatch's "
                           "state; pass it to the Buffer that dispatched")
+    try:
+        num_max, hidden = size_int("M", handle[2], positive=True), size_int("hidden", handle[3], positive=True)
+        num_experts = size_int("num_experts", handle[4], positive=True)
+    except InvalidInputError as exc:
+        raise HandleError(f"the low-latency handle's fields 2-4 are num_max_dispatch_tokens_per_rank, hidden and "
+                          f"num_experts: {exc}") from None
+    if num_experts % num_ranks:
+        raise HandleError(f"the low-latency handle names {num_experts} experts, not divisible by {num_ranks} ranks")
+    num_local_experts = num_experts // num_ranks
+    _handle_field("low-latency", "src_info", handle.src_info, dtypes=(torch.int32,),
+                  shape=(num_local_experts, num_ranks * num_max), device=device)
+    _handle_field("low-latency", "layout_range", handle.layout_range, dtypes=(torch.int64,),
+                  shape=(num_local_experts, num_ranks), device=device)
+    if (num_max, hidden, num_experts) != tuple(handle[2:5]):  # numpy sizes, say: ints from here on
+        handle = LowLatencyHandle(handle.src_info, handle.layout_range, num_max, hidden, num_experts,
+                                  buffer_id=handle.buffer_id, num_topk=handle.num_topk, half=handle.half)
     return handle
 
 

@@ -405,6 +405,31 @@ def _bad_use_after_destroy():
     buffer.get_dispatch_layout(topk_idx, 8)
 
 
+def _bad_handle_of_nones():
+    buffer, x, topk_idx, weights, layout = _bad_setup()
+    buffer.dispatch(x, handle=(None,) * 6)
+
+
+def _bad_float_send_head():
+    buffer, x, topk_idx, weights, layout = _bad_setup()
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
+    buffer.combine(recv_x, tuple(handle[:5]) + (handle.send_head.float(),))
+
+
+def _bad_handle_of_another_group_size():
+    buffer, x, topk_idx, weights, layout = _bad_setup()
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
+    buffer.combine(recv_x, (handle[0][:1, :1].contiguous(),) + tuple(handle[1:]))
+
+
+def _bad_ll_handle_of_nones():
+    rank, num_ranks = _world()
+    x, topk_idx, weights = make_rank_inputs(1, num_ranks, 4, 256, 8, 2)[rank]
+    buffer = _ll_buffer()
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 8, 8, use_fp8=False)
+    buffer.low_latency_combine(recv_x, topk_idx, weights, (None, None, 8, 256, 8))
+
+
 def _bad_timeout(value):
     def call():
         Buffer(dist.group.WORLD, 1 << 20, 0, backend="reference", timeout_s=value)
@@ -413,6 +438,10 @@ def _bad_timeout(value):
 
 
 BAD_CALLS = {
+    "handle of Nones": _bad_handle_of_nones,
+    "handle with a float send_head": _bad_float_send_head,
+    "handle of another group size": _bad_handle_of_another_group_size,
+    "low-latency handle of Nones": _bad_ll_handle_of_nones,
     "timeout_s negative": _bad_timeout(-1),
     "timeout_s not a number": _bad_timeout(float("nan")),
     "timeout_s a string": _bad_timeout("abc"),

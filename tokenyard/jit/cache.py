@@ -10,6 +10,7 @@ import threading
 from typing import Dict, Optional, Tuple
 
 from .. import env
+from ..errors import TokenyardError
 from . import compiler as compilers
 from .spec import KernelSpec
 
@@ -18,7 +19,33 @@ from .spec import KernelSpec
 # (NVRTC or nvcc version), its flags and the target architecture. One process compiles a unit while the
 # others that want it wait on a lock file beside it (ranks of one machine start alike and would otherwise
 # each compile every kernel), then read what it wrote. The unit is written to a temporary file in the cache
-# folder, flushed to disk and renamed into place, so a reader finds a whole file or none.
+# folder, flushed to disk and renamed into place, so a reader finds a whole file or none; the file ends with
+# a trailer (TRAILER_MAGIC, the cubin's size and its SHA-256), and a file whose trailer does not match its
+# contents (truncated, emptied, written by something else) is compiled again and replaced.
+
+TRAILER_MAGIC = b"tokenyard-cubin-1"
+_TRAILER = len(TRAILER_MAGIC) + 8 + 32
+
+
+class KernelCacheError(TokenyardError, OSError):
+    """A compiled kernel could not be written to the cache folder (TOKENYARD_CACHE_DIR)."""
+
+
+def with_trailer(cubin: bytes) -> bytes:
+    """What the cache stores for `cubin`: the cubin, then its trailer."""
+    return cubin + TRAILER_MAGIC + len(cubin).to_bytes(8, "little") + hashlib.sha256(cubin).digest()
+
+
+def without_trailer(stored: bytes) -> Optional[bytes]:
+    """The cubin a cache file holds, or None where its trailer does not match its contents."""
+    if len(stored) < _TRAILER:
+        return None
+    cubin, trailer = stored[:-_TRAILER], stored[-_TRAILER:]
+    size = int.from_bytes(trailer[len(TRAILER_MAGIC):len(TRAILER_MAGIC) + 8], "little")
+    if trailer[:len(TRAILER_MAGIC)] != TRAILER_MAGIC or size != len(cubin) or \
+            trailer[-32:] != hashlib.sha256(cubin).digest():
+        return None
+    return cubin
 
 _lock = threading.Lock()
 _loaded: Dict[Tuple[str, int], object] = {}
@@ -54,11 +81,19 @@ def cache_key(spec: KernelSpec, arch: str, identity: str) -> str:
     return digest.hexdigest()
 
 
+def _name(spec: KernelSpec) -> str:
+    return f"{spec.function}<{', '.join(map(str, spec.template_args))}>"
+
+
 def _cached(path: str) -> Optional[bytes]:
+    """The cubin cached at `path`, or None where there is none or it is damaged (then compiled again)."""
     if not os.path.exists(path):
         return None
     with open(path, "rb") as f:
-        return f.read()
+        cubin = without_trailer(f.read())
+    if cubin is None:
+        env.log(f"kernel cache file {path} is damaged (its trailer does not match): compiling again")
+    return cubin
 
 
 def compile_cubin(spec: KernelSpec, arch: str, cache_dir: Optional[str] = None) -> bytes:
@@ -71,25 +106,33 @@ def compile_cubin(spec: KernelSpec, arch: str, cache_dir: Optional[str] = None) 
     cubin = _cached(path)
     if cubin is not None:
         return cubin
-    os.makedirs(folder, exist_ok=True)
-    with open(path + ".lock", "wb") as lock:
+    try:
+        os.makedirs(folder, exist_ok=True)
+        lock = open(path + ".lock", "wb")
+    except OSError as exc:
+        raise KernelCacheError(f"cannot use the kernel cache at {folder} for kernel {_name(spec)}: {exc}; set "
+                               "TOKENYARD_CACHE_DIR to a writable folder") from exc
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
         cubin = _cached(path)  # another process compiled it while this one waited
         if cubin is not None:
             return cubin
         cubin = compiler.compile(spec.source(), arch, include_dirs)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
-                f.write(cubin)
+                f.write(with_trailer(cubin))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
+        except OSError as exc:
+            raise KernelCacheError(f"could not write kernel {_name(spec)} to the kernel cache at {path}: {exc}; set "
+                                   "TOKENYARD_CACHE_DIR to a writable folder") from exc
+        finally:
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
-            raise
-    env.log(f"compiled {spec.function}<{', '.join(map(str, spec.template_args))}> for {arch} ({len(cubin)} bytes)")
+    env.log(f"compiled {_name(spec)} for {arch} ({len(cubin)} bytes)")
     return cubin
 
 

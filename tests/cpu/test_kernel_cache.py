@@ -1,0 +1,76 @@
+"""The on-disk kernel cache (NOTE [kernel cache] in tokenyard/jit/cache.py), with a stand-in compiler: one
+process compiles a unit while the others wait, a damaged file is compiled again, and a cache that cannot be
+written gives an error naming the kernel and the path."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from tokenyard.jit import cache
+from tokenyard.jit.spec import KernelSpec, Param
+
+SPEC = KernelSpec("tokenyard/kernels/example.cuh", "tokenyard::kernels::example", ("7", "int64_t"),
+                  (Param("int", "n"),), 128)
+
+
+class _Compiler:
+    """Compiles slowly to a fixed cubin and counts its compiles in a file (shared by processes)."""
+
+    identity = "stand-in 1.0"
+
+    def __init__(self, log: str):
+        self.log = log
+
+    def compile(self, source, arch, include_dirs):
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(0.3)
+        return b"\x7fELF cubin of " + source.encode()[:32]
+
+
+def _compile_in(folder: str, log: str) -> bytes:
+    cache._compiler = _Compiler(log)
+    return cache.compile_cubin(SPEC, "sm_90a", folder)
+
+
+def test_processes_that_want_one_kernel_compile_it_once_and_all_read_it(tmp_path):
+    log = str(tmp_path / "compiles.log")
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        cubins = pool.starmap(_compile_in, [(str(tmp_path / "cache"), log)] * 4)
+    assert len(set(cubins)) == 1 and cubins[0].startswith(b"\x7fELF")
+    with open(log) as f:
+        assert len(f.read().split()) == 1, "more than one process compiled the kernel"
+
+
+def test_a_damaged_cache_file_is_compiled_again_and_replaced(tmp_path, monkeypatch):
+    log = str(tmp_path / "compiles.log")
+    monkeypatch.setattr(cache, "_compiler", _Compiler(log))
+    folder = str(tmp_path / "cache")
+    cubin = cache.compile_cubin(SPEC, "sm_90a", folder)
+    (path,) = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
+               if name.endswith(".cubin")]
+    with open(path, "rb") as f:
+        assert cache.without_trailer(f.read()) == cubin
+    for damage in (lambda b: b[:-5], lambda b: b"", lambda b: b[:10] + b"X" + b[11:], lambda b: cubin):
+        with open(path, "rb") as f:
+            stored = f.read()
+        with open(path, "wb") as f:
+            f.write(damage(stored))
+        assert cache.compile_cubin(SPEC, "sm_90a", folder) == cubin
+        with open(path, "rb") as f:
+            assert cache.without_trailer(f.read()) == cubin, "the damaged file was not replaced"
+    with open(log) as f:
+        assert len(f.read().split()) == 5  # the first compile and one per damage
+    assert not [n for _, _, names in os.walk(folder) for n in names if n.endswith(".tmp")]
+
+
+def test_a_cache_that_cannot_be_written_names_the_kernel_and_the_path(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "_compiler", _Compiler(str(tmp_path / "compiles.log")))
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder should be")
+    with pytest.raises(cache.KernelCacheError, match=r"tokenyard::kernels::example<7, int64_t>.*not-a-folder"):
+        cache.compile_cubin(SPEC, "sm_90a", str(blocked))
