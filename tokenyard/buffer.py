@@ -454,7 +454,10 @@ class Buffer(LowLatencyCalls):
             if self._check_values():
                 if topk_idx is not None:
                     checks.topk_values(topk_idx, num_experts)
-                if not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
+                    checks.layout_agrees(topk_idx, num_experts, self.group_size,
+                                         num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+                                         num_tokens_per_expert=num_tokens_per_expert)
+                elif not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
                     raise InvalidInputError("num_tokens_per_rank disagrees with is_token_in_rank")
         scale_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
         row_bytes = workspace.normal_dispatch_row_bytes(x.size(1) * x.element_size(), scale_bytes, num_topk)

@@ -106,7 +106,7 @@ class LowLatencyCalls:
         with self._stream_scope(use_comm_stream=async_finish, async_finish=async_finish) as scope:
             result = backend.low_latency_dispatch(request)
         handle = LowLatencyHandle(*result.handle, buffer_id=self._id, num_topk=topk_idx.size(1),
-                                  half=result.handle.half)
+                                  num_tokens=num_tokens, half=result.handle.half)
         recv_x = (result.packed_recv_x, result.packed_recv_x_scales) if use_fp8 else result.packed_recv_x
         return recv_x, result.packed_recv_count, handle, scope.event, self._wrap_hook(result.hook)
 
@@ -157,6 +157,9 @@ class LowLatencyCalls:
         _no_async_with_hook(async_finish, return_recv_hook)
         if handle.num_topk is not None and topk_idx.size(1) != handle.num_topk:
             raise InvalidInputError(f"topk_idx has {topk_idx.size(1)} columns; the dispatch had {handle.num_topk}")
+        if handle.num_tokens is not None and topk_idx.size(0) != handle.num_tokens:
+            raise InvalidInputError(f"topk_idx has {topk_idx.size(0)} rows; the dispatch had {handle.num_tokens} "
+                                    "tokens: pass the dispatch's topk_idx")
         checks.topk_weights(topk_weights, like=topk_idx, device=self.device)
         if out is not None:
             checks.tensor("out", out, dtypes=(torch.bfloat16,), shape=(topk_idx.size(0), hidden), device=self.device)

@@ -65,6 +65,22 @@ def num_experts(value: int, num_ranks: int) -> int:
     return value
 
 
+def layout_agrees(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, **layout: torch.Tensor) -> None:
+    """The layout tensors a dispatch was given equal the layout of its `topk_idx` (routing.dispatch_layout); a
+    value check, which syncs the device (run where `Buffer(check_inputs=...)` says).
+
+    Raises:
+        InvalidInputError: naming the first that disagrees: rows would be dropped or miscounted otherwise.
+    """
+    from .routing import dispatch_layout
+
+    per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, num_ranks)
+    for name, want in (("is_token_in_rank", in_rank), ("num_tokens_per_rank", per_rank),
+                       ("num_tokens_per_expert", per_expert)):
+        if not torch.equal(layout[name], want):
+            _fail(f"{name} disagrees with topk_idx (pass what get_dispatch_layout(topk_idx, num_experts) returned)")
+
+
 def timeout_s(value) -> float:
     """A deadline in seconds: a positive, finite number."""
     try:
@@ -203,7 +219,7 @@ def low_latency_handle(handle, *, buffer_id: int, num_ranks: int, device) -> Low
                   shape=(num_local_experts, num_ranks), device=device)
     if (num_max, hidden, num_experts) != tuple(handle[2:5]):  # numpy sizes, say: ints from here on
         handle = LowLatencyHandle(handle.src_info, handle.layout_range, num_max, hidden, num_experts,
-                                  buffer_id=handle.buffer_id, num_topk=handle.num_topk, half=handle.half)
+                                  **handle.__dict__)
     return handle
 
 

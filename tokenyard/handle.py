@@ -101,6 +101,7 @@ class LowLatencyHandle(_NamedTuple):
     Attributes beyond the five fields:
         buffer_id: identity of the `Buffer` that made it.
         num_topk: top-k of the dispatch.
+        num_tokens: tokens the dispatch sent (its topk_idx's rows, which the combine's must equal).
         half: which half of the low-latency buffer the dispatch used (CUDA backend); None for a handle
             built from a plain tuple, whose half the backend finds from `src_info` (NOTE [plain low-latency
             handles] in backends/cuda/low_latency.py).
@@ -109,6 +110,7 @@ class LowLatencyHandle(_NamedTuple):
     _fields = _LOW_LATENCY_FIELDS
     buffer_id: Optional[int] = None
     num_topk: Optional[int] = None
+    num_tokens: Optional[int] = None
     half: Optional[int] = None
 
 

@@ -313,6 +313,31 @@ def _bad_layout_mismatch():
     buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
 
 
+def _bad_per_expert_mismatch():
+    buffer, x, topk_idx, weights, layout = _bad_setup()
+    per_expert = layout["num_tokens_per_expert"].clone()
+    per_expert[0], per_expert[1] = per_expert[0] + 1, per_expert[1] - 1  # same total, other experts
+    buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **dict(layout, num_tokens_per_expert=per_expert))
+
+
+def _bad_in_rank_mismatch():
+    buffer, x, topk_idx, weights, layout = _bad_setup()
+    in_rank = layout["is_token_in_rank"].clone()
+    token = int(in_rank.any(1).nonzero()[0])
+    dropped, added = int(in_rank[token].nonzero()[0]), int((~in_rank[token]).nonzero()[0])
+    in_rank[token, dropped], in_rank[token, added] = False, True  # same count per token, another rank
+    buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **dict(layout, is_token_in_rank=in_rank,
+                    num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32)))
+
+
+def _bad_ll_combine_half_topk():
+    rank, num_ranks = _world()
+    x, topk_idx, weights = make_rank_inputs(1, num_ranks, 6, 256, 8, 2)[rank]
+    buffer = _ll_buffer()
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 8, 8, use_fp8=False)
+    buffer.low_latency_combine(recv_x, topk_idx[:3], weights[:3], handle)
+
+
 def _bad_missing_layout():
     buffer, x, topk_idx, weights, layout = _bad_setup()
     buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights)
@@ -438,6 +463,9 @@ def _bad_timeout(value):
 
 
 BAD_CALLS = {
+    "num_tokens_per_expert disagrees with topk_idx": _bad_per_expert_mismatch,
+    "is_token_in_rank disagrees with topk_idx": _bad_in_rank_mismatch,
+    "low-latency combine with half of the dispatch's topk_idx": _bad_ll_combine_half_topk,
     "handle of Nones": _bad_handle_of_nones,
     "handle with a float send_head": _bad_float_send_head,
     "handle of another group size": _bad_handle_of_another_group_size,
