@@ -115,13 +115,22 @@ def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, num_gpus: 
         leave_group()
 
 
+class RanksFailed(RuntimeError):
+    """Some ranks of `run_on_ranks` failed. Attributes: `results` of the ranks that returned (rank -> value),
+    `failures` (rank -> traceback or reason)."""
+
+    def __init__(self, message: str, results: dict, failures: dict):
+        super().__init__(message)
+        self.results, self.failures = results, failures
+
+
 def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 600.0,
                  group_timeout_s: float = 120.0, num_gpus: Optional[int] = None) -> list:
     """``fn(*args)`` in `num_ranks` spawned processes joined in one group (`init_rank` with `group_timeout_s`
     and `num_gpus`); -> each rank's result.
 
     Raises:
-        RuntimeError: with the traceback of every rank that raised, the ranks whose process ended without a
+        RanksFailed (a RuntimeError): with the traceback of every rank that raised, the ranks whose process ended without a
             report (killed by a signal, say: its exit code), and the ranks that sent nothing within `timeout_s`
             (after a failure the others get 20 s, since they may wait in a collective the failed rank never
             joins).
@@ -167,5 +176,6 @@ def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 6
             if proc.is_alive():
                 proc.kill()
     if failures:
-        raise RuntimeError("".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+        raise RanksFailed("".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())), results,
+                          failures)
     return [results[r] for r in range(num_ranks)]

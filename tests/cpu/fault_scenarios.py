@@ -1,0 +1,118 @@
+"""Faults with real peers, as rank functions for `tokenyard.launch.run_on_ranks` (each scenario in processes of
+its own, so that a group left broken reaches nothing else): ranks that make different calls, skip one, sleep
+past the deadline or die. Each rank returns what it saw, ``{"error", "detected_s", "recovered"}``: the error
+it raised (None for the rank at fault where it raised nothing), how long after its call began, and whether
+it then completed a correct call (on the same Buffer where no data moved, else on a new group).
+tests/cpu/test_faults.py asserts on them; benchmarks/faults.py records them (faults.json).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+
+TIMEOUT_S = 2.0
+NUM_RANKS = 3
+HIDDEN, NUM_EXPERTS, NUM_TOPK, NUM_TOKENS = 128, 12, 2, 16
+MISMATCHES = ("hidden", "num_experts", "num_worst_tokens", "low_latency_hidden", "low_latency_num_max",
+              "skipped_dispatch")
+LATE = ("sleeps_past_the_deadline", "killed")
+
+
+def _inputs(seed, num_ranks, hidden=HIDDEN, num_experts=NUM_EXPERTS):
+    from tokenyard.testing import make_rank_inputs
+
+    return make_rank_inputs(seed, num_ranks, NUM_TOKENS, hidden, num_experts, NUM_TOPK)
+
+
+def _dispatch(buffer, x, topk_idx, weights, num_experts=NUM_EXPERTS, num_worst_tokens=0):
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    return buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank,
+                           is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                           num_worst_tokens=num_worst_tokens)
+
+
+def correct_call(group, seed) -> bool:
+    """A dispatch on a new Buffer of `group`, against the oracle; raises where it differs."""
+    from tokenyard import Buffer, routing
+
+    inputs = _inputs(seed, group.size())
+    buffer = Buffer(group, 1 << 22, 0, backend="reference", timeout_s=TIMEOUT_S)
+    recv_x = _dispatch(buffer, *inputs[group.rank()])[0]
+    want = routing.dispatch([i[0] for i in inputs], [None] * len(inputs), [i[1] for i in inputs],
+                            [i[2] for i in inputs], NUM_EXPERTS)[group.rank()]["recv_x"]
+    assert torch.equal(recv_x, want), "the call after the fault returned wrong rows"
+    buffer.destroy()
+    return True
+
+
+def mismatch(seed, what) -> dict:
+    """Rank 0 makes another call than the others (`what`, one of MISMATCHES); every rank must raise
+    RankMismatchError, after which the same Buffer serves a correct call (no data moved)."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, TokenyardError
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    odd = rank == 0
+    buffer = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(32, 256, num_ranks, NUM_EXPERTS),
+                    backend="reference", timeout_s=TIMEOUT_S)
+    start, error = time.monotonic(), None
+    try:
+        if what == "hidden":
+            _dispatch(buffer, *_inputs(seed, num_ranks, hidden=256 if odd else HIDDEN)[rank])
+        elif what == "num_experts":
+            experts = 2 * NUM_EXPERTS if odd else NUM_EXPERTS
+            _dispatch(buffer, *_inputs(seed, num_ranks, num_experts=experts)[rank], num_experts=experts)
+        elif what == "num_worst_tokens":
+            _dispatch(buffer, *_inputs(seed, num_ranks)[rank], num_worst_tokens=2 if odd else 64)
+        elif what in ("low_latency_hidden", "low_latency_num_max"):
+            hidden = 256 if odd and what == "low_latency_hidden" else 128
+            num_max = 16 if odd and what == "low_latency_num_max" else 32
+            x, topk_idx, _ = _inputs(seed, num_ranks, hidden=hidden)[rank]
+            buffer.low_latency_dispatch(x, topk_idx, num_max, NUM_EXPERTS, use_fp8=False)
+        elif what == "skipped_dispatch":  # rank 0 skips a dispatch and goes on to its combine
+            x, topk_idx, weights = _inputs(seed, num_ranks)[rank]
+            recv_x, _, _, _, handle, _ = _dispatch(buffer, x, topk_idx, weights)
+            if not odd:
+                _dispatch(buffer, x, topk_idx, weights)
+            buffer.combine(recv_x, handle)
+        else:
+            raise ValueError(f"unknown mismatch {what!r}")
+    except TokenyardError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    detected_s = time.monotonic() - start
+    if what != "skipped_dispatch":  # there the others' calls are one ahead of rank 0's: the Buffer is done
+        _dispatch(buffer, *_inputs(seed + 1, num_ranks)[rank])
+    buffer.destroy()
+    return {"error": error, "detected_s": detected_s, "recovered": correct_call(dist.group.WORLD, seed + 2)}
+
+
+def late_peer(seed, what) -> dict:
+    """Rank 1 sleeps past the deadline, or is killed (`what`, one of LATE), before its dispatch. The others
+    must raise within timeout_s + 2 s; then the ranks still alive make a new group and a correct call on it."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, TokenyardError
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    buffer = Buffer(dist.group.WORLD, 1 << 22, 0, backend="reference", timeout_s=TIMEOUT_S)
+    args = _inputs(seed, num_ranks)[rank]
+    if rank == 1:
+        if what == "killed":
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        time.sleep(TIMEOUT_S + 1.5)
+    start, error = time.monotonic(), None
+    try:
+        _dispatch(buffer, *args)
+    except TokenyardError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    detected_s = time.monotonic() - start
+    # The old group holds unfinished collectives (or a dead rank): the survivors make a new one.
+    survivors = [r for r in range(num_ranks) if not (what == "killed" and r == 1)]
+    group = dist.new_group(survivors, use_local_synchronization=True)
+    return {"error": error, "detected_s": detected_s, "recovered": correct_call(group, seed + 1)}
