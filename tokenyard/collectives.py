@@ -28,6 +28,7 @@ partner, times out. Under CUDA-graph capture the header is not exchanged (readin
 
 from __future__ import annotations
 
+import re
 from typing import Callable, List, Optional
 
 import torch
@@ -155,7 +156,10 @@ class Collectives:
         try:
             work.wait()
         except RuntimeError as exc:  # gloo: a peer's connection closed (its process died) or timed out
-            raise PeerLostError(self.rank, f"{self.op}/{what}", str(exc).splitlines()[0] if str(exc) else "") from exc
+            # "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port. This is typically ...":
+            # gloo's own words, without its source location and advice.
+            said = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            raise PeerLostError(self.rank, f"{self.op}/{what}", said.split(". ")[0]) from exc
 
     def agree(self, op: str, **fields: int) -> None:
         """NOTE [call agreement]: check that every rank makes this call, `op` with `fields` (CALL_FIELDS[op]),
