@@ -13,11 +13,14 @@ from typing import Optional, Sequence
 from . import BenchError, launch, options, plot, report
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m tokenyard.bench") -> int:
     import torch
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    settings = options.parse(argv, num_gpus)
+    settings = options.parse(argv, num_gpus, prog)
+    if not settings.quiet:  # starting the ranks takes seconds before the first progress
+        where = f"{min(num_gpus, settings.num_ranks)} GPU(s)" if settings.gpu else "the CPU (gloo)"
+        print(f"{prog}: starting {settings.num_ranks} ranks on {where}...", file=sys.stderr, flush=True)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     try:
         if settings.plot:

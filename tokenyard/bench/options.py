@@ -93,9 +93,9 @@ def _name_list(text: str) -> Tuple[str, ...]:
     return names
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m tokenyard.bench") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m tokenyard.bench",
+        prog=prog,
         description="Time tokenyard's dispatch and combine on every backend against an all-to-all baseline.")
 
     def add(name: str, **kwargs) -> None:
@@ -224,9 +224,9 @@ def check(s: BenchSettings, num_gpus: int) -> None:
         raise ValueError("; ".join(problems))
 
 
-def parse(argv: Optional[Sequence[str]], num_gpus: int) -> BenchSettings:
-    """Parse `argv` and resolve it; exits with usage (status 2) on a bad setting."""
-    parser = build_parser()
+def parse(argv: Optional[Sequence[str]], num_gpus: int, prog: str = "python -m tokenyard.bench") -> BenchSettings:
+    """Parse `argv` and resolve it; exits with usage (status 2, naming `prog`) on a bad setting."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         return resolve(args, num_gpus)

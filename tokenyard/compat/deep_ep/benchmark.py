@@ -1,4 +1,4 @@
-"""``python -m tokenyard.compat.deep_ep.benchmark``: the seed README's ``python -m deep_ep.benchmark``,
+"""``python -m tokenyard.compat.deep_ep.benchmark``: DeepEP's ``python -m deep_ep.benchmark`` command line,
 which is ``python -m tokenyard.bench`` (the same options)."""
 
 import sys
@@ -6,4 +6,4 @@ import sys
 from ...bench.__main__ import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m tokenyard.compat.deep_ep.benchmark"))
