@@ -1,7 +1,8 @@
 """CUDA backend, normal mode, against the reference backend on the same inputs (device machine only).
 
-Dispatch must match bit for bit (data, scales, indices, weights, counts, order, handle); combine within
-bf16 rounding. Outputs are poisoned before the kernels write them.
+Dispatch must match bit for bit (data, scales, indices, weights, counts, order, handle), and combine too (the
+same float32 sums in the same order, then one rounding to bf16). Outputs are poisoned before the kernels
+write them.
 """
 
 from __future__ import annotations
