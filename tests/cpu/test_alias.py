@@ -1,0 +1,78 @@
+"""`python -m tokenyard.compat.alias`, in fresh virtual environments (system packages visible for torch): after
+`install`, `import deep_ep` gives tokenyard, as Megatron-LM, SGLang and vLLM look for it; beside a real DeepEP
+it refuses and writes nothing; `uninstall` removes what it wrote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _venv(path) -> str:
+    """A virtual environment at `path` with tokenyard installed from this checkout; -> its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True)
+    python = os.path.join(str(path), "bin", "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", ROOT],
+                   check=True, capture_output=True)
+    return python
+
+
+def _run(python, *args, cwd):
+    return subprocess.run([python, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory):
+    path = tmp_path_factory.mktemp("venv")
+    return _venv(path), str(tmp_path_factory.mktemp("elsewhere"))
+
+
+def _site(python, cwd) -> str:
+    return _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=cwd).stdout.strip()
+
+
+def test_after_install_import_deep_ep_gives_tokenyard_and_uninstall_removes_it(venv):
+    python, cwd = venv  # a folder outside the checkout: the installed tokenyard, not the source tree
+    before = _run(python, "-c", "import importlib.util; print(importlib.util.find_spec('deep_ep'))", cwd=cwd)
+    assert before.stdout.strip() == "None", before
+    done = _run(python, "-m", "tokenyard.compat.alias", "install", cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    check = ("import deep_ep, deep_ep.buffer, tokenyard, tokenyard.compat.deep_ep as c\n"
+             "from deep_ep import Buffer, Config, EventOverlap\n"
+             "assert Buffer is tokenyard.Buffer and deep_ep.buffer is c.buffer and deep_ep.utils is c.utils\n"
+             "assert deep_ep.AutoTuner is tokenyard.AutoTuner\n"
+             "print(deep_ep.TOKENYARD_ALIAS, tokenyard.__file__)")
+    found = _run(python, "-c", check, cwd=cwd)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.startswith("True") and ROOT not in found.stdout.split()[1], found.stdout
+    usage = _run(python, "-m", "deep_ep.benchmark", "--help", cwd=cwd)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: python -m deep_ep.benchmark"), usage
+    assert _run(python, "-m", "tokenyard.compat.alias", "install", cwd=cwd).returncode == 0  # again: replaced
+    gone = _run(python, "-m", "tokenyard.compat.alias", "uninstall", cwd=cwd)
+    assert gone.returncode == 0 and "removed" in gone.stdout, gone
+    after = _run(python, "-c", "import importlib.util; print(importlib.util.find_spec('deep_ep'))", cwd=cwd)
+    assert after.stdout.strip() == "None", after
+
+
+def test_beside_a_real_deep_ep_install_refuses_and_writes_nothing(venv):
+    python, cwd = venv
+    real = os.path.join(_site(python, cwd), "deep_ep")
+    os.makedirs(real)
+    try:
+        with open(os.path.join(real, "__init__.py"), "w") as f:
+            f.write("REAL = True\n")
+        done = _run(python, "-m", "tokenyard.compat.alias", "install", cwd=cwd)
+        assert done.returncode == 1 and "refused" in done.stderr and "real DeepEP" in done.stderr, done
+        assert os.listdir(real) == ["__init__.py"], "the real package was touched"
+        kept = _run(python, "-m", "tokenyard.compat.alias", "uninstall", cwd=cwd)
+        assert kept.returncode == 1 and "not tokenyard's alias" in kept.stderr, kept
+        assert _run(python, "-c", "import deep_ep; print(deep_ep.REAL)", cwd=cwd).stdout.strip() == "True"
+    finally:
+        for name in os.listdir(real):
+            os.unlink(os.path.join(real, name))
+        os.rmdir(real)
