@@ -516,7 +516,7 @@ class Buffer(LowLatencyCalls):
         Arguments:
             x: ``[N, H]`` bf16, one row per row the dispatch delivered (N = the handle's row count).
             handle: the dispatch's handle.
-            topk_weights: ``[N, K]`` float32, summed the same way into ``combined_topk_weights``.
+            topk_weights: ``[N, K]`` float32 (any strides), summed the same way into ``combined_topk_weights``.
             bias: ``[T, H]`` bf16, or a tuple of two, added once per token.
         Returns:
             ``combined_x`` [T, H] bf16, ``combined_topk_weights`` [T, K] float32 or None, event.
@@ -528,7 +528,8 @@ class Buffer(LowLatencyCalls):
         checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(handle.num_rows, None), device=self.device)
         if topk_weights is not None:
             checks.tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(handle.num_rows, None),
-                          device=self.device)
+                          device=self.device, contiguous=False)
+            topk_weights = topk_weights.contiguous()  # any strides: an autograd gradient may be expanded
         bias_0, bias_1 = self._unpack_bias(bias)
         for name, b in (("bias", bias_0), ("bias[1]", bias_1)):
             if b is not None:
