@@ -149,8 +149,7 @@ class Buffer(LowLatencyCalls):
         if ranks_per_node is None and settings.ranks_per_node:
             ranks_per_node = settings.ranks_per_node
         self.ranks_per_node = ranks_per_node
-        self.topology = devices.make_topology(self.rank, all_gather_object(devices.this_rank(self.device)),
-                                              ranks_per_node)
+        self.topology = devices.gather_topology(self.rank, all_gather_object, self.device, ranks_per_node)
         mode = "direct" if group is None else choose_mode(str(dist.get_backend(group)), self.device.type,
                                                           self.topology.shares_gpu)
         self._exchange = Collectives(group, self.device, mode, self.rank, self.group_size, all_gather_object,

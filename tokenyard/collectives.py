@@ -99,7 +99,8 @@ def describe_header(header: List[int]) -> str:
 
 
 class Collectives:
-    """`all_to_all_single`, `all_gather` and `max_int` of tensors on `device` over `group`.
+    """`all_to_all_single`, `all_gather` and `max_int` of tensors on `device` over `group`, and `agree` on each
+    call (NOTE [call agreement]).
 
     Arguments:
         group: the Buffer's process group, or None with `all_gather_object` from an mpi4py communicator.
@@ -107,7 +108,7 @@ class Collectives:
         mode: one of MODES (`choose_mode`); ignored without a group.
         rank, num_ranks: this rank's place in the group.
         all_gather_object: a function that gathers one picklable object from every rank.
-        timeout_s: the deadline of `max_int`'s wait on the GPU.
+        timeout_s: the deadline of every wait over gloo, and of `max_int`'s wait on the GPU.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device, mode: str, rank: int,

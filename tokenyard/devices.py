@@ -37,7 +37,7 @@ import collections
 import dataclasses
 import functools
 import socket
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -130,12 +130,6 @@ class Topology:
         return self.ranks_per_gpu > 1
 
     @property
-    def gpu_peers(self) -> List[int]:
-        """The ranks that work on this rank's GPU, itself included."""
-        mine = self.places[self.rank]
-        return [r for r, p in enumerate(self.places) if p.gpu and (p.host, p.gpu) == (mine.host, mine.gpu)]
-
-    @property
     def sm_budget(self) -> int:
         mine = self.places[self.rank]
         return sm_budget(mine.visible_sms, self.ranks_per_gpu)
@@ -159,6 +153,12 @@ class Topology:
         by_gpu = _ranks_by_gpu(self.places)
         return [f"GPU {gpu} of {host} (ranks {ranks})" for (host, gpu), ranks in by_gpu.items()
                 if len(ranks) > 1 and not all(self.places[r].mps for r in ranks)]
+
+
+def gather_topology(rank: int, all_gather_object: Callable, device: torch.device,
+                    ranks_per_node: Optional[int] = None) -> Topology:
+    """Every rank's `RankPlace` on `device`, gathered (a collective), checked by `make_topology`."""
+    return make_topology(rank, all_gather_object(this_rank(device)), ranks_per_node)
 
 
 def _ranks_by_gpu(places: Sequence[RankPlace]) -> Dict[Tuple[str, str], List[int]]:

@@ -48,6 +48,13 @@ class Problem:
     counts: List[List[int]]  # counts[s][d]: tokens rank s sends to rank d
 
 
+def _all_gather_object(group: dist.ProcessGroup, obj) -> list:
+    """Every rank's `obj`, in rank order."""
+    gathered = [None] * group.size()
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
 @dataclasses.dataclass
 class RankContext:
     """Who this rank is, and the settings, group, device and timer every measurement uses."""
@@ -61,9 +68,7 @@ class RankContext:
     topology: devices.Topology  # where every rank works: ranks that share a GPU measure times only
 
     def all_gather(self, obj) -> list:
-        gathered = [None] * self.num_ranks
-        dist.all_gather_object(gathered, obj, group=self.group)
-        return gathered
+        return _all_gather_object(self.group, obj)
 
     def medians(self, steps) -> List[float]:
         return self.timer.medians(steps, self.settings.iters, self.settings.warmup)
@@ -364,10 +369,8 @@ def measure_all(ctx: RankContext) -> dict:
 def group_context(settings: BenchSettings, group: dist.ProcessGroup) -> RankContext:
     """The context of this rank of `group`, on the device a Buffer takes (NOTE [device rule])."""
     device = devices.default_device()
-    gathered = [None] * group.size()
-    dist.all_gather_object(gathered, devices.this_rank(device), group=group)
-    return RankContext(settings, group.rank(), group.size(), group, device, timing.Timer(group, device),
-                       devices.make_topology(group.rank(), gathered))
+    topology = devices.gather_topology(group.rank(), lambda obj: _all_gather_object(group, obj), device)
+    return RankContext(settings, group.rank(), group.size(), group, device, timing.Timer(group, device), topology)
 
 
 def from_rank_0(group: dist.ProcessGroup, obj):
