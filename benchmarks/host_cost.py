@@ -1,12 +1,19 @@
-"""The Python-side cost of each call of the CUDA backend: argument checks, allocations and launches.
+"""The host's cost of each call: what the CPU spends before a call returns, at several token counts.
 
-    python benchmarks/host_cost.py [--num_ranks 2] [--iters 200] [--profile] [--json OUT.json] [--cpu]
+    python benchmarks/host_cost.py [--num_ranks N] [--tokens 128,512,4096,8192] [--iters 200]
+                                   [--json OUT.json] [--cpu]
 
-Per operation, the median host time of a call that returns without waiting for the GPU (a cached-handle
-dispatch, a combine, a dispatch with num_worst_tokens, the low-latency calls), measured with
-``time.perf_counter`` around the call after the GPU has drained, so the figure is the host's own work and
-not a wait. ``--profile`` adds, per operation, the functions where a profiler saw the time go (cProfile,
-by own time). DeepSeek-V3 shapes (hidden 7168, top-8 of 256 experts, 4096 / 128 tokens per rank).
+Per call and token count (tokens per rank), the median of `--iters` back-to-back calls timed with
+``time.perf_counter`` after 20 warm-ups, with no synchronisation in the loop, on a Buffer made with the
+defaults (so the default checks run). The calls are those that return without waiting for the GPU:
+`layout` (get_dispatch_layout), `dispatch_cached` (a handle given), `dispatch_worst` (num_worst_tokens),
+`combine`, and the low-latency pair (at token counts whose low-latency buffer fits the GPU).
+
+At 4096 tokens it also measures, per call, the call time as DeepEP's harness does (CUDA
+events around each of back-to-back calls) beside the summed time of its kernels (PyTorch profiler), and a
+profile of where the host's time goes (cProfile: each function's own time per call).
+
+DeepSeek-V3 shapes: hidden 7168, top-8 of 256 experts; FP8 dispatch, bf16 combine and low-latency calls.
 ``--cpu`` runs the reference backend on gloo ranks instead (a smoke test of the script, small shapes).
 """
 
@@ -14,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
+import datetime
 import json
 import os
 import pstats
@@ -24,8 +31,24 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's tokenyard
 
+CALLS = ("layout", "dispatch_cached", "dispatch_worst", "combine", "low_latency_dispatch", "low_latency_combine")
+WARMUP = 20
+PROFILE_TOKENS = 4096
+LOW_LATENCY_MEMORY_SHARE = 0.4  # of the GPU's memory, at most, for the low-latency buffer and its outputs
 
-def rank_main(iters: int, profile: bool, num_tokens: int, num_tokens_ll: int, gpu: bool):
+
+def _own_time_rows(profiler: cProfile.Profile, num_calls: int, top: int = 14):
+    """[(function, calls per call, own µs per call, cumulative µs per call)], by own time."""
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
+        where = f"{os.path.basename(path)}:{line}({name})" if path != "~" else name
+        rows.append((where, calls / num_calls, own / num_calls * 1e6, cumulative / num_calls * 1e6))
+    rows.sort(key=lambda r: -r[2])
+    return [[w, round(c, 2), round(o, 2), round(t, 2)] for w, c, o, t in rows[:top]]
+
+
+def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
     import torch
     import torch.distributed as dist
 
@@ -35,104 +58,169 @@ def rank_main(iters: int, profile: bool, num_tokens: int, num_tokens_ll: int, gp
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     hidden, num_experts, num_topk = (7168, 256, 8) if gpu else (512, 16, 4)
+    memory = torch.cuda.get_device_properties(device).total_memory if gpu else 1 << 34
 
-    def drain():
+    def sync():
         if gpu:
             torch.cuda.synchronize(device)
-            dist.barrier(device_ids=[device.index])
-            torch.cuda.synchronize(device)
-        else:
+
+    results = {name: {} for name in CALLS}
+    extra = {}
+    for num_tokens in token_counts:
+        ll_bytes = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
+        with_low_latency = 3 * ll_bytes <= LOW_LATENCY_MEMORY_SHARE * memory * (num_ranks if not gpu else 1)
+        num_nvl_bytes = Config(num_max_tokens_per_rank=num_tokens).get_nvl_buffer_size_hint(hidden * 2, num_ranks)
+        buffer = Buffer(dist.group.WORLD, num_nvl_bytes, ll_bytes if with_low_latency else 0,
+                        low_latency_mode=with_low_latency, backend="cuda" if gpu else "reference")
+        x, topk_idx, weights = make_rank_inputs(1234 + num_tokens, num_ranks, num_tokens, hidden, num_experts,
+                                                num_topk, dtype="fp8", device=device)[rank]
+        layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
+                                                          num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                                                          num_tokens_per_expert=layout[2])
+        rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).float().to(torch.bfloat16)
+        ops = {
+            "layout": lambda: buffer.get_dispatch_layout(topk_idx, num_experts),
+            "dispatch_cached": lambda: buffer.dispatch(x, handle=handle),
+            "dispatch_worst": lambda: buffer.dispatch(
+                x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=layout[0],
+                is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                num_worst_tokens=num_tokens * num_ranks),
+            "combine": lambda: buffer.combine(rows, handle, topk_weights=recv_w),
+        }
+        if with_low_latency:
+            ll_x, ll_idx, ll_w = make_rank_inputs(99 + num_tokens, num_ranks, num_tokens, hidden, num_experts,
+                                                  num_topk, device=device)[rank]
+            ll_handle = buffer.low_latency_dispatch(ll_x, ll_idx, num_tokens, num_experts)[2]
+            ll_out = torch.randn(num_experts // num_ranks, num_ranks * num_tokens, hidden,
+                                 device=device).to(torch.bfloat16)
+            ops["low_latency_dispatch"] = lambda: buffer.low_latency_dispatch(ll_x, ll_idx, num_tokens, num_experts)
+            ops["low_latency_combine"] = lambda: buffer.low_latency_combine(ll_out, ll_idx, ll_w, ll_handle)
+        for name in CALLS:
+            if name not in ops:
+                results[name][str(num_tokens)] = None  # the low-latency buffer would not fit
+                continue
+            op = ops[name]
+            for _ in range(WARMUP):
+                op()
+            sync()
             dist.barrier()
-
-    num_nvl_bytes = Config(num_max_tokens_per_rank=num_tokens).get_nvl_buffer_size_hint(hidden * 2, num_ranks)
-    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(num_tokens_ll, hidden, num_ranks, num_experts)
-    buffer = Buffer(dist.group.WORLD, num_nvl_bytes, num_rdma_bytes, low_latency_mode=True,
-                    backend="cuda" if gpu else "reference",
-                    check_inputs=False)
-    x, topk_idx, weights = make_rank_inputs(1234, num_ranks, num_tokens, hidden, num_experts, num_topk,
-                                            dtype="fp8", device=device)[rank]
-    layout = buffer.get_dispatch_layout(topk_idx, num_experts)
-    recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
-                                                              num_tokens_per_rank=layout[0],
-                                                              is_token_in_rank=layout[3],
-                                                              num_tokens_per_expert=layout[2])
-    rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).float().to(torch.bfloat16)
-    worst = num_tokens * num_ranks
-    ll_x, ll_idx, ll_w = make_rank_inputs(99, num_ranks, num_tokens_ll, hidden, num_experts, num_topk,
-                                          device=device)[rank]
-    ll_handle = buffer.low_latency_dispatch(ll_x, ll_idx, num_tokens_ll, num_experts)[2]
-    ll_out = torch.randn(num_experts // num_ranks, num_ranks * num_tokens_ll, hidden,
-                         device=device).to(torch.bfloat16)
-
-    ops = {
-        "get_dispatch_layout": lambda: buffer.get_dispatch_layout(topk_idx, num_experts),
-        "dispatch (cached handle)": lambda: buffer.dispatch(x, handle=handle),
-        "dispatch (num_worst_tokens)": lambda: buffer.dispatch(
-            x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=layout[0],
-            is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], num_worst_tokens=worst),
-        "combine": lambda: buffer.combine(rows, handle, topk_weights=recv_w),
-        "low_latency_dispatch": lambda: buffer.low_latency_dispatch(ll_x, ll_idx, num_tokens_ll, num_experts),
-        "low_latency_combine": lambda: buffer.low_latency_combine(ll_out, ll_idx, ll_w, ll_handle),
-    }
-    result = {}
-    for name, op in ops.items():
-        for _ in range(5):
-            op()
-        times = []
-        profiler = cProfile.Profile() if profile else None
-        for _ in range(iters):
-            drain()
-            if profiler:
+            times = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - start)
+            sync()
+            results[name][str(num_tokens)] = statistics.median(times) * 1e6
+        if num_tokens == profile_tokens:
+            extra["call_vs_kernel"] = _call_vs_kernel(ops, iters, gpu, device) if gpu else None
+            extra["profile"] = {}
+            for name, op in ops.items():
+                profiler = cProfile.Profile()
+                sync()
                 profiler.enable()
-            start = time.perf_counter()
-            op()
-            times.append(time.perf_counter() - start)
-            if profiler:
+                for _ in range(iters):
+                    op()
                 profiler.disable()
-        entry = {"host_us": statistics.median(times) * 1e6}
-        if profiler:
-            text = io.StringIO()
-            stats = pstats.Stats(profiler, stream=text)
-            stats.sort_stats("cumulative").print_stats("tokenyard", 16)  # our functions, with what they call
-            stats.sort_stats("tottime").print_stats(10)
-            entry["profile"] = text.getvalue()
-        result[name] = entry
-    drain()
-    buffer.destroy()
-    return result
+                sync()
+                extra["profile"][name] = _own_time_rows(profiler, iters)
+        sync()
+        dist.barrier()
+        buffer.destroy()
+        del buffer, ops
+    return {"calls": results, **extra}
+
+
+def _call_vs_kernel(ops, iters: int, gpu: bool, device):
+    """Per call: the median CUDA-event time around each of back-to-back calls, and the median summed time of
+    its kernels (µs)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, op in ops.items():
+        pairs = []
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            op()
+            end.record()
+            pairs.append((start, end))
+        torch.cuda.synchronize(device)
+        call_us = statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+        marker = torch.empty(1, device=device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                marker.neg_()  # marks the start of a call
+                op()
+            torch.cuda.synchronize(device)
+        per_call = []
+        for event in sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                            key=lambda e: e.time_range.start):
+            if "neg" in event.name:
+                per_call.append(0.0)
+            elif per_call and event.name.startswith("tokenyard_"):
+                per_call[-1] += event.time_range.elapsed_us()
+        kernel_us = statistics.median(per_call) if len(per_call) == iters else None
+        out[name] = {"call_us": call_us, "kernel_us": kernel_us}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num_ranks", type=int, default=2)
+    parser.add_argument("--num_ranks", type=int, default=None, help="default: one per GPU (one on CPU: 2)")
+    parser.add_argument("--tokens", default="128,512,4096,8192")
     parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--num_tokens", type=int, default=4096)
-    parser.add_argument("--num_tokens_low_latency", type=int, default=128)
-    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--cpu", action="store_true")
     args = parser.parse_args()
+    token_counts = [int(t) for t in args.tokens.split(",")]
     if args.cpu:
-        args.num_tokens, args.num_tokens_low_latency = min(args.num_tokens, 64), min(args.num_tokens_low_latency, 16)
+        token_counts = [max(1, t // 128) for t in token_counts]
+    profile_tokens = PROFILE_TOKENS // 128 if args.cpu else PROFILE_TOKENS
+    import torch
 
+    num_ranks = args.num_ranks or (2 if args.cpu else max(1, torch.cuda.device_count()))
     from tokenyard.launch import run_on_ranks
 
-    per_rank = run_on_ranks(args.num_ranks, rank_main, args.iters, args.profile, args.num_tokens,
-                            args.num_tokens_low_latency, not args.cpu, use_cuda=not args.cpu)
-    print(f"host time per call (median of {args.iters}, the slowest rank), {args.num_ranks} ranks:")
-    for name in per_rank[0]:
-        print(f"  {name:<30} {max(r[name]['host_us'] for r in per_rank):8.1f} us")
-    if args.profile:
-        for name, entry in per_rank[0].items():
-            print(f"\n=== {name} (rank 0) ===\n{entry['profile']}")
+    per_rank = run_on_ranks(num_ranks, rank_main, token_counts, profile_tokens, args.iters, not args.cpu, use_cuda=not args.cpu)
+    calls = {name: {"tokens": {t: (max(r["calls"][name][t] for r in per_rank)
+                                   if per_rank[0]["calls"][name][t] is not None else None)
+                               for t in per_rank[0]["calls"][name]}}
+             for name in CALLS}
+    print(f"host time per call, µs (median of {args.iters} back-to-back calls, the slowest of {num_ranks} ranks):")
+    print(f"  {'call':<22}" + "".join(f"{t:>10}" for t in map(str, token_counts)))
+    for name in CALLS:
+        cells = calls[name]["tokens"]
+        print(f"  {name:<22}" + "".join(f"{'-' if cells[str(t)] is None else format(cells[str(t)], '.1f'):>10}"
+                                        for t in token_counts))
+    rank0 = per_rank[0]
+    if rank0.get("call_vs_kernel"):
+        print(f"\nat {profile_tokens} tokens, back to back (rank 0): call time (CUDA events) vs kernel time, µs")
+        for name, entry in rank0["call_vs_kernel"].items():
+            kernel = entry["kernel_us"]
+            print(f"  {name:<22} call {entry['call_us']:9.1f}   kernels "
+                  f"{'-' if kernel is None else format(kernel, '9.1f')}")
+    for name, rows in (rank0.get("profile") or {}).items():
+        print(f"\n=== where the host time goes: {name} at {profile_tokens} tokens (rank 0, cProfile, µs per call) ===")
+        print(f"  {'own':>7} {'cumul':>7} {'calls':>6}  function")
+        for where, count, own, cumulative in rows:
+            print(f"  {own:7.2f} {cumulative:7.2f} {count:6.2f}  {where}")
     if args.json:
         from tokenyard.bench.report import git_commit
 
+        device = torch.cuda.get_device_name() if not args.cpu else "cpu"
         with open(args.json, "w") as f:
-            json.dump({"commit": git_commit(), "num_ranks": args.num_ranks, "iters": args.iters,
+            json.dump({"commit": os.environ.get("TOKENYARD_COMMIT") or git_commit(), "device": device,
+                       "date": datetime.date.today().isoformat(), "num_ranks": num_ranks,
                        "backend": "reference (gloo)" if args.cpu else "cuda",
-                       "num_tokens": args.num_tokens, "num_tokens_low_latency": args.num_tokens_low_latency,
-                       "host_us": {n: max(r[n]["host_us"] for r in per_rank) for n in per_rank[0]}}, f, indent=1)
+                       "settings": {"iters": args.iters, "warmup": WARMUP, "hidden": 7168 if not args.cpu else 512,
+                                    "num_experts": 256 if not args.cpu else 16, "num_topk": 8 if not args.cpu else 4,
+                                    "dispatch_dtype": "fp8", "buffer": "defaults (check_inputs as configured)",
+                                    "timing": "time.perf_counter around each of back-to-back calls, median"},
+                       "calls": calls, "call_vs_kernel": rank0.get("call_vs_kernel"),
+                       "profile": rank0.get("profile")}, f, indent=1)
 
 
 if __name__ == "__main__":

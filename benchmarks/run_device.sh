@@ -7,12 +7,15 @@
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|low_latency|bench|diagnostics|shares|all]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [ep8_tests|ep8_bench]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh one_gpu
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh host_cost
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_TEST_NUM_RANKS=2,4 bash benchmarks/run_device.sh shared [pytest args]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh residency
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh shared_bench
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
+#
+# `host_cost` runs benchmarks/host_cost.py (the host's time per call, at 128-8192 tokens) at one rank per GPU.
 #
 # `one_gpu` (on nvidia-h100-x1 or nvidia-h200, where the multi-GPU tests skip) runs tests/gpu/test_one_gpu.py
 # and the README's benchmark command at one rank: every kernel compiled and loaded on that GPU, the own-rank
@@ -103,9 +106,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         | tail -40
 fi
 if [ "$what" = diagnostics ] || [ "$what" = all ]; then
-    timeout 90 python3 benchmarks/host_cost.py --num_ranks 2 --iters 100 --profile --json "$out/host_cost.json" \
-        > "$out/host_cost.log" 2>&1
-    head -8 "$out/host_cost.log"
+    timeout 90 python3 benchmarks/host_cost.py --num_ranks 2 --json "$out/host_cost_2ranks.json" \
+        > "$out/host_cost_2ranks.log" 2>&1
+    head -8 "$out/host_cost_2ranks.log"
     timeout 150 python3 benchmarks/copy_patterns.py --json "$out/copy_patterns.json" 2>&1 | tail -12
 fi
 if [ "$what" = ep8_tests ]; then
@@ -134,6 +137,11 @@ if [ "$what" = shares ]; then
                 | grep -E "tokenyard .*kernel|copy limit"
         done
     done
+fi
+if [ "$what" = host_cost ]; then
+    # Issue 24's figures: one rank per GPU there is (one on nvidia-h100-x1).
+    timeout 300 python3 benchmarks/host_cost.py --json "$out/host_cost.json" > "$out/host_cost.log" 2>&1
+    grep -v Warn "$out/host_cost.log" | head -20
 fi
 if [ "$what" = one_gpu ]; then
     timeout 420 python3 -m pytest -v tests/gpu/test_one_gpu.py -p no:cacheprovider 2>&1 \
