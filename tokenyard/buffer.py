@@ -162,6 +162,12 @@ class Buffer(LowLatencyCalls):
         self.runtime = create_backend(backend or settings.backend, context)
         self.backend = self.runtime.name
         self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._fast = None  # NOTE [fast paths]
+        self._last_rounds = 0
+        if self.backend == "cuda":
+            from .fast_paths import FastPaths
+
+            self._fast = FastPaths(self)
         self._rank_mask = None
         if enable_shrink:
             self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
@@ -183,6 +189,7 @@ class Buffer(LowLatencyCalls):
 
     def destroy(self) -> None:
         """Release the buffers; later calls raise. Safe to call twice."""
+        self._fast = None
         if self.runtime is not None:
             self.runtime.destroy()
             self.runtime = None
@@ -347,7 +354,6 @@ class Buffer(LowLatencyCalls):
 
     # -- normal mode --------------------------------------------------------------------------------------
 
-    @devices.runs_where_tensors_are("topk_idx")
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False):
@@ -364,6 +370,19 @@ class Buffer(LowLatencyCalls):
         Raises:
             InvalidInputError: bad dtype/shape/device, ids outside [-1, E), E not divisible by R.
         """
+        if self._fast is not None and not allocate_on_comm_stream and not self.check_inputs:  # NOTE [fast paths]
+            result = self._fast.layout(topk_idx, num_experts, previous_event, async_finish)
+            if result is not None:
+                return result
+        result = self._get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
+                                           allocate_on_comm_stream)
+        if self._fast is not None and not allocate_on_comm_stream and not self.check_inputs and \
+                topk_idx.device == self.device:
+            self._fast.learn_layout(topk_idx, num_experts, async_finish)
+        return result
+
+    @devices.runs_where_tensors_are("topk_idx")
+    def _get_dispatch_layout(self, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream):
         backend = self._backend()
         num_experts = checks.num_experts(num_experts, self.group_size)
         checks.topk_idx(topk_idx, num_tokens=None, device=self.device)
@@ -375,7 +394,6 @@ class Buffer(LowLatencyCalls):
         self._hand_over(scope.owner, (per_rank, per_expert, in_rank))
         return per_rank, None, per_expert, in_rank, scope.event
 
-    @devices.runs_where_tensors_are("x")
     def dispatch(self, x: XLike, handle: Optional[tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -413,7 +431,31 @@ class Buffer(LowLatencyCalls):
             InvalidInputError, HandleError, CapacityError (not one row fits, or `per_round_tokens` is above
             what fits): before any communication.
         """
-        del num_tokens_per_rdma_rank
+        fast = self._fast if not allocate_on_comm_stream else None  # NOTE [fast paths]
+        cached = handle is not None and topk_idx is None and topk_weights is None
+        if fast is not None and cached:
+            result = fast.cached_dispatch(x, handle, config, previous_event, async_finish)
+            if result is not None:
+                return result
+        result = self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+                                allocate_on_comm_stream)
+        if fast is not None and cached and self._last_rounds == 1 and getattr(handle, "fast_for", None) == self._id and \
+                not isinstance(x, list) and (x[1].dim() == 2 if isinstance(x, tuple) else True) and \
+                (x[0] if isinstance(x, tuple) else x).device == self.device:
+            data = x[0] if isinstance(x, tuple) else x
+            request = DispatchRequest(x=data, x_scales=x[1] if isinstance(x, tuple) else None, topk_idx=None,
+                                      topk_weights=None, num_tokens_per_rank=None,
+                                      is_token_in_rank=handle.is_token_in_rank, num_tokens_per_expert=None,
+                                      handle=handle, expert_alignment=1, num_worst_tokens=0,
+                                      config=config if config is not None else self.get_dispatch_config(self.group_size))
+            fast.learn_cached_dispatch(x, handle, config, async_finish, self.runtime.dispatch_shape(request))
+        return result
+
+    @devices.runs_where_tensors_are("x")
+    def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                  topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+                  allocate_on_comm_stream):
         backend = self._backend()
         x, x_scales, scales_1d = checks.dispatch_x(x, device=self.device)
         num_tokens = x.size(0)
@@ -486,10 +528,12 @@ class Buffer(LowLatencyCalls):
             else:
                 plan = rounds.plan_for(handle, round_tokens, self._exchange)
                 result = rounds.cached_dispatch(backend, request, plan)
+            self._last_rounds = plan.num_rounds
         new_handle = result.handle
         if handle is None:
             new_handle = DispatchHandle(*result.handle, buffer_id=self._id, rounds=plan,
-                                        num_recv_tokens=None if num_worst_tokens else result.recv_x.size(0))
+                                        num_recv_tokens=None if num_worst_tokens else result.recv_x.size(0),
+                                        fast_for=self._id if plan.num_rounds == 1 else None)
         outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights)
         self._hand_over(scope.owner, outputs + tuple(new_handle))
         if async_finish:
@@ -503,7 +547,6 @@ class Buffer(LowLatencyCalls):
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 new_handle, scope.event)
 
-    @devices.runs_where_tensors_are("x")
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -522,6 +565,21 @@ class Buffer(LowLatencyCalls):
         Raises:
             InvalidInputError, HandleError, CapacityError: before any communication.
         """
+        fast = self._fast if not allocate_on_comm_stream else None  # NOTE [fast paths]
+        if fast is not None:
+            result = fast.combine(x, handle, topk_weights, bias, config, previous_event, async_finish)
+            if result is not None:
+                return result
+        result = self._combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                               allocate_on_comm_stream)
+        if fast is not None and self._last_rounds == 1 and getattr(handle, "fast_for", None) == self._id and \
+                x.device == self.device and \
+                (topk_weights is None or topk_weights.is_contiguous()) and not isinstance(bias, list):
+            fast.learn_combine(x, handle, topk_weights, bias, config, async_finish)
+        return result
+
+    @devices.runs_where_tensors_are("x")
+    def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream):
         backend = self._backend()
         handle = checks.dispatch_handle(handle, num_ranks=self.group_size, device=self.device)
         checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(handle.num_rows, None), device=self.device)
@@ -547,6 +605,7 @@ class Buffer(LowLatencyCalls):
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
             plan = rounds.plan_for(handle, round_tokens, self._exchange)
             combined_x, combined_topk_weights = rounds.combine(backend, request, plan)
+        self._last_rounds = plan.num_rounds  # read by the fast paths' learning (NOTE [fast paths])
         self._hand_over(scope.owner, (combined_x, combined_topk_weights))
         if async_finish:
             self._hand_over(self._comm_stream, (x, topk_weights, bias_0, bias_1) + tuple(handle))

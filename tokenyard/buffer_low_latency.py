@@ -42,7 +42,6 @@ class LowLatencyCalls:
         num_max, num_experts = self._low_latency_checks(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self._backend().clean_low_latency_buffer(num_max, hidden, num_experts)
 
-    @devices.runs_where_tensors_are("x")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
@@ -68,6 +67,22 @@ class LowLatencyCalls:
         Raises:
             InvalidInputError, CapacityError: before any communication.
         """
+        fast = self._fast if not (async_finish or return_recv_hook or self.check_inputs) else None  # NOTE [fast paths]
+        args = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
+        if fast is not None:
+            result = fast.low_latency_dispatch(*args)
+            if result is not None:
+                return result
+        result = self._low_latency_dispatch(*args, async_finish, return_recv_hook)
+        if fast is not None and x.device == self.device and topk_idx.is_contiguous():
+            fast.learn_low_latency_dispatch(*args)
+        return result
+
+    @devices.runs_where_tensors_are("x")
+    def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                              use_ue8m0, async_finish, return_recv_hook):
         backend = self._backend()
         checks.wait_recv_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
                                     num_ranks=self.group_size, device=self.device)
@@ -106,11 +121,10 @@ class LowLatencyCalls:
         with self._stream_scope(use_comm_stream=async_finish, async_finish=async_finish) as scope:
             result = backend.low_latency_dispatch(request)
         handle = LowLatencyHandle(*result.handle, buffer_id=self._id, num_topk=topk_idx.size(1),
-                                  num_tokens=num_tokens, half=result.handle.half)
+                                  num_tokens=num_tokens, half=result.handle.half, fast_for=self._id)
         recv_x = (result.packed_recv_x, result.packed_recv_x_scales) if use_fp8 else result.packed_recv_x
         return recv_x, result.packed_recv_count, handle, scope.event, self._wrap_hook(result.hook)
 
-    @devices.runs_where_tensors_are("x")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
@@ -138,6 +152,21 @@ class LowLatencyCalls:
             InvalidInputError, HandleError: before any communication.
         """
         del use_logfmt  # see the docstring
+        fast = self._fast if not (async_finish or return_recv_hook or zero_copy) else None  # NOTE [fast paths]
+        args = (x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
+        if fast is not None:
+            result = fast.low_latency_combine(*args)
+            if result is not None:
+                return result
+        result = self._low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                           return_recv_hook, out, combine_wait_recv_cost_stats)
+        if fast is not None and getattr(handle, "fast_for", None) == self._id and x.device == self.device:
+            fast.learn_low_latency_combine(*args)
+        return result
+
+    @devices.runs_where_tensors_are("x")
+    def _low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out,
+                             combine_wait_recv_cost_stats):
         backend = self._backend()
         checks.wait_recv_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                                     num_ranks=self.group_size, device=self.device)

@@ -33,7 +33,8 @@ def check(status: int, what: str) -> None:
 
 
 class Kernel:
-    """A loaded kernel: `kernel(grid, stream, *args, shared_bytes=0)` launches it."""
+    """A loaded kernel: `handle` is its CUfunction, for call plans (backends/cuda/plans.py); `kernel(grid,
+    stream, *args, shared_bytes=0)` launches it from Python (tools and tests)."""
 
     def __init__(self, spec: KernelSpec, cubin: bytes):
         self.spec = spec
@@ -43,17 +44,21 @@ class Kernel:
         self._function = ctypes.c_void_p()
         check(lib.cuModuleGetFunction(ctypes.byref(self._function), self._module, spec.entry.encode()),
               "cuModuleGetFunction")
+        self.handle = self._function.value
         self._max_dynamic_shared = 48 * 1024
 
-    def __call__(self, grid: int, stream: int, *args, shared_bytes: int = 0) -> None:
-        lib = libcuda()
+    def prepare(self, shared_bytes: int) -> None:
+        """Allow launches with `shared_bytes` of dynamic shared memory (above 48 KiB needs an opt-in)."""
         if shared_bytes > self._max_dynamic_shared:
             # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-            check(lib.cuFuncSetAttribute(self._function, 8, shared_bytes), "cuFuncSetAttribute")
+            check(libcuda().cuFuncSetAttribute(self._function, 8, shared_bytes), "cuFuncSetAttribute")
             self._max_dynamic_shared = shared_bytes
+
+    def __call__(self, grid: int, stream: int, *args, shared_bytes: int = 0) -> None:
+        self.prepare(shared_bytes)
         packed = self.spec.pack(args)
         size = ctypes.c_size_t(ctypes.sizeof(packed))
         extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(packed), _BUFFER_SIZE,
                                       ctypes.addressof(size), _END)
-        check(lib.cuLaunchKernel(self._function, grid, 1, 1, self.spec.num_threads, 1, 1, shared_bytes, stream, None,
-                                 extra), f"launch of {self.spec.function}")
+        check(libcuda().cuLaunchKernel(self._function, grid, 1, 1, self.spec.num_threads, 1, 1, shared_bytes, stream,
+                                       None, extra), f"launch of {self.spec.function}")

@@ -8,7 +8,8 @@ GPUs under MPS (NOTE [MPS]).
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Optional, Tuple
 
 import torch
 
@@ -19,7 +20,7 @@ from ...jit import load
 from ...requests import CombineRequest, DispatchRequest, DispatchResult
 from ...waiting import wait_until
 from ..base import Backend, GroupContext
-from . import heuristics, kernels, runtime
+from . import heuristics, kernels, plans, runtime
 
 HOST_COUNTS_INTS = 4 + 4096  # NOTE [notify]: call id, three counts, then the per-local-expert counts
 # The Stage enum of include/tokenyard/sync.cuh, by value.
@@ -27,6 +28,39 @@ _STAGES = {1: "barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combin
            5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive", 7: "low_latency_combine/weights",
            8: "low_latency_dispatch/expert_counts"}
 _MASK32 = 0xFFFFFFFF
+
+# The inputs and per-call scalars of every dispatch plan (NOTE [call plans]), in the order a run passes them.
+DISPATCH_INPUTS = ("x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "num_tokens_per_expert",
+                   "call_tokens_per_rank", "call_prefix_matrix", "recv_first", "cursor", "recv_x", "recv_x_scales",
+                   "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
+DISPATCH_SCALARS = ("call_id", "notify_expected", "call_num_tokens", "seq", "num_worst", "token_base", "num_rows")
+COMBINE_INPUTS = ("x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "recv_first", "send_head",
+                  "combined_x", "combined_topk_weights")
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchShape:
+    """Everything that decides a dispatch's plans (CudaBackend.dispatch_shape)."""
+
+    num_tokens: int
+    hidden: int
+    dtype: torch.dtype
+    element_size: int
+    num_scales: int
+    scale_dtype: Optional[torch.dtype]
+    scale_strides: Tuple[int, int]
+    num_topk: int
+    topk_dtype: torch.dtype
+    with_weights: bool
+    num_experts: int
+    expert_alignment: int
+    num_rows: Optional[int]            # known before the count exchange: a handle's, or num_worst_tokens
+    cached: bool
+    num_sms: int
+    round_0: bool                      # round 0 of a call in rounds (its placement makes no tensors)
+    placed_rows: Optional[int]         # a later round: the whole call's tensors' rows
+    placed_by_notify: bool             # the count exchange places the round (recv_first and cursor given)
+    whole_call: bool                   # round 0: the whole call's counts are exchanged too
 
 
 class _CudaArray:
@@ -129,6 +163,7 @@ class CudaBackend(Backend):
         self._barrier_calls = 0
         self._failure: Optional[TokenyardError] = None
         self._kernels = {}  # id(spec) -> (spec, Kernel), see _kernel
+        self._plans = plans.PlanCache()
         from ..reference import ReferenceBackend
         from .low_latency import LowLatencyKernels
 
@@ -197,52 +232,83 @@ class CudaBackend(Backend):
 
     # -- normal mode ----------------------------------------------------------------------------------
 
+    def plan(self, key: tuple, build) -> plans.Plan:
+        """The plan of `key` (NOTE [call plans]), built by `build()` at its first use."""
+        return self._plans.get((self.poison_outputs,) + key, build)
+
+    def _builder(self, inputs, scalars=()) -> plans.PlanBuilder:
+        return plans.PlanBuilder(self.ctx.device, inputs, scalars, poison_outputs=self.poison_outputs)
+
+    def layout_plan(self, topk_dtype: torch.dtype, num_tokens: int, num_topk: int, num_experts: int) -> plans.Plan:
+        """Inputs (topk_idx,) -> (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)."""
+        def build():
+            num_ranks = self.ctx.num_ranks
+            b = self._builder(("topk_idx",))
+            per_rank = b.output("num_tokens_per_rank", (num_ranks,), torch.int32, zero=True)
+            per_expert = b.output("num_tokens_per_expert", (num_experts,), torch.int32, zero=True)
+            in_rank = b.output("is_token_in_rank", (num_tokens, num_ranks), torch.bool)
+            if num_tokens > 0:
+                b.launch(self._kernel(kernels.dispatch_layout(num_ranks, topk_dtype)),
+                         heuristics.layout_grid(num_tokens, kernels.LAYOUT_THREADS, self.device_sms),
+                         (b.inp("topk_idx"), num_tokens, num_topk, num_experts, per_rank, per_expert, in_rank),
+                         shared_bytes=(num_experts + num_ranks) * 4)
+            return b.build()
+
+        return self.plan(("layout", topk_dtype, num_tokens, num_topk, num_experts), build)
+
     def get_dispatch_layout(self, topk_idx, num_experts):
         self.check_failures()
-        num_ranks = self.ctx.num_ranks
-        num_tokens, num_topk = topk_idx.shape
-        device = topk_idx.device
-        per_rank = torch.zeros(num_ranks, dtype=torch.int32, device=device)
-        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=device)
-        in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=device)
-        if num_tokens > 0:
-            kernel = self._kernel(kernels.dispatch_layout(num_ranks, topk_idx.dtype))
-            grid = heuristics.layout_grid(num_tokens, kernels.LAYOUT_THREADS, self.device_sms)
-            kernel(grid, self._stream(), topk_idx.data_ptr(), num_tokens, num_topk, num_experts, per_rank.data_ptr(),
-                   per_expert.data_ptr(), in_rank.data_ptr(), shared_bytes=(num_experts + num_ranks) * 4)
-        return per_rank, per_expert, in_rank
+        plan = self.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts)
+        return plan.run_here(self._stream(), (topk_idx,))
 
-    def dispatch(self, request: DispatchRequest) -> DispatchResult:
-        self.check_failures()
-        num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
-        x, scales = request.x, request.x_scales
-        device = x.device
-        num_tokens = x.size(0)
+    def dispatch_shape(self, request: DispatchRequest) -> DispatchShape:
+        """What decides a dispatch's plans, from the request's metadata (no value read)."""
+        x, scales, placement = request.x, request.x_scales, request.placement
         cached = request.handle is not None
-        placement = request.placement  # NOTE [placed rounds] in rounds.py: the outputs exist
         topk_idx = None if cached else request.topk_idx
-        num_topk = 0 if topk_idx is None else topk_idx.size(1)
-        if num_topk > kernels.MAX_TOPK:
-            raise InvalidInputError(f"the CUDA backend handles top-k up to {kernels.MAX_TOPK}, got {num_topk}")
-        topk_dtype = torch.int64 if topk_idx is None else topk_idx.dtype
-        num_experts = num_ranks if cached else request.num_experts
-        num_local_experts = num_experts // num_ranks
+        outputs = None if placement is None else placement.outputs
+        return DispatchShape(
+            num_tokens=x.size(0), hidden=x.size(1), dtype=x.dtype, element_size=x.element_size(),
+            num_scales=0 if scales is None else scales.size(1), scale_dtype=None if scales is None else scales.dtype,
+            scale_strides=(0, 0) if scales is None else (scales.stride(0), scales.stride(1)),
+            num_topk=0 if topk_idx is None else topk_idx.size(1),
+            topk_dtype=torch.int64 if topk_idx is None else topk_idx.dtype,
+            with_weights=not cached and request.topk_weights is not None,
+            num_experts=self.ctx.num_ranks if cached else request.num_experts,
+            expert_alignment=request.expert_alignment,
+            num_rows=request.handle.num_rows if cached else (request.num_worst_tokens or None),
+            cached=cached, num_sms=request.config.num_sms,
+            round_0=placement is not None and outputs is None, placed_rows=None if outputs is None else outputs[0].size(0),
+            placed_by_notify=placement is not None and placement.cursor is not None,
+            whole_call=request.call is not None)
+
+    def dispatch_plans(self, shape: DispatchShape) -> Tuple[plans.Plan, Optional[plans.Plan]]:
+        """The plans of a dispatch of `shape` (inputs DISPATCH_INPUTS, scalars DISPATCH_SCALARS): the count
+        exchange, with the data launch where the outputs' rows are known; and where the CPU must wait for the
+        counts first, a second plan that makes the outputs (rows: the scalar num_rows) and launches the
+        receivers (NOTE [dispatch around the CPU wait])."""
+        return self.plan(("dispatch", shape), lambda: self._build_dispatch_plans(shape))
+
+    def _build_dispatch_plans(self, m: DispatchShape):
+        num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
+        if m.num_topk > kernels.MAX_TOPK:
+            raise InvalidInputError(f"the CUDA backend handles top-k up to {kernels.MAX_TOPK}, got {m.num_topk}")
+        num_local_experts = m.num_experts // num_ranks
         most_local_experts = min(HOST_COUNTS_INTS - 4, workspace.normal_max_local_experts(num_ranks))
         if num_local_experts > most_local_experts:
             raise InvalidInputError(f"the CUDA backend handles up to {most_local_experts} experts per rank on "
                                     f"{num_ranks} ranks, got {num_local_experts}")
-        data_bytes = x.size(1) * x.element_size()
-        num_scales = 0 if scales is None else scales.size(1)
+        data_bytes = m.hidden * m.element_size
         layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
-                                         workspace.normal_dispatch_row_bytes(data_bytes, num_scales * 4, num_topk))
-        # The data kernel's shape, decided (and refused) before any kernel runs. The senders need no output
-        # tensor, so where the CPU must wait for the counts before it can size the outputs, they may start
-        # before the wait (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT), the receivers following in a launch of
-        # their own; the receivers need the sending launch's warp count (NOTE [sender ranges]).
-        grid = heuristics.data_grid(request.config.num_sms, self.device_sms, heuristics.dispatch_send_share(num_ranks))
-        # Round 0 of a call in rounds makes the whole call's outputs (NOTE [placed rounds] in rounds.py).
-        makes_outputs = placement is None or placement.outputs is None
-        cpu_wait = not cached and not request.num_worst_tokens and makes_outputs
+                                         workspace.normal_dispatch_row_bytes(data_bytes, m.num_scales * 4, m.num_topk))
+        # NOTE [dispatch around the CPU wait]: the data kernel's shape is decided (and refused) before any
+        # kernel runs. The senders need no output tensor, so where the CPU must wait for the counts before it
+        # can size the outputs, they may start before the wait (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT), the
+        # receivers following in a launch of their own; the receivers need the sending launch's warp count
+        # (NOTE [sender ranges]).
+        grid = heuristics.data_grid(m.num_sms, self.device_sms, heuristics.dispatch_send_share(num_ranks))
+        makes_outputs = m.placed_rows is None
+        cpu_wait = not m.cached and m.num_rows is None and makes_outputs
         split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
         num_send_warps = (grid.num_blocks if split else grid.num_send_blocks) * (kernels.DATA_THREADS // 32)
         chunk_tokens, tail_tokens = heuristics.DISPATCH_CHUNK_TOKENS, heuristics.dispatch_tail_tokens()
@@ -256,125 +322,159 @@ class CudaBackend(Backend):
         if slots > layout.max_chunks:
             raise InvalidInputError(f"{num_send_warps} sending warps need {slots} chunk slots per source, more than "
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
-        stream = self._stream()
-        is_token_in_rank = request.is_token_in_rank.contiguous()
+        kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
+                                               chunk_tokens, tail_tokens))
+        rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
+        own_rows_direct, prefetch = heuristics.dispatch_own_rows_direct(), heuristics.prefetch_next_row()
+        T = m.num_tokens
 
         # 1. Count exchange (also the barrier before rows land in the peers' buffers).
-        prefix_excl = torch.empty((num_tokens + 1) * num_ranks, dtype=torch.int32, device=device)
-        rank_prefix_matrix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=device)
-        source_num_tokens = torch.empty(num_ranks, dtype=torch.int32, device=device)
-        call_id = self._next("_notify_calls")
-        per_expert = 0 if cached else request.num_tokens_per_expert.data_ptr()
-        call = request.call
-        placed_by_notify = placement is not None and placement.cursor is not None
-        self._kernel(kernels.dispatch_notify(num_ranks))(
-            num_ranks + 1, stream, is_token_in_rank.data_ptr(), num_tokens, per_expert, num_experts,
-            request.expert_alignment, prefix_excl.data_ptr(), rank_prefix_matrix.data_ptr(),
-            source_num_tokens.data_ptr(), num_tokens if call is None else call.num_tokens,
-            0 if call is None else call.tokens_per_rank.data_ptr(),
-            0 if call is None else call.prefix_matrix.data_ptr(),
-            placement.recv_first.data_ptr() if placed_by_notify else 0,
-            placement.cursor.data_ptr() if placed_by_notify else 0, self.host_counts_ptr, call_id,
-            self.normal.bases_tensor.data_ptr(), rank, (call_id * num_ranks) & _MASK32, *self._wait_args())
+        first = self._builder(DISPATCH_INPUTS, DISPATCH_SCALARS)
+        prefix_excl = first.output("prefix_excl", ((T + 1) * num_ranks,), torch.int32)
+        rank_prefix_matrix = first.output("rank_prefix_matrix", (num_ranks, num_ranks), torch.int32)
+        source_num_tokens = first.output("source_num_tokens", (num_ranks,), torch.int32)
+        counts = source_first = send_head = 0
+        if not m.cached:
+            counts = first.output("counts", (num_ranks, 1), torch.int32)
+            source_first = first.output("source_first", (num_ranks, 1), torch.int32)
+            send_head = first.output("send_head", (T, num_ranks), torch.int32)
+        placed = (first.inp("recv_first"), first.inp("cursor")) if m.placed_by_notify else (0, 0)
+        call = ((first.inp("call_tokens_per_rank"), first.inp("call_prefix_matrix")) if m.whole_call else (0, 0))
+        first.launch(self._kernel(kernels.dispatch_notify(num_ranks)), num_ranks + 1, (
+            first.inp("is_token_in_rank"), T, 0 if m.cached else first.inp("num_tokens_per_expert"), m.num_experts,
+            m.expert_alignment, prefix_excl, rank_prefix_matrix, source_num_tokens, counts, source_first,
+            first.scalar("call_num_tokens"), call[0], call[1], placed[0], placed[1], self.host_counts_ptr,
+            first.scalar("call_id"), self.normal.bases_tensor.data_ptr(), rank, first.scalar("notify_expected"),
+            *self._wait_args()))
 
         # 2. The rows.
-        kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, num_scales, num_topk, topk_dtype,
-                                                chunk_tokens, tail_tokens))
-        buffer_args = self._buffer_args(layout, self._next("_seq"))
-        scale_strides = (0, 0) if scales is None else (scales.stride(0), scales.stride(1))
-        send_head = None if cached else self.empty(num_tokens, num_ranks, dtype=torch.int32, device=device)
-        outputs = None if makes_outputs else placement.outputs
-        own_rows_direct, prefetch = heuristics.dispatch_own_rows_direct(), heuristics.prefetch_next_row()
-        num_worst, recv_first, src_idx_base = request.num_worst_tokens, 0, 0
-        if outputs is not None:
-            num_worst, recv_first, src_idx_base = outputs[0].size(0), placement.recv_first.data_ptr(), placement.token_base
+        def launch(b: plans.PlanBuilder, num_send_blocks: int, outputs, made_by_first: bool) -> None:
+            def made(ref):  # an output of the first plan, seen from `b`
+                return ref if made_by_first or ref == 0 else b.inp(first.output_names[ref.index])
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
+            b.launch(kernel, grid.num_blocks, (
+                b.inp("x"), b.inp("x_scales"), *m.scale_strides, b.inp("topk_idx"),
+                b.inp("topk_weights") if m.with_weights else 0, b.inp("is_token_in_rank"), made(prefix_excl),
+                made(rank_prefix_matrix), made(source_num_tokens), T, num_local_experts, num_send_blocks,
+                recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, made(send_head),
+                b.scalar("num_worst"), b.inp("recv_first") if rows_placed else 0, b.scalar("token_base"),
+                int(own_rows_direct and not split),
+                num_send_warps, int(prefetch), int(peer_major),
+                self.normal.bases_tensor.data_ptr(), rank, layout.control_bytes, layout.region_bytes,
+                layout.slots_offset, layout.max_chunks, layout.row_bytes, b.scalar("seq"), *self._wait_args()))
 
-        def launch(num_send_blocks: int) -> None:
-            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs or (None,) * 5
-            kernel(grid.num_blocks, stream, x.data_ptr(), 0 if scales is None else scales.data_ptr(), *scale_strides,
-                   0 if topk_idx is None else topk_idx.data_ptr(),
-                   0 if request.topk_weights is None or cached else request.topk_weights.data_ptr(),
-                   is_token_in_rank.data_ptr(), prefix_excl.data_ptr(), rank_prefix_matrix.data_ptr(),
-                   source_num_tokens.data_ptr(), num_tokens, num_local_experts, num_send_blocks,
-                   *(0 if t is None else t.data_ptr() for t in (recv_x, recv_scales, recv_topk_idx,
-                                                                 recv_topk_weights, recv_src_idx, send_head)),
-                   num_worst, recv_first, src_idx_base, int(own_rows_direct and not split), num_send_warps,
-                   int(prefetch), int(peer_major),
-                   *buffer_args, *self._wait_args())
+        def make_outputs(b: plans.PlanBuilder, num_rows):
+            recv_x = b.output("recv_x", (num_rows, m.hidden), m.dtype)
+            recv_scales = b.output("recv_x_scales", (num_rows, m.num_scales), m.scale_dtype) if m.num_scales else 0
+            recv_topk_idx = recv_topk_weights = 0
+            if m.num_topk:
+                recv_topk_idx = b.output("recv_topk_idx", (num_rows, m.num_topk), m.topk_dtype)
+                if m.with_weights:
+                    recv_topk_weights = b.output("recv_topk_weights", (num_rows, m.num_topk), torch.float32)
+            return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, b.output("recv_src_idx", (num_rows,),
+                                                                                   torch.int32)
 
+        if not makes_outputs:  # a placed round: the whole call's tensors are inputs
+            placed_outputs = tuple(first.inp(n) for n in ("recv_x", "recv_x_scales", "recv_topk_idx",
+                                                         "recv_topk_weights", "recv_src_idx"))
+            launch(first, grid.num_send_blocks, placed_outputs, True)
+            return first.build(), None
+        if not cpu_wait:
+            launch(first, grid.num_send_blocks, make_outputs(first, m.num_rows), True)
+            return first.build(), None
         if split:
-            launch(grid.num_blocks)  # senders only
+            launch(first, grid.num_blocks, (0,) * 5, True)  # senders only
+        first_plan = first.build()
+        second = self._builder(DISPATCH_INPUTS + first_plan.output_names, DISPATCH_SCALARS)
+        launch(second, 0 if split else grid.num_send_blocks, make_outputs(second, second.scalar("num_rows")), False)
+        return first_plan, second.build()
+
+    def dispatch_scalars(self, num_tokens: int, call_num_tokens: Optional[int] = None, num_worst: int = 0,
+                         token_base: int = 0) -> list:
+        """A dispatch's per-call values, DISPATCH_SCALARS (advancing the call counters)."""
+        call_id = self._next("_notify_calls")
+        return [call_id, (call_id * self.ctx.num_ranks) & _MASK32,
+                num_tokens if call_num_tokens is None else call_num_tokens, self._next("_seq"), num_worst, token_base,
+                0]
+
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        self.check_failures()
+        num_ranks = self.ctx.num_ranks
+        first, second = self.dispatch_plans(self.dispatch_shape(request))
+        placement, call, handle = request.placement, request.call, request.handle
+        outputs = None if placement is None else placement.outputs
+        inputs = (request.x, request.x_scales, None if handle is not None else request.topk_idx,
+                  request.topk_weights, request.is_token_in_rank.contiguous(), request.num_tokens_per_expert,
+                  None if call is None else call.tokens_per_rank, None if call is None else call.prefix_matrix,
+                  None if placement is None else placement.recv_first,
+                  None if placement is None else placement.cursor) + (outputs or (None,) * 5)
+        scalars = self.dispatch_scalars(request.x.size(0), None if call is None else call.num_tokens,
+                                        request.num_worst_tokens if outputs is None else outputs[0].size(0),
+                                        0 if outputs is None else placement.token_base)
+        call_id = scalars[0]
+        stream = self._stream()
+        made = first.named(first.run_here(stream, inputs, scalars))
         per_expert_list = most_call_tokens = None
-        if not makes_outputs:
-            num_rows = None
-        elif cached:
-            num_rows = request.handle.num_rows
-        elif request.num_worst_tokens:
-            num_rows = request.num_worst_tokens
-            per_expert_list = []
-        else:
+        if second is not None:
             self._wait_host_counts(call_id)
             num_rows, most_call_tokens = int(self.host_counts[1]), int(self.host_counts[2])
-            if placement is not None:  # the whole call's rows, this round's placed
+            if placement is not None:  # round 0 of a call in rounds: the whole call's rows, this round's placed
                 num_rows = int(self.host_counts[3])
-                num_worst, recv_first = num_rows, placement.recv_first.data_ptr()
+                scalars[4] = num_rows
+            scalars[6] = num_rows
+            num_local_experts = request.num_experts // num_ranks
             per_expert_list = [int(self.host_counts[4 + l]) for l in range(num_local_experts)]
-
+            made.update(second.named(second.run_here(stream, inputs + tuple(made.values()), scalars)))
+        elif handle is None and outputs is None and request.num_worst_tokens:
+            per_expert_list = []
         if outputs is None:
-            recv_x = self.empty(num_rows, x.size(1), dtype=x.dtype, device=device)
-            recv_scales = None if scales is None else self.empty(num_rows, num_scales, dtype=scales.dtype,
-                                                                  device=device)
-            recv_topk_idx = recv_topk_weights = None
-            if topk_idx is not None:
-                recv_topk_idx = self.empty(num_rows, num_topk, dtype=topk_dtype, device=device)
-                if request.topk_weights is not None:
-                    recv_topk_weights = self.empty(num_rows, num_topk, dtype=torch.float32, device=device)
-            recv_src_idx = self.empty(num_rows, dtype=torch.int32, device=device)
-            outputs = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx)
-        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
-        if split:
-            launch(0)  # receivers only
-        else:
-            launch(grid.num_send_blocks)
+            outputs = tuple(made.get(n) for n in ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
+                                                  "recv_src_idx"))
+        if handle is None:
+            handle = DispatchHandle(made["rank_prefix_matrix"], made["counts"], made["source_first"], outputs[4],
+                                    inputs[4], made["send_head"])
+        return DispatchResult(*outputs[:4], per_expert_list, handle, most_call_tokens)
 
-        if cached:
-            handle = request.handle
-        else:
-            counts = prefix_excl[num_tokens * num_ranks:].view(num_ranks, 1).clone()
-            source_first = torch.cat([rank_prefix_matrix.new_zeros(1), rank_prefix_matrix[:-1, rank]]).view(-1, 1)
-            handle = DispatchHandle(rank_prefix_matrix, counts, source_first, recv_src_idx, is_token_in_rank,
-                                    send_head)
-        return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle,
-                              most_call_tokens)
+    def combine_plan(self, num_tokens: int, hidden: int, num_topk: int, num_sms: int, placed: bool) -> plans.Plan:
+        """Inputs COMBINE_INPUTS, scalars (seq, barrier_expected) -> (combined_x, combined_topk_weights) unless
+        `placed` (a round of a call in rounds writes into the whole call's tensors, given as inputs)."""
+        def build():
+            num_ranks = self.ctx.num_ranks
+            layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
+                                             workspace.normal_combine_row_bytes(hidden, num_topk))
+            grid = heuristics.data_grid(num_sms, self.device_sms, heuristics.combine_send_share(num_ranks))
+            b = self._builder(COMBINE_INPUTS, ("seq", "barrier_expected"))
+            if placed:
+                combined_x, combined_w = b.inp("combined_x"), b.inp("combined_topk_weights")
+            else:
+                combined_x = b.output("combined_x", (num_tokens, hidden), torch.bfloat16)
+                combined_w = b.output("combined_topk_weights", (num_tokens, num_topk), torch.float32) if num_topk else 0
+            b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk)), grid.num_blocks, (
+                b.inp("x"), b.inp("topk_weights"), b.inp("bias_0"), b.inp("bias_1"), b.inp("rank_prefix_matrix"),
+                b.inp("recv_first"), b.inp("send_head"), num_tokens, grid.num_send_blocks, combined_x, combined_w,
+                int(heuristics.combine_own_rows_direct()), int(heuristics.prefetch_next_row()),
+                self.normal.bases_tensor.data_ptr(), self.ctx.rank, layout.control_bytes, layout.region_bytes,
+                layout.slots_offset, layout.max_chunks, layout.row_bytes, b.scalar("seq"),
+                b.scalar("barrier_expected"), *self._wait_args()))
+            return b.build()
+
+        return self.plan(("combine", num_tokens, hidden, num_topk, num_sms, placed), build)
+
+    def combine_scalars(self) -> list:
+        return [self._next("_seq"), self._next("_barrier_calls")]
 
     def combine(self, request: CombineRequest):
         self.check_failures()
-        x, handle = request.x, request.handle
-        num_tokens, hidden = handle.num_tokens, x.size(1)
-        weights = request.topk_weights
-        num_topk = 0 if weights is None else weights.size(1)
-        layout = workspace.normal_layout(self.ctx.num_nvl_bytes, self.ctx.num_ranks,
-                                         workspace.normal_combine_row_bytes(hidden, num_topk))
-        placement = request.placement  # NOTE [placed rounds] in rounds.py
+        x, handle, weights, placement = request.x, request.handle, request.topk_weights, request.placement
+        plan = self.combine_plan(handle.num_tokens, x.size(1), 0 if weights is None else weights.size(1),
+                                 request.config.num_sms, placement is not None)
+        placed = (None, None) if placement is None else placement.outputs
+        inputs = (x, weights, request.bias_0, request.bias_1, handle.rank_prefix_matrix,
+                  None if placement is None else placement.recv_first, handle.send_head) + tuple(placed)
+        made = plan.run_here(self._stream(), inputs, self.combine_scalars())
         if placement is not None:
-            combined_x, combined_w = placement.outputs
-        else:
-            combined_x = self.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-            combined_w = None if weights is None else self.empty(num_tokens, num_topk, dtype=torch.float32,
-                                                                  device=x.device)
-        grid = heuristics.data_grid(request.config.num_sms, self.device_sms,
-                                    heuristics.combine_send_share(self.ctx.num_ranks))
-        barrier_expected = self._next("_barrier_calls")
-        self._kernel(kernels.combine(self.ctx.num_ranks, hidden * 2 // 16, num_topk))(
-            grid.num_blocks, self._stream(), x.data_ptr(), 0 if weights is None else weights.data_ptr(),
-            0 if request.bias_0 is None else request.bias_0.data_ptr(),
-            0 if request.bias_1 is None else request.bias_1.data_ptr(),
-            handle.rank_prefix_matrix.data_ptr(), 0 if placement is None else placement.recv_first.data_ptr(),
-            handle.send_head.data_ptr(), num_tokens, grid.num_send_blocks,
-            combined_x.data_ptr(), 0 if combined_w is None else combined_w.data_ptr(),
-            int(heuristics.combine_own_rows_direct()), int(heuristics.prefetch_next_row()),
-            *self._buffer_args(layout, self._next("_seq")), barrier_expected, *self._wait_args())
-        return combined_x, combined_w
+            return placement.outputs
+        return made if weights is not None else (made[0], None)
 
     # -- low-latency mode -----------------------------------------------------------------------------
 

@@ -50,7 +50,7 @@ def dispatch_notify(num_ranks: int) -> KernelSpec:
         (Param("const bool*", "is_token_in_rank"), Param("int", "num_tokens"),
          Param("const int*", "num_tokens_per_expert"), Param("int", "num_experts"), Param("int", "expert_alignment"),
          Param("int*", "prefix_excl"), Param("int*", "rank_prefix_matrix"), Param("int*", "source_num_tokens"),
-         Param("int", "call_num_tokens"), Param("const int*", "call_tokens_per_rank"),
+         Param("int*", "counts"), Param("int*", "source_first"), Param("int", "call_num_tokens"), Param("const int*", "call_tokens_per_rank"),
          Param("int*", "call_prefix_matrix"), Param("int*", "recv_first"), Param("int*", "cursor"),
          Param("int*", "host_counts"), Param("uint32_t", "call_id"), Param("uint8_t* const*", "peer_bases"),
          Param("int", "rank"), Param("uint32_t", "notify_expected")) + _WAIT,

@@ -9,6 +9,7 @@ so nothing needs cleaning between calls and replays signal afresh.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -19,6 +20,10 @@ from ...requests import LowLatencyCombineRequest, LowLatencyDispatchRequest, Low
 from . import heuristics, kernels
 
 _MASK32 = 0xFFFFFFFF
+# The inputs and per-call scalars of the low-latency plans (NOTE [call plans] in plans.py), in run order.
+LOW_LATENCY_DISPATCH_INPUTS = ("x", "topk_idx", "stats", "rank_mask", "wait_costs")
+LOW_LATENCY_COMBINE_INPUTS = ("x", "topk_idx", "topk_weights", "out", "rank_mask", "wait_costs")
+LOW_LATENCY_SCALARS = ("bases", "trace")
 
 
 class LowLatencyKernels:
@@ -84,9 +89,9 @@ class LowLatencyKernels:
         backend's life, so worked out at the first call rather than at every launch."""
         return heuristics.low_latency_local_blocks(self._grid(), self.backend.ctx.num_ranks)
 
-    def _buffer_args(self, layout, half: int, do_send: int, do_recv: int, num_max: int):
+    def _buffer_args(self, b, layout, do_send: int, do_recv: int, num_max: int):
         ctx = self.backend.ctx
-        return (self._half_bases(layout, half).data_ptr(), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
+        return (b.scalar("bases"), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
                 layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES,
                 layout.dispatch_positions, layout.dispatch_counts, layout.dispatch_expert_counts,
                 layout.combine_weights, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv,
@@ -101,31 +106,80 @@ class LowLatencyKernels:
         (local expert, source): its count and its first row."""
         return max(self._pair_bits_bytes(num_max, num_experts), 2 * num_experts * 4)
 
+    def _plans(self, key: tuple, kernel, inputs, outputs, launch_args, shared_bytes: int, hook: bool):
+        """The plans of a call (NOTE [call plans]): one that makes `outputs` (name -> (shape, dtype)) and
+        launches with sending and receiving, or with `hook` a sending one and a receiving one (whose inputs
+        add the first's outputs)."""
+        def build():
+            backend = self.backend
+            first = backend._builder(inputs, LOW_LATENCY_SCALARS)
+            made = {name: first.output(name, shape, dtype) for name, (shape, dtype) in outputs.items()}
+            first.launch(kernel, self._grid(), launch_args(first, made, 1, int(not hook)), shared_bytes)
+            if not hook:
+                return first.build(), None
+            first_plan = first.build()
+            second = backend._builder(tuple(inputs) + first_plan.output_names, LOW_LATENCY_SCALARS)
+            made = {name: second.inp(name) for name in outputs}
+            second.launch(kernel, self._grid(), launch_args(second, made, 0, 1), shared_bytes)
+            return first_plan, second.build()
+
+        return self.backend.plan(key, build)
+
     def dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
-        backend, ctx = self.backend, self.backend.ctx
         x, topk_idx = request.x, request.topk_idx.contiguous()
-        num_tokens, hidden = x.shape
-        num_topk = topk_idx.size(1)
-        num_experts, num_max = request.num_experts, request.num_max_dispatch_tokens_per_rank
-        num_local_experts, num_slots = num_experts // ctx.num_ranks, ctx.num_ranks * num_max
-        layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
+        first, second = self.dispatch_plans(x.size(0), x.size(1), topk_idx.size(1), topk_idx.dtype,
+                                            request.num_experts, request.num_max_dispatch_tokens_per_rank,
+                                            request.use_fp8, request.use_ue8m0, request.round_scale,
+                                            request.return_recv_hook)
+        outputs, handle = self.run_dispatch(first.native, x, topk_idx, request.num_max_dispatch_tokens_per_rank,
+                                            request.num_experts, request.cumulative_local_expert_recv_stats,
+                                            request.rank_mask, request.wait_recv_cost_stats)
+        made = first.named(outputs)
+        hook = None
+        if second is not None:
+            inputs = (x, topk_idx, request.cumulative_local_expert_recv_stats, request.rank_mask,
+                      request.wait_recv_cost_stats) + outputs
+            scalars = (self._half_bases_of(request.num_max_dispatch_tokens_per_rank, x.size(1), request.num_experts,
+                                           handle.half), self._trace_ptr(0))
+            hook = self._receive_hook(second, inputs, scalars)
+        scales = made.get("packed_recv_x_scales")
+        return LowLatencyDispatchResult(made["packed_recv_x"], None if scales is None else scales.transpose(1, 2),
+                                        made["packed_recv_count"], handle, hook)
+
+    def run_dispatch(self, native, x, topk_idx, num_max: int, num_experts: int, stats, rank_mask, wait_costs,
+                     buffer_id: Optional[int] = None):
+        """Run a dispatch's first plan on the current stream, in the next half of the buffer; -> (outputs,
+        handle). The fast path (NOTE [fast paths]) comes here too."""
         self._dispatch_calls = (self._dispatch_calls + 1) & _MASK32
         half = self._dispatch_calls % 2
-        device = x.device
+        scalars = (self._half_bases_of(num_max, x.size(1), num_experts, half), self._trace_ptr(0))
+        outputs = native.run((x, topk_idx, stats, rank_mask, wait_costs), scalars, self.backend._stream(), 0, 0, 0,
+                             0, False, False, 0)
+        src_info, layout_range = outputs[-2], outputs[-1]
+        self._src_info_of_half[half] = src_info.data_ptr()
+        handle = LowLatencyHandle(src_info, layout_range, num_max, x.size(1), num_experts, buffer_id=buffer_id,
+                                  num_topk=topk_idx.size(1), num_tokens=x.size(0), half=half, fast_for=buffer_id)
+        return outputs, handle
 
-        data_dtype = torch.float8_e4m3fn if request.use_fp8 else torch.bfloat16
-        packed_recv_x = backend.empty(num_local_experts, num_slots, hidden, dtype=data_dtype, device=device)
-        packed_recv_x_scales = None
-        if request.use_fp8:
-            # Column-major in the last two axes, as DeepEP lays them out for TMA.
-            groups = hidden // 128 // (4 if request.use_ue8m0 else 1)
-            scale_dtype = torch.int32 if request.use_ue8m0 else torch.float32
-            packed_recv_x_scales = backend.empty(num_local_experts, groups, num_slots, dtype=scale_dtype,
-                                                  device=device).transpose(1, 2)
-        packed_recv_count = backend.empty(num_local_experts, dtype=torch.int32, device=device)
-        src_info = backend.empty(num_local_experts, num_slots, dtype=torch.int32, device=device)
-        layout_range = backend.empty(num_local_experts, ctx.num_ranks, dtype=torch.int64, device=device)
+    def _half_bases_of(self, num_max: int, hidden: int, num_experts: int, half: int) -> int:
+        layout = workspace.low_latency_layout(num_max, hidden, self.backend.ctx.num_ranks, num_experts)
+        return self._half_bases(layout, half).data_ptr()
 
+    def _receive_hook(self, plan, inputs: tuple, scalars):
+        """A recv hook: launches the receiving plan where the send was launched, as DeepEP's does."""
+        stream = self.backend._stream()
+
+        def hook():
+            self.backend.check_failures()
+            plan.run_here(stream, inputs, scalars)
+
+        return hook
+
+    def dispatch_plans(self, num_tokens: int, hidden: int, num_topk: int, topk_dtype: torch.dtype, num_experts: int,
+                       num_max: int, use_fp8: bool, use_ue8m0: bool, round_scale: bool, hook: bool):
+        """Inputs LOW_LATENCY_DISPATCH_INPUTS, scalars LOW_LATENCY_SCALARS."""
+        ctx = self.backend.ctx
+        num_local_experts, num_slots = num_experts // ctx.num_ranks, ctx.num_ranks * num_max
         shared_bytes = self._shared_bytes(num_max, num_experts)
         limit = self._shared_limit - 1024  # the kernel's static shared arrays
         if shared_bytes > limit:
@@ -133,54 +187,73 @@ class LowLatencyKernels:
                 f"low-latency dispatch of num_max_dispatch_tokens_per_rank={num_max} with {num_experts} experts on "
                 f"{ctx.num_ranks} ranks needs {shared_bytes} bytes of shared memory per block, more than this GPU's "
                 f"{limit}; use at most {limit // 4 // num_experts * 32} tokens per rank")
-        kernel = backend._kernel(kernels.low_latency_dispatch(num_topk, topk_idx.dtype, request.use_fp8,
-                                                              request.use_ue8m0))
-        grid = self._grid()
-        stats = request.cumulative_local_expert_recv_stats
-        mask, wait_costs = request.rank_mask, request.wait_recv_cost_stats
+        kernel = self.backend._kernel(kernels.low_latency_dispatch(num_topk, topk_dtype, use_fp8, use_ue8m0))
+        layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
+        outputs = {"packed_recv_x": ((num_local_experts, num_slots, hidden),
+                                     torch.float8_e4m3fn if use_fp8 else torch.bfloat16)}
+        if use_fp8:
+            # Column-major in the last two axes, as DeepEP lays them out for TMA (dispatch transposes it).
+            groups = hidden // 128 // (4 if use_ue8m0 else 1)
+            outputs["packed_recv_x_scales"] = ((num_local_experts, groups, num_slots),
+                                               torch.int32 if use_ue8m0 else torch.float32)
+        outputs.update(packed_recv_count=((num_local_experts,), torch.int32),
+                       src_info=((num_local_experts, num_slots), torch.int32),
+                       layout_range=((num_local_experts, ctx.num_ranks), torch.int64))
 
-        stream = backend._stream()  # a recv hook launches where the send did, as DeepEP's does
+        def launch_args(b, made, do_send, do_recv):
+            return (b.inp("x"), b.inp("topk_idx"), num_tokens, hidden, num_experts, int(round_scale),
+                    made["packed_recv_x"], made.get("packed_recv_x_scales", 0), made["packed_recv_count"],
+                    made["src_info"], made["layout_range"], b.inp("stats"), b.inp("rank_mask"), b.inp("wait_costs"),
+                    *self._buffer_args(b, layout, do_send, do_recv, num_max), *self.backend._wait_args(),
+                    b.scalar("trace"))
 
-        def launch(do_send: int, do_recv: int) -> None:
-            kernel(grid, stream, x.data_ptr(), topk_idx.data_ptr(), num_tokens, hidden, num_experts,
-                   int(request.round_scale), packed_recv_x.data_ptr(),
-                   0 if packed_recv_x_scales is None else packed_recv_x_scales.data_ptr(),
-                   packed_recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
-                   0 if stats is None else stats.data_ptr(), 0 if mask is None else mask.data_ptr(),
-                   0 if wait_costs is None else wait_costs.data_ptr(),
-                   *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   self._trace_ptr(0), shared_bytes=shared_bytes)
+        key = ("low_latency_dispatch", kernel, num_tokens, hidden, num_experts, num_max, round_scale, hook)
+        return self._plans(key, kernel, LOW_LATENCY_DISPATCH_INPUTS, outputs, launch_args, shared_bytes, hook)
 
-        hook = self._send_then_receive(launch, request.return_recv_hook)
-        self._src_info_of_half[half] = src_info.data_ptr()
-        handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk, half=half)
-        return LowLatencyDispatchResult(packed_recv_x, packed_recv_x_scales, packed_recv_count, handle, hook)
+    def combine_plans(self, num_tokens: int, hidden: int, num_topk: int, topk_dtype: torch.dtype, num_experts: int,
+                      num_max: int, with_out: bool, hook: bool):
+        """Inputs LOW_LATENCY_COMBINE_INPUTS, scalars LOW_LATENCY_SCALARS."""
+        ctx = self.backend.ctx
+        kernel = self.backend._kernel(kernels.low_latency_combine(num_topk, topk_dtype))
+        layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
+        outputs = {} if with_out else {"combined_x": ((num_tokens, hidden), torch.bfloat16)}
+
+        def launch_args(b, made, do_send, do_recv):
+            return (b.inp("x"), b.inp("topk_idx"), b.inp("topk_weights"), num_tokens, hidden, num_experts,
+                    made["combined_x"] if "combined_x" in made else b.inp("out"), b.inp("rank_mask"), b.inp("wait_costs"),
+                    *self._buffer_args(b, layout, do_send, do_recv, num_max), *self.backend._wait_args(),
+                    b.scalar("trace"))
+
+        key = ("low_latency_combine", kernel, num_tokens, hidden, num_experts, num_max, with_out, hook)
+        return self._plans(key, kernel, LOW_LATENCY_COMBINE_INPUTS, outputs, launch_args,
+                           self._pair_bits_bytes(num_max, ctx.num_ranks), hook)
 
     def combine(self, request: LowLatencyCombineRequest):
-        backend, ctx = self.backend, self.backend.ctx
         handle = request.handle
         x = request.x.contiguous()
         topk_idx, topk_weights = request.topk_idx.contiguous(), request.topk_weights.contiguous()
-        num_tokens, num_topk = topk_idx.shape
-        num_max, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
+        first, second = self.combine_plans(topk_idx.size(0), handle.hidden, topk_idx.size(1), topk_idx.dtype,
+                                           handle.num_experts, handle.num_max_dispatch_tokens_per_rank,
+                                           request.out is not None, request.return_recv_hook)
+        combined = self.run_combine(first.native, x, topk_idx, topk_weights, handle, request.out, request.rank_mask,
+                                    request.wait_recv_cost_stats)
+        hook = None
+        if second is not None:
+            half = handle.half if handle.half is not None else self._half_of(handle.src_info)
+            inputs = (x, topk_idx, topk_weights, request.out, request.rank_mask, request.wait_recv_cost_stats)
+            scalars = (self._half_bases_of(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+                                           handle.num_experts, half), self._trace_ptr(1))
+            hook = self._receive_hook(second, inputs + ((combined,) if request.out is None else ()), scalars)
+        return combined, hook
+
+    def run_combine(self, native, x, topk_idx, topk_weights, handle, out, rank_mask, wait_costs):
+        """Run a combine's first plan on the current stream; -> the combined tensor."""
         half = handle.half if handle.half is not None else self._half_of(handle.src_info)
-        out = request.out if request.out is not None else backend.empty(num_tokens, hidden, dtype=torch.bfloat16,
-                                                                           device=x.device)
-        kernel = backend._kernel(kernels.low_latency_combine(num_topk, topk_idx.dtype))
-        grid = self._grid()
-        mask, wait_costs = request.rank_mask, request.wait_recv_cost_stats
-
-        stream = backend._stream()  # a recv hook launches where the send did, as DeepEP's does
-
-        def launch(do_send: int, do_recv: int) -> None:
-            kernel(grid, stream, x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), num_tokens,
-                   hidden, num_experts, out.data_ptr(),
-                   0 if mask is None else mask.data_ptr(), 0 if wait_costs is None else wait_costs.data_ptr(),
-                   *self._buffer_args(layout, half, do_send, do_recv, num_max), *backend._wait_args(),
-                   self._trace_ptr(1), shared_bytes=self._pair_bits_bytes(num_max, ctx.num_ranks))
-
-        return out, self._send_then_receive(launch, request.return_recv_hook)
+        scalars = (self._half_bases_of(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
+                                       half), self._trace_ptr(1))
+        made = native.run((x, topk_idx, topk_weights, out, rank_mask, wait_costs), scalars, self.backend._stream(), 0,
+                          0, 0, 0, False, False, 0)
+        return out if out is not None else made[0]
 
     def _half_of(self, src_info: torch.Tensor) -> int:
         """NOTE [plain low-latency handles]
@@ -195,17 +268,3 @@ class LowLatencyKernels:
             if self._src_info_of_half[half] == src_info.data_ptr():
                 return half
         return latest
-
-    def _send_then_receive(self, launch, return_recv_hook: bool):
-        """One launch that sends and receives, or (with a recv hook) a send launch now and a hook that
-        launches the receive; -> the hook or None."""
-        if not return_recv_hook:
-            launch(1, 1)
-            return None
-        launch(1, 0)
-
-        def hook():
-            self.backend.check_failures()
-            launch(0, 1)
-
-        return hook

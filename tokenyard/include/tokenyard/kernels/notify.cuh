@@ -19,6 +19,9 @@ namespace tokenyard::kernels {
 // largest call token count of any rank and the per-expert counts, and publishes them to the host:
 // host_counts = [call_id (last), received rows, most call tokens, whole call's received rows,
 // per-local-expert counts...].
+// A fresh dispatch's handle also gets, where given, `counts[q]` = the tokens this rank sends to rank q and
+// `source_first[s]` = the first received row from source s (both [kNumRanks], written here rather than by
+// kernels of their own).
 // A round of a fresh dispatch in rounds (NOTE [placed rounds] in rounds.py) also gets `recv_first` and
 // `cursor` (both or neither): recv_first[s] = where the round's rows from source s start in the whole
 // call's receive order, computed from the whole call's counts in round 0 (given call_tokens_per_rank) and
@@ -31,8 +34,8 @@ namespace tokenyard::kernels {
 template <int kNumRanks, int kNumThreads>
 __device__ __forceinline__ void dispatch_notify(
         const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
-        int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens,
-        int call_num_tokens, const int* call_tokens_per_rank, int* call_prefix_matrix, int* recv_first, int* cursor,
+        int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens, int* counts,
+        int* source_first, int call_num_tokens, const int* call_tokens_per_rank, int* call_prefix_matrix, int* recv_first, int* cursor,
         int* host_counts,
         uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
@@ -67,8 +70,11 @@ __device__ __forceinline__ void dispatch_notify(
             running += is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + q];
         }
         const int total = scan[kNumThreads - 1];
-        if (threadIdx.x == 0)
+        if (threadIdx.x == 0) {
             prefix_excl[static_cast<int64_t>(num_tokens) * kNumRanks + q] = total;
+            if (counts != nullptr)
+                counts[q] = total;
+        }
         if (threadIdx.x < kNumRanks) {
             int* data = buffers.notify_data(threadIdx.x) + rank * stride;
             ptx::st_relaxed_sys(data + q, total);
@@ -105,6 +111,8 @@ __device__ __forceinline__ void dispatch_notify(
         const int q = threadIdx.x;
         int running = 0, call_running = 0;
         for (int s = 0; s < kNumRanks; ++s) {
+            if (q == rank && source_first != nullptr)
+                source_first[s] = running;
             running += ptx::ld_na_s32(data + s * stride + q);
             rank_prefix_matrix[s * kNumRanks + q] = running;
             call_running += ptx::ld_na_s32(data + s * stride + kCallCountsAt + q);

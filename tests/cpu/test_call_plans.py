@@ -1,0 +1,135 @@
+"""The call-plan runner (csrc/call_plan.cpp, NOTE [call plans]) on the CPU: built as on a GPU machine, run with
+CPU tensors and a recording stand-in for the CUDA driver, so what it would launch is checked byte by byte."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from tokenyard.backends.cuda import plans
+from tokenyard.jit import KernelSpec, Param
+from tokenyard.jit.host import call_plans
+
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p)
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+_MEMSET8 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p)
+
+
+class FakeDriver:
+    """Records what the runner asks of the driver; memsets really fill the (CPU) memory."""
+
+    def __init__(self, fail_launch: int = 0):
+        self.calls = []
+        self.fail_launch = fail_launch
+
+        def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            words = (ctypes.c_void_p * 5).from_address(extra)
+            size = ctypes.c_size_t.from_address(words[3]).value
+            self.calls.append(("launch", function, gx, bx, shared, stream, ctypes.string_at(words[1], size)))
+            return self.fail_launch
+
+        def record(event, stream):
+            self.calls.append(("record", event, stream))
+            return 0
+
+        def wait(stream, event, flags):
+            self.calls.append(("wait", stream, event))
+            return 0
+
+        def memset8(ptr, value, count, stream):
+            ctypes.memset(ptr, value, count)
+            self.calls.append(("memset", value, count, stream))
+            return 0
+
+        self._keep = (_LAUNCH(launch), _RECORD(record), _WAIT(wait), _MEMSET8(memset8))
+        self.addresses = [ctypes.cast(f, ctypes.c_void_p).value for f in self._keep]
+
+
+class FakeKernel:
+    def __init__(self, spec: KernelSpec, handle: int):
+        self.spec, self.handle, self.prepared = spec, handle, []
+
+    def prepare(self, shared_bytes: int) -> None:
+        self.prepared.append(shared_bytes)
+
+
+SPEC = KernelSpec("h.cuh", "ns::kernel", (), (
+    Param("const int*", "src"), Param("int", "n"), Param("int64_t*", "dst"), Param("uint32_t", "seq"),
+    Param("float*", "maybe"), Param("uint64_t", "timeout"), Param("int", "rows")), 128)
+
+
+@pytest.fixture(scope="module")
+def extension():
+    return call_plans()
+
+
+@pytest.fixture
+def driver(extension, monkeypatch):
+    fake = FakeDriver()
+    extension.set_driver(*fake.addresses)
+    monkeypatch.setattr(plans, "module", lambda: extension)
+    return fake
+
+
+def test_run_fills_slots_allocates_and_orders_streams(driver):
+    rng = random.Random()
+    n, seq, rows, handle = rng.randrange(1, 1000), rng.randrange(1 << 32), rng.randrange(1, 9), rng.randrange(1, 1 << 40)
+    timeout = rng.randrange(1 << 63)
+    kernel = FakeKernel(SPEC, handle)
+    b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"), poison_outputs=True)
+    counts = b.output("counts", (4,), torch.int32, zero=True)
+    dst = b.output("dst", (b.scalar("rows"), 3), torch.int64)
+    b.launch(kernel, 7, (b.inp("src"), n, dst, b.scalar("seq"), b.inp("maybe"), timeout, b.scalar("rows")),
+             shared_bytes=96)
+    plan = b.build()
+    assert plan.output_names == ("counts", "dst") and kernel.prepared == [96]
+    src = torch.randint(0, 100, (5,), dtype=torch.int32)
+    outputs = plan.native.run((src, None), [seq, rows], 11, 22, 0, 33, 44, True, False, 0)
+
+    assert outputs[0].tolist() == [0, 0, 0, 0]
+    assert tuple(outputs[1].shape) == (rows, 3) and outputs[1].dtype == torch.int64
+    assert outputs[1].view(torch.uint8).eq(plans.POISON).all()  # poisoned before the launch
+    launches = [c for c in driver.calls if c[0] == "launch"]
+    assert len(launches) == 1
+    _, function, grid, block, shared, stream, packed = launches[0]
+    assert (function, grid, block, shared, stream) == (handle, 7, 128, 96, 22)
+    want = SPEC.args_type(src.data_ptr(), n, outputs[1].data_ptr(), seq, 0, timeout, rows)
+    assert packed == bytes(want)
+    # The comm stream waits for the compute stream before anything, the compute stream for it after.
+    order = [c for c in driver.calls if c[0] != "memset"]
+    assert order[0] == ("record", 33, 11) and order[1] == ("wait", 22, 33)
+    assert order[-2:] == [("record", 44, 22), ("wait", 11, 44)]
+    assert all(c[3] == 22 for c in driver.calls if c[0] == "memset")
+
+
+def test_run_on_the_compute_stream_and_after_the_callers_event(driver):
+    kernel = FakeKernel(SPEC, 5)
+    b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"))
+    b.launch(kernel, 1, (b.inp("src"), 1, 0, b.scalar("seq"), 0, 0, 2))
+    plan = b.build()
+    plan.run_here(11, (None, None), [3, 0])
+    assert [c[0] for c in driver.calls] == ["launch"] and driver.calls[0][5] == 11
+    driver.calls.clear()
+    plan.native.run((None, None), [3, 0], 11, 22, 99, 33, 44, False, False, 0)  # async: no join
+    assert [c[:3] for c in driver.calls] == [("wait", 22, 99), ("launch", 5, 1)]
+
+
+def test_a_failed_launch_raises(extension, monkeypatch):
+    fake = FakeDriver(fail_launch=719)
+    extension.set_driver(*fake.addresses)
+    monkeypatch.setattr(plans, "module", lambda: extension)
+    b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"))
+    b.launch(FakeKernel(SPEC, 5), 1, (b.inp("src"), 1, 0, b.scalar("seq"), 0, 0, 2))
+    with pytest.raises(RuntimeError, match="cuLaunchKernel failed: CUDA driver error 719"):
+        b.build().run_here(11, (None, None), [3, 0])
+
+
+def test_a_launch_with_the_wrong_argument_count_is_refused(driver):
+    b = plans.PlanBuilder(torch.device("cpu"), ("src",))
+    with pytest.raises(ValueError, match="takes 7 arguments, got 2"):
+        b.launch(FakeKernel(SPEC, 5), 1, (b.inp("src"), 1))

@@ -1,0 +1,145 @@
+"""Call plans: what the host does for one call of a given shape, decided once and then run from C++.
+
+NOTE [call plans]
+A call's host work is a fixed sequence for a given shape: allocate its outputs, order the streams, launch
+one or two kernels with arguments that are mostly constants (sizes, buffer offsets, grid shares) and a few
+per-call values (tensor addresses, the call counters). `PlanBuilder` writes that sequence down once, with
+every argument block packed from the kernel's parameter list (jit.spec) and the per-call values named as
+slots: `inp(name)` (a tensor the caller passes, None for a null pointer), `out(name)` (a tensor the run
+allocates), `scalar(name)` (an integer the caller passes; also usable as an output's size). A run
+(csrc/call_plan.cpp) allocates, fills the slots, launches and, where the front-end asks, moves the work to
+the communication stream and back, in one crossing from Python and without Python's per-tensor costs
+(`benchmarks/results/host_cost.md`). The backend builds plans for every call it makes, the calls in
+rounds included, so a call made through a cached plan (buffer.py's fast paths) and one made through the
+full argument checks run the same launches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from ...jit.driver import Kernel, check, libcuda
+from ...jit.host import call_plans
+
+_INPUT, _OUTPUT, _SCALAR = 0, 1, 2
+NO_FILL, POISON = -1, 0xAB
+_EVENT_DISABLE_TIMING = 0x2
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A per-call value of a plan: an input tensor's address, an output's, or a scalar."""
+
+    kind: int
+    index: int
+
+
+@functools.lru_cache(maxsize=1)
+def module():
+    """The host extension with the driver's entry points set (NOTE [host extension] in jit/host.py)."""
+    extension = call_plans()
+    lib = libcuda()
+    addresses = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                 for name in ("cuLaunchKernel", "cuEventRecord", "cuStreamWaitEvent", "cuMemsetD8Async")]
+    extension.set_driver(*addresses)
+    return extension
+
+
+def new_event() -> int:
+    """A CUDA event without timing, for ordering streams; lives as long as the process."""
+    event = ctypes.c_void_p()
+    check(libcuda().cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
+    return event.value
+
+
+class PlanBuilder:
+    """Collects a plan's outputs and launches; `build()` -> a `Plan`."""
+
+    def __init__(self, device: torch.device, inputs: Sequence[str], scalars: Sequence[str] = (),
+                 poison_outputs: bool = False):
+        self.device = device
+        self.input_names = tuple(inputs)
+        self.scalar_names = tuple(scalars)
+        self.poison_outputs = poison_outputs
+        self.outputs: List[Tuple[str, Tuple[int, ...], torch.dtype, int]] = []
+        self.launches = []
+
+    def inp(self, name: str) -> Ref:
+        return Ref(_INPUT, self.input_names.index(name))
+
+    def scalar(self, name: str) -> Ref:
+        return Ref(_SCALAR, self.scalar_names.index(name))
+
+    def out(self, name: str) -> Ref:
+        return Ref(_OUTPUT, [o[0] for o in self.outputs].index(name))
+
+    def output(self, name: str, shape: Sequence, dtype: torch.dtype, zero: bool = False) -> Ref:
+        """A tensor the run allocates; a dimension may be a scalar `Ref` (its value at the run)."""
+        dims = tuple(-(d.index + 1) if isinstance(d, Ref) else int(d) for d in shape)
+        assert all(isinstance(d, int) or d.kind == _SCALAR for d in shape), shape
+        fill = 0 if zero else (POISON if self.poison_outputs else NO_FILL)
+        self.outputs.append((name, dims, dtype, fill))
+        return Ref(_OUTPUT, len(self.outputs) - 1)
+
+    def launch(self, kernel: Kernel, grid: int, args: Sequence, shared_bytes: int = 0) -> None:
+        """A launch of `kernel` with `args` in its parameter order: ints, or `Ref`s filled at each run."""
+        spec = kernel.spec
+        if len(args) != len(spec.params):
+            raise ValueError(f"{spec.function} takes {len(spec.params)} arguments, got {len(args)}")
+        kernel.prepare(shared_bytes)
+        block_type = spec.args_type
+        constants = [0 if isinstance(a, Ref) else a for a in args]
+        packed = bytes(block_type(*constants))
+        slots = []
+        for param, value in zip(spec.params, args):
+            if isinstance(value, Ref):
+                field = getattr(block_type, param.name)
+                slots.append((field.offset, value.kind, value.index, field.size))
+        self.launches.append((kernel.handle, grid, spec.num_threads, shared_bytes, packed, slots))
+
+    def build(self) -> "Plan":
+        native = module().Plan(self.device)
+        for _, dims, dtype, fill in self.outputs:
+            native.add_output(list(dims), dtype, fill)
+        for launch in self.launches:
+            native.add_launch(*launch)
+        return Plan(native, tuple(o[0] for o in self.outputs), self.input_names, self.scalar_names)
+
+
+class Plan:
+    """A built plan. `run_here(inputs, scalars)` launches on `stream` and returns the outputs, in order."""
+
+    __slots__ = ("native", "output_names", "input_names", "scalar_names")
+
+    def __init__(self, native, output_names, input_names, scalar_names):
+        self.native = native
+        self.output_names = output_names
+        self.input_names = input_names
+        self.scalar_names = scalar_names
+
+    def run_here(self, stream: int, inputs: tuple, scalars: Sequence[int] = ()) -> tuple:
+        return self.native.run(inputs, scalars, stream, 0, 0, 0, 0, False, False, 0)
+
+    def named(self, outputs: tuple) -> Dict[str, torch.Tensor]:
+        return dict(zip(self.output_names, outputs))
+
+
+class PlanCache:
+    """Plans by key, built at the first call of each key (`get(key, build)`)."""
+
+    def __init__(self, limit: int = 256):
+        self._plans: Dict[tuple, Plan] = {}
+        self._limit = limit
+
+    def get(self, key: tuple, build) -> Plan:
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self._limit:  # shapes that keep changing: start over rather than grow
+                self._plans.clear()
+            plan = self._plans[key] = build()
+        return plan

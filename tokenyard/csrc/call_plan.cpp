@@ -1,0 +1,194 @@
+// The host side of one call in one crossing from Python: allocate its tensors, order the streams, fill in
+// the kernels' arguments and launch them (NOTE [call plans] in tokenyard/backends/cuda/plans.py).
+//
+// A Plan is built once per call shape in Python, which decides everything (kernels, grids, the argument
+// blocks with their constant values, the tensors' shapes); a run only allocates, copies pointers and
+// per-call integers into the argument blocks at the offsets the plan names, and launches. The CUDA driver
+// entry points come from Python as addresses (the libcuda that PyTorch uses), so this file needs no CUDA
+// header and compiles against any build of PyTorch, the CPU build included.
+#include <torch/extension.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace tokenyard::host {
+
+using CUresult = int;
+using LaunchKernelFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                    void*, void**, void**);
+using EventRecordFn = CUresult (*)(void*, void*);
+using StreamWaitEventFn = CUresult (*)(void*, void*, unsigned);
+using MemsetD8AsyncFn = CUresult (*)(uint64_t, unsigned char, size_t, void*);
+
+struct Driver {
+    LaunchKernelFn launch = nullptr;
+    EventRecordFn record = nullptr;
+    StreamWaitEventFn wait = nullptr;
+    MemsetD8AsyncFn memset8 = nullptr;
+};
+
+Driver& driver() {
+    static Driver d;
+    return d;
+}
+
+void set_driver(int64_t launch, int64_t record, int64_t wait, int64_t memset8) {
+    Driver& d = driver();
+    d.launch = reinterpret_cast<LaunchKernelFn>(launch);
+    d.record = reinterpret_cast<EventRecordFn>(record);
+    d.wait = reinterpret_cast<StreamWaitEventFn>(wait);
+    d.memset8 = reinterpret_cast<MemsetD8AsyncFn>(memset8);
+}
+
+void check(CUresult status, const char* what) {
+    if (status != 0)
+        throw std::runtime_error(std::string("tokenyard: ") + what + " failed: CUDA driver error " +
+                                 std::to_string(status));
+}
+
+// Where a run writes a per-call value into an argument block.
+enum SlotKind : int { kInputPointer = 0, kOutputPointer = 1, kScalar = 2 };
+
+struct Slot {
+    int64_t offset;
+    int kind;
+    int index;
+    int bytes;  // 4 or 8
+};
+
+struct Launch {
+    void* function;
+    unsigned grid, block, shared_bytes;
+    std::vector<uint8_t> args;  // the template; the slots are overwritten at each run
+    std::vector<Slot> slots;
+};
+
+struct Output {
+    std::vector<int64_t> shape;  // a negative entry d: the run's scalar -d - 1
+    at::ScalarType dtype;
+    int fill;  // a byte value every byte is set to on the launch stream before the first launch; -1: none
+};
+
+class Plan {
+public:
+    explicit Plan(c10::Device device) : device_(device) {}
+
+    void add_output(std::vector<int64_t> shape, at::ScalarType dtype, int64_t fill) {
+        outputs_.push_back({std::move(shape), dtype, static_cast<int>(fill)});
+    }
+
+    void add_launch(int64_t function, int64_t grid, int64_t block, int64_t shared_bytes, const std::string& args,
+                    const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& slots) {
+        Launch launch{reinterpret_cast<void*>(function), static_cast<unsigned>(grid), static_cast<unsigned>(block),
+                      static_cast<unsigned>(shared_bytes), std::vector<uint8_t>(args.begin(), args.end()), {}};
+        for (const auto& [offset, kind, index, bytes] : slots) {
+            if (offset < 0 || offset + bytes > static_cast<int64_t>(launch.args.size()) || (bytes != 4 && bytes != 8))
+                throw std::invalid_argument("tokenyard: a plan slot lies outside its argument block");
+            launch.slots.push_back({offset, static_cast<int>(kind), static_cast<int>(index), static_cast<int>(bytes)});
+        }
+        launches_.push_back(std::move(launch));
+    }
+
+    int64_t num_outputs() const { return static_cast<int64_t>(outputs_.size()); }
+
+    // inputs: tensors or None (a null pointer); scalars: per-call integers. The launches go to `comm` after
+    // it waited for `wait_event` (the caller's event) or else for `compute` (through `enter_event`); with
+    // `join` the compute stream then waits for them (through `exit_event`). Without `comm` they go to
+    // `compute`. `record_on_comm`: the run's tensors (and the inputs) are marked as used by the comm stream
+    // (an asynchronous call, whose compute stream does not wait), `comm_id` being PyTorch's id of it.
+    py::tuple run(const py::tuple& inputs, const std::vector<int64_t>& scalars, int64_t compute, int64_t comm,
+                  int64_t wait_event, int64_t enter_event, int64_t exit_event, bool join, bool record_on_comm,
+                  int64_t comm_id) {
+        const Driver& d = driver();
+        if (d.launch == nullptr)
+            throw std::runtime_error("tokenyard: the call plans' driver entry points were not set");
+        std::vector<uint64_t> input_ptrs(inputs.size(), 0);
+        for (size_t i = 0; i < inputs.size(); ++i) {
+            PyObject* obj = inputs[i].ptr();
+            if (THPVariable_Check(obj))
+                input_ptrs[i] = reinterpret_cast<uint64_t>(THPVariable_Unpack(obj).data_ptr());
+        }
+        const auto options = at::TensorOptions().device(device_);
+        std::vector<at::Tensor> outputs;
+        outputs.reserve(outputs_.size());
+        std::vector<int64_t> shape;
+        for (const Output& out : outputs_) {
+            shape = out.shape;
+            for (int64_t& size : shape)
+                size = size < 0 ? scalars.at(-size - 1) : size;
+            outputs.push_back(at::empty(shape, options.dtype(out.dtype)));
+        }
+
+        void* stream = reinterpret_cast<void*>(comm != 0 ? comm : compute);
+        if (comm != 0) {
+            void* waited = reinterpret_cast<void*>(wait_event);
+            if (waited == nullptr) {
+                waited = reinterpret_cast<void*>(enter_event);
+                check(d.record(waited, reinterpret_cast<void*>(compute)), "cuEventRecord");
+            }
+            check(d.wait(stream, waited, 0), "cuStreamWaitEvent");
+        }
+        for (size_t i = 0; i < outputs_.size(); ++i) {
+            if (outputs_[i].fill >= 0 && outputs[i].numel() > 0)
+                check(d.memset8(reinterpret_cast<uint64_t>(outputs[i].data_ptr()),
+                                static_cast<unsigned char>(outputs_[i].fill), outputs[i].nbytes(), stream),
+                      "cuMemsetD8Async");
+        }
+        for (Launch& launch : launches_) {
+            for (const Slot& slot : launch.slots) {
+                uint64_t value;
+                if (slot.kind == kInputPointer)
+                    value = input_ptrs.at(slot.index);
+                else if (slot.kind == kOutputPointer)
+                    value = reinterpret_cast<uint64_t>(outputs.at(slot.index).data_ptr());
+                else
+                    value = static_cast<uint64_t>(scalars.at(slot.index));
+                std::memcpy(launch.args.data() + slot.offset, &value, slot.bytes);  // little-endian: low bytes
+            }
+            size_t size = launch.args.size();
+            void* extra[] = {reinterpret_cast<void*>(1), launch.args.data(), reinterpret_cast<void*>(2), &size,
+                             nullptr};  // CU_LAUNCH_PARAM_BUFFER_POINTER, _SIZE, _END
+            check(d.launch(launch.function, launch.grid, 1, 1, launch.block, 1, 1, launch.shared_bytes, stream,
+                           nullptr, extra),
+                  "cuLaunchKernel");
+        }
+        if (comm != 0 && join) {
+            check(d.record(reinterpret_cast<void*>(exit_event), stream), "cuEventRecord");
+            check(d.wait(reinterpret_cast<void*>(compute), reinterpret_cast<void*>(exit_event), 0), "cuStreamWaitEvent");
+        }
+        if (record_on_comm) {
+            const auto on_comm = c10::Stream::unpack3(comm_id, device_.index(), device_.type());
+            for (at::Tensor& t : outputs)
+                t.record_stream(on_comm);
+            for (size_t i = 0; i < inputs.size(); ++i) {
+                PyObject* obj = inputs[i].ptr();
+                if (THPVariable_Check(obj))
+                    THPVariable_Unpack(obj).record_stream(on_comm);
+            }
+        }
+        py::tuple result(outputs.size());
+        for (size_t i = 0; i < outputs.size(); ++i)
+            result[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outputs[i])));
+        return result;
+    }
+
+private:
+    c10::Device device_;
+    std::vector<Output> outputs_;
+    std::vector<Launch> launches_;
+};
+
+}  // namespace tokenyard::host
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    using tokenyard::host::Plan;
+    m.def("set_driver", &tokenyard::host::set_driver);
+    py::class_<Plan>(m, "Plan")
+        .def(py::init<c10::Device>())
+        .def("add_output", &Plan::add_output)
+        .def("add_launch", &Plan::add_launch)
+        .def("num_outputs", &Plan::num_outputs)
+        .def("run", &Plan::run);
+}

@@ -1,0 +1,219 @@
+"""The calls of a CUDA-backend Buffer whose shape was seen before: one lookup, then one C++ run.
+
+NOTE [fast paths]
+The first call of a shape goes through the Buffer's full path: every argument check, the backend's plan
+(NOTE [call plans] in backends/cuda/plans.py), the streams. When it returns, the Buffer records what decided
+it: the metadata of every argument (dtypes, shapes, contiguity, device: all the checks read), the flags,
+the SM count. A later call whose metadata is the same would pass the same checks and build the same plan,
+so it skips both: it makes the same key, finds the plan and runs it, ordering the streams in the same C++
+call (csrc/call_plan.cpp). What the key cannot cover goes the full path every time: value checks (with
+`check_inputs`), calls in rounds, handles not made and checked by this Buffer, `allocate_on_comm_stream`,
+another current device, CPU tensors, CUDA-graph capture of the value checks. A call that raises leaves no
+record, so a refusal is always the full path's, with its message.
+
+Outputs are allocated on the caller's current stream (which waits for the communication stream at the end
+of a call unless `async_finish`), so no tensor needs `record_stream` on the synchronous path; with
+`async_finish` every tensor of the call is marked as used by the communication stream.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .event import EventHandle, EventOverlap
+
+_raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
+_current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
+
+
+def tensor_key(t) -> Optional[tuple]:
+    """What the checks read of a tensor argument (None stays None)."""
+    if t is None:
+        return None
+    return t.dtype, t.shape, t.is_contiguous(), t.device
+
+
+def scales_key(t) -> Optional[tuple]:
+    """x_scales may have any strides, and the kernel reads them."""
+    if t is None:
+        return None
+    return t.dtype, t.shape, t.stride(), t.device
+
+
+def raw_event(previous_event) -> Optional[int]:
+    """The CUDA event a DeepEP-style `previous_event` holds, 0 for none, None if it cannot be read."""
+    if previous_event is None:
+        return 0
+    handle = previous_event.event
+    event = None if handle is None else handle.event
+    return None if event is None else getattr(event, "cuda_event", None)
+
+
+class FastPaths:
+    """The fast paths of one CUDA-backend Buffer (NOTE [fast paths])."""
+
+    def __init__(self, buffer):
+        from .backends.cuda import plans
+
+        self.buffer = buffer
+        self.backend = buffer.runtime
+        self.device_index = buffer.device.index
+        comm = buffer.get_comm_stream()
+        self.comm = comm.cuda_stream
+        self.comm_id = comm.stream_id
+        self.enter_event, self.exit_event = plans.new_event(), plans.new_event()
+        self.entries = {}
+
+    # -- running ------------------------------------------------------------------------------------------
+
+    def run(self, native, inputs: tuple, scalars, previous_event, async_finish: bool, use_comm_stream: bool = True):
+        """One run of a plan on the communication stream, as the full path's stream scope orders it; ->
+        (outputs, event)."""
+        waited = raw_event(previous_event)
+        compute = _raw_stream(self.device_index)
+        if not use_comm_stream:
+            return native.run(inputs, scalars, compute, 0, 0, 0, 0, False, False, 0), EventOverlap(None)
+        outputs = native.run(inputs, scalars, compute, self.comm, waited, self.enter_event, self.exit_event,
+                             not async_finish, async_finish, self.comm_id)
+        event = EventOverlap(EventHandle(self.buffer.get_comm_stream())) if async_finish else EventOverlap(None)
+        return outputs, event
+
+    def usable(self, previous_event) -> bool:
+        """Whether a call may take a fast path at all (the per-shape key decides the rest)."""
+        return (self.buffer.runtime is self.backend and _current_device() == self.device_index
+                and raw_event(previous_event) is not None)
+
+    # -- normal mode ----------------------------------------------------------------------------------------
+
+    def layout(self, topk_idx, num_experts, previous_event, async_finish):
+        entry = self.entries.get(("layout", tensor_key(topk_idx), num_experts, async_finish))
+        if entry is None or not self.usable(previous_event):
+            return None
+        self.backend.check_failures()
+        (per_rank, per_expert, in_rank), event = self.run(entry, (topk_idx,), (), previous_event, async_finish)
+        return per_rank, None, per_expert, in_rank, event
+
+    def learn_layout(self, topk_idx, num_experts, async_finish) -> None:
+        plan = self.backend.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts)
+        self.entries[("layout", tensor_key(topk_idx), num_experts, async_finish)] = plan.native
+
+    def _cached_key(self, x, handle, config, async_finish):
+        data, scales = x if isinstance(x, tuple) else (x, None)
+        return ("cached", tensor_key(data), scales_key(scales), handle.num_rows, handle.num_tokens,
+                self.buffer.num_sms if config is None else config.num_sms, async_finish)
+
+    def cached_dispatch(self, x, handle, config, previous_event, async_finish):
+        if getattr(handle, "fast_for", None) != self.buffer._id:
+            return None
+        entry = self.entries.get(self._cached_key(x, handle, config, async_finish))
+        if entry is None or not self.usable(previous_event):
+            return None
+        self.backend.check_failures()
+        native, recv_x_at, scales_at = entry
+        data, scales = x if isinstance(x, tuple) else (x, None)
+        inputs = (data, scales, None, None, handle.is_token_in_rank, None, None, None, None, None, None, None, None,
+                  None, None)
+        outputs, event = self.run(native, inputs, self.backend.dispatch_scalars(data.size(0)), previous_event,
+                                  async_finish)
+        recv_x = outputs[recv_x_at] if scales is None else (outputs[recv_x_at], outputs[scales_at])
+        return recv_x, None, None, None, None, event
+
+    def learn_cached_dispatch(self, x, handle, config, async_finish, shape) -> None:
+        first, second = self.backend.dispatch_plans(shape)
+        if second is not None:
+            return
+        names = first.output_names
+        self.entries[self._cached_key(x, handle, config, async_finish)] = (
+            first.native, names.index("recv_x"), names.index("recv_x_scales") if "recv_x_scales" in names else None)
+
+    def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
+        bias_0, bias_1 = bias if isinstance(bias, tuple) else (bias, None)
+        return ("combine", tensor_key(x), tensor_key(topk_weights), tensor_key(bias_0), tensor_key(bias_1),
+                handle.num_rows, handle.num_tokens, self.buffer.num_sms if config is None else config.num_sms,
+                async_finish)
+
+    def combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish):
+        if getattr(handle, "fast_for", None) != self.buffer._id or isinstance(bias, list):
+            return None
+        entry = self.entries.get(self._combine_key(x, handle, topk_weights, bias, config, async_finish))
+        if entry is None or not self.usable(previous_event):
+            return None
+        self.backend.check_failures()
+        bias_0, bias_1 = bias if isinstance(bias, tuple) else (bias, None)
+        inputs = (x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, None, handle.send_head, None, None)
+        outputs, event = self.run(entry, inputs, self.backend.combine_scalars(), previous_event, async_finish)
+        return outputs[0], (outputs[1] if topk_weights is not None else None), event
+
+    def learn_combine(self, x, handle, topk_weights, bias, config, async_finish) -> None:
+        num_sms = self.buffer.num_sms if config is None else config.num_sms
+        plan = self.backend.combine_plan(handle.num_tokens, x.size(1), 0 if topk_weights is None else
+                                         topk_weights.size(1), num_sms, False)
+        self.entries[self._combine_key(x, handle, topk_weights, bias, config, async_finish)] = plan.native
+
+    # -- low-latency mode -----------------------------------------------------------------------------------
+
+    def _low_latency_dispatch_key(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
+                                  use_ue8m0):
+        return ("low_latency_dispatch", tensor_key(x), tensor_key(topk_idx), num_max, num_experts, tensor_key(stats),
+                tensor_key(wait_stats), use_fp8, round_scale, use_ue8m0)
+
+    def low_latency_dispatch(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
+                             use_ue8m0):
+        kernels = self.backend._low_latency_impl()
+        entry = self.entries.get(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats,
+                                                                use_fp8, round_scale, use_ue8m0))
+        if entry is None or kernels is None or not self.usable(None):
+            return None
+        self.backend.check_failures()
+        native, recv_x_at, scales_at = entry
+        outputs, handle = kernels.run_dispatch(native, x, topk_idx, num_max, num_experts, stats,
+                                               self.buffer._rank_mask, wait_stats, self.buffer._id)
+        recv_x = outputs[recv_x_at] if scales_at is None else (outputs[recv_x_at],
+                                                                outputs[scales_at].transpose(1, 2))
+        return recv_x, outputs[recv_x_at + (2 if scales_at is not None else 1)], handle, EventOverlap(None), _no_hook
+
+    def learn_low_latency_dispatch(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
+                                   use_ue8m0) -> None:
+        kernels = self.backend._low_latency_impl()
+        if kernels is None:
+            return
+        first, _ = kernels.dispatch_plans(x.size(0), x.size(1), topk_idx.size(1), topk_idx.dtype, num_experts, num_max,
+                                          use_fp8, use_ue8m0, round_scale, False)
+        names = first.output_names
+        self.entries[self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8,
+                                                    round_scale, use_ue8m0)] = (
+            first.native, names.index("packed_recv_x"),
+            names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names else None)
+
+    def _low_latency_combine_key(self, x, topk_idx, topk_weights, handle, out, wait_stats):
+        return ("low_latency_combine", tensor_key(x), tensor_key(topk_idx), tensor_key(topk_weights),
+                handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, tensor_key(out),
+                tensor_key(wait_stats))
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats):
+        kernels = self.backend._low_latency_impl()
+        if (kernels is None or getattr(handle, "fast_for", None) != self.buffer._id or handle.half is None
+                or handle.num_tokens != topk_idx.size(0) or handle.num_topk != topk_idx.size(1)):
+            return None
+        entry = self.entries.get(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats))
+        if entry is None or not self.usable(None):
+            return None
+        self.backend.check_failures()
+        combined = kernels.run_combine(entry, x, topk_idx, topk_weights, handle, out, self.buffer._rank_mask,
+                                       wait_stats)
+        return combined, EventOverlap(None), _no_hook
+
+    def learn_low_latency_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats) -> None:
+        kernels = self.backend._low_latency_impl()
+        if kernels is None or not (x.is_contiguous() and topk_idx.is_contiguous() and topk_weights.is_contiguous()):
+            return
+        first, _ = kernels.combine_plans(topk_idx.size(0), handle.hidden, topk_idx.size(1), topk_idx.dtype,
+                                         handle.num_experts, handle.num_max_dispatch_tokens_per_rank, out is not None,
+                                         False)
+        self.entries[self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats)] = first.native
+
+
+def _no_hook() -> None:
+    """DeepEP returns a callable hook even without `return_recv_hook`."""
