@@ -65,6 +65,7 @@ class FastPaths:
         self.comm_id = comm.stream_id
         self.enter_event, self.exit_event = plans.new_event(), plans.new_event()
         self.entries = {}
+        self.hits = 0  # calls that took a fast path (read by tests)
 
     # -- running ------------------------------------------------------------------------------------------
 
@@ -82,8 +83,10 @@ class FastPaths:
 
     def usable(self, previous_event) -> bool:
         """Whether a call may take a fast path at all (the per-shape key decides the rest)."""
-        return (self.buffer.runtime is self.backend and _current_device() == self.device_index
-                and raw_event(previous_event) is not None)
+        usable = (self.buffer.runtime is self.backend and _current_device() == self.device_index
+                  and raw_event(previous_event) is not None)
+        self.hits += usable
+        return usable
 
     # -- normal mode ----------------------------------------------------------------------------------------
 

@@ -350,7 +350,7 @@ class CudaBackend(Backend):
         # 2. The rows.
         def launch(b: plans.PlanBuilder, num_send_blocks: int, outputs, made_by_first: bool) -> None:
             def made(ref):  # an output of the first plan, seen from `b`
-                return ref if made_by_first or ref == 0 else b.inp(first.output_names[ref.index])
+                return ref if made_by_first or ref == 0 else b.inp(first.outputs[ref.index][0])
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
             b.launch(kernel, grid.num_blocks, (
                 b.inp("x"), b.inp("x_scales"), *m.scale_strides, b.inp("topk_idx"),

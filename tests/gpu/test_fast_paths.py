@@ -1,0 +1,98 @@
+"""The Buffer's fast paths (NOTE [fast paths] in tokenyard/fast_paths.py), device machine only.
+
+Each call kind is made once through the full path (which records its shape) and then again with fresh
+inputs of the same shape, which must take the fast path; every result, poisoned before the kernels write
+it, must equal the reference backend's over the same group (dispatch bit for bit, combine within bf16
+rounding). Synchronous and `async_finish` calls both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import spawn
+
+pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
+                                "on a GPU with MPS (run on the device machine)")
+
+NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK = 80, 2048, 32, 4
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _calls(buffer, inputs, async_finish):
+    x, topk_idx, weights = inputs
+
+    def done(event):
+        event.current_stream_wait()
+
+    per_rank, _, per_expert, in_rank, event = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS,
+                                                                         async_finish=async_finish)
+    done(event)
+    recv_x, _, recv_w, _, handle, event = buffer.dispatch(
+        x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, async_finish=async_finish)
+    done(event)
+    out = {"layout": (per_rank, per_expert, in_rank), "dispatch": recv_x}
+    expert_out = (recv_x[0].float() * 0.5 + 1.0).to(torch.bfloat16)
+    for i in range(2):  # the second of each takes the fast path on the CUDA Buffer
+        cached, *_, event = buffer.dispatch(x, handle=handle, async_finish=async_finish)
+        done(event)
+        out[f"cached{i}"] = cached
+        combined, combined_w, event = buffer.combine(expert_out, handle, topk_weights=recv_w,
+                                                     async_finish=async_finish)
+        done(event)
+        out[f"combine{i}"] = (combined, combined_w)
+    ll_x = x[0].float().to(torch.bfloat16)
+    packed, count, ll_handle, _, _ = buffer.low_latency_dispatch(ll_x, topk_idx, NUM_TOKENS, NUM_EXPERTS)
+    out["ll_count"] = count
+    y = packed[0].float().to(torch.bfloat16)
+    out["ll_combine"] = buffer.low_latency_combine(y, topk_idx, weights, ll_handle)[0]
+    return out
+
+
+def _fast_paths_match(seed):
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, Config
+    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    nvl_bytes = Config(num_max_tokens_per_rank=NUM_TOKENS).get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks)
+    rdma_bytes = Buffer.get_low_latency_rdma_size_hint(NUM_TOKENS, HIDDEN, num_ranks, NUM_EXPERTS)
+    buffer = Buffer(dist.group.WORLD, nvl_bytes, rdma_bytes, backend="cuda", check_inputs=False, timeout_s=30)
+    buffer.runtime.poison_outputs = True
+    other = Buffer(dist.group.WORLD, nvl_bytes, rdma_bytes, backend="reference", check_inputs=False)
+    hits = []
+    for case in range(3):  # case 0 records the shapes; 1 and 2 (fresh inputs) take the fast paths
+        async_finish = case == 2
+        inputs = make_rank_inputs(seed + case, num_ranks, NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK, "uniform", "fp8",
+                                  device)[rank]
+        before = buffer._fast.hits
+        got, want = _calls(buffer, inputs, async_finish), _calls(other, inputs, async_finish)
+        hits.append(buffer._fast.hits - before)
+        torch.cuda.synchronize()
+        for name in ("layout", "dispatch", "cached0", "cached1", "ll_count"):
+            for i, (a, b) in enumerate(zip(got[name] if isinstance(got[name], tuple) else (got[name],),
+                                           want[name] if isinstance(want[name], tuple) else (want[name],))):
+                assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), f"case {case}: {name}[{i}] differs"
+        for name in ("combine0", "combine1"):
+            assert_within_bf16_rounding(got[name][0], want[name][0], f"case {case}: {name}")
+            assert torch.allclose(got[name][1], want[name][1], rtol=1e-5, atol=1e-5), f"case {case}: {name} weights"
+        assert_within_bf16_rounding(got["ll_combine"], want["ll_combine"], f"case {case}: low-latency combine")
+    # Case 0: the second cached dispatch and combine. Case 1: also the layout and the low-latency pair (and the
+    # first cached dispatch and combine where the fresh dispatch received as many rows as in case 0). Case 2,
+    # asynchronous: the second cached dispatch and combine and the low-latency pair at least.
+    assert hits[0] == 2 and hits[1] in (5, 7) and hits[2] >= 4, f"fast-path calls per case: {hits}"
+    for b in (buffer, other):
+        b.destroy()
+    return f"fast-path calls per case: {hits}"
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts())
+def test_fast_paths_match_the_reference_with_fresh_inputs(num_ranks, seed):
+    print(spawn.run(num_ranks, _fast_paths_match, seed)[0])
