@@ -28,18 +28,28 @@ _raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_get
 _current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
 
 
-def tensor_key(t) -> Optional[tuple]:
-    """What the checks read of a tensor argument (None stays None)."""
+def tensor_key(t):
+    """What the checks read of a tensor argument (None stays None; anything else matches no recorded key, so
+    the full path refuses it with its own message)."""
     if t is None:
         return None
+    if not isinstance(t, torch.Tensor):
+        return object()
     return t.dtype, t.shape, t.is_contiguous(), t.device
 
 
-def scales_key(t) -> Optional[tuple]:
+def scales_key(t):
     """x_scales may have any strides, and the kernel reads them."""
-    if t is None:
-        return None
+    if not isinstance(t, torch.Tensor):
+        return tensor_key(t)
     return t.dtype, t.shape, t.stride(), t.device
+
+
+def split_x(x):
+    """Dispatch's `x` (or combine's `bias`) as a pair; a tuple of another length matches no recorded key."""
+    if isinstance(x, tuple):
+        return x if len(x) == 2 else (object(), None)
+    return x, None
 
 
 def raw_event(previous_event) -> Optional[int]:
@@ -64,7 +74,7 @@ class FastPaths:
         self.comm = comm.cuda_stream
         self.comm_id = comm.stream_id
         self.enter_event, self.exit_event = plans.new_event(), plans.new_event()
-        self.entries = {}
+        self._entries = {}
         self.hits = 0  # calls that took a fast path (read by tests)
 
     # -- running ------------------------------------------------------------------------------------------
@@ -81,6 +91,15 @@ class FastPaths:
         event = EventOverlap(EventHandle(self.buffer.get_comm_stream())) if async_finish else EventOverlap(None)
         return outputs, event
 
+    def lookup(self, key: tuple):
+        try:
+            return self._entries.get(key)
+        except TypeError:  # an unhashable argument (the full path refuses it)
+            return None
+
+    def record(self, key: tuple, entry) -> None:
+        self._entries[key] = entry
+
     def usable(self, previous_event) -> bool:
         """Whether a call may take a fast path at all (the per-shape key decides the rest)."""
         usable = (self.buffer.runtime is self.backend and _current_device() == self.device_index
@@ -91,7 +110,7 @@ class FastPaths:
     # -- normal mode ----------------------------------------------------------------------------------------
 
     def layout(self, topk_idx, num_experts, previous_event, async_finish):
-        entry = self.entries.get(("layout", tensor_key(topk_idx), num_experts, async_finish))
+        entry = self.lookup(("layout", tensor_key(topk_idx), num_experts, async_finish))
         if entry is None or not self.usable(previous_event):
             return None
         self.backend.check_failures()
@@ -100,22 +119,22 @@ class FastPaths:
 
     def learn_layout(self, topk_idx, num_experts, async_finish) -> None:
         plan = self.backend.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts)
-        self.entries[("layout", tensor_key(topk_idx), num_experts, async_finish)] = plan.native
+        self.record(("layout", tensor_key(topk_idx), num_experts, async_finish), plan.native)
 
     def _cached_key(self, x, handle, config, async_finish):
-        data, scales = x if isinstance(x, tuple) else (x, None)
+        data, scales = split_x(x)
         return ("cached", tensor_key(data), scales_key(scales), handle.num_rows, handle.num_tokens,
                 self.buffer.num_sms if config is None else config.num_sms, async_finish)
 
     def cached_dispatch(self, x, handle, config, previous_event, async_finish):
         if getattr(handle, "fast_for", None) != self.buffer._id:
             return None
-        entry = self.entries.get(self._cached_key(x, handle, config, async_finish))
+        entry = self.lookup(self._cached_key(x, handle, config, async_finish))
         if entry is None or not self.usable(previous_event):
             return None
         self.backend.check_failures()
         native, recv_x_at, scales_at = entry
-        data, scales = x if isinstance(x, tuple) else (x, None)
+        data, scales = split_x(x)
         inputs = (data, scales, None, None, handle.is_token_in_rank, None, None, None, None, None, None, None, None,
                   None, None)
         outputs, event = self.run(native, inputs, self.backend.dispatch_scalars(data.size(0)), previous_event,
@@ -128,11 +147,11 @@ class FastPaths:
         if second is not None:
             return
         names = first.output_names
-        self.entries[self._cached_key(x, handle, config, async_finish)] = (
-            first.native, names.index("recv_x"), names.index("recv_x_scales") if "recv_x_scales" in names else None)
+        self.record(self._cached_key(x, handle, config, async_finish), (
+            first.native, names.index("recv_x"), names.index("recv_x_scales") if "recv_x_scales" in names else None))
 
     def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
-        bias_0, bias_1 = bias if isinstance(bias, tuple) else (bias, None)
+        bias_0, bias_1 = split_x(bias)
         return ("combine", tensor_key(x), tensor_key(topk_weights), tensor_key(bias_0), tensor_key(bias_1),
                 handle.num_rows, handle.num_tokens, self.buffer.num_sms if config is None else config.num_sms,
                 async_finish)
@@ -140,11 +159,11 @@ class FastPaths:
     def combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish):
         if getattr(handle, "fast_for", None) != self.buffer._id or isinstance(bias, list):
             return None
-        entry = self.entries.get(self._combine_key(x, handle, topk_weights, bias, config, async_finish))
+        entry = self.lookup(self._combine_key(x, handle, topk_weights, bias, config, async_finish))
         if entry is None or not self.usable(previous_event):
             return None
         self.backend.check_failures()
-        bias_0, bias_1 = bias if isinstance(bias, tuple) else (bias, None)
+        bias_0, bias_1 = split_x(bias)
         inputs = (x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, None, handle.send_head, None, None)
         outputs, event = self.run(entry, inputs, self.backend.combine_scalars(), previous_event, async_finish)
         return outputs[0], (outputs[1] if topk_weights is not None else None), event
@@ -153,7 +172,7 @@ class FastPaths:
         num_sms = self.buffer.num_sms if config is None else config.num_sms
         plan = self.backend.combine_plan(handle.num_tokens, x.size(1), 0 if topk_weights is None else
                                          topk_weights.size(1), num_sms, False)
-        self.entries[self._combine_key(x, handle, topk_weights, bias, config, async_finish)] = plan.native
+        self.record(self._combine_key(x, handle, topk_weights, bias, config, async_finish), plan.native)
 
     # -- low-latency mode -----------------------------------------------------------------------------------
 
@@ -165,7 +184,7 @@ class FastPaths:
     def low_latency_dispatch(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
                              use_ue8m0):
         kernels = self.backend._low_latency_impl()
-        entry = self.entries.get(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats,
+        entry = self.lookup(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats,
                                                                 use_fp8, round_scale, use_ue8m0))
         if entry is None or kernels is None or not self.usable(None):
             return None
@@ -185,10 +204,10 @@ class FastPaths:
         first, _ = kernels.dispatch_plans(x.size(0), x.size(1), topk_idx.size(1), topk_idx.dtype, num_experts, num_max,
                                           use_fp8, use_ue8m0, round_scale, False)
         names = first.output_names
-        self.entries[self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8,
-                                                    round_scale, use_ue8m0)] = (
+        self.record(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8,
+                                                    round_scale, use_ue8m0), (
             first.native, names.index("packed_recv_x"),
-            names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names else None)
+            names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names else None))
 
     def _low_latency_combine_key(self, x, topk_idx, topk_weights, handle, out, wait_stats):
         return ("low_latency_combine", tensor_key(x), tensor_key(topk_idx), tensor_key(topk_weights),
@@ -200,7 +219,7 @@ class FastPaths:
         if (kernels is None or getattr(handle, "fast_for", None) != self.buffer._id or handle.half is None
                 or handle.num_tokens != topk_idx.size(0) or handle.num_topk != topk_idx.size(1)):
             return None
-        entry = self.entries.get(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats))
+        entry = self.lookup(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats))
         if entry is None or not self.usable(None):
             return None
         self.backend.check_failures()
@@ -215,7 +234,8 @@ class FastPaths:
         first, _ = kernels.combine_plans(topk_idx.size(0), handle.hidden, topk_idx.size(1), topk_idx.dtype,
                                          handle.num_experts, handle.num_max_dispatch_tokens_per_rank, out is not None,
                                          False)
-        self.entries[self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats)] = first.native
+        self.record(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats),
+                    first.native)
 
 
 def _no_hook() -> None:
