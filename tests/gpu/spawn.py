@@ -33,6 +33,11 @@ def rank_counts(largest_only: bool = False) -> list:
     return counts[-1:] if largest_only else counts
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as what `torch.equal` compares bit for bit: 1-byte types (FP8, which has no equality) as bytes."""
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
+
+
 def describe(num_ranks: int) -> str:
     """The GPUs `num_ranks` ranks run on, for reports: "NVIDIA H200 x 4", or "NVIDIA H100 80GB HBM3 x 1 shared
     by 8 ranks (MPS)"."""

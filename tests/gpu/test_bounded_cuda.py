@@ -27,16 +27,12 @@ HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_pr
                  "is_token_in_rank", "send_head")
 
 
-def _bits(t):
-    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
-
-
 def _same(what, name, a, b):
     if a is None or b is None:
         assert a is None and b is None, f"{what}: {name} is None on one side only"
         return
     assert a.shape == b.shape, f"{what}: {name} shape {tuple(a.shape)} vs {tuple(b.shape)}"
-    assert torch.equal(_bits(a), _bits(b)), f"{what}: {name} differs"
+    assert torch.equal(spawn.bits(a), spawn.bits(b)), f"{what}: {name} differs"
 
 
 def _split(x):

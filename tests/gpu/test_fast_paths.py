@@ -19,9 +19,6 @@ pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more
 NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK = 80, 2048, 32, 4
 
 
-def _bits(t):
-    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
-
 
 def _calls(buffer, inputs, async_finish):
     x, topk_idx, weights = inputs
@@ -79,7 +76,8 @@ def _fast_paths_match(seed):
         for name in ("layout", "dispatch", "cached0", "cached1", "ll_count"):
             for i, (a, b) in enumerate(zip(got[name] if isinstance(got[name], tuple) else (got[name],),
                                            want[name] if isinstance(want[name], tuple) else (want[name],))):
-                assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), f"case {case}: {name}[{i}] differs"
+                assert a.shape == b.shape and torch.equal(spawn.bits(a), spawn.bits(b)), \
+                    f"case {case}: {name}[{i}] differs"
         for name in ("combine0", "combine1"):
             assert_within_bf16_rounding(got[name][0], want[name][0], f"case {case}: {name}")
             assert torch.allclose(got[name][1], want[name][1], rtol=1e-5, atol=1e-5), f"case {case}: {name} weights"

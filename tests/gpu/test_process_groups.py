@@ -21,15 +21,12 @@ pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more
 NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK = 96, 2048, 32, 4
 
 
-def _bits(t):
-    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
-
 
 def _same(what, a, b):
     a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
     for x, y in zip(a, b):
         assert x.shape == y.shape, f"{what}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
-        assert torch.equal(_bits(x), _bits(y).to(x.device)), f"{what} differs"
+        assert torch.equal(spawn.bits(x), spawn.bits(y).to(x.device)), f"{what} differs"
 
 
 def _calls(buffer, inputs, use_fp8):
