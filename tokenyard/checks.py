@@ -81,6 +81,48 @@ def layout_agrees(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, **la
             _fail(f"{name} disagrees with topk_idx (pass what get_dispatch_layout(topk_idx, num_experts) returned)")
 
 
+# NOTE [input verdict]
+# A fresh dispatch's values (expert ids in [-1, E); num_tokens_per_rank, is_token_in_rank and
+# num_tokens_per_expert equal to the layout of its topk_idx) are checked where they are read, without a host
+# sync: each rank computes a verdict, a mask of the bits below, over its whole call's inputs, and sends it
+# with the counts of the count exchange every fresh dispatch makes (the CUDA notify kernel, the reference
+# backend's all_gather). So every rank learns which ranks gave bad values, and all raise the same
+# `verdict_error`; no rows move, and the Buffer stays usable. A dispatch with num_worst_tokens does not wait
+# for the counts on the host: its kernels skip the rows and the error is recorded, to be raised by the next
+# call on every rank (the CUDA backend; that Buffer is done). LAYOUT_BAD_IDS is what get_dispatch_layout,
+# which has no exchange, leaves for the next fresh dispatch without topk_idx (which could not see the ids
+# itself). The bits are mirrored in include/tokenyard/sync.cuh (Verdict).
+BAD_EXPERT_ID = 1
+PER_RANK_DISAGREES = 2
+PER_EXPERT_DISAGREES = 4
+IN_RANK_DISAGREES = 8
+LAYOUT_BAD_IDS = 16
+
+
+def verdict_error(bad_ranks: Sequence[int], kinds: int, num_experts: Optional[int]) -> InvalidInputError:
+    """The error every rank raises for a fresh dispatch in which `bad_ranks` gave values with the `kinds`
+    bits of NOTE [input verdict]."""
+    experts = f"[-1, {num_experts})" if num_experts is not None else "[-1, num_experts)"
+    what = [text for bit, text in (
+        (BAD_EXPERT_ID, f"topk_idx holds expert ids outside {experts}"),
+        (LAYOUT_BAD_IDS, f"get_dispatch_layout was given expert ids outside {experts} since its last dispatch"),
+        (PER_RANK_DISAGREES, "num_tokens_per_rank disagrees with is_token_in_rank"),
+        (PER_EXPERT_DISAGREES, "num_tokens_per_expert disagrees with topk_idx"),
+        (IN_RANK_DISAGREES, "is_token_in_rank disagrees with topk_idx")) if kinds & bit]
+    ranks = ", ".join(str(r) for r in bad_ranks)
+    hint = "" if kinds == BAD_EXPERT_ID else " (pass what get_dispatch_layout(topk_idx, num_experts) returned)"
+    return InvalidInputError(f"dispatch refused on every rank: rank{'s' if len(bad_ranks) > 1 else ''} {ranks} "
+                             f"gave bad values: {'; '.join(what)}{hint}")
+
+
+def low_latency_bad_ids(rank: int, num_experts, seen: Optional[int] = None) -> InvalidInputError:
+    """A low-latency dispatch has no count exchange that could refuse it on every rank: the rank whose
+    topk_idx holds ids outside [-1, E) sends none of those pairs and raises this itself (NOTE [input verdict])."""
+    value = "" if seen is None else f" (such as {seen})"
+    return InvalidInputError(f"rank {rank}: the topk_idx of low_latency_dispatch holds expert ids outside "
+                             f"[-1, {num_experts}){value}; those pairs were not sent")
+
+
 def timeout_s(value) -> float:
     """A deadline in seconds: a positive, finite number."""
     try:

@@ -8,7 +8,7 @@ change under a running program.
 |-------------------------------|-------|----------|----------------------------------------------------------|
 | TOKENYARD_BACKEND             | str   | "auto"   | backend when `Buffer(backend=None)`: auto/reference/cuda |
 | TOKENYARD_TIMEOUT_S           | float | 100.0    | deadline of every device-side and host-side wait         |
-| TOKENYARD_CHECK_INPUTS        | bool  | true     | value checks that need a device sync (topk range...)     |
+| TOKENYARD_CHECK_INPUTS        | bool  | false    | debug: also check values on the host, with a device sync  |
 | TOKENYARD_CACHE_DIR           | str   | ~/.cache/tokenyard | folder of the JIT kernel cache                 |
 | TOKENYARD_COMPILER            | str   | "auto"   | JIT compiler: auto (NVRTC, else nvcc), nvrtc or nvcc     |
 | TOKENYARD_COMMIT              | str   | ""       | commit the benchmark records (before git rev-parse)      |
@@ -81,7 +81,7 @@ def _parse_tuning(text: str) -> tuple:
 class Settings:
     backend: str = "auto"
     timeout_s: float = 100.0
-    check_inputs: bool = True
+    check_inputs: bool = False
     cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "tokenyard")
     compiler: str = "auto"
     commit: str = ""

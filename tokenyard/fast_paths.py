@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .event import EventHandle, EventOverlap
+from .handle import DispatchHandle
 
 _raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
 _current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
@@ -66,7 +67,9 @@ class FastPaths:
 
     def __init__(self, buffer):
         from .backends.cuda import plans
+        from .backends.cuda.backend import DISPATCH_INPUTS
 
+        self.unused_dispatch_inputs = (None,) * (len(DISPATCH_INPUTS) - 5)  # a cached dispatch's, after the fifth
         self.buffer = buffer
         self.backend = buffer.runtime
         self.device_index = buffer.device.index
@@ -135,8 +138,7 @@ class FastPaths:
         self.backend.check_failures()
         native, recv_x_at, scales_at = entry
         data, scales = split_x(x)
-        inputs = (data, scales, None, None, handle.is_token_in_rank, None, None, None, None, None, None, None, None,
-                  None, None)
+        inputs = (data, scales, None, None, handle.is_token_in_rank) + self.unused_dispatch_inputs
         outputs, event = self.run(native, inputs, self.backend.dispatch_scalars(data.size(0)), previous_event,
                                   async_finish)
         recv_x = outputs[recv_x_at] if scales is None else (outputs[recv_x_at], outputs[scales_at])
@@ -149,6 +151,49 @@ class FastPaths:
         names = first.output_names
         self.record(self._cached_key(x, handle, config, async_finish), (
             first.native, names.index("recv_x"), names.index("recv_x_scales") if "recv_x_scales" in names else None))
+
+    def _worst_key(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                   async_finish):
+        data, scales = split_x(x)
+        return ("worst", tensor_key(data), scales_key(scales), tuple(tensor_key(t) for t in layout),
+                tensor_key(topk_idx), tensor_key(topk_weights), expert_alignment, num_worst_tokens,
+                self.buffer.num_sms if config is None else config.num_sms, async_finish)
+
+    def worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                       previous_event, async_finish):
+        """A fresh dispatch with num_worst_tokens (one plan, no CPU wait); `layout` = (num_tokens_per_rank,
+        is_token_in_rank, num_tokens_per_expert)."""
+        entry = self.lookup(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                            config, async_finish))
+        if entry is None or not self.usable(previous_event):
+            return None
+        self.backend.check_failures()
+        native, at, rounds = entry
+        data, scales = split_x(x)
+        per_rank, in_rank, per_expert = layout
+        inputs = (data, scales, topk_idx, topk_weights, in_rank, per_expert) + (None,) * 9 + \
+            (topk_idx, in_rank, per_rank, per_expert)
+        num_tokens = data.size(0)
+        outputs, event = self.run(native, inputs, self.backend.dispatch_scalars(
+            num_tokens, None, num_worst_tokens, 0, num_tokens), previous_event, async_finish)
+        self.backend.note_judged(per_expert.size(0))
+        handle = DispatchHandle(*(outputs[i] for i in at["handle"]), in_rank, outputs[at["send_head"]],
+                                buffer_id=self.buffer._id, rounds=rounds, num_recv_tokens=None,
+                                fast_for=self.buffer._id)
+        recv_x = outputs[at["recv_x"]] if scales is None else (outputs[at["recv_x"]], outputs[at["recv_x_scales"]])
+        return recv_x, outputs[at["recv_topk_idx"]], outputs[at["recv_topk_weights"]], [], handle, event
+
+    def learn_worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                             async_finish, shape, rounds) -> None:
+        first, second = self.backend.dispatch_plans(shape)
+        names = first.output_names
+        if second is not None or "recv_topk_weights" not in names:
+            return
+        at = {name: names.index(name) for name in ("recv_x", "recv_topk_idx", "recv_topk_weights", "send_head")}
+        at["recv_x_scales"] = names.index("recv_x_scales") if "recv_x_scales" in names else None
+        at["handle"] = tuple(names.index(n) for n in ("rank_prefix_matrix", "counts", "source_first", "recv_src_idx"))
+        self.record(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                    async_finish), (first.native, at, rounds))
 
     def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
         bias_0, bias_1 = split_x(bias)

@@ -44,6 +44,17 @@ class WholeCall:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayoutCheck:
+    """A fresh dispatch's whole-call inputs whose values its count exchange judges (NOTE [input verdict] in
+    checks.py): given to its one-shot request, or to round 0 of a call in rounds."""
+
+    topk_idx: Optional[torch.Tensor]         # [T, K] or None (then only the per-rank counts are judged)
+    num_tokens_per_rank: torch.Tensor        # [R] int32
+    is_token_in_rank: torch.Tensor           # [T, R] bool
+    num_tokens_per_expert: torch.Tensor      # [E] int32
+
+
+@dataclasses.dataclass(frozen=True)
 class DispatchRequest:
     x: torch.Tensor                          # [T, H] any dtype, rows a multiple of 16 bytes
     x_scales: Optional[torch.Tensor]         # [T, S] float32/int32 (any strides) or None
@@ -58,6 +69,7 @@ class DispatchRequest:
     config: Config
     placement: Optional[Placement] = None    # a placed round: its rows go straight into the whole call's tensors
     call: Optional[WholeCall] = None         # round 0 of a call in rounds: the result reports most_call_tokens
+    check: Optional[LayoutCheck] = None      # a fresh dispatch's one-shot request or round 0
 
     @property
     def num_experts(self) -> int:

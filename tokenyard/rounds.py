@@ -186,7 +186,7 @@ def _round_request(request: DispatchRequest, r: int, begin: int, end: int, place
         topk_idx=_rows(request.topk_idx, begin, end), topk_weights=_rows(request.topk_weights, begin, end),
         num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert if r == 0 else torch.zeros_like(per_expert),
-        num_worst_tokens=0, placement=placement, call=call)
+        num_worst_tokens=0, placement=placement, call=call, check=request.check if r == 0 else None)
 
 
 def _int32(shape, device) -> torch.Tensor:

@@ -88,8 +88,8 @@ NOTIFY_DATA_OFFSET = 1024  # kNotifyDataOffset in include/tokenyard/layout.cuh
 
 def normal_max_local_experts(num_ranks: int) -> int:
     """The most experts per rank the count exchange has room for in the control block's header: a row of
-    ``2 * num_ranks + 2 + num_local_experts`` int32 per source (NOTE [notify] in kernels/notify.cuh)."""
-    return (NORMAL_HEADER_BYTES - NOTIFY_DATA_OFFSET) // 4 // num_ranks - 2 * num_ranks - 2
+    ``3 * num_ranks + 2 + num_local_experts`` int32 per source (NOTE [notify] in kernels/notify.cuh)."""
+    return (NORMAL_HEADER_BYTES - NOTIFY_DATA_OFFSET) // 4 // num_ranks - 3 * num_ranks - 2
 
 
 def normal_control_bytes(num_ranks: int) -> int:

@@ -262,10 +262,12 @@ def _ll_buffer(num_max=8, hidden=256, num_experts=8):
 
 
 def _bad_topk_range():
+    """The layout counts the id nowhere; the dispatch that has only the layout refuses (NOTE [input verdict])."""
     buffer, x, topk_idx, weights, _ = _bad_setup()
     topk_idx = topk_idx.clone()
     topk_idx[0, 0] = 8
-    buffer.get_dispatch_layout(topk_idx, 8)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 8)
+    buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
 
 
 def _bad_topk_below():
@@ -273,6 +275,15 @@ def _bad_topk_below():
     topk_idx = topk_idx.clone()
     topk_idx[1, 1] = -2
     buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
+
+
+def _bad_topk_range_debug():
+    """The debug mode's host check refuses at the layout, before any communication."""
+    rank, num_ranks = _world()
+    _, topk_idx, _ = make_rank_inputs(1, num_ranks, 8, 256, 8, 2)[rank]
+    topk_idx = topk_idx.clone()
+    topk_idx[2, 0] = 9
+    normal_buffer(8, 512, check_inputs=True).get_dispatch_layout(topk_idx, 8)
 
 
 def _bad_experts_indivisible():
@@ -475,6 +486,7 @@ BAD_CALLS = {
     "timeout_s a string": _bad_timeout("abc"),
     "topk id above range": _bad_topk_range,
     "topk id below -1": _bad_topk_below,
+    "topk id above range, checked on the host": _bad_topk_range_debug,
     "experts not divisible by ranks": _bad_experts_indivisible,
     "combine x not bf16": _bad_x_dtype_combine,
     "x not contiguous": _bad_x_noncontiguous,

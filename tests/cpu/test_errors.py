@@ -7,6 +7,7 @@ from . import scenarios
 EXPECTED = {
     "topk id above range": ("InvalidInputError", "outside [-1, 8)"),
     "topk id below -1": ("InvalidInputError", "outside [-1, 8)"),
+    "topk id above range, checked on the host": ("InvalidInputError", "expert id 9, outside [-1, 8)"),
     "experts not divisible by ranks": ("InvalidInputError", "not divisible"),
     "combine x not bf16": ("InvalidInputError", "dtype torch.bfloat16"),
     "x not contiguous": ("InvalidInputError", "contiguous"),

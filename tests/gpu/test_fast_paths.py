@@ -43,6 +43,14 @@ def _calls(buffer, inputs, async_finish):
                                                      async_finish=async_finish)
         done(event)
         out[f"combine{i}"] = (combined, combined_w)
+    for i in range(2):  # num_worst_tokens: rows past the received ones are padding (only their metadata is set)
+        worst = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank,
+                                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                num_worst_tokens=NUM_TOKENS * buffer.group_size, async_finish=async_finish)
+        done(worst[-1])
+        rows = worst[4].recv_src_idx >= 0
+        out[f"worst{i}"] = (worst[0][0][rows], worst[0][1][rows], worst[1], worst[2], worst[4].recv_src_idx,
+                            worst[4].rank_prefix_matrix, worst[4].send_head)
     ll_x = x[0].float().to(torch.bfloat16)
     packed, count, ll_handle, _, _ = buffer.low_latency_dispatch(ll_x, topk_idx, NUM_TOKENS, NUM_EXPERTS)
     out["ll_count"] = count
@@ -73,7 +81,7 @@ def _fast_paths_match(seed):
         got, want = _calls(buffer, inputs, async_finish), _calls(other, inputs, async_finish)
         hits.append(buffer._fast.hits - before)
         torch.cuda.synchronize()
-        for name in ("layout", "dispatch", "cached0", "cached1", "ll_count"):
+        for name in ("layout", "dispatch", "cached0", "cached1", "worst0", "worst1", "ll_count"):
             for i, (a, b) in enumerate(zip(got[name] if isinstance(got[name], tuple) else (got[name],),
                                            want[name] if isinstance(want[name], tuple) else (want[name],))):
                 assert a.shape == b.shape and torch.equal(spawn.bits(a), spawn.bits(b)), \
@@ -82,10 +90,11 @@ def _fast_paths_match(seed):
             assert_within_bf16_rounding(got[name][0], want[name][0], f"case {case}: {name}")
             assert torch.allclose(got[name][1], want[name][1], rtol=1e-5, atol=1e-5), f"case {case}: {name} weights"
         assert_within_bf16_rounding(got["ll_combine"], want["ll_combine"], f"case {case}: low-latency combine")
-    # Case 0: the second cached dispatch and combine. Case 1: also the layout and the low-latency pair (and the
-    # first cached dispatch and combine where the fresh dispatch received as many rows as in case 0). Case 2,
-    # asynchronous: the second cached dispatch and combine and the low-latency pair at least.
-    assert hits[0] == 2 and hits[1] in (5, 7) and hits[2] >= 4, f"fast-path calls per case: {hits}"
+    # Case 0: the second cached dispatch, combine and num_worst_tokens dispatch. Case 1: also the layout, the
+    # first num_worst_tokens dispatch and the low-latency pair (and the first cached dispatch and combine where
+    # the fresh dispatch received as many rows as in case 0). Case 2, asynchronous: the second cached
+    # dispatch, combine and num_worst_tokens dispatch and the low-latency pair at least.
+    assert hits[0] == 3 and hits[1] in (7, 9) and hits[2] >= 5, f"fast-path calls per case: {hits}"
     for b in (buffer, other):
         b.destroy()
     return f"fast-path calls per case: {hits}"

@@ -10,7 +10,9 @@ boolean-mask indexing or repeat_interleave in that path).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 from typing import List, Optional
 
 import torch
@@ -52,6 +54,11 @@ def _as_index_target(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
+def _capturing(device: torch.device) -> bool:
+    """A CUDA graph is being captured on the current stream (no host read may happen then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.cumsum(dim) - t
 
@@ -65,6 +72,7 @@ class ReferenceBackend(Backend):
             raise InvalidInputError("the reference backend needs a torch.distributed process group")
         self._raw_buffers = {}
         self._zero_copy_buffers = {}
+        self._layout_bad_ids = None  # NOTE [input verdict] in checks.py: bool 0-D, since the last fresh dispatch
 
     def wants_call_agreement(self, low_latency: bool) -> bool:
         return True  # its collectives would pair mismatched calls, or abort on mismatched sizes
@@ -80,7 +88,23 @@ class ReferenceBackend(Backend):
     # -- normal mode ----------------------------------------------------------------------------------
 
     def get_dispatch_layout(self, topk_idx, num_experts):
-        return routing.dispatch_layout(topk_idx, num_experts, self.ctx.num_ranks)
+        bad = (topk_idx < -1) | (topk_idx >= num_experts)  # counted nowhere, judged by the next fresh dispatch
+        seen = bad.any()
+        self._layout_bad_ids = seen if self._layout_bad_ids is None else self._layout_bad_ids | seen
+        return routing.dispatch_layout(torch.where(bad, -1, topk_idx), num_experts, self.ctx.num_ranks)
+
+    def _verdict(self, request: DispatchRequest) -> torch.Tensor:
+        """This rank's NOTE [input verdict] bits ([1] int32, no host sync); a request without a check (a
+        later round) judges nothing."""
+        check = request.check
+        if check is None:
+            return torch.zeros(1, dtype=torch.int32, device=request.x.device)
+        verdict = routing.layout_verdict(check.topk_idx, request.num_experts, check.num_tokens_per_rank,
+                                         check.is_token_in_rank, check.num_tokens_per_expert)
+        if check.topk_idx is None and self._layout_bad_ids is not None:
+            verdict = verdict | self._layout_bad_ids.int() * checks.LAYOUT_BAD_IDS
+        self._layout_bad_ids = None
+        return verdict.view(1)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         placement = request.placement
@@ -109,8 +133,12 @@ class ReferenceBackend(Backend):
             call = request.call
             mine = torch.cat([per_rank, per_rank.new_full((1,), num_tokens if call is None else call.num_tokens),
                               per_rank if call is None else call.tokens_per_rank.to(torch.int32),
-                              request.num_tokens_per_expert.to(torch.int32)])
+                              request.num_tokens_per_expert.to(torch.int32), self._verdict(request)])
             gathered = self._all_gather(mine)
+            verdicts = gathered[:, -1].tolist()
+            if any(verdicts):
+                kinds = functools.reduce(operator.or_, verdicts)
+                raise checks.verdict_error([r for r, v in enumerate(verdicts) if v], kinds, num_experts)
             counts = gathered[:, :num_ranks]
             most_call_tokens = int(gathered[:, num_ranks].max())
             rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
@@ -308,9 +336,10 @@ class ReferenceBackend(Backend):
         num_ranks = self.ctx.num_ranks
         num_local_experts = num_experts // num_ranks
         num_topk = topk_idx.size(1)
-        valid = (topk_idx >= 0) & (self._first_choice(topk_idx) == torch.arange(num_topk, device=topk_idx.device))
+        valid = (topk_idx >= 0) & (topk_idx < num_experts) & \
+            (self._first_choice(topk_idx) == torch.arange(num_topk, device=topk_idx.device))
         if rank_mask is not None:
-            owner = topk_idx.clamp_min(0) // num_local_experts
+            owner = topk_idx.clamp(0, num_experts - 1) // num_local_experts
             valid = valid & (rank_mask[owner] == 0)
         experts = torch.where(valid, topk_idx, torch.full_like(topk_idx, num_experts)).flatten()
         sorted_expert, pair_of_sorted = torch.sort(experts, stable=True)
@@ -416,6 +445,8 @@ class ReferenceBackend(Backend):
             hook = receive
         else:
             receive()
+        if not _capturing(device) and bool(((topk_idx < -1) | (topk_idx >= num_experts)).any()):
+            raise checks.low_latency_bad_ids(self.ctx.rank, num_experts)
         handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk)
         return LowLatencyDispatchResult(packed_recv_x, packed_recv_x_scales, packed_recv_count, handle, hook)
 

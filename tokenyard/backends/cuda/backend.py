@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ... import env, workspace
+from ... import checks, env, workspace
 from ...errors import BackendUnavailableError, CommTimeoutError, InvalidInputError, TokenyardError
 from ...handle import DispatchHandle
 from ...jit import load
@@ -22,18 +22,21 @@ from ...waiting import wait_until
 from ..base import Backend, GroupContext
 from . import heuristics, kernels, plans, runtime
 
-HOST_COUNTS_INTS = 4 + 4096  # NOTE [notify]: call id, three counts, then the per-local-expert counts
+HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: call id, three counts, the verdict (two), per-local-expert counts
+_HOST_EXPERTS_AT = 6
 # The Stage enum of include/tokenyard/sync.cuh, by value.
 _STAGES = {1: "barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combine/receive",
            5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive", 7: "low_latency_combine/weights",
-           8: "low_latency_dispatch/expert_counts"}
+           8: "low_latency_dispatch/expert_counts", 9: "low_latency_dispatch/send"}
 _MASK32 = 0xFFFFFFFF
 
 # The inputs and per-call scalars of every dispatch plan (NOTE [call plans]), in the order a run passes them.
 DISPATCH_INPUTS = ("x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "num_tokens_per_expert",
                    "call_tokens_per_rank", "call_prefix_matrix", "recv_first", "cursor", "recv_x", "recv_x_scales",
-                   "recv_topk_idx", "recv_topk_weights", "recv_src_idx")
-DISPATCH_SCALARS = ("call_id", "notify_expected", "call_num_tokens", "seq", "num_worst", "token_base", "num_rows")
+                   "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "check_topk_idx", "check_in_rank",
+                   "check_per_rank", "check_per_expert")
+DISPATCH_SCALARS = ("call_id", "notify_expected", "call_num_tokens", "seq", "num_worst", "token_base", "num_rows",
+                    "check_tokens")
 COMBINE_INPUTS = ("x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "recv_first", "send_head",
                   "combined_x", "combined_topk_weights")
 
@@ -61,6 +64,8 @@ class DispatchShape:
     placed_rows: Optional[int]         # a later round: the whole call's tensors' rows
     placed_by_notify: bool             # the count exchange places the round (recv_first and cursor given)
     whole_call: bool                   # round 0: the whole call's counts are exchanged too
+    judged: bool                       # the count exchange judges the whole call's values (request.check)
+    judged_topk: bool                  # ... with its topk_idx
 
 
 class _CudaArray:
@@ -153,6 +158,9 @@ class CudaBackend(Backend):
         except runtime.RuntimeError_ as exc:
             raise BackendUnavailableError(f"could not map the peers' buffers: {exc}") from exc
         self.error_flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        # [layout's kLayoutBadIds, the last judged dispatch's mask of bad ranks] (NOTE [input verdict] in checks.py)
+        self.verdict = torch.zeros(2, dtype=torch.int32, device=ctx.device)
+        self._verdict_experts: Optional[int] = None  # num_experts of the last fresh dispatch, for messages
         self.host_record_ptr = runtime.host_alloc_mapped(8 * 4)
         self.host_record = runtime.int32_view(self.host_record_ptr, 8)
         self.host_counts_ptr = runtime.host_alloc_mapped(HOST_COUNTS_INTS * 4)
@@ -205,6 +213,16 @@ class CudaBackend(Backend):
                     f"rank {rank} received at least {seen} rows at {stage_name}, more than "
                     f"num_worst_tokens={expected}; "
                     "rows past it were dropped")
+            elif kind == 4:
+                mask = expected & _MASK32
+                error = checks.verdict_error([r for r in range(self.ctx.num_ranks) if mask >> r & 1], seen,
+                                             self._verdict_experts)
+                self._failure = InvalidInputError(f"{error} (a dispatch with num_worst_tokens, which does not wait "
+                                                  "for the counts, moved no rows; destroy this Buffer and make a new "
+                                                  "one)")
+            elif kind == 5:
+                self._failure = InvalidInputError(f"{checks.low_latency_bad_ids(rank, expected, seen)}; destroy "
+                                                  "this Buffer and make a new one")
             elif kind == 3:
                 self._failure = InvalidInputError(
                     f"rank {peer} dispatched with {seen} sending warps and rank {rank} with {expected}: every rank "
@@ -250,7 +268,8 @@ class CudaBackend(Backend):
             if num_tokens > 0:
                 b.launch(self._kernel(kernels.dispatch_layout(num_ranks, topk_dtype)),
                          heuristics.layout_grid(num_tokens, kernels.LAYOUT_THREADS, self.device_sms),
-                         (b.inp("topk_idx"), num_tokens, num_topk, num_experts, per_rank, per_expert, in_rank),
+                         (b.inp("topk_idx"), num_tokens, num_topk, num_experts, per_rank, per_expert, in_rank,
+                          self.verdict.data_ptr()),
                          shared_bytes=(num_experts + num_ranks) * 4)
             return b.build()
 
@@ -280,7 +299,8 @@ class CudaBackend(Backend):
             cached=cached, num_sms=request.config.num_sms,
             round_0=placement is not None and outputs is None, placed_rows=None if outputs is None else outputs[0].size(0),
             placed_by_notify=placement is not None and placement.cursor is not None,
-            whole_call=request.call is not None)
+            whole_call=request.call is not None, judged=request.check is not None,
+            judged_topk=request.check is not None and request.check.topk_idx is not None)
 
     def dispatch_plans(self, shape: DispatchShape) -> Tuple[plans.Plan, Optional[plans.Plan]]:
         """The plans of a dispatch of `shape` (inputs DISPATCH_INPUTS, scalars DISPATCH_SCALARS): the count
@@ -294,7 +314,7 @@ class CudaBackend(Backend):
         if m.num_topk > kernels.MAX_TOPK:
             raise InvalidInputError(f"the CUDA backend handles top-k up to {kernels.MAX_TOPK}, got {m.num_topk}")
         num_local_experts = m.num_experts // num_ranks
-        most_local_experts = min(HOST_COUNTS_INTS - 4, workspace.normal_max_local_experts(num_ranks))
+        most_local_experts = min(HOST_COUNTS_INTS - _HOST_EXPERTS_AT, workspace.normal_max_local_experts(num_ranks))
         if num_local_experts > most_local_experts:
             raise InvalidInputError(f"the CUDA backend handles up to {most_local_experts} experts per rank on "
                                     f"{num_ranks} ranks, got {num_local_experts}")
@@ -340,12 +360,15 @@ class CudaBackend(Backend):
             send_head = first.output("send_head", (T, num_ranks), torch.int32)
         placed = (first.inp("recv_first"), first.inp("cursor")) if m.placed_by_notify else (0, 0)
         call = ((first.inp("call_tokens_per_rank"), first.inp("call_prefix_matrix")) if m.whole_call else (0, 0))
-        first.launch(self._kernel(kernels.dispatch_notify(num_ranks)), num_ranks + 1, (
+        judged = tuple(first.inp(n) if m.judged else 0 for n in ("check_in_rank", "check_per_rank", "check_per_expert"))
+        first.launch(self._kernel(kernels.dispatch_notify(num_ranks, m.topk_dtype)), num_ranks + 1, (
             first.inp("is_token_in_rank"), T, 0 if m.cached else first.inp("num_tokens_per_expert"), m.num_experts,
             m.expert_alignment, prefix_excl, rank_prefix_matrix, source_num_tokens, counts, source_first,
-            first.scalar("call_num_tokens"), call[0], call[1], placed[0], placed[1], self.host_counts_ptr,
+            first.scalar("call_num_tokens"), call[0], call[1], placed[0], placed[1],
+            first.inp("check_topk_idx") if m.judged_topk else 0, m.num_topk, first.scalar("check_tokens"), *judged,
+            self.verdict.data_ptr(), int(m.judged and not cpu_wait), self.host_counts_ptr,
             first.scalar("call_id"), self.normal.bases_tensor.data_ptr(), rank, first.scalar("notify_expected"),
-            *self._wait_args()))
+            *self._wait_args()), shared_bytes=num_local_experts * 4 if m.judged else 0)
 
         # 2. The rows.
         def launch(b: plans.PlanBuilder, num_send_blocks: int, outputs, made_by_first: bool) -> None:
@@ -361,7 +384,8 @@ class CudaBackend(Backend):
                 int(own_rows_direct and not split),
                 num_send_warps, int(prefetch), int(peer_major),
                 self.normal.bases_tensor.data_ptr(), rank, layout.control_bytes, layout.region_bytes,
-                layout.slots_offset, layout.max_chunks, layout.row_bytes, b.scalar("seq"), *self._wait_args()))
+                layout.slots_offset, layout.max_chunks, layout.row_bytes, b.scalar("seq"),
+                0 if m.cached else self.verdict.data_ptr(), *self._wait_args()))
 
         def make_outputs(b: plans.PlanBuilder, num_rows):
             recv_x = b.output("recv_x", (num_rows, m.hidden), m.dtype)
@@ -390,40 +414,56 @@ class CudaBackend(Backend):
         return first_plan, second.build()
 
     def dispatch_scalars(self, num_tokens: int, call_num_tokens: Optional[int] = None, num_worst: int = 0,
-                         token_base: int = 0) -> list:
+                         token_base: int = 0, check_tokens: int = 0) -> list:
         """A dispatch's per-call values, DISPATCH_SCALARS (advancing the call counters)."""
         call_id = self._next("_notify_calls")
         return [call_id, (call_id * self.ctx.num_ranks) & _MASK32,
                 num_tokens if call_num_tokens is None else call_num_tokens, self._next("_seq"), num_worst, token_base,
-                0]
+                0, check_tokens]
+
+    def note_judged(self, num_experts: int) -> None:
+        """A dispatch whose values the notify kernel judges: its expert count names the range in the message
+        of a verdict recorded without a CPU wait (check_failures)."""
+        self._verdict_experts = num_experts
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         self.check_failures()
         num_ranks = self.ctx.num_ranks
         first, second = self.dispatch_plans(self.dispatch_shape(request))
-        placement, call, handle = request.placement, request.call, request.handle
+        placement, call, handle, check = request.placement, request.call, request.handle, request.check
         outputs = None if placement is None else placement.outputs
         inputs = (request.x, request.x_scales, None if handle is not None else request.topk_idx,
                   request.topk_weights, request.is_token_in_rank.contiguous(), request.num_tokens_per_expert,
                   None if call is None else call.tokens_per_rank, None if call is None else call.prefix_matrix,
                   None if placement is None else placement.recv_first,
                   None if placement is None else placement.cursor) + (outputs or (None,) * 5)
+        if check is None:
+            inputs += (None,) * 4
+        else:
+            inputs += (check.topk_idx, check.is_token_in_rank.contiguous(), check.num_tokens_per_rank,
+                       check.num_tokens_per_expert)
+            self.note_judged(request.num_experts)
         scalars = self.dispatch_scalars(request.x.size(0), None if call is None else call.num_tokens,
                                         request.num_worst_tokens if outputs is None else outputs[0].size(0),
-                                        0 if outputs is None else placement.token_base)
+                                        0 if outputs is None else placement.token_base,
+                                        0 if check is None else check.is_token_in_rank.size(0))
         call_id = scalars[0]
         stream = self._stream()
         made = first.named(first.run_here(stream, inputs, scalars))
         per_expert_list = most_call_tokens = None
         if second is not None:
             self._wait_host_counts(call_id)
+            if self.host_counts[4] != 0:  # NOTE [input verdict]: every rank raises; the Buffer stays usable
+                mask = int(self.host_counts[4]) & _MASK32
+                raise checks.verdict_error([r for r in range(num_ranks) if mask >> r & 1], int(self.host_counts[5]),
+                                           request.num_experts)
             num_rows, most_call_tokens = int(self.host_counts[1]), int(self.host_counts[2])
             if placement is not None:  # round 0 of a call in rounds: the whole call's rows, this round's placed
                 num_rows = int(self.host_counts[3])
                 scalars[4] = num_rows
             scalars[6] = num_rows
             num_local_experts = request.num_experts // num_ranks
-            per_expert_list = [int(self.host_counts[4 + l]) for l in range(num_local_experts)]
+            per_expert_list = [int(self.host_counts[_HOST_EXPERTS_AT + l]) for l in range(num_local_experts)]
             made.update(second.named(second.run_here(stream, inputs + tuple(made.values()), scalars)))
         elif handle is None and outputs is None and request.num_worst_tokens:
             per_expert_list = []

@@ -39,19 +39,23 @@ def dispatch_layout(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
         "tokenyard/kernels/dispatch_layout.cuh", "tokenyard::kernels::dispatch_layout", (num_ranks, topk_t),
         (Param(f"const {topk_t}*", "topk_idx"), Param("int", "num_tokens"), Param("int", "num_topk"),
          Param("int", "num_experts"), Param("int*", "num_tokens_per_rank"), Param("int*", "num_tokens_per_expert"),
-         Param("bool*", "is_token_in_rank")),
+         Param("bool*", "is_token_in_rank"), Param("int*", "verdict")),
         LAYOUT_THREADS)
 
 
 @functools.lru_cache(maxsize=None)
-def dispatch_notify(num_ranks: int) -> KernelSpec:
+def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
+    topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
-        "tokenyard/kernels/notify.cuh", "tokenyard::kernels::dispatch_notify", (num_ranks, NOTIFY_THREADS),
+        "tokenyard/kernels/notify.cuh", "tokenyard::kernels::dispatch_notify", (num_ranks, NOTIFY_THREADS, topk_t),
         (Param("const bool*", "is_token_in_rank"), Param("int", "num_tokens"),
          Param("const int*", "num_tokens_per_expert"), Param("int", "num_experts"), Param("int", "expert_alignment"),
          Param("int*", "prefix_excl"), Param("int*", "rank_prefix_matrix"), Param("int*", "source_num_tokens"),
          Param("int*", "counts"), Param("int*", "source_first"), Param("int", "call_num_tokens"), Param("const int*", "call_tokens_per_rank"),
          Param("int*", "call_prefix_matrix"), Param("int*", "recv_first"), Param("int*", "cursor"),
+         Param(f"const {topk_t}*", "check_topk_idx"), Param("int", "num_topk"), Param("int", "check_num_tokens"),
+         Param("const bool*", "check_in_rank"), Param("const int*", "check_per_rank"),
+         Param("const int*", "check_per_expert"), Param("int*", "verdict"), Param("int", "record_verdict"),
          Param("int*", "host_counts"), Param("uint32_t", "call_id"), Param("uint8_t* const*", "peer_bases"),
          Param("int", "rank"), Param("uint32_t", "notify_expected")) + _WAIT,
         NOTIFY_THREADS)
@@ -78,7 +82,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("const int*", "recv_first"),
          Param("int", "src_idx_base"), Param("int", "local_direct"),
          Param("int", "num_send_warps"), Param("int", "prefetch"), Param("int", "peer_major"))
-        + _BUFFERS + _WAIT,
+        + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT,
         DATA_THREADS)
 
 
@@ -154,7 +158,7 @@ def every_kernel():
     for ranks in (2, 4, 8):
         for dtype in (torch.int64, torch.int32):
             yield dispatch_layout(ranks, dtype)
-        yield dispatch_notify(ranks)
+            yield dispatch_notify(ranks, dtype)
         for pattern in COPY_PATTERNS:
             yield copy_to_peers(ranks, pattern)
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64)   # FP8 with scales, DeepSeek-V3

@@ -9,8 +9,11 @@ namespace tokenyard {
 
 // NOTE [error record]: int32 words in pinned host memory, read by backends/cuda/errors.py.
 //   [0] 0 = no error, 1 = timeout, 2 = more rows than the output holds (value seen > expected), 3 = a peer
-//   sent with another launch shape (value seen: its sending warps, expected: ours);  [1] rank;  [2] peer;
-//   [3] stage (Stage below);  [4] value seen;  [5] value expected.
+//   sent with another launch shape (value seen: its sending warps, expected: ours), 4 = a dispatch that
+//   does not wait for the CPU was given bad values (seen: the Verdict bits, expected: the mask of the ranks
+//   that gave them), 5 = a low-latency dispatch was given an expert id out of range (seen: the id,
+//   expected: num_experts);  [1] rank;  [2] peer;  [3] stage (Stage below);  [4] value seen;  [5] value
+//   expected.
 // The first failing wait wins a compare-and-swap on `error_flag` in device memory (atomics on host memory
 // need PCIe atomics, which a VM may lack) and then writes the host record with plain stores.
 enum Stage : int {
@@ -22,9 +25,25 @@ enum Stage : int {
     kStageLowLatencyCombineRecv = 6,
     kStageLowLatencyCombineWeights = 7,
     kStageLowLatencyDispatchCounts = 8,
+    kStageLowLatencyDispatchSend = 9,
 };
 
-enum ErrorKind : int { kErrorTimeout = 1, kErrorOverflow = 2, kErrorMismatch = 3 };
+enum ErrorKind : int {
+    kErrorTimeout = 1,
+    kErrorOverflow = 2,
+    kErrorMismatch = 3,
+    kErrorBadValues = 4,
+    kErrorBadLowLatencyIds = 5,
+};
+
+// NOTE [input verdict] in tokenyard/checks.py: what a rank's dispatch inputs got wrong, one bit each.
+enum Verdict : int {
+    kBadExpertId = 1,
+    kPerRankDisagrees = 2,
+    kPerExpertDisagrees = 4,
+    kInRankDisagrees = 8,
+    kLayoutBadIds = 16,
+};
 
 struct WaitContext {
     int* error_flag;          // device memory, 0 until a wait fails

@@ -31,6 +31,10 @@ namespace tokenyard::kernels {
 // the rows the whole call's tensors hold. The caller has filled the padding rows, so the kernel writes
 // none; a row past the tensors is dropped and recorded as an overflow error, as one-shot.
 //
+// A fresh dispatch's launches get `verdict`, where the count exchange left the mask of the ranks whose
+// inputs it judged bad (NOTE [input verdict] in tokenyard/checks.py): if any, every rank's launch moves
+// nothing.
+//
 // Outputs the caller does not want are null: recv_topk_weights without input weights, the metadata of a
 // cached dispatch.
 // Row layout (workspace.normal_dispatch_row_bytes): data (kDataInt4 vectors), then kNumScales 4-byte
@@ -106,9 +110,11 @@ __device__ __forceinline__ void dispatch(
         int* recv_src_idx, int* send_head, int num_worst_tokens, const int* recv_first, int src_idx_base,
         int local_direct, int num_send_warps, int prefetch, int peer_major, uint8_t* const* peer_bases, int rank,
         int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
-        uint32_t seq,
+        uint32_t seq, const int* verdict,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
+    if (verdict != nullptr && verdict[1] != 0)
+        return;
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     using Ranges = SenderRanges<kChunkTokens, kTailTokens>;
     // The first warp of destination q's sender group (NOTE [peer-major senders]).

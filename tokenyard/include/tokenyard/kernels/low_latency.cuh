@@ -428,6 +428,9 @@ __device__ __forceinline__ void low_latency_dispatch(
             for (int p = threadIdx.x; p < num_tokens * kNumTopk; p += blockDim.x) {
                 const int64_t e = static_cast<int64_t>(topk_idx[p]);
                 const int t = p / kNumTopk;
+                if (e < -1 || e >= num_experts)  // sent nowhere; this rank raises at its next call
+                    record_error(wait, kErrorBadLowLatencyIds, rank, kStageLowLatencyDispatchSend,
+                                 static_cast<uint32_t>(e), num_experts);
                 if (routed(e, num_experts, num_local_experts, rank_mask))
                     reinterpret_cast<int16_t*>(b.message(static_cast<int>(e / num_local_experts), rank, t) +
                                                kHeaderSlots)[p % kNumTopk] =

@@ -17,8 +17,8 @@ namespace tokenyard::kernels {
 // reached `notify_expected` (= calls so far * kNumRanks), then builds rank_prefix_matrix, the received
 // total, the whole call's rank_prefix_matrix (`call_prefix_matrix`, where given) and received total, the
 // largest call token count of any rank and the per-expert counts, and publishes them to the host:
-// host_counts = [call_id (last), received rows, most call tokens, whole call's received rows,
-// per-local-expert counts...].
+// host_counts = [call_id (last), received rows, most call tokens, whole call's received rows, mask of the
+// sources whose inputs were judged bad, their Verdict bits, per-local-expert counts...].
 // A fresh dispatch's handle also gets, where given, `counts[q]` = the tokens this rank sends to rank q and
 // `source_first[s]` = the first received row from source s (both [kNumRanks], written here rather than by
 // kernels of their own).
@@ -27,28 +27,100 @@ namespace tokenyard::kernels {
 // call's receive order, computed from the whole call's counts in round 0 (given call_tokens_per_rank) and
 // read from cursor in later rounds; then cursor[s] = recv_first[s] + the round's rows from s, for the next
 // round. So no round waits for the host to place it.
+// NOTE [input verdict] in tokenyard/checks.py: where given `check_in_rank` (a fresh dispatch's one-shot
+// request, or round 0 of its rounds), block q also judges column q of the whole call's inputs (ids in
+// range, is_token_in_rank[:, q] against the ids, the column's total against num_tokens_per_rank[q], the
+// pairs of rank q's experts against num_tokens_per_expert) and sends its Verdict bits with the counts; the
+// receiving block ORs every source's, publishes the mask of bad sources and their bits to the host, and
+// leaves the mask in verdict[1], which the data kernels of the call read to move nothing. Without
+// check_topk_idx, the ids get_dispatch_layout saw out of range (verdict[0], cleared here) stand for them.
+// `record_verdict`: no CPU wait follows (num_worst_tokens), so a bad verdict is also recorded as an error.
 // Notify data row of source s: kNumRanks counts, token count, call token count, kNumRanks call counts,
-// then the counts of the destination's experts. Since a rank only enters this kernel after its
+// kNumRanks verdicts, then the counts of the destination's experts. Since a rank only enters this kernel after its
 // previous normal-mode kernels finished, a completed notify also means every rank is done with the
 // buffer's previous contents: it is the barrier before the data kernel.
-template <int kNumRanks, int kNumThreads>
+// Block q's Verdict bits for column q of the whole call's inputs (NOTE [input verdict]); `expert_pairs`:
+// num_local_experts ints of shared memory.
+template <int kNumRanks, int kNumThreads, typename TopkT>
+__device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int num_topk, int num_tokens,
+                                            const bool* is_token_in_rank, const int* num_tokens_per_rank,
+                                            const int* num_tokens_per_expert, int num_experts, int* expert_pairs) {
+    __shared__ int column, bits;
+    const int num_local_experts = num_experts / kNumRanks;
+    const int64_t first = static_cast<int64_t>(q) * num_local_experts;
+    for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads)
+        expert_pairs[l] = 0;
+    if (threadIdx.x == 0)
+        column = bits = 0;
+    __syncthreads();
+    int mine = 0, bad = 0;
+    for (int t = threadIdx.x; t < num_tokens; t += kNumThreads) {
+        const bool in = is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + q];
+        mine += in;
+        if (topk_idx == nullptr)
+            continue;
+        bool hit = false;
+        for (int k = 0; k < num_topk; ++k) {
+            const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * num_topk + k]);
+            if (e < -1 || e >= num_experts) {
+                bad |= kBadExpertId;
+            } else if (e >= first && e < first + num_local_experts) {
+                hit = true;
+                atomicAdd(&expert_pairs[e - first], 1);
+            }
+        }
+        if (hit != in)
+            bad |= kInRankDisagrees;
+    }
+    atomicAdd(&column, mine);
+    if (bad != 0)
+        atomicOr(&bits, bad);
+    __syncthreads();
+    if (topk_idx != nullptr) {
+        for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads)
+            if (expert_pairs[l] != num_tokens_per_expert[first + l])
+                atomicOr(&bits, kPerExpertDisagrees);
+    }
+    if (threadIdx.x == 0 && column != num_tokens_per_rank[q])
+        atomicOr(&bits, kPerRankDisagrees);
+    __syncthreads();
+    return bits;
+}
+
+template <int kNumRanks, int kNumThreads, typename TopkT>
 __device__ __forceinline__ void dispatch_notify(
         const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
         int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens, int* counts,
         int* source_first, int call_num_tokens, const int* call_tokens_per_rank, int* call_prefix_matrix, int* recv_first, int* cursor,
+        const TopkT* check_topk_idx, int num_topk, int check_num_tokens, const bool* check_in_rank,
+        const int* check_per_rank, const int* check_per_expert, int* verdict, int record_verdict,
         int* host_counts,
         uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
     const NormalBuffers buffers{peer_bases, rank, 0, 0, 0, 0, 0};
     const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int num_local_experts = num_experts / kNumRanks;
-    constexpr int kCallCountsAt = kNumRanks + 2, kExpertsAt = 2 * kNumRanks + 2;
+    constexpr int kCallCountsAt = kNumRanks + 2, kVerdictAt = 2 * kNumRanks + 2, kExpertsAt = 3 * kNumRanks + 2;
+    constexpr int kHostExpertsAt = 6;
     const int stride = kExpertsAt + num_local_experts;
     __shared__ int scan[kNumThreads];
     __shared__ bool ok;
+    __shared__ int bad_sources, bad_bits;
+    extern __shared__ int expert_pairs[];  // [num_local_experts] where judging
 
     if (blockIdx.x < kNumRanks) {
         const int q = blockIdx.x;
+        int judged = 0;
+        if (check_in_rank != nullptr) {
+            judged = judge_column<kNumRanks, kNumThreads>(q, check_topk_idx, num_topk, check_num_tokens, check_in_rank,
+                                                          check_per_rank, check_per_expert, num_experts,
+                                                          expert_pairs);
+            if (q == 0 && check_topk_idx == nullptr)
+                judged |= verdict[0];
+            __syncthreads();
+            if (q == 0 && threadIdx.x == 0)
+                verdict[0] = 0;
+        }
         const int per_thread = (num_tokens + kNumThreads - 1) / kNumThreads;
         const int begin = min(num_tokens, static_cast<int>(threadIdx.x) * per_thread);
         const int end = min(num_tokens, begin + per_thread);
@@ -79,6 +151,7 @@ __device__ __forceinline__ void dispatch_notify(
             int* data = buffers.notify_data(threadIdx.x) + rank * stride;
             ptx::st_relaxed_sys(data + q, total);
             ptx::st_relaxed_sys(data + kCallCountsAt + q, call_tokens_per_rank != nullptr ? call_tokens_per_rank[q] : total);
+            ptx::st_relaxed_sys(data + kVerdictAt + q, judged);
             if (q == 0) {
                 ptx::st_relaxed_sys(data + kNumRanks, num_tokens);
                 ptx::st_relaxed_sys(data + kNumRanks + 1, call_num_tokens);
@@ -97,8 +170,10 @@ __device__ __forceinline__ void dispatch_notify(
     }
 
     // The receiving block.
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         ok = true;
+        bad_sources = bad_bits = 0;
+    }
     __syncthreads();
     if (threadIdx.x < kNumRanks &&
         !wait_at_least(wait, buffers.notify_flag(rank) + threadIdx.x, notify_expected, threadIdx.x, kStageNotify))
@@ -107,6 +182,16 @@ __device__ __forceinline__ void dispatch_notify(
     if (!ok)
         return;
     const int* data = buffers.notify_data(rank);
+    if (threadIdx.x < kNumRanks) {
+        const int s = threadIdx.x;
+        int bits = 0;
+        for (int q = 0; q < kNumRanks; ++q)
+            bits |= ptx::ld_na_s32(data + s * stride + kVerdictAt + q);
+        if (bits != 0) {
+            atomicOr(&bad_sources, 1 << s);
+            atomicOr(&bad_bits, bits);
+        }
+    }
     if (threadIdx.x < kNumRanks) {
         const int q = threadIdx.x;
         int running = 0, call_running = 0;
@@ -145,10 +230,16 @@ __device__ __forceinline__ void dispatch_notify(
         int count = 0;
         for (int s = 0; s < kNumRanks; ++s)
             count += ptx::ld_na_s32(data + s * stride + kExpertsAt + l);
-        host_counts[4 + l] = (count + expert_alignment - 1) / expert_alignment * expert_alignment;
+        host_counts[kHostExpertsAt + l] = (count + expert_alignment - 1) / expert_alignment * expert_alignment;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+        host_counts[4] = bad_sources;
+        host_counts[5] = bad_bits;
+        if (check_in_rank != nullptr)
+            verdict[1] = bad_sources;
+        if (record_verdict && bad_sources != 0)
+            record_error(wait, kErrorBadValues, __ffs(bad_sources) - 1, kStageNotify, bad_bits, bad_sources);
         ptx::fence_acq_rel_sys();
         ptx::st_relaxed_sys(reinterpret_cast<uint32_t*>(host_counts), call_id);
     }
