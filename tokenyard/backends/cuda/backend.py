@@ -368,7 +368,7 @@ class CudaBackend(Backend):
             first.inp("check_topk_idx") if m.judged_topk else 0, m.num_topk, first.scalar("check_tokens"), *judged,
             self.verdict.data_ptr(), int(m.judged and not cpu_wait), self.host_counts_ptr,
             first.scalar("call_id"), self.normal.bases_tensor.data_ptr(), rank, first.scalar("notify_expected"),
-            *self._wait_args()), shared_bytes=num_local_experts * 4 if m.judged else 0)
+            *self._wait_args()), shared_bytes=num_local_experts * 4 + kernels.JUDGE_WINDOW if m.judged else 0)
 
         # 2. The rows.
         def launch(b: plans.PlanBuilder, num_send_blocks: int, outputs, made_by_first: bool) -> None:

@@ -19,6 +19,7 @@ DATA_THREADS = 512
 LOW_LATENCY_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
 MAX_TOPK = 32  # one lane per top-k entry
+JUDGE_WINDOW = 8192  # tokens the notify kernel judges at once (a shared byte each, NOTE [input verdict])
 
 _TOPK_CTYPES = {torch.int64: "int64_t", torch.int32: "int"}
 
@@ -47,7 +48,8 @@ def dispatch_layout(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
 def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
-        "tokenyard/kernels/notify.cuh", "tokenyard::kernels::dispatch_notify", (num_ranks, NOTIFY_THREADS, topk_t),
+        "tokenyard/kernels/notify.cuh", "tokenyard::kernels::dispatch_notify",
+        (num_ranks, NOTIFY_THREADS, topk_t, JUDGE_WINDOW),
         (Param("const bool*", "is_token_in_rank"), Param("int", "num_tokens"),
          Param("const int*", "num_tokens_per_expert"), Param("int", "num_experts"), Param("int", "expert_alignment"),
          Param("int*", "prefix_excl"), Param("int*", "rank_prefix_matrix"), Param("int*", "source_num_tokens"),

@@ -39,38 +39,68 @@ namespace tokenyard::kernels {
 // kNumRanks verdicts, then the counts of the destination's experts. Since a rank only enters this kernel after its
 // previous normal-mode kernels finished, a completed notify also means every rank is done with the
 // buffer's previous contents: it is the barrier before the data kernel.
-// Block q's Verdict bits for column q of the whole call's inputs (NOTE [input verdict]); `expert_pairs`:
-// num_local_experts ints of shared memory.
-template <int kNumRanks, int kNumThreads, typename TopkT>
+// Block q's Verdict bits for column q of the whole call's inputs (NOTE [input verdict]), kJudgeWindow tokens
+// at a time; `shared`: dynamic shared memory of num_local_experts ints, then a byte per token of the window
+// (whether one of its ids names rank q's experts). The ids are read flat, a pair per thread
+// and four independent loads in flight per thread, since a scan that waits for one token's ids at a time
+// made the count exchange tens of microseconds slower.
+template <int kNumRanks, int kNumThreads, int kJudgeWindow, typename TopkT>
 __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int num_topk, int num_tokens,
                                             const bool* is_token_in_rank, const int* num_tokens_per_rank,
-                                            const int* num_tokens_per_expert, int num_experts, int* expert_pairs) {
+                                            const int* num_tokens_per_expert, int num_experts, int* shared) {
+    constexpr int kBatch = 4;
     __shared__ int column, bits;
     const int num_local_experts = num_experts / kNumRanks;
-    const int64_t first = static_cast<int64_t>(q) * num_local_experts;
+    const int first = q * num_local_experts;
+    int* expert_pairs = shared;
+    uint8_t* hits = reinterpret_cast<uint8_t*>(shared + num_local_experts);
     for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads)
         expert_pairs[l] = 0;
     if (threadIdx.x == 0)
         column = bits = 0;
-    __syncthreads();
     int mine = 0, bad = 0;
-    for (int t = threadIdx.x; t < num_tokens; t += kNumThreads) {
-        const bool in = is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + q];
-        mine += in;
-        if (topk_idx == nullptr)
-            continue;
-        bool hit = false;
-        for (int k = 0; k < num_topk; ++k) {
-            const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * num_topk + k]);
-            if (e < -1 || e >= num_experts) {
-                bad |= kBadExpertId;
-            } else if (e >= first && e < first + num_local_experts) {
-                hit = true;
-                atomicAdd(&expert_pairs[e - first], 1);
+    for (int w0 = 0; w0 < num_tokens; w0 += kJudgeWindow) {
+        const int w1 = min(num_tokens, w0 + kJudgeWindow);
+        for (int t = w0 + threadIdx.x; t < w1; t += kNumThreads)
+            hits[t - w0] = 0;
+        __syncthreads();
+        if (topk_idx != nullptr) {
+            const int p1 = w1 * num_topk;
+            for (int base = w0 * num_topk + threadIdx.x; base < p1; base += kBatch * kNumThreads) {
+                int64_t e[kBatch];
+#pragma unroll
+                for (int u = 0; u < kBatch; ++u) {
+                    const int p = base + u * kNumThreads;
+                    e[u] = p < p1 ? static_cast<int64_t>(topk_idx[p]) : -1;
+                }
+#pragma unroll
+                for (int u = 0; u < kBatch; ++u) {
+                    if (e[u] < -1 || e[u] >= num_experts) {
+                        bad |= kBadExpertId;
+                    } else if (e[u] >= first && e[u] < first + num_local_experts) {
+                        atomicAdd(&expert_pairs[e[u] - first], 1);
+                        hits[(base + u * kNumThreads) / num_topk - w0] = 1;
+                    }
+                }
             }
         }
-        if (hit != in)
-            bad |= kInRankDisagrees;
+        __syncthreads();
+        for (int base = w0 + threadIdx.x; base < w1; base += kBatch * kNumThreads) {
+            bool in[kBatch];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const int t = base + u * kNumThreads;
+                in[u] = t < w1 && is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + q];
+            }
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const int t = base + u * kNumThreads;
+                mine += in[u];
+                if (topk_idx != nullptr && t < w1 && (hits[t - w0] != 0) != in[u])
+                    bad |= kInRankDisagrees;
+            }
+        }
+        __syncthreads();
     }
     atomicAdd(&column, mine);
     if (bad != 0)
@@ -87,7 +117,7 @@ __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int nu
     return bits;
 }
 
-template <int kNumRanks, int kNumThreads, typename TopkT>
+template <int kNumRanks, int kNumThreads, typename TopkT, int kJudgeWindow>
 __device__ __forceinline__ void dispatch_notify(
         const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
         int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens, int* counts,
@@ -106,15 +136,15 @@ __device__ __forceinline__ void dispatch_notify(
     __shared__ int scan[kNumThreads];
     __shared__ bool ok;
     __shared__ int bad_sources, bad_bits;
-    extern __shared__ int expert_pairs[];  // [num_local_experts] where judging
+    extern __shared__ int judge_shared[];  // where judging: judge_column's
 
     if (blockIdx.x < kNumRanks) {
         const int q = blockIdx.x;
         int judged = 0;
         if (check_in_rank != nullptr) {
-            judged = judge_column<kNumRanks, kNumThreads>(q, check_topk_idx, num_topk, check_num_tokens, check_in_rank,
-                                                          check_per_rank, check_per_expert, num_experts,
-                                                          expert_pairs);
+            judged = judge_column<kNumRanks, kNumThreads, kJudgeWindow>(
+                    q, check_topk_idx, num_topk, check_num_tokens, check_in_rank, check_per_rank, check_per_expert,
+                    num_experts, judge_shared);
             if (q == 0 && check_topk_idx == nullptr)
                 judged |= verdict[0];
             __syncthreads();
