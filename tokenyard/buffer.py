@@ -449,9 +449,7 @@ class Buffer(LowLatencyCalls):
         result = self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                 topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                                 allocate_on_comm_stream)
-        if worst and self._last_rounds == 1 and not isinstance(x, list) and \
-                (x[1].dim() == 2 if isinstance(x, tuple) else True) and \
-                (x[0] if isinstance(x, tuple) else x).device == self.device:
+        if worst and self._last_rounds == 1 and self._learnable_x(x):
             data = x[0] if isinstance(x, tuple) else x
             request = DispatchRequest(
                 x=data, x_scales=x[1] if isinstance(x, tuple) else None, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -463,8 +461,7 @@ class Buffer(LowLatencyCalls):
             fast.learn_worst_dispatch(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                                       async_finish, self.runtime.dispatch_shape(request), result[4].rounds)
         if fast is not None and cached and self._last_rounds == 1 and getattr(handle, "fast_for", None) == self._id and \
-                not isinstance(x, list) and (x[1].dim() == 2 if isinstance(x, tuple) else True) and \
-                (x[0] if isinstance(x, tuple) else x).device == self.device:
+                self._learnable_x(x):
             data = x[0] if isinstance(x, tuple) else x
             request = DispatchRequest(x=data, x_scales=x[1] if isinstance(x, tuple) else None, topk_idx=None,
                                       topk_weights=None, num_tokens_per_rank=None,
@@ -473,6 +470,13 @@ class Buffer(LowLatencyCalls):
                                       config=config if config is not None else self.get_dispatch_config(self.group_size))
             fast.learn_cached_dispatch(x, handle, config, async_finish, self.runtime.dispatch_shape(request))
         return result
+
+    def _learnable_x(self, x) -> bool:
+        """A dispatch `x` whose call a fast path may record (NOTE [fast paths]): a tensor or a pair with 2-D
+        scales, on this Buffer's device."""
+        if isinstance(x, tuple):
+            return len(x) == 2 and x[1].dim() == 2 and x[0].device == self.device
+        return isinstance(x, torch.Tensor) and x.device == self.device
 
     @devices.runs_where_tensors_are("x")
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,

@@ -6,44 +6,10 @@
 
 namespace tokenyard::kernels {
 
-// NOTE [notify]
-// Grid of kNumRanks + 1 blocks. Block q (< kNumRanks) scans column q of is_token_in_rank into
-// prefix_excl[t][q] = tokens before t that go to rank q (row num_tokens holds the total), then writes
-// that total to every rank's notify data (row = this rank), with the same for the whole call this
-// request is round 0 of (`call_tokens_per_rank[q]`; NOTE [rounds] in rounds.py), and block 0 the token
-// counts (this request's, the whole call's); rank q's expert counts go to rank q. Last it adds 1 to every
-// rank's notify counter for this source. One-shot, the whole call is this request (null
-// call_tokens_per_rank, call_num_tokens = num_tokens). Block kNumRanks waits until every source's counter
-// reached `notify_expected` (= calls so far * kNumRanks), then builds rank_prefix_matrix, the received
-// total, the whole call's rank_prefix_matrix (`call_prefix_matrix`, where given) and received total, the
-// largest call token count of any rank and the per-expert counts, and publishes them to the host:
-// host_counts = [call_id (last), received rows, most call tokens, whole call's received rows, mask of the
-// sources whose inputs were judged bad, their Verdict bits, per-local-expert counts...].
-// A fresh dispatch's handle also gets, where given, `counts[q]` = the tokens this rank sends to rank q and
-// `source_first[s]` = the first received row from source s (both [kNumRanks], written here rather than by
-// kernels of their own).
-// A round of a fresh dispatch in rounds (NOTE [placed rounds] in rounds.py) also gets `recv_first` and
-// `cursor` (both or neither): recv_first[s] = where the round's rows from source s start in the whole
-// call's receive order, computed from the whole call's counts in round 0 (given call_tokens_per_rank) and
-// read from cursor in later rounds; then cursor[s] = recv_first[s] + the round's rows from s, for the next
-// round. So no round waits for the host to place it.
-// NOTE [input verdict] in tokenyard/checks.py: where given `check_in_rank` (a fresh dispatch's one-shot
-// request, or round 0 of its rounds), block q also judges column q of the whole call's inputs (ids in
-// range, is_token_in_rank[:, q] against the ids, the column's total against num_tokens_per_rank[q], the
-// pairs of rank q's experts against num_tokens_per_expert) and sends its Verdict bits with the counts; the
-// receiving block ORs every source's, publishes the mask of bad sources and their bits to the host, and
-// leaves the mask in verdict[1], which the data kernels of the call read to move nothing. Without
-// check_topk_idx, the ids get_dispatch_layout saw out of range (verdict[0], cleared here) stand for them.
-// `record_verdict`: no CPU wait follows (num_worst_tokens), so a bad verdict is also recorded as an error.
-// Notify data row of source s: kNumRanks counts, token count, call token count, kNumRanks call counts,
-// kNumRanks verdicts, then the counts of the destination's experts. Since a rank only enters this kernel after its
-// previous normal-mode kernels finished, a completed notify also means every rank is done with the
-// buffer's previous contents: it is the barrier before the data kernel.
 // Block q's Verdict bits for column q of the whole call's inputs (NOTE [input verdict]), kJudgeWindow tokens
 // at a time; `shared`: dynamic shared memory of num_local_experts ints, then a byte per token of the window
-// (whether one of its ids names rank q's experts). The ids are read flat, a pair per thread
-// and four independent loads in flight per thread, since a scan that waits for one token's ids at a time
-// made the count exchange tens of microseconds slower.
+// (whether one of its ids names rank q's experts). The ids are read flat, a pair per thread, with four
+// independent loads in flight per thread.
 template <int kNumRanks, int kNumThreads, int kJudgeWindow, typename TopkT>
 __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int num_topk, int num_tokens,
                                             const bool* is_token_in_rank, const int* num_tokens_per_rank,
@@ -117,6 +83,39 @@ __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int nu
     return bits;
 }
 
+// NOTE [notify]
+// Grid of kNumRanks + 1 blocks. Block q (< kNumRanks) scans column q of is_token_in_rank into
+// prefix_excl[t][q] = tokens before t that go to rank q (row num_tokens holds the total), then writes
+// that total to every rank's notify data (row = this rank), with the same for the whole call this
+// request is round 0 of (`call_tokens_per_rank[q]`; NOTE [rounds] in rounds.py), and block 0 the token
+// counts (this request's, the whole call's); rank q's expert counts go to rank q. Last it adds 1 to every
+// rank's notify counter for this source. One-shot, the whole call is this request (null
+// call_tokens_per_rank, call_num_tokens = num_tokens). Block kNumRanks waits until every source's counter
+// reached `notify_expected` (= calls so far * kNumRanks), then builds rank_prefix_matrix, the received
+// total, the whole call's rank_prefix_matrix (`call_prefix_matrix`, where given) and received total, the
+// largest call token count of any rank and the per-expert counts, and publishes them to the host:
+// host_counts = [call_id (last), received rows, most call tokens, whole call's received rows, mask of the
+// sources whose inputs were judged bad, their Verdict bits, per-local-expert counts...].
+// A fresh dispatch's handle also gets, where given, `counts[q]` = the tokens this rank sends to rank q and
+// `source_first[s]` = the first received row from source s (both [kNumRanks], written here rather than by
+// kernels of their own).
+// A round of a fresh dispatch in rounds (NOTE [placed rounds] in rounds.py) also gets `recv_first` and
+// `cursor` (both or neither): recv_first[s] = where the round's rows from source s start in the whole
+// call's receive order, computed from the whole call's counts in round 0 (given call_tokens_per_rank) and
+// read from cursor in later rounds; then cursor[s] = recv_first[s] + the round's rows from s, for the next
+// round. So no round waits for the host to place it.
+// NOTE [input verdict] in tokenyard/checks.py: where given `check_in_rank` (a fresh dispatch's one-shot
+// request, or round 0 of its rounds), block q also judges column q of the whole call's inputs (ids in
+// range, is_token_in_rank[:, q] against the ids, the column's total against num_tokens_per_rank[q], the
+// pairs of rank q's experts against num_tokens_per_expert) and sends its Verdict bits with the counts; the
+// receiving block ORs every source's, publishes the mask of bad sources and their bits to the host, and
+// leaves the mask in verdict[1], which the data kernels of the call read to move nothing. Without
+// check_topk_idx, the ids get_dispatch_layout saw out of range (verdict[0], cleared here) stand for them.
+// `record_verdict`: no CPU wait follows (num_worst_tokens), so a bad verdict is also recorded as an error.
+// Notify data row of source s: kNumRanks counts, token count, call token count, kNumRanks call counts,
+// kNumRanks verdicts, then the counts of the destination's experts. Since a rank only enters this kernel
+// after its previous normal-mode kernels finished, a completed notify also means every rank is done with
+// the buffer's previous contents: it is the barrier before the data kernel.
 template <int kNumRanks, int kNumThreads, typename TopkT, int kJudgeWindow>
 __device__ __forceinline__ void dispatch_notify(
         const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
