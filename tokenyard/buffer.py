@@ -166,6 +166,7 @@ class Buffer(LowLatencyCalls):
         self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._fast = None  # NOTE [fast paths]
         self._last_rounds = 0
+        self._learnable_shape = None  # the CUDA backend's DispatchShape of the last cached or worst-case dispatch
         if self.backend == "cuda":
             from .fast_paths import FastPaths
 
@@ -450,25 +451,11 @@ class Buffer(LowLatencyCalls):
                                 topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                                 allocate_on_comm_stream)
         if worst and self._last_rounds == 1 and self._learnable_x(x):
-            data = x[0] if isinstance(x, tuple) else x
-            request = DispatchRequest(
-                x=data, x_scales=x[1] if isinstance(x, tuple) else None, topk_idx=topk_idx, topk_weights=topk_weights,
-                num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-                num_tokens_per_expert=num_tokens_per_expert, handle=None, expert_alignment=expert_alignment,
-                num_worst_tokens=num_worst_tokens,
-                config=config if config is not None else self.get_dispatch_config(self.group_size),
-                check=LayoutCheck(topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
             fast.learn_worst_dispatch(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                      async_finish, self.runtime.dispatch_shape(request), result[4].rounds)
+                                      async_finish, self._learnable_shape, result[4].rounds)
         if fast is not None and cached and self._last_rounds == 1 and getattr(handle, "fast_for", None) == self._id and \
                 self._learnable_x(x):
-            data = x[0] if isinstance(x, tuple) else x
-            request = DispatchRequest(x=data, x_scales=x[1] if isinstance(x, tuple) else None, topk_idx=None,
-                                      topk_weights=None, num_tokens_per_rank=None,
-                                      is_token_in_rank=handle.is_token_in_rank, num_tokens_per_expert=None,
-                                      handle=handle, expert_alignment=1, num_worst_tokens=0,
-                                      config=config if config is not None else self.get_dispatch_config(self.group_size))
-            fast.learn_cached_dispatch(x, handle, config, async_finish, self.runtime.dispatch_shape(request))
+            fast.learn_cached_dispatch(x, handle, config, async_finish, self._learnable_shape)
         return result
 
     def _learnable_x(self, x) -> bool:
@@ -521,11 +508,8 @@ class Buffer(LowLatencyCalls):
             if self._check_values():  # the debug mode's host checks (NOTE [input verdict] in checks.py)
                 if topk_idx is not None:
                     checks.topk_values(topk_idx, num_experts)
-                    checks.layout_agrees(topk_idx, num_experts, self.group_size,
-                                         num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
-                                         num_tokens_per_expert=num_tokens_per_expert)
-                elif not torch.equal(is_token_in_rank.sum(0, dtype=torch.int32), num_tokens_per_rank):
-                    raise InvalidInputError("num_tokens_per_rank disagrees with is_token_in_rank")
+                checks.layout_agrees(topk_idx, num_experts, num_tokens_per_rank, is_token_in_rank,
+                                     num_tokens_per_expert)
         scale_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
         row_bytes = workspace.normal_dispatch_row_bytes(x.size(1) * x.element_size(), scale_bytes, num_topk)
         paired_row_bytes = None if handle is not None else workspace.normal_combine_row_bytes(x.size(1), num_topk)
@@ -548,6 +532,8 @@ class Buffer(LowLatencyCalls):
                                   config=config,
                                   check=None if handle is not None else LayoutCheck(
                                       topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
+        if self._fast is not None and (handle is not None or num_worst_tokens):  # what a fast path would record
+            self._learnable_shape = self.runtime.dispatch_shape(request)
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
             if handle is None:

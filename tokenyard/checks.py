@@ -65,22 +65,6 @@ def num_experts(value: int, num_ranks: int) -> int:
     return value
 
 
-def layout_agrees(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, **layout: torch.Tensor) -> None:
-    """The layout tensors a dispatch was given equal the layout of its `topk_idx` (routing.dispatch_layout); a
-    value check, which syncs the device (run where `Buffer(check_inputs=...)` says).
-
-    Raises:
-        InvalidInputError: naming the first that disagrees: rows would be dropped or miscounted otherwise.
-    """
-    from .routing import dispatch_layout
-
-    per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, num_ranks)
-    for name, want in (("is_token_in_rank", in_rank), ("num_tokens_per_rank", per_rank),
-                       ("num_tokens_per_expert", per_expert)):
-        if not torch.equal(layout[name], want):
-            _fail(f"{name} disagrees with topk_idx (pass what get_dispatch_layout(topk_idx, num_experts) returned)")
-
-
 # NOTE [input verdict]
 # A fresh dispatch's values (expert ids in [-1, E); num_tokens_per_rank, is_token_in_rank and
 # num_tokens_per_expert equal to the layout of its topk_idx) are checked where they are read, without a host
@@ -99,9 +83,8 @@ IN_RANK_DISAGREES = 8
 LAYOUT_BAD_IDS = 16
 
 
-def verdict_error(bad_ranks: Sequence[int], kinds: int, num_experts: Optional[int]) -> InvalidInputError:
-    """The error every rank raises for a fresh dispatch in which `bad_ranks` gave values with the `kinds`
-    bits of NOTE [input verdict]."""
+def _verdict_text(kinds: int, num_experts: Optional[int]) -> str:
+    """What the `kinds` bits of NOTE [input verdict] say was wrong."""
     experts = f"[-1, {num_experts})" if num_experts is not None else "[-1, num_experts)"
     what = [text for bit, text in (
         (BAD_EXPERT_ID, f"topk_idx holds expert ids outside {experts}"),
@@ -109,10 +92,32 @@ def verdict_error(bad_ranks: Sequence[int], kinds: int, num_experts: Optional[in
         (PER_RANK_DISAGREES, "num_tokens_per_rank disagrees with is_token_in_rank"),
         (PER_EXPERT_DISAGREES, "num_tokens_per_expert disagrees with topk_idx"),
         (IN_RANK_DISAGREES, "is_token_in_rank disagrees with topk_idx")) if kinds & bit]
-    ranks = ", ".join(str(r) for r in bad_ranks)
     hint = "" if kinds == BAD_EXPERT_ID else " (pass what get_dispatch_layout(topk_idx, num_experts) returned)"
+    return "; ".join(what) + hint
+
+
+def verdict_error(bad_ranks: Sequence[int], kinds: int, num_experts: Optional[int]) -> InvalidInputError:
+    """The error every rank raises for a fresh dispatch in which `bad_ranks` gave values with the `kinds`
+    bits of NOTE [input verdict]."""
+    ranks = ", ".join(str(r) for r in bad_ranks)
     return InvalidInputError(f"dispatch refused on every rank: rank{'s' if len(bad_ranks) > 1 else ''} {ranks} "
-                             f"gave bad values: {'; '.join(what)}{hint}")
+                             f"gave bad values: {_verdict_text(kinds, num_experts)}")
+
+
+def ranks_in(mask: int, num_ranks: int) -> list:
+    """The ranks whose bits are set in a mask of ranks."""
+    return [r for r in range(num_ranks) if mask >> r & 1]
+
+
+def layout_agrees(topk_idx: Optional[torch.Tensor], num_experts: int, num_tokens_per_rank: torch.Tensor,
+                  is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> None:
+    """The debug mode's host check of a dispatch's layout tensors: the judgement of NOTE [input verdict], read
+    on the host (a device sync) and refused on this rank before any communication."""
+    from .routing import layout_verdict
+
+    kinds = int(layout_verdict(topk_idx, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
+    if kinds:
+        _fail(_verdict_text(kinds, num_experts))
 
 
 def low_latency_bad_ids(rank: int, num_experts, seen: Optional[int] = None) -> InvalidInputError:
@@ -151,7 +156,9 @@ def topk_values(t: torch.Tensor, num_experts: int) -> None:
         return
     low, high = (int(v) for v in torch.aminmax(t))
     if low < -1 or high >= num_experts:
-        bad = t[(t < -1) | (t >= num_experts)].flatten()[0].item()
+        from .routing import bad_expert_ids
+
+        bad = t[bad_expert_ids(t, num_experts)].flatten()[0].item()
         _fail(f"topk_idx holds expert id {bad}, outside [-1, {num_experts})")
 
 

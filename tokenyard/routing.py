@@ -48,6 +48,11 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
 
+def bad_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Where `topk_idx` holds an id outside [-1, num_experts) (bool, its shape)."""
+    return (topk_idx < -1) | (topk_idx >= num_experts)
+
+
 def layout_verdict(topk_idx: Optional[torch.Tensor], num_experts: int, num_tokens_per_rank: torch.Tensor,
                    is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """Per rank. The NOTE [input verdict] bits (checks.py) of a fresh dispatch's inputs, as an int32 0-D tensor
@@ -58,7 +63,7 @@ def layout_verdict(topk_idx: Optional[torch.Tensor], num_experts: int, num_token
     num_ranks = is_token_in_rank.size(1)
     tests = [(checks.PER_RANK_DISAGREES, (is_token_in_rank.sum(0, dtype=torch.int32) != num_tokens_per_rank).any())]
     if topk_idx is not None:
-        bad = (topk_idx < -1) | (topk_idx >= num_experts)
+        bad = bad_expert_ids(topk_idx, num_experts)
         _, per_expert, in_rank = dispatch_layout(torch.where(bad, -1, topk_idx), num_experts, num_ranks)
         tests += [(checks.BAD_EXPERT_ID, bad.any()),
                   (checks.PER_EXPERT_DISAGREES, (per_expert != num_tokens_per_expert).any()),

@@ -88,7 +88,7 @@ class ReferenceBackend(Backend):
     # -- normal mode ----------------------------------------------------------------------------------
 
     def get_dispatch_layout(self, topk_idx, num_experts):
-        bad = (topk_idx < -1) | (topk_idx >= num_experts)  # counted nowhere, judged by the next fresh dispatch
+        bad = routing.bad_expert_ids(topk_idx, num_experts)  # counted nowhere, judged by the next fresh dispatch
         seen = bad.any()
         self._layout_bad_ids = seen if self._layout_bad_ids is None else self._layout_bad_ids | seen
         return routing.dispatch_layout(torch.where(bad, -1, topk_idx), num_experts, self.ctx.num_ranks)
@@ -445,7 +445,7 @@ class ReferenceBackend(Backend):
             hook = receive
         else:
             receive()
-        if not _capturing(device) and bool(((topk_idx < -1) | (topk_idx >= num_experts)).any()):
+        if not _capturing(device) and bool(routing.bad_expert_ids(topk_idx, num_experts).any()):
             raise checks.low_latency_bad_ids(self.ctx.rank, num_experts)
         handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk)
         return LowLatencyDispatchResult(packed_recv_x, packed_recv_x_scales, packed_recv_count, handle, hook)

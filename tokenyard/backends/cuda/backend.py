@@ -215,8 +215,7 @@ class CudaBackend(Backend):
                     "rows past it were dropped")
             elif kind == 4:
                 mask = expected & _MASK32
-                error = checks.verdict_error([r for r in range(self.ctx.num_ranks) if mask >> r & 1], seen,
-                                             self._verdict_experts)
+                error = checks.verdict_error(checks.ranks_in(mask, self.ctx.num_ranks), seen, self._verdict_experts)
                 self._failure = InvalidInputError(f"{error} (a dispatch with num_worst_tokens, which does not wait "
                                                   "for the counts, moved no rows; destroy this Buffer and make a new "
                                                   "one)")
@@ -455,7 +454,7 @@ class CudaBackend(Backend):
             self._wait_host_counts(call_id)
             if self.host_counts[4] != 0:  # NOTE [input verdict]: every rank raises; the Buffer stays usable
                 mask = int(self.host_counts[4]) & _MASK32
-                raise checks.verdict_error([r for r in range(num_ranks) if mask >> r & 1], int(self.host_counts[5]),
+                raise checks.verdict_error(checks.ranks_in(mask, num_ranks), int(self.host_counts[5]),
                                            request.num_experts)
             num_rows, most_call_tokens = int(self.host_counts[1]), int(self.host_counts[2])
             if placement is not None:  # round 0 of a call in rounds: the whole call's rows, this round's placed
