@@ -34,6 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 CALLS = ("layout", "dispatch_cached", "dispatch_worst", "combine", "low_latency_dispatch", "low_latency_combine")
 WARMUP = 20
 PROFILE_TOKENS = 4096
+# NOTE [launch queue]: a call whose GPU work outlasts its host work fills the stream's launch queue within a
+# few hundred back-to-back calls, after which a launch waits for room and the host time per call becomes the
+# GPU time. The median of the first EARLY_CALLS timed calls (after the warm-ups) is reported beside the
+# median of all, to tell the two apart.
+EARLY_CALLS = 50
 LOW_LATENCY_MEMORY_SHARE = 0.4  # of the GPU's memory, at most, for the low-latency buffer and its outputs
 
 
@@ -65,7 +70,8 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
             torch.cuda.synchronize(device)
 
     results = {name: {} for name in CALLS}
-    extra = {}
+    early = {name: {} for name in CALLS}  # NOTE [launch queue]
+    extra = {"early": early}
     for num_tokens in token_counts:
         ll_bytes = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
         with_low_latency = 3 * ll_bytes <= LOW_LATENCY_MEMORY_SHARE * memory * (num_ranks if not gpu else 1)
@@ -98,7 +104,7 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
             ops["low_latency_combine"] = lambda: buffer.low_latency_combine(ll_out, ll_idx, ll_w, ll_handle)
         for name in CALLS:
             if name not in ops:
-                results[name][str(num_tokens)] = None  # the low-latency buffer would not fit
+                results[name][str(num_tokens)] = early[name][str(num_tokens)] = None  # the buffer would not fit
                 continue
             op = ops[name]
             for _ in range(WARMUP):
@@ -112,6 +118,7 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
                 times.append(time.perf_counter() - start)
             sync()
             results[name][str(num_tokens)] = statistics.median(times) * 1e6
+            early[name][str(num_tokens)] = statistics.median(times[:EARLY_CALLS]) * 1e6
         if num_tokens == profile_tokens:
             extra["call_vs_kernel"] = _call_vs_kernel(ops, iters, gpu, device) if gpu else None
             extra["profile"] = {}
@@ -132,8 +139,8 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
 
 
 def _call_vs_kernel(ops, iters: int, gpu: bool, device):
-    """Per call: the median CUDA-event time around each of back-to-back calls, and the median summed time of
-    its kernels (µs)."""
+    """Per call: the median CUDA-event time around each of back-to-back calls, the median summed time of
+    its kernels, and each kernel's mean time per call (µs; other kernels than tokenyard's too)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -155,15 +162,18 @@ def _call_vs_kernel(ops, iters: int, gpu: bool, device):
                 marker.neg_()  # marks the start of a call
                 op()
             torch.cuda.synchronize(device)
-        per_call = []
+        per_call, by_name = [], {}
         for event in sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                             key=lambda e: e.time_range.start):
             if "neg" in event.name:
                 per_call.append(0.0)
-            elif per_call and event.name.startswith("tokenyard_"):
+                continue
+            by_name[event.name[:48]] = by_name.get(event.name[:48], 0.0) + event.time_range.elapsed_us() / iters
+            if per_call and event.name.startswith("tokenyard_"):
                 per_call[-1] += event.time_range.elapsed_us()
         kernel_us = statistics.median(per_call) if len(per_call) == iters else None
-        out[name] = {"call_us": call_us, "kernel_us": kernel_us}
+        out[name] = {"call_us": call_us, "kernel_us": kernel_us,
+                     "kernels": {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}}
     return out
 
 
@@ -195,13 +205,20 @@ def main() -> None:
         cells = calls[name]["tokens"]
         print(f"  {name:<22}" + "".join(f"{'-' if cells[str(t)] is None else format(cells[str(t)], '.1f'):>10}"
                                         for t in token_counts))
+    early = {name: {t: (max(r["early"][name][t] for r in per_rank) if per_rank[0]["early"][name][t] is not None
+                        else None) for t in per_rank[0]["early"][name]} for name in CALLS}
+    print(f"the same, median of the first {EARLY_CALLS} timed calls (NOTE [launch queue]):")
+    for name in CALLS:
+        print(f"  {name:<22}" + "".join(f"{'-' if early[name][str(t)] is None else format(early[name][str(t)], '.1f'):>10}"
+                                        for t in token_counts))
     rank0 = per_rank[0]
     if rank0.get("call_vs_kernel"):
         print(f"\nat {profile_tokens} tokens, back to back (rank 0): call time (CUDA events) vs kernel time, µs")
         for name, entry in rank0["call_vs_kernel"].items():
             kernel = entry["kernel_us"]
             print(f"  {name:<22} call {entry['call_us']:9.1f}   kernels "
-                  f"{'-' if kernel is None else format(kernel, '9.1f')}")
+                  f"{'-' if kernel is None else format(kernel, '9.1f')}   "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in entry.get("kernels", {}).items()))
     for name, rows in (rank0.get("profile") or {}).items():
         print(f"\n=== where the host time goes: {name} at {profile_tokens} tokens (rank 0, cProfile, µs per call) ===")
         print(f"  {'own':>7} {'cumul':>7} {'calls':>6}  function")
@@ -219,7 +236,8 @@ def main() -> None:
                                     "num_experts": 256 if not args.cpu else 16, "num_topk": 8 if not args.cpu else 4,
                                     "dispatch_dtype": "fp8", "buffer": "defaults (check_inputs as configured)",
                                     "timing": "time.perf_counter around each of back-to-back calls, median"},
-                       "calls": calls, "call_vs_kernel": rank0.get("call_vs_kernel"),
+                       "calls": calls, "first_calls": {"num_calls": EARLY_CALLS, "tokens": early},
+                       "call_vs_kernel": rank0.get("call_vs_kernel"),
                        "profile": rank0.get("profile")}, f, indent=1)
 
 

@@ -14,7 +14,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import checks, devices, env, rounds, workspace
+from . import checks, devices, env, ops, rounds, workspace
 from .backends import create_backend
 from .backends.base import GroupContext
 from .collectives import Collectives, choose_mode
@@ -147,6 +147,7 @@ class Buffer(LowLatencyCalls):
         self.check_inputs = settings.check_inputs if check_inputs is None else bool(check_inputs)
         self.device = _chosen_device(device)
         self._id = next(_buffer_ids)
+        ops.register(self)
         self._twin: Optional["Buffer"] = None
         if ranks_per_node is None and settings.ranks_per_node:
             ranks_per_node = settings.ranks_per_node
@@ -373,6 +374,8 @@ class Buffer(LowLatencyCalls):
         Raises:
             InvalidInputError: bad dtype/shape/device, ids outside [-1, E), E not divisible by R.
         """
+        if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
+            return ops.get_dispatch_layout(self, topk_idx, num_experts)
         if self._fast is not None and not allocate_on_comm_stream and not self.check_inputs:  # NOTE [fast paths]
             result = self._fast.layout(topk_idx, num_experts, previous_event, async_finish)
             if result is not None:
@@ -434,6 +437,9 @@ class Buffer(LowLatencyCalls):
             InvalidInputError, HandleError, CapacityError (not one row fits, or `per_round_tokens` is above
             what fits): before any communication.
         """
+        if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
+            return ops.dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                topk_weights, expert_alignment, num_worst_tokens)
         fast = self._fast if not allocate_on_comm_stream else None  # NOTE [fast paths]
         cached = handle is not None and topk_idx is None and topk_weights is None
         if fast is not None and cached:
@@ -579,6 +585,8 @@ class Buffer(LowLatencyCalls):
         Raises:
             InvalidInputError, HandleError, CapacityError: before any communication.
         """
+        if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
+            return ops.combine(self, x, handle, topk_weights, bias)
         fast = self._fast if not allocate_on_comm_stream else None  # NOTE [fast paths]
         if fast is not None:
             result = fast.combine(x, handle, topk_weights, bias, config, previous_event, async_finish)

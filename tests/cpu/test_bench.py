@@ -34,7 +34,7 @@ def test_bench_command_on_two_gloo_ranks_writes_table_json_and_png(tmp_path):
                       "--num_topk", "2", "--iters", "2", "--warmup", "1", "--json", str(json_path),
                       "--plot", str(png_path), "--quiet")
     assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert "reference" in done.stdout and "dispatch_cached" in done.stdout, done.stdout
+    assert "reference" in done.stdout and "dispatch_cached_back_to_back" in done.stdout, done.stdout
 
     doc = json.loads(json_path.read_text())
     for key in ("commit", "device", "date", "settings", "num_ranks", "num_tokens", "hidden", "num_topk",
@@ -50,9 +50,11 @@ def test_bench_command_on_two_gloo_ranks_writes_table_json_and_png(tmp_path):
     assert settings["iters"] == 2 and settings["quiet"] is True and settings["dtype"] == "fp8"
 
     for op in ("dispatch", "combine"):
-        _assert_positive_op(doc["nccl"][op], f"nccl.{op}")
+        for timed in (op, op + "_back_to_back"):
+            _assert_positive_op(doc["nccl"][timed], f"nccl.{timed}")
     for op in ("dispatch", "dispatch_cached", "combine"):
-        _assert_positive_op(doc["reference"][op], f"reference.{op}")
+        for timed in (op, op + "_back_to_back"):
+            _assert_positive_op(doc["reference"][timed], f"reference.{timed}")
     low_latency = doc["reference"]["low_latency"]
     assert low_latency["dispatch_us"] > 0 and low_latency["combine_us"] > 0
     assert low_latency["dispatch_graph_us"] is None and low_latency["combine_graph_us"] is None

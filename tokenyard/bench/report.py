@@ -5,19 +5,22 @@ The JSON document (`build`), one entry ``{us, nvlink_gbps, logical_gbps, num_sms
 
     commit, device, date, settings, env (the TOKENYARD_* variables set), num_ranks, num_tokens,
     num_tokens_low_latency, hidden, num_topk, num_experts, dtype, copy_limit_gbps
-    nccl:        {backend ("nccl" or "gloo"), dispatch, combine, dispatch_kernel, combine_kernel}
+    nccl:        {backend ("nccl" or "gloo"), dispatch, combine, dispatch_back_to_back, combine_back_to_back,
+                  dispatch_kernel, combine_kernel}
                  the all_to_all_single baseline
     reference, tokenyard (the CUDA backend), for each backend run:
-                 {dispatch, dispatch_cached, combine, dispatch_kernel, dispatch_cached_kernel, combine_kernel,
+                 {dispatch, dispatch_cached, combine, *_back_to_back and *_kernel of each,
                   low_latency: {dispatch_us, combine_us, dispatch_graph_us, combine_graph_us,
                                 dispatch_graph_kernel_us, combine_graph_kernel_us,
                                 dispatch_nvlink_gbps, dispatch_logical_gbps, combine_nvlink_gbps,
                                 combine_logical_gbps, graph_error}}
     compare_sm:  {backend key: [{num_sms, dispatch, dispatch_cached, combine, *_kernel}, ...]}  (compare_sm mode)
 
-An op's plain entry is timed with CUDA events around the call (host work before its first kernel
-included); ``*_kernel`` is the GPU time of its own kernels from the profiler, as DeepEP reports
-(tokenyard/bench/timing.py). Kernel times exist on GPUs for the CUDA backend and NCCL's all-to-all.
+An op's plain entry is timed with CUDA events around the call after a barrier (host work before its first
+kernel included); ``*_back_to_back`` with the same events around calls made one after another with no
+barrier between them, as DeepEP's harness times calls; ``*_kernel`` is the GPU time of its own kernels
+from the profiler, as DeepEP reports (tokenyard/bench/timing.py). Kernel times exist on GPUs for the CUDA
+backend and NCCL's all-to-all.
     affinity:    [each rank's tokenyard.affinity.Binding.as_dict()]                   (with --bind)
 """
 
@@ -33,10 +36,15 @@ from typing import List, Optional, Tuple
 
 from . import bandwidth
 from .options import BenchSettings
-from .runner import KERNEL_SUFFIX, NORMAL_OPS
+from .runner import BACK_TO_BACK_SUFFIX, KERNEL_SUFFIX, NORMAL_OPS
 
-OPS = NORMAL_OPS + tuple(op + KERNEL_SUFFIX for op in NORMAL_OPS)
-BASELINE_OPS = ("dispatch", "combine", "dispatch" + KERNEL_SUFFIX, "combine" + KERNEL_SUFFIX)
+
+def _timed_ways(ops):
+    return tuple(ops) + tuple(op + BACK_TO_BACK_SUFFIX for op in ops) + tuple(op + KERNEL_SUFFIX for op in ops)
+
+
+OPS = _timed_ways(NORMAL_OPS)
+BASELINE_OPS = _timed_ways(("dispatch", "combine"))
 
 BACKEND_KEYS = {"reference": "reference", "cuda": "tokenyard"}
 LOW_LATENCY_TABLE_OPS = (("ll_dispatch", "dispatch"), ("ll_combine", "combine"),

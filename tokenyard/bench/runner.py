@@ -33,6 +33,7 @@ NORMAL_OPS = ("dispatch", "dispatch_cached", "combine")
 LOW_LATENCY_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_graph", "ll_combine_graph")
 HOOK_OP = "ll_hook_graph"  # dispatch and combine with return_recv_hook=True, both hooks called, as one graph
 KERNEL_SUFFIX = "_kernel"  # the same operation timed as the GPU time of its kernels (timing.kernel_medians)
+BACK_TO_BACK_SUFFIX = "_back_to_back"  # timed with no barrier between calls (timing.back_to_back_medians)
 TOKENYARD_KERNELS = ("tokenyard_",)
 NCCL_ALL_TO_ALL_KERNELS = ("ncclDevKernel_SendRecv", "ncclKernel_SendRecv")
 LOW_LATENCY_SEED_OFFSET = 1 << 20  # a backend's low-latency problem: its seed plus this
@@ -76,14 +77,28 @@ class RankContext:
     def kernel_medians(self, steps, prefixes) -> List[Optional[float]]:
         return self.timer.kernel_medians(steps, self.settings.iters, prefixes)
 
+    def back_to_back_medians(self, steps) -> List[float]:
+        return self.timer.back_to_back_medians(steps, self.settings.iters, self.settings.warmup)
 
-def with_kernel_times(samples: Dict[str, bandwidth.Sample], kernel_times) -> Dict[str, bandwidth.Sample]:
-    """`samples` plus, for each op whose kernels were timed, ``op + KERNEL_SUFFIX`` with the same bytes."""
+
+def with_times(samples: Dict[str, bandwidth.Sample], times, suffix: str) -> Dict[str, bandwidth.Sample]:
+    """`samples` plus, for each op timed again another way (`times`, None where not), ``op + suffix`` with
+    the same bytes."""
     out = dict(samples)
-    for (op, sample), seconds in zip(samples.items(), kernel_times):
+    for (op, sample), seconds in zip(samples.items(), times):
         if seconds is not None:
-            out[op + KERNEL_SUFFIX] = (seconds, *sample[1:])
+            out[op + suffix] = (seconds, *sample[1:])
     return out
+
+
+def with_other_times(ctx: RankContext, samples: Dict[str, bandwidth.Sample], steps,
+                     kernels: Optional[Tuple[str, ...]]) -> Dict[str, bandwidth.Sample]:
+    """`samples` (one per step) plus each step's back-to-back time and, with `kernels` (name prefixes), the
+    GPU time of those kernels."""
+    out = with_times(samples, ctx.back_to_back_medians(steps), BACK_TO_BACK_SUFFIX)
+    if kernels is None:
+        return out
+    return {**out, **with_times(samples, ctx.kernel_medians(steps, kernels), KERNEL_SUFFIX)}
 
 
 def make_problem(ctx: RankContext, seed: int, num_tokens: int, dtype: str) -> Problem:
@@ -114,7 +129,7 @@ def measure_all_to_all(ctx: RankContext, problem: Problem) -> Dict[str, bandwidt
     t_dispatch, t_combine = ctx.medians([dispatch, combine])
     samples = {"dispatch": (t_dispatch, *bandwidth.normal_dispatch_bytes(counts, r, row)),
                "combine": (t_combine, *bandwidth.normal_combine_bytes(counts, r, s.hidden_size))}
-    return with_kernel_times(samples, ctx.kernel_medians([dispatch, combine], NCCL_ALL_TO_ALL_KERNELS))
+    return with_other_times(ctx, samples, [dispatch, combine], NCCL_ALL_TO_ALL_KERNELS)
 
 
 def _as_bf16(recv_x) -> torch.Tensor:
@@ -142,9 +157,7 @@ def measure_normal(ctx: RankContext, buffer: Buffer, problem: Problem) -> Dict[s
     combine_bytes = bandwidth.normal_combine_bytes(p.counts, ctx.rank, s.hidden_size)
     samples = dict(zip(NORMAL_OPS, [(times[0], *dispatch_bytes), (times[1], *dispatch_bytes),
                                     (times[2], *combine_bytes)]))
-    if buffer.backend != "cuda":
-        return samples
-    return with_kernel_times(samples, ctx.kernel_medians(steps, TOKENYARD_KERNELS))
+    return with_other_times(ctx, samples, steps, TOKENYARD_KERNELS if buffer.backend == "cuda" else None)
 
 
 def _first_line(exc: BaseException) -> str:

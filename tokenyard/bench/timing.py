@@ -6,10 +6,13 @@ evicts the L2 cache (50-60 MB on H100/H200), so no call finds its inputs there, 
 ranks up. Calls of one round run in order (``dispatch`` then ``combine``), so a call may use the
 previous call's outputs, as low-latency combine needs the latest dispatch's handle.
 
-Two times per call on GPU. `medians`: CUDA events around the call, so the host's work before its first
-kernel counts too (the GPU idles behind the barrier meanwhile). `kernel_medians`: the summed GPU time of
-the call's own kernels from the PyTorch profiler (CUPTI), the figure DeepEP's benchmarks report; there the
-flush is a ``bitwise_not_`` whose kernel marks where each call's kernels begin.
+Three times per call on GPU. `medians`: CUDA events around the call after a barrier, so the host's work
+before its first kernel counts too (the GPU idles behind the barrier meanwhile). `back_to_back_medians`:
+the same events with no barrier between calls, as DeepEP's harness times them (its ``bench``: flush, events,
+call, over and over): the host enqueues the next call while the GPU still runs the last, so a call's time
+is its GPU time unless its host work is longer. `kernel_medians`: the summed GPU time of the call's own
+kernels from the PyTorch profiler (CUPTI), the figure DeepEP's benchmarks report; there the flush is a
+``bitwise_not_`` whose kernel marks where each call's kernels begin.
 
 NOTE [aligned start]: a kernel that waits for its peers counts their lateness as its own time. After the
 host barrier the ranks' hosts still enqueue the call at different moments (host work per call differs),
@@ -56,6 +59,40 @@ class Timer:
                 step()
         times = self._cuda_times(steps, iters) if self.gpu else self._cpu_times(steps, iters)
         return [statistics.median(t) for t in times]
+
+    def back_to_back_medians(self, steps: Sequence[Callable[[], object]], iters: int, warmup: int) -> List[float]:
+        """Per step: ``warmup`` untimed calls, then ``iters`` calls back to back (one barrier before the
+        first); the median of each call's time."""
+        medians = []
+        for step in steps:
+            for _ in range(warmup):
+                step()
+            medians.append(statistics.median(self._back_to_back_times(step, iters)))
+        return medians
+
+    def _back_to_back_times(self, step, iters: int) -> List[float]:
+        if not self.gpu:
+            self.barrier()
+            times = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+            self.barrier()
+            return times
+        torch.cuda.synchronize(self.device)
+        self.barrier()
+        pairs = []
+        for _ in range(iters):
+            self._scratch.zero_()  # evict L2, as before every timed call
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            pairs.append((start, end))
+        torch.cuda.synchronize(self.device)
+        self.barrier()
+        return [start.elapsed_time(end) / 1e3 for start, end in pairs]
 
     def _cpu_times(self, steps, iters: int) -> List[List[float]]:
         times = [[] for _ in steps]

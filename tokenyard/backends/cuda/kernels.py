@@ -14,7 +14,7 @@ from ... import workspace
 from ...jit import KernelSpec, Param
 
 LAYOUT_THREADS = 256
-NOTIFY_THREADS = 256
+NOTIFY_THREADS = 512
 DATA_THREADS = 512
 LOW_LATENCY_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)

@@ -8,13 +8,14 @@ namespace tokenyard::kernels {
 
 // Block q's Verdict bits for column q of the whole call's inputs (NOTE [input verdict]), kJudgeWindow tokens
 // at a time; `shared`: dynamic shared memory of num_local_experts ints, then a byte per token of the window
-// (whether one of its ids names rank q's experts). The ids are read flat, a pair per thread, with four
-// independent loads in flight per thread.
+// (whether one of its ids names rank q's experts). The ids are read flat in 16-byte vectors (where the
+// window starts 16-byte aligned, else one by one), kBatch vectors in flight per thread: one block reads every
+// id, so its time is the ids' bytes over the loads it keeps in flight.
 template <int kNumRanks, int kNumThreads, int kJudgeWindow, typename TopkT>
 __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int num_topk, int num_tokens,
                                             const bool* is_token_in_rank, const int* num_tokens_per_rank,
                                             const int* num_tokens_per_expert, int num_experts, int* shared) {
-    constexpr int kBatch = 4;
+    constexpr int kBatch = 8, kPerVector = 16 / sizeof(TopkT);
     __shared__ int column, bits;
     const int num_local_experts = num_experts / kNumRanks;
     const int first = q * num_local_experts;
@@ -30,25 +31,40 @@ __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int nu
         for (int t = w0 + threadIdx.x; t < w1; t += kNumThreads)
             hits[t - w0] = 0;
         __syncthreads();
+        const auto judge = [&](int p, int64_t e) {
+            if (e < -1 || e >= num_experts) {
+                bad |= kBadExpertId;
+            } else if (e >= first && e < first + num_local_experts) {
+                atomicAdd(&expert_pairs[e - first], 1);
+                hits[p / num_topk - w0] = 1;
+            }
+        };
         if (topk_idx != nullptr) {
-            const int p1 = w1 * num_topk;
-            for (int base = w0 * num_topk + threadIdx.x; base < p1; base += kBatch * kNumThreads) {
-                int64_t e[kBatch];
+            const int p0 = w0 * num_topk, p1 = w1 * num_topk;
+            const bool aligned = reinterpret_cast<uintptr_t>(topk_idx + p0) % 16 == 0;
+            const int num_vectors = aligned ? (p1 - p0) / kPerVector : 0;
+            const auto* vectors = reinterpret_cast<const int4*>(topk_idx + p0);
+            for (int v0 = threadIdx.x; v0 < num_vectors; v0 += kBatch * kNumThreads) {
+                int4 loaded[kBatch];
 #pragma unroll
                 for (int u = 0; u < kBatch; ++u) {
-                    const int p = base + u * kNumThreads;
-                    e[u] = p < p1 ? static_cast<int64_t>(topk_idx[p]) : -1;
+                    const int v = v0 + u * kNumThreads;
+                    if (v < num_vectors)
+                        loaded[u] = ptx::ld_nc_v4(vectors + v);
                 }
 #pragma unroll
                 for (int u = 0; u < kBatch; ++u) {
-                    if (e[u] < -1 || e[u] >= num_experts) {
-                        bad |= kBadExpertId;
-                    } else if (e[u] >= first && e[u] < first + num_local_experts) {
-                        atomicAdd(&expert_pairs[e[u] - first], 1);
-                        hits[(base + u * kNumThreads) / num_topk - w0] = 1;
+                    const int v = v0 + u * kNumThreads;
+                    if (v < num_vectors) {
+                        const auto* ids = reinterpret_cast<const TopkT*>(&loaded[u]);
+#pragma unroll
+                        for (int k = 0; k < kPerVector; ++k)
+                            judge(p0 + v * kPerVector + k, static_cast<int64_t>(ids[k]));
                     }
                 }
             }
+            for (int p = p0 + num_vectors * kPerVector + threadIdx.x; p < p1; p += kNumThreads)
+                judge(p, static_cast<int64_t>(topk_idx[p]));
         }
         __syncthreads();
         for (int base = w0 + threadIdx.x; base < w1; base += kBatch * kNumThreads) {

@@ -1,0 +1,86 @@
+"""`torch.compile` traces layout, dispatch, expert work, combine and cached dispatch as one graph with
+tokenyard's custom ops in it (NOTE [custom ops] in tokenyard/ops.py), and the compiled step returns what the
+same calls return in eager mode, on fresh inputs every run. The same function runs on the reference backend
+over CPU ranks (tests/cpu/test_compile.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import spawn
+
+NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK = 64, 256, 16, 4
+
+
+def _traced_ops(graphs):
+    return sorted({str(node.target) for gm in graphs for node in gm.graph.nodes if "tokenyard" in str(node.target)})
+
+
+def compiled_calls(seed: int, backend: str = "cuda"):
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, Config
+    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")
+    nvl_bytes = Config(num_max_tokens_per_rank=NUM_TOKENS).get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks)
+    buffer = Buffer(dist.group.WORLD, nvl_bytes, backend=backend, timeout_s=60)
+    num_worst = NUM_TOKENS * num_ranks
+    torch._dynamo.reset()
+
+    def step(x, topk_idx, topk_weights, num_worst_tokens):
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+        recv_x, recv_idx, recv_weights, per_expert_list, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=num_worst_tokens)
+        data = recv_x if isinstance(recv_x, torch.Tensor) else recv_x[0].to(torch.bfloat16) * recv_x[1].repeat_interleave(
+            128, dim=1)[:, :recv_x[0].size(1)]
+        expert_out = (data.float() * (1 + recv_idx.clamp(min=0).sum(1, keepdim=True))).to(torch.bfloat16)
+        combined_x, combined_weights, _ = buffer.combine(expert_out, handle, topk_weights=recv_weights)
+        again = buffer.dispatch(x, handle=handle)[0]
+        return recv_x, recv_idx, recv_weights, per_expert_list, combined_x, combined_weights, again
+
+    for case, (dtype, num_worst_tokens) in enumerate([("bf16", num_worst), ("fp8", num_worst), ("bf16", 0)]):
+        x, topk_idx, topk_weights = make_rank_inputs(seed + case, num_ranks, NUM_TOKENS, HIDDEN, NUM_EXPERTS,
+                                                     NUM_TOPK, "uniform", dtype, device)[rank]
+        graphs = []
+
+        def keep(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(step, backend=keep, fullgraph=True, dynamic=False)
+        # Without num_worst_tokens the rows are data-dependent: dynamo traces them when told to.
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=not num_worst_tokens,
+                                        capture_scalar_outputs=not num_worst_tokens):
+            got = compiled(x, topk_idx, topk_weights, num_worst_tokens)
+        want = step(x, topk_idx, topk_weights, num_worst_tokens)
+        traced = _traced_ops(graphs)
+        for op in ("get_dispatch_layout", "dispatch", "combine", "cached_dispatch"):
+            assert f"tokenyard.{op}" in traced, f"{dtype}, worst {num_worst_tokens}: {op} not in {traced}"
+        for what, g, w in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert", "combined_x",
+                               "combined_topk_weights", "cached recv_x"), got, want):
+            if what in ("combined_x", "combined_topk_weights"):
+                assert_within_bf16_rounding(g, w, what)
+                continue
+            for gt, wt in zip(g if isinstance(g, tuple) else (g,), w if isinstance(w, tuple) else (w,)):
+                if isinstance(wt, torch.Tensor):
+                    assert gt.shape == wt.shape and torch.equal(gt.view(torch.uint8), wt.view(torch.uint8)), \
+                        f"{dtype}, worst {num_worst_tokens}: {what} differs"
+                else:
+                    assert gt == wt, f"{dtype}, worst {num_worst_tokens}: {what} {gt} != {wt}"
+        assert int(torch.count_nonzero(got[4].float())) > 0, "combined_x is all zeros"
+    buffer.destroy()
+    return f"rank {rank}: three compiled steps matched eager mode"
+
+
+pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
+                                "on a GPU with MPS (run on the device machine)")
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts())
+def test_compiled_step_matches_eager(num_ranks, seed):
+    print(spawn.run(num_ranks, compiled_calls, seed)[0])

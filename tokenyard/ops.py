@@ -1,0 +1,210 @@
+"""The normal-mode calls as PyTorch custom ops, so that `torch.compile` traces them without graph breaks.
+
+NOTE [custom ops]
+`Buffer.get_dispatch_layout`, `dispatch` and `combine` called while `torch.compile` traces (the defaults
+of `torch.compiler.is_compiling()`) go through the ops below, registered with `torch.library`:
+
+    tokenyard::get_dispatch_layout   tokenyard::dispatch   tokenyard::cached_dispatch   tokenyard::combine
+
+An op takes tensors and ints only, so the Buffer travels as its id (`Buffer._id`, looked up in `_buffers`)
+and a dispatch handle as its six tensors. Each op's real implementation is the Buffer's own call (same
+checks, same backends, same fast paths); its fake implementation gives the output shapes, so the compiled
+graph holds one node per call. A fresh dispatch's row count is data-dependent: without `num_worst_tokens`
+it is an unbacked size in the trace; with it, the outputs have exactly `num_worst_tokens` rows.
+
+Inside a compiled region the calls run on the current stream: `previous_event`, `async_finish` and
+`allocate_on_comm_stream` are ignored, and the returned event is an empty `EventOverlap` (the work is
+already ordered before whatever the stream runs next). `num_recv_tokens_per_expert_list` is a Python list
+read from a tensor (one graph break where it is used; empty with `num_worst_tokens`, as in DeepEP), and the
+handle is DeepEP's plain tuple of the six tensors; the Buffer finds the rest of what it knew about its own
+handle (its rounds, its fast path) by the identity of `recv_src_idx`, so cached dispatch and combine of a
+traced handle cost what they cost in eager mode.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .event import EventOverlap
+from .handle import DispatchHandle
+
+_buffers: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_handle_attributes: Dict[int, dict] = {}  # id(recv_src_idx) -> a one-shot handle's attributes (NOTE above)
+
+Tensor = torch.Tensor
+
+
+def register(buffer) -> None:
+    """Make `buffer` reachable from the ops by its id."""
+    _buffers[buffer._id] = buffer
+
+
+def _buffer(buffer_id: int):
+    buffer = _buffers.get(buffer_id)
+    if buffer is None:
+        raise RuntimeError(f"tokenyard: no live Buffer with id {buffer_id} (destroyed, or made in another process)")
+    return buffer
+
+
+def _remember(handle: DispatchHandle) -> None:
+    """Keep a one-shot handle's attributes beside its `recv_src_idx` for as long as that tensor lives (a
+    handle of rounds carries tensors in its attributes and is rebuilt from its fields instead)."""
+    if getattr(handle, "fast_for", None) is None:
+        return
+    key = id(handle.recv_src_idx)
+    _handle_attributes[key] = dict(handle.__dict__)
+    weakref.finalize(handle.recv_src_idx, _handle_attributes.pop, key, None)
+
+
+def _handle(fields) -> DispatchHandle:
+    return DispatchHandle(*fields, **_handle_attributes.get(id(fields[3]), {}))
+
+
+def _unaliased(outputs, inputs):
+    """A custom op's outputs may not alias its inputs: copy any output that shares an input's storage."""
+    storages = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
+    return tuple(t.clone() if t.numel() and t.untyped_storage().data_ptr() in storages else t for t in outputs)
+
+
+def _no_rows(rows, like: Tensor, dtype: torch.dtype) -> Tensor:
+    return like.new_empty((rows, 0), dtype=dtype)
+
+
+# -- get_dispatch_layout --------------------------------------------------------------------------------
+
+@torch.library.custom_op("tokenyard::get_dispatch_layout", mutates_args=())
+def _layout(buffer_id: int, topk_idx: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, Tensor]:
+    per_rank, _, per_expert, in_rank, _ = _buffer(buffer_id).get_dispatch_layout(topk_idx, num_experts)
+    return _unaliased((per_rank, per_expert, in_rank), (topk_idx,))
+
+
+@_layout.register_fake
+def _(buffer_id, topk_idx, num_experts):
+    num_ranks = _buffer(buffer_id).group_size
+    return (topk_idx.new_empty(num_ranks, dtype=torch.int32), topk_idx.new_empty(num_experts, dtype=torch.int32),
+            topk_idx.new_empty((topk_idx.size(0), num_ranks), dtype=torch.bool))
+
+
+# -- dispatch ----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("tokenyard::dispatch", mutates_args=())
+def _dispatch(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], num_tokens_per_rank: Tensor,
+              is_token_in_rank: Tensor, num_tokens_per_expert: Tensor, topk_idx: Optional[Tensor],
+              topk_weights: Optional[Tensor], expert_alignment: int, num_worst_tokens: int) -> List[Tensor]:
+    """Returns recv_x, recv_x_scales ([N, 0] without scales), recv_topk_idx and recv_topk_weights ([N, 0]
+    without top-k), the per-expert counts (int64 on the CPU) and the handle's fields but `is_token_in_rank`,
+    which is the input."""
+    buffer = _buffer(buffer_id)
+    sent = x if x_scales is None else (x, x_scales)
+    recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle, _ = buffer.dispatch(
+        sent, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+        num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+    recv_x, recv_scales = recv_x if x_scales is not None else (recv_x, _no_rows(recv_x.size(0), x, torch.float32))
+    rows = recv_x.size(0)
+    if recv_topk_idx is None:
+        recv_topk_idx, recv_topk_weights = _no_rows(rows, x, torch.int64), _no_rows(rows, x, torch.float32)
+    _remember(handle)
+    outputs = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, torch.tensor(per_expert, dtype=torch.int64),
+               handle[0], handle[1], handle[2], handle[3], handle[5])
+    return list(_unaliased(outputs, (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                     num_tokens_per_expert)))
+
+
+@_dispatch.register_fake
+def _(buffer_id, x, x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+      expert_alignment, num_worst_tokens):
+    num_ranks = _buffer(buffer_id).group_size
+    rows = num_worst_tokens or torch.library.get_ctx().new_dynamic_size()
+    num_local_experts = num_tokens_per_expert.size(0) // num_ranks
+    num_topk = 0 if topk_idx is None else topk_idx.size(1)
+    int32 = dict(dtype=torch.int32)
+    return [x.new_empty((rows,) + tuple(x.shape[1:])),
+            _no_rows(rows, x, torch.float32) if x_scales is None else
+            x_scales.new_empty((rows,) + tuple(x_scales.shape[1:])),
+            x.new_empty((rows, num_topk), dtype=torch.int64),
+            x.new_empty((rows, num_topk), dtype=torch.float32),
+            torch.empty(0 if num_worst_tokens else num_local_experts, dtype=torch.int64),
+            x.new_empty((num_ranks, num_ranks), **int32), x.new_empty((num_ranks, 1), **int32),
+            x.new_empty((num_ranks, 1), **int32), x.new_empty(rows, **int32),
+            x.new_empty((x.size(0), num_ranks), **int32)]
+
+
+@torch.library.custom_op("tokenyard::cached_dispatch", mutates_args=())
+def _cached_dispatch(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], rank_prefix_matrix: Tensor,
+                     channel_prefix_matrix: Tensor, recv_channel_prefix_matrix: Tensor, recv_src_idx: Tensor,
+                     is_token_in_rank: Tensor, send_head: Tensor) -> Tuple[Tensor, Tensor]:
+    fields = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+              send_head)
+    sent = x if x_scales is None else (x, x_scales)
+    recv_x = _buffer(buffer_id).dispatch(sent, handle=_handle(fields))[0]
+    recv_x, recv_scales = recv_x if x_scales is not None else (recv_x, _no_rows(recv_x.size(0), x, torch.float32))
+    return _unaliased((recv_x, recv_scales), (x, x_scales) + fields)
+
+
+@_cached_dispatch.register_fake
+def _(buffer_id, x, x_scales, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+      is_token_in_rank, send_head):
+    rows = recv_src_idx.size(0)
+    return (x.new_empty((rows,) + tuple(x.shape[1:])),
+            _no_rows(rows, x, torch.float32) if x_scales is None else
+            x_scales.new_empty((rows,) + tuple(x_scales.shape[1:])))
+
+
+# -- combine -----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("tokenyard::combine", mutates_args=())
+def _combine(buffer_id: int, x: Tensor, rank_prefix_matrix: Tensor, channel_prefix_matrix: Tensor,
+             recv_channel_prefix_matrix: Tensor, recv_src_idx: Tensor, is_token_in_rank: Tensor, send_head: Tensor,
+             topk_weights: Optional[Tensor], bias_0: Optional[Tensor], bias_1: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Returns combined_x and combined_topk_weights ([T, 0] without weights)."""
+    fields = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+              send_head)
+    bias = bias_0 if bias_1 is None else (bias_0, bias_1)
+    combined_x, combined_weights, _ = _buffer(buffer_id).combine(x, _handle(fields), topk_weights=topk_weights,
+                                                                 bias=bias)
+    if combined_weights is None:
+        combined_weights = _no_rows(combined_x.size(0), x, torch.float32)
+    return _unaliased((combined_x, combined_weights), (x, topk_weights, bias_0, bias_1) + fields)
+
+
+@_combine.register_fake
+def _(buffer_id, x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+      is_token_in_rank, send_head, topk_weights, bias_0, bias_1):
+    num_tokens = is_token_in_rank.size(0)
+    num_topk = 0 if topk_weights is None else topk_weights.size(1)
+    return x.new_empty((num_tokens, x.size(1))), x.new_empty((num_tokens, num_topk), dtype=torch.float32)
+
+
+# -- what Buffer calls while tracing ------------------------------------------------------------------------
+
+def get_dispatch_layout(buffer, topk_idx: Tensor, num_experts: int):
+    per_rank, per_expert, in_rank = torch.ops.tokenyard.get_dispatch_layout(buffer._id, topk_idx, num_experts)
+    return per_rank, None, per_expert, in_rank, EventOverlap(None)
+
+
+def dispatch(buffer, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+             topk_weights, expert_alignment: int, num_worst_tokens: int):
+    data, scales = (x, None) if isinstance(x, torch.Tensor) else (x[0], x[1])
+    if handle is not None:
+        recv_x, recv_scales = torch.ops.tokenyard.cached_dispatch(buffer._id, data, scales, *handle)
+        return (recv_x if scales is None else (recv_x, recv_scales)), None, None, None, None, EventOverlap(None)
+    (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, rank_prefix, channel_prefix,
+     recv_channel_prefix, recv_src_idx, send_head) = torch.ops.tokenyard.dispatch(
+        buffer._id, data, scales, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+        topk_weights, expert_alignment, num_worst_tokens)
+    new_handle = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head)
+    if topk_idx is None:
+        recv_topk_idx = recv_topk_weights = None
+    per_expert_list = [] if num_worst_tokens else per_expert.tolist()
+    return ((recv_x if scales is None else (recv_x, recv_scales)), recv_topk_idx, recv_topk_weights, per_expert_list,
+            new_handle, EventOverlap(None))
+
+
+def combine(buffer, x: Tensor, handle, topk_weights: Optional[Tensor], bias):
+    bias_0, bias_1 = buffer._unpack_bias(bias)
+    combined_x, combined_weights = torch.ops.tokenyard.combine(buffer._id, x, *handle, topk_weights, bias_0, bias_1)
+    return combined_x, (None if topk_weights is None else combined_weights), EventOverlap(None)
