@@ -41,7 +41,7 @@ __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int nu
         };
         if (topk_idx != nullptr) {
             const int p0 = w0 * num_topk, p1 = w1 * num_topk;
-            const bool aligned = reinterpret_cast<uintptr_t>(topk_idx + p0) % 16 == 0;
+            const bool aligned = reinterpret_cast<unsigned long long>(topk_idx + p0) % 16 == 0;
             const int num_vectors = aligned ? (p1 - p0) / kPerVector : 0;
             const auto* vectors = reinterpret_cast<const int4*>(topk_idx + p0);
             for (int v0 = threadIdx.x; v0 < num_vectors; v0 += kBatch * kNumThreads) {
