@@ -121,6 +121,7 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
             early[name][str(num_tokens)] = statistics.median(times[:EARLY_CALLS]) * 1e6
         if num_tokens == profile_tokens:
             extra["call_vs_kernel"] = _call_vs_kernel(ops, iters, gpu, device) if gpu else None
+            extra["steps"] = _plan_steps(buffer, topk_idx, num_experts, iters) if gpu else None
             extra["profile"] = {}
             for name, op in ops.items():
                 profiler = cProfile.Profile()
@@ -136,6 +137,55 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
         buffer.destroy()
         del buffer, ops
     return {"calls": results, **extra}
+
+
+def _plan_steps(buffer, topk_idx, num_experts: int, iters: int):
+    """The median host time (µs) of the steps a call's C++ run is made of (NOTE [call plans]), each timed as a
+    plan of its own: the crossing from Python, allocations, a stream switch to the comm stream and back, and
+    the layout's whole plan on the caller's stream."""
+    import torch
+
+    from tokenyard.backends.cuda import plans
+
+    device, fast = buffer.device, buffer._fast
+
+    def plan_of(num_outputs: int, in_one: bool = False):
+        b = plans.PlanBuilder(device, ())
+        shapes = [(f"o{i}", (1024,)) for i in range(num_outputs)]
+        if in_one and num_outputs:
+            b.outputs_in_one(shapes, torch.int32)
+        else:
+            for name, shape in shapes:
+                b.output(name, shape, torch.int32)
+        return b.build().native
+
+    empty, one, six, six_in_one = plan_of(0), plan_of(1), plan_of(6), plan_of(6, in_one=True)
+    layout = buffer.runtime.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts).native
+    compute = torch.cuda.current_stream(device).cuda_stream
+    here = (compute, 0, 0, 0, 0, False, False, 0)
+    switch = (compute, fast.comm, 0, fast.enter_event, fast.exit_event, True, False, fast.comm_id)
+    steps = {
+        "crossing (a plan of nothing)": lambda: empty.run((), [], *here),
+        "one allocation": lambda: one.run((), [], *here),
+        "six allocations": lambda: six.run((), [], *here),
+        "six outputs in one allocation": lambda: six_in_one.run((), [], *here),
+        "stream switch and back (a plan of nothing)": lambda: empty.run((), [], *switch),
+        "layout plan (3 outputs in 2 allocations, a fill, a launch)": lambda: layout.run((topk_idx,), [], *here),
+        "layout plan with the stream switch": lambda: layout.run((topk_idx,), [], *switch),
+    }
+    out = {}
+    for name, step in steps.items():
+        for _ in range(WARMUP):
+            step()
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        torch.cuda.synchronize(device)
+        out[name] = round(statistics.median(times) * 1e6, 2)
+    return out
 
 
 def _call_vs_kernel(ops, iters: int, gpu: bool, device):
@@ -219,6 +269,10 @@ def main() -> None:
             print(f"  {name:<22} call {entry['call_us']:9.1f}   kernels "
                   f"{'-' if kernel is None else format(kernel, '9.1f')}   "
                   + ", ".join(f"{k} {v:.1f}" for k, v in entry.get("kernels", {}).items()))
+    if rank0.get("steps"):
+        print(f"\nthe C++ run's steps, each as a plan of its own (rank 0, µs, median of {args.iters}):")
+        for name, us in rank0["steps"].items():
+            print(f"  {us:7.2f}  {name}")
     for name, rows in (rank0.get("profile") or {}).items():
         print(f"\n=== where the host time goes: {name} at {profile_tokens} tokens (rank 0, cProfile, µs per call) ===")
         print(f"  {'own':>7} {'cumul':>7} {'calls':>6}  function")
@@ -236,7 +290,7 @@ def main() -> None:
                                     "num_experts": 256 if not args.cpu else 16, "num_topk": 8 if not args.cpu else 4,
                                     "dispatch_dtype": "fp8", "buffer": "defaults (check_inputs as configured)",
                                     "timing": "time.perf_counter around each of back-to-back calls, median"},
-                       "calls": calls, "first_calls": {"num_calls": EARLY_CALLS, "tokens": early},
+                       "calls": calls, "steps": rank0.get("steps"), "first_calls": {"num_calls": EARLY_CALLS, "tokens": early},
                        "call_vs_kernel": rank0.get("call_vs_kernel"),
                        "profile": rank0.get("profile")}, f, indent=1)
 

@@ -165,6 +165,7 @@ class Buffer(LowLatencyCalls):
         self.runtime = create_backend(backend or settings.backend, context)
         self.backend = self.runtime.name
         self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._joined_stream = self._ran_on = None  # NOTE [joined stream]
         self._fast = None  # NOTE [fast paths]
         self._last_rounds = 0
         self._learnable_shape = None  # the CUDA backend's DispatchShape of the last cached or worst-case dispatch
@@ -319,7 +320,19 @@ class Buffer(LowLatencyCalls):
         `async_finish` the scope's event is recorded for the caller; otherwise the current stream waits
         for the comm stream. Tensors made in the body belong to the current stream (`scope.owner`)
         unless `allocate_on_comm_stream`. Without CUDA, or with `use_comm_stream` False, the body runs
-        where it is.
+        where it is; so does a synchronous call on a stream that already waited for all of the comm
+        stream's work (NOTE [joined stream]).
+
+        NOTE [joined stream]
+        A synchronous call (no `async_finish`, no `previous_event`, outputs on the caller's stream) ends with
+        the caller's stream waiting for the comm stream, so its kernels could as well have run on the
+        caller's stream itself: nothing else can run between them. `_joined_stream` is the caller's stream
+        (its raw handle) that has waited for everything this Buffer put on the comm stream, None after an
+        asynchronous call; a synchronous call on that stream runs its kernels there directly, saving the
+        four driver calls (two event records, two waits) that cross to the comm stream and back. The fast
+        paths (fast_paths.py) follow the same rule. `_ran_on` is the stream that last ran kernels so; the
+        next call that uses the comm stream makes it wait for that stream first (`_comm_catches_up`), unless
+        it waits for it anyway, so the Buffer's kernels stay in one order whatever streams the calls use.
         """
         scope = _Scope()
         if self._comm_stream is None or not use_comm_stream:
@@ -329,9 +342,16 @@ class Buffer(LowLatencyCalls):
         # through several Python layers (~20 us each on the H200 hosts); the raw getters below do the same.
         stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(self.device.index)
         compute = torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
-        caller_device = torch._C._cuda_getDevice()  # set_stream also makes the stream's device current
         waited = previous_event.event if previous_event is not None else None
-        if waited is not None and waited.event is not None:
+        waits_for_event = waited is not None and waited.event is not None
+        if not (async_finish or waits_for_event or allocate_on_comm_stream) and \
+                self._joined_stream == compute.cuda_stream:  # NOTE [joined stream]
+            self._ran_on = compute.cuda_stream
+            yield scope  # tensors made here are the caller's stream's already: scope.owner stays None
+            return
+        caller_device = torch._C._cuda_getDevice()  # set_stream also makes the stream's device current
+        self._comm_catches_up(compute.cuda_stream, waits_for_compute=not waits_for_event)
+        if waits_for_event:
             self._comm_stream.wait_event(waited.event)
         else:
             self._comm_stream.wait_stream(compute)
@@ -344,9 +364,18 @@ class Buffer(LowLatencyCalls):
                 torch.cuda.set_device(caller_device)
         if async_finish:
             scope.event = EventOverlap(EventHandle(self._comm_stream))
+            self._joined_stream = None
         else:
             compute.wait_stream(self._comm_stream)
+            self._joined_stream = compute.cuda_stream
         scope.owner = None if allocate_on_comm_stream else compute
+
+    def _comm_catches_up(self, compute: int, waits_for_compute: bool) -> None:
+        """Before work goes to the comm stream: it waits for the kernels run straight on a caller's stream
+        (NOTE [joined stream]), unless it waits for `compute` anyway and that was the stream."""
+        ran_on, self._ran_on = self._ran_on, None
+        if ran_on is not None and not (waits_for_compute and ran_on == compute):
+            self._comm_stream.wait_stream(torch.cuda.ExternalStream(ran_on, device=self.device))
 
     @staticmethod
     def _hand_over(stream, tensors) -> None:

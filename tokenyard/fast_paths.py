@@ -89,8 +89,16 @@ class FastPaths:
         compute = _raw_stream(self.device_index)
         if not use_comm_stream:
             return native.run(inputs, scalars, compute, 0, 0, 0, 0, False, False, 0), EventOverlap(None)
+        buffer = self.buffer
+        if not async_finish and not waited and buffer._joined_stream == compute:
+            # NOTE [joined stream] in buffer.py: the caller's stream waited for all the comm stream's work
+            buffer._ran_on = compute
+            return native.run(inputs, scalars, compute, 0, 0, 0, 0, False, False, 0), EventOverlap(None)
+        if buffer._ran_on is not None:
+            buffer._comm_catches_up(compute, waits_for_compute=not waited)
         outputs = native.run(inputs, scalars, compute, self.comm, waited, self.enter_event, self.exit_event,
                              not async_finish, async_finish, self.comm_id)
+        buffer._joined_stream = None if async_finish else compute
         event = EventOverlap(EventHandle(self.buffer.get_comm_stream())) if async_finish else EventOverlap(None)
         return outputs, event
 

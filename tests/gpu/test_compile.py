@@ -41,7 +41,7 @@ def compiled_calls(seed: int, backend: str = "cuda"):
         expert_out = (data.float() * (1 + recv_idx.clamp(min=0).sum(1, keepdim=True))).to(torch.bfloat16)
         combined_x, combined_weights, _ = buffer.combine(expert_out, handle, topk_weights=recv_weights)
         again = buffer.dispatch(x, handle=handle)[0]
-        return recv_x, recv_idx, recv_weights, per_expert_list, combined_x, combined_weights, again
+        return recv_x, recv_idx, recv_weights, per_expert_list, combined_x, combined_weights, again, handle[3]
 
     for case, (dtype, num_worst_tokens) in enumerate([("bf16", num_worst), ("fp8", num_worst), ("bf16", 0)]):
         x, topk_idx, topk_weights = make_rank_inputs(seed + case, num_ranks, NUM_TOKENS, HIDDEN, NUM_EXPERTS,
@@ -61,12 +61,17 @@ def compiled_calls(seed: int, backend: str = "cuda"):
         traced = _traced_ops(graphs)
         for op in ("get_dispatch_layout", "dispatch", "combine", "cached_dispatch"):
             assert f"tokenyard.{op}" in traced, f"{dtype}, worst {num_worst_tokens}: {op} not in {traced}"
+        assert torch.equal(got[-1], want[-1]), f"{dtype}, worst {num_worst_tokens}: recv_src_idx differs"
+        filled = want[-1] >= 0  # rows past the received ones (num_worst_tokens) hold nothing defined
         for what, g, w in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert", "combined_x",
                                "combined_topk_weights", "cached recv_x"), got, want):
             if what in ("combined_x", "combined_topk_weights"):
                 assert_within_bf16_rounding(g, w, what)
                 continue
             for gt, wt in zip(g if isinstance(g, tuple) else (g,), w if isinstance(w, tuple) else (w,)):
+                if isinstance(wt, torch.Tensor) and what in ("recv_x", "cached recv_x"):
+                    assert gt.shape == wt.shape, f"{dtype}, worst {num_worst_tokens}: {what} shape"
+                    gt, wt = gt[filled[:wt.size(0)]], wt[filled[:wt.size(0)]]
                 if isinstance(wt, torch.Tensor):
                     assert gt.shape == wt.shape and torch.equal(gt.view(torch.uint8), wt.view(torch.uint8)), \
                         f"{dtype}, worst {num_worst_tokens}: {what} differs"

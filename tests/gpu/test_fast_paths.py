@@ -3,7 +3,7 @@
 Each call kind is made once through the full path (which records its shape) and then again with fresh
 inputs of the same shape, which must take the fast path; every result, poisoned before the kernels write
 it, must equal the reference backend's over the same group (dispatch bit for bit, combine within bf16
-rounding). Synchronous and `async_finish` calls both.
+rounding). Synchronous and `async_finish` calls both, and synchronous calls from two streams in turn.
 """
 
 from __future__ import annotations
@@ -59,6 +59,31 @@ def _calls(buffer, inputs, async_finish):
     return out
 
 
+def _across_streams(buffer, inputs):
+    """Synchronous cached dispatches and combines from two side streams in turn: a call on the stream the
+    last one joined runs there directly, and the next call on the other stream must still come after it
+    (NOTE [joined stream] in tokenyard/buffer.py). -> (results, calls that ran straight on a caller's stream)."""
+    x, topk_idx, weights = inputs
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
+                                                      num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                      num_tokens_per_expert=per_expert)
+    expert_out = (recv_x[0].float() * 0.25 - 1.0).to(torch.bfloat16)
+    main, streams = torch.cuda.current_stream(), (torch.cuda.Stream(), torch.cuda.Stream())
+    results, straight = [], 0
+    for i in range(6):
+        stream = streams[i % 2]
+        stream.wait_stream(main)  # the inputs were made on main; the other side stream is not waited for
+        with torch.cuda.stream(stream):
+            for call in (lambda: buffer.dispatch(x, handle=handle)[0],
+                         lambda: buffer.combine(expert_out, handle, topk_weights=recv_w)[:2]):
+                results.append(call())
+                straight += buffer._ran_on is not None
+    for stream in streams:
+        main.wait_stream(stream)
+    return results, straight
+
+
 def _fast_paths_match(seed):
     import torch.distributed as dist
 
@@ -95,6 +120,18 @@ def _fast_paths_match(seed):
     # the fresh dispatch received as many rows as in case 0). Case 2, asynchronous: the second cached
     # dispatch, combine and num_worst_tokens dispatch and the low-latency pair at least.
     assert hits[0] == 3 and hits[1] in (7, 9) and hits[2] >= 5, f"fast-path calls per case: {hits}"
+    inputs = make_rank_inputs(seed + 3, num_ranks, NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK, "uniform", "fp8",
+                              device)[rank]
+    (got, straight), (want, _) = _across_streams(buffer, inputs), _across_streams(other, inputs)
+    torch.cuda.synchronize()
+    assert straight >= 6, f"only {straight} calls ran straight on their stream"
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i % 2 == 0:
+            for j in range(2):
+                assert torch.equal(spawn.bits(a[j]), spawn.bits(b[j])), f"across streams: cached dispatch {i // 2}"
+        else:
+            assert_within_bf16_rounding(a[0], b[0], f"across streams: combine {i // 2}")
+            assert torch.allclose(a[1], b[1], rtol=1e-5, atol=1e-5), f"across streams: combine {i // 2} weights"
     for b in (buffer, other):
         b.destroy()
     return f"fast-path calls per case: {hits}"

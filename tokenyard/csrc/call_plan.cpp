@@ -69,14 +69,22 @@ struct Output {
     std::vector<int64_t> shape;  // a negative entry d: the run's scalar -d - 1
     at::ScalarType dtype;
     int fill;  // a byte value every byte is set to on the launch stream before the first launch; -1: none
+    int within;  // >= 0: a view of that earlier output's elements from `offset` (same dtype), not allocated
+    int64_t offset;
+    bool returned;  // false: only its views are handed back
 };
 
 class Plan {
 public:
     explicit Plan(c10::Device device) : device_(device) {}
 
-    void add_output(std::vector<int64_t> shape, at::ScalarType dtype, int64_t fill) {
-        outputs_.push_back({std::move(shape), dtype, static_cast<int>(fill)});
+    void add_output(std::vector<int64_t> shape, at::ScalarType dtype, int64_t fill, int64_t within, int64_t offset,
+                    bool returned) {
+        if (within >= static_cast<int64_t>(outputs_.size()) || (within >= 0 && outputs_[within].within >= 0) ||
+            (within >= 0 && outputs_[within].dtype != dtype))
+            throw std::invalid_argument("tokenyard: a plan output is a view of no earlier allocated output of its dtype");
+        outputs_.push_back({std::move(shape), dtype, static_cast<int>(fill), static_cast<int>(within), offset, returned});
+        num_returned_ += returned;
     }
 
     void add_launch(int64_t function, int64_t grid, int64_t block, int64_t shared_bytes, const std::string& args,
@@ -91,7 +99,7 @@ public:
         launches_.push_back(std::move(launch));
     }
 
-    int64_t num_outputs() const { return static_cast<int64_t>(outputs_.size()); }
+    int64_t num_outputs() const { return num_returned_; }
 
     // inputs: tensors or None (a null pointer); scalars: per-call integers. The launches go to `comm` after
     // it waited for `wait_event` (the caller's event) or else for `compute` (through `enter_event`); with
@@ -116,9 +124,19 @@ public:
         std::vector<int64_t> shape;
         for (const Output& out : outputs_) {
             shape = out.shape;
-            for (int64_t& size : shape)
+            int64_t numel = 1;
+            for (int64_t& size : shape) {
                 size = size < 0 ? scalars.at(-size - 1) : size;
-            outputs.push_back(at::empty(shape, options.dtype(out.dtype)));
+                numel *= size;
+            }
+            if (out.within >= 0) {
+                const at::Tensor& whole = outputs[out.within];
+                if (out.offset + numel > whole.numel())
+                    throw std::out_of_range("tokenyard: a plan output's view lies outside the output it is part of");
+                outputs.push_back(whole.view(-1).narrow(0, out.offset, numel).view(shape));
+            } else {
+                outputs.push_back(at::empty(shape, options.dtype(out.dtype)));
+            }
         }
 
         void* stream = reinterpret_cast<void*>(comm != 0 ? comm : compute);
@@ -131,7 +149,7 @@ public:
             check(d.wait(stream, waited, 0), "cuStreamWaitEvent");
         }
         for (size_t i = 0; i < outputs_.size(); ++i) {
-            if (outputs_[i].fill >= 0 && outputs[i].numel() > 0)
+            if (outputs_[i].within < 0 && outputs_[i].fill >= 0 && outputs[i].numel() > 0)
                 check(d.memset8(reinterpret_cast<uint64_t>(outputs[i].data_ptr()),
                                 static_cast<unsigned char>(outputs_[i].fill), outputs[i].nbytes(), stream),
                       "cuMemsetD8Async");
@@ -168,15 +186,18 @@ public:
                     THPVariable_Unpack(obj).record_stream(on_comm);
             }
         }
-        py::tuple result(outputs.size());
-        for (size_t i = 0; i < outputs.size(); ++i)
-            result[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outputs[i])));
+        py::tuple result(num_returned_);
+        for (size_t i = 0, r = 0; i < outputs.size(); ++i) {
+            if (outputs_[i].returned)
+                result[r++] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outputs[i])));
+        }
         return result;
     }
 
 private:
     c10::Device device_;
     std::vector<Output> outputs_;
+    int64_t num_returned_ = 0;
     std::vector<Launch> launches_;
 };
 

@@ -261,8 +261,8 @@ class CudaBackend(Backend):
         def build():
             num_ranks = self.ctx.num_ranks
             b = self._builder(("topk_idx",))
-            per_rank = b.output("num_tokens_per_rank", (num_ranks,), torch.int32, zero=True)
-            per_expert = b.output("num_tokens_per_expert", (num_experts,), torch.int32, zero=True)
+            per_rank, per_expert = b.outputs_in_one((("num_tokens_per_rank", (num_ranks,)),
+                                                     ("num_tokens_per_expert", (num_experts,))), torch.int32, zero=True)
             in_rank = b.output("is_token_in_rank", (num_tokens, num_ranks), torch.bool)
             if num_tokens > 0:
                 b.launch(self._kernel(kernels.dispatch_layout(num_ranks, topk_dtype)),
@@ -349,14 +349,16 @@ class CudaBackend(Backend):
 
         # 1. Count exchange (also the barrier before rows land in the peers' buffers).
         first = self._builder(DISPATCH_INPUTS, DISPATCH_SCALARS)
-        prefix_excl = first.output("prefix_excl", ((T + 1) * num_ranks,), torch.int32)
-        rank_prefix_matrix = first.output("rank_prefix_matrix", (num_ranks, num_ranks), torch.int32)
-        source_num_tokens = first.output("source_num_tokens", (num_ranks,), torch.int32)
         counts = source_first = send_head = 0
+        int32_outputs = [("prefix_excl", ((T + 1) * num_ranks,)), ("rank_prefix_matrix", (num_ranks, num_ranks)),
+                         ("source_num_tokens", (num_ranks,))]
         if not m.cached:
-            counts = first.output("counts", (num_ranks, 1), torch.int32)
-            source_first = first.output("source_first", (num_ranks, 1), torch.int32)
-            send_head = first.output("send_head", (T, num_ranks), torch.int32)
+            int32_outputs += [("counts", (num_ranks, 1)), ("source_first", (num_ranks, 1)),
+                              ("send_head", (T, num_ranks))]
+        prefix_excl, rank_prefix_matrix, source_num_tokens, *handle_fields = first.outputs_in_one(int32_outputs,
+                                                                                                  torch.int32)
+        if not m.cached:
+            counts, source_first, send_head = handle_fields
         placed = (first.inp("recv_first"), first.inp("cursor")) if m.placed_by_notify else (0, 0)
         call = ((first.inp("call_tokens_per_rank"), first.inp("call_prefix_matrix")) if m.whole_call else (0, 0))
         judged = tuple(first.inp(n) if m.judged else 0 for n in ("check_in_rank", "check_per_rank", "check_per_expert"))

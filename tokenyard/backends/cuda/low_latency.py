@@ -9,6 +9,7 @@ so nothing needs cleaning between calls and replays signal afresh.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Optional
 
 import torch
@@ -113,7 +114,11 @@ class LowLatencyKernels:
         def build():
             backend = self.backend
             first = backend._builder(inputs, LOW_LATENCY_SCALARS)
-            made = {name: first.output(name, shape, dtype) for name, (shape, dtype) in outputs.items()}
+            made = {}
+            for dtype, group in itertools.groupby(outputs.items(), key=lambda item: item[1][1]):
+                group = [(name, shape) for name, (shape, _) in group]  # neighbours of one dtype: one allocation
+                made.update(zip((name for name, _ in group), first.outputs_in_one(group, dtype) if len(group) > 1
+                                else [first.output(group[0][0], group[0][1], dtype)]))
             first.launch(kernel, self._grid(), launch_args(first, made, 1, int(not hook)), shared_bytes)
             if not hook:
                 return first.build(), None

@@ -66,7 +66,8 @@ class PlanBuilder:
         self.input_names = tuple(inputs)
         self.scalar_names = tuple(scalars)
         self.poison_outputs = poison_outputs
-        self.outputs: List[Tuple[str, Tuple[int, ...], torch.dtype, int]] = []
+        # (name, dims, dtype, fill, within, offset, returned): NOTE [call plans]; `within` >= 0 is a view
+        self.outputs: List[Tuple[str, Tuple[int, ...], torch.dtype, int, int, int, bool]] = []
         self.launches = []
 
     def inp(self, name: str) -> Ref:
@@ -83,8 +84,25 @@ class PlanBuilder:
         dims = tuple(-(d.index + 1) if isinstance(d, Ref) else int(d) for d in shape)
         assert all(isinstance(d, int) or d.kind == _SCALAR for d in shape), shape
         fill = 0 if zero else (POISON if self.poison_outputs else NO_FILL)
-        self.outputs.append((name, dims, dtype, fill))
+        self.outputs.append((name, dims, dtype, fill, -1, 0, True))
         return Ref(_OUTPUT, len(self.outputs) - 1)
+
+    def outputs_in_one(self, outputs: Sequence[Tuple[str, Sequence[int]]], dtype: torch.dtype,
+                       zero: bool = False) -> Tuple[Ref, ...]:
+        """Tensors of fixed shapes and one dtype that the run allocates (and fills) as one, each a view of
+        its part: one allocation and at most one fill instead of one each. Each part starts 16-byte
+        aligned, as an allocation of its own would."""
+        per_16_bytes = 16 // torch.empty((), dtype=dtype).element_size()
+        sizes = [-(-int(torch.Size(shape).numel()) // per_16_bytes) * per_16_bytes for _, shape in outputs]
+        fill = 0 if zero else (POISON if self.poison_outputs else NO_FILL)
+        self.outputs.append(("+".join(name for name, _ in outputs), (sum(sizes),), dtype, fill, -1, 0, False))
+        whole = len(self.outputs) - 1
+        refs, offset = [], 0
+        for (name, shape), size in zip(outputs, sizes):
+            self.outputs.append((name, tuple(int(d) for d in shape), dtype, NO_FILL, whole, offset, True))
+            refs.append(Ref(_OUTPUT, len(self.outputs) - 1))
+            offset += size
+        return tuple(refs)
 
     def launch(self, kernel: Kernel, grid: int, args: Sequence, shared_bytes: int = 0) -> None:
         """A launch of `kernel` with `args` in its parameter order: ints, or `Ref`s filled at each run."""
@@ -104,11 +122,11 @@ class PlanBuilder:
 
     def build(self) -> "Plan":
         native = module().Plan(self.device)
-        for _, dims, dtype, fill in self.outputs:
-            native.add_output(list(dims), dtype, fill)
+        for _, dims, dtype, fill, within, offset, returned in self.outputs:
+            native.add_output(list(dims), dtype, fill, within, offset, returned)
         for launch in self.launches:
             native.add_launch(*launch)
-        return Plan(native, tuple(o[0] for o in self.outputs), self.input_names, self.scalar_names)
+        return Plan(native, tuple(o[0] for o in self.outputs if o[6]), self.input_names, self.scalar_names)
 
 
 class Plan:

@@ -148,7 +148,8 @@ __device__ __forceinline__ void dispatch_notify(
     constexpr int kCallCountsAt = kNumRanks + 2, kVerdictAt = 2 * kNumRanks + 2, kExpertsAt = 3 * kNumRanks + 2;
     constexpr int kHostExpertsAt = 6;
     const int stride = kExpertsAt + num_local_experts;
-    __shared__ int scan[kNumThreads];
+    static_assert(kNumThreads % 32 == 0 && kNumThreads <= 1024, "a warp's total per scan slot");
+    __shared__ int scan[kNumThreads / 32];
     __shared__ bool ok;
     __shared__ int bad_sources, bad_bits;
     extern __shared__ int judge_shared[];  // where judging: judge_column's
@@ -166,27 +167,66 @@ __device__ __forceinline__ void dispatch_notify(
             if (q == 0 && threadIdx.x == 0)
                 verdict[0] = 0;
         }
+        // Thread i counts tokens [i * per_thread, (i + 1) * per_thread) of the column, its flags held in
+        // registers (loaded together) wherever they fit, then an exclusive scan over the threads.
+        constexpr int kHeld = 16;
         const int per_thread = (num_tokens + kNumThreads - 1) / kNumThreads;
         const int begin = min(num_tokens, static_cast<int>(threadIdx.x) * per_thread);
         const int end = min(num_tokens, begin + per_thread);
+        const bool* column_q = is_token_in_rank + q;
+        bool held[kHeld];
         int mine = 0;
-        for (int t = begin; t < end; ++t)
-            mine += is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + q];
-        scan[threadIdx.x] = mine;
+        if (per_thread <= kHeld) {
+#pragma unroll
+            for (int i = 0; i < kHeld; ++i)
+                held[i] = begin + i < end && column_q[static_cast<int64_t>(begin + i) * kNumRanks];
+#pragma unroll
+            for (int i = 0; i < kHeld; ++i)
+                mine += held[i];
+        } else {
+            for (int t = begin; t < end; ++t)
+                mine += column_q[static_cast<int64_t>(t) * kNumRanks];
+        }
+        // Inclusive scan: within each warp by shuffles, then over the warps' totals.
+        const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        int inclusive = mine;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int add = __shfl_up_sync(0xffffffffu, inclusive, offset);
+            if (lane >= offset)
+                inclusive += add;
+        }
+        if (lane == 31)
+            scan[warp] = inclusive;
         __syncthreads();
-        // Inclusive scan over threads (Hillis-Steele; kNumThreads is small).
-        for (int offset = 1; offset < kNumThreads; offset <<= 1) {
-            const int add = threadIdx.x >= offset ? scan[threadIdx.x - offset] : 0;
-            __syncthreads();
-            scan[threadIdx.x] += add;
-            __syncthreads();
+        if (warp == 0) {
+            int warp_total = lane < kNumThreads / 32 ? scan[lane] : 0;
+#pragma unroll
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const int add = __shfl_up_sync(0xffffffffu, warp_total, offset);
+                if (lane >= offset)
+                    warp_total += add;
+            }
+            if (lane < kNumThreads / 32)
+                scan[lane] = warp_total;  // inclusive over warps
         }
-        int running = scan[threadIdx.x] - mine;
-        for (int t = begin; t < end; ++t) {
-            prefix_excl[static_cast<int64_t>(t) * kNumRanks + q] = running;
-            running += is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + q];
+        __syncthreads();
+        int running = inclusive - mine + (warp > 0 ? scan[warp - 1] : 0);
+        const int total = scan[kNumThreads / 32 - 1];
+        if (per_thread <= kHeld) {
+#pragma unroll
+            for (int i = 0; i < kHeld; ++i) {
+                if (begin + i < end) {
+                    prefix_excl[static_cast<int64_t>(begin + i) * kNumRanks + q] = running;
+                    running += held[i];
+                }
+            }
+        } else {
+            for (int t = begin; t < end; ++t) {
+                prefix_excl[static_cast<int64_t>(t) * kNumRanks + q] = running;
+                running += column_q[static_cast<int64_t>(t) * kNumRanks];
+            }
         }
-        const int total = scan[kNumThreads - 1];
         if (threadIdx.x == 0) {
             prefix_excl[static_cast<int64_t>(num_tokens) * kNumRanks + q] = total;
             if (counts != nullptr)
