@@ -64,9 +64,18 @@ def _handle(fields) -> DispatchHandle:
 
 
 def _unaliased(outputs, inputs):
-    """A custom op's outputs may not alias its inputs: copy any output that shares an input's storage."""
+    """A custom op's outputs may not alias its inputs or each other: copy any output that shares the storage
+    of an input or of an earlier output (the layout's two counters are parts of one allocation, NOTE [call
+    plans])."""
     storages = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
-    return tuple(t.clone() if t.numel() and t.untyped_storage().data_ptr() in storages else t for t in outputs)
+    unaliased = []
+    for t in outputs:
+        if t.numel():
+            if t.untyped_storage().data_ptr() in storages:
+                t = t.clone()
+            storages.add(t.untyped_storage().data_ptr())
+        unaliased.append(t)
+    return tuple(unaliased)
 
 
 def _no_rows(rows, like: Tensor, dtype: torch.dtype) -> Tensor:

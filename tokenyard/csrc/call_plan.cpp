@@ -6,6 +6,8 @@
 // per-call integers into the argument blocks at the offsets the plan names, and launches. The CUDA driver
 // entry points come from Python as addresses (the libcuda that PyTorch uses), so this file needs no CUDA
 // header and compiles against any build of PyTorch, the CPU build included.
+#include <ATen/EmptyTensor.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/extension.h>
 
 #include <cstring>
@@ -74,9 +76,18 @@ struct Output {
     bool returned;  // false: only its views are handed back
 };
 
+// NOTE [plan allocations]: at::empty costs ~4 us a tensor on the GPU hosts (the dispatcher, a device guard,
+// then the caching allocator; benchmarks/results/host_cost.md), and a view by view()/narrow() ~2 us. A run
+// allocates through the allocator that made a tensor of this device (the caching allocator on a GPU, on the
+// current stream, as at::empty) with the same helper at::empty ends in, and makes views as bare tensors of
+// the same storage, when this device is the current one (else it takes at::empty's way).
 class Plan {
 public:
-    explicit Plan(c10::Device device) : device_(device) {}
+    explicit Plan(c10::Device device)
+        : device_(device),
+          allocator_(at::empty({0}, at::TensorOptions().device(device)).storage().allocator()),
+          keys_(c10::computeDispatchKey(std::nullopt, at::kStrided, device)),
+          guard_(c10::impl::getDeviceGuardImpl(device.type())) {}
 
     void add_output(std::vector<int64_t> shape, at::ScalarType dtype, int64_t fill, int64_t within, int64_t offset,
                     bool returned) {
@@ -119,6 +130,7 @@ public:
                 input_ptrs[i] = reinterpret_cast<uint64_t>(THPVariable_Unpack(obj).data_ptr());
         }
         const auto options = at::TensorOptions().device(device_);
+        const bool here = device_.is_cpu() || guard_->getDevice() == device_;  // NOTE [plan allocations]
         std::vector<at::Tensor> outputs;
         outputs.reserve(outputs_.size());
         std::vector<int64_t> shape;
@@ -133,7 +145,13 @@ public:
                 const at::Tensor& whole = outputs[out.within];
                 if (out.offset + numel > whole.numel())
                     throw std::out_of_range("tokenyard: a plan output's view lies outside the output it is part of");
-                outputs.push_back(whole.view(-1).narrow(0, out.offset, numel).view(shape));
+                at::Tensor part = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(whole.storage()), keys_,
+                                                                           whole.dtype());
+                part.unsafeGetTensorImpl()->set_storage_offset(out.offset);
+                part.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+                outputs.push_back(std::move(part));
+            } else if (here) {
+                outputs.push_back(at::detail::empty_generic(shape, allocator_, keys_, out.dtype, std::nullopt));
             } else {
                 outputs.push_back(at::empty(shape, options.dtype(out.dtype)));
             }
@@ -196,6 +214,9 @@ public:
 
 private:
     c10::Device device_;
+    c10::Allocator* allocator_;
+    c10::DispatchKeySet keys_;
+    const c10::impl::DeviceGuardImplInterface* guard_;
     std::vector<Output> outputs_;
     int64_t num_returned_ = 0;
     std::vector<Launch> launches_;

@@ -350,15 +350,17 @@ class CudaBackend(Backend):
         # 1. Count exchange (also the barrier before rows land in the peers' buffers).
         first = self._builder(DISPATCH_INPUTS, DISPATCH_SCALARS)
         counts = source_first = send_head = 0
-        int32_outputs = [("prefix_excl", ((T + 1) * num_ranks,)), ("rank_prefix_matrix", (num_ranks, num_ranks)),
-                         ("source_num_tokens", (num_ranks,))]
-        if not m.cached:
-            int32_outputs += [("counts", (num_ranks, 1)), ("source_first", (num_ranks, 1)),
-                              ("send_head", (T, num_ranks))]
-        prefix_excl, rank_prefix_matrix, source_num_tokens, *handle_fields = first.outputs_in_one(int32_outputs,
-                                                                                                  torch.int32)
-        if not m.cached:
-            counts, source_first, send_head = handle_fields
+        temporaries = [("prefix_excl", ((T + 1) * num_ranks,)), ("source_num_tokens", (num_ranks,))]
+        if m.cached:  # the handle's own is not rebuilt
+            temporaries.append(("rank_prefix_matrix", (num_ranks, num_ranks)))
+        prefix_excl, source_num_tokens, *rest = first.outputs_in_one(temporaries, torch.int32)
+        if m.cached:
+            rank_prefix_matrix, = rest
+        else:  # the handle's fields, each a tensor of its own
+            rank_prefix_matrix = first.output("rank_prefix_matrix", (num_ranks, num_ranks), torch.int32)
+            counts = first.output("counts", (num_ranks, 1), torch.int32)
+            source_first = first.output("source_first", (num_ranks, 1), torch.int32)
+            send_head = first.output("send_head", (T, num_ranks), torch.int32)
         placed = (first.inp("recv_first"), first.inp("cursor")) if m.placed_by_notify else (0, 0)
         call = ((first.inp("call_tokens_per_rank"), first.inp("call_prefix_matrix")) if m.whole_call else (0, 0))
         judged = tuple(first.inp(n) if m.judged else 0 for n in ("check_in_rank", "check_per_rank", "check_per_expert"))
