@@ -153,7 +153,7 @@ def _plan_steps(buffer, topk_idx, num_experts: int, iters: int):
         b = plans.PlanBuilder(device, ())
         shapes = [(f"o{i}", (1024,)) for i in range(num_outputs)]
         if in_one and num_outputs:
-            b.outputs_in_one(shapes, torch.int32)
+            b.outputs_in_one([(name, shape, torch.int32) for name, shape in shapes])
         else:
             for name, shape in shapes:
                 b.output(name, shape, torch.int32)

@@ -135,27 +135,34 @@ def test_a_launch_with_the_wrong_argument_count_is_refused(driver):
         b.launch(FakeKernel(SPEC, 5), 1, (b.inp("src"), 1))
 
 
-def test_outputs_in_one_allocation_are_aligned_views_filled_once(driver):
+def test_outputs_in_one_allocation_are_aligned_parts_filled_once(driver):
     rng = random.Random()
-    rows = rng.randrange(1, 50)
+    rows, extra = rng.randrange(1, 50), rng.randrange(1, 9)
     kernel = FakeKernel(SPEC, 9)
     b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"))
     alone = b.output("alone", (b.scalar("rows"), 2), torch.int64)
-    counts, matrix, empty = b.outputs_in_one((("counts", (rows,)), ("matrix", (3, rows)), ("empty", (0, 4))),
-                                             torch.int32, zero=True)
+    counts, matrix, empty = b.outputs_in_one((("counts", (rows,), torch.int32),
+                                              ("matrix", (3, b.scalar("rows")), torch.float32),
+                                              ("empty", (0, 4), torch.int64)), zero=True)
     b.launch(kernel, 1, (b.inp("src"), 1, alone, b.scalar("seq"), 0, 0, b.scalar("rows")))
     b.launch(kernel, 1, (counts, 1, matrix, b.scalar("seq"), empty, 0, b.scalar("rows")))
     plan = b.build()
     assert plan.output_names == ("alone", "counts", "matrix", "empty") and plan.native.num_outputs() == 4
-    outputs = plan.native.run((None, None), [1, rows], 11, 0, 0, 0, 0, False, False, 0)
+    outputs = plan.native.run((None, None), [1, rows + extra], 11, 0, 0, 0, 0, False, False, 0)
     alone_t, counts_t, matrix_t, empty_t = outputs
-    assert tuple(counts_t.shape) == (rows,) and tuple(matrix_t.shape) == (3, rows) and tuple(empty_t.shape) == (0, 4)
+    assert tuple(alone_t.shape) == (rows + extra, 2)
+    assert (tuple(counts_t.shape), counts_t.dtype) == ((rows,), torch.int32)
+    assert (tuple(matrix_t.shape), matrix_t.dtype) == ((3, rows + extra), torch.float32)
+    assert (tuple(empty_t.shape), empty_t.dtype) == ((0, 4), torch.int64)
     assert counts_t.untyped_storage().data_ptr() == matrix_t.untyped_storage().data_ptr()
+    assert alone_t.untyped_storage().data_ptr() != counts_t.untyped_storage().data_ptr()
     assert counts_t.data_ptr() % 16 == 0 and matrix_t.data_ptr() % 16 == 0  # each part 16-byte aligned
     assert counts_t.data_ptr() + rows * 4 <= matrix_t.data_ptr()  # no overlap
     assert counts_t.eq(0).all() and matrix_t.eq(0).all()
     memsets = [c for c in driver.calls if c[0] == "memset"]
-    assert len(memsets) == 1 and memsets[0][2] >= (rows + 3 * rows) * 4  # the whole, once
+    assert len(memsets) == 1 and memsets[0][2] >= (rows + 3 * (rows + extra)) * 4  # the whole, once
     launches = [c for c in driver.calls if c[0] == "launch"]
     assert launches[1][6] == bytes(SPEC.args_type(counts_t.data_ptr(), 1, matrix_t.data_ptr(), 1, empty_t.data_ptr(),
-                                                  0, rows))
+                                                  0, rows + extra))
+    counts_t.fill_(7)
+    assert matrix_t.eq(0).all(), "parts overlap"

@@ -71,16 +71,16 @@ struct Output {
     std::vector<int64_t> shape;  // a negative entry d: the run's scalar -d - 1
     at::ScalarType dtype;
     int fill;  // a byte value every byte is set to on the launch stream before the first launch; -1: none
-    int within;  // >= 0: a view of that earlier output's elements from `offset` (same dtype), not allocated
-    int64_t offset;
-    bool returned;  // false: only its views are handed back
+    int within;  // >= 0: a part of that earlier output (a whole), not allocated
+    bool returned;  // false: a whole, bytes enough for its parts (each 16-byte aligned), handed back only as them
 };
 
 // NOTE [plan allocations]: at::empty costs ~4 us a tensor on the GPU hosts (the dispatcher, a device guard,
 // then the caching allocator; benchmarks/results/host_cost.md), and a view by view()/narrow() ~2 us. A run
 // allocates through the allocator that made a tensor of this device (the caching allocator on a GPU, on the
-// current stream, as at::empty) with the same helper at::empty ends in, and makes views as bare tensors of
-// the same storage, when this device is the current one (else it takes at::empty's way).
+// current stream, as at::empty) with the same helper at::empty ends in, when this device is the current one
+// (else it takes at::empty's way); and outputs that live together are parts of one allocation (a whole),
+// each made as a bare tensor of the whole's storage.
 class Plan {
 public:
     explicit Plan(c10::Device device)
@@ -89,12 +89,12 @@ public:
           keys_(c10::computeDispatchKey(std::nullopt, at::kStrided, device)),
           guard_(c10::impl::getDeviceGuardImpl(device.type())) {}
 
-    void add_output(std::vector<int64_t> shape, at::ScalarType dtype, int64_t fill, int64_t within, int64_t offset,
-                    bool returned) {
-        if (within >= static_cast<int64_t>(outputs_.size()) || (within >= 0 && outputs_[within].within >= 0) ||
-            (within >= 0 && outputs_[within].dtype != dtype))
-            throw std::invalid_argument("tokenyard: a plan output is a view of no earlier allocated output of its dtype");
-        outputs_.push_back({std::move(shape), dtype, static_cast<int>(fill), static_cast<int>(within), offset, returned});
+    void add_output(std::vector<int64_t> shape, at::ScalarType dtype, int64_t fill, int64_t within, bool returned) {
+        const bool part_of_a_whole = within >= 0 && within < static_cast<int64_t>(outputs_.size()) &&
+                                     !outputs_[within].returned;
+        if ((within >= 0 && !part_of_a_whole) || (within >= 0 && !returned))
+            throw std::invalid_argument("tokenyard: a plan output is a part of no earlier whole");
+        outputs_.push_back({std::move(shape), dtype, static_cast<int>(fill), static_cast<int>(within), returned});
         num_returned_ += returned;
     }
 
@@ -131,30 +131,42 @@ public:
         }
         const auto options = at::TensorOptions().device(device_);
         const bool here = device_.is_cpu() || guard_->getDevice() == device_;  // NOTE [plan allocations]
-        std::vector<at::Tensor> outputs;
-        outputs.reserve(outputs_.size());
-        std::vector<int64_t> shape;
-        for (const Output& out : outputs_) {
-            shape = out.shape;
+        const size_t n = outputs_.size();
+        std::vector<std::vector<int64_t>> shapes(n);
+        std::vector<int64_t> bytes(n, 0), offsets(n, 0);  // a whole's bytes; a part's byte offset in its whole
+        for (size_t i = 0; i < n; ++i) {
+            const Output& out = outputs_[i];
+            shapes[i] = out.shape;
             int64_t numel = 1;
-            for (int64_t& size : shape) {
+            for (int64_t& size : shapes[i]) {
                 size = size < 0 ? scalars.at(-size - 1) : size;
                 numel *= size;
             }
             if (out.within >= 0) {
-                const at::Tensor& whole = outputs[out.within];
-                if (out.offset + numel > whole.numel())
-                    throw std::out_of_range("tokenyard: a plan output's view lies outside the output it is part of");
-                at::Tensor part = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(whole.storage()), keys_,
-                                                                           whole.dtype());
-                part.unsafeGetTensorImpl()->set_storage_offset(out.offset);
-                part.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
-                outputs.push_back(std::move(part));
-            } else if (here) {
-                outputs.push_back(at::detail::empty_generic(shape, allocator_, keys_, out.dtype, std::nullopt));
-            } else {
-                outputs.push_back(at::empty(shape, options.dtype(out.dtype)));
+                offsets[i] = bytes[out.within];
+                bytes[out.within] += (numel * static_cast<int64_t>(c10::elementSize(out.dtype)) + 15) / 16 * 16;
             }
+        }
+        std::vector<at::Tensor> outputs;
+        outputs.reserve(n);
+        for (size_t i = 0; i < n; ++i) {
+            const Output& out = outputs_[i];
+            if (out.within >= 0) {
+                const at::Tensor& whole = outputs[out.within];
+                at::Tensor part = at::detail::make_tensor<c10::TensorImpl>(
+                        c10::Storage(whole.storage()), keys_, caffe2::TypeMeta::fromScalarType(out.dtype));
+                part.unsafeGetTensorImpl()->set_storage_offset(offsets[i] /
+                                                               static_cast<int64_t>(c10::elementSize(out.dtype)));
+                part.unsafeGetTensorImpl()->set_sizes_contiguous(shapes[i]);
+                outputs.push_back(std::move(part));
+                continue;
+            }
+            if (!out.returned)
+                shapes[i] = {bytes[i]};
+            if (here)
+                outputs.push_back(at::detail::empty_generic(shapes[i], allocator_, keys_, out.dtype, std::nullopt));
+            else
+                outputs.push_back(at::empty(shapes[i], options.dtype(out.dtype)));
         }
 
         void* stream = reinterpret_cast<void*>(comm != 0 ? comm : compute);

@@ -261,8 +261,8 @@ class CudaBackend(Backend):
         def build():
             num_ranks = self.ctx.num_ranks
             b = self._builder(("topk_idx",))
-            per_rank, per_expert = b.outputs_in_one((("num_tokens_per_rank", (num_ranks,)),
-                                                     ("num_tokens_per_expert", (num_experts,))), torch.int32, zero=True)
+            per_rank, per_expert = b.outputs_in_one((("num_tokens_per_rank", (num_ranks,), torch.int32),
+                                                     ("num_tokens_per_expert", (num_experts,), torch.int32)), zero=True)
             in_rank = b.output("is_token_in_rank", (num_tokens, num_ranks), torch.bool)
             if num_tokens > 0:
                 b.launch(self._kernel(kernels.dispatch_layout(num_ranks, topk_dtype)),
@@ -349,18 +349,19 @@ class CudaBackend(Backend):
 
         # 1. Count exchange (also the barrier before rows land in the peers' buffers).
         first = self._builder(DISPATCH_INPUTS, DISPATCH_SCALARS)
+        # NOTE [plan allocations]: the call's temporaries and the received rows (which live as long as the caller
+        # keeps them) are parts of one allocation; a fresh dispatch's handle fields (which live as long as the
+        # handle) of another.
+        rows_whole = first.whole()
+        handle_whole = rows_whole if m.cached else first.whole()
         counts = source_first = send_head = 0
-        temporaries = [("prefix_excl", ((T + 1) * num_ranks,)), ("source_num_tokens", (num_ranks,))]
-        if m.cached:  # the handle's own is not rebuilt
-            temporaries.append(("rank_prefix_matrix", (num_ranks, num_ranks)))
-        prefix_excl, source_num_tokens, *rest = first.outputs_in_one(temporaries, torch.int32)
-        if m.cached:
-            rank_prefix_matrix, = rest
-        else:  # the handle's fields, each a tensor of its own
-            rank_prefix_matrix = first.output("rank_prefix_matrix", (num_ranks, num_ranks), torch.int32)
-            counts = first.output("counts", (num_ranks, 1), torch.int32)
-            source_first = first.output("source_first", (num_ranks, 1), torch.int32)
-            send_head = first.output("send_head", (T, num_ranks), torch.int32)
+        prefix_excl = first.part(rows_whole, "prefix_excl", ((T + 1) * num_ranks,), torch.int32)
+        source_num_tokens = first.part(rows_whole, "source_num_tokens", (num_ranks,), torch.int32)
+        rank_prefix_matrix = first.part(handle_whole, "rank_prefix_matrix", (num_ranks, num_ranks), torch.int32)
+        if not m.cached:
+            counts = first.part(handle_whole, "counts", (num_ranks, 1), torch.int32)
+            source_first = first.part(handle_whole, "source_first", (num_ranks, 1), torch.int32)
+            send_head = first.part(handle_whole, "send_head", (T, num_ranks), torch.int32)
         placed = (first.inp("recv_first"), first.inp("cursor")) if m.placed_by_notify else (0, 0)
         call = ((first.inp("call_tokens_per_rank"), first.inp("call_prefix_matrix")) if m.whole_call else (0, 0))
         judged = tuple(first.inp(n) if m.judged else 0 for n in ("check_in_rank", "check_per_rank", "check_per_expert"))
@@ -391,15 +392,17 @@ class CudaBackend(Backend):
                 0 if m.cached else self.verdict.data_ptr(), *self._wait_args()))
 
         def make_outputs(b: plans.PlanBuilder, num_rows):
-            recv_x = b.output("recv_x", (num_rows, m.hidden), m.dtype)
-            recv_scales = b.output("recv_x_scales", (num_rows, m.num_scales), m.scale_dtype) if m.num_scales else 0
+            rows = rows_whole if b is first else b.whole()
+            recv_x = b.part(rows, "recv_x", (num_rows, m.hidden), m.dtype)
+            recv_scales = b.part(rows, "recv_x_scales", (num_rows, m.num_scales), m.scale_dtype) if m.num_scales else 0
             recv_topk_idx = recv_topk_weights = 0
             if m.num_topk:
-                recv_topk_idx = b.output("recv_topk_idx", (num_rows, m.num_topk), m.topk_dtype)
+                recv_topk_idx = b.part(rows, "recv_topk_idx", (num_rows, m.num_topk), m.topk_dtype)
                 if m.with_weights:
-                    recv_topk_weights = b.output("recv_topk_weights", (num_rows, m.num_topk), torch.float32)
-            return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, b.output("recv_src_idx", (num_rows,),
-                                                                                   torch.int32)
+                    recv_topk_weights = b.part(rows, "recv_topk_weights", (num_rows, m.num_topk), torch.float32)
+            src_idx_whole = handle_whole if b is first else b.whole()  # a handle field
+            return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, b.part(src_idx_whole, "recv_src_idx",
+                                                                                 (num_rows,), torch.int32)
 
         if not makes_outputs:  # a placed round: the whole call's tensors are inputs
             placed_outputs = tuple(first.inp(n) for n in ("recv_x", "recv_x_scales", "recv_topk_idx",
@@ -490,8 +493,10 @@ class CudaBackend(Backend):
             if placed:
                 combined_x, combined_w = b.inp("combined_x"), b.inp("combined_topk_weights")
             else:
-                combined_x = b.output("combined_x", (num_tokens, hidden), torch.bfloat16)
-                combined_w = b.output("combined_topk_weights", (num_tokens, num_topk), torch.float32) if num_topk else 0
+                whole = b.whole()  # NOTE [plan allocations]
+                combined_x = b.part(whole, "combined_x", (num_tokens, hidden), torch.bfloat16)
+                combined_w = b.part(whole, "combined_topk_weights", (num_tokens, num_topk), torch.float32) \
+                    if num_topk else 0
             b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk)), grid.num_blocks, (
                 b.inp("x"), b.inp("topk_weights"), b.inp("bias_0"), b.inp("bias_1"), b.inp("rank_prefix_matrix"),
                 b.inp("recv_first"), b.inp("send_head"), num_tokens, grid.num_send_blocks, combined_x, combined_w,

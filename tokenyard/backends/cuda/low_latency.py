@@ -9,7 +9,6 @@ so nothing needs cleaning between calls and replays signal afresh.
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import Optional
 
 import torch
@@ -19,6 +18,8 @@ from ...errors import InvalidInputError
 from ...handle import LowLatencyHandle
 from ...requests import LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from . import heuristics, kernels
+
+_HANDLE_OUTPUTS = ("src_info", "layout_range")  # a dispatch's outputs that its handle keeps
 
 _MASK32 = 0xFFFFFFFF
 # The inputs and per-call scalars of the low-latency plans (NOTE [call plans] in plans.py), in run order.
@@ -114,11 +115,12 @@ class LowLatencyKernels:
         def build():
             backend = self.backend
             first = backend._builder(inputs, LOW_LATENCY_SCALARS)
-            made = {}
-            for dtype, group in itertools.groupby(outputs.items(), key=lambda item: item[1][1]):
-                group = [(name, shape) for name, (shape, _) in group]  # neighbours of one dtype: one allocation
-                made.update(zip((name for name, _ in group), first.outputs_in_one(group, dtype) if len(group) > 1
-                                else [first.output(group[0][0], group[0][1], dtype)]))
+            made, wholes = {}, {}
+            for name, (shape, dtype) in outputs.items():  # NOTE [plan allocations]: the handle's fields apart
+                kept = name in _HANDLE_OUTPUTS
+                if kept not in wholes:
+                    wholes[kept] = first.whole()
+                made[name] = first.part(wholes[kept], name, shape, dtype)
             first.launch(kernel, self._grid(), launch_args(first, made, 1, int(not hook)), shared_bytes)
             if not hook:
                 return first.build(), None

@@ -66,8 +66,8 @@ class PlanBuilder:
         self.input_names = tuple(inputs)
         self.scalar_names = tuple(scalars)
         self.poison_outputs = poison_outputs
-        # (name, dims, dtype, fill, within, offset, returned): NOTE [call plans]; `within` >= 0 is a view
-        self.outputs: List[Tuple[str, Tuple[int, ...], torch.dtype, int, int, int, bool]] = []
+        # (name, dims, dtype, fill, within, returned): `within` >= 0 a part of that whole (outputs_in_one)
+        self.outputs: List[Tuple[str, Tuple[int, ...], torch.dtype, int, int, bool]] = []
         self.launches = []
 
     def inp(self, name: str) -> Ref:
@@ -81,28 +81,32 @@ class PlanBuilder:
 
     def output(self, name: str, shape: Sequence, dtype: torch.dtype, zero: bool = False) -> Ref:
         """A tensor the run allocates; a dimension may be a scalar `Ref` (its value at the run)."""
-        dims = tuple(-(d.index + 1) if isinstance(d, Ref) else int(d) for d in shape)
-        assert all(isinstance(d, int) or d.kind == _SCALAR for d in shape), shape
         fill = 0 if zero else (POISON if self.poison_outputs else NO_FILL)
-        self.outputs.append((name, dims, dtype, fill, -1, 0, True))
+        self.outputs.append((name, self._dims(shape), dtype, fill, -1, True))
         return Ref(_OUTPUT, len(self.outputs) - 1)
 
-    def outputs_in_one(self, outputs: Sequence[Tuple[str, Sequence[int]]], dtype: torch.dtype,
-                       zero: bool = False) -> Tuple[Ref, ...]:
-        """Tensors of fixed shapes and one dtype that the run allocates (and fills) as one, each a view of
-        its part: one allocation and at most one fill instead of one each. Each part starts 16-byte
-        aligned, as an allocation of its own would."""
-        per_16_bytes = 16 // torch.empty((), dtype=dtype).element_size()
-        sizes = [-(-int(torch.Size(shape).numel()) // per_16_bytes) * per_16_bytes for _, shape in outputs]
+    def whole(self, zero: bool = False) -> int:
+        """An allocation for tensors that live together (NOTE [plan allocations] in csrc/call_plan.cpp): as
+        many bytes as its parts need (`part`, each 16-byte aligned), filled once. One allocation and at most
+        one fill instead of one each; its memory is free when the last part is."""
         fill = 0 if zero else (POISON if self.poison_outputs else NO_FILL)
-        self.outputs.append(("+".join(name for name, _ in outputs), (sum(sizes),), dtype, fill, -1, 0, False))
-        whole = len(self.outputs) - 1
-        refs, offset = [], 0
-        for (name, shape), size in zip(outputs, sizes):
-            self.outputs.append((name, tuple(int(d) for d in shape), dtype, NO_FILL, whole, offset, True))
-            refs.append(Ref(_OUTPUT, len(self.outputs) - 1))
-            offset += size
-        return tuple(refs)
+        self.outputs.append((f"whole{len(self.outputs)}", (0,), torch.uint8, fill, -1, False))
+        return len(self.outputs) - 1
+
+    def part(self, whole: int, name: str, shape: Sequence, dtype: torch.dtype) -> Ref:
+        """A tensor the run makes as a part of `whole`; a dimension may be a scalar `Ref`."""
+        self.outputs.append((name, self._dims(shape), dtype, NO_FILL, whole, True))
+        return Ref(_OUTPUT, len(self.outputs) - 1)
+
+    def outputs_in_one(self, outputs: Sequence[Tuple[str, Sequence, torch.dtype]], zero: bool = False) -> Tuple[Ref, ...]:
+        """`outputs` (name, shape, dtype) as the parts of one new whole."""
+        whole = self.whole(zero)
+        return tuple(self.part(whole, name, shape, dtype) for name, shape, dtype in outputs)
+
+    @staticmethod
+    def _dims(shape: Sequence) -> Tuple[int, ...]:
+        assert all(isinstance(d, int) or d.kind == _SCALAR for d in shape), shape
+        return tuple(-(d.index + 1) if isinstance(d, Ref) else int(d) for d in shape)
 
     def launch(self, kernel: Kernel, grid: int, args: Sequence, shared_bytes: int = 0) -> None:
         """A launch of `kernel` with `args` in its parameter order: ints, or `Ref`s filled at each run."""
@@ -122,11 +126,11 @@ class PlanBuilder:
 
     def build(self) -> "Plan":
         native = module().Plan(self.device)
-        for _, dims, dtype, fill, within, offset, returned in self.outputs:
-            native.add_output(list(dims), dtype, fill, within, offset, returned)
+        for _, dims, dtype, fill, within, returned in self.outputs:
+            native.add_output(list(dims), dtype, fill, within, returned)
         for launch in self.launches:
             native.add_launch(*launch)
-        return Plan(native, tuple(o[0] for o in self.outputs if o[6]), self.input_names, self.scalar_names)
+        return Plan(native, tuple(o[0] for o in self.outputs if o[5]), self.input_names, self.scalar_names)
 
 
 class Plan:
