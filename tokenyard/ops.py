@@ -1,8 +1,8 @@
 """The normal-mode calls as PyTorch custom ops, so that `torch.compile` traces them without graph breaks.
 
 NOTE [custom ops]
-`Buffer.get_dispatch_layout`, `dispatch` and `combine` called while `torch.compile` traces (the defaults
-of `torch.compiler.is_compiling()`) go through the ops below, registered with `torch.library`:
+`Buffer.get_dispatch_layout`, `dispatch` and `combine` called while `torch.compile` traces
+(`torch.compiler.is_compiling()`) go through the ops below, registered with `torch.library`:
 
     tokenyard::get_dispatch_layout   tokenyard::dispatch   tokenyard::cached_dispatch   tokenyard::combine
 
@@ -10,7 +10,10 @@ An op takes tensors and ints only, so the Buffer travels as its id (`Buffer._id`
 and a dispatch handle as its six tensors. Each op's real implementation is the Buffer's own call (same
 checks, same backends, same fast paths); its fake implementation gives the output shapes, so the compiled
 graph holds one node per call. A fresh dispatch's row count is data-dependent: without `num_worst_tokens`
-it is an unbacked size in the trace; with it, the outputs have exactly `num_worst_tokens` rows.
+it is an unbacked size in the trace (dynamo needs `capture_dynamic_output_shape_ops` to trace it); with it,
+the outputs have exactly `num_worst_tokens` rows. An op's outputs may not alias its inputs or each other, so
+outputs that are parts of one allocation (NOTE [plan allocations] in csrc/call_plan.cpp) are copied: a few
+small copies per call, in compiled code only.
 
 Inside a compiled region the calls run on the current stream: `previous_event`, `async_finish` and
 `allocate_on_comm_stream` are ignored, and the returned event is an empty `EventOverlap` (the work is
@@ -49,14 +52,14 @@ def _buffer(buffer_id: int):
     return buffer
 
 
-def _remember(handle: DispatchHandle) -> None:
-    """Keep a one-shot handle's attributes beside its `recv_src_idx` for as long as that tensor lives (a
-    handle of rounds carries tensors in its attributes and is rebuilt from its fields instead)."""
+def _remember(handle: DispatchHandle, recv_src_idx: Tensor) -> None:
+    """Keep a one-shot handle's attributes beside the `recv_src_idx` the op returns for it, for as long as that
+    tensor lives (a handle of rounds carries tensors in its attributes and is rebuilt from its fields instead)."""
     if getattr(handle, "fast_for", None) is None:
         return
-    key = id(handle.recv_src_idx)
+    key = id(recv_src_idx)
     _handle_attributes[key] = dict(handle.__dict__)
-    weakref.finalize(handle.recv_src_idx, _handle_attributes.pop, key, None)
+    weakref.finalize(recv_src_idx, _handle_attributes.pop, key, None)
 
 
 def _handle(fields) -> DispatchHandle:
@@ -116,11 +119,13 @@ def _dispatch(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], num_tokens_
     rows = recv_x.size(0)
     if recv_topk_idx is None:
         recv_topk_idx, recv_topk_weights = _no_rows(rows, x, torch.int64), _no_rows(rows, x, torch.float32)
-    _remember(handle)
-    outputs = (recv_x, recv_scales, recv_topk_idx, recv_topk_weights, torch.tensor(per_expert, dtype=torch.int64),
-               handle[0], handle[1], handle[2], handle[3], handle[5])
-    return list(_unaliased(outputs, (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                                     num_tokens_per_expert)))
+    outputs = _unaliased((recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
+                          torch.tensor(per_expert, dtype=torch.int64), handle[0], handle[1], handle[2], handle[3],
+                          handle[5]),
+                         (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                          num_tokens_per_expert))
+    _remember(handle, outputs[8])
+    return list(outputs)
 
 
 @_dispatch.register_fake

@@ -21,7 +21,7 @@ def _traced_ops(graphs):
 def compiled_calls(seed: int, backend: str = "cuda"):
     import torch.distributed as dist
 
-    from tokenyard import Buffer, Config
+    from tokenyard import Buffer, Config, ops
     from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
@@ -62,6 +62,7 @@ def compiled_calls(seed: int, backend: str = "cuda"):
         for op in ("get_dispatch_layout", "dispatch", "combine", "cached_dispatch"):
             assert f"tokenyard.{op}" in traced, f"{dtype}, worst {num_worst_tokens}: {op} not in {traced}"
         assert torch.equal(got[-1], want[-1]), f"{dtype}, worst {num_worst_tokens}: recv_src_idx differs"
+        assert id(got[-1]) in ops._handle_attributes, "the traced handle lost its Buffer's record of it"
         filled = want[-1] >= 0  # rows past the received ones (num_worst_tokens) hold nothing defined
         for what, g, w in zip(("recv_x", "recv_topk_idx", "recv_topk_weights", "per_expert", "combined_x",
                                "combined_topk_weights", "cached recv_x"), got, want):
