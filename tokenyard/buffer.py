@@ -344,12 +344,12 @@ class Buffer(LowLatencyCalls):
         compute = torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
         waited = previous_event.event if previous_event is not None else None
         waits_for_event = waited is not None and waited.event is not None
-        if not (async_finish or waits_for_event or allocate_on_comm_stream) and \
-                self._joined_stream == compute.cuda_stream:  # NOTE [joined stream]
+        caller_device = torch._C._cuda_getDevice()  # set_stream also makes the stream's device current
+        if not (async_finish or waits_for_event or allocate_on_comm_stream) and caller_device == device_index \
+                and self._joined_stream == compute.cuda_stream:  # NOTE [joined stream]
             self._ran_on = compute.cuda_stream
             yield scope  # tensors made here are the caller's stream's already: scope.owner stays None
             return
-        caller_device = torch._C._cuda_getDevice()  # set_stream also makes the stream's device current
         self._comm_catches_up(compute.cuda_stream, waits_for_compute=not waits_for_event)
         if waits_for_event:
             self._comm_stream.wait_event(waited.event)

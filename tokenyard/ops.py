@@ -68,15 +68,13 @@ def _handle(fields) -> DispatchHandle:
 
 def _unaliased(outputs, inputs):
     """A custom op's outputs may not alias its inputs or each other: copy any output that shares the storage
-    of an input or of an earlier output (the layout's two counters are parts of one allocation, NOTE [call
-    plans])."""
-    storages = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
+    of an input or of an earlier output (outputs that are parts of one allocation, NOTE [plan allocations])."""
+    storages = {t.untyped_storage()._cdata for t in inputs if t is not None}
     unaliased = []
     for t in outputs:
-        if t.numel():
-            if t.untyped_storage().data_ptr() in storages:
-                t = t.clone()
-            storages.add(t.untyped_storage().data_ptr())
+        if t.untyped_storage()._cdata in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage()._cdata)
         unaliased.append(t)
     return tuple(unaliased)
 

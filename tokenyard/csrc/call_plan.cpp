@@ -208,8 +208,10 @@ public:
         }
         if (record_on_comm) {
             const auto on_comm = c10::Stream::unpack3(comm_id, device_.index(), device_.type());
-            for (at::Tensor& t : outputs)
-                t.record_stream(on_comm);
+            for (size_t i = 0; i < n; ++i) {
+                if (outputs_[i].within < 0)  // a part's storage is its whole's
+                    outputs[i].record_stream(on_comm);
+            }
             for (size_t i = 0; i < inputs.size(); ++i) {
                 PyObject* obj = inputs[i].ptr();
                 if (THPVariable_Check(obj))

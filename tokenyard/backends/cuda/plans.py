@@ -66,7 +66,7 @@ class PlanBuilder:
         self.input_names = tuple(inputs)
         self.scalar_names = tuple(scalars)
         self.poison_outputs = poison_outputs
-        # (name, dims, dtype, fill, within, returned): `within` >= 0 a part of that whole (outputs_in_one)
+        # (name, dims, dtype, fill, within, returned): `within` >= 0 a part of that whole (`whole`, `part`)
         self.outputs: List[Tuple[str, Tuple[int, ...], torch.dtype, int, int, bool]] = []
         self.launches = []
 
