@@ -70,6 +70,12 @@ __device__ __forceinline__ bool failed(const WaitContext& ctx) {
     return ptx::ld_relaxed_sys(ctx.error_flag) != 0;
 }
 
+// NOTE [warp acquire]
+// An acquire load orders the later reads of the thread that made it, not of its warp's other lanes, and a
+// shuffle or vote is no memory-ordering operation. Where one lane waits for a flag and the whole warp then
+// reads what the flag guards, the warp passes __syncwarp() (a memory barrier among its lanes) between the
+// wait and the reads, so the acquire's order reaches every lane.
+
 // Spin until *flag >= expected (wrap-safe comparison of sequence numbers) with acquire order.
 __device__ __forceinline__ bool wait_at_least(const WaitContext& ctx, const uint32_t* flag, uint32_t expected,
                                               int peer, int stage) {

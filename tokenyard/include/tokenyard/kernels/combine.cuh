@@ -115,6 +115,7 @@ __device__ __forceinline__ void combine(
                 ready = wait_at_least(wait, &buffers.slot(rank, lane, index / kChunkRows)->seq, seq, lane,
                                       kStageCombineRecv);
         }
+        __syncwarp();  // NOTE [warp acquire] in sync.cuh: each lane's acquire covers every lane's reads of the rows
         if (!__all_sync(0xffffffffu, ready))
             return;
         int indices[kNumRanks];

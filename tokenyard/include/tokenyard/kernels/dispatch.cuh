@@ -395,6 +395,7 @@ __device__ __forceinline__ void dispatch(
                 ok = false;
             }
         }
+        __syncwarp();  // NOTE [warp acquire] in sync.cuh: lane 0's acquire covers every lane's reads of the rows
         if (!__shfl_sync(0xffffffffu, ok, 0))
             return;
         begin = __shfl_sync(0xffffffffu, begin, 0);
