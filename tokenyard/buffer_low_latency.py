@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import checks, devices, workspace
+from . import checks, devices, ops, workspace
 from .errors import InvalidInputError
 from .handle import LowLatencyHandle
 from .requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
@@ -67,9 +67,11 @@ class LowLatencyCalls:
         Raises:
             InvalidInputError, CapacityError: before any communication.
         """
-        fast = self._fast if not (async_finish or return_recv_hook or self.check_inputs) else None  # NOTE [fast paths]
         args = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
+        if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
+            return ops.low_latency_dispatch(self, *args)
+        fast = self._fast if not (async_finish or return_recv_hook or self.check_inputs) else None  # NOTE [fast paths]
         if fast is not None:
             result = fast.low_latency_dispatch(*args)
             if result is not None:
@@ -152,6 +154,9 @@ class LowLatencyCalls:
             InvalidInputError, HandleError: before any communication.
         """
         del use_logfmt  # see the docstring
+        if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
+            return ops.low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out,
+                                           combine_wait_recv_cost_stats)
         fast = self._fast if not (async_finish or return_recv_hook or zero_copy) else None  # NOTE [fast paths]
         args = (x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
         if fast is not None:

@@ -1,10 +1,12 @@
 """The normal-mode calls as PyTorch custom ops, so that `torch.compile` traces them without graph breaks.
 
 NOTE [custom ops]
-`Buffer.get_dispatch_layout`, `dispatch` and `combine` called while `torch.compile` traces
-(`torch.compiler.is_compiling()`) go through the ops below, registered with `torch.library`:
+`Buffer.get_dispatch_layout`, `dispatch`, `combine`, `low_latency_dispatch` and `low_latency_combine` called
+while `torch.compile` traces (`torch.compiler.is_compiling()`) go through the ops below, registered with
+`torch.library`:
 
     tokenyard::get_dispatch_layout   tokenyard::dispatch   tokenyard::cached_dispatch   tokenyard::combine
+    tokenyard::low_latency_dispatch   tokenyard::low_latency_combine
 
 An op takes tensors and ints only, so the Buffer travels as its id (`Buffer._id`, looked up in `_buffers`)
 and a dispatch handle as its six tensors. Each op's real implementation is the Buffer's own call (same
@@ -17,7 +19,9 @@ small copies per call, in compiled code only.
 
 Inside a compiled region the calls run on the current stream: `previous_event`, `async_finish` and
 `allocate_on_comm_stream` are ignored, and the returned event is an empty `EventOverlap` (the work is
-already ordered before whatever the stream runs next). `num_recv_tokens_per_expert_list` is a Python list
+already ordered before whatever the stream runs next); `return_recv_hook` too (the call receives at once and
+the hook does nothing), a low-latency combine's `out` is filled by a copy, and with `zero_copy` the buffer it
+reads is named as the op's input. The statistics tensors a low-latency call adds to are declared mutated. `num_recv_tokens_per_expert_list` is a Python list
 read from a tensor (one graph break where it is used; empty with `num_worst_tokens`, as in DeepEP), and the
 handle is DeepEP's plain tuple of the six tensors; the Buffer finds the rest of what it knew about its own
 handle (its rounds, its fast path) by the identity of `recv_src_idx`, so cached dispatch and combine of a
@@ -32,10 +36,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .event import EventOverlap
-from .handle import DispatchHandle
+from .handle import DispatchHandle, LowLatencyHandle
 
 _buffers: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_handle_attributes: Dict[int, dict] = {}  # id(recv_src_idx) -> a one-shot handle's attributes (NOTE above)
+_handle_attributes: Dict[int, dict] = {}  # id of a handle's key tensor -> the handle's attributes (NOTE above)
 
 Tensor = torch.Tensor
 
@@ -52,14 +56,14 @@ def _buffer(buffer_id: int):
     return buffer
 
 
-def _remember(handle: DispatchHandle, recv_src_idx: Tensor) -> None:
-    """Keep a one-shot handle's attributes beside the `recv_src_idx` the op returns for it, for as long as that
-    tensor lives (a handle of rounds carries tensors in its attributes and is rebuilt from its fields instead)."""
+def _remember(handle, key: Tensor) -> None:
+    """Keep a handle's attributes beside the tensor the op returns as its key (a dispatch handle's
+    `recv_src_idx`, a low-latency handle's `src_info`) for as long as that tensor lives. A handle of rounds
+    (no `fast_for`) carries tensors in its attributes and is rebuilt from its fields instead."""
     if getattr(handle, "fast_for", None) is None:
         return
-    key = id(recv_src_idx)
-    _handle_attributes[key] = dict(handle.__dict__)
-    weakref.finalize(recv_src_idx, _handle_attributes.pop, key, None)
+    _handle_attributes[id(key)] = dict(handle.__dict__)
+    weakref.finalize(key, _handle_attributes.pop, id(key), None)
 
 
 def _handle(fields) -> DispatchHandle:
@@ -191,6 +195,64 @@ def _(buffer_id, x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_pref
     return x.new_empty((num_tokens, x.size(1))), x.new_empty((num_tokens, num_topk), dtype=torch.float32)
 
 
+# -- low-latency dispatch and combine ----------------------------------------------------------------------
+
+@torch.library.custom_op("tokenyard::low_latency_dispatch",
+                         mutates_args=("cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats"))
+def _low_latency_dispatch(buffer_id: int, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
+                          num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor],
+                          dispatch_wait_recv_cost_stats: Optional[Tensor], use_fp8: bool, round_scale: bool,
+                          use_ue8m0: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns packed_recv_x, its scales ([0] without FP8), packed_recv_count and the handle's two tensors."""
+    recv_x, count, handle, _, _ = _buffer(buffer_id).low_latency_dispatch(
+        x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+        dispatch_wait_recv_cost_stats, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    recv_x, scales = recv_x if use_fp8 else (recv_x, x.new_empty(0, dtype=torch.float32))
+    outputs = _unaliased((recv_x, scales, count, handle[0], handle[1]),
+                         (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
+    _remember(handle, outputs[3])
+    return outputs
+
+
+def _low_latency_shapes(buffer_id, x, num_max, num_experts):
+    num_ranks = _buffer(buffer_id).group_size
+    return num_experts // num_ranks, num_ranks * num_max, num_ranks, x.size(1)
+
+
+@_low_latency_dispatch.register_fake
+def _(buffer_id, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+      dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0):
+    num_local_experts, num_slots, num_ranks, hidden = _low_latency_shapes(buffer_id, x, num_max_dispatch_tokens_per_rank,
+                                                                          num_experts)
+    if use_fp8:  # column-major in the last two axes, as the backends lay them out
+        groups, dtype = (hidden // 512, torch.int32) if use_ue8m0 else (hidden // 128, torch.float32)
+        scales = x.new_empty((num_local_experts, groups, num_slots), dtype=dtype).transpose(1, 2)
+    else:
+        scales = x.new_empty(0, dtype=torch.float32)
+    return (x.new_empty((num_local_experts, num_slots, hidden), dtype=torch.float8_e4m3fn if use_fp8 else x.dtype),
+            scales, x.new_empty(num_local_experts, dtype=torch.int32),
+            x.new_empty((num_local_experts, num_slots), dtype=torch.int32),
+            x.new_empty((num_local_experts, num_ranks), dtype=torch.int64))
+
+
+@torch.library.custom_op("tokenyard::low_latency_combine", mutates_args=("combine_wait_recv_cost_stats",))
+def _low_latency_combine(buffer_id: int, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, src_info: Tensor,
+                         layout_range: Tensor, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
+                         zero_copy: bool, combine_wait_recv_cost_stats: Optional[Tensor]) -> Tensor:
+    fields = (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+    handle = LowLatencyHandle(*fields, **_handle_attributes.get(id(src_info), {}))
+    combined = _buffer(buffer_id).low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy=zero_copy,
+                                                      combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)[0]
+    return _unaliased((combined,), (x, topk_idx, topk_weights, src_info, layout_range,
+                                    combine_wait_recv_cost_stats))[0]
+
+
+@_low_latency_combine.register_fake
+def _(buffer_id, x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+      num_experts, zero_copy, combine_wait_recv_cost_stats):
+    return x.new_empty((topk_idx.size(0), hidden), dtype=torch.bfloat16)
+
+
 # -- what Buffer calls while tracing ------------------------------------------------------------------------
 
 def get_dispatch_layout(buffer, topk_idx: Tensor, num_experts: int):
@@ -214,6 +276,33 @@ def dispatch(buffer, x, handle, num_tokens_per_rank, is_token_in_rank, num_token
     per_expert_list = [] if num_worst_tokens else per_expert.tolist()
     return ((recv_x if scales is None else (recv_x, recv_scales)), recv_topk_idx, recv_topk_weights, per_expert_list,
             new_handle, EventOverlap(None))
+
+
+def low_latency_dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                         cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8: bool,
+                         round_scale: bool, use_ue8m0: bool):
+    recv_x, scales, count, src_info, layout_range = torch.ops.tokenyard.low_latency_dispatch(
+        buffer._id, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+        dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
+    handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
+    return (recv_x, scales) if use_fp8 else recv_x, count, handle, EventOverlap(None), _no_hook
+
+
+def low_latency_combine(buffer, x, topk_idx, topk_weights, handle, zero_copy: bool, out,
+                        combine_wait_recv_cost_stats):
+    if zero_copy:  # what the combine reads, named as its input so that the trace orders the caller's writes first
+        x = buffer.get_next_low_latency_combine_buffer(handle)
+    combined = torch.ops.tokenyard.low_latency_combine(buffer._id, x, topk_idx, topk_weights, handle[0], handle[1],
+                                                       handle[2], handle[3], handle[4], zero_copy,
+                                                       combine_wait_recv_cost_stats)
+    if out is not None:
+        out.copy_(combined)
+        combined = out
+    return combined, EventOverlap(None), _no_hook
+
+
+def _no_hook() -> None:
+    """The hook returned without `return_recv_hook`: nothing to receive."""
 
 
 def combine(buffer, x: Tensor, handle, topk_weights: Optional[Tensor], bias):

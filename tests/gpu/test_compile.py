@@ -1,6 +1,6 @@
 """`torch.compile` traces layout, dispatch, expert work, combine and cached dispatch as one graph with
-tokenyard's custom ops in it (NOTE [custom ops] in tokenyard/ops.py), and the compiled step returns what the
-same calls return in eager mode, on fresh inputs every run. The same function runs on the reference backend
+tokenyard's custom ops in it (NOTE [custom ops] in tokenyard/ops.py), and a low-latency step likewise; the
+compiled steps return what the same calls return in eager mode, on fresh inputs every run. The same function runs on the reference backend
 over CPU ranks (tests/cpu/test_compile.py).
 """
 
@@ -83,6 +83,55 @@ def compiled_calls(seed: int, backend: str = "cuda"):
     return f"rank {rank}: three compiled steps matched eager mode"
 
 
+def compiled_low_latency(seed: int, backend: str = "cuda"):
+    """A compiled low-latency step (dispatch, expert work, combine; FP8 and bf16) against eager mode."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, ops
+    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")
+    rdma_bytes = Buffer.get_low_latency_rdma_size_hint(NUM_TOKENS, HIDDEN, num_ranks, NUM_EXPERTS)
+    buffer = Buffer(dist.group.WORLD, 0, rdma_bytes, low_latency_mode=True, backend=backend, timeout_s=60)
+    torch._dynamo.reset()
+
+    def step(x, topk_idx, topk_weights, use_fp8):
+        recv_x, count, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, NUM_TOKENS, NUM_EXPERTS,
+                                                                     use_fp8=use_fp8)
+        hook()
+        data = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)) if use_fp8 else recv_x.float()
+        expert_out = (data * 0.5 - 1.0).to(torch.bfloat16)
+        combined = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)[0]
+        return recv_x, count, combined, handle[0]
+
+    for case, use_fp8 in enumerate((True, False)):
+        x, topk_idx, topk_weights = make_rank_inputs(seed + 10 + case, num_ranks, NUM_TOKENS, HIDDEN, NUM_EXPERTS,
+                                                     NUM_TOPK, "uniform", "bf16", device)[rank]
+        graphs = []
+
+        def keep(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        got = torch.compile(step, backend=keep, fullgraph=True, dynamic=False)(x, topk_idx, topk_weights, use_fp8)
+        want = step(x, topk_idx, topk_weights, use_fp8)
+        traced = _traced_ops(graphs)
+        for op in ("low_latency_dispatch", "low_latency_combine"):
+            assert f"tokenyard.{op}" in traced, f"fp8 {use_fp8}: {op} not in {traced}"
+        assert torch.equal(got[1], want[1]), f"fp8 {use_fp8}: packed_recv_count differs"
+        assert id(got[3]) in ops._handle_attributes, "the traced handle lost its Buffer's record of it"
+        for l, n in enumerate(want[1].tolist()):  # slots past an expert's count hold nothing defined
+            assert torch.equal(got[3][l, :n], want[3][l, :n]), f"fp8 {use_fp8}: src_info of expert {l}"
+            for g, w in zip(got[0] if use_fp8 else (got[0],), want[0] if use_fp8 else (want[0],)):
+                assert g.shape == w.shape and g.stride() == w.stride(), f"fp8 {use_fp8}: layout of packed_recv_x"
+                assert torch.equal(spawn.bits(g[l, :n]), spawn.bits(w[l, :n])), f"fp8 {use_fp8}: rows of expert {l}"
+        assert_within_bf16_rounding(got[2], want[2], f"fp8 {use_fp8}: combined_x")
+        assert int(torch.count_nonzero(got[2].float())) > 0, "combined_x is all zeros"
+    buffer.destroy()
+    return f"rank {rank}: two compiled low-latency steps matched eager mode"
+
+
 pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
                                 "on a GPU with MPS (run on the device machine)")
 
@@ -90,3 +139,8 @@ pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_compiled_step_matches_eager(num_ranks, seed):
     print(spawn.run(num_ranks, compiled_calls, seed)[0])
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts())
+def test_compiled_low_latency_step_matches_eager(num_ranks, seed):
+    print(spawn.run(num_ranks, compiled_low_latency, seed)[0])
