@@ -1,4 +1,4 @@
-"""The normal-mode calls as PyTorch custom ops, so that `torch.compile` traces them without graph breaks.
+"""The Buffer's calls as PyTorch custom ops, so that `torch.compile` traces them without graph breaks.
 
 NOTE [custom ops]
 `Buffer.get_dispatch_layout`, `dispatch`, `combine`, `low_latency_dispatch` and `low_latency_combine` called
@@ -21,11 +21,12 @@ Inside a compiled region the calls run on the current stream: `previous_event`, 
 `allocate_on_comm_stream` are ignored, and the returned event is an empty `EventOverlap` (the work is
 already ordered before whatever the stream runs next); `return_recv_hook` too (the call receives at once and
 the hook does nothing), a low-latency combine's `out` is filled by a copy, and with `zero_copy` the buffer it
-reads is named as the op's input. The statistics tensors a low-latency call adds to are declared mutated. `num_recv_tokens_per_expert_list` is a Python list
-read from a tensor (one graph break where it is used; empty with `num_worst_tokens`, as in DeepEP), and the
-handle is DeepEP's plain tuple of the six tensors; the Buffer finds the rest of what it knew about its own
-handle (its rounds, its fast path) by the identity of `recv_src_idx`, so cached dispatch and combine of a
-traced handle cost what they cost in eager mode.
+reads is named as the op's input. The statistics tensors a low-latency call adds to are declared mutated.
+`num_recv_tokens_per_expert_list` is a Python list read from a tensor (one graph break where it is used;
+empty with `num_worst_tokens`, as in DeepEP). Handles are DeepEP's plain tuples; the Buffer finds the rest of
+what it knew about its own handle (its rounds, its fast path) by the identity of the tensor the op returned
+as its key (`recv_src_idx`, or a low-latency handle's `src_info`), so calls with a traced handle cost what
+they cost in eager mode.
 """
 
 from __future__ import annotations
