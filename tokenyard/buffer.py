@@ -345,9 +345,8 @@ class Buffer(LowLatencyCalls):
         waited = previous_event.event if previous_event is not None else None
         waits_for_event = waited is not None and waited.event is not None
         caller_device = torch._C._cuda_getDevice()  # set_stream also makes the stream's device current
-        if not (async_finish or waits_for_event or allocate_on_comm_stream) and caller_device == device_index \
-                and self._joined_stream == compute.cuda_stream:  # NOTE [joined stream]
-            self._ran_on = compute.cuda_stream
+        if not allocate_on_comm_stream and caller_device == device_index and \
+                self._runs_straight(compute.cuda_stream, waits_for_event, async_finish):
             yield scope  # tensors made here are the caller's stream's already: scope.owner stays None
             return
         self._comm_catches_up(compute.cuda_stream, waits_for_compute=not waits_for_event)
@@ -369,6 +368,14 @@ class Buffer(LowLatencyCalls):
             compute.wait_stream(self._comm_stream)
             self._joined_stream = compute.cuda_stream
         scope.owner = None if allocate_on_comm_stream else compute
+
+    def _runs_straight(self, compute: int, waits_for_event: bool, async_finish: bool) -> bool:
+        """NOTE [joined stream]: whether a call on the caller's stream `compute` runs its kernels there (noted
+        in `_ran_on` when it does)."""
+        if async_finish or waits_for_event or self._joined_stream != compute:
+            return False
+        self._ran_on = compute
+        return True
 
     def _comm_catches_up(self, compute: int, waits_for_compute: bool) -> None:
         """Before work goes to the comm stream: it waits for the kernels run straight on a caller's stream

@@ -90,9 +90,7 @@ class FastPaths:
         if not use_comm_stream:
             return native.run(inputs, scalars, compute, 0, 0, 0, 0, False, False, 0), EventOverlap(None)
         buffer = self.buffer
-        if not async_finish and not waited and buffer._joined_stream == compute:
-            # NOTE [joined stream] in buffer.py: the caller's stream waited for all the comm stream's work
-            buffer._ran_on = compute
+        if buffer._runs_straight(compute, bool(waited), async_finish):  # NOTE [joined stream] in buffer.py
             return native.run(inputs, scalars, compute, 0, 0, 0, 0, False, False, 0), EventOverlap(None)
         if buffer._ran_on is not None:
             buffer._comm_catches_up(compute, waits_for_compute=not waited)

@@ -88,6 +88,18 @@ def _no_rows(rows, like: Tensor, dtype: torch.dtype) -> Tensor:
     return like.new_empty((rows, 0), dtype=dtype)
 
 
+def _rows_and_scales(recv_x, x: Tensor) -> Tuple[Tensor, Tensor]:
+    """A dispatch's received x as (rows, scales), the scales [N, 0] where x had none."""
+    return recv_x if isinstance(recv_x, tuple) else (recv_x, _no_rows(recv_x.size(0), x, torch.float32))
+
+
+def _fake_rows_and_scales(rows, x: Tensor, x_scales: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The fake (rows, scales) of a dispatch that receives `rows` rows of `x` (and `x_scales`)."""
+    scales = _no_rows(rows, x, torch.float32) if x_scales is None else \
+        x_scales.new_empty((rows,) + tuple(x_scales.shape[1:]))
+    return x.new_empty((rows,) + tuple(x.shape[1:])), scales
+
+
 # -- get_dispatch_layout --------------------------------------------------------------------------------
 
 @torch.library.custom_op("tokenyard::get_dispatch_layout", mutates_args=())
@@ -118,7 +130,7 @@ def _dispatch(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], num_tokens_
         sent, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
         num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
         expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
-    recv_x, recv_scales = recv_x if x_scales is not None else (recv_x, _no_rows(recv_x.size(0), x, torch.float32))
+    recv_x, recv_scales = _rows_and_scales(recv_x, x)
     rows = recv_x.size(0)
     if recv_topk_idx is None:
         recv_topk_idx, recv_topk_weights = _no_rows(rows, x, torch.int64), _no_rows(rows, x, torch.float32)
@@ -139,9 +151,7 @@ def _(buffer_id, x, x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_
     num_local_experts = num_tokens_per_expert.size(0) // num_ranks
     num_topk = 0 if topk_idx is None else topk_idx.size(1)
     int32 = dict(dtype=torch.int32)
-    return [x.new_empty((rows,) + tuple(x.shape[1:])),
-            _no_rows(rows, x, torch.float32) if x_scales is None else
-            x_scales.new_empty((rows,) + tuple(x_scales.shape[1:])),
+    return [*_fake_rows_and_scales(rows, x, x_scales),
             x.new_empty((rows, num_topk), dtype=torch.int64),
             x.new_empty((rows, num_topk), dtype=torch.float32),
             torch.empty(0 if num_worst_tokens else num_local_experts, dtype=torch.int64),
@@ -158,17 +168,13 @@ def _cached_dispatch(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], rank
               send_head)
     sent = x if x_scales is None else (x, x_scales)
     recv_x = _buffer(buffer_id).dispatch(sent, handle=_handle(fields))[0]
-    recv_x, recv_scales = recv_x if x_scales is not None else (recv_x, _no_rows(recv_x.size(0), x, torch.float32))
-    return _unaliased((recv_x, recv_scales), (x, x_scales) + fields)
+    return _unaliased(_rows_and_scales(recv_x, x), (x, x_scales) + fields)
 
 
 @_cached_dispatch.register_fake
 def _(buffer_id, x, x_scales, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
       is_token_in_rank, send_head):
-    rows = recv_src_idx.size(0)
-    return (x.new_empty((rows,) + tuple(x.shape[1:])),
-            _no_rows(rows, x, torch.float32) if x_scales is None else
-            x_scales.new_empty((rows,) + tuple(x_scales.shape[1:])))
+    return _fake_rows_and_scales(recv_src_idx.size(0), x, x_scales)
 
 
 # -- combine -----------------------------------------------------------------------------------------------

@@ -81,16 +81,14 @@ class PlanBuilder:
 
     def output(self, name: str, shape: Sequence, dtype: torch.dtype, zero: bool = False) -> Ref:
         """A tensor the run allocates; a dimension may be a scalar `Ref` (its value at the run)."""
-        fill = 0 if zero else (POISON if self.poison_outputs else NO_FILL)
-        self.outputs.append((name, self._dims(shape), dtype, fill, -1, True))
+        self.outputs.append((name, self._dims(shape), dtype, self._fill(zero), -1, True))
         return Ref(_OUTPUT, len(self.outputs) - 1)
 
     def whole(self, zero: bool = False) -> int:
         """An allocation for tensors that live together (NOTE [plan allocations] in csrc/call_plan.cpp): as
         many bytes as its parts need (`part`, each 16-byte aligned), filled once. One allocation and at most
         one fill instead of one each; its memory is free when the last part is."""
-        fill = 0 if zero else (POISON if self.poison_outputs else NO_FILL)
-        self.outputs.append((f"whole{len(self.outputs)}", (0,), torch.uint8, fill, -1, False))
+        self.outputs.append((f"whole{len(self.outputs)}", (0,), torch.uint8, self._fill(zero), -1, False))
         return len(self.outputs) - 1
 
     def part(self, whole: int, name: str, shape: Sequence, dtype: torch.dtype) -> Ref:
@@ -102,6 +100,9 @@ class PlanBuilder:
         """`outputs` (name, shape, dtype) as the parts of one new whole."""
         whole = self.whole(zero)
         return tuple(self.part(whole, name, shape, dtype) for name, shape, dtype in outputs)
+
+    def _fill(self, zero: bool) -> int:
+        return 0 if zero else (POISON if self.poison_outputs else NO_FILL)
 
     @staticmethod
     def _dims(shape: Sequence) -> Tuple[int, ...]:
