@@ -1,11 +1,11 @@
 """benchmarks/results/faults.json: how each fault of tests/cpu/fault_scenarios.py was detected (issue 23).
 
-Per scenario: the backend, the ranks, the longest time a rank other than the one at fault took from the start
+Per scenario and backend: the ranks, the longest time a rank other than the one at fault took from the start
 of its call to its error (`detected_s`), rank 0's error, and whether every surviving rank then completed a
-correct call. The reference backend on CPU gloo ranks; on a GPU machine the same scenarios run there too
-once they exist for the CUDA backend.
+correct call. The reference backend on CPU gloo ranks; where there is a GPU, the CUDA backend too, its ranks
+on GPUs of their own or sharing one (under MPS: benchmarks/run_device.sh faults starts the daemon).
 
-    python benchmarks/faults.py --json benchmarks/results/faults.json
+    python benchmarks/faults.py --json benchmarks/results/faults.json [--backend reference cuda] [--cuda_ranks 4]
 """
 
 from __future__ import annotations
@@ -17,43 +17,60 @@ import os
 import secrets
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.cpu import fault_scenarios as scenarios  # noqa: E402
+from tokenyard import devices  # noqa: E402
 from tokenyard.bench.report import git_commit  # noqa: E402
 from tokenyard.launch import RanksFailed, run_on_ranks  # noqa: E402
 
 
-def _run(fn, seed, what) -> dict:
+def _run(fn, seed, what, backend, num_ranks) -> dict:
     """Every rank's view of one scenario (rank -> dict); a rank that died is left out."""
     try:
-        return dict(enumerate(run_on_ranks(scenarios.NUM_RANKS, fn, seed, what, use_cuda=False, timeout_s=120,
-                                           group_timeout_s=10)))
+        return dict(enumerate(run_on_ranks(num_ranks, fn, seed, what, backend, use_cuda=backend == "cuda",
+                                           timeout_s=120, group_timeout_s=10)))
     except RanksFailed as failed:
         if set(failed.failures) != {1} or what != "killed":
             raise
         return failed.results
 
 
+def _device(backend: str, num_ranks: int) -> str:
+    if backend != "cuda":
+        return f"cpu ({num_ranks} gloo ranks)"
+    used, per_gpu = devices.launch_layout(num_ranks, torch.cuda.device_count())
+    shared = f", {per_gpu} ranks per GPU (MPS)" if per_gpu > 1 else ""
+    return f"{torch.cuda.get_device_name(0)} x {used}{shared}"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json")
     parser.add_argument("--seed", type=int, default=secrets.randbelow(2**31))
+    parser.add_argument("--backend", nargs="+", choices=("reference", "cuda"),
+                        default=["reference"] + (["cuda"] if torch.cuda.is_available() else []))
+    parser.add_argument("--cuda_ranks", type=int, default=4, help="the CUDA backend's ranks (dividing the 12 experts)")
     args = parser.parse_args(argv)
-    rows = []
-    for fn, names, at_fault in ((scenarios.mismatch, scenarios.MISMATCHES, None),
-                                (scenarios.late_peer, scenarios.LATE, 1)):
-        for what in names:
-            seen = _run(fn, args.seed, what)
-            others = [s for r, s in seen.items() if r != at_fault]
-            row = {"scenario": what, "backend": "reference", "num_ranks": scenarios.NUM_RANKS,
-                   "timeout_s": scenarios.TIMEOUT_S, "detected_s": round(max(s["detected_s"] for s in others), 3),
-                   "error": seen[0]["error"], "survivors_recovered": all(s["recovered"] for s in seen.values())}
-            rows.append(row)
-            print(f"{what}: detected in {row['detected_s']:.2f} s, recovered {row['survivors_recovered']}: "
-                  f"{(row['error'] or '')[:110]}", flush=True)
+    rows, device = [], {}
+    for backend in args.backend:
+        num_ranks = args.cuda_ranks if backend == "cuda" else scenarios.NUM_RANKS
+        device[backend] = _device(backend, num_ranks)
+        mismatches = scenarios.CUDA_MISMATCHES if backend == "cuda" else scenarios.MISMATCHES
+        for fn, names, at_fault in ((scenarios.mismatch, mismatches, None), (scenarios.late_peer, scenarios.LATE, 1)):
+            for what in names:
+                seen = _run(fn, args.seed, what, backend, num_ranks)
+                others = [s for r, s in seen.items() if r != at_fault]
+                row = {"scenario": what, "backend": backend, "num_ranks": num_ranks, "timeout_s": scenarios.TIMEOUT_S,
+                       "detected_s": round(max(s["detected_s"] for s in others), 3), "error": seen[0]["error"],
+                       "survivors_recovered": all(s["recovered"] for s in seen.values())}
+                rows.append(row)
+                print(f"{backend} {what}: detected in {row['detected_s']:.2f} s, recovered "
+                      f"{row['survivors_recovered']}: {(row['error'] or '')[:110]}", flush=True)
     if args.json:
-        document = {"commit": git_commit(), "device": f"cpu ({scenarios.NUM_RANKS} gloo ranks)",
+        document = {"commit": git_commit(), "device": device,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "seed": args.seed, "scenarios": rows}
         with open(args.json, "w") as f:

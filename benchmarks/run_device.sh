@@ -11,6 +11,7 @@
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_TEST_NUM_RANKS=2,4 bash benchmarks/run_device.sh shared [pytest args]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh residency
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh shared_bench
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh faults
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -28,6 +29,9 @@
 # shared_gpu_<ranks>.log; benchmarks/shared_gpu.py turns them into shared_gpu.json. `residency` (under MPS
 # too) measures which grids of ranks sharing a GPU are resident together (benchmarks/mps_residency.py);
 # `shared_bench` runs the benchmark at 2 and 4 ranks on the GPUs there are (times only where they share).
+#
+# `faults` (under MPS, issue 23) runs tests/gpu/test_faults.py at 4 ranks on the GPUs there are, then records
+# the same scenarios on the CUDA backend (benchmarks/faults.py: faults_cuda.json).
 #
 # `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks, and without
 # the next-row prefetch (TOKENYARD_TUNING), to choose heuristics.py's defaults.
@@ -62,6 +66,12 @@ if [ "$what" = shared_bench ]; then
         timeout 200 python3 -m tokenyard.bench --quiet --num_ranks $ranks --json "$out/bench_shared_${ranks}.json" \
             2>&1 | grep -v Warn | tail -16
     done
+fi
+if [ "$what" = faults ]; then
+    start_mps
+    TOKENYARD_TEST_NUM_RANKS=4 timeout 300 python3 -m pytest -v tests/gpu/test_faults.py -p no:cacheprovider 2>&1 \
+        | tee "$out/gpu_tests_faults.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -20
+    timeout 240 python3 benchmarks/faults.py --backend cuda --json "$out/faults_cuda.json" 2>&1 | grep -v Warn | tail -12
 fi
 if [ "$what" = residency ]; then
     start_mps

@@ -24,6 +24,8 @@ made which call, and the group stays usable: every transfer so far had the same 
 Calls of one operation and shape are told apart only by their order: a rank that skips one of a run of
 identical calls pairs its next call with the others' skipped one, and only the last call, left without a
 partner, times out. Under CUDA-graph capture the header is not exchanged (reading it would sync the host).
+The CUDA backend's kernels carry the same signature, without the call number, in their own first exchange
+(NOTE [call signatures] in include/tokenyard/layout.cuh); both name the disagreement with `mismatch_error`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,15 @@ CALL_FIELDS = {
     "low_latency_dispatch": ("hidden", "num_topk", "num_experts", "num_max", "use_fp8", "round_scale", "use_ue8m0"),
     "low_latency_combine": ("hidden", "num_topk", "num_experts", "num_max"),
 }
-HEADER_INTS = 2 + max(len(fields) for fields in CALL_FIELDS.values())  # call number, operation, signature
+SIGNATURE_INTS = 1 + max(len(fields) for fields in CALL_FIELDS.values())  # the operation, then its fields
+HEADER_INTS = 1 + SIGNATURE_INTS  # the call number, then the signature
+
+
+def signature(op: str, **fields: int) -> List[int]:
+    """`op`'s shape signature as SIGNATURE_INTS ints: the operation's index in CALL_FIELDS, then `fields` in
+    CALL_FIELDS[op]'s order, then zeros."""
+    values = [list(CALL_FIELDS).index(op)] + [int(fields[name]) for name in CALL_FIELDS[op]]
+    return values + [0] * (SIGNATURE_INTS - len(values))
 
 
 def choose_mode(group_backend: str, device_type: str, shares_gpu: bool) -> str:
@@ -90,12 +100,29 @@ class _Bounded:
         return True
 
 
+def describe_signature(values: List[int]) -> str:
+    """``dispatch(hidden_bytes=256, ...)`` for one rank's signature (`signature`)."""
+    names = list(CALL_FIELDS)
+    op = names[values[0]] if 0 <= values[0] < len(names) else f"operation {values[0]}"
+    fields = ", ".join(f"{name}={value}" for name, value in zip(CALL_FIELDS.get(op, ()), values[1:]))
+    return f"{op}({fields})"
+
+
 def describe_header(header: List[int]) -> str:
     """``call 5: dispatch(hidden_bytes=256, ...)`` for one rank's header (NOTE [call agreement])."""
-    names = list(CALL_FIELDS)
-    op = names[header[1]] if 0 <= header[1] < len(names) else f"operation {header[1]}"
-    fields = ", ".join(f"{name}={value}" for name, value in zip(CALL_FIELDS.get(op, ()), header[2:]))
-    return f"call {header[0]}: {op}({fields})"
+    return f"call {header[0]}: {describe_signature(header[1:])}"
+
+
+def mismatch_error(calls: List[List[int]], describe: Callable[[List[int]], str]) -> RankMismatchError:
+    """The error every rank raises alike where the ranks' `calls` (headers or signatures, by rank) differ:
+    the ranks grouped by the call they made, each call `describe`d."""
+    groups = {}
+    for r, call in enumerate(calls):
+        groups.setdefault(tuple(call), []).append(r)
+    detail = "; ".join(f"ranks {ranks} make {describe(list(call))}" for call, ranks in groups.items())
+    return RankMismatchError(f"the ranks make different calls: {detail}. A rank skipped or added a call, or passed "
+                             "other shapes; every rank must make the same calls in the same order (destroy this "
+                             "Buffer and make a new one on every rank after fixing the caller)", list(groups.values()))
 
 
 class Collectives:
@@ -175,20 +202,11 @@ class Collectives:
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if self.group is None or capturing:
             return
-        header = [self._calls, list(CALL_FIELDS).index(op)] + [int(fields[name]) for name in CALL_FIELDS[op]]
-        mine = torch.tensor(header + [0] * (HEADER_INTS - len(header)), dtype=torch.int64)
+        mine = torch.tensor([self._calls] + signature(op, **fields), dtype=torch.int64)
         headers = self.all_gather(mine if self.device.type == "cpu" or self.mode == "host" else mine.to(self.device),
                                   "agree").tolist()
-        if all(h == headers[0] for h in headers):
-            return
-        groups = {}
-        for r, h in enumerate(headers):
-            groups.setdefault(tuple(h), []).append(r)
-        detail = "; ".join(f"ranks {ranks} make {describe_header(list(h))}" for h, ranks in groups.items())
-        raise RankMismatchError(f"the ranks make different calls: {detail}. A rank skipped or added a call, or "
-                                "passed other shapes; every rank must make the same calls in the same order (destroy "
-                                "this Buffer and make a new one on every rank after fixing the caller)",
-                                list(groups.values()))
+        if any(h != headers[0] for h in headers):
+            raise mismatch_error(headers, describe_header)
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]] = None,
                           in_splits: Optional[List[int]] = None, async_op: bool = False):

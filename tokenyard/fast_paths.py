@@ -221,8 +221,10 @@ class FastPaths:
 
     def learn_combine(self, x, handle, topk_weights, bias, config, async_finish) -> None:
         num_sms = self.buffer.num_sms if config is None else config.num_sms
+        bias_0, bias_1 = split_x(bias)
         plan = self.backend.combine_plan(handle.num_tokens, x.size(1), 0 if topk_weights is None else
-                                         topk_weights.size(1), num_sms, False)
+                                         topk_weights.size(1), (bias_0 is not None) + (bias_1 is not None), num_sms,
+                                         False)
         self.record(self._combine_key(x, handle, topk_weights, bias, config, async_finish), plan.native)
 
     # -- low-latency mode -----------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def normal_dispatch_slots(num_tokens: int, num_send_warps: int, chunk_tokens: in
     return max(w * dispatch_pieces(-(-num_tokens // w), chunk_tokens, tail_tokens) if w else 0 for w in sizes)
 
 
-NOTIFY_DATA_OFFSET = 1024  # kNotifyDataOffset in include/tokenyard/layout.cuh
+NOTIFY_DATA_OFFSET = 8192  # kNotifyDataOffset in include/tokenyard/layout.cuh
 
 
 def normal_max_local_experts(num_ranks: int) -> int:

@@ -2,8 +2,13 @@
 its own, so that a group left broken reaches nothing else): ranks that make different calls, skip one, sleep
 past the deadline or die. Each rank returns what it saw, ``{"error", "detected_s", "recovered"}``: the error
 it raised (None for the rank at fault where it raised nothing), how long after its call began, and whether
-it then completed a correct call (on the same Buffer where no data moved, else on a new group).
-tests/cpu/test_faults.py asserts on them; benchmarks/faults.py records them (faults.json).
+it then completed a correct call (on the same Buffer where no data moved, else on a new Buffer, on a new
+group where the old one holds unfinished work).
+On the CUDA backend (GPU ranks, `backend="cuda"`) a kernel records what it found and the host raises it at
+the call's CPU wait, or where the call has none (a combine, a num_worst_tokens dispatch, a dispatch whose
+receivers wait on the GPU) at the Buffer's next call: the scenarios make one (`_raise_recorded`), and the
+failed Buffer is replaced by a new one.
+tests/cpu/test_faults.py and tests/gpu/test_faults.py assert on them; benchmarks/faults.py records them.
 """
 
 from __future__ import annotations
@@ -16,17 +21,32 @@ import time
 import torch
 
 TIMEOUT_S = 2.0
+LIMIT_S = TIMEOUT_S + 2  # every rank but the one at fault raises within this of its call's start
 NUM_RANKS = 3
 HIDDEN, NUM_EXPERTS, NUM_TOPK, NUM_TOKENS = 128, 12, 2, 16
 MISMATCHES = ("hidden", "num_experts", "num_worst_tokens", "low_latency_hidden", "low_latency_num_max",
               "skipped_dispatch")
+# The CUDA backend's normal-mode calls compare shapes in their kernels (NOTE [call signatures] in
+# include/tokenyard/layout.cuh); its low-latency kernels do not yet.
+CUDA_MISMATCHES = ("hidden", "num_experts", "num_worst_tokens", "skipped_dispatch")
 LATE = ("sleeps_past_the_deadline", "killed")
 
 
-def _inputs(seed, num_ranks, hidden=HIDDEN, num_experts=NUM_EXPERTS):
+def _device(backend):
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else None
+
+
+def _inputs(seed, num_ranks, hidden=HIDDEN, num_experts=NUM_EXPERTS, backend="reference"):
     from tokenyard.testing import make_rank_inputs
 
-    return make_rank_inputs(seed, num_ranks, NUM_TOKENS, hidden, num_experts, NUM_TOPK)
+    return make_rank_inputs(seed, num_ranks, NUM_TOKENS, hidden, num_experts, NUM_TOPK, device=_device(backend))
+
+
+def _raise_recorded(buffer, backend, seed, num_ranks) -> None:
+    """On the CUDA backend, raise what the kernels recorded: wait for them, then make a call."""
+    if backend == "cuda":
+        torch.cuda.synchronize()
+        buffer.get_dispatch_layout(_inputs(seed, num_ranks, backend=backend)[0][1], NUM_EXPERTS)
 
 
 def _dispatch(buffer, x, topk_idx, weights, num_experts=NUM_EXPERTS, num_worst_tokens=0):
@@ -36,12 +56,12 @@ def _dispatch(buffer, x, topk_idx, weights, num_experts=NUM_EXPERTS, num_worst_t
                            num_worst_tokens=num_worst_tokens)
 
 
-def correct_call(group, seed) -> bool:
+def correct_call(group, seed, backend="reference") -> bool:
     """A dispatch on a new Buffer of `group`, against the oracle; raises where it differs."""
     from tokenyard import Buffer, routing
 
-    inputs = _inputs(seed, group.size())
-    buffer = Buffer(group, 1 << 22, 0, backend="reference", timeout_s=TIMEOUT_S)
+    inputs = _inputs(seed, group.size(), backend=backend)
+    buffer = Buffer(group, 1 << 22, 0, backend=backend, timeout_s=TIMEOUT_S)
     recv_x = _dispatch(buffer, *inputs[group.rank()])[0]
     want = routing.dispatch([i[0] for i in inputs], [None] * len(inputs), [i[1] for i in inputs],
                             [i[2] for i in inputs], NUM_EXPERTS)[group.rank()]["recv_x"]
@@ -50,9 +70,10 @@ def correct_call(group, seed) -> bool:
     return True
 
 
-def mismatch(seed, what) -> dict:
+def mismatch(seed, what, backend="reference") -> dict:
     """Rank 0 makes another call than the others (`what`, one of MISMATCHES); every rank must raise
-    RankMismatchError, after which the same Buffer serves a correct call (no data moved)."""
+    RankMismatchError (on the CUDA backend, a skipped call: CommTimeoutError), after which the same Buffer
+    serves a correct call (no data moved; on the CUDA backend, a new Buffer of the same group)."""
     import torch.distributed as dist
 
     from tokenyard import Buffer, TokenyardError
@@ -60,39 +81,44 @@ def mismatch(seed, what) -> dict:
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     odd = rank == 0
     buffer = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(32, 256, num_ranks, NUM_EXPERTS),
-                    backend="reference", timeout_s=TIMEOUT_S)
+                    backend=backend, timeout_s=TIMEOUT_S)
     start, error = time.monotonic(), None
     try:
         if what == "hidden":
-            _dispatch(buffer, *_inputs(seed, num_ranks, hidden=256 if odd else HIDDEN)[rank])
+            _dispatch(buffer, *_inputs(seed, num_ranks, hidden=256 if odd else HIDDEN, backend=backend)[rank])
         elif what == "num_experts":
             experts = 2 * NUM_EXPERTS if odd else NUM_EXPERTS
-            _dispatch(buffer, *_inputs(seed, num_ranks, num_experts=experts)[rank], num_experts=experts)
+            _dispatch(buffer, *_inputs(seed, num_ranks, num_experts=experts, backend=backend)[rank],
+                      num_experts=experts)
         elif what == "num_worst_tokens":
-            _dispatch(buffer, *_inputs(seed, num_ranks)[rank], num_worst_tokens=2 if odd else 64)
+            _dispatch(buffer, *_inputs(seed, num_ranks, backend=backend)[rank], num_worst_tokens=2 if odd else 64)
         elif what in ("low_latency_hidden", "low_latency_num_max"):
             hidden = 256 if odd and what == "low_latency_hidden" else 128
             num_max = 16 if odd and what == "low_latency_num_max" else 32
-            x, topk_idx, _ = _inputs(seed, num_ranks, hidden=hidden)[rank]
+            x, topk_idx, _ = _inputs(seed, num_ranks, hidden=hidden, backend=backend)[rank]
             buffer.low_latency_dispatch(x, topk_idx, num_max, NUM_EXPERTS, use_fp8=False)
         elif what == "skipped_dispatch":  # rank 0 skips a dispatch and goes on to its combine
-            x, topk_idx, weights = _inputs(seed, num_ranks)[rank]
+            x, topk_idx, weights = _inputs(seed, num_ranks, backend=backend)[rank]
             recv_x, _, _, _, handle, _ = _dispatch(buffer, x, topk_idx, weights)
             if not odd:
                 _dispatch(buffer, x, topk_idx, weights)
             buffer.combine(recv_x, handle)
         else:
             raise ValueError(f"unknown mismatch {what!r}")
+        _raise_recorded(buffer, backend, seed, num_ranks)
     except TokenyardError as exc:
         error = f"{type(exc).__name__}: {exc}"
     detected_s = time.monotonic() - start
-    if what != "skipped_dispatch":  # there the others' calls are one ahead of rank 0's: the Buffer is done
+    # After a skipped call the others' calls are one ahead of rank 0's, and a CUDA Buffer that recorded a
+    # failure stays failed: those Buffers are done.
+    if what != "skipped_dispatch" and backend != "cuda":
         _dispatch(buffer, *_inputs(seed + 1, num_ranks)[rank])
     buffer.destroy()
-    return {"error": error, "detected_s": detected_s, "recovered": correct_call(dist.group.WORLD, seed + 2)}
+    return {"error": error, "detected_s": detected_s,
+            "recovered": correct_call(dist.group.WORLD, seed + 2, backend)}
 
 
-def late_peer(seed, what) -> dict:
+def late_peer(seed, what, backend="reference") -> dict:
     """Rank 1 sleeps past the deadline, or is killed (`what`, one of LATE), before its dispatch. The others
     must raise within timeout_s + 2 s; then the ranks still alive make a new group and a correct call on it."""
     import torch.distributed as dist
@@ -100,8 +126,8 @@ def late_peer(seed, what) -> dict:
     from tokenyard import Buffer, TokenyardError
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    buffer = Buffer(dist.group.WORLD, 1 << 22, 0, backend="reference", timeout_s=TIMEOUT_S)
-    args = _inputs(seed, num_ranks)[rank]
+    buffer = Buffer(dist.group.WORLD, 1 << 22, 0, backend=backend, timeout_s=TIMEOUT_S)
+    args = _inputs(seed, num_ranks, backend=backend)[rank]
     if rank == 1:
         if what == "killed":
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -109,10 +135,40 @@ def late_peer(seed, what) -> dict:
     start, error = time.monotonic(), None
     try:
         _dispatch(buffer, *args)
+        _raise_recorded(buffer, backend, seed, num_ranks)
     except TokenyardError as exc:
         error = f"{type(exc).__name__}: {exc}"
     detected_s = time.monotonic() - start
-    # The old group holds unfinished collectives (or a dead rank): the survivors make a new one.
+    # The old group holds unfinished collectives (or a dead rank): the survivors make a new one, which waits
+    # for a late rank's call to end, so no rank frees its buffer while a peer's kernels may still write to it.
     survivors = [r for r in range(num_ranks) if not (what == "killed" and r == 1)]
     group = dist.new_group(survivors, use_local_synchronization=True)
-    return {"error": error, "detected_s": detected_s, "recovered": correct_call(group, seed + 1)}
+    buffer.destroy()
+    return {"error": error, "detected_s": detected_s, "recovered": correct_call(group, seed + 1, backend)}
+
+
+def expect_mismatch(seen, what, backend="reference") -> str:
+    """Assert what every rank of `mismatch` must have seen; -> rank 0's error. Every rank raises within
+    LIMIT_S and recovers; shapes that disagree give RankMismatchError naming rank 0, alike on every rank (on
+    the CUDA backend, a skipped call is a peer that never arrives: CommTimeoutError)."""
+    errors = [s["error"] for s in seen]
+    if backend == "cuda" and what == "skipped_dispatch":
+        assert all(e is not None and e.startswith("CommTimeoutError") for e in errors), errors
+    else:
+        assert all(e is not None and e.startswith("RankMismatchError") and "ranks [0]" in e for e in errors), errors
+        assert len(set(errors)) == 1, f"the ranks raised different errors: {errors}"
+    assert all(s["detected_s"] < LIMIT_S and s["recovered"] for s in seen), seen
+    return errors[0]
+
+
+def expect_late(seen, what) -> None:
+    """Assert what each rank (by rank) of `late_peer` must have seen: every rank alive raised (a late one's
+    peers and itself: a timeout), the others than rank 1 within LIMIT_S at a dispatch stage naming
+    themselves, and every one alive recovered."""
+    for rank, s in seen.items():
+        assert s["error"] is not None, (rank, s)
+        if what == "sleeps_past_the_deadline":
+            assert "timed out" in s["error"], (rank, s)
+        if rank != 1:
+            assert s["detected_s"] < LIMIT_S and f"rank {rank}" in s["error"] and "dispatch/" in s["error"], (rank, s)
+        assert s["recovered"], (rank, s)

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ... import checks, env, workspace
+from ... import checks, collectives, env, workspace
 from ...errors import BackendUnavailableError, CommTimeoutError, InvalidInputError, TokenyardError
 from ...handle import DispatchHandle
 from ...jit import load
@@ -29,6 +29,10 @@ _STAGES = {1: "barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combin
            5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive", 7: "low_latency_combine/weights",
            8: "low_latency_dispatch/expert_counts", 9: "low_latency_dispatch/send"}
 _MASK32 = 0xFFFFFFFF
+# NOTE [error record] in include/tokenyard/sync.cuh: kRecordSignaturesAt, and the table's kMaxRanks rows of
+# kMaxSignatureInts (layout.cuh).
+_RECORD_SIGNATURES_AT, _MAX_RANKS, _MAX_SIGNATURE_INTS = 8, 32, 8
+_RECORD_INTS = _RECORD_SIGNATURES_AT + _MAX_RANKS * _MAX_SIGNATURE_INTS
 
 # The inputs and per-call scalars of every dispatch plan (NOTE [call plans]), in the order a run passes them.
 DISPATCH_INPUTS = ("x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "num_tokens_per_expert",
@@ -126,7 +130,7 @@ class CudaBackend(Backend):
 
     def __init__(self, ctx: GroupContext):
         super().__init__(ctx)
-        if ctx.num_ranks > 32:
+        if ctx.num_ranks > _MAX_RANKS:
             raise BackendUnavailableError("the CUDA backend handles up to 32 ranks (one NVLink domain)")
         # NOTE [MPS]: ranks that share a GPU wait in their kernels for each other's kernels, which run at the
         # same time only where MPS serves the GPU; without it they would take turns (time slices of
@@ -161,8 +165,9 @@ class CudaBackend(Backend):
         # [layout's kLayoutBadIds, the last judged dispatch's mask of bad ranks] (NOTE [input verdict] in checks.py)
         self.verdict = torch.zeros(2, dtype=torch.int32, device=ctx.device)
         self._verdict_experts: Optional[int] = None  # num_experts of the last fresh dispatch, for messages
-        self.host_record_ptr = runtime.host_alloc_mapped(8 * 4)
-        self.host_record = runtime.int32_view(self.host_record_ptr, 8)
+        self.host_record_ptr = runtime.host_alloc_mapped(_RECORD_INTS * 4)
+        self.host_record = runtime.int32_view(self.host_record_ptr, _RECORD_INTS)
+        self._signatures = {}  # signature tuple -> its ints on the device (NOTE [call signatures], `_signature`)
         self.host_counts_ptr = runtime.host_alloc_mapped(HOST_COUNTS_INTS * 4)
         self.host_counts = runtime.int32_view(self.host_counts_ptr, HOST_COUNTS_INTS)
         self.timeout_ns = int(ctx.timeout_s * 1e9)
@@ -199,6 +204,16 @@ class CudaBackend(Backend):
     def _wait_args(self):
         return (self.error_flag.data_ptr(), self.host_record_ptr, self.timeout_ns)
 
+    def _signature(self, op: str, **fields: int) -> int:
+        """The device address of `op`'s shape signature (collectives.signature), which the call's first exchange
+        compares across the ranks (NOTE [call signatures] in include/tokenyard/layout.cuh); kept for the
+        backend's life, one per distinct signature."""
+        values = tuple(collectives.signature(op, **fields))
+        tensor = self._signatures.get(values)
+        if tensor is None:
+            tensor = self._signatures[values] = torch.tensor(values, dtype=torch.int32, device=self.ctx.device)
+        return tensor.data_ptr()
+
     def _buffer_args(self, layout: workspace.NormalLayout, seq: int):
         return (self.normal.bases_tensor.data_ptr(), self.ctx.rank, layout.control_bytes, layout.region_bytes,
                 layout.slots_offset, layout.max_chunks, layout.row_bytes, seq)
@@ -222,6 +237,11 @@ class CudaBackend(Backend):
             elif kind == 5:
                 self._failure = InvalidInputError(f"{checks.low_latency_bad_ids(rank, expected, seen)}; destroy "
                                                   "this Buffer and make a new one")
+            elif kind == 6:  # NOTE [call signatures]: every rank's signature, copied from the table
+                ints = collectives.SIGNATURE_INTS
+                rows = [[int(self.host_record[_RECORD_SIGNATURES_AT + r * _MAX_SIGNATURE_INTS + i]) for i in range(ints)]
+                        for r in range(self.ctx.num_ranks)]
+                self._failure = collectives.mismatch_error(rows, collectives.describe_signature)
             elif kind == 3:
                 self._failure = InvalidInputError(
                     f"rank {peer} dispatched with {seen} sending warps and rank {rank} with {expected}: every rank "
@@ -370,7 +390,7 @@ class CudaBackend(Backend):
             m.expert_alignment, prefix_excl, rank_prefix_matrix, source_num_tokens, counts, source_first,
             first.scalar("call_num_tokens"), call[0], call[1], placed[0], placed[1],
             first.inp("check_topk_idx") if m.judged_topk else 0, m.num_topk, first.scalar("check_tokens"), *judged,
-            self.verdict.data_ptr(), int(m.judged and not cpu_wait), self.host_counts_ptr,
+            self.verdict.data_ptr(), int(m.judged and not cpu_wait), self.host_counts_ptr, self._dispatch_signature(m),
             first.scalar("call_id"), self.normal.bases_tensor.data_ptr(), rank, first.scalar("notify_expected"),
             *self._wait_args()), shared_bytes=num_local_experts * 4 + kernels.JUDGE_WINDOW if m.judged else 0)
 
@@ -418,6 +438,15 @@ class CudaBackend(Backend):
         second = self._builder(DISPATCH_INPUTS + first_plan.output_names, DISPATCH_SCALARS)
         launch(second, 0 if split else grid.num_send_blocks, make_outputs(second, second.scalar("num_rows")), False)
         return first_plan, second.build()
+
+    def _dispatch_signature(self, m: DispatchShape) -> int:
+        """A dispatch's signature, as the front-end agrees on it for the reference backend (buffer.py)."""
+        hidden_bytes = m.hidden * m.element_size
+        if m.cached:
+            return self._signature("cached_dispatch", hidden_bytes=hidden_bytes, num_scales=m.num_scales)
+        return self._signature("dispatch", hidden_bytes=hidden_bytes, num_scales=m.num_scales, num_topk=m.num_topk,
+                               num_experts=m.num_experts, num_worst_tokens=m.num_rows or 0,
+                               expert_alignment=m.expert_alignment, with_weights=int(m.with_weights))
 
     def dispatch_scalars(self, num_tokens: int, call_num_tokens: Optional[int] = None, num_worst: int = 0,
                          token_base: int = 0, check_tokens: int = 0) -> list:
@@ -481,9 +510,11 @@ class CudaBackend(Backend):
                                     inputs[4], made["send_head"])
         return DispatchResult(*outputs[:4], per_expert_list, handle, most_call_tokens)
 
-    def combine_plan(self, num_tokens: int, hidden: int, num_topk: int, num_sms: int, placed: bool) -> plans.Plan:
+    def combine_plan(self, num_tokens: int, hidden: int, num_topk: int, num_biases: int, num_sms: int,
+                     placed: bool) -> plans.Plan:
         """Inputs COMBINE_INPUTS, scalars (seq, barrier_expected) -> (combined_x, combined_topk_weights) unless
-        `placed` (a round of a call in rounds writes into the whole call's tensors, given as inputs)."""
+        `placed` (a round of a call in rounds writes into the whole call's tensors, given as inputs).
+        `num_biases` only enters the call's signature (NOTE [call signatures])."""
         def build():
             num_ranks = self.ctx.num_ranks
             layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
@@ -503,10 +534,12 @@ class CudaBackend(Backend):
                 int(heuristics.combine_own_rows_direct()), int(heuristics.prefetch_next_row()),
                 self.normal.bases_tensor.data_ptr(), self.ctx.rank, layout.control_bytes, layout.region_bytes,
                 layout.slots_offset, layout.max_chunks, layout.row_bytes, b.scalar("seq"),
-                b.scalar("barrier_expected"), *self._wait_args()))
+                b.scalar("barrier_expected"),
+                self._signature("combine", hidden=hidden, num_topk=num_topk, num_biases=num_biases),
+                *self._wait_args()))
             return b.build()
 
-        return self.plan(("combine", num_tokens, hidden, num_topk, num_sms, placed), build)
+        return self.plan(("combine", num_tokens, hidden, num_topk, num_biases, num_sms, placed), build)
 
     def combine_scalars(self) -> list:
         return [self._next("_seq"), self._next("_barrier_calls")]
@@ -515,6 +548,7 @@ class CudaBackend(Backend):
         self.check_failures()
         x, handle, weights, placement = request.x, request.handle, request.topk_weights, request.placement
         plan = self.combine_plan(handle.num_tokens, x.size(1), 0 if weights is None else weights.size(1),
+                                 (request.bias_0 is not None) + (request.bias_1 is not None),
                                  request.config.num_sms, placement is not None)
         placed = (None, None) if placement is None else placement.outputs
         inputs = (x, weights, request.bias_0, request.bias_1, handle.rank_prefix_matrix,

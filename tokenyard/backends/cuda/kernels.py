@@ -11,6 +11,7 @@ import functools
 import torch
 
 from ... import workspace
+from ...collectives import SIGNATURE_INTS
 from ...jit import KernelSpec, Param
 
 LAYOUT_THREADS = 256
@@ -49,7 +50,7 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
         "tokenyard/kernels/notify.cuh", "tokenyard::kernels::dispatch_notify",
-        (num_ranks, NOTIFY_THREADS, topk_t, JUDGE_WINDOW),
+        (num_ranks, NOTIFY_THREADS, topk_t, JUDGE_WINDOW, SIGNATURE_INTS),
         (Param("const bool*", "is_token_in_rank"), Param("int", "num_tokens"),
          Param("const int*", "num_tokens_per_expert"), Param("int", "num_experts"), Param("int", "expert_alignment"),
          Param("int*", "prefix_excl"), Param("int*", "rank_prefix_matrix"), Param("int*", "source_num_tokens"),
@@ -58,7 +59,7 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
          Param(f"const {topk_t}*", "check_topk_idx"), Param("int", "num_topk"), Param("int", "check_num_tokens"),
          Param("const bool*", "check_in_rank"), Param("const int*", "check_per_rank"),
          Param("const int*", "check_per_expert"), Param("int*", "verdict"), Param("int", "record_verdict"),
-         Param("int*", "host_counts"), Param("uint32_t", "call_id"), Param("uint8_t* const*", "peer_bases"),
+         Param("int*", "host_counts"), Param("const int*", "signature"), Param("uint32_t", "call_id"), Param("uint8_t* const*", "peer_bases"),
          Param("int", "rank"), Param("uint32_t", "notify_expected")) + _WAIT,
         NOTIFY_THREADS)
 
@@ -92,13 +93,13 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
-        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS),
+        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
          Param("const int*", "send_head"),
          Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"), Param("int", "prefetch"))
-        + _BUFFERS + (Param("uint32_t", "barrier_expected"),) + _WAIT,
+        + _BUFFERS + (Param("uint32_t", "barrier_expected"), Param("const int*", "signature")) + _WAIT,
         DATA_THREADS)
 
 

@@ -9,7 +9,24 @@ namespace tokenyard {
 // NOTE [control block]: words at the start of every rank's buffer (offsets in bytes).
 constexpr int64_t kBarrierOffset = 0;        // uint32 [num_ranks]: slot s counts rank s's barrier arrivals
 constexpr int64_t kNotifyFlagOffset = 256;   // uint32 [num_ranks]: slot s counts rank s's notify pieces
-constexpr int64_t kNotifyDataOffset = 1024;  // int32 [num_ranks][2 * num_ranks + 2 + num_local_experts] (NOTE [notify])
+constexpr int64_t kSignaturesOffset = 1024;  // int32 [4][kMaxRanks][kMaxSignatureInts] (NOTE [call signatures])
+constexpr int64_t kNotifyDataOffset = 8192;  // int32 [num_ranks][3 * num_ranks + 2 + num_local_experts] (NOTE [notify])
+constexpr int kMaxRanks = 32;
+constexpr int kMaxSignatureInts = 8;
+static_assert(kSignaturesOffset + 4 * kMaxRanks * kMaxSignatureInts * 4 <= kNotifyDataOffset, "the tables fit");
+
+// NOTE [call signatures]
+// Ranks that disagree on a call's shape would read each other's rows at the wrong offsets, so each normal-mode
+// call's first exchange carries its shape signature (collectives.signature: the operation, then the fields
+// of CALL_FIELDS, as the reference backend's header without the call number): the notify kernel of a
+// dispatch, the barrier of a combine. Each sends it to row `rank` of a table in every rank's buffer before
+// the release that signals its arrival, and compares every row with its own once every rank has arrived.
+// Where a row differs, every rank finds one (if two rows differ, every row differs from one of them): it
+// copies the table to the host record, records kErrorCallMismatch and moves no data, so every rank raises
+// RankMismatchError alike, naming the ranks by the call each made. Tables: dispatch and combine, each two
+// used by alternate calls of its kind, so a rank one call ahead cannot overwrite a row a slower rank has
+// yet to read (it can only be ahead by one: each call waits for every rank's arrival at it).
+// The signature's ints come from the host (one owner: collectives.SIGNATURE_INTS, a template argument).
 
 // A chunk slot: the sender's sequence number (stored last, with release) and the row range it filled; a
 // dispatch also stores its number of sending warps in `pad` (NOTE [sender ranges]).
@@ -38,6 +55,10 @@ struct NormalBuffers {
     }
     __device__ __forceinline__ int* notify_data(int owner) const {
         return reinterpret_cast<int*>(peer_bases[owner] + kNotifyDataOffset);
+    }
+    // Table `table` of call signatures in the buffer of `owner`: a row of kMaxSignatureInts per source rank.
+    __device__ __forceinline__ int* signatures(int owner, int table) const {
+        return reinterpret_cast<int*>(peer_bases[owner] + kSignaturesOffset) + table * kMaxRanks * kMaxSignatureInts;
     }
     // Chunk slot `chunk` of `source` inside the buffer of `owner`.
     __device__ __forceinline__ ChunkSlot* slot(int owner, int source, int chunk) const {

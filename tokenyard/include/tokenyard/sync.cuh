@@ -12,8 +12,10 @@ namespace tokenyard {
 //   sent with another launch shape (value seen: its sending warps, expected: ours), 4 = a dispatch that
 //   does not wait for the CPU was given bad values (seen: the Verdict bits, expected: the mask of the ranks
 //   that gave them), 5 = a low-latency dispatch was given an expert id out of range (seen: the id,
-//   expected: num_experts);  [1] rank;  [2] peer;  [3] stage (Stage below);  [4] value seen;  [5] value
-//   expected.
+//   expected: num_experts), 6 = the ranks made calls of different signatures (expected: the mask of the
+//   ranks whose signature differs from this rank's; NOTE [call signatures] in layout.cuh);  [1] rank;
+//   [2] peer;  [3] stage (Stage below);  [4] value seen;  [5] value expected;  [6, 8) unused;  from
+//   kRecordSignaturesAt, for kind 6, every rank's signature (a row of kMaxSignatureInts each).
 // The first failing wait wins a compare-and-swap on `error_flag` in device memory (atomics on host memory
 // need PCIe atomics, which a VM may lack) and then writes the host record with plain stores.
 enum Stage : int {
@@ -34,7 +36,10 @@ enum ErrorKind : int {
     kErrorMismatch = 3,
     kErrorBadValues = 4,
     kErrorBadLowLatencyIds = 5,
+    kErrorCallMismatch = 6,
 };
+
+constexpr int kRecordSignaturesAt = 8;
 
 // NOTE [input verdict] in tokenyard/checks.py: what a rank's dispatch inputs got wrong, one bit each.
 enum Verdict : int {

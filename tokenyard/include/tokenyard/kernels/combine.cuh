@@ -5,19 +5,23 @@
 #include <cuda_bf16.h>
 
 #include "../copy.cuh"
-#include "../layout.cuh"
-#include "../sync.cuh"
+#include "../signatures.cuh"
 
 namespace tokenyard::kernels {
 
 // Every rank adds one to slot `rank` of every rank's barrier counter, then waits until all of its own
-// slots reached `expected`. Only block 0 signals; every block waits on its own (local) counters.
-template <int kNumRanks>
+// slots reached `expected`. Only block 0 signals, after sending the call's `signature` (combine table
+// 2 + expected % 2); every block waits on its own (local) counters and compares every rank's signature
+// with its own (NOTE [call signatures] in layout.cuh): -> whether every rank came with the same call.
+template <int kNumRanks, int kSignatureInts>
 __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, const WaitContext& wait,
-                                               uint32_t expected) {
+                                               uint32_t expected, const int* signature) {
     __shared__ bool ok;
     if (threadIdx.x == 0)
         ok = true;
+    const int table = 2 + expected % 2;
+    if (blockIdx.x == 0)
+        send_signature<kNumRanks, kSignatureInts>(buffers, table, signature);
     __syncthreads();
     if (blockIdx.x == 0 && threadIdx.x < kNumRanks)
         ptx::atomic_add_release_sys(buffers.barrier(threadIdx.x) + buffers.rank, 1);
@@ -25,7 +29,7 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
         !wait_at_least(wait, buffers.barrier(buffers.rank) + threadIdx.x, expected, threadIdx.x, kStageBarrier))
         ok = false;
     __syncthreads();
-    return ok;
+    return ok && signatures_agree<kNumRanks, kSignatureInts>(buffers, wait, table, signature, kStageBarrier);
 }
 
 // NOTE [combine roles]
@@ -42,7 +46,7 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // In a placed round (NOTE [placed rounds] in dispatch.cuh), `x` and `topk_weights` are the whole call's and
 // the round's rows from source s start at row recv_first[s] of them (else rank_prefix_matrix gives it);
 // send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
-template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows>
+template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts>
 __device__ __forceinline__ void combine(
         const int4* x, const float* topk_weights, const int4* bias_0, const int4* bias_1,
         const int* rank_prefix_matrix, const int* recv_first, const int* send_head, int num_tokens,
@@ -50,7 +54,7 @@ __device__ __forceinline__ void combine(
         int rank,
         int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
         uint32_t seq,
-        uint32_t barrier_expected, int* error_flag, int* host_record, uint64_t timeout_ns) {
+        uint32_t barrier_expected, const int* signature, int* error_flag, int* host_record, uint64_t timeout_ns) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     constexpr int kWeightsOffset = kHiddenInt4 * 16;
@@ -62,7 +66,7 @@ __device__ __forceinline__ void combine(
     auto x_first = [&](int source) {
         return first_row_placed(recv_first, rank_prefix_matrix, kNumRanks, rank, source);
     };
-    if (!normal_barrier<kNumRanks>(buffers, wait, barrier_expected))
+    if (!normal_barrier<kNumRanks, kSignatureInts>(buffers, wait, barrier_expected, signature))
         return;
 
     if (static_cast<int>(blockIdx.x) < num_send_blocks) {

@@ -113,7 +113,9 @@ __device__ __forceinline__ void dispatch(
         uint32_t seq, const int* verdict,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
-    if (verdict != nullptr && verdict[1] != 0)
+    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+    // Values judged bad, or ranks whose count exchange found other calls (NOTE [call signatures]): no rows.
+    if ((verdict != nullptr && verdict[1] != 0) || failed(wait))
         return;
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     using Ranges = SenderRanges<kChunkTokens, kTailTokens>;
@@ -124,7 +126,6 @@ __device__ __forceinline__ void dispatch(
     constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
     constexpr int kTailPerLane = (kTailInt4 + kWarpSize - 1) / kWarpSize;
     const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_offset, max_chunks, row_bytes};
-    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     // The output row of the first row from `source` (NOTE [placed rounds]).
     auto out_first = [&](int source) {

@@ -1,8 +1,7 @@
 // dispatch_notify: the count exchange before a normal-mode dispatch (NOTE [notify]).
 #pragma once
 
-#include "../layout.cuh"
-#include "../sync.cuh"
+#include "../signatures.cuh"
 
 namespace tokenyard::kernels {
 
@@ -132,14 +131,16 @@ __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int nu
 // kNumRanks verdicts, then the counts of the destination's experts. Since a rank only enters this kernel
 // after its previous normal-mode kernels finished, a completed notify also means every rank is done with
 // the buffer's previous contents: it is the barrier before the data kernel.
-template <int kNumRanks, int kNumThreads, typename TopkT, int kJudgeWindow>
+// Block 0 also sends the call's `signature` (dispatch table call_id % 2), and the receiving block compares
+// every rank's before it reads any count (NOTE [call signatures] in layout.cuh).
+template <int kNumRanks, int kNumThreads, typename TopkT, int kJudgeWindow, int kSignatureInts>
 __device__ __forceinline__ void dispatch_notify(
         const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
         int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens, int* counts,
         int* source_first, int call_num_tokens, const int* call_tokens_per_rank, int* call_prefix_matrix, int* recv_first, int* cursor,
         const TopkT* check_topk_idx, int num_topk, int check_num_tokens, const bool* check_in_rank,
         const int* check_per_rank, const int* check_per_expert, int* verdict, int record_verdict,
-        int* host_counts,
+        int* host_counts, const int* signature,
         uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
     const NormalBuffers buffers{peer_bases, rank, 0, 0, 0, 0, 0};
@@ -246,6 +247,8 @@ __device__ __forceinline__ void dispatch_notify(
             const int count = num_tokens_per_expert != nullptr ? num_tokens_per_expert[q * num_local_experts + l] : 0;
             ptx::st_relaxed_sys(buffers.notify_data(q) + rank * stride + kExpertsAt + l, count);
         }
+        if (q == 0)
+            send_signature<kNumRanks, kSignatureInts>(buffers, call_id % 2, signature);
         __syncthreads();
         if (threadIdx.x < kNumRanks) {
             ptx::fence_acq_rel_sys();
@@ -264,7 +267,7 @@ __device__ __forceinline__ void dispatch_notify(
         !wait_at_least(wait, buffers.notify_flag(rank) + threadIdx.x, notify_expected, threadIdx.x, kStageNotify))
         ok = false;
     __syncthreads();
-    if (!ok)
+    if (!ok || !signatures_agree<kNumRanks, kSignatureInts>(buffers, wait, call_id % 2, signature, kStageNotify))
         return;
     const int* data = buffers.notify_data(rank);
     if (threadIdx.x < kNumRanks) {

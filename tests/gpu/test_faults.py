@@ -1,0 +1,46 @@
+"""Faults on the CUDA backend, with real peers (tests/cpu/fault_scenarios.py; each scenario in processes of its
+own, the ranks on GPUs of their own or sharing one under MPS), device machine only: ranks whose normal-mode
+calls disagree all raise RankMismatchError before any row moves (NOTE [call signatures] in
+include/tokenyard/layout.cuh); a skipped call, a late rank and a killed one make the others raise
+CommTimeoutError within timeout_s + 2 s; no surviving process dies of a signal, and the survivors complete a
+correct call on a new Buffer afterwards."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tokenyard.launch import RanksFailed, run_on_ranks
+
+from ..cpu import fault_scenarios as scenarios
+from . import spawn
+
+# The ranks the scenarios' experts divide over, the most there are.
+COUNTS = [n for n in spawn.rank_counts() if scenarios.NUM_EXPERTS % n == 0][-1:]
+
+pytestmark = pytest.mark.skipif(not COUNTS, reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS on a GPU "
+                                "with MPS (run on the device machine)")
+
+
+@pytest.mark.parametrize("what", scenarios.CUDA_MISMATCHES)
+def test_ranks_that_make_different_calls_all_raise_before_any_data_moves(what, seed):
+    seen = run_on_ranks(COUNTS[0], scenarios.mismatch, seed, what, "cuda", use_cuda=True, timeout_s=120)
+    print(scenarios.expect_mismatch(seen, what, "cuda"))
+
+
+def test_a_rank_that_sleeps_past_the_deadline_makes_the_others_raise_then_a_new_group_works(seed):
+    seen = run_on_ranks(COUNTS[0], scenarios.late_peer, seed, "sleeps_past_the_deadline", "cuda", use_cuda=True,
+                        timeout_s=120, group_timeout_s=10)
+    scenarios.expect_late(dict(enumerate(seen)), "sleeps_past_the_deadline")
+    print(seen[0]["error"])
+
+
+def test_a_rank_killed_before_its_call_makes_the_others_raise_then_they_work_on_without_it(seed):
+    with pytest.raises(RanksFailed) as failed:
+        run_on_ranks(COUNTS[0], scenarios.late_peer, seed, "killed", "cuda", use_cuda=True, timeout_s=120,
+                     group_timeout_s=10)
+    assert set(failed.value.failures) == {1}, str(failed.value)
+    assert failed.value.failures[1].startswith(f"its process ended with exit code -{int(signal.SIGKILL)}")
+    scenarios.expect_late(failed.value.results, "killed")
+    print(failed.value.results[0]["error"])
