@@ -58,8 +58,8 @@ def main(argv=None) -> None:
     for backend in args.backend:
         num_ranks = args.cuda_ranks if backend == "cuda" else scenarios.NUM_RANKS
         device[backend] = _device(backend, num_ranks)
-        mismatches = scenarios.CUDA_MISMATCHES if backend == "cuda" else scenarios.MISMATCHES
-        for fn, names, at_fault in ((scenarios.mismatch, mismatches, None), (scenarios.late_peer, scenarios.LATE, 1)):
+        for fn, names, at_fault in ((scenarios.mismatch, scenarios.MISMATCHES, None),
+                                    (scenarios.late_peer, scenarios.LATE, 1)):
             for what in names:
                 seen = _run(fn, args.seed, what, backend, num_ranks)
                 others = [s for r, s in seen.items() if r != at_fault]

@@ -46,7 +46,7 @@ MAX_NORMAL_TOKENS_PER_RANK = 8192 * CHUNK_ROWS
 MAX_CHUNKS = 12288  # the slots of 65536 tokens in chunks of 8, plus one per sending warp (4096 warps)
 MAX_TOPK = 16
 DEFAULT_HINT_TOKENS_PER_RANK = 4096
-# (epoch << 32) | token index, padded to 16 bytes; then per top-k choice, as int16, its local expert, and as
+# (tag << 32) | token index, padded to 16 bytes; then per top-k choice, as int16, its local expert, and as
 # int16 its pair slot (kernels/low_latency.cuh).
 LOW_LATENCY_MESSAGE_HEADER_BYTES = 16 + 2 * 2 * MAX_TOPK
 
@@ -172,21 +172,23 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, nu
 class LowLatencyLayout:
     """Byte offsets inside one half of the low-latency buffer (NOTE [low-latency buffer]).
 
-    state           [4] uint32, this rank only, at offset 0: blocks done sending (dispatch, combine), then
-                    the dispatch and combine epochs (NOTE [low-latency epochs] in kernels/low_latency.cuh)
+    state           [6] uint32, this rank only, at offset 0: blocks done sending (dispatch, combine), then
+                    the dispatch and combine epochs (NOTE [low-latency epochs] in kernels/low_latency.cuh),
+                    then the tags their latest launches signalled with (NOTE [call tags])
     dispatch_recv   [R][M] messages of `dispatch_message_bytes`, source r's token j at slot j: header
-                    (uint64 ``(epoch << 32) | j`` at 0; per top-k choice, int16 local expert, -1 where
+                    (uint64 ``(tag << 32) | j`` at 0; per top-k choice, int16 local expert, -1 where
                     elsewhere, at 16 and int16 pair slot at 48), then the FP8 data and float32 scales, or
                     the bf16 data
     dispatch_positions [R][M][MAX_TOPK] int32: for message j of source r and its top-k choice k on this
                     rank, the packed row it was copied to (``l * R * M + row`` for local expert l)
-    dispatch_counts [R] uint64: ``(epoch << 32) | tokens`` of source r (its message slots) once sent
-    dispatch_expert_counts [R][L] uint64: ``(epoch << 32) | tokens`` of source r that chose local expert l
-    combine_weights [R][M][MAX_TOPK] uint64: ``(epoch << 32) | float32 bits``, source r's top-k weights of
+    dispatch_counts [R] uint64: ``(tag << 32) | tokens`` of source r (its message slots) once sent
+    dispatch_expert_counts [R][L] uint64: ``(tag << 32) | tokens`` of source r that chose local expert l
+    combine_weights [R][M][MAX_TOPK] uint64: ``(tag << 32) | float32 bits``, source r's top-k weights of
                     the token of its message j, sent at combine
     combine_recv    [R][M] bf16 rows: owner r's partial sum for this rank's message slot j to r
                     (NOTE [low-latency combine])
-    combine_flags   [R] uint64: ``(epoch << 32) | 1`` once owner r has sent every row back
+    combine_flags   [R] uint64: ``(tag << 32) | 1`` once owner r has sent every row back
+    A tag is the call's epoch times the odd factor of its shape signature (NOTE [call tags]).
     """
 
     half_bytes: int
@@ -204,7 +206,7 @@ class LowLatencyLayout:
 def low_latency_region_bytes(num_max: int, hidden: int, num_ranks: int, num_experts: int) -> dict:
     """``{region: bytes}`` of one half, in LowLatencyLayout's order."""
     num_messages = num_ranks * num_max
-    return {"state": 4 * 4,
+    return {"state": 6 * 4,
             "dispatch_recv": num_messages * low_latency_dispatch_message_bytes(hidden),
             "dispatch_positions": num_messages * MAX_TOPK * 4,
             "dispatch_counts": num_ranks * 8,

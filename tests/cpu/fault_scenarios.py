@@ -26,9 +26,10 @@ NUM_RANKS = 3
 HIDDEN, NUM_EXPERTS, NUM_TOPK, NUM_TOKENS = 128, 12, 2, 16
 MISMATCHES = ("hidden", "num_experts", "num_worst_tokens", "low_latency_hidden", "low_latency_num_max",
               "skipped_dispatch")
-# The CUDA backend's normal-mode calls compare shapes in their kernels (NOTE [call signatures] in
-# include/tokenyard/layout.cuh); its low-latency kernels do not yet.
-CUDA_MISMATCHES = ("hidden", "num_experts", "num_worst_tokens", "skipped_dispatch")
+# On the CUDA backend, normal-mode calls compare shapes in their kernels (NOTE [call signatures] in
+# include/tokenyard/layout.cuh): RankMismatchError. Low-latency calls (NOTE [call tags] in
+# kernels/low_latency.cuh) and a skipped call wait for signals that never come: CommTimeoutError.
+CUDA_TIMEOUTS = ("low_latency_hidden", "low_latency_num_max", "skipped_dispatch")
 LATE = ("sleeps_past_the_deadline", "killed")
 
 
@@ -150,10 +151,12 @@ def late_peer(seed, what, backend="reference") -> dict:
 def expect_mismatch(seen, what, backend="reference") -> str:
     """Assert what every rank of `mismatch` must have seen; -> rank 0's error. Every rank raises within
     LIMIT_S and recovers; shapes that disagree give RankMismatchError naming rank 0, alike on every rank (on
-    the CUDA backend, a skipped call is a peer that never arrives: CommTimeoutError)."""
+    the CUDA backend, CommTimeoutError where a rank waits for signals that never come: CUDA_TIMEOUTS)."""
     errors = [s["error"] for s in seen]
-    if backend == "cuda" and what == "skipped_dispatch":
+    if backend == "cuda" and what in CUDA_TIMEOUTS:
         assert all(e is not None and e.startswith("CommTimeoutError") for e in errors), errors
+        if what != "skipped_dispatch":
+            assert all("another shape" in e for e in errors), errors
     else:
         assert all(e is not None and e.startswith("RankMismatchError") and "ranks [0]" in e for e in errors), errors
         assert len(set(errors)) == 1, f"the ranks raised different errors: {errors}"

@@ -1,8 +1,8 @@
 """Faults on the CUDA backend, with real peers (tests/cpu/fault_scenarios.py; each scenario in processes of its
 own, the ranks on GPUs of their own or sharing one under MPS), device machine only: ranks whose normal-mode
 calls disagree all raise RankMismatchError before any row moves (NOTE [call signatures] in
-include/tokenyard/layout.cuh); a skipped call, a late rank and a killed one make the others raise
-CommTimeoutError within timeout_s + 2 s; no surviving process dies of a signal, and the survivors complete a
+include/tokenyard/layout.cuh); low-latency calls that disagree (NOTE [call tags] in kernels/low_latency.cuh),
+a skipped call, a late rank and a killed one make the others raise CommTimeoutError within timeout_s + 2 s; no surviving process dies of a signal, and the survivors complete a
 correct call on a new Buffer afterwards."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not COUNTS, reason="needs 2 or more GPUs, or TOK
                                 "with MPS (run on the device machine)")
 
 
-@pytest.mark.parametrize("what", scenarios.CUDA_MISMATCHES)
+@pytest.mark.parametrize("what", scenarios.MISMATCHES)
 def test_ranks_that_make_different_calls_all_raise_before_any_data_moves(what, seed):
     seen = run_on_ranks(COUNTS[0], scenarios.mismatch, seed, what, "cuda", use_cuda=True, timeout_s=120)
     print(scenarios.expect_mismatch(seen, what, "cuda"))

@@ -25,7 +25,7 @@ from . import heuristics, kernels, plans, runtime
 HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: call id, three counts, the verdict (two), per-local-expert counts
 _HOST_EXPERTS_AT = 6
 # The Stage enum of include/tokenyard/sync.cuh, by value.
-_STAGES = {1: "barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combine/receive",
+_STAGES = {1: "combine/barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combine/receive",
            5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive", 7: "low_latency_combine/weights",
            8: "low_latency_dispatch/expert_counts", 9: "low_latency_dispatch/send"}
 _MASK32 = 0xFFFFFFFF
@@ -248,8 +248,11 @@ class CudaBackend(Backend):
                     "must use the same number of SMs (Buffer.set_num_sms, Config.num_sms); destroy this Buffer "
                     "and make a new one")
             else:
+                # NOTE [call tags]: a low-latency peer whose call had another shape signals tags never awaited.
+                cause = ("the peer did not make this call, or made it with another shape (hidden, top-k, experts, "
+                         "num_max_dispatch_tokens_per_rank, FP8 flags); " if stage_name.startswith("low_latency") else "")
                 self._failure = CommTimeoutError(rank, peer, stage_name,
-                                                 f"flag was {seen & _MASK32}, expected {expected & _MASK32}; "
+                                                 f"flag was {seen & _MASK32}, expected {expected & _MASK32}; {cause}"
                                                  "destroy this Buffer and make a new one")
         if self._failure is not None:
             raise self._failure
@@ -262,7 +265,8 @@ class CudaBackend(Backend):
 
     def _wait_host_counts(self, call_id: int) -> None:
         """The CPU wait of a dispatch: until the notify kernel published the counts, bounded."""
-        if not wait_until(lambda: (self.host_counts[0] & _MASK32) == call_id, self.ctx.timeout_s,
+        # A second longer than the kernel's own wait, whose error names the late peer.
+        if not wait_until(lambda: (self.host_counts[0] & _MASK32) == call_id, self.ctx.timeout_s + 1.0,
                           self.check_failures):
             self._failure = CommTimeoutError(self.ctx.rank, -1, "dispatch/notify (CPU wait)", "the counts never arrived")
             raise self._failure

@@ -110,7 +110,7 @@ _LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "ra
                         Param("int64_t", "dispatch_counts"), Param("int64_t", "dispatch_expert_counts"),
                         Param("int64_t", "combine_weights"),
                         Param("int64_t", "combine_recv"), Param("int64_t", "combine_flags"), Param("int64_t", "state"),
-                        Param("int", "do_send"), Param("int", "do_recv"), Param("int", "local_blocks"))
+                        Param("uint32_t", "tag_factor"), Param("int", "do_send"), Param("int", "do_recv"), Param("int", "local_blocks"))
 _TRACE = (Param("uint64_t*", "trace"),)  # NOTE [low-latency trace]; nullptr except in benchmarks/ll_phases.py
 
 

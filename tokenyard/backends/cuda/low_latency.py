@@ -9,11 +9,13 @@ so nothing needs cleaning between calls and replays signal afresh.
 from __future__ import annotations
 
 import functools
+import struct
+import zlib
 from typing import Optional
 
 import torch
 
-from ... import workspace
+from ... import collectives, workspace
 from ...errors import InvalidInputError
 from ...handle import LowLatencyHandle
 from ...requests import LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
@@ -26,6 +28,13 @@ _MASK32 = 0xFFFFFFFF
 LOW_LATENCY_DISPATCH_INPUTS = ("x", "topk_idx", "stats", "rank_mask", "wait_costs")
 LOW_LATENCY_COMBINE_INPUTS = ("x", "topk_idx", "topk_weights", "out", "rank_mask", "wait_costs")
 LOW_LATENCY_SCALARS = ("bases", "trace")
+
+
+def tag_factor(op: str, **fields: int) -> int:
+    """NOTE [call tags] in kernels/low_latency.cuh: the odd factor of the tags of a call with `op`'s signature
+    (collectives.signature), the same in every process."""
+    values = collectives.signature(op, **fields)
+    return zlib.crc32(struct.pack(f"<{len(values)}q", *values)) | 1
 
 
 class LowLatencyKernels:
@@ -91,13 +100,13 @@ class LowLatencyKernels:
         backend's life, so worked out at the first call rather than at every launch."""
         return heuristics.low_latency_local_blocks(self._grid(), self.backend.ctx.num_ranks)
 
-    def _buffer_args(self, b, layout, do_send: int, do_recv: int, num_max: int):
+    def _buffer_args(self, b, layout, do_send: int, do_recv: int, num_max: int, factor: int):
         ctx = self.backend.ctx
         return (b.scalar("bases"), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
                 layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES,
                 layout.dispatch_positions, layout.dispatch_counts, layout.dispatch_expert_counts,
-                layout.combine_weights, layout.combine_recv, layout.combine_flags, layout.state, do_send, do_recv,
-                self._local_blocks)
+                layout.combine_weights, layout.combine_recv, layout.combine_flags, layout.state, factor, do_send,
+                do_recv, self._local_blocks)
 
     def _pair_bits_bytes(self, num_max: int, num_rows: int) -> int:
         """The pair bits of NOTE [pair slots]: a row of words per rank, or per expert and per rank."""
@@ -206,12 +215,15 @@ class LowLatencyKernels:
         outputs.update(packed_recv_count=((num_local_experts,), torch.int32),
                        src_info=((num_local_experts, num_slots), torch.int32),
                        layout_range=((num_local_experts, ctx.num_ranks), torch.int64))
+        factor = tag_factor("low_latency_dispatch", hidden=hidden, num_topk=num_topk, num_experts=num_experts,
+                            num_max=num_max, use_fp8=int(use_fp8), round_scale=int(round_scale),
+                            use_ue8m0=int(use_ue8m0))
 
         def launch_args(b, made, do_send, do_recv):
             return (b.inp("x"), b.inp("topk_idx"), num_tokens, hidden, num_experts, int(round_scale),
                     made["packed_recv_x"], made.get("packed_recv_x_scales", 0), made["packed_recv_count"],
                     made["src_info"], made["layout_range"], b.inp("stats"), b.inp("rank_mask"), b.inp("wait_costs"),
-                    *self._buffer_args(b, layout, do_send, do_recv, num_max), *self.backend._wait_args(),
+                    *self._buffer_args(b, layout, do_send, do_recv, num_max, factor), *self.backend._wait_args(),
                     b.scalar("trace"))
 
         key = ("low_latency_dispatch", kernel, num_tokens, hidden, num_experts, num_max, round_scale, hook)
@@ -224,11 +236,13 @@ class LowLatencyKernels:
         kernel = self.backend._kernel(kernels.low_latency_combine(num_topk, topk_dtype))
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         outputs = {} if with_out else {"combined_x": ((num_tokens, hidden), torch.bfloat16)}
+        factor = tag_factor("low_latency_combine", hidden=hidden, num_topk=num_topk, num_experts=num_experts,
+                            num_max=num_max)
 
         def launch_args(b, made, do_send, do_recv):
             return (b.inp("x"), b.inp("topk_idx"), b.inp("topk_weights"), num_tokens, hidden, num_experts,
                     made["combined_x"] if "combined_x" in made else b.inp("out"), b.inp("rank_mask"), b.inp("wait_costs"),
-                    *self._buffer_args(b, layout, do_send, do_recv, num_max), *self.backend._wait_args(),
+                    *self._buffer_args(b, layout, do_send, do_recv, num_max, factor), *self.backend._wait_args(),
                     b.scalar("trace"))
 
         key = ("low_latency_combine", kernel, num_tokens, hidden, num_experts, num_max, with_out, hook)

@@ -29,6 +29,7 @@ struct LowLatencyBuffers {
     int64_t combine_row_bytes;
     int64_t combine_flags;
     int64_t state;
+    uint32_t tag_factor;         // NOTE [call tags]: odd, from the call's signature
 
     // Message `slot` of `source` in rank `owner`'s receive region: one per (source, token sent to owner).
     __device__ __forceinline__ uint8_t* message(int owner, int source, int slot) const {
@@ -44,13 +45,13 @@ struct LowLatencyBuffers {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_counts) + source;
     }
     // How many of `source`'s tokens chose each of rank `owner`'s local experts, in `owner`'s buffer: [L]
-    // words (epoch << 32) | count (NOTE [low-latency dispatch]).
+    // words (tag << 32) | count (NOTE [low-latency dispatch]).
     __device__ __forceinline__ uint64_t* expert_counts(int owner, int source) const {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_expert_counts) +
                static_cast<int64_t>(source) * num_local_experts;
     }
     // Rank `source`'s top-k weights of the token of its message `slot` to rank `owner`, in `owner`'s buffer:
-    // words (epoch << 32) | float bits (NOTE [low-latency combine]).
+    // words (tag << 32) | float bits (NOTE [low-latency combine]).
     __device__ __forceinline__ uint64_t* weights(int owner, int source, int slot) const {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_weights) +
                (static_cast<int64_t>(source) * num_max + slot) * num_topk;
@@ -69,6 +70,11 @@ struct LowLatencyBuffers {
     __device__ __forceinline__ uint32_t* epoch(int kind) const {
         return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + 2 + kind;
     }
+    // The tag the latest launch of `kind` in this half signalled with (NOTE [call tags]).
+    __device__ __forceinline__ uint32_t* last_tag(int kind) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + 4 + kind;
+    }
+    __device__ __forceinline__ uint32_t tag(uint32_t epoch) const { return epoch * tag_factor; }
 };
 
 // The kernels' shared parameter list (kernels.py, _LOW_LATENCY_BUFFERS): the struct above, which half does
@@ -77,13 +83,13 @@ struct LowLatencyBuffers {
     uint8_t *const *peer_bases, int rank, int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, \
             int64_t header_bytes, int64_t dispatch_positions, int64_t dispatch_counts,                              \
             int64_t dispatch_expert_counts, int64_t combine_weights, int64_t combine_recv, int64_t combine_flags,   \
-            int64_t state, int do_send, int do_recv, int local_blocks
+            int64_t state, uint32_t tag_factor, int do_send, int do_recv, int local_blocks
 
 #define TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, num_topk, hidden)                                              \
     LowLatencyBuffers {                                                                                          \
         peer_bases, rank, num_ranks, (num_experts) / num_ranks, num_max, (num_topk), dispatch_recv, message_bytes, \
                 header_bytes, dispatch_positions, dispatch_counts, dispatch_expert_counts, combine_weights,        \
-                combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags, state                             \
+                combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags, state, tag_factor                 \
     }
 
 // NOTE [destination order]
@@ -211,6 +217,14 @@ __device__ __forceinline__ uint32_t launch_epoch(const LowLatencyBuffers& b, int
     return ptx::ld_relaxed_sys(b.epoch(kind)) + (do_send ? 1u : 0u);
 }
 
+// NOTE [call tags]
+// A word's tag is not the epoch itself but epoch * tag_factor (mod 2^32), the factor an odd number the host
+// derives from the call's shape signature (collectives.signature: hidden, top-k, experts, M and, for the
+// dispatch, the FP8 flags). Ranks whose calls differ in shape (and so in where their words land and what
+// they hold) never match each other's tags: the waits run out, or mask the rank under enable_shrink, instead
+// of reading rows laid out for another shape. Multiplying by an odd factor is a bijection that keeps 0 at
+// 0, so a word zeroed by clean_low_latency_buffer matches no epoch from 1 to 2^32 - 1, as with raw epochs.
+
 //
 // NOTE [cumulative release]
 // No block fences its peer writes at system scope. The barrier orders the block's writes before thread 0's
@@ -231,7 +245,7 @@ __device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int 
 }
 
 // The end of a sending launch: once the block's sends are issued and it has reported done, the last
-// block stores to every unmasked rank r its signal (epoch << 32) | value with release (NOTE
+// block stores to every unmasked rank r its signal (tag << 32) | value with release (NOTE
 // [cumulative release]), then the launch's epoch for the next launch (NOTE [low-latency epochs]).
 struct Signal {
     uint64_t* word;
@@ -250,10 +264,12 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
         if (rank_mask != nullptr && rank_mask[r] != 0)
             continue;
         const Signal signal = signal_of(r);
-        ptx::st_release_sys(signal.word, (static_cast<uint64_t>(epoch) << 32) | signal.value);
+        ptx::st_release_sys(signal.word, (static_cast<uint64_t>(b.tag(epoch)) << 32) | signal.value);
     }
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         ptx::st_relaxed_sys(b.epoch(kind), epoch);
+        ptx::st_relaxed_sys(b.last_tag(kind), b.tag(epoch));
+    }
     trace_mark(trace, kTracePublished);
 }
 
@@ -273,18 +289,18 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
 // combine saw its rows' signals 3-7 us after the last rank had published them; with one poller per block,
 // 1-2 us after (benchmarks/ll_phases.py, 4 ranks, 128 tokens).
 template <bool kAcquire>
-__device__ __forceinline__ bool wait_tag_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t epoch,
+__device__ __forceinline__ bool wait_tag_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t tag,
                                                  int peer, int stage, int* rank_mask, uint32_t& value) {
-    const bool came = wait_for_tag<kAcquire>(wait, word, epoch, peer, stage, rank_mask == nullptr, value);
+    const bool came = wait_for_tag<kAcquire>(wait, word, tag, peer, stage, rank_mask == nullptr, value);
     if (!came && rank_mask != nullptr)
         atomicExch(rank_mask + peer, 1);
     return came;
 }
 
-__device__ __forceinline__ int wait_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t epoch, int peer,
+__device__ __forceinline__ int wait_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t tag, int peer,
                                             int stage, int* rank_mask) {
     uint32_t value = 0;
-    return wait_tag_or_mask<true>(wait, word, epoch, peer, stage, rank_mask, value) ? static_cast<int>(value) : -1;
+    return wait_tag_or_mask<true>(wait, word, tag, peer, stage, rank_mask, value) ? static_cast<int>(value) : -1;
 }
 
 // NOTE [wait costs] (checks.py): DeepEP's wait_recv_cost_stats. Block 0's thread for `peer` adds the SM
@@ -326,7 +342,7 @@ __device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) 
 // A piece of a row: 16 channels per lane (two 16-byte loads of bf16), 4 FP8 scale groups per warp.
 constexpr int kPieceChannels = kWarpSize * 16;
 
-// The dispatch message's header (workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES): (epoch << 32) | source token
+// The dispatch message's header (workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES): (tag << 32) | source token
 // index (uint64) at 0; per top-k choice, as int16, its local expert on the receiving rank (-1 where
 // elsewhere) at kHeaderChoices and its pair slot (NOTE [pair slots]: the sender's tokens before it that
 // chose that expert) at kHeaderSlots.
@@ -366,18 +382,18 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // the piece once (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with
 // an IEEE division, optionally rounded up to a power of two, q = e4m3(clamp(x / scale))), each lane 16
 // channels, and stores it with 16-byte stores into the message of every rank d the token goes to: d's
-// region of this rank at slot t, the token index. Piece 0 also writes the header: its tag (epoch << 32) | t,
+// region of this rank at slot t, the token index. Piece 0 also writes the header: its tag (tag << 32) | t,
 // and for each choice on d its local expert. Nothing of that waits for the pair bits, so the data leaves
 // ~1-1.5 us sooner than when the slot was the rank's tokens before t going to d (a receiver learns from the
 // tag which slots hold this call's messages). Block 0 sends no data: meanwhile it builds the pair bits
 // (expert rows), sends each rank d how many of this rank's tokens chose each of d's experts, each count a
-// word (epoch << 32) | count that needs no fence (a release of their own waited ~11 us behind the data in
+// word (tag << 32) | count that needs no fence (a release of their own waited ~11 us behind the data in
 // the 4-rank trace), and writes, a thread per pair, the pair's slot among this rank's rows of its expert
 // into the header. So the counts travel while the data is still going out, and the data blocks go from
 // their last store straight to the done counter (4 ranks, 128 tokens: the sends were issued by 10.6-11.5 us
 // instead of 11.8-12.3, and the dispatch took 21.5 us against 22.0-22.7 in the same call, 11.5 against
 // 12.6-13.1 at one token; low_latency_trials.json). The last block to finish publishes to each rank d
-// (epoch << 32) | this rank's number of tokens (NOTE [cumulative release]).
+// (tag << 32) | this rank's number of tokens (NOTE [cumulative release]).
 // Receive (do_recv): every block waits for every source's expert counts and numbers the packed rows
 // (NOTE [recv order]: the rows of local expert l from source s begin after those of the sources before
 // s) while the data is still in flight; then it waits for the data signals, and block 0 writes
@@ -408,7 +424,7 @@ __device__ __forceinline__ void low_latency_dispatch(
     const int num_scales = hidden / 128;
     const int data_bytes = kUseFp8 ? hidden : hidden * 2;
     const int num_slots = num_ranks * num_max;
-    const uint32_t epoch = launch_epoch(b, 0, do_send);
+    const uint32_t epoch = launch_epoch(b, 0, do_send), tag = b.tag(epoch);  // NOTE [call tags]
 
     extern __shared__ uint32_t shared_words[];
     if (do_send) {
@@ -423,7 +439,7 @@ __device__ __forceinline__ void low_latency_dispatch(
                 const int d = e / num_local_experts;
                 if (rank_mask == nullptr || rank_mask[d] == 0)
                     ptx::st_relaxed_sys(b.expert_counts(d, rank) + e % num_local_experts,
-                                        (static_cast<uint64_t>(epoch) << 32) | row_count(bits, words, e));
+                                        (static_cast<uint64_t>(tag) << 32) | row_count(bits, words, e));
             }
             for (int p = threadIdx.x; p < num_tokens * kNumTopk; p += blockDim.x) {
                 const int64_t e = static_cast<int64_t>(topk_idx[p]);
@@ -489,7 +505,7 @@ __device__ __forceinline__ void low_latency_dispatch(
                 if (piece != 0)
                     continue;
                 if (lane == 0)  // the message is this call's
-                    *reinterpret_cast<uint64_t*>(to) = (static_cast<uint64_t>(epoch) << 32) | static_cast<uint32_t>(t);
+                    *reinterpret_cast<uint64_t*>(to) = (static_cast<uint64_t>(tag) << 32) | static_cast<uint32_t>(t);
                 if (lane < kNumTopk) {  // which of the token's choices live on d, as local experts
                     reinterpret_cast<int16_t*>(to + kHeaderChoices)[lane] =
                             e >= 0 && e / num_local_experts == d ? static_cast<int16_t>(e % num_local_experts) : -1;
@@ -539,7 +555,7 @@ __device__ __forceinline__ void low_latency_dispatch(
         const int s = i / num_local_experts, l = i % num_local_experts;
         int count = -1;
         if (present[s]) {
-            count = wait_or_mask(wait, b.expert_counts(rank, s) + l, epoch, s, kStageLowLatencyDispatchCounts,
+            count = wait_or_mask(wait, b.expert_counts(rank, s) + l, tag, s, kStageLowLatencyDispatchCounts,
                                  rank_mask);
         }
         if (count < 0)
@@ -554,7 +570,7 @@ __device__ __forceinline__ void low_latency_dispatch(
         const int s = threadIdx.x;
         int count = -1;
         if (present[s] && (rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + s) == 0)) {
-            count = wait_or_mask(wait, b.count(rank, s), epoch, s, kStageLowLatencyDispatchRecv, rank_mask);
+            count = wait_or_mask(wait, b.count(rank, s), tag, s, kStageLowLatencyDispatchRecv, rank_mask);
             add_wait_cost(wait_costs, s, recv_start);
         }
         lost = present[s] && count < 0;
@@ -585,7 +601,7 @@ __device__ __forceinline__ void low_latency_dispatch(
         // Every load of the item before its first store (issue is in order: a store waiting for its load
         // holds back every load behind it): the message's tag, lane k's choice and slot, the piece's vectors,
         // its scales. A tag of another call: token j of s did not come to this rank.
-        const uint64_t tag = lane == 0 ? ptx::ld_relaxed_sys(reinterpret_cast<const uint64_t*>(msg)) : 0;
+        const uint64_t header = lane == 0 ? ptx::ld_relaxed_sys(reinterpret_cast<const uint64_t*>(msg)) : 0;
         int l = -1, slot = 0;
         if (lane < kNumTopk) {
             l = header_int16(msg, kHeaderChoices, lane);
@@ -612,7 +628,7 @@ __device__ __forceinline__ void low_latency_dispatch(
                     scale_bits[0] = ptx::ld_na_s32(scales + group);
             }
         }
-        if (static_cast<uint32_t>(__shfl_sync(0xffffffffu, tag, 0) >> 32) != epoch)
+        if (static_cast<uint32_t>(__shfl_sync(0xffffffffu, header, 0) >> 32) != tag)
             continue;
         const int row = l >= 0 ? begins[l * num_ranks + s] + slot : -1;
         if (piece == 0 && row >= 0) {  // lane k: where choice k went
@@ -738,7 +754,7 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // Send (do_send): the blocks form one group per rank s, the rank whose messages they send back (NOTE
 // [peer-major blocks]; at 4 ranks and 128 tokens the sends ended 1-1.5 us sooner than with every block
 // sending to every rank). (1) The group writes this rank's topk_weights to s, each token's at the slot of
-// its dispatch message to s, each weight a word (epoch << 32) | float bits: a word that carries its own
+// its dispatch message to s, each weight a word (tag << 32) | float bits: a word that carries its own
 // epoch needs no fence and no flag (with a release and a flag per rank, the items began 5-7 us into the
 // call and the sends ended ~2 us later, at 4 ranks and 128 tokens).
 // (2) The items are (message slot j from s in this half's dispatch, piece of kReduceInt4 columns); a slot
@@ -749,7 +765,7 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // still on their way: loading the rows meanwhile ended the sends ~1 us sooner and the combine took 27.9 us
 // against 29.3-29.5 in the same call, low_latency_trials.json), sums weight * row over those choices in k
 // order (float32, as routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last
-// block to finish publishes (epoch << 32) | 1 to every source. Reduce (do_recv): one thread per block
+// block to finish publishes (tag << 32) | 1 to every source. Reduce (do_recv): one thread per block
 // waits for each rank's flag (NOTE [block waits]); the items are (token t, piece); lane d finds whether
 // the token went to rank d (NOTE [pair slots], rank rows) and points at d's row t; the warp sums the rows
 // in rank order in float32 and writes bf16. The result is routing.low_latency_combine(..., pre_reduce=True)
@@ -766,7 +782,7 @@ __device__ __forceinline__ void low_latency_combine(
     const int num_warps = blockDim.x / kWarpSize;
     const int hidden_int4 = hidden * 2 / 16;
     const int num_pieces = (hidden_int4 + kReduceInt4 - 1) / kReduceInt4;
-    const uint32_t epoch = launch_epoch(b, 1, do_send);
+    const uint32_t epoch = launch_epoch(b, 1, do_send), tag = b.tag(epoch);  // NOTE [call tags]
     const auto masked = [&](int r) { return rank_mask != nullptr && rank_mask[r] != 0; };
     extern __shared__ uint32_t bits[];  // NOTE [pair slots], a row per rank
     const int words = (num_max + 31) / 32;
@@ -775,13 +791,13 @@ __device__ __forceinline__ void low_latency_combine(
         // This block's destination: the rank whose messages it sends back (NOTE [peer-major blocks]).
         const PeerBlocks group = peer_blocks(num_ranks, local_blocks);
         const int s = next_peer(rank, num_ranks, group.turn);
-        const uint32_t dispatch_epoch = ptx::ld_relaxed_sys(b.epoch(0));
+        const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
         // Lane k's part of item `item`: where choice k of message j went on this rank and its weight word, all
         // loaded at once, an item ahead of the sums (a warp waits for memory once per item, for the rows).
         // Items past the last are read too (every slot's words exist) and never used.
         struct Choice {
-            uint64_t weight;   // (epoch << 32) | float bits once it came
-            uint32_t tag;      // the message's: token j of s came here in this half's dispatch if it is its epoch
+            uint64_t weight;   // (tag << 32) | float bits once it came
+            uint32_t tag;      // the message's: token j of s came here in this half's dispatch if it is its tag
             int local_expert;  // -1: the choice is not on this rank
             int position;      // the packed row it went to
         };
@@ -820,13 +836,13 @@ __device__ __forceinline__ void low_latency_combine(
             uint64_t* to = b.weights(s, rank, t);
 #pragma unroll
             for (int k = 0; k < kNumTopk; ++k)
-                ptx::st_relaxed_sys(to + k, (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(w[k]));
+                ptx::st_relaxed_sys(to + k, (static_cast<uint64_t>(tag) << 32) | __float_as_uint(w[k]));
         }
         // (2) The items: (message slot j, piece) of s in the dispatch of this half, as many slots as s had
         //     tokens (a source masked during that dispatch left an older epoch there: nothing from it).
         __shared__ int num_items;
         if (threadIdx.x == 0) {
-            const bool sent = !masked(s) && static_cast<uint32_t>(count_word >> 32) == dispatch_epoch;
+            const bool sent = !masked(s) && static_cast<uint32_t>(count_word >> 32) == dispatch_tag;
             num_items = sent ? static_cast<int>(count_word & 0xffffffffu) * num_pieces : 0;
         }
         __syncthreads();
@@ -837,20 +853,20 @@ __device__ __forceinline__ void low_latency_combine(
             next = choice_of(item + stride);
             if (rank_mask != nullptr && ptx::ld_relaxed_sys(rank_mask + s) != 0)
                 break;  // masked meanwhile: its rows are absent
-            const int4* row = choice.tag == dispatch_epoch && choice.local_expert >= 0
+            const int4* row = choice.tag == dispatch_tag && choice.local_expert >= 0
                                       ? x + static_cast<int64_t>(choice.position) * hidden_int4
                                       : nullptr;
             uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
             if (rows_from == 0u)
                 continue;  // token j of s did not come here: nothing to send back
-            // The first rows are asked for, then a weight not come yet (its tag is an older epoch) is waited
+            // The first rows are asked for, then a weight not come yet (its tag is an older call's) is waited
             // for: at the first items the weights are still on their way, and the rows come meanwhile.
             RowBatch batch;
             load_rows<false>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
             uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
             bool lost = false;
-            if (row != nullptr && static_cast<uint32_t>(choice.weight >> 32) != epoch) {
-                lost = !wait_tag_or_mask<false>(wait, b.weights(rank, s, j) + lane, epoch, s,
+            if (row != nullptr && static_cast<uint32_t>(choice.weight >> 32) != tag) {
+                lost = !wait_tag_or_mask<false>(wait, b.weights(rank, s, j) + lane, tag, s,
                                                 kStageLowLatencyCombineWeights, rank_mask, weight_bits);
             }
             if (__any_sync(0xffffffffu, lost))
@@ -879,7 +895,7 @@ __device__ __forceinline__ void low_latency_combine(
         const int d = threadIdx.x;
         rows_here[d] = false;
         if (row_count(bits, words, d) > 0 && !masked(d)) {
-            rows_here[d] = wait_or_mask(wait, b.combine_flag(rank, d), epoch, d, kStageLowLatencyCombineRecv,
+            rows_here[d] = wait_or_mask(wait, b.combine_flag(rank, d), tag, d, kStageLowLatencyCombineRecv,
                                         rank_mask) >= 0;
             add_wait_cost(wait_costs, d, recv_start);
             missed = !rows_here[d] && rank_mask == nullptr;
