@@ -30,7 +30,7 @@ MISMATCHES = ("hidden", "num_experts", "num_worst_tokens", "low_latency_hidden",
 # include/tokenyard/layout.cuh): RankMismatchError. Low-latency calls (NOTE [call tags] in
 # kernels/low_latency.cuh) and a skipped call wait for signals that never come: CommTimeoutError.
 CUDA_TIMEOUTS = ("low_latency_hidden", "low_latency_num_max", "skipped_dispatch")
-LATE = ("sleeps_past_the_deadline", "killed")
+LATE = ("sleeps_past_the_deadline", "killed", "late_to_low_latency_combine")
 
 
 def _device(backend):
@@ -120,22 +120,31 @@ def mismatch(seed, what, backend="reference") -> dict:
 
 
 def late_peer(seed, what, backend="reference") -> dict:
-    """Rank 1 sleeps past the deadline, or is killed (`what`, one of LATE), before its dispatch. The others
-    must raise within timeout_s + 2 s; then the ranks still alive make a new group and a correct call on it."""
+    """Rank 1 sleeps past the deadline, or is killed (`what`, one of LATE), before its dispatch, or sleeps
+    past the deadline between a low-latency dispatch and its combine. The others must raise within
+    timeout_s + 2 s, and the late rank too (it must not sum rows its peers never sent); then the ranks still
+    alive make a new group and a correct call on it."""
     import torch.distributed as dist
 
     from tokenyard import Buffer, TokenyardError
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    buffer = Buffer(dist.group.WORLD, 1 << 22, 0, backend=backend, timeout_s=TIMEOUT_S)
-    args = _inputs(seed, num_ranks, backend=backend)[rank]
+    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(32, HIDDEN, num_ranks, NUM_EXPERTS)
+    buffer = Buffer(dist.group.WORLD, 1 << 22, num_rdma_bytes, backend=backend, timeout_s=TIMEOUT_S)
+    x, topk_idx, weights = _inputs(seed, num_ranks, backend=backend)[rank]
+    combine = what == "late_to_low_latency_combine"
+    if combine:
+        recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 32, NUM_EXPERTS, use_fp8=False)
     if rank == 1:
         if what == "killed":
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
         time.sleep(TIMEOUT_S + 1.5)
     start, error = time.monotonic(), None
     try:
-        _dispatch(buffer, *args)
+        if combine:
+            buffer.low_latency_combine(recv_x, topk_idx, weights, handle)
+        else:
+            _dispatch(buffer, x, topk_idx, weights)
         _raise_recorded(buffer, backend, seed, num_ranks)
     except TokenyardError as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -166,12 +175,13 @@ def expect_mismatch(seen, what, backend="reference") -> str:
 
 def expect_late(seen, what) -> None:
     """Assert what each rank (by rank) of `late_peer` must have seen: every rank alive raised (a late one's
-    peers and itself: a timeout), the others than rank 1 within LIMIT_S at a dispatch stage naming
-    themselves, and every one alive recovered."""
+    peers and itself: a timeout), the others than rank 1 within LIMIT_S at a stage of the call rank 1 was
+    late to, naming themselves, and every one alive recovered."""
+    stage = "low_latency_combine/" if what == "late_to_low_latency_combine" else "dispatch/"
     for rank, s in seen.items():
         assert s["error"] is not None, (rank, s)
-        if what == "sleeps_past_the_deadline":
+        if what != "killed":
             assert "timed out" in s["error"], (rank, s)
         if rank != 1:
-            assert s["detected_s"] < LIMIT_S and f"rank {rank}" in s["error"] and "dispatch/" in s["error"], (rank, s)
+            assert s["detected_s"] < LIMIT_S and f"rank {rank}" in s["error"] and stage in s["error"], (rank, s)
         assert s["recovered"], (rank, s)

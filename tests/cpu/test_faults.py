@@ -19,11 +19,12 @@ def test_ranks_that_make_different_calls_all_raise_before_any_data_moves(what, s
     print(scenarios.expect_mismatch(seen, what))
 
 
-def test_a_rank_that_sleeps_past_the_deadline_makes_the_others_raise_then_a_new_group_works(seed):
-    seen = run_on_ranks(scenarios.NUM_RANKS, scenarios.late_peer, seed, "sleeps_past_the_deadline", use_cuda=False,
+@pytest.mark.parametrize("what", ("sleeps_past_the_deadline", "late_to_low_latency_combine"))
+def test_a_rank_that_sleeps_past_the_deadline_makes_the_others_raise_then_a_new_group_works(what, seed):
+    seen = run_on_ranks(scenarios.NUM_RANKS, scenarios.late_peer, seed, what, use_cuda=False,
                         timeout_s=120, group_timeout_s=10)
-    scenarios.expect_late(dict(enumerate(seen)), "sleeps_past_the_deadline")
-    print(seen[0]["error"])
+    scenarios.expect_late(dict(enumerate(seen)), what)
+    print(seen[0]["error"], "|", seen[1]["error"])
 
 
 def test_a_rank_killed_before_its_call_makes_the_others_raise_then_they_work_on_without_it(seed):

@@ -2,8 +2,9 @@
 own, the ranks on GPUs of their own or sharing one under MPS), device machine only: ranks whose normal-mode
 calls disagree all raise RankMismatchError before any row moves (NOTE [call signatures] in
 include/tokenyard/layout.cuh); low-latency calls that disagree (NOTE [call tags] in kernels/low_latency.cuh),
-a skipped call, a late rank and a killed one make the others raise CommTimeoutError within timeout_s + 2 s; no surviving process dies of a signal, and the survivors complete a
-correct call on a new Buffer afterwards."""
+a skipped call, a late rank and a killed one make the others raise CommTimeoutError within timeout_s + 2 s,
+and a rank late to a low-latency combine raises too rather than sum rows its peers never sent; no surviving
+process dies of a signal, and the survivors complete a correct call on a new Buffer afterwards."""
 
 from __future__ import annotations
 
@@ -29,11 +30,12 @@ def test_ranks_that_make_different_calls_all_raise_before_any_data_moves(what, s
     print(scenarios.expect_mismatch(seen, what, "cuda"))
 
 
-def test_a_rank_that_sleeps_past_the_deadline_makes_the_others_raise_then_a_new_group_works(seed):
-    seen = run_on_ranks(COUNTS[0], scenarios.late_peer, seed, "sleeps_past_the_deadline", "cuda", use_cuda=True,
+@pytest.mark.parametrize("what", ("sleeps_past_the_deadline", "late_to_low_latency_combine"))
+def test_a_rank_that_sleeps_past_the_deadline_makes_the_others_raise_then_a_new_group_works(what, seed):
+    seen = run_on_ranks(COUNTS[0], scenarios.late_peer, seed, what, "cuda", use_cuda=True,
                         timeout_s=120, group_timeout_s=10)
-    scenarios.expect_late(dict(enumerate(seen)), "sleeps_past_the_deadline")
-    print(seen[0]["error"])
+    scenarios.expect_late(dict(enumerate(seen)), what)
+    print(seen[0]["error"], "|", seen[1]["error"])
 
 
 def test_a_rank_killed_before_its_call_makes_the_others_raise_then_they_work_on_without_it(seed):

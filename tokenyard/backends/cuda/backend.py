@@ -239,7 +239,8 @@ class CudaBackend(Backend):
                                                   "this Buffer and make a new one")
             elif kind == 6:  # NOTE [call signatures]: every rank's signature, copied from the table
                 ints = collectives.SIGNATURE_INTS
-                rows = [[int(self.host_record[_RECORD_SIGNATURES_AT + r * _MAX_SIGNATURE_INTS + i]) for i in range(ints)]
+                at = _RECORD_SIGNATURES_AT
+                rows = [[int(self.host_record[at + r * _MAX_SIGNATURE_INTS + i]) for i in range(ints)]
                         for r in range(self.ctx.num_ranks)]
                 self._failure = collectives.mismatch_error(rows, collectives.describe_signature)
             elif kind == 3:
@@ -249,8 +250,10 @@ class CudaBackend(Backend):
                     "and make a new one")
             else:
                 # NOTE [call tags]: a low-latency peer whose call had another shape signals tags never awaited.
-                cause = ("the peer did not make this call, or made it with another shape (hidden, top-k, experts, "
-                         "num_max_dispatch_tokens_per_rank, FP8 flags); " if stage_name.startswith("low_latency") else "")
+                cause = ""
+                if stage_name.startswith("low_latency"):
+                    cause = ("the peer did not make this call, or made it with another shape (hidden, top-k, experts, "
+                             "num_max_dispatch_tokens_per_rank, FP8 flags); ")
                 self._failure = CommTimeoutError(rank, peer, stage_name,
                                                  f"flag was {seen & _MASK32}, expected {expected & _MASK32}; {cause}"
                                                  "destroy this Buffer and make a new one")

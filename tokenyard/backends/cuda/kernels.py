@@ -54,12 +54,14 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
         (Param("const bool*", "is_token_in_rank"), Param("int", "num_tokens"),
          Param("const int*", "num_tokens_per_expert"), Param("int", "num_experts"), Param("int", "expert_alignment"),
          Param("int*", "prefix_excl"), Param("int*", "rank_prefix_matrix"), Param("int*", "source_num_tokens"),
-         Param("int*", "counts"), Param("int*", "source_first"), Param("int", "call_num_tokens"), Param("const int*", "call_tokens_per_rank"),
+         Param("int*", "counts"), Param("int*", "source_first"), Param("int", "call_num_tokens"),
+         Param("const int*", "call_tokens_per_rank"),
          Param("int*", "call_prefix_matrix"), Param("int*", "recv_first"), Param("int*", "cursor"),
          Param(f"const {topk_t}*", "check_topk_idx"), Param("int", "num_topk"), Param("int", "check_num_tokens"),
          Param("const bool*", "check_in_rank"), Param("const int*", "check_per_rank"),
          Param("const int*", "check_per_expert"), Param("int*", "verdict"), Param("int", "record_verdict"),
-         Param("int*", "host_counts"), Param("const int*", "signature"), Param("uint32_t", "call_id"), Param("uint8_t* const*", "peer_bases"),
+         Param("int*", "host_counts"), Param("const int*", "signature"), Param("uint32_t", "call_id"),
+         Param("uint8_t* const*", "peer_bases"),
          Param("int", "rank"), Param("uint32_t", "notify_expected")) + _WAIT,
         NOTIFY_THREADS)
 
@@ -110,7 +112,8 @@ _LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "ra
                         Param("int64_t", "dispatch_counts"), Param("int64_t", "dispatch_expert_counts"),
                         Param("int64_t", "combine_weights"),
                         Param("int64_t", "combine_recv"), Param("int64_t", "combine_flags"), Param("int64_t", "state"),
-                        Param("uint32_t", "tag_factor"), Param("int", "do_send"), Param("int", "do_recv"), Param("int", "local_blocks"))
+                        Param("uint32_t", "tag_factor"), Param("int", "do_send"), Param("int", "do_recv"),
+                        Param("int", "local_blocks"))
 _TRACE = (Param("uint64_t*", "trace"),)  # NOTE [low-latency trace]; nullptr except in benchmarks/ll_phases.py
 
 

@@ -247,20 +247,24 @@ __device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int 
 // The end of a sending launch: once the block's sends are issued and it has reported done, the last
 // block stores to every unmasked rank r its signal (tag << 32) | value with release (NOTE
 // [cumulative release]), then the launch's epoch for the next launch (NOTE [low-latency epochs]).
+// `withhold` (read by the last block, after every block's done): send no signal, so that the peers time out
+// rather than read what this launch left unwritten; the epoch still advances.
 struct Signal {
     uint64_t* word;
     uint32_t value;
 };
 
-template <typename SignalOf>
+template <typename SignalOf, typename Withhold>
 __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, int kind, uint32_t epoch,
-                                                  const int* rank_mask, uint64_t* trace, SignalOf signal_of) {
+                                                  const int* rank_mask, uint64_t* trace, SignalOf signal_of,
+                                                  Withhold withhold) {
     trace_mark(trace, kTraceSent);
     const bool last = last_block_done(b, kind);
     trace_mark(trace, kTraceCounted);
     if (!last)
         return;
-    for (int r = threadIdx.x; r < b.num_ranks; r += blockDim.x) {
+    const bool silent = withhold();
+    for (int r = threadIdx.x; r < b.num_ranks && !silent; r += blockDim.x) {
         if (rank_mask != nullptr && rank_mask[r] != 0)
             continue;
         const Signal signal = signal_of(r);
@@ -514,7 +518,7 @@ __device__ __forceinline__ void low_latency_dispatch(
         }
         publish_when_last(b, 0, epoch, rank_mask, trace, [&](int d) {  // the message slots: this rank's tokens
             return Signal{b.count(d, rank), static_cast<uint32_t>(num_tokens)};
-        });
+        }, [] { return false; });  // a bad id's token goes nowhere; the other tokens still arrive
     }
     if (!do_recv) {
         trace_mark(trace, kTraceEnd);
@@ -870,13 +874,16 @@ __device__ __forceinline__ void low_latency_combine(
                                                 kStageLowLatencyCombineWeights, rank_mask, weight_bits);
             }
             if (__any_sync(0xffffffffu, lost))
-                break;  // the signals below still go out; the error (if any) is raised on the host
+                break;  // masked: s gets no signal below; else the timeout recorded withholds every signal
             const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
             float acc[kReduceVectors][8] = {};
             accumulate_rows<false>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4, lane);
             store_bf16(b.combine_row(s, rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
         }
-        publish_when_last(b, 1, epoch, rank_mask, trace, [&](int r) { return Signal{b.combine_flag(r, rank), 1u}; });
+        // Without a mask, a launch that recorded a failure (a lost weight, a receive timeout in another
+        // block) left rows unwritten: its peers must time out rather than sum them.
+        publish_when_last(b, 1, epoch, rank_mask, trace, [&](int r) { return Signal{b.combine_flag(r, rank), 1u}; },
+                          [&] { return rank_mask == nullptr && failed(wait); });
     }
     if (!do_recv) {
         trace_mark(trace, kTraceEnd);
