@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tokenyard import devices
@@ -31,6 +32,14 @@ def rank_counts(largest_only: bool = False) -> list:
     else:
         counts = sorted(n for n in wanted if n >= 2) if NUM_GPUS else []
     return counts[-1:] if largest_only else counts
+
+
+def needs_ranks(counts=None):
+    """The skip marker of a multi-rank GPU test file: skipped where `counts` (default: `rank_counts()`) is
+    empty."""
+    return pytest.mark.skipif(not (rank_counts() if counts is None else counts),
+                              reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS on a GPU with MPS (run on the "
+                                     "device machine)")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

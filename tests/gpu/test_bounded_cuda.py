@@ -13,8 +13,7 @@ import torch
 
 from . import spawn
 
-pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
-                                "on a GPU with MPS (run on the device machine)")
+pytestmark = spawn.needs_ranks()
 
 # (max tokens per rank, hidden, num_experts, num_topk, dtype, per_round_tokens or None for a budget of
 # `budget_tokens` combine rows per rank)

@@ -132,8 +132,7 @@ def compiled_low_latency(seed: int, backend: str = "cuda"):
     return f"rank {rank}: two compiled low-latency steps matched eager mode"
 
 
-pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
-                                "on a GPU with MPS (run on the device machine)")
+pytestmark = spawn.needs_ranks()
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())

@@ -20,8 +20,7 @@ from . import spawn
 # The ranks the scenarios' experts divide over, the most there are.
 COUNTS = [n for n in spawn.rank_counts() if scenarios.NUM_EXPERTS % n == 0][-1:]
 
-pytestmark = pytest.mark.skipif(not COUNTS, reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS on a GPU "
-                                "with MPS (run on the device machine)")
+pytestmark = spawn.needs_ranks(COUNTS)
 
 
 @pytest.mark.parametrize("what", scenarios.MISMATCHES)

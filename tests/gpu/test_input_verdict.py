@@ -140,8 +140,7 @@ def judge_inputs(seed: int, backend: str = "cuda"):
     return f"bad rank {bad_rank}: every case refused as promised"
 
 
-pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
-                                "on a GPU with MPS (run on the device machine)")
+pytestmark = spawn.needs_ranks()
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())

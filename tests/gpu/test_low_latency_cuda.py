@@ -13,8 +13,7 @@ import torch
 
 from . import spawn
 
-pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
-                                "on a GPU with MPS (run on the device machine)")
+pytestmark = spawn.needs_ranks()
 
 CASES = [
     # (num_tokens, num_max, hidden, num_experts, num_topk, kind, use_fp8, round_scale, use_ue8m0, hook)

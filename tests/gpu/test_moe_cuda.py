@@ -20,8 +20,7 @@ import torch
 
 from . import spawn
 
-pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
-                                "on a GPU with MPS (run on the device machine)")
+pytestmark = spawn.needs_ranks()
 
 BF16_UNIT = 2.0 ** -8
 # Float32: the output and input gradient travel as bf16 through combine; weight gradients are float32

@@ -15,8 +15,7 @@ import torch
 
 from . import spawn
 
-pytestmark = pytest.mark.skipif(not spawn.rank_counts(), reason="needs 2 or more GPUs, or TOKENYARD_TEST_NUM_RANKS "
-                                "on a GPU with MPS (run on the device machine)")
+pytestmark = spawn.needs_ranks()
 
 NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK = 96, 2048, 32, 4
 
