@@ -22,28 +22,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.cpu import fault_scenarios as scenarios  # noqa: E402
-from tokenyard import devices  # noqa: E402
 from tokenyard.bench.report import git_commit  # noqa: E402
-from tokenyard.launch import RanksFailed, run_on_ranks  # noqa: E402
-
-
-def _run(fn, seed, what, backend, num_ranks) -> dict:
-    """Every rank's view of one scenario (rank -> dict); a rank that died is left out."""
-    try:
-        return dict(enumerate(run_on_ranks(num_ranks, fn, seed, what, backend, use_cuda=backend == "cuda",
-                                           timeout_s=120, group_timeout_s=10)))
-    except RanksFailed as failed:
-        if set(failed.failures) != {1} or what != "killed":
-            raise
-        return failed.results
 
 
 def _device(backend: str, num_ranks: int) -> str:
     if backend != "cuda":
         return f"cpu ({num_ranks} gloo ranks)"
-    used, per_gpu = devices.launch_layout(num_ranks, torch.cuda.device_count())
-    shared = f", {per_gpu} ranks per GPU (MPS)" if per_gpu > 1 else ""
-    return f"{torch.cuda.get_device_name(0)} x {used}{shared}"
+    from tests.gpu import spawn
+
+    return spawn.describe(num_ranks)
 
 
 def main(argv=None) -> None:
@@ -61,7 +48,7 @@ def main(argv=None) -> None:
         for fn, names, at_fault in ((scenarios.mismatch, scenarios.MISMATCHES, None),
                                     (scenarios.late_peer, scenarios.LATE, 1)):
             for what in names:
-                seen = _run(fn, args.seed, what, backend, num_ranks)
+                seen = scenarios.run(num_ranks, fn, args.seed, what, backend)
                 others = [s for r, s in seen.items() if r != at_fault]
                 row = {"scenario": what, "backend": backend, "num_ranks": num_ranks, "timeout_s": scenarios.TIMEOUT_S,
                        "detected_s": round(max(s["detected_s"] for s in others), 3), "error": seen[0]["error"],

@@ -129,10 +129,10 @@ def late_peer(seed, what, backend="reference") -> dict:
     from tokenyard import Buffer, TokenyardError
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(32, HIDDEN, num_ranks, NUM_EXPERTS)
+    combine = what == "late_to_low_latency_combine"
+    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(32, HIDDEN, num_ranks, NUM_EXPERTS) if combine else 0
     buffer = Buffer(dist.group.WORLD, 1 << 22, num_rdma_bytes, backend=backend, timeout_s=TIMEOUT_S)
     x, topk_idx, weights = _inputs(seed, num_ranks, backend=backend)[rank]
-    combine = what == "late_to_low_latency_combine"
     if combine:
         recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 32, NUM_EXPERTS, use_fp8=False)
     if rank == 1:
@@ -157,11 +157,30 @@ def late_peer(seed, what, backend="reference") -> dict:
     return {"error": error, "detected_s": detected_s, "recovered": correct_call(group, seed + 1, backend)}
 
 
+def run(num_ranks, fn, seed, what, backend="reference") -> dict:
+    """Every rank's view of scenario `what` of `fn` (`mismatch` or `late_peer`), ``{rank: dict}``, in processes of
+    its own. In "killed", rank 1 must end by SIGKILL (noticed by its end, not a deadline) and is left out; any
+    other rank that fails raises RanksFailed."""
+    from tokenyard.launch import RanksFailed, run_on_ranks
+
+    try:
+        seen = run_on_ranks(num_ranks, fn, seed, what, backend, use_cuda=backend == "cuda", timeout_s=120,
+                            group_timeout_s=10)
+    except RanksFailed as failed:
+        if what != "killed" or set(failed.failures) != {1}:
+            raise
+        assert failed.failures[1].startswith(f"its process ended with exit code -{int(signal.SIGKILL)}"), \
+            failed.failures[1]
+        return failed.results
+    assert what != "killed", "rank 1 was to be killed, yet every rank reported"
+    return dict(enumerate(seen))
+
+
 def expect_mismatch(seen, what, backend="reference") -> str:
     """Assert what every rank of `mismatch` must have seen; -> rank 0's error. Every rank raises within
     LIMIT_S and recovers; shapes that disagree give RankMismatchError naming rank 0, alike on every rank (on
     the CUDA backend, CommTimeoutError where a rank waits for signals that never come: CUDA_TIMEOUTS)."""
-    errors = [s["error"] for s in seen]
+    errors = [s["error"] for s in seen.values()]
     if backend == "cuda" and what in CUDA_TIMEOUTS:
         assert all(e is not None and e.startswith("CommTimeoutError") for e in errors), errors
         if what != "skipped_dispatch":
@@ -169,7 +188,7 @@ def expect_mismatch(seen, what, backend="reference") -> str:
     else:
         assert all(e is not None and e.startswith("RankMismatchError") and "ranks [0]" in e for e in errors), errors
         assert len(set(errors)) == 1, f"the ranks raised different errors: {errors}"
-    assert all(s["detected_s"] < LIMIT_S and s["recovered"] for s in seen), seen
+    assert all(s["detected_s"] < LIMIT_S and s["recovered"] for s in seen.values()), seen
     return errors[0]
 
 
