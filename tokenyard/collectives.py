@@ -17,7 +17,7 @@ bounded by the process group's own timeout.
 
 NOTE [call agreement]
 Before a call of the reference backend moves any data, every rank sends the others a header of
-HEADER_INTS ints in one all-gather of fixed size: the call's number on this Buffer, the operation, and the
+1 + SIGNATURE_INTS ints in one all-gather of fixed size: the call's number on this Buffer, the operation, and the
 operation's shape signature (CALL_FIELDS). Ranks that disagree (another shape, another operation, a call
 skipped before one of another kind) all read the same headers and all raise RankMismatchError naming who
 made which call, and the group stays usable: every transfer so far had the same size on every rank.
@@ -51,7 +51,6 @@ CALL_FIELDS = {
     "low_latency_combine": ("hidden", "num_topk", "num_experts", "num_max"),
 }
 SIGNATURE_INTS = 1 + max(len(fields) for fields in CALL_FIELDS.values())  # the operation, then its fields
-HEADER_INTS = 1 + SIGNATURE_INTS  # the call number, then the signature
 
 
 def signature(op: str, **fields: int) -> List[int]:
