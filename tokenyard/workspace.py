@@ -49,6 +49,8 @@ DEFAULT_HINT_TOKENS_PER_RANK = 4096
 # (tag << 32) | token index, padded to 16 bytes; then per top-k choice, as int16, its local expert, and as
 # int16 its pair slot (kernels/low_latency.cuh).
 LOW_LATENCY_MESSAGE_HEADER_BYTES = 16 + 2 * 2 * MAX_TOPK
+# 8 uint32 words, then block 0's verdicts [3 stages][32 ranks] uint64 (kVerdictsAt, kernels/low_latency.cuh).
+LOW_LATENCY_STATE_BYTES = 8 * 4 + 3 * 32 * 8
 
 
 def align(num_bytes: int, alignment: int = ALIGN_BYTES) -> int:
@@ -172,9 +174,11 @@ def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, nu
 class LowLatencyLayout:
     """Byte offsets inside one half of the low-latency buffer (NOTE [low-latency buffer]).
 
-    state           [6] uint32, this rank only, at offset 0: blocks done sending (dispatch, combine), then
-                    the dispatch and combine epochs (NOTE [low-latency epochs] in kernels/low_latency.cuh),
-                    then the tags their latest launches signalled with (NOTE [call tags])
+    state           LOW_LATENCY_STATE_BYTES, this rank only, at offset 0: [8] uint32, blocks done sending
+                    (dispatch, combine), the dispatch and combine epochs (NOTE [low-latency epochs] in
+                    kernels/low_latency.cuh), the tags their latest launches signalled with (NOTE [call
+                    tags]), two unused; then [3][32] uint64, block 0's verdicts on each peer at three receive
+                    stages (NOTE [one verdict])
     dispatch_recv   [R][M] messages of `dispatch_message_bytes`, source r's token j at slot j: header
                     (uint64 ``(tag << 32) | j`` at 0; per top-k choice, int16 local expert, -1 where
                     elsewhere, at 16 and int16 pair slot at 48), then the FP8 data and float32 scales, or
@@ -206,7 +210,7 @@ class LowLatencyLayout:
 def low_latency_region_bytes(num_max: int, hidden: int, num_ranks: int, num_experts: int) -> dict:
     """``{region: bytes}`` of one half, in LowLatencyLayout's order."""
     num_messages = num_ranks * num_max
-    return {"state": 6 * 4,
+    return {"state": LOW_LATENCY_STATE_BYTES,
             "dispatch_recv": num_messages * low_latency_dispatch_message_bytes(hidden),
             "dispatch_positions": num_messages * MAX_TOPK * 4,
             "dispatch_counts": num_ranks * 8,

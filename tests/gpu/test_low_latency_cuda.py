@@ -368,3 +368,107 @@ def _masked_rank(seed):
 def test_a_stopped_rank_is_masked_and_the_others_keep_serving(num_ranks, seed):
     for line in spawn.run(num_ranks, _masked_rank, seed):
         print(line)
+
+
+# Deadlines from shorter than a call to a few calls long, so that some land on the peers' signals.
+DEADLINE_TIMEOUTS_US = (10, 20, 40, 80, 160)
+DEADLINE_ROUNDS = 6
+
+
+def _deadline_race(seed):
+    """With enable_shrink and deadlines about as long as the calls, peers' words land at the deadlines, and a
+    call keeps some peers and masks others. Whichever it keeps, it keeps for every row (NOTE [one verdict]):
+    the dispatch equals the oracle's without the sources its layout_range leaves out, and the combine equals,
+    for every token alike, the pre-reduced sum over one set of ranks that leaves out masked ranks only."""
+    import itertools
+
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, routing
+    from tokenyard.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_tokens, hidden, num_experts, num_topk = 64, 1024, 8 * num_ranks, 4
+    num_local_experts, num_slots = num_experts // num_ranks, num_ranks * num_tokens
+    inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, "uniform", "bf16")
+    x, topk_idx, weights = (t.to(device) for t in inputs[rank])
+
+    def expert(recv):  # a deterministic function of the received rows, as in _compare
+        return (recv.float() * 0.5 + 1.0).to(torch.bfloat16)
+
+    full = routing.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], num_tokens, num_experts,
+                                        use_fp8=False)
+    sends = (full[rank]["layout_range"] & 0xFFFFFFFF).sum(0) > 0  # [R]: the sources with tokens for this rank
+    oracles = {}
+
+    def dispatch_oracle(absent):
+        if absent not in oracles:
+            kept = [(i[0][:0], i[1][:0]) if s in absent else (i[0], i[1]) for s, i in enumerate(inputs)]
+            oracles[absent] = routing.low_latency_dispatch([k[0] for k in kept], [k[1] for k in kept], num_tokens,
+                                                           num_experts, use_fp8=False)[rank]
+        return oracles[absent]
+
+    # This rank's pre-reduced partial from each rank d: the combine with its choices on d only.
+    partials = []
+    for d in range(num_ranks):
+        on_d = [torch.where(i[1] // num_local_experts == d, i[1], torch.full_like(i[1], -1)) for i in inputs]
+        partials.append(routing.low_latency_combine([expert(f["packed_recv_x"]) for f in full], on_d,
+                                                    [i[2] for i in inputs], [f["layout_range"] for f in full],
+                                                    num_experts, pre_reduce=True)[rank].float())
+
+    def combined_over(ranks):
+        acc = torch.zeros(num_tokens, hidden)
+        for d in ranks:  # increasing rank order, float32, as the kernel
+            acc = acc + partials[d]
+        return acc.to(torch.bfloat16)
+
+    size = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
+    status = torch.zeros(num_ranks, dtype=torch.int32, device=device)
+    kept_some, masked_some = 0, 0
+    for timeout_us in DEADLINE_TIMEOUTS_US:
+        buffer = Buffer(dist.group.WORLD, 0, size, backend="cuda", enable_shrink=True, timeout_s=timeout_us * 1e-6)
+        buffer.runtime.use_low_latency_kernels = True
+        buffer.runtime.poison_outputs = True
+        for round_ in range(DEADLINE_ROUNDS):
+            what = f"deadline {timeout_us} us, round {round_}"
+            buffer.low_latency_clean_mask_buffer()
+            torch.cuda.synchronize()
+            dist.barrier()
+            recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts,
+                                                                    use_fp8=False)
+            combined = buffer.low_latency_combine(expert(recv), topk_idx, weights, handle)[0]
+            torch.cuda.synchronize()
+            buffer.low_latency_query_mask_buffer(status)
+            masked = [r for r in range(num_ranks) if status[r]]
+            layout_range = handle.layout_range.cpu()
+            got = (layout_range & 0xFFFFFFFF).sum(0) > 0
+            absent = frozenset(s for s in range(num_ranks) if sends[s] and not got[s])
+            assert absent <= set(masked), f"{what}: sources {sorted(absent)} left out, masked {masked}"
+            want = dispatch_oracle(absent)
+            assert torch.equal(count.cpu(), want["packed_recv_count"]), f"{what}: counts without {sorted(absent)}"
+            assert torch.equal(layout_range, want["layout_range"]), f"{what}: layout_range without {sorted(absent)}"
+            valid = _valid_slots(layout_range, num_slots)
+            assert torch.equal(recv.cpu()[valid], want["packed_recv_x"][valid]), \
+                f"{what}: rows without sources {sorted(absent)}: " \
+                f"{_differences(want['packed_recv_x'][valid], recv.cpu()[valid])}"
+            assert torch.equal(handle.src_info.cpu()[valid], want["src_info"][valid]), f"{what}: src_info"
+            sets = [[d for d in range(num_ranks) if d not in left_out]
+                    for n in range(len(masked) + 1) for left_out in itertools.combinations(masked, n)]
+            assert any(torch.equal(combined.cpu(), combined_over(s)) for s in sets), \
+                f"{what}: the combine is no sum over one set of ranks (masked {masked})"
+            kept_some += int(len(masked) < num_ranks)
+            masked_some += int(bool(masked))
+        dist.barrier()
+        buffer.runtime.check_failures()
+        buffer.destroy()
+    counts = [None] * num_ranks
+    dist.all_gather_object(counts, (kept_some, masked_some))
+    calls = len(DEADLINE_TIMEOUTS_US) * DEADLINE_ROUNDS
+    assert any(m > 0 for _, m in counts), f"no call of {calls} on any rank reached a deadline: {counts}"
+    return f"{calls} calls per rank at deadlines {DEADLINE_TIMEOUTS_US} us; (kept a peer, masked a peer): {counts}"
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
+def test_ranks_kept_or_masked_at_the_deadline_are_so_for_every_row(num_ranks, seed):
+    print(spawn.run(num_ranks, _deadline_race, seed)[0])

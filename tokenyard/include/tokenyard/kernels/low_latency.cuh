@@ -10,6 +10,12 @@
 
 namespace tokenyard::kernels {
 
+// The receive stages whose peers block 0 judges under a rank mask (NOTE [one verdict]), and where their
+// verdict words sit in the state (workspace.LOW_LATENCY_STATE_BYTES): after the 8 uint32 of counters, epochs
+// and tags, [kNumVerdictStages][kWarpSize] uint64 (a low-latency group has at most a warp's ranks).
+enum VerdictStage : int { kVerdictCounts = 0, kVerdictData = 1, kVerdictCombine = 2, kNumVerdictStages = 3 };
+constexpr int64_t kVerdictsAt = 32;
+
 // One half of every rank's low-latency buffer, with the offsets of workspace.LowLatencyLayout.
 struct LowLatencyBuffers {
     uint8_t* const* peer_bases;  // [num_ranks] the active half of each rank's buffer
@@ -75,6 +81,10 @@ struct LowLatencyBuffers {
         return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + 4 + kind;
     }
     __device__ __forceinline__ uint32_t tag(uint32_t epoch) const { return epoch * tag_factor; }
+    // Block 0's verdict on `peer` at receive stage `which` of the latest launch: (tag << 32) | came.
+    __device__ __forceinline__ uint64_t* verdict(int which, int peer) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[rank] + state + kVerdictsAt) + which * kWarpSize + peer;
+    }
 };
 
 // The kernels' shared parameter list (kernels.py, _LOW_LATENCY_BUFFERS): the struct above, which half does
@@ -307,6 +317,34 @@ __device__ __forceinline__ int wait_or_mask(const WaitContext& wait, const uint6
     return wait_tag_or_mask<true>(wait, word, tag, peer, stage, rank_mask, value) ? static_cast<int>(value) : -1;
 }
 
+// NOTE [one verdict]
+// Under a rank mask, whether a peer's words came in time is decided once per launch and receive stage, by
+// block 0: it waits (masking the peer at its deadline) and stores (tag << 32) | came with release in the
+// verdict word of (stage, peer); the other blocks wait for that word instead of the peer's and follow it.
+// Were each block to decide alone, a word landing at the deadline could be seen by one block and missed by
+// another, and the two would number or sum the rows of different sets of ranks. A follower told "came"
+// then reads the peer's words: block 0 acquired them before its release, the follower acquires that
+// release, so what the peer released is visible to it too. Block 0 gives its verdict within a deadline of
+// beginning to wait, which may be later than a follower began; a follower waits two deadlines and
+// kVerdictSlackNs, then records a timeout, never a mask. Without a mask every block waits for itself: one
+// that misses a word records the timeout, and the call fails as a whole.
+constexpr uint64_t kVerdictSlackNs = 10'000'000;
+
+__device__ __forceinline__ void publish_verdict(const LowLatencyBuffers& b, int which, int peer, uint32_t tag,
+                                                bool came) {
+    ptx::st_release_sys(b.verdict(which, peer), (static_cast<uint64_t>(tag) << 32) | (came ? 1u : 0u));
+}
+
+__device__ __forceinline__ bool follow_verdict(const LowLatencyBuffers& b, const WaitContext& wait, int which,
+                                               int peer, uint32_t tag, int stage) {
+    const WaitContext patient{wait.error_flag, wait.host_record, wait.rank, 2 * wait.timeout_ns + kVerdictSlackNs};
+    uint32_t came = 0;
+    if (wait_for_tag<true>(patient, b.verdict(which, peer), tag, peer, stage, false, came))
+        return came != 0;
+    record_error(wait, kErrorTimeout, peer, stage, 0, tag);
+    return false;
+}
+
 // NOTE [wait costs] (checks.py): DeepEP's wait_recv_cost_stats. Block 0's thread for `peer` adds the SM
 // clock cycles from the start of the receive until it saw `peer`'s signal (or gave up on it); every block
 // waits alike, so one block's count stands for all of them.
@@ -398,7 +436,8 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // instead of 11.8-12.3, and the dispatch took 21.5 us against 22.0-22.7 in the same call, 11.5 against
 // 12.6-13.1 at one token; low_latency_trials.json). The last block to finish publishes to each rank d
 // (tag << 32) | this rank's number of tokens (NOTE [cumulative release]).
-// Receive (do_recv): every block waits for every source's expert counts and numbers the packed rows
+// Receive (do_recv): every block waits for every source's expert counts (under a rank mask block 0 waits
+// and the others follow its verdicts: NOTE [one verdict]) and numbers the packed rows
 // (NOTE [recv order]: the rows of local expert l from source s begin after those of the sources before
 // s) while the data is still in flight; then it waits for the data signals, and block 0 writes
 // packed_recv_count, layout_range and the stats. The items are then (source s, slot j < its tokens, piece
@@ -551,32 +590,46 @@ __device__ __forceinline__ void low_latency_dispatch(
             }
         }
     };
+    // NOTE [one verdict]: without a mask every block decides for itself; with one, block 0 for all of them.
+    const bool decides = rank_mask == nullptr || blockIdx.x == 0;
+    int* const decider_mask = decides ? rank_mask : nullptr;  // a follower never masks
+    const bool judges = rank_mask != nullptr && blockIdx.x == 0;
     __syncthreads();  // the shared words are free (the pair bits)
-    if (threadIdx.x < num_ranks)
-        present[threadIdx.x] = rank_mask == nullptr || rank_mask[threadIdx.x] == 0;
+    if (threadIdx.x < num_ranks) {
+        const int s = threadIdx.x;
+        present[s] = decides ? rank_mask == nullptr || rank_mask[s] == 0
+                             : follow_verdict(b, wait, kVerdictCounts, s, tag, kStageLowLatencyDispatchCounts);
+    }
     __syncthreads();
     for (int i = threadIdx.x; i < num_experts; i += blockDim.x) {  // a thread per (source, local expert)
         const int s = i / num_local_experts, l = i % num_local_experts;
         int count = -1;
         if (present[s]) {
             count = wait_or_mask(wait, b.expert_counts(rank, s) + l, tag, s, kStageLowLatencyDispatchCounts,
-                                 rank_mask);
+                                 decider_mask);
         }
         if (count < 0)
             present[s] = false;  // every writer writes false
         counts[l * num_ranks + s] = max(0, count);
     }
     __syncthreads();
+    if (judges && threadIdx.x < num_ranks)
+        publish_verdict(b, kVerdictCounts, threadIdx.x, tag, present[threadIdx.x]);
     number_rows(false);
     trace_mark(trace, kTraceRecvReady);
     bool lost = false;  // a source whose counts came but whose data did not (masked meanwhile)
     if (threadIdx.x < num_ranks) {
         const int s = threadIdx.x;
         int count = -1;
-        if (present[s] && (rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + s) == 0)) {
-            count = wait_or_mask(wait, b.count(rank, s), tag, s, kStageLowLatencyDispatchRecv, rank_mask);
+        const bool sent = present[s] && (decides ? rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + s) == 0
+                                                 : follow_verdict(b, wait, kVerdictData, s, tag,
+                                                                  kStageLowLatencyDispatchRecv));
+        if (sent) {
+            count = wait_or_mask(wait, b.count(rank, s), tag, s, kStageLowLatencyDispatchRecv, decider_mask);
             add_wait_cost(wait_costs, s, recv_start);
         }
+        if (judges)
+            publish_verdict(b, kVerdictData, s, tag, count >= 0);
         lost = present[s] && count < 0;
         present[s] = count >= 0;
         num_messages[s] = max(0, count);
@@ -891,22 +944,30 @@ __device__ __forceinline__ void low_latency_combine(
     }
 
     const int64_t recv_start = clock64();  // NOTE [wait costs]
+    // Without the mask, which the send's waits may change meanwhile: which ranks' rows count is decided below.
     build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, b.num_local_experts,
-                                           rank_mask);
+                                           nullptr);
     trace_mark(trace, kTraceRecvReady);
     // One thread per rank that has rows for this rank waits for them (NOTE [block waits]); a rank masked
-    // before or meanwhile is absent.
+    // before or meanwhile is absent. Under a mask block 0 decides for every block (NOTE [one verdict]).
     __shared__ bool rows_here[kWarpSize];
     bool missed = false;  // recorded (no mask): the host raises it, and the block has nothing more to do
     if (threadIdx.x < num_ranks) {
         const int d = threadIdx.x;
-        rows_here[d] = false;
-        if (row_count(bits, words, d) > 0 && !masked(d)) {
-            rows_here[d] = wait_or_mask(wait, b.combine_flag(rank, d), tag, d, kStageLowLatencyCombineRecv,
-                                        rank_mask) >= 0;
-            add_wait_cost(wait_costs, d, recv_start);
-            missed = !rows_here[d] && rank_mask == nullptr;
+        const bool expected = row_count(bits, words, d) > 0;
+        bool here = false;
+        if (expected && rank_mask != nullptr && blockIdx.x != 0) {
+            here = follow_verdict(b, wait, kVerdictCombine, d, tag, kStageLowLatencyCombineRecv);
+        } else if (expected) {
+            if (!masked(d)) {
+                here = wait_or_mask(wait, b.combine_flag(rank, d), tag, d, kStageLowLatencyCombineRecv, rank_mask) >= 0;
+                add_wait_cost(wait_costs, d, recv_start);
+            }
+            if (rank_mask != nullptr)
+                publish_verdict(b, kVerdictCombine, d, tag, here);
+            missed = !here && rank_mask == nullptr;
         }
+        rows_here[d] = here;
     }
     if (__syncthreads_or(missed))
         return;
