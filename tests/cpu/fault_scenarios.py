@@ -30,7 +30,8 @@ MISMATCHES = ("hidden", "num_experts", "num_worst_tokens", "low_latency_hidden",
 # include/tokenyard/layout.cuh): RankMismatchError. Low-latency calls (NOTE [call tags] in
 # kernels/low_latency.cuh) and a skipped call wait for signals that never come: CommTimeoutError.
 CUDA_TIMEOUTS = ("low_latency_hidden", "low_latency_num_max", "skipped_dispatch")
-LATE = ("sleeps_past_the_deadline", "killed", "late_to_low_latency_combine")
+LATE = ("sleeps_past_the_deadline", "killed", "killed_in_its_call", "late_to_low_latency_combine")
+KILLED = ("killed", "killed_in_its_call")  # rank 1 ends by SIGKILL
 
 
 def _device(backend):
@@ -120,7 +121,8 @@ def mismatch(seed, what, backend="reference") -> dict:
 
 
 def late_peer(seed, what, backend="reference") -> dict:
-    """Rank 1 sleeps past the deadline, or is killed (`what`, one of LATE), before its dispatch, or sleeps
+    """Rank 1 (`what`, one of LATE) sleeps past the deadline or is killed before its dispatch, is killed
+    inside its dispatch (which the others begin a second later: its first exchange is under way), or sleeps
     past the deadline between a low-latency dispatch and its combine. The others must raise within
     timeout_s + 2 s, and the late rank too (it must not sum rows its peers never sent); then the ranks still
     alive make a new group and a correct call on it."""
@@ -135,9 +137,11 @@ def late_peer(seed, what, backend="reference") -> dict:
     x, topk_idx, weights = _inputs(seed, num_ranks, backend=backend)[rank]
     if combine:
         recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 32, NUM_EXPERTS, use_fp8=False)
-    if rank == 1:
-        if what == "killed":
-            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    if rank == 1 and what in KILLED:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    if what == "killed_in_its_call":
+        time.sleep(0 if rank == 1 else 1.0)
+    elif rank == 1:
         time.sleep(TIMEOUT_S + 1.5)
     start, error = time.monotonic(), None
     try:
@@ -151,7 +155,7 @@ def late_peer(seed, what, backend="reference") -> dict:
     detected_s = time.monotonic() - start
     # The old group holds unfinished collectives (or a dead rank): the survivors make a new one, which waits
     # for a late rank's call to end, so no rank frees its buffer while a peer's kernels may still write to it.
-    survivors = [r for r in range(num_ranks) if not (what == "killed" and r == 1)]
+    survivors = [r for r in range(num_ranks) if not (what in KILLED and r == 1)]
     group = dist.new_group(survivors, use_local_synchronization=True)
     buffer.destroy()
     return {"error": error, "detected_s": detected_s, "recovered": correct_call(group, seed + 1, backend)}
@@ -159,7 +163,7 @@ def late_peer(seed, what, backend="reference") -> dict:
 
 def run(num_ranks, fn, seed, what, backend="reference") -> dict:
     """Every rank's view of scenario `what` of `fn` (`mismatch` or `late_peer`), ``{rank: dict}``, in processes of
-    its own. In "killed", rank 1 must end by SIGKILL (noticed by its end, not a deadline) and is left out; any
+    its own. In KILLED, rank 1 must end by SIGKILL (noticed by its end, not a deadline) and is left out; any
     other rank that fails raises RanksFailed."""
     from tokenyard.launch import RanksFailed, run_on_ranks
 
@@ -167,12 +171,12 @@ def run(num_ranks, fn, seed, what, backend="reference") -> dict:
         seen = run_on_ranks(num_ranks, fn, seed, what, backend, use_cuda=backend == "cuda", timeout_s=120,
                             group_timeout_s=10)
     except RanksFailed as failed:
-        if what != "killed" or set(failed.failures) != {1}:
+        if what not in KILLED or set(failed.failures) != {1}:
             raise
         assert failed.failures[1].startswith(f"its process ended with exit code -{int(signal.SIGKILL)}"), \
             failed.failures[1]
         return failed.results
-    assert what != "killed", "rank 1 was to be killed, yet every rank reported"
+    assert what not in KILLED, "rank 1 was to be killed, yet every rank reported"
     return dict(enumerate(seen))
 
 
@@ -199,7 +203,7 @@ def expect_late(seen, what) -> None:
     stage = "low_latency_combine/" if what == "late_to_low_latency_combine" else "dispatch/"
     for rank, s in seen.items():
         assert s["error"] is not None, (rank, s)
-        if what != "killed":
+        if what not in KILLED:
             assert "timed out" in s["error"], (rank, s)
         if rank != 1:
             assert s["detected_s"] < LIMIT_S and f"rank {rank}" in s["error"] and stage in s["error"], (rank, s)
