@@ -22,14 +22,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.cpu import fault_scenarios as scenarios  # noqa: E402
+from tests.gpu import spawn  # noqa: E402
 from tokenyard.bench.report import git_commit  # noqa: E402
 
 
 def _device(backend: str, num_ranks: int) -> str:
     if backend != "cuda":
         return f"cpu ({num_ranks} gloo ranks)"
-    from tests.gpu import spawn
-
     return spawn.describe(num_ranks)
 
 
@@ -48,6 +47,9 @@ def main(argv=None) -> None:
         for fn, names, at_fault in ((scenarios.mismatch, scenarios.MISMATCHES, None),
                                     (scenarios.late_peer, scenarios.LATE, 1)):
             for what in names:
+                if backend == "cuda" and what in scenarios.NOT_UNDER_MPS and spawn.shares_gpu(num_ranks):
+                    print(f"{backend} {what}: not run, the ranks share a GPU (fault_scenarios.NOT_UNDER_MPS)")
+                    continue
                 seen = scenarios.run(num_ranks, fn, args.seed, what, backend)
                 others = [s for r, s in seen.items() if r != at_fault]
                 row = {"scenario": what, "backend": backend, "num_ranks": num_ranks, "timeout_s": scenarios.TIMEOUT_S,

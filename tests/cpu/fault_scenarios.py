@@ -32,6 +32,10 @@ MISMATCHES = ("hidden", "num_experts", "num_worst_tokens", "low_latency_hidden",
 CUDA_TIMEOUTS = ("low_latency_hidden", "low_latency_num_max", "skipped_dispatch")
 LATE = ("sleeps_past_the_deadline", "killed", "killed_in_its_call", "late_to_low_latency_combine")
 KILLED = ("killed", "killed_in_its_call")  # rank 1 ends by SIGKILL
+# Not on ranks that share a GPU: under MPS, a client killed while its kernel runs is a fatal fault for every
+# client of that GPU (each survivor's next CUDA call fails with an illegal address, and its process must
+# end), whatever the library (benchmarks/results/faults.md).
+NOT_UNDER_MPS = ("killed_in_its_call",)
 
 
 def _device(backend):

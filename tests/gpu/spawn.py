@@ -55,6 +55,11 @@ def describe(num_ranks: int) -> str:
     return f"{name} x {used}" + (f" shared by {num_ranks} ranks (MPS)" if per_gpu > 1 else "")
 
 
+def shares_gpu(num_ranks: int) -> bool:
+    """Whether `num_ranks` ranks share GPUs here (under MPS)."""
+    return devices.launch_layout(num_ranks, NUM_GPUS)[1] > 1
+
+
 def one_rank_wanted() -> bool:
     """Whether the one-rank tests (test_one_gpu.py) run: on a machine of one GPU, where the others skip, or
     where TOKENYARD_TEST_NUM_RANKS names 1."""

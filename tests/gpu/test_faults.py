@@ -27,6 +27,8 @@ def test_ranks_that_make_different_calls_all_raise_before_any_data_moves(what, s
 
 @pytest.mark.parametrize("what", scenarios.LATE)
 def test_a_late_or_killed_rank_makes_the_others_raise_then_the_survivors_work_on(what, seed):
+    if what in scenarios.NOT_UNDER_MPS and spawn.shares_gpu(COUNTS[0]):
+        pytest.skip("under MPS a client killed inside a kernel is a fatal fault for every client of the GPU")
     seen = scenarios.run(COUNTS[0], scenarios.late_peer, seed, what, "cuda")
     scenarios.expect_late(seen, what)
     print(seen[0]["error"])
