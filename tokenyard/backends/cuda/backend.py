@@ -25,7 +25,8 @@ from . import heuristics, kernels, plans, runtime
 HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: call id, three counts, the verdict (two), per-local-expert counts
 _HOST_EXPERTS_AT = 6
 # The Stage enum of include/tokenyard/sync.cuh, by value.
-_STAGES = {1: "combine/barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combine/receive",
+_STAGE_BARRIER = 1
+_STAGES = {_STAGE_BARRIER: "combine/barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combine/receive",
            5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive", 7: "low_latency_combine/weights",
            8: "low_latency_dispatch/expert_counts", 9: "low_latency_dispatch/send"}
 _MASK32 = 0xFFFFFFFF
@@ -218,6 +219,10 @@ class CudaBackend(Backend):
         return (self.normal.bases_tensor.data_ptr(), self.ctx.rank, layout.control_bytes, layout.region_bytes,
                 layout.slots_offset, layout.max_chunks, layout.row_bytes, seq)
 
+    def _barrier_arrivals(self) -> list:
+        """The combine barrier's counters in this rank's buffer: how many combines each rank has begun."""
+        return self.normal.tensor[:4 * self.ctx.num_ranks].view(torch.int32).tolist()
+
     def check_failures(self) -> None:
         """Raise the error a kernel recorded (a timeout, an overflow); once failed, always failed."""
         if self._failure is None and self.host_record[0] != 0:
@@ -254,6 +259,8 @@ class CudaBackend(Backend):
                 if stage_name.startswith("low_latency"):
                     cause = ("the peer did not make this call, or made it with another shape (hidden, top-k, experts, "
                              "num_max_dispatch_tokens_per_rank, FP8 flags); ")
+                elif stage == _STAGE_BARRIER:  # which peers reached which of their combines
+                    cause = f"combine barriers passed here by rank: {self._barrier_arrivals()}; "
                 self._failure = CommTimeoutError(rank, peer, stage_name,
                                                  f"flag was {seen & _MASK32}, expected {expected & _MASK32}; {cause}"
                                                  "destroy this Buffer and make a new one")
