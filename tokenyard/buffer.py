@@ -193,18 +193,22 @@ class Buffer(LowLatencyCalls):
     # -- lifetime ---------------------------------------------------------------------------------------
 
     def destroy(self) -> None:
-        """Release the buffers; later calls raise. Safe to call twice."""
+        """Release the buffers; later calls raise. Safe to call twice. Every rank calls it, as DeepEP's (NOTE
+        [symmetric lifetime] in backends/cuda/backend.py: the ranks meet, bounded by timeout_s)."""
+        self._destroy(together=True)
+
+    def _destroy(self, together: bool) -> None:
         self._fast = None
         if self.runtime is not None:
-            self.runtime.destroy()
+            self.runtime.destroy(together)
             self.runtime = None
             self._exchange.destroy()
         if self._twin is not None:
-            self._twin.destroy()
+            self._twin._destroy(together)
 
     def __del__(self):
         try:
-            self.destroy()
+            self._destroy(together=False)  # the ranks collect their Buffers at different times
         except Exception:  # noqa: BLE001 - nothing useful to do at interpreter teardown
             pass
 

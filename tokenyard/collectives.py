@@ -243,6 +243,10 @@ class Collectives:
         gathered = torch.stack(pieces)
         return gathered.to(t.device) if staged else gathered
 
+    def barrier(self) -> None:
+        """Return once every rank has called it, within timeout_s (as max_int, which it is)."""
+        self.max_int(0)
+
     def max_int(self, value: int) -> int:
         """The largest `value` over the ranks (a host sync).
 

@@ -69,7 +69,7 @@ def _create_auto(ctx: GroupContext) -> Backend:
         if not all(ctx.all_gather_object(backend is not None)):
             reason = reason or "another rank could not start it"
             if backend is not None:
-                backend.destroy()
+                backend.destroy(together=False)  # the ranks without one make no such call
                 backend = None
     if backend is not None:
         env.log(f"rank {ctx.rank}: backend auto -> cuda")

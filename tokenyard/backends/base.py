@@ -113,5 +113,6 @@ class Backend(abc.ABC):
                                  num_experts: int) -> None:
         """Reset low-latency signalling state; nothing to do where there is none."""
 
-    def destroy(self) -> None:
-        """Release resources; the backend is unusable afterwards."""
+    def destroy(self, together: bool = True) -> None:
+        """Release resources; the backend is unusable afterwards. `together`: every rank of the group makes
+        this call at this point (Buffer.destroy), so shared memory can be released in step."""

@@ -520,6 +520,6 @@ class ReferenceBackend(Backend):
             self._zero_copy_buffers[shape] = torch.zeros(shape, dtype=torch.bfloat16, device=self.ctx.device)
         return self._zero_copy_buffers[shape]
 
-    def destroy(self) -> None:
+    def destroy(self, together: bool = True) -> None:
         self._raw_buffers.clear()
         self._zero_copy_buffers.clear()

@@ -82,24 +82,48 @@ class _CudaArray:
 
 
 class SymmetricBuffer:
-    """`num_bytes` of device memory on every rank, each rank's mapped into every process by CUDA IPC."""
+    """`num_bytes` of device memory on every rank, each rank's mapped into every process by CUDA IPC.
+
+    NOTE [symmetric lifetime]
+    A rank zeroes its memory before its IPC handle leaves the process: cudaMemset runs on the legacy stream,
+    behind whatever the process queued before, and a peer may write as soon as it holds the handle. A rank
+    frees its memory only once no rank maps it: at `close` the ranks meet (a bounded barrier), close their
+    mappings, meet again, then free, as DeepEP's destroy meets before closing. Without the meetings, eight
+    ranks on one GPU that made a Buffer after destroying one saw one rank's writes to the new buffers arrive
+    seconds late in about half the runs (benchmarks/results/symmetric_lifetime.md). A meeting that fails (a
+    peer gone, or later than timeout_s) is skipped: the memory is released regardless.
+    """
 
     def __init__(self, ctx: GroupContext, num_bytes: int):
         self.num_bytes = num_bytes
         self.local = runtime.malloc(max(num_bytes, 16))
         runtime.memset(self.local, 0, max(num_bytes, 16))
+        torch.cuda.synchronize(ctx.device)
         handles = ctx.all_gather_object(runtime.ipc_handle(self.local))
         self.bases = [self.local if r == ctx.rank else runtime.ipc_open(h) for r, h in enumerate(handles)]
         self.rank = ctx.rank
         self.bases_tensor = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
         self.tensor = torch.as_tensor(_CudaArray(self.local, num_bytes), device=ctx.device)
 
-    def close(self) -> None:
+    def close(self, ctx: Optional[GroupContext]) -> None:
+        """With `ctx`, collective, as the Buffer's destroy (NOTE [symmetric lifetime]); without, alone."""
+        met = ctx is not None and _meet(ctx)
         for r, base in enumerate(self.bases):
             if r != self.rank:
                 runtime.ipc_close(base)
+        if met:
+            _meet(ctx)
         runtime.free(self.local)
         self.bases = []
+
+
+def _meet(ctx: GroupContext) -> bool:
+    """A bounded barrier of the group: -> whether every rank came (False: one is gone or late)."""
+    try:
+        ctx.collectives.barrier()
+    except (TokenyardError, RuntimeError):
+        return False
+    return True
 
 
 class CudaBackend(Backend):
@@ -610,11 +634,11 @@ class CudaBackend(Backend):
             return self._low_latency.local_buffer(True)
         return self.normal.tensor
 
-    def destroy(self) -> None:
+    def destroy(self, together: bool = True) -> None:
         torch.cuda.synchronize(self.device_index)
         for name in ("normal", "low_latency_buffer"):
             if getattr(self, name) is not None:
-                getattr(self, name).close()
+                getattr(self, name).close(self.ctx if together else None)
                 setattr(self, name, None)
         for ptr in (self.host_record_ptr, self.host_counts_ptr):
             runtime.host_free(ptr)
