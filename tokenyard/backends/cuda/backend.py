@@ -87,11 +87,10 @@ class SymmetricBuffer:
     NOTE [symmetric lifetime]
     A rank zeroes its memory before its IPC handle leaves the process: cudaMemset runs on the legacy stream,
     behind whatever the process queued before, and a peer may write as soon as it holds the handle. A rank
-    frees its memory only once no rank maps it: at `close` the ranks meet (a bounded barrier), close their
-    mappings, meet again, then free, as DeepEP's destroy meets before closing. Without the meetings, eight
-    ranks on one GPU that made a Buffer after destroying one saw one rank's writes to the new buffers arrive
-    seconds late in about half the runs (benchmarks/results/symmetric_lifetime.md). A meeting that fails (a
-    peer gone, or later than timeout_s) is skipped: the memory is released regardless.
+    frees its memory only once no rank maps it (CUDA leaves a cudaFree before every importer's
+    cudaIpcCloseMemHandle undefined): at `close` the ranks meet (a bounded barrier, so that none is still
+    using a peer's memory), close their mappings, meet again, then free. A meeting that fails (a peer gone, or
+    later than timeout_s) is skipped: the memory is released regardless.
     """
 
     def __init__(self, ctx: GroupContext, num_bytes: int):
