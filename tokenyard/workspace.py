@@ -37,6 +37,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from .jit import headers
+
 ALIGN_BYTES = 16
 REGION_ALIGN_BYTES = 128
 ROW_ALIGN_BYTES = 128  # a normal-mode row starts on a cache line, so its stores over NVLink are whole lines
@@ -49,8 +51,10 @@ DEFAULT_HINT_TOKENS_PER_RANK = 4096
 # (tag << 32) | token index, padded to 16 bytes; then per top-k choice, as int16, its local expert, and as
 # int16 its pair slot (kernels/low_latency.cuh).
 LOW_LATENCY_MESSAGE_HEADER_BYTES = 16 + 2 * 2 * MAX_TOPK
-# 8 uint32 words, then block 0's verdicts [3 stages][32 ranks] uint64 (kVerdictsAt, kernels/low_latency.cuh).
-LOW_LATENCY_STATE_BYTES = 8 * 4 + 3 * 32 * 8
+# Counters, epochs and tags, then block 0's verdicts [stages][a warp of ranks] uint64 (kernels/low_latency.cuh).
+LOW_LATENCY_STATE_BYTES = (headers.constant("kernels/low_latency.cuh", "kVerdictsAt")
+                           + headers.enum("kernels/low_latency.cuh", "VerdictStage")["kNumVerdictStages"]
+                           * headers.constant("copy.cuh", "kWarpSize") * 8)
 
 
 def align(num_bytes: int, alignment: int = ALIGN_BYTES) -> int:
@@ -85,7 +89,7 @@ def normal_dispatch_slots(num_tokens: int, num_send_warps: int, chunk_tokens: in
     return max(w * dispatch_pieces(-(-num_tokens // w), chunk_tokens, tail_tokens) if w else 0 for w in sizes)
 
 
-NOTIFY_DATA_OFFSET = 8192  # kNotifyDataOffset in include/tokenyard/layout.cuh
+NOTIFY_DATA_OFFSET = headers.constant("layout.cuh", "kNotifyDataOffset")
 
 
 def normal_max_local_experts(num_ranks: int) -> int:

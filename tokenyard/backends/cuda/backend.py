@@ -16,7 +16,7 @@ import torch
 from ... import checks, collectives, env, workspace
 from ...errors import BackendUnavailableError, CommTimeoutError, InvalidInputError, TokenyardError
 from ...handle import DispatchHandle
-from ...jit import load
+from ...jit import headers, load
 from ...requests import CombineRequest, DispatchRequest, DispatchResult
 from ...waiting import wait_until
 from ..base import Backend, GroupContext
@@ -24,15 +24,22 @@ from . import heuristics, kernels, plans, runtime
 
 HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: call id, three counts, the verdict (two), per-local-expert counts
 _HOST_EXPERTS_AT = 6
-# The Stage enum of include/tokenyard/sync.cuh, by value.
-_STAGE_BARRIER = 1
-_STAGES = {_STAGE_BARRIER: "combine/barrier", 2: "dispatch/notify", 3: "dispatch/receive", 4: "combine/receive",
-           5: "low_latency_dispatch/receive", 6: "low_latency_combine/receive", 7: "low_latency_combine/weights",
-           8: "low_latency_dispatch/expert_counts", 9: "low_latency_dispatch/send"}
+# NOTE [error record] in include/tokenyard/sync.cuh: the kinds of error and the stages, numbered there; the
+# stages' names in errors, here.
+_ERRORS = headers.enum("sync.cuh", "ErrorKind")
+_STAGE_NAMES = {"kStageBarrier": "combine/barrier", "kStageNotify": "dispatch/notify",
+                "kStageDispatchRecv": "dispatch/receive", "kStageCombineRecv": "combine/receive",
+                "kStageLowLatencyDispatchRecv": "low_latency_dispatch/receive",
+                "kStageLowLatencyCombineRecv": "low_latency_combine/receive",
+                "kStageLowLatencyCombineWeights": "low_latency_combine/weights",
+                "kStageLowLatencyDispatchCounts": "low_latency_dispatch/expert_counts",
+                "kStageLowLatencyDispatchSend": "low_latency_dispatch/send"}
+_STAGES = {value: _STAGE_NAMES[member] for member, value in headers.enum("sync.cuh", "Stage").items()}
 _MASK32 = 0xFFFFFFFF
-# NOTE [error record] in include/tokenyard/sync.cuh: kRecordSignaturesAt, and the table's kMaxRanks rows of
-# kMaxSignatureInts (layout.cuh).
-_RECORD_SIGNATURES_AT, _MAX_RANKS, _MAX_SIGNATURE_INTS = 8, 32, 8
+# From kRecordSignaturesAt, the table of every rank's signature: kMaxRanks rows of kMaxSignatureInts.
+_RECORD_SIGNATURES_AT = headers.constant("sync.cuh", "kRecordSignaturesAt")
+_MAX_RANKS = headers.constant("layout.cuh", "kMaxRanks")
+_MAX_SIGNATURE_INTS = headers.constant("layout.cuh", "kMaxSignatureInts")
 _RECORD_INTS = _RECORD_SIGNATURES_AT + _MAX_RANKS * _MAX_SIGNATURE_INTS
 
 # The inputs and per-call scalars of every dispatch plan (NOTE [call plans]), in the order a run passes them.
@@ -251,27 +258,27 @@ class CudaBackend(Backend):
         if self._failure is None and self.host_record[0] != 0:
             kind, rank, peer, stage, seen, expected = (self.host_record[i] for i in range(6))
             stage_name = _STAGES.get(stage, f"stage {stage}")
-            if kind == 2:
+            if kind == _ERRORS["kErrorOverflow"]:
                 self._failure = InvalidInputError(
                     f"rank {rank} received at least {seen} rows at {stage_name}, more than "
                     f"num_worst_tokens={expected}; "
                     "rows past it were dropped")
-            elif kind == 4:
+            elif kind == _ERRORS["kErrorBadValues"]:
                 mask = expected & _MASK32
                 error = checks.verdict_error(checks.ranks_in(mask, self.ctx.num_ranks), seen, self._verdict_experts)
                 self._failure = InvalidInputError(f"{error} (a dispatch with num_worst_tokens, which does not wait "
                                                   "for the counts, moved no rows; destroy this Buffer and make a new "
                                                   "one)")
-            elif kind == 5:
+            elif kind == _ERRORS["kErrorBadLowLatencyIds"]:
                 self._failure = InvalidInputError(f"{checks.low_latency_bad_ids(rank, expected, seen)}; destroy "
                                                   "this Buffer and make a new one")
-            elif kind == 6:  # NOTE [call signatures]: every rank's signature, copied from the table
+            elif kind == _ERRORS["kErrorCallMismatch"]:  # NOTE [call signatures]: every rank's signature, copied from the table
                 ints = collectives.SIGNATURE_INTS
                 at = _RECORD_SIGNATURES_AT
                 rows = [[int(self.host_record[at + r * _MAX_SIGNATURE_INTS + i]) for i in range(ints)]
                         for r in range(self.ctx.num_ranks)]
                 self._failure = collectives.mismatch_error(rows, collectives.describe_signature)
-            elif kind == 3:
+            elif kind == _ERRORS["kErrorMismatch"]:
                 self._failure = InvalidInputError(
                     f"rank {peer} dispatched with {seen} sending warps and rank {rank} with {expected}: every rank "
                     "must use the same number of SMs (Buffer.set_num_sms, Config.num_sms); destroy this Buffer "
@@ -282,7 +289,7 @@ class CudaBackend(Backend):
                 if stage_name.startswith("low_latency"):
                     cause = ("the peer did not make this call, or made it with another shape (hidden, top-k, experts, "
                              "num_max_dispatch_tokens_per_rank, FP8 flags); ")
-                elif stage == _STAGE_BARRIER:  # which peers reached which of their combines
+                elif stage_name == "combine/barrier":  # which peers reached which of their combines
                     cause = f"combine barriers passed here by rank: {self._barrier_arrivals()}; "
                 self._failure = CommTimeoutError(rank, peer, stage_name,
                                                  f"flag was {seen & _MASK32}, expected {expected & _MASK32}; {cause}"

@@ -1,0 +1,31 @@
+"""The constants Python reads from the CUDA headers (tokenyard/jit/headers.py): found, and used whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenyard import workspace
+from tokenyard.backends.cuda import backend
+from tokenyard.jit import headers
+
+
+def test_every_stage_a_kernel_can_record_has_a_name_in_errors():
+    stages = headers.enum("sync.cuh", "Stage")
+    assert set(stages) == set(backend._STAGE_NAMES), "a Stage of sync.cuh without a name here, or a name too many"
+    assert len(set(stages.values())) == len(stages) and len(set(backend._STAGE_NAMES.values())) == len(stages)
+
+
+def test_the_buffers_python_lays_out_leave_room_for_what_the_kernels_write_there():
+    signatures_end = (headers.constant("layout.cuh", "kSignaturesOffset")
+                      + 4 * backend._MAX_RANKS * backend._MAX_SIGNATURE_INTS * 4)
+    assert signatures_end <= workspace.NOTIFY_DATA_OFFSET < workspace.NORMAL_HEADER_BYTES
+    counters_end = 8 * 4  # done counters, epochs and tags: LowLatencyBuffers in kernels/low_latency.cuh
+    assert headers.constant("kernels/low_latency.cuh", "kVerdictsAt") >= counters_end
+    assert workspace.LOW_LATENCY_STATE_BYTES == 32 + 3 * 32 * 8
+
+
+def test_a_name_the_header_lacks_is_an_error_not_a_guess():
+    with pytest.raises(LookupError):
+        headers.enum("sync.cuh", "NoSuchEnum")
+    with pytest.raises(LookupError):
+        headers.constant("layout.cuh", "kNoSuchConstant")
