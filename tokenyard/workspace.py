@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from .jit import headers
+from . import headers
 
 ALIGN_BYTES = 16
 REGION_ALIGN_BYTES = 128

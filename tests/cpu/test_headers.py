@@ -1,4 +1,4 @@
-"""The constants Python reads from the CUDA headers (tokenyard/jit/headers.py): found, and used whole."""
+"""The constants Python reads from the CUDA headers (tokenyard/headers.py): found, and used whole."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from tokenyard import workspace
 from tokenyard.backends.cuda import backend
-from tokenyard.jit import headers
+from tokenyard import headers
 
 
 def test_every_stage_a_kernel_can_record_has_a_name_in_errors():

@@ -13,10 +13,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from ... import checks, collectives, env, workspace
+from ... import checks, collectives, env, headers, workspace
 from ...errors import BackendUnavailableError, CommTimeoutError, InvalidInputError, TokenyardError
 from ...handle import DispatchHandle
-from ...jit import headers, load
+from ...jit import load
 from ...requests import CombineRequest, DispatchRequest, DispatchResult
 from ...waiting import wait_until
 from ..base import Backend, GroupContext
