@@ -90,7 +90,7 @@ class LowLatencyCalls:
                                     num_ranks=self.group_size, device=self.device)
         checks.tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self.device)
         num_tokens, hidden = x.shape
-        checks.topk_idx(topk_idx, num_tokens=num_tokens, device=self.device, max_topk=workspace.MAX_TOPK)
+        checks.topk_idx(topk_idx, num_tokens=num_tokens, device=self.device, max_topk=workspace.LOW_LATENCY_MAX_TOPK)
         num_max_dispatch_tokens_per_rank, num_experts = self._low_latency_checks(num_max_dispatch_tokens_per_rank,
                                                                                  hidden, num_experts)
         if num_tokens > num_max_dispatch_tokens_per_rank:
@@ -184,7 +184,7 @@ class LowLatencyCalls:
             x = backend.next_low_latency_combine_buffer(num_max, hidden, num_experts)
         checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(num_local_experts, self.group_size * num_max, hidden),
                       device=self.device)
-        checks.topk_idx(topk_idx, num_tokens=None, device=self.device, max_topk=workspace.MAX_TOPK)
+        checks.topk_idx(topk_idx, num_tokens=None, device=self.device, max_topk=workspace.LOW_LATENCY_MAX_TOPK)
         if topk_idx.size(0) > num_max:
             raise InvalidInputError(f"topk_idx has {topk_idx.size(0)} rows, more than the dispatch's "
                                     f"num_max_dispatch_tokens_per_rank={num_max}")

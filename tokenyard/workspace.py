@@ -29,7 +29,7 @@ one call's outputs survive the next call). Each half holds a dispatch receive re
 rows, the combine's weights and a combine receive region of one pre-reduced row per (rank, message)
 (NOTE [low-latency combine]), plus signalling words. The size hint
 depends only on (tokens per rank, hidden, ranks, experts), as DeepEP's does, and is larger than the
-layout needs (it also covers one message per pair); top-k up to ``MAX_TOPK``.
+layout needs (it also covers one message per pair); top-k up to ``LOW_LATENCY_MAX_TOPK``.
 """
 
 from __future__ import annotations
@@ -46,11 +46,14 @@ NORMAL_HEADER_BYTES = 1 << 16
 CHUNK_ROWS = 8
 MAX_NORMAL_TOKENS_PER_RANK = 8192 * CHUNK_ROWS
 MAX_CHUNKS = 12288  # the slots of 65536 tokens in chunks of 8, plus one per sending warp (4096 warps)
-MAX_TOPK = 16
+HINT_MAX_TOPK = 16  # the top-k a normal-mode size hint makes room for
 DEFAULT_HINT_TOKENS_PER_RANK = 4096
-# (tag << 32) | token index, padded to 16 bytes; then per top-k choice, as int16, its local expert, and as
-# int16 its pair slot (kernels/low_latency.cuh).
-LOW_LATENCY_MESSAGE_HEADER_BYTES = 16 + 2 * 2 * MAX_TOPK
+# The top-k a low-latency message's header has room for (kernels/low_latency.cuh).
+LOW_LATENCY_MAX_TOPK = headers.constant("kernels/low_latency.cuh", "kHeaderMaxTopk")
+# (tag << 32) | token index, padded to kHeaderChoices bytes; then per top-k choice, as int16, its local expert,
+# and as int16 its pair slot.
+LOW_LATENCY_MESSAGE_HEADER_BYTES = (headers.constant("kernels/low_latency.cuh", "kHeaderChoices")
+                                    + 2 * 2 * LOW_LATENCY_MAX_TOPK)
 # Counters, epochs and tags, then block 0's verdicts [stages][a warp of ranks] uint64 (kernels/low_latency.cuh).
 LOW_LATENCY_STATE_BYTES = (headers.constant("kernels/low_latency.cuh", "kVerdictsAt")
                            + headers.enum("kernels/low_latency.cuh", "VerdictStage")["kNumVerdictStages"]
@@ -136,9 +139,9 @@ def normal_layout(num_nvl_bytes: int, num_ranks: int, row_bytes: int) -> NormalL
 def normal_size_hint(hidden_bytes: int, num_ranks: int,
                      num_tokens: int = DEFAULT_HINT_TOKENS_PER_RANK) -> int:
     """A buffer that carries `num_tokens` tokens per rank of `hidden_bytes` (DeepEP's convention:
-    ``hidden * max(element_size, 2)``, which leaves room for FP8 scales) with top-k up to `MAX_TOPK`."""
-    row = max(normal_dispatch_row_bytes(hidden_bytes, 0, MAX_TOPK),
-              align(hidden_bytes) + align(MAX_TOPK * 4))
+    ``hidden * max(element_size, 2)``, which leaves room for FP8 scales) with top-k up to `HINT_MAX_TOPK`."""
+    row = max(normal_dispatch_row_bytes(hidden_bytes, 0, HINT_MAX_TOPK),
+              align(hidden_bytes) + align(HINT_MAX_TOPK * 4))
     return align(normal_required_bytes(num_ranks, num_tokens, row), REGION_ALIGN_BYTES)
 
 
@@ -161,7 +164,7 @@ def low_latency_half_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, n
     num_slots = num_experts * num_max_dispatch_tokens_per_rank
     dispatch_msg = low_latency_dispatch_message_bytes(hidden)
     combine_msg = low_latency_combine_message_bytes(hidden)
-    send = num_max_dispatch_tokens_per_rank * max(dispatch_msg, combine_msg * MAX_TOPK)
+    send = num_max_dispatch_tokens_per_rank * max(dispatch_msg, combine_msg * LOW_LATENCY_MAX_TOPK)
     recv = num_slots * (dispatch_msg + combine_msg)
     signals = 4 * (num_experts + num_ranks) * 8
     pairs = align(send, REGION_ALIGN_BYTES) + align(recv, REGION_ALIGN_BYTES) + align(signals, REGION_ALIGN_BYTES)
@@ -187,11 +190,11 @@ class LowLatencyLayout:
                     (uint64 ``(tag << 32) | j`` at 0; per top-k choice, int16 local expert, -1 where
                     elsewhere, at 16 and int16 pair slot at 48), then the FP8 data and float32 scales, or
                     the bf16 data
-    dispatch_positions [R][M][MAX_TOPK] int32: for message j of source r and its top-k choice k on this
+    dispatch_positions [R][M][LOW_LATENCY_MAX_TOPK] int32: for message j of source r and its top-k choice k on this
                     rank, the packed row it was copied to (``l * R * M + row`` for local expert l)
     dispatch_counts [R] uint64: ``(tag << 32) | tokens`` of source r (its message slots) once sent
     dispatch_expert_counts [R][L] uint64: ``(tag << 32) | tokens`` of source r that chose local expert l
-    combine_weights [R][M][MAX_TOPK] uint64: ``(tag << 32) | float32 bits``, source r's top-k weights of
+    combine_weights [R][M][LOW_LATENCY_MAX_TOPK] uint64: ``(tag << 32) | float32 bits``, source r's top-k weights of
                     the token of its message j, sent at combine
     combine_recv    [R][M] bf16 rows: owner r's partial sum for this rank's message slot j to r
                     (NOTE [low-latency combine])
@@ -216,10 +219,10 @@ def low_latency_region_bytes(num_max: int, hidden: int, num_ranks: int, num_expe
     num_messages = num_ranks * num_max
     return {"state": LOW_LATENCY_STATE_BYTES,
             "dispatch_recv": num_messages * low_latency_dispatch_message_bytes(hidden),
-            "dispatch_positions": num_messages * MAX_TOPK * 4,
+            "dispatch_positions": num_messages * LOW_LATENCY_MAX_TOPK * 4,
             "dispatch_counts": num_ranks * 8,
             "dispatch_expert_counts": num_experts * 8,
-            "combine_weights": num_messages * MAX_TOPK * 8,
+            "combine_weights": num_messages * LOW_LATENCY_MAX_TOPK * 8,
             "combine_recv": num_messages * low_latency_combine_message_bytes(hidden),
             "combine_flags": num_ranks * 8}
 

@@ -56,10 +56,10 @@ def test_low_latency_layout_fits_in_half_the_hint_without_overlaps(args):
     num_max, hidden, num_ranks, num_experts = args
     num_messages = num_ranks * num_max
     regions = sorted([(layout.dispatch_recv, num_messages * layout.dispatch_message_bytes),
-                      (layout.dispatch_positions, num_messages * workspace.MAX_TOPK * 4),
+                      (layout.dispatch_positions, num_messages * workspace.LOW_LATENCY_MAX_TOPK * 4),
                       (layout.dispatch_counts, num_ranks * 8),
                       (layout.dispatch_expert_counts, num_experts * 8),
-                      (layout.combine_weights, num_messages * workspace.MAX_TOPK * 8),
+                      (layout.combine_weights, num_messages * workspace.LOW_LATENCY_MAX_TOPK * 8),
                       (layout.combine_recv, num_messages * hidden * 2),
                       (layout.combine_flags, num_ranks * 8), (layout.state, workspace.LOW_LATENCY_STATE_BYTES)])
     for (begin, size), (next_begin, _) in zip(regions, regions[1:]):

@@ -374,8 +374,8 @@ class CudaBackend(Backend):
 
     def _build_dispatch_plans(self, m: DispatchShape):
         num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
-        if m.num_topk > kernels.MAX_TOPK:
-            raise InvalidInputError(f"the CUDA backend handles top-k up to {kernels.MAX_TOPK}, got {m.num_topk}")
+        if m.num_topk > kernels.NORMAL_MAX_TOPK:
+            raise InvalidInputError(f"the CUDA backend handles top-k up to {kernels.NORMAL_MAX_TOPK}, got {m.num_topk}")
         num_local_experts = m.num_experts // num_ranks
         most_local_experts = min(HOST_COUNTS_INTS - _HOST_EXPERTS_AT, workspace.normal_max_local_experts(num_ranks))
         if num_local_experts > most_local_experts:

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from ... import workspace
+from ... import headers, workspace
 from ...collectives import SIGNATURE_INTS
 from ...jit import KernelSpec, Param
 
@@ -19,7 +19,7 @@ NOTIFY_THREADS = 512
 DATA_THREADS = 512
 LOW_LATENCY_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
-MAX_TOPK = 32  # one lane per top-k entry
+NORMAL_MAX_TOPK = headers.constant("copy.cuh", "kWarpSize")  # the normal-mode kernels: a lane per top-k entry
 JUDGE_WINDOW = 8192  # tokens the notify kernel judges at once (a shared byte each, NOTE [input verdict])
 
 _TOPK_CTYPES = {torch.int64: "int64_t", torch.int32: "int"}
