@@ -249,9 +249,16 @@ class CudaBackend(Backend):
         return (self.normal.bases_tensor.data_ptr(), self.ctx.rank, layout.control_bytes, layout.region_bytes,
                 layout.slots_offset, layout.max_chunks, layout.row_bytes, seq)
 
-    def _barrier_arrivals(self) -> list:
-        """The combine barrier's counters in this rank's buffer: how many combines each rank has begun."""
-        return self.normal.tensor[:4 * self.ctx.num_ranks].view(torch.int32).tolist()
+    def _normal_state(self) -> str:
+        """What a normal-mode timeout adds: whether the device's table of peer addresses still holds what this
+        process mapped, and the combine barrier's counters here (how many combines each rank has begun)."""
+        try:
+            table = "" if self.normal.bases_tensor.tolist() == self.normal.bases else \
+                "this rank's table of peer addresses on the device was overwritten; "
+            counts = self.normal.tensor[:4 * self.ctx.num_ranks].view(torch.int32).tolist()
+        except RuntimeError:  # a device that can no longer be read: the error says what it can without
+            return ""
+        return f"{table}combine barriers passed here by rank: {counts}; "
 
     def check_failures(self) -> None:
         """Raise the error a kernel recorded (a timeout, an overflow); once failed, always failed."""
@@ -285,12 +292,11 @@ class CudaBackend(Backend):
                     "and make a new one")
             else:
                 # NOTE [call tags]: a low-latency peer whose call had another shape signals tags never awaited.
-                cause = ""
                 if stage_name.startswith("low_latency"):
                     cause = ("the peer did not make this call, or made it with another shape (hidden, top-k, experts, "
                              "num_max_dispatch_tokens_per_rank, FP8 flags); ")
-                elif stage_name == "combine/barrier":  # which peers reached which of their combines
-                    cause = f"combine barriers passed here by rank: {self._barrier_arrivals()}; "
+                else:
+                    cause = self._normal_state()
                 self._failure = CommTimeoutError(rank, peer, stage_name,
                                                  f"flag was {seen & _MASK32}, expected {expected & _MASK32}; {cause}"
                                                  "destroy this Buffer and make a new one")
