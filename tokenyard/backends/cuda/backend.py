@@ -139,7 +139,7 @@ class CudaBackend(Backend):
     VALIDATED = True
     # The low-latency kernels serve low-latency calls once their GPU tests have passed
     # (tests/gpu/test_low_latency_cuda.py: dispatch bit for bit against the reference, combine bit for bit
-    # against its pre-reduced arithmetic, graph replays, a masked rank; 2 and 4 H200s, last at ce69a85).
+    # against its pre-reduced arithmetic, graph replays, a masked rank; 2 and 4 H200s).
     # TOKENYARD_LOW_LATENCY_KERNELS=off hands the calls to the reference implementation over the same group.
     LOW_LATENCY_KERNELS_VALIDATED = True
 
