@@ -106,22 +106,20 @@ struct LowLatencyBuffers {
 // A sending warp takes the ranks in turn from the next one: rank r writes first to r + 1, then r + 2, ...,
 // itself last. Were every rank to start with rank 0, all of them would write into rank 0's NVLink ports at
 // once while the other ranks' stood idle, then into rank 1's. In turn, every rank is written by one source
-// at a time. The 4-rank trace at 128 tokens (benchmarks/ll_phases.py): the dispatch's sends ended at 10.2 us
-// on rank 0 and 14.5 on rank 3 when all began with rank 0; in turn, at 11.7-12.4 on every rank.
+// at a time, and the sends end on every rank at about the same time (benchmarks/results/low_latency_decisions.md).
 __device__ __forceinline__ int next_peer(int rank, int num_ranks, int turn) {
     return (rank + 1 + turn) % num_ranks;
 }
 
 // NOTE [peer-major blocks]
-// With every SM writing, a GPU sends ~305-330 GB/s to its peers when each block writes to one peer only and
-// ~260 GB/s when every block writes to every peer (benchmarks/copy_patterns.py, 4 H200s, all 132 SMs). So
-// the combine's senders split the grid into one group of blocks per destination: the last `local_blocks`
-// blocks write to this rank itself (the last turn of NOTE [destination order]), the others to the peers in
-// turn, block b to turn b % (R - 1). The host picks `local_blocks` (heuristics.low_latency_local_blocks:
-// local writes need no NVLink, so fewer blocks) and sees that every peer gets a block. The dispatch's
-// senders do not: there a warp reads and casts its piece once and writes it to every rank its token goes
-// to, and with a group per destination (the piece read and cast once per rank) the dispatch took 1-2 us
-// longer at 4 ranks and 128 tokens.
+// With every SM writing, a GPU sends more to its peers when each block writes to one peer only than when
+// every block writes to every peer (benchmarks/results/low_latency_decisions.md). So the combine's senders
+// split the grid into one group of blocks per destination: the last `local_blocks` blocks write to this
+// rank itself (the last turn of NOTE [destination order]), the others to the peers in turn, block b to turn
+// b % (R - 1). The host picks `local_blocks` (heuristics.low_latency_local_blocks: local writes need no
+// NVLink, so fewer blocks) and sees that every peer gets a block. The dispatch's senders do not: there a
+// warp reads and casts its piece once and writes it to every rank its token goes to, and with a group per
+// destination (the piece read and cast once per rank) the dispatch was slower.
 struct PeerBlocks {
     int turn;   // the destination is next_peer(rank, num_ranks, turn)
     int index;  // this block's place in its group
@@ -300,8 +298,8 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
 // NOTE [block waits]
 // One thread per block polls each signal word, and the block's other threads learn from shared memory.
 // When every warp polled the words it needed (thousands of pollers on four words of one L2 sector), the
-// combine saw its rows' signals 3-7 us after the last rank had published them; with one poller per block,
-// 1-2 us after (benchmarks/ll_phases.py, 4 ranks, 128 tokens).
+// combine saw its rows' signals microseconds later than with one poller per block
+// (benchmarks/results/low_latency_decisions.md).
 template <bool kAcquire>
 __device__ __forceinline__ bool wait_tag_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t tag,
                                                  int peer, int stage, int* rank_mask, uint32_t& value) {
@@ -420,21 +418,19 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // Send (do_send): the work items are the pieces of kPieceChannels channels of every token, dealt over
 // blocks 1, 2, ... so that consecutive items go to different SMs (item i to warp i / (G - 1) of block
 // 1 + i % (G - 1) on a grid of G): one token keeps 14 warps busy at hidden 7168 instead of one warp walking
-// its row, which cost ~10 us at one token. A warp loads its piece and its token's top-k choices, quantizes
+// its row. A warp loads its piece and its token's top-k choices, quantizes
 // the piece once (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with
 // an IEEE division, optionally rounded up to a power of two, q = e4m3(clamp(x / scale))), each lane 16
 // channels, and stores it with 16-byte stores into the message of every rank d the token goes to: d's
 // region of this rank at slot t, the token index. Piece 0 also writes the header: its tag (tag << 32) | t,
 // and for each choice on d its local expert. Nothing of that waits for the pair bits, so the data leaves
-// ~1-1.5 us sooner than when the slot was the rank's tokens before t going to d (a receiver learns from the
-// tag which slots hold this call's messages). Block 0 sends no data: meanwhile it builds the pair bits
+// sooner than when the slot was the rank's tokens before t going to d (a receiver learns from the tag which
+// slots hold this call's messages). Block 0 sends no data: meanwhile it builds the pair bits
 // (expert rows), sends each rank d how many of this rank's tokens chose each of d's experts, each count a
-// word (tag << 32) | count that needs no fence (a release of their own waited ~11 us behind the data in
-// the 4-rank trace), and writes, a thread per pair, the pair's slot among this rank's rows of its expert
-// into the header. So the counts travel while the data is still going out, and the data blocks go from
-// their last store straight to the done counter (4 ranks, 128 tokens: the sends were issued by 10.6-11.5 us
-// instead of 11.8-12.3, and the dispatch took 21.5 us against 22.0-22.7 in the same call, 11.5 against
-// 12.6-13.1 at one token; low_latency_trials.json). The last block to finish publishes to each rank d
+// word (tag << 32) | count that needs no fence (a release of their own waited behind the data), and writes,
+// a thread per pair, the pair's slot among this rank's rows of its expert into the header. So the counts
+// travel while the data is still going out, and the data blocks go from their last store straight to the
+// done counter (benchmarks/results/low_latency_decisions.md). The last block to finish publishes to each rank d
 // (tag << 32) | this rank's number of tokens (NOTE [cumulative release]).
 // Receive (do_recv): every block waits for every source's expert counts (under a rank mask block 0 waits
 // and the others follow its verdicts: NOTE [one verdict]) and numbers the packed rows
@@ -446,8 +442,8 @@ constexpr int kRecvPieceVectors = kRecvVectors * kWarpSize;
 // means token j of s did not come here. Otherwise it stores the piece into the row of every choice (row =
 // first row of (l, s) + slot) with the piece's scales; piece 0 records src_info and, in `positions`, where
 // each choice went (which the combine reads). No scan of the headers and no wait for another block: every
-// message is read once, and all of them at once (the previous receiver, a block per expert scanning the
-// headers and copying its rows, took ~9.5 us after the signals at 4 ranks and 128 tokens; this one ~3).
+// message is read once, and all of them at once (a block per expert scanning the headers and copying its
+// rows took several times longer after the signals).
 // A source masked between its counts and its data is left out and the rows renumbered. With a recv hook
 // the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
 template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
@@ -809,19 +805,18 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // its experts there, instead of one row per expert (4 ranks, top-8: ~3.6 rows instead of 8, which halves
 // the bytes on NVLink). The weights are the combine's, so they travel first.
 // Send (do_send): the blocks form one group per rank s, the rank whose messages they send back (NOTE
-// [peer-major blocks]; at 4 ranks and 128 tokens the sends ended 1-1.5 us sooner than with every block
-// sending to every rank). (1) The group writes this rank's topk_weights to s, each token's at the slot of
+// [peer-major blocks]). (1) The group writes this rank's topk_weights to s, each token's at the slot of
 // its dispatch message to s, each weight a word (tag << 32) | float bits: a word that carries its own
-// epoch needs no fence and no flag (with a release and a flag per rank, the items began 5-7 us into the
-// call and the sends ended ~2 us later, at 4 ranks and 128 tokens).
+// epoch needs no fence and no flag (with a release and a flag per rank, the items began later and the sends
+// ended later).
 // (2) The items are (message slot j from s in this half's dispatch, piece of kReduceInt4 columns); a slot
 // whose header's tag is of another dispatch (the token did not come here) contributes nothing. The
 // message's header names the token's choices on this rank, positions(s, j) the packed row each went to
 // (the dispatch wrote it) and weights(s, j) their weights, all read an item ahead; the warp asks for the
 // item's first rows, then waits for a weight only while its tag is older (the first items' weights are
-// still on their way: loading the rows meanwhile ended the sends ~1 us sooner and the combine took 27.9 us
-// against 29.3-29.5 in the same call, low_latency_trials.json), sums weight * row over those choices in k
-// order (float32, as routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last
+// still on their way, and loading the rows meanwhile made the combine faster:
+// benchmarks/results/low_latency_decisions.md), sums weight * row over those choices in k order (float32, as
+// routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last
 // block to finish publishes (tag << 32) | 1 to every source. Reduce (do_recv): one thread per block
 // waits for each rank's flag (NOTE [block waits]); the items are (token t, piece); lane d finds whether
 // the token went to rank d (NOTE [pair slots], rank rows) and points at d's row t; the warp sums the rows
