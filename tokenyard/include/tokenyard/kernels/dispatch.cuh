@@ -58,11 +58,11 @@ namespace tokenyard::kernels {
 // With `peer_major`, the sender warps are split into one group per destination rank, group q being warps
 // [W * q / R, W * (q + 1) / R): a warp of group q owns a range of the tokens (NOTE [sender ranges] over its
 // group's warps) and sends only those that go to rank q, only to q, publishing its pieces at q alone. So an
-// SM's stores all travel to one destination, which a plain copy with 9 blocks sends at 298 GB/s against
-// 278 GB/s when each block writes to every peer (benchmarks/copy_patterns.py, 4 H200s); a token's row is read
-// once per destination instead of once (from L2 after the first). The receivers at rank q number the
-// pieces of a source over group q's warps. Needs at least one warp per rank (the host checks). The 4-rank
-// dispatch was not faster so (heuristics.DISPATCH_PEER_MAJOR): off by default.
+// SM's stores all travel to one destination, which a plain copy with few blocks sends faster than when each
+// block writes to every peer; a token's row is read once per destination instead of once (from L2 after the
+// first). The receivers at rank q number the pieces of a source over group q's warps. Needs at least one
+// warp per rank (the host checks). The 4-rank dispatch was not faster so (heuristics.DISPATCH_PEER_MAJOR,
+// benchmarks/results/send_share/README.md): off by default.
 //
 // NOTE [tail pieces]
 // Every sender warp moves its range at about the same pace, so the pieces with one index land on the
