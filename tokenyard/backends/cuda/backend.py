@@ -279,7 +279,8 @@ class CudaBackend(Backend):
             elif kind == _ERRORS["kErrorBadLowLatencyIds"]:
                 self._failure = InvalidInputError(f"{checks.low_latency_bad_ids(rank, expected, seen)}; destroy "
                                                   "this Buffer and make a new one")
-            elif kind == _ERRORS["kErrorCallMismatch"]:  # NOTE [call signatures]: every rank's signature, copied from the table
+            elif kind == _ERRORS["kErrorCallMismatch"]:
+                # NOTE [call signatures]: every rank's signature, copied from the table
                 ints = collectives.SIGNATURE_INTS
                 at = _RECORD_SIGNATURES_AT
                 rows = [[int(self.host_record[at + r * _MAX_SIGNATURE_INTS + i]) for i in range(ints)]
