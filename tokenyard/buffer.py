@@ -167,7 +167,7 @@ class Buffer(LowLatencyCalls):
         self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._joined_stream = self._ran_on = None  # NOTE [joined stream]
         self._fast = None  # NOTE [fast paths]
-        self._last_rounds = 0
+        self._last_rounds = self._last_round_tokens = 0  # the last normal call's, for the fast paths to learn
         self._learnable_shape = None  # the CUDA backend's DispatchShape of the last cached or worst-case dispatch
         if self.backend == "cuda":
             from .fast_paths import FastPaths
@@ -501,7 +501,7 @@ class Buffer(LowLatencyCalls):
                                       async_finish, self._learnable_shape, result[4].rounds)
         if fast is not None and cached and self._last_rounds == 1 and getattr(handle, "fast_for", None) == self._id and \
                 self._learnable_x(x):
-            fast.learn_cached_dispatch(x, handle, config, async_finish, self._learnable_shape)
+            fast.learn_cached_dispatch(x, handle, config, async_finish, self._learnable_shape, self._last_round_tokens)
         return result
 
     def _learnable_x(self, x) -> bool:
@@ -588,7 +588,7 @@ class Buffer(LowLatencyCalls):
             else:
                 plan = rounds.plan_for(handle, round_tokens, self._exchange)
                 result = rounds.cached_dispatch(backend, request, plan)
-            self._last_rounds = plan.num_rounds
+            self._last_rounds, self._last_round_tokens = plan.num_rounds, round_tokens
         new_handle = result.handle
         if handle is None:
             new_handle = DispatchHandle(*result.handle, buffer_id=self._id, rounds=plan,
@@ -637,7 +637,7 @@ class Buffer(LowLatencyCalls):
         if fast is not None and self._last_rounds == 1 and getattr(handle, "fast_for", None) == self._id and \
                 x.device == self.device and \
                 (topk_weights is None or topk_weights.is_contiguous()) and not isinstance(bias, list):
-            fast.learn_combine(x, handle, topk_weights, bias, config, async_finish)
+            fast.learn_combine(x, handle, topk_weights, bias, config, async_finish, self._last_round_tokens)
         return result
 
     @devices.runs_where_tensors_are("x")
@@ -667,7 +667,7 @@ class Buffer(LowLatencyCalls):
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
             plan = rounds.plan_for(handle, round_tokens, self._exchange)
             combined_x, combined_topk_weights = rounds.combine(backend, request, plan)
-        self._last_rounds = plan.num_rounds  # read by the fast paths' learning (NOTE [fast paths])
+        self._last_rounds, self._last_round_tokens = plan.num_rounds, round_tokens
         self._hand_over(scope.owner, (combined_x, combined_topk_weights))
         if async_finish:
             self._hand_over(self._comm_stream, (x, topk_weights, bias_0, bias_1) + tuple(handle))

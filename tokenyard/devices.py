@@ -14,13 +14,15 @@ serve the same number of ranks (`ranks_per_gpu`). The CUDA backend maps the peer
 which works between processes of one GPU as between GPUs. Its kernels wait for the peers' kernels, so
 those must run at the same time, which needs MPS on a shared GPU (NOTE [MPS] in backends/cuda/backend.py).
 Every co-located rank's grid must also be resident at once, so a rank's grids fill at most `sm_budget`
-SMs: the SMs the process sees divided by the ranks of its GPU. Without an MPS share (what tokenyard's
-launchers leave) each rank sees the whole GPU and the ranks' grids together fill it: 4 ranks on an H100
-(132 SMs) fill 33 each. An MPS share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) only caps what a client may use
-and reserves nothing, so clients' kernels may land on the same SMs: low-latency grids of a whole 50% share
-(66 of 132 SMs, 2 ranks) or of 28 of a 25% share's 32 SMs (4 ranks) never all became resident, while the
-shares divided by the ranks always did (benchmarks/results/mps_residency.md). Dividing what a rank sees by
-its GPU's ranks fits even where every share covers the same SMs.
+SMs: three quarters of the SMs the process sees, divided by the ranks of its GPU. Without an MPS share
+(what tokenyard's launchers leave) each rank sees the whole GPU: 4 ranks on an H100 (132 SMs) fill 24
+each. An MPS share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) only caps what a client may use and reserves
+nothing, so clients' kernels may land on the same SMs: low-latency grids of a whole 50% share (66 of 132
+SMs, 2 ranks) or of 28 of a 25% share's 32 SMs (4 ranks) never all became resident, while the shares
+divided by the ranks did (benchmarks/results/mps_residency.md). The whole GPU divided by the ranks was
+not enough either: 8 normal-mode grids of 16 blocks, each block holding a whole SM's registers (128 of
+132 SMs), now and then left one rank's grid waiting for the others' to time out, and the quarter kept
+free ended it (benchmarks/results/moe_8_ranks_shared.md).
 
 NOTE [virtual nodes]
 DeepEP's runtime queries (`get_num_rdma_ranks`, `get_rdma_rank`, `get_root_rdma_rank`) see the group as
@@ -105,11 +107,14 @@ def _mps_serves(device_index: int) -> bool:
 
 
 def sm_budget(visible_sms: int, ranks_per_gpu: int) -> int:
-    """SMs one rank's grids may fill (NOTE [shared GPUs]): what it sees, divided by the ranks of its GPU.
+    """SMs one rank's grids may fill (NOTE [shared GPUs]): all it sees where it has the GPU to itself, else
+    three quarters of it, divided by the ranks of its GPU.
 
-    Examples: 132 seen by each of 4 ranks -> 33; 66 seen under a 50% MPS share by each of 2 ranks -> 33.
+    Examples: 132 seen by each of 4 ranks -> 24; 66 seen under a 50% MPS share by each of 2 ranks -> 24.
     """
-    return max(1, visible_sms // max(1, ranks_per_gpu))
+    if ranks_per_gpu <= 1:
+        return max(1, visible_sms)
+    return max(1, visible_sms * 3 // 4 // ranks_per_gpu)
 
 
 @dataclasses.dataclass(frozen=True)

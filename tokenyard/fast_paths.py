@@ -11,6 +11,12 @@ call (csrc/call_plan.cpp). What the key cannot cover goes the full path every ti
 another current device, CPU tensors, CUDA-graph capture of the value checks. A call that raises leaves no
 record, so a refusal is always the full path's, with its message.
 
+Keys hold per-rank shapes, so in one call some ranks may take a fast path and others the full path: the two
+must then communicate alike. The full path's only host collectives are those of rounds (`rounds.derive`), so
+a cached dispatch or a combine takes its fast path only where the handle's rounds fit the call's round size
+(the same on every rank, recorded with the plan); there the full path replays them with no collective. A
+fast path taken where they did not fit would also run more tokens than one round holds.
+
 Outputs are allocated on the caller's current stream (which waits for the communication stream at the end
 of a call unless `async_finish`), so no tensor needs `record_stream` on the synchronous path; with
 `async_finish` every tensor of the call is marked as used by the communication stream.
@@ -139,10 +145,10 @@ class FastPaths:
         if getattr(handle, "fast_for", None) != self.buffer._id:
             return None
         entry = self.lookup(self._cached_key(x, handle, config, async_finish))
-        if entry is None or not self.usable(previous_event):
+        if entry is None or not handle.rounds.fits(entry[3]) or not self.usable(previous_event):
             return None
         self.backend.check_failures()
-        native, recv_x_at, scales_at = entry
+        native, recv_x_at, scales_at, _ = entry
         data, scales = split_x(x)
         inputs = (data, scales, None, None, handle.is_token_in_rank) + self.unused_dispatch_inputs
         outputs, event = self.run(native, inputs, self.backend.dispatch_scalars(data.size(0)), previous_event,
@@ -150,13 +156,14 @@ class FastPaths:
         recv_x = outputs[recv_x_at] if scales is None else (outputs[recv_x_at], outputs[scales_at])
         return recv_x, None, None, None, None, event
 
-    def learn_cached_dispatch(self, x, handle, config, async_finish, shape) -> None:
+    def learn_cached_dispatch(self, x, handle, config, async_finish, shape, round_tokens: int) -> None:
         first, second = self.backend.dispatch_plans(shape)
         if second is not None:
             return
         names = first.output_names
         self.record(self._cached_key(x, handle, config, async_finish), (
-            first.native, names.index("recv_x"), names.index("recv_x_scales") if "recv_x_scales" in names else None))
+            first.native, names.index("recv_x"), names.index("recv_x_scales") if "recv_x_scales" in names else None,
+            round_tokens))
 
     def _worst_key(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                    async_finish):
@@ -211,21 +218,21 @@ class FastPaths:
         if getattr(handle, "fast_for", None) != self.buffer._id or isinstance(bias, list):
             return None
         entry = self.lookup(self._combine_key(x, handle, topk_weights, bias, config, async_finish))
-        if entry is None or not self.usable(previous_event):
+        if entry is None or not handle.rounds.fits(entry[1]) or not self.usable(previous_event):
             return None
         self.backend.check_failures()
         bias_0, bias_1 = split_x(bias)
         inputs = (x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, None, handle.send_head, None, None)
-        outputs, event = self.run(entry, inputs, self.backend.combine_scalars(), previous_event, async_finish)
+        outputs, event = self.run(entry[0], inputs, self.backend.combine_scalars(), previous_event, async_finish)
         return outputs[0], (outputs[1] if topk_weights is not None else None), event
 
-    def learn_combine(self, x, handle, topk_weights, bias, config, async_finish) -> None:
+    def learn_combine(self, x, handle, topk_weights, bias, config, async_finish, round_tokens: int) -> None:
         num_sms = self.buffer.num_sms if config is None else config.num_sms
         bias_0, bias_1 = split_x(bias)
         plan = self.backend.combine_plan(handle.num_tokens, x.size(1), 0 if topk_weights is None else
                                          topk_weights.size(1), (bias_0 is not None) + (bias_1 is not None), num_sms,
                                          False)
-        self.record(self._combine_key(x, handle, topk_weights, bias, config, async_finish), plan.native)
+        self.record(self._combine_key(x, handle, topk_weights, bias, config, async_finish), (plan.native, round_tokens))
 
     # -- low-latency mode -----------------------------------------------------------------------------------
 

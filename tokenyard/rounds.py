@@ -95,6 +95,8 @@ class Rounds:
     num_rounds: 1 means one-shot (the handle itself is the round's handle).
     max_round_tokens: the most tokens any rank sends in one round; a call whose round size is at least
         this replays these rounds.
+    most_tokens: the most tokens any rank dispatched, where the dispatch learned it (None with
+        num_worst_tokens): a call that cannot replay these rounds derives its own from it without a host sync.
     handles: per round, its handle, as a one-shot dispatch of the slices makes it; empty when one-shot.
     recv_first: per round, ``[R]`` int32 on the device: where the round's rows from source s start in the
         whole call's receive order (NOTE [placed rounds]); None when one-shot.
@@ -103,6 +105,7 @@ class Rounds:
     round_tokens: int
     num_rounds: int
     max_round_tokens: int
+    most_tokens: Optional[int] = None
     handles: Tuple[DispatchHandle, ...] = ()
     recv_first: Optional[Tuple[torch.Tensor, ...]] = None
 
@@ -229,7 +232,7 @@ def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: 
     placement = Placement(_int32(num_ranks, request.x.device), None, 0, _int32(num_ranks, request.x.device))
     first = backend.dispatch(_round_request(request, 0, 0, min(num_tokens, round_tokens), placement, call))
     most = first.most_call_tokens if first.most_call_tokens is not None else exchange.max_int(num_tokens)
-    rounds = Rounds(round_tokens, max(1, _ceil_div(most, round_tokens)), min(round_tokens, most))
+    rounds = Rounds(round_tokens, max(1, _ceil_div(most, round_tokens)), min(round_tokens, most), most)
     if rounds.num_rounds == 1:
         return first, rounds
     return _dispatch_rounds(backend, request, rounds, check_values, (first, call, placement))
@@ -358,15 +361,17 @@ def combine(backend, request: CombineRequest, rounds: Rounds):
     return combined_x, combined_w
 
 
-def derive(handle: DispatchHandle, round_tokens: int, exchange: Collectives) -> Rounds:
-    """The rounds of `round_tokens` tokens for a handle's layout, from its six fields (two collectives).
+def derive(handle: DispatchHandle, round_tokens: int, exchange: Collectives, most: Optional[int] = None) -> Rounds:
+    """The rounds of `round_tokens` tokens for a handle's layout, from its six fields: a collective for the
+    largest rank's token count unless `most` gives it, and one more where there are several rounds.
 
     Each round's handle is the one a one-shot dispatch of the round's slices makes (NOTE [handle contents]).
     """
     num_tokens, rank = handle.num_tokens, exchange.rank
-    most = exchange.max_int(num_tokens)
+    if most is None:
+        most = exchange.max_int(num_tokens)
     num_rounds = max(1, _ceil_div(most, round_tokens))
-    rounds = Rounds(round_tokens, num_rounds, min(round_tokens, most))
+    rounds = Rounds(round_tokens, num_rounds, min(round_tokens, most), most)
     if num_rounds == 1:
         return rounds
     counts = exchange.all_gather(per_round_counts(handle.is_token_in_rank, round_tokens, num_rounds)).long()
@@ -386,11 +391,12 @@ def derive(handle: DispatchHandle, round_tokens: int, exchange: Collectives) -> 
 
 def plan_for(handle: DispatchHandle, round_tokens: int, exchange: Collectives) -> Rounds:
     """The rounds a cached dispatch or combine with rounds of at most `round_tokens` runs: the handle's
-    own where they fit, else derived (every rank decides alike: stored rounds are the same everywhere)."""
+    own where they fit, else derived (every rank decides alike: stored rounds are the same everywhere, and
+    so is whether they fit, which the fast paths check too: NOTE [fast paths])."""
     stored = getattr(handle, "rounds", None)
     if stored is not None and stored.fits(round_tokens):
         return stored
-    return derive(handle, round_tokens, exchange)
+    return derive(handle, round_tokens, exchange, None if stored is None else stored.most_tokens)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -164,12 +164,19 @@ def rounds_match_one_shot(seed, token_counts, hidden, num_experts, num_topk, dty
         assert_same(f"cached recv_x_scales ({name})", None if again[1] is None else again[1][valid],
                     None if want_scales is None else want_scales[valid])
 
-    # Rows wider than the dispatch's need smaller rounds than the handle's: derived from its fields.
+    # Rows wider than the dispatch's need smaller rounds than the handle's: derived from its fields, with the
+    # largest rank's token count from the handle's rounds (no host sync for it).
     if per_round_tokens is None and not num_worst_tokens:
         data = _split(x)[0].view(torch.uint8)
-        wide = bounded.dispatch(torch.cat([data, data], dim=1), handle=handle)[0]
+        synced, max_int = [], bounded._exchange.max_int
+        bounded._exchange.max_int = lambda value: synced.append(value) or max_int(value)
+        try:
+            wide = bounded.dispatch(torch.cat([data, data], dim=1), handle=handle)[0]
+        finally:
+            bounded._exchange.max_int = max_int
         received = want_data.view(torch.uint8)
         assert_same("cached recv_x of wider rows", wide, torch.cat([received, received], dim=1))
+        assert synced == [], f"the cached dispatch of wider rows synced token counts {synced}"
 
     # Combine of random expert outputs with weights and two biases; also through the one-shot handle's
     # fields as a plain tuple (the bounded Buffer derives its own rounds from them).

@@ -64,11 +64,11 @@ def test_calls_with_cpu_tensors_on_a_gpu_buffer_run_on_its_cpu_twin_whatever_pos
 
 def test_ranks_that_share_a_gpu_divide_the_sms_each_sees_so_their_grids_fit_whatever_mps_shares_they_have():
     topology = make_topology(1, [_gpu("h", "GPU-a"), _gpu("h", "GPU-a")])  # no MPS share: each sees 132
-    assert (topology.ranks_per_gpu, topology.shares_gpu, topology.sm_budget) == (2, True, 66)
-    # A 50% share each: shares reserve nothing and may cover the same SMs, so each fills half of its 66.
-    assert make_topology(0, [_gpu("h", "GPU-a", 66), _gpu("h", "GPU-a", 66)]).sm_budget == 33
+    assert (topology.ranks_per_gpu, topology.shares_gpu, topology.sm_budget) == (2, True, 49)
+    # A 50% share each: shares reserve nothing and may cover the same SMs, so each fills half of 3/4 of its 66.
+    assert make_topology(0, [_gpu("h", "GPU-a", 66), _gpu("h", "GPU-a", 66)]).sm_budget == 24
     assert make_topology(0, [_gpu("h", "GPU-a"), _gpu("h", "GPU-b")]).sm_budget == H100  # a GPU each
-    assert [devices.sm_budget(H100, n) for n in (1, 2, 4, 8)] == [132, 66, 33, 16]
+    assert [devices.sm_budget(H100, n) for n in (1, 2, 4, 8)] == [132, 49, 24, 12]
 
 
 def test_gpus_that_serve_different_numbers_of_ranks_and_groups_of_gpu_and_cpu_ranks_are_refused():

@@ -242,7 +242,7 @@ class CudaBackend(Backend):
         values = tuple(collectives.signature(op, **fields))
         tensor = self._signatures.get(values)
         if tensor is None:
-            tensor = self._signatures[values] = torch.tensor(values, dtype=torch.int32, device=self.ctx.device)
+            tensor = self._signatures[values] = plans.device_constant(values, torch.int32, self.ctx.device)
         return tensor.data_ptr()
 
     def _buffer_args(self, layout: workspace.NormalLayout, seq: int):

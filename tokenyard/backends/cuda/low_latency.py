@@ -19,7 +19,7 @@ from ... import collectives, workspace
 from ...errors import InvalidInputError
 from ...handle import LowLatencyHandle
 from ...requests import LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
-from . import heuristics, kernels
+from . import heuristics, kernels, plans
 
 _HANDLE_OUTPUTS = ("src_info", "layout_range")  # a dispatch's outputs that its handle keeps
 
@@ -85,8 +85,8 @@ class LowLatencyKernels:
         """Both halves are made on first use, so a call captured in a graph later copies nothing."""
         if layout.half_bytes not in self._bases:
             self._bases[layout.half_bytes] = tuple(
-                torch.tensor([base + h * layout.half_bytes for base in self.buffer.bases], dtype=torch.int64,
-                             device=self.backend.ctx.device) for h in (0, 1))
+                plans.device_constant([base + h * layout.half_bytes for base in self.buffer.bases], torch.int64,
+                                      self.backend.ctx.device) for h in (0, 1))
         return self._bases[layout.half_bytes][half]
 
     def _grid(self) -> int:

@@ -50,6 +50,14 @@ def module():
     return extension
 
 
+def device_constant(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, for a plan to pass by address, copied on the current stream from
+    pinned memory, so that a call that makes one never waits for the GPU (a copy from pageable memory waits
+    for the stream's earlier work)."""
+    host = torch.tensor(values, dtype=dtype).pin_memory()  # held by PyTorch's allocator until the copy ends
+    return host.to(device, non_blocking=True)
+
+
 def new_event() -> int:
     """A CUDA event without timing, for ordering streams; lives as long as the process."""
     event = ctypes.c_void_p()
