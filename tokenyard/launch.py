@@ -1,4 +1,5 @@
-"""Starting the ranks of a group on one machine: shared by the benchmark, the examples and the GPU tests.
+"""Starting the ranks of a group on one machine and hearing their reports: one launcher for the benchmark, the
+examples and the tests (NOTE [rank reports]).
 
 NOTE [NVLink multicast]
 On the shared multi-GPU machines NVLink multicast (NVLS) must stay off: a program that creates multicast
@@ -124,58 +125,141 @@ class RanksFailed(RuntimeError):
         self.results, self.failures = results, failures
 
 
+# NOTE [rank reports]
+# Every launcher (run_on_ranks, the benchmark's, the CPU tests' pool of ranks) hears its ranks the same way: a
+# rank sends one report per task, (rank, ok, value), ok False with its traceback. Once a rank has failed, the
+# others get FAILURE_GRACE_S, since they may wait in a collective the failed rank never joins. A process that
+# ended without a report (killed by a signal, say) is a failure as soon as a poll after its end finds nothing
+# (a rank's report is in the queue before its process ends). The cause named first is such a silent end, else
+# the first failure to arrive.
+FAILURE_GRACE_S = 15.0
+_EXIT_GRACE_S = 30.0  # for processes that reported to end on their own, all together
+
+
+class Reports:
+    """What a launcher heard from its ranks (NOTE [rank reports])."""
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks = num_ranks
+        self.results: dict = {}
+        self.failures: dict = {}  # rank -> traceback or reason, in order of arrival
+        self.silent: list = []    # ranks whose process ended without a report
+
+    def record(self, rank: int, ok: bool, value) -> None:
+        if ok:
+            self.results[rank] = value
+            return
+        self.failures[rank] = value
+        if rank in self.silent:  # its report came after all
+            self.silent.remove(rank)
+
+    def record_ends(self, procs) -> None:
+        for rank in self.missing():
+            if procs[rank].exitcode is not None:
+                self.failures[rank] = f"its process ended with exit code {procs[rank].exitcode} without a report"
+                self.silent.append(rank)
+
+    def missing(self) -> list:
+        return sorted(set(range(self.num_ranks)) - set(self.results) - set(self.failures))
+
+    @property
+    def finished(self) -> bool:
+        return not self.failures and not self.missing()
+
+    def describe(self, timeout_s: float) -> str:
+        """The likely cause in full, every other failure in full after it, and the ranks that never answered."""
+        lines = []
+        if self.failures:
+            cause = self.silent[0] if self.silent else next(iter(self.failures))
+            lines.append(f"rank {cause} failed:\n{self.failures[cause].rstrip()}")
+            lines += [f"rank {rank} also failed:\n{text.rstrip()}" for rank, text in sorted(self.failures.items())
+                      if rank != cause]
+        if self.missing():
+            lines.append(f"ranks {self.missing()} did not answer within {timeout_s:g} s of the start or "
+                         f"{FAILURE_GRACE_S:g} s of the first failure")
+        return "\n".join(lines)
+
+
+def collect(reports_queue, procs, timeout_s: float) -> Reports:
+    """One report per rank from `reports_queue`, until every rank has answered or the deadline passes
+    (NOTE [rank reports]); `procs[rank]` is rank's process."""
+    import queue
+    import time
+
+    reports = Reports(len(procs))
+    deadline = time.monotonic() + timeout_s
+    while reports.missing() and time.monotonic() < deadline:
+        try:
+            reports.record(*reports_queue.get(timeout=min(1.0, max(0.01, deadline - time.monotonic()))))
+        except queue.Empty:
+            reports.record_ends(procs)
+        if reports.failures:
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    if reports.failures:  # tracebacks that came late replace "ended without a report"
+        while True:
+            try:
+                reports.record(*reports_queue.get(timeout=0.2))
+            except queue.Empty:
+                break
+    return reports
+
+
+def stop(procs, finished: bool) -> None:
+    """Let the processes end (together within _EXIT_GRACE_S if every rank reported, else at once), then kill
+    whatever is left."""
+    import time
+
+    deadline = time.monotonic() + (_EXIT_GRACE_S if finished else 0.5)
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10.0)
+
+
+def spawn(num_ranks: int, target, args_of_rank, use_cuda: bool):
+    """`num_ranks` processes (spawn context) running ``target(*args_of_rank(rank, port, reports_queue))``,
+    meeting on a free port of 127.0.0.1; -> (procs, reports_queue)."""
+    import torch.multiprocessing as mp
+
+    if use_cuda:
+        disable_nvlink_multicast()
+    context = mp.get_context("spawn")
+    reports_queue = context.Queue()
+    port = free_port()
+    # Not daemons: a rank may start processes of its own (torch.compile's workers, say); `stop` ends them.
+    procs = [context.Process(target=target, args=args_of_rank(rank, port, reports_queue)) for rank in range(num_ranks)]
+    for proc in procs:
+        proc.start()
+    return procs, reports_queue
+
+
+def run(num_ranks: int, target, args_of_rank, use_cuda: bool, timeout_s: float) -> Reports:
+    """`spawn`, `collect` within `timeout_s`, `stop`; -> what the ranks reported."""
+    procs, reports_queue = spawn(num_ranks, target, args_of_rank, use_cuda)
+    reports = Reports(num_ranks)
+    try:
+        reports = collect(reports_queue, procs, timeout_s)
+    finally:
+        stop(procs, reports.finished)
+    return reports
+
+
 def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 600.0,
                  group_timeout_s: float = 120.0, num_gpus: Optional[int] = None) -> list:
     """``fn(*args)`` in `num_ranks` spawned processes joined in one group (`init_rank` with `group_timeout_s`
     and `num_gpus`); -> each rank's result.
 
     Raises:
-        RanksFailed (a RuntimeError): with the traceback of every rank that raised, the ranks whose process ended without a
-            report (killed by a signal, say: its exit code), and the ranks that sent nothing within `timeout_s`
-            (after a failure the others get 20 s, since they may wait in a collective the failed rank never
-            joins).
+        RanksFailed (a RuntimeError): what `Reports.describe` says, with `failures` holding every rank's
+            traceback or reason (NOTE [rank reports]).
     """
-    import queue
-    import time
-
-    import torch.multiprocessing as mp
-
-    if use_cuda:
-        disable_nvlink_multicast()
-    context = mp.get_context("spawn")
-    reports = context.Queue()
-    port = free_port()
-    procs = [context.Process(target=_rank_entry,
-                             args=(r, num_ranks, port, use_cuda, num_gpus, group_timeout_s, fn, args, reports))
-             for r in range(num_ranks)]
-    for proc in procs:
-        proc.start()
-    results, failures, ended, deadline = {}, {}, set(), time.monotonic() + timeout_s
-    try:
-        while len(results) + len(failures) < num_ranks:
-            try:
-                rank, ok, value = reports.get(timeout=1.0)
-            except queue.Empty:
-                missing = sorted(set(range(num_ranks)) - set(results) - set(failures))
-                # A process still without a report a poll after it ended died (killed by a signal, say): a
-                # rank's report is in the queue before its process ends.
-                failures.update({r: f"its process ended with exit code {procs[r].exitcode} without a report"
-                                 for r in missing if r in ended})
-                ended = {r for r in missing if procs[r].exitcode is not None}
-                if time.monotonic() > deadline:
-                    failures.update({r: f"no answer within {timeout_s:.0f} s of the start, or 20 s of a failure"
-                                     for r in missing if r not in failures})
-                    break
-                continue
-            (results if ok else failures)[rank] = value
-            if failures:
-                deadline = min(deadline, time.monotonic() + 20.0)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    if failures:
-        raise RanksFailed("".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())), results,
-                          failures)
-    return [results[r] for r in range(num_ranks)]
+    reports = run(num_ranks, _rank_entry, lambda rank, port, reports_queue: (
+        rank, num_ranks, port, use_cuda, num_gpus, group_timeout_s, fn, args, reports_queue), use_cuda, timeout_s)
+    if not reports.finished:
+        failures = dict(reports.failures)
+        failures.update({r: f"no answer within {timeout_s:g} s of the start, or {FAILURE_GRACE_S:g} s of a failure"
+                         for r in reports.missing()})
+        raise RanksFailed(reports.describe(timeout_s), reports.results, failures)
+    return [reports.results[r] for r in range(num_ranks)]
