@@ -94,25 +94,6 @@ def _profile(num_sms: int, num_tokens: int):
         for event in prof.key_averages():
             if event.device_time_total > 0 and "nccl" not in event.key.lower():
                 lines.append(f"{event.key[:60]:60s} {event.count:4d} x {event.device_time_total / max(event.count, 1):9.1f} us")
-    # The dispatch split around its CPU wait: every block sends in one launch, then every block receives,
-    # which times the senders and the receivers apart.
-    heuristics.DISPATCH_SEND_SHARE, heuristics.DISPATCH_CHUNK_TOKENS = 1 / 2, 8
-    heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT = True
-    fresh = dict(topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                 num_tokens_per_expert=per_expert)
-    for _ in range(2):
-        buffer.dispatch(x, **fresh)
-    torch.cuda.synchronize()
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            dist.barrier()
-            buffer.dispatch(x, **fresh)
-        torch.cuda.synchronize()
-    times = [e.device_time_total for e in prof.events() if e.name == "tokenyard_dispatch" and e.device_time_total > 0]
-    lines.append(f"--- split dispatch, {num_sms} SMs, rank {rank}: senders-only and receivers-only launches (us) ---")
-    lines.append(" ".join(f"{t:.1f}" for t in times))
-    heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT = False
     buffer.destroy()
     return "\n".join(lines)
 

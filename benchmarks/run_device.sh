@@ -33,8 +33,8 @@
 # `faults` (under MPS, issue 23) runs tests/gpu/test_faults.py at 4 ranks on the GPUs there are, then records
 # the same scenarios on the CUDA backend (benchmarks/faults.py: faults_cuda.json).
 #
-# `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks, and without
-# the next-row prefetch (TOKENYARD_TUNING), to choose heuristics.py's defaults.
+# `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks
+# (TOKENYARD_TUNING), to choose heuristics.py's defaults.
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -139,13 +139,10 @@ if [ "$what" = shares ]; then
     # dispatch senders against 6-12 combine senders (the extra 0.0001 keeps int(24 * share) exact).
     for shares in 0.5,0.25 0.5834,0.2917 0.625,0.3334 0.6667,0.4167 0.7084,0.5; do
         tuning="dispatch_share=${shares%,*},combine_share=${shares#*,}"
-        for extra in "" ",prefetch=0"; do
-            [ -n "$extra" ] && [ "$shares" != 0.5,0.25 ] && continue  # prefetch off: once, at 1/2 and 1/4
-            echo "TOKENYARD_TUNING=$tuning$extra"
-            TOKENYARD_TUNING="$tuning$extra" timeout 100 python3 -m tokenyard.bench --quiet --num_sms 24 \
-                --mode normal --backends cuda --json "$out/shares_${shares/,/_}${extra:+_noprefetch}.json" 2>&1 \
-                | grep -E "tokenyard .*kernel|copy limit"
-        done
+        echo "TOKENYARD_TUNING=$tuning"
+        TOKENYARD_TUNING="$tuning" timeout 100 python3 -m tokenyard.bench --quiet --num_sms 24 \
+            --mode normal --backends cuda --json "$out/shares_${shares/,/_}.json" 2>&1 \
+            | grep -E "tokenyard .*kernel|copy limit"
     done
 fi
 if [ "$what" = host_cost ]; then

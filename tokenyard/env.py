@@ -59,15 +59,14 @@ TUNING_KEYS = {
     "combine_share": _parse_share,             # share of a normal combine's blocks that send
     "dispatch_own_rows_direct": _parse_bool,   # DISPATCH_OWN_ROWS_DIRECT
     "combine_own_rows_direct": _parse_bool,    # COMBINE_OWN_ROWS_DIRECT
-    "prefetch": _parse_bool,                   # PREFETCH_NEXT_ROW
     "dispatch_tail": _parse_count,             # DISPATCH_TAIL_TOKENS
-    "dispatch_peer_major": _parse_bool,        # DISPATCH_PEER_MAJOR
     "low_latency_local_share": _parse_share,   # low_latency_local_blocks: share of the grid for the own rank
 }
 
 
 def _parse_tuning(text: str) -> tuple:
-    """"dispatch_share=0.625,prefetch=0" -> (("dispatch_share", 0.625), ("prefetch", False))."""
+    """"dispatch_share=0.625,dispatch_own_rows_direct=0" -> (("dispatch_share", 0.625), ("dispatch_own_rows_direct",
+    False))."""
     pairs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition("=")

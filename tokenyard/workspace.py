@@ -82,14 +82,12 @@ def dispatch_pieces(num_tokens: int, chunk_tokens: int, tail_tokens: int) -> int
     return -(-(num_tokens - tail) // chunk_tokens) + -(-tail // tail_tokens)
 
 
-def normal_dispatch_slots(num_tokens: int, num_send_warps: int, chunk_tokens: int, tail_tokens: int,
-                          num_groups: int = 1) -> int:
+def normal_dispatch_slots(num_tokens: int, num_send_warps: int, chunk_tokens: int, tail_tokens: int) -> int:
     """Chunk slots per source a dispatch of `num_tokens` tokens uses: each of `num_send_warps` sender warps
-    publishes its range in pieces (NOTE [sender ranges] in kernels/dispatch.cuh), the warps split into
-    `num_groups` groups of one destination each where the senders are peer-major (NOTE [peer-major
-    senders]): then the largest group's count at its destination."""
-    sizes = {num_send_warps * (g + 1) // num_groups - num_send_warps * g // num_groups for g in range(num_groups)}
-    return max(w * dispatch_pieces(-(-num_tokens // w), chunk_tokens, tail_tokens) if w else 0 for w in sizes)
+    publishes its range in pieces (NOTE [sender ranges] in kernels/dispatch.cuh)."""
+    if num_send_warps == 0:
+        return 0
+    return num_send_warps * dispatch_pieces(-(-num_tokens // num_send_warps), chunk_tokens, tail_tokens)
 
 
 NOTIFY_DATA_OFFSET = headers.constant("layout.cuh", "kNotifyDataOffset")

@@ -57,14 +57,15 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
         assert heuristics.data_grid(24, 132, heuristics.combine_send_share(4)).num_send_blocks == 9
         assert heuristics.combine_send_share(8) == heuristics.COMBINE_SEND_SHARE_BY_RANKS[8]
         assert heuristics.data_grid(24, 132, heuristics.combine_send_share(8)).num_send_blocks == 12
-        assert heuristics.prefetch_next_row() is heuristics.PREFETCH_NEXT_ROW
-        flipped = "off" if heuristics.PREFETCH_NEXT_ROW else "on"
-        monkeypatch.setenv("TOKENYARD_TUNING", f"dispatch_share=0.625, combine_share=0.25,prefetch={flipped}")
+        assert heuristics.combine_own_rows_direct() is heuristics.COMBINE_OWN_ROWS_DIRECT
+        flipped = "off" if heuristics.COMBINE_OWN_ROWS_DIRECT else "on"
+        monkeypatch.setenv("TOKENYARD_TUNING",
+                           f"dispatch_share=0.625, combine_share=0.25,combine_own_rows_direct={flipped}")
         env.settings.cache_clear()
         assert (heuristics.dispatch_send_share(2), heuristics.combine_send_share(4)) == (0.625, 0.25)
-        assert heuristics.prefetch_next_row() is not heuristics.PREFETCH_NEXT_ROW
+        assert heuristics.combine_own_rows_direct() is not heuristics.COMBINE_OWN_ROWS_DIRECT
         assert heuristics.dispatch_own_rows_direct() is heuristics.DISPATCH_OWN_ROWS_DIRECT  # not overridden
-        for bad in ("dispatch_share=1.0", "share=0.5", "prefetch", "prefetch=maybe"):
+        for bad in ("dispatch_share=1.0", "share=0.5", "combine_own_rows_direct", "combine_own_rows_direct=maybe"):
             monkeypatch.setenv("TOKENYARD_TUNING", bad)
             env.settings.cache_clear()
             with pytest.raises(ValueError, match="TOKENYARD_TUNING"):

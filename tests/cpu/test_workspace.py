@@ -86,8 +86,3 @@ def test_dispatch_slots_never_outnumber_the_buffer_slots():
     # the largest call at 132 SMs.
     assert workspace.normal_dispatch_slots(4096, 9 * 16, 8, 2) <= workspace.MAX_CHUNKS
     assert workspace.normal_dispatch_slots(workspace.MAX_NORMAL_TOKENS_PER_RANK, 49 * 16, 8, 2) <= workspace.MAX_CHUNKS
-    # NOTE [peer-major senders]: 144 warps in 4 groups of 36, each over all 4096 tokens (113-114 per warp:
-    # 14 + 4 pieces); 10 warps in 4 groups of 2, 3, 2, 3 over 100 tokens: 2 * 7 or 3 * 5 slots, the most counts.
-    assert workspace.dispatch_pieces(114, 8, 2) == 18
-    assert workspace.normal_dispatch_slots(4096, 144, 8, 2, num_groups=4) == 36 * 18
-    assert workspace.normal_dispatch_slots(100, 10, 8, 8, num_groups=4) == 3 * 5

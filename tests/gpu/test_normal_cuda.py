@@ -178,25 +178,11 @@ def _different_sms_then_recover(seed):
     return f"{errors[0]}; a new Buffer then dispatched {recv.size(0)} rows"
 
 
-def _compare_ranks_split(seed, cases):
-    from tokenyard.backends.cuda import heuristics
-
-    heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT = True
-    return _compare_ranks(seed, cases)
-
-
 def _compare_ranks_own_rows_the_other_way(seed, cases):
     from tokenyard.backends.cuda import heuristics
 
     heuristics.DISPATCH_OWN_ROWS_DIRECT = not heuristics.DISPATCH_OWN_ROWS_DIRECT
     heuristics.COMBINE_OWN_ROWS_DIRECT = not heuristics.COMBINE_OWN_ROWS_DIRECT
-    return _compare_ranks(seed, cases)
-
-
-def _compare_ranks_senders_the_other_way(seed, cases):
-    from tokenyard.backends.cuda import heuristics
-
-    heuristics.DISPATCH_PEER_MAJOR = not heuristics.DISPATCH_PEER_MAJOR
     return _compare_ranks(seed, cases)
 
 
@@ -207,22 +193,9 @@ def test_cuda_normal_mode_matches_reference(num_ranks, seed):
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
-def test_cuda_dispatch_with_senders_started_before_the_cpu_wait_matches_reference(num_ranks, seed):
-    for line in spawn.run(num_ranks, _compare_ranks_split, seed, CASES[:3])[0]:
-        print(line)
-
-
-@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_own_rows_taken_the_other_way_match_reference(num_ranks, seed):
     # heuristics.*_OWN_ROWS_DIRECT: each path a token's row for its own rank can take, in both kernels.
     for line in spawn.run(num_ranks, _compare_ranks_own_rows_the_other_way, seed, CASES)[0]:
-        print(line)
-
-
-@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
-def test_dispatch_senders_the_other_way_match_reference(num_ranks, seed):
-    # heuristics.DISPATCH_PEER_MAJOR: senders in one group per destination, or every sender to every rank.
-    for line in spawn.run(num_ranks, _compare_ranks_senders_the_other_way, seed, CASES)[0]:
         print(line)
 
 

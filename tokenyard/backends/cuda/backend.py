@@ -375,8 +375,8 @@ class CudaBackend(Backend):
     def dispatch_plans(self, shape: DispatchShape) -> Tuple[plans.Plan, Optional[plans.Plan]]:
         """The plans of a dispatch of `shape` (inputs DISPATCH_INPUTS, scalars DISPATCH_SCALARS): the count
         exchange, with the data launch where the outputs' rows are known; and where the CPU must wait for the
-        counts first, a second plan that makes the outputs (rows: the scalar num_rows) and launches the
-        receivers (NOTE [dispatch around the CPU wait])."""
+        counts first, a second plan that makes the outputs (rows: the scalar num_rows) and launches the data
+        kernel."""
         return self.plan(("dispatch", shape), lambda: self._build_dispatch_plans(shape))
 
     def _build_dispatch_plans(self, m: DispatchShape):
@@ -391,31 +391,24 @@ class CudaBackend(Backend):
         data_bytes = m.hidden * m.element_size
         layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
                                          workspace.normal_dispatch_row_bytes(data_bytes, m.num_scales * 4, m.num_topk))
-        # NOTE [dispatch around the CPU wait]: the data kernel's shape is decided (and refused) before any
-        # kernel runs. The senders need no output tensor, so where the CPU must wait for the counts before it
-        # can size the outputs, they may start before the wait (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT), the
-        # receivers following in a launch of their own; the receivers need the sending launch's warp count
-        # (NOTE [sender ranges]).
+        # The data kernel's shape is decided (and refused) before any kernel runs; where the CPU must wait for
+        # the counts to size the outputs, the data kernel is the second plan's, launched after the wait.
         grid = heuristics.data_grid(m.num_sms, self.device_sms, heuristics.dispatch_send_share(num_ranks))
         makes_outputs = m.placed_rows is None
         cpu_wait = not m.cached and m.num_rows is None and makes_outputs
-        split = cpu_wait and heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT
-        num_send_warps = (grid.num_blocks if split else grid.num_send_blocks) * (kernels.DATA_THREADS // 32)
+        num_send_warps = grid.num_send_blocks * (kernels.DATA_THREADS // 32)
         chunk_tokens, tail_tokens = heuristics.DISPATCH_CHUNK_TOKENS, heuristics.dispatch_tail_tokens()
-        peer_major = heuristics.dispatch_peer_major(num_ranks, num_send_warps)
-        num_groups = num_ranks if peer_major else 1
-        slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens, num_groups)
+        slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens)
         if slots > layout.max_chunks:  # whole chunks to the end (NOTE [tail pieces]); alike on every rank
             tail_tokens = chunk_tokens
-            slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens,
-                                                    num_groups)
+            slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens)
         if slots > layout.max_chunks:
             raise InvalidInputError(f"{num_send_warps} sending warps need {slots} chunk slots per source, more than "
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
                                                chunk_tokens, tail_tokens))
         rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
-        own_rows_direct, prefetch = heuristics.dispatch_own_rows_direct(), heuristics.prefetch_next_row()
+        own_rows_direct = heuristics.dispatch_own_rows_direct()
         T = m.num_tokens
 
         # 1. Count exchange (also the barrier before rows land in the peers' buffers).
@@ -446,18 +439,17 @@ class CudaBackend(Backend):
             *self._wait_args()), shared_bytes=num_local_experts * 4 + kernels.JUDGE_WINDOW if m.judged else 0)
 
         # 2. The rows.
-        def launch(b: plans.PlanBuilder, num_send_blocks: int, outputs, made_by_first: bool) -> None:
+        def launch(b: plans.PlanBuilder, outputs, made_by_first: bool) -> None:
             def made(ref):  # an output of the first plan, seen from `b`
                 return ref if made_by_first or ref == 0 else b.inp(first.outputs[ref.index][0])
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
             b.launch(kernel, grid.num_blocks, (
                 b.inp("x"), b.inp("x_scales"), *m.scale_strides, b.inp("topk_idx"),
                 b.inp("topk_weights") if m.with_weights else 0, b.inp("is_token_in_rank"), made(prefix_excl),
-                made(rank_prefix_matrix), made(source_num_tokens), T, num_local_experts, num_send_blocks,
+                made(rank_prefix_matrix), made(source_num_tokens), T, num_local_experts, grid.num_send_blocks,
                 recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, made(send_head),
                 b.scalar("num_worst"), b.inp("recv_first") if rows_placed else 0, b.scalar("token_base"),
-                int(own_rows_direct and not split),
-                num_send_warps, int(prefetch), int(peer_major),
+                int(own_rows_direct), num_send_warps,
                 self.normal.bases_tensor.data_ptr(), rank, layout.control_bytes, layout.region_bytes,
                 layout.slots_offset, layout.max_chunks, layout.row_bytes, b.scalar("seq"),
                 0 if m.cached else self.verdict.data_ptr(), *self._wait_args()))
@@ -478,16 +470,14 @@ class CudaBackend(Backend):
         if not makes_outputs:  # a placed round: the whole call's tensors are inputs
             placed_outputs = tuple(first.inp(n) for n in ("recv_x", "recv_x_scales", "recv_topk_idx",
                                                          "recv_topk_weights", "recv_src_idx"))
-            launch(first, grid.num_send_blocks, placed_outputs, True)
+            launch(first, placed_outputs, True)
             return first.build(), None
         if not cpu_wait:
-            launch(first, grid.num_send_blocks, make_outputs(first, m.num_rows), True)
+            launch(first, make_outputs(first, m.num_rows), True)
             return first.build(), None
-        if split:
-            launch(first, grid.num_blocks, (0,) * 5, True)  # senders only
         first_plan = first.build()
         second = self._builder(DISPATCH_INPUTS + first_plan.output_names, DISPATCH_SCALARS)
-        launch(second, 0 if split else grid.num_send_blocks, make_outputs(second, second.scalar("num_rows")), False)
+        launch(second, make_outputs(second, second.scalar("num_rows")), False)
         return first_plan, second.build()
 
     def _dispatch_signature(self, m: DispatchShape) -> int:
@@ -582,7 +572,7 @@ class CudaBackend(Backend):
             b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk)), grid.num_blocks, (
                 b.inp("x"), b.inp("topk_weights"), b.inp("bias_0"), b.inp("bias_1"), b.inp("rank_prefix_matrix"),
                 b.inp("recv_first"), b.inp("send_head"), num_tokens, grid.num_send_blocks, combined_x, combined_w,
-                int(heuristics.combine_own_rows_direct()), int(heuristics.prefetch_next_row()),
+                int(heuristics.combine_own_rows_direct()),
                 self.normal.bases_tensor.data_ptr(), self.ctx.rank, layout.control_bytes, layout.region_bytes,
                 layout.slots_offset, layout.max_chunks, layout.row_bytes, b.scalar("seq"),
                 b.scalar("barrier_expected"),

@@ -50,25 +50,11 @@ def dispatch_tail_tokens() -> int:
     return min(_tuned("dispatch_tail", DISPATCH_TAIL_TOKENS), DISPATCH_CHUNK_TOKENS)
 
 
-# Dispatch sender warps in one group per destination (NOTE [peer-major senders] in kernels/dispatch.cuh): off,
-# since the 4-rank dispatch was no faster so (benchmarks/results/send_share/README.md); kept for other rank
-# counts and machines to try.
-DISPATCH_PEER_MAJOR = False
-
-
-def dispatch_peer_major(num_ranks: int, num_send_warps: int) -> bool:
-    """Peer-major senders where asked for and every destination gets a warp."""
-    return _tuned("dispatch_peer_major", DISPATCH_PEER_MAJOR) and num_send_warps >= num_ranks
-
 # Whether a token's row for its own rank skips the buffer: dispatch senders write it into the outputs,
 # combine reducers read it from the expert output (NOTE [dispatch roles], NOTE [combine roles]). On: the cached
 # dispatch was faster so and the combine no slower (benchmarks/results/send_share/README.md).
 DISPATCH_OWN_ROWS_DIRECT = True
 COMBINE_OWN_ROWS_DIRECT = True
-
-# Dispatch and combine senders can ask L2 for their next row while they move the current one (a bulk
-# prefetch, sm_90): off, never faster on 4 H200s (benchmarks/results/send_share/README.md).
-PREFETCH_NEXT_ROW = False
 
 
 def dispatch_own_rows_direct() -> bool:
@@ -77,10 +63,6 @@ def dispatch_own_rows_direct() -> bool:
 
 def combine_own_rows_direct() -> bool:
     return _tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
-
-
-def prefetch_next_row() -> bool:
-    return _tuned("prefetch", PREFETCH_NEXT_ROW)
 
 
 # Low-latency senders in one group of blocks per destination (NOTE [peer-major blocks] in
@@ -108,11 +90,6 @@ def _tuned(key: str, default):
         if name == key:
             return value
     return default
-
-# A dispatch that waits on the CPU for the counts launches its senders before the wait and its receivers
-# after it, so the rows travel while the host sizes the outputs. Off until measured on the device machine
-# (tests/gpu/test_normal_cuda.py runs both ways).
-SPLIT_DISPATCH_AROUND_CPU_WAIT = False
 
 
 def fewest_sms(num_ranks: int) -> int:

@@ -86,7 +86,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param(f"{topk_t}*", "recv_topk_idx"), Param("float*", "recv_topk_weights"), Param("int*", "recv_src_idx"),
          Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("const int*", "recv_first"),
          Param("int", "src_idx_base"), Param("int", "local_direct"),
-         Param("int", "num_send_warps"), Param("int", "prefetch"), Param("int", "peer_major"))
+         Param("int", "num_send_warps"))
         + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT,
         DATA_THREADS)
 
@@ -100,7 +100,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
          Param("const int*", "send_head"),
          Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
-         Param("float*", "combined_topk_weights"), Param("int", "local_direct"), Param("int", "prefetch"))
+         Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
         + _BUFFERS + (Param("uint32_t", "barrier_expected"), Param("const int*", "signature")) + _WAIT,
         DATA_THREADS)
 

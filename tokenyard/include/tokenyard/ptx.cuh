@@ -116,13 +116,6 @@ __device__ __forceinline__ int ld_na_s32(const int* ptr) {
     return v;
 }
 
-// Ask for `bytes` bytes at `ptr` (16-byte aligned, a multiple of 16) to be brought into L2 now: a hint that
-// nothing waits for (cp.async.bulk.prefetch, sm_90; nothing on older GPUs).
-__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(ptr), "r"(bytes) : "memory");
-#endif
-}
 
 __device__ __forceinline__ void st_na_v4(int4* ptr, const int4& v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"

@@ -50,8 +50,8 @@ template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kCh
 __device__ __forceinline__ void combine(
         const int4* x, const float* topk_weights, const int4* bias_0, const int4* bias_1,
         const int* rank_prefix_matrix, const int* recv_first, const int* send_head, int num_tokens,
-        int num_send_blocks, int4* combined_x, float* combined_topk_weights, int local_direct, int prefetch, uint8_t* const* peer_bases,
-        int rank,
+        int num_send_blocks, int4* combined_x, float* combined_topk_weights, int local_direct,
+        uint8_t* const* peer_bases, int rank,
         int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
         uint32_t seq,
         uint32_t barrier_expected, const int* signature, int* error_flag, int* host_record, uint64_t timeout_ns) {
@@ -89,8 +89,6 @@ __device__ __forceinline__ void combine(
             for (int j = chunk * kChunkRows; j < j1; ++j) {
                 uint8_t* dst = buffers.row(source, rank, j);
                 const int64_t from = first + j;
-                if (prefetch && j + 1 < j1 && lane == 0)  // the next row into L2 while this one moves
-                    ptx::prefetch_l2(x + (from + 1) * kHiddenInt4, kHiddenInt4 * 16);
                 warp_copy<16, false>(reinterpret_cast<int4*>(dst), x + from * kHiddenInt4, kHiddenInt4, lane);
                 if (lane < kNumTopk)
                     reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = topk_weights[from * kNumTopk + lane];

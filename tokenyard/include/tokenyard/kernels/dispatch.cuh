@@ -21,8 +21,7 @@ namespace tokenyard::kernels {
 // A token's row for this rank itself skips the buffer when `local_direct` is set: the sender writes it
 // straight into the outputs (row rank_prefix_matrix[rank - 1][rank] + prefix_excl[t][rank], metadata in
 // its final form) and the receivers skip their own source, a quarter of their rows
-// (heuristics.DISPATCH_OWN_ROWS_DIRECT, measured faster). It is off when the senders run before the outputs
-// exist (heuristics.SPLIT_DISPATCH_AROUND_CPU_WAIT).
+// (heuristics.DISPATCH_OWN_ROWS_DIRECT, measured faster).
 //
 // NOTE [placed rounds]
 // A round of a call in rounds (tokenyard/rounds.py) writes straight into the whole call's receive tensors:
@@ -53,16 +52,6 @@ namespace tokenyard::kernels {
 // count and W, so every rank launches the same number of sending warps (the same num_sms, as DeepEP also
 // requires); every slot carries its sender's W, and a receiver that finds another records a mismatch
 // error instead of copying rows it would misplace or miss.
-//
-// NOTE [peer-major senders]
-// With `peer_major`, the sender warps are split into one group per destination rank, group q being warps
-// [W * q / R, W * (q + 1) / R): a warp of group q owns a range of the tokens (NOTE [sender ranges] over its
-// group's warps) and sends only those that go to rank q, only to q, publishing its pieces at q alone. So an
-// SM's stores all travel to one destination, which a plain copy with few blocks sends faster than when each
-// block writes to every peer; a token's row is read once per destination instead of once (from L2 after the
-// first). The receivers at rank q number the pieces of a source over group q's warps. Needs at least one
-// warp per rank (the host checks). The 4-rank dispatch was not faster so (heuristics.DISPATCH_PEER_MAJOR,
-// benchmarks/results/send_share/README.md): off by default.
 //
 // NOTE [tail pieces]
 // Every sender warp moves its range at about the same pace, so the pieces with one index land on the
@@ -108,7 +97,7 @@ __device__ __forceinline__ void dispatch(
         const int* rank_prefix_matrix, const int* source_num_tokens, int num_tokens, int num_local_experts,
         int num_send_blocks, int4* recv_x, uint32_t* recv_scales, TopkT* recv_topk_idx, float* recv_topk_weights,
         int* recv_src_idx, int* send_head, int num_worst_tokens, const int* recv_first, int src_idx_base,
-        int local_direct, int num_send_warps, int prefetch, int peer_major, uint8_t* const* peer_bases, int rank,
+        int local_direct, int num_send_warps, uint8_t* const* peer_bases, int rank,
         int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
         uint32_t seq, const int* verdict,
         int* error_flag, int* host_record, uint64_t timeout_ns) {
@@ -119,8 +108,6 @@ __device__ __forceinline__ void dispatch(
         return;
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     using Ranges = SenderRanges<kChunkTokens, kTailTokens>;
-    // The first warp of destination q's sender group (NOTE [peer-major senders]).
-    auto group_begin = [&](int q) { return num_send_warps * q / kNumRanks; };
     // The row's tail (scales, then metadata) moves as whole 16-byte vectors, one per lane (NOTE [row tail]).
     constexpr int kScaleInt4 = (kNumScales + 3) / 4;
     constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
@@ -155,16 +142,12 @@ __device__ __forceinline__ void dispatch(
     // lane, its scales and top-k, and where it goes), so a token costs about one memory round trip before
     // its stores rather than one per dependent load; each vector is read once and written to every
     // destination.
-    // With `prefetch`, the warp's next token's row is asked into L2 once this token's loads are out, so its
-    // loads find it there rather than in HBM (x is cold in the benchmark, which flushes L2 before each call).
-    auto send_token = [&](int t, int next, int only) {  // only: the one destination, or -1 for every one
+    auto send_token = [&](int t) {
         constexpr int kBatch = 16;
         const int64_t token = t;
         const int4* src = x + token * kDataInt4;
         int4 v[kBatch];
         load_batch<kBatch, false>(v, src, 0, kDataInt4, lane);
-        if (prefetch && next >= 0 && lane == 0)
-            ptx::prefetch_l2(x + static_cast<int64_t>(next) * kDataInt4, kDataInt4 * 16);
         int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
@@ -183,12 +166,12 @@ __device__ __forceinline__ void dispatch(
             expert = static_cast<int64_t>(topk_idx[token * kNumTopk + lane]);
             weight = topk_weights != nullptr ? topk_weights[token * kNumTopk + lane] : 0.0f;
         }
-        const bool hit = lane < kNumRanks && (only < 0 || lane == only) && is_token_in_rank[token * kNumRanks + lane];
+        const bool hit = lane < kNumRanks && is_token_in_rank[token * kNumRanks + lane];
         const int slot_index = lane < kNumRanks ? prefix_excl[token * kNumRanks + lane] : 0;
 
         const uint32_t mask = __ballot_sync(0xffffffffu, hit);
         const int index = hit ? slot_index : -1;
-        if (send_head != nullptr && lane < kNumRanks && (only < 0 || lane == only)) {
+        if (send_head != nullptr && lane < kNumRanks) {
             const int before = first_row_in_order(rank_prefix_matrix, kNumRanks, lane, rank);
             send_head[token * kNumRanks + lane] = hit ? before + index : -1;
         }
@@ -317,41 +300,15 @@ __device__ __forceinline__ void dispatch(
         ptx::st_release_sys(&slot->seq, seq);
     };
 
-    if (static_cast<int>(blockIdx.x) < num_send_blocks && peer_major) {
-        const int send_warp = blockIdx.x * kNumWarps + warp;
-        int q = 0;
-        while (q + 1 < kNumRanks && group_begin(q + 1) <= send_warp)
-            ++q;
-        const int j = send_warp - group_begin(q);
-        const Ranges ranges(num_tokens, group_begin(q + 1) - group_begin(q));
-        const int num_pieces = ranges.pieces_of(j);
-        for (int piece = 0; piece < num_pieces; ++piece) {
-            int t0, t1;
-            ranges.piece(j, piece, t0, t1);  // at most kChunkTokens <= 32 tokens: a lane each
-            const bool mine = t0 + lane < t1;
-            const bool goes = mine && is_token_in_rank[static_cast<int64_t>(t0 + lane) * kNumRanks + q];
-            if (send_head != nullptr && mine && !goes)  // send_token writes the column of the tokens that go
-                send_head[static_cast<int64_t>(t0 + lane) * kNumRanks + q] = -1;
-            uint32_t todo = __ballot_sync(0xffffffffu, goes);
-            while (todo != 0u) {
-                send_token(t0 + __ffs(todo) - 1, -1, q);
-                todo &= todo - 1u;
-            }
-            __syncwarp();
-            if (lane == q)
-                publish(q, ranges.slot(j, piece), t0, t1);
-        }
-        return;
-    }
     if (static_cast<int>(blockIdx.x) < num_send_blocks) {
         const int send_warp = blockIdx.x * kNumWarps + warp;
         const Ranges ranges(num_tokens, num_send_warps);
-        const int t_end = ranges.begin(send_warp + 1), num_pieces = ranges.pieces_of(send_warp);
+        const int num_pieces = ranges.pieces_of(send_warp);
         for (int piece = 0; piece < num_pieces; ++piece) {
             int t0, t1;
             ranges.piece(send_warp, piece, t0, t1);
             for (int t = t0; t < t1; ++t)
-                send_token(t, t + 1 < t_end ? t + 1 : -1, -1);
+                send_token(t);
             __syncwarp();
             if (lane < kNumRanks)  // the piece at every destination
                 publish(lane, ranges.slot(send_warp, piece), t0, t1);
@@ -362,11 +319,9 @@ __device__ __forceinline__ void dispatch(
     // Receivers: each warp takes (piece, sender warp, source) items piece-major, waits for the slot, copies
     // the rows.
     const int receiver = blockIdx.x - num_send_blocks, num_receivers = gridDim.x - num_send_blocks;
-    // The warps that send to this rank at every source (NOTE [peer-major senders]).
-    const int group_warps = peer_major ? group_begin(rank + 1) - group_begin(rank) : num_send_warps;
     int most_pieces = 0;
     for (int s = 0; s < kNumRanks; ++s)
-        most_pieces = max(most_pieces, Ranges(source_num_tokens[s], group_warps).num_pieces);
+        most_pieces = max(most_pieces, Ranges(source_num_tokens[s], num_send_warps).num_pieces);
     const int num_recv = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + rank];
     if (num_worst_tokens > 0 && recv_first == nullptr && num_recv > num_worst_tokens && receiver == 0 &&
         threadIdx.x == 0)
@@ -375,12 +330,12 @@ __device__ __forceinline__ void dispatch(
     // With local_direct the items cover the other sources only: had this rank's own source kept its item
     // numbers, a warp count that is a multiple of kNumRanks would leave every warp landing on it idle.
     const int num_sources = local_direct ? kNumRanks - 1 : kNumRanks;
-    const int items_per_piece = group_warps * num_sources;
+    const int items_per_piece = num_send_warps * num_sources;
     for (int item = receiver * kNumWarps + warp; item < most_pieces * items_per_piece; item += num_recv_warps) {
         const int piece = item / items_per_piece, sender = item % items_per_piece / num_sources;
         const int other = item % num_sources;
         const int source = local_direct && other >= rank ? other + 1 : other;
-        const Ranges ranges(source_num_tokens[source], group_warps);
+        const Ranges ranges(source_num_tokens[source], num_send_warps);
         if (piece >= ranges.pieces_of(sender))
             continue;
         int begin = 0, end = 0;
