@@ -3,7 +3,7 @@
     python benchmarks/ll_phases.py [--tokens 1,128] [--num_ranks 4] [--iters 30] [--json OUT.json]
 
 Every block of a traced launch stamps the GPU's global timer at the points of NOTE [low-latency trace]
-(include/tokenyard/kernels/low_latency.cuh). Per call this prints, for each point, when the first and the
+(include/tokenyard/sync.cuh). Per call this prints, for each point, when the first and the
 last block passed it, in microseconds after the first block started (medians over `iters` calls, ranks
 started together as in NOTE [aligned start]); the "end" row's last column is the kernel's span on the GPU.
 A diagnostic for finding fixed costs, not a figure for the results table.

@@ -25,7 +25,7 @@ NOTE [low-latency buffer]
 The low-latency buffer of ``num_rdma_bytes`` is two halves used alternately by consecutive calls (so
 one call's outputs survive the next call). Each half holds a dispatch receive region of one message per
 (source rank, token), since a token crosses to a rank once whatever number of its experts live there
-(NOTE [low-latency dispatch] in kernels/low_latency.cuh), where each message landed among its experts'
+(NOTE [low-latency dispatch] in kernels/low_latency_dispatch.cuh), where each message landed among its experts'
 rows, the combine's weights and a combine receive region of one pre-reduced row per (rank, message)
 (NOTE [low-latency combine]), plus signalling words. The size hint
 depends only on (tokens per rank, hidden, ranks, experts), as DeepEP's does, and is larger than the
@@ -48,16 +48,16 @@ MAX_NORMAL_TOKENS_PER_RANK = 8192 * CHUNK_ROWS
 MAX_CHUNKS = 12288  # the slots of 65536 tokens in chunks of 8, plus one per sending warp (4096 warps)
 HINT_MAX_TOPK = 16  # the top-k a normal-mode size hint makes room for
 DEFAULT_HINT_TOKENS_PER_RANK = 4096
-# The top-k a low-latency message's header has room for (kernels/low_latency.cuh).
-LOW_LATENCY_MAX_TOPK = headers.constant("kernels/low_latency.cuh", "kHeaderMaxTopk")
+# The top-k a low-latency message's header has room for (kernels/low_latency_common.cuh).
+LOW_LATENCY_MAX_TOPK = headers.constant("kernels/low_latency_common.cuh", "kHeaderMaxTopk")
 # (tag << 32) | token index, padded to kHeaderChoices bytes; then per top-k choice, as int16, its local expert,
 # and as int16 its pair slot.
-LOW_LATENCY_MESSAGE_HEADER_BYTES = (headers.constant("kernels/low_latency.cuh", "kHeaderChoices")
+LOW_LATENCY_MESSAGE_HEADER_BYTES = (headers.constant("kernels/low_latency_common.cuh", "kHeaderChoices")
                                     + 2 * 2 * LOW_LATENCY_MAX_TOPK)
-# Counters, epochs and tags, then block 0's verdicts [stages][a warp of ranks] uint64 (kernels/low_latency.cuh).
-LOW_LATENCY_STATE_BYTES = (headers.constant("kernels/low_latency.cuh", "kVerdictsAt")
-                           + headers.enum("kernels/low_latency.cuh", "VerdictStage")["kNumVerdictStages"]
-                           * headers.constant("copy.cuh", "kWarpSize") * 8)
+# Counters, epochs and tags, then block 0's verdicts [stages][a warp of ranks] uint64 (layout.cuh).
+LOW_LATENCY_STATE_BYTES = (headers.constant("layout.cuh", "kVerdictsAt")
+                           + headers.enum("layout.cuh", "VerdictStage")["kNumVerdictStages"]
+                           * headers.constant("types.cuh", "kWarpSize") * 8)
 
 
 def align(num_bytes: int, alignment: int = ALIGN_BYTES) -> int:
@@ -181,7 +181,7 @@ class LowLatencyLayout:
 
     state           LOW_LATENCY_STATE_BYTES, this rank only, at offset 0: [8] uint32, blocks done sending
                     (dispatch, combine), the dispatch and combine epochs (NOTE [low-latency epochs] in
-                    kernels/low_latency.cuh), the tags their latest launches signalled with (NOTE [call
+                    sync.cuh), the tags their latest launches signalled with (NOTE [call
                     tags]), two unused; then [3][32] uint64, block 0's verdicts on each peer at three receive
                     stages (NOTE [one verdict])
     dispatch_recv   [R][M] messages of `dispatch_message_bytes`, source r's token j at slot j: header

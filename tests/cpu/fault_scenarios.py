@@ -28,7 +28,7 @@ MISMATCHES = ("hidden", "num_experts", "num_worst_tokens", "low_latency_hidden",
               "skipped_dispatch")
 # On the CUDA backend, normal-mode calls compare shapes in their kernels (NOTE [call signatures] in
 # include/tokenyard/layout.cuh): RankMismatchError. Low-latency calls (NOTE [call tags] in
-# kernels/low_latency.cuh) and a skipped call wait for signals that never come: CommTimeoutError.
+# include/tokenyard/sync.cuh) and a skipped call wait for signals that never come: CommTimeoutError.
 CUDA_TIMEOUTS = ("low_latency_hidden", "low_latency_num_max", "skipped_dispatch")
 LATE = ("sleeps_past_the_deadline", "killed", "killed_in_its_call", "late_to_low_latency_combine")
 KILLED = ("killed", "killed_in_its_call")  # rank 1 ends by SIGKILL

@@ -19,8 +19,8 @@ def test_the_buffers_python_lays_out_leave_room_for_what_the_kernels_write_there
     signatures_end = (headers.constant("layout.cuh", "kSignaturesOffset")
                       + 4 * backend._MAX_RANKS * backend._MAX_SIGNATURE_INTS * 4)
     assert signatures_end <= workspace.NOTIFY_DATA_OFFSET < workspace.NORMAL_HEADER_BYTES
-    counters_end = 8 * 4  # done counters, epochs and tags: LowLatencyBuffers in kernels/low_latency.cuh
-    assert headers.constant("kernels/low_latency.cuh", "kVerdictsAt") >= counters_end
+    counters_end = 8 * 4  # done counters, epochs and tags: LowLatencyBuffers in layout.cuh
+    assert headers.constant("layout.cuh", "kVerdictsAt") >= counters_end
     assert workspace.LOW_LATENCY_STATE_BYTES == 32 + 3 * 32 * 8
 
 

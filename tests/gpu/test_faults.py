@@ -1,7 +1,7 @@
 """Faults on the CUDA backend, with real peers (tests/cpu/fault_scenarios.py; each scenario in processes of its
 own, the ranks on GPUs of their own or sharing one under MPS), device machine only: ranks whose normal-mode
 calls disagree all raise RankMismatchError before any row moves (NOTE [call signatures] in
-include/tokenyard/layout.cuh); low-latency calls that disagree (NOTE [call tags] in kernels/low_latency.cuh),
+include/tokenyard/layout.cuh); low-latency calls that disagree (NOTE [call tags] in sync.cuh),
 a skipped call, a late rank and a killed one make the others raise CommTimeoutError within timeout_s + 2 s,
 and a rank late to a low-latency combine raises too rather than sum rows its peers never sent; no surviving
 process dies of a signal, and the survivors complete a correct call on a new Buffer afterwards."""

@@ -66,7 +66,7 @@ def combine_own_rows_direct() -> bool:
 
 
 # Low-latency senders in one group of blocks per destination (NOTE [peer-major blocks] in
-# kernels/low_latency.cuh). Writes to the own rank need no NVLink, so its group gets half the blocks of a
+# kernels/low_latency_common.cuh). Writes to the own rank need no NVLink, so its group gets half the blocks of a
 # peer's: 1 / (2 (R - 1) + 1) of the grid.
 def low_latency_local_blocks(grid: int, num_ranks: int) -> int:
     """Blocks of a low-latency kernel of `grid` blocks that write to their own rank; the others are dealt

@@ -19,7 +19,7 @@ NOTIFY_THREADS = 512
 DATA_THREADS = 512
 LOW_LATENCY_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
-NORMAL_MAX_TOPK = headers.constant("copy.cuh", "kWarpSize")  # the normal-mode kernels: a lane per top-k entry
+NORMAL_MAX_TOPK = headers.constant("types.cuh", "kWarpSize")  # the normal-mode kernels: a lane per top-k entry
 JUDGE_WINDOW = 8192  # tokens the notify kernel judges at once (a shared byte each, NOTE [input verdict])
 
 _TOPK_CTYPES = {torch.int64: "int64_t", torch.int32: "int"}
@@ -105,7 +105,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
         DATA_THREADS)
 
 
-# TOKENYARD_LOW_LATENCY_BUFFER_PARAMS in kernels/low_latency.cuh, in the same order.
+# TOKENYARD_LOW_LATENCY_BUFFER_PARAMS in layout.cuh, in the same order.
 _LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "rank"), Param("int", "num_ranks"),
                         Param("int", "num_max"), Param("int64_t", "dispatch_recv"), Param("int64_t", "message_bytes"),
                         Param("int64_t", "header_bytes"), Param("int64_t", "dispatch_positions"),
@@ -121,7 +121,7 @@ _TRACE = (Param("uint64_t*", "trace"),)  # NOTE [low-latency trace]; nullptr exc
 def low_latency_dispatch(num_topk: int, topk_dtype: torch.dtype, use_fp8: bool, use_ue8m0: bool) -> KernelSpec:
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
-        "tokenyard/kernels/low_latency.cuh", "tokenyard::kernels::low_latency_dispatch",
+        "tokenyard/kernels/low_latency_dispatch.cuh", "tokenyard::kernels::low_latency_dispatch",
         (num_topk, topk_t, "true" if use_fp8 else "false", "true" if use_ue8m0 else "false"),
         (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("int", "num_tokens"),
          Param("int", "hidden"), Param("int", "num_experts"), Param("int", "round_scale"),
@@ -136,7 +136,7 @@ def low_latency_dispatch(num_topk: int, topk_dtype: torch.dtype, use_fp8: bool, 
 def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
-        "tokenyard/kernels/low_latency.cuh", "tokenyard::kernels::low_latency_combine", (num_topk, topk_t),
+        "tokenyard/kernels/low_latency_combine.cuh", "tokenyard::kernels::low_latency_combine", (num_topk, topk_t),
         (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("const float*", "topk_weights"),
          Param("int", "num_tokens"), Param("int", "hidden"),
          Param("int", "num_experts"), Param("int4*", "combined_x"), Param("int*", "rank_mask"),

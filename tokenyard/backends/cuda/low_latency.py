@@ -1,4 +1,5 @@
-"""Low-latency dispatch and combine with the CUDA kernels (include/tokenyard/kernels/low_latency.cuh).
+"""Low-latency dispatch and combine with the CUDA kernels (include/tokenyard/kernels/low_latency_dispatch.cuh and
+low_latency_combine.cuh).
 
 Everything a call does on the host is a fixed sequence of allocations and launches, so a call can be
 captured in a CUDA graph and replayed with new inputs. Consecutive calls alternate between the two halves
@@ -31,7 +32,7 @@ LOW_LATENCY_SCALARS = ("bases", "trace")
 
 
 def tag_factor(op: str, **fields: int) -> int:
-    """NOTE [call tags] in kernels/low_latency.cuh: the odd factor of the tags of a call with `op`'s signature
+    """NOTE [call tags] in include/tokenyard/sync.cuh: the odd factor of the tags of a call with `op`'s signature
     (collectives.signature), the same in every process."""
     values = collectives.signature(op, **fields)
     return zlib.crc32(struct.pack(f"<{len(values)}q", *values)) | 1

@@ -6,8 +6,6 @@
 
 namespace tokenyard {
 
-constexpr int kWarpSize = 32;
-
 // v[u] = src[base + u * 32 + lane] for the indices below num_int4. kFromPeers: the data was written by
 // other GPUs during this kernel, so it is read through L2 (ld_na) rather than the non-coherent path.
 template <int kBatch, bool kFromPeers>

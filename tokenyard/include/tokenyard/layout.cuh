@@ -1,5 +1,5 @@
-// Byte layout of the normal-mode buffer, as tokenyard/workspace.py computes it (NOTE [normal-mode
-// buffer]). The host passes the sizes; these helpers only turn them into pointers.
+// Byte layout of the normal-mode buffer and of a half of the low-latency buffer, as tokenyard/workspace.py
+// computes them (NOTE [normal-mode buffer]). The host passes the sizes; these helpers only turn them into pointers.
 #pragma once
 
 #include "types.cuh"
@@ -83,5 +83,99 @@ __device__ __forceinline__ int first_row_placed(const int* recv_first, const int
     return recv_first != nullptr ? recv_first[source]
                                  : first_row_in_order(rank_prefix_matrix, num_ranks, rank, source);
 }
+
+// ---- Low-latency mode ----
+
+// The receive stages whose peers block 0 judges under a rank mask (NOTE [one verdict]), and where their
+// verdict words sit in the state (workspace.LOW_LATENCY_STATE_BYTES): after the 8 uint32 of counters, epochs
+// and tags, [kNumVerdictStages][kWarpSize] uint64 (a low-latency group has at most a warp's ranks).
+enum VerdictStage : int { kVerdictCounts = 0, kVerdictData = 1, kVerdictCombine = 2, kNumVerdictStages = 3 };
+constexpr int64_t kVerdictsAt = 32;
+
+// One half of every rank's low-latency buffer, with the offsets of workspace.LowLatencyLayout.
+struct LowLatencyBuffers {
+    uint8_t* const* peer_bases;  // [num_ranks] the active half of each rank's buffer
+    int rank;
+    int num_ranks;
+    int num_local_experts;
+    int num_max;                 // M: tokens per rank at most
+    int num_topk;                // K: the stride of the per-message top-k arrays
+    int64_t dispatch_recv;
+    int64_t message_bytes;
+    int64_t header_bytes;
+    int64_t dispatch_positions;
+    int64_t dispatch_counts;
+    int64_t dispatch_expert_counts;
+    int64_t combine_weights;
+    int64_t combine_recv;
+    int64_t combine_row_bytes;
+    int64_t combine_flags;
+    int64_t state;
+    uint32_t tag_factor;         // NOTE [call tags]: odd, from the call's signature
+
+    // Message `slot` of `source` in rank `owner`'s receive region: one per (source, token sent to owner).
+    __device__ __forceinline__ uint8_t* message(int owner, int source, int slot) const {
+        return peer_bases[owner] + dispatch_recv + (static_cast<int64_t>(source) * num_max + slot) * message_bytes;
+    }
+    // Per top-k choice of this rank's message `slot` from `source`: the packed row it was copied to
+    // (l * R * M + row for local expert l), written by the dispatch, read by the combine.
+    __device__ __forceinline__ int* positions(int source, int slot) const {
+        return reinterpret_cast<int*>(peer_bases[rank] + dispatch_positions) +
+               (static_cast<int64_t>(source) * num_max + slot) * num_topk;
+    }
+    __device__ __forceinline__ uint64_t* count(int owner, int source) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_counts) + source;
+    }
+    // How many of `source`'s tokens chose each of rank `owner`'s local experts, in `owner`'s buffer: [L]
+    // words (tag << 32) | count (NOTE [low-latency dispatch]).
+    __device__ __forceinline__ uint64_t* expert_counts(int owner, int source) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + dispatch_expert_counts) +
+               static_cast<int64_t>(source) * num_local_experts;
+    }
+    // Rank `source`'s top-k weights of the token of its message `slot` to rank `owner`, in `owner`'s buffer:
+    // words (tag << 32) | float bits (NOTE [low-latency combine]).
+    __device__ __forceinline__ uint64_t* weights(int owner, int source, int slot) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_weights) +
+               (static_cast<int64_t>(source) * num_max + slot) * num_topk;
+    }
+    // Expert rank `from`'s partial sum for rank `owner`'s message `slot` to it.
+    __device__ __forceinline__ int4* combine_row(int owner, int from, int slot) const {
+        return reinterpret_cast<int4*>(peer_bases[owner] + combine_recv +
+                                       (static_cast<int64_t>(from) * num_max + slot) * combine_row_bytes);
+    }
+    __device__ __forceinline__ uint64_t* combine_flag(int owner, int source) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_flags) + source;
+    }
+    __device__ __forceinline__ uint32_t* done_counter(int kind) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + kind;
+    }
+    __device__ __forceinline__ uint32_t* epoch(int kind) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + 2 + kind;
+    }
+    // The tag the latest launch of `kind` in this half signalled with (NOTE [call tags]).
+    __device__ __forceinline__ uint32_t* last_tag(int kind) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + 4 + kind;
+    }
+    __device__ __forceinline__ uint32_t tag(uint32_t epoch) const { return epoch * tag_factor; }
+    // Block 0's verdict on `peer` at receive stage `which` of the latest launch: (tag << 32) | came.
+    __device__ __forceinline__ uint64_t* verdict(int which, int peer) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[rank] + state + kVerdictsAt) + which * kWarpSize + peer;
+    }
+};
+
+// The kernels' shared parameter list (kernels.py, _LOW_LATENCY_BUFFERS): the struct above, which half does
+// what, and the combine's `local_blocks` (NOTE [peer-major blocks]; the dispatch ignores it).
+#define TOKENYARD_LOW_LATENCY_BUFFER_PARAMS                                                                        \
+    uint8_t *const *peer_bases, int rank, int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, \
+            int64_t header_bytes, int64_t dispatch_positions, int64_t dispatch_counts,                              \
+            int64_t dispatch_expert_counts, int64_t combine_weights, int64_t combine_recv, int64_t combine_flags,   \
+            int64_t state, uint32_t tag_factor, int do_send, int do_recv, int local_blocks
+
+#define TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, num_topk, hidden)                                              \
+    LowLatencyBuffers {                                                                                          \
+        peer_bases, rank, num_ranks, (num_experts) / num_ranks, num_max, (num_topk), dispatch_recv, message_bytes, \
+                header_bytes, dispatch_positions, dispatch_counts, dispatch_expert_counts, combine_weights,        \
+                combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags, state, tag_factor                 \
+    }
 
 }  // namespace tokenyard

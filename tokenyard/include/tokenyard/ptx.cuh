@@ -116,7 +116,6 @@ __device__ __forceinline__ int ld_na_s32(const int* ptr) {
     return v;
 }
 
-
 __device__ __forceinline__ void st_na_v4(int4* ptr, const int4& v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
                  :: "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");

@@ -3,6 +3,7 @@
 // __trap(), so the CUDA context stays usable and Python can raise CommTimeoutError.
 #pragma once
 
+#include "layout.cuh"
 #include "ptx.cuh"
 
 namespace tokenyard {
@@ -127,6 +128,169 @@ __device__ __forceinline__ bool wait_for_tag(const WaitContext& ctx, const uint6
             }
         }
     }
+}
+
+// ---- Low-latency mode: trace points, then the kernels' signals (epochs, call tags, the last block's
+// release, masks, verdicts) ----
+
+// NOTE [low-latency trace]
+// Given a trace array ([gridDim.x][kNumTracePoints] uint64), thread 0 of every block stamps the GPU's global
+// timer as the block passes each point below (benchmarks/ll_phases.py reads them); without one (nullptr,
+// every call but a traced one) a stamp is a predictable branch.
+enum TracePoint : int {
+    kTraceStart = 0,      // the block began
+    kTracePrologue = 1,   // dispatch: first piece asked for (block 0: books kept); combine: weights sent, items counted
+    kTraceSent = 2,       // the block's sends are issued
+    kTraceCounted = 3,    // past the done counter
+    kTracePublished = 4,  // the last block only: signals stored
+    kTraceRecvReady = 5,  // dispatch: rows numbered from the expert counts; combine: pair bits built
+    kTraceRecvMid = 6,    // dispatch: every source's data signal seen; combine: every rank's rows signalled
+    kTraceEnd = 7,
+    kNumTracePoints = 8,
+};
+
+__device__ __forceinline__ void trace_mark(uint64_t* trace, int point) {
+    if (trace != nullptr && threadIdx.x == 0)
+        trace[static_cast<int64_t>(blockIdx.x) * kNumTracePoints + point] = ptx::global_timer_ns();
+}
+
+// NOTE [low-latency epochs]
+// Signals carry an epoch kept on the GPU, not a number from the host, so a call captured in a CUDA graph
+// and replayed still signals something new each time. Each half of the buffer keeps, per kind (dispatch 0,
+// combine 1), a done counter and an epoch. A launch that sends works with epoch = stored + 1 (read by
+// every block before it reports done); a receive-only launch (a hook) with the stored epoch, which its
+// send launch has already advanced. Every sending block adds one to the done counter when its writes are
+// fenced; the block that brings it to gridDim.x is the last: it resets the counter, publishes the
+// signals and stores the new epoch.
+__device__ __forceinline__ uint32_t launch_epoch(const LowLatencyBuffers& b, int kind, int do_send) {
+    return ptx::ld_relaxed_sys(b.epoch(kind)) + (do_send ? 1u : 0u);
+}
+
+// NOTE [call tags]
+// A word's tag is not the epoch itself but epoch * tag_factor (mod 2^32), the factor an odd number the host
+// derives from the call's shape signature (collectives.signature: hidden, top-k, experts, M and, for the
+// dispatch, the FP8 flags). Ranks whose calls differ in shape (and so in where their words land and what
+// they hold) never match each other's tags: the waits run out, or mask the rank under enable_shrink, instead
+// of reading rows laid out for another shape. Multiplying by an odd factor is a bijection that keeps 0 at
+// 0, so a word zeroed by clean_low_latency_buffer matches no epoch from 1 to 2^32 - 1, as with raw epochs.
+
+//
+// NOTE [cumulative release]
+// No block fences its peer writes at system scope. The barrier orders the block's writes before thread 0's
+// GPU-scope release (the counter's acq_rel add), the last block acquires every such release through the
+// counter, and its system-scope release of the signal is cumulative: a peer that acquires the signal sees
+// every block's writes (causality order is transitive in the PTX memory model). One system fence per rank
+// instead of one per block: the per-block fences cost microseconds of every call.
+__device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int kind) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = ptx::atomic_add_acq_rel_gpu(b.done_counter(kind), 1) + 1 == gridDim.x;
+        if (last)
+            ptx::st_relaxed_gpu(b.done_counter(kind), 0u);  // the next launch follows in stream order
+    }
+    __syncthreads();
+    return last;
+}
+
+// The end of a sending launch: once the block's sends are issued and it has reported done, the last
+// block stores to every unmasked rank r its signal (tag << 32) | value with release (NOTE
+// [cumulative release]), then the launch's epoch for the next launch (NOTE [low-latency epochs]).
+// `withhold` (read by the last block, after every block's done): send no signal, so that the peers time out
+// rather than read what this launch left unwritten; the epoch still advances.
+struct Signal {
+    uint64_t* word;
+    uint32_t value;
+};
+
+template <typename SignalOf, typename Withhold>
+__device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, int kind, uint32_t epoch,
+                                                  const int* rank_mask, uint64_t* trace, SignalOf signal_of,
+                                                  Withhold withhold) {
+    trace_mark(trace, kTraceSent);
+    const bool last = last_block_done(b, kind);
+    trace_mark(trace, kTraceCounted);
+    if (!last)
+        return;
+    const bool silent = withhold();
+    for (int r = threadIdx.x; r < b.num_ranks && !silent; r += blockDim.x) {
+        if (rank_mask != nullptr && rank_mask[r] != 0)
+            continue;
+        const Signal signal = signal_of(r);
+        ptx::st_release_sys(signal.word, (static_cast<uint64_t>(b.tag(epoch)) << 32) | signal.value);
+    }
+    if (threadIdx.x == 0) {
+        ptx::st_relaxed_sys(b.epoch(kind), epoch);
+        ptx::st_relaxed_sys(b.last_tag(kind), b.tag(epoch));
+    }
+    trace_mark(trace, kTracePublished);
+}
+
+// NOTE [rank masking]
+// With a rank mask (Buffer(enable_shrink=True)), a rank whose signal misses the deadline is marked in the
+// mask instead of failing the call: its pairs count as absent in this call, and later calls neither send
+// to it nor wait for it (build_pair_bits drops its experts), so the surviving ranks keep serving. Without a
+// mask the timeout is recorded and raised as CommTimeoutError.
+//
+// Every wait for a peer's word goes through wait_tag_or_mask: -> whether it came (its low half in `value`);
+// past the deadline the peer is masked, or without a mask the timeout recorded (kAcquire as wait_for_tag).
+// wait_or_mask: the same for a signal stored with release whose value is a count: -> the count, or -1.
+//
+// NOTE [block waits]
+// One thread per block polls each signal word, and the block's other threads learn from shared memory.
+// When every warp polled the words it needed (thousands of pollers on four words of one L2 sector), the
+// combine saw its rows' signals microseconds later than with one poller per block
+// (benchmarks/results/low_latency_decisions.md).
+template <bool kAcquire>
+__device__ __forceinline__ bool wait_tag_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t tag,
+                                                 int peer, int stage, int* rank_mask, uint32_t& value) {
+    const bool came = wait_for_tag<kAcquire>(wait, word, tag, peer, stage, rank_mask == nullptr, value);
+    if (!came && rank_mask != nullptr)
+        atomicExch(rank_mask + peer, 1);
+    return came;
+}
+
+__device__ __forceinline__ int wait_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t tag, int peer,
+                                            int stage, int* rank_mask) {
+    uint32_t value = 0;
+    return wait_tag_or_mask<true>(wait, word, tag, peer, stage, rank_mask, value) ? static_cast<int>(value) : -1;
+}
+
+// NOTE [one verdict]
+// Under a rank mask, whether a peer's words came in time is decided once per launch and receive stage, by
+// block 0: it waits (masking the peer at its deadline) and stores (tag << 32) | came with release in the
+// verdict word of (stage, peer); the other blocks wait for that word instead of the peer's and follow it.
+// Were each block to decide alone, a word landing at the deadline could be seen by one block and missed by
+// another, and the two would number or sum the rows of different sets of ranks. A follower told "came"
+// then reads the peer's words: block 0 acquired them before its release, the follower acquires that
+// release, so what the peer released is visible to it too. Block 0 gives its verdict within a deadline of
+// beginning to wait, which may be later than a follower began; a follower waits two deadlines and
+// kVerdictSlackNs, then records a timeout, never a mask. Without a mask every block waits for itself: one
+// that misses a word records the timeout, and the call fails as a whole.
+constexpr uint64_t kVerdictSlackNs = 10'000'000;
+
+__device__ __forceinline__ void publish_verdict(const LowLatencyBuffers& b, int which, int peer, uint32_t tag,
+                                                bool came) {
+    ptx::st_release_sys(b.verdict(which, peer), (static_cast<uint64_t>(tag) << 32) | (came ? 1u : 0u));
+}
+
+__device__ __forceinline__ bool follow_verdict(const LowLatencyBuffers& b, const WaitContext& wait, int which,
+                                               int peer, uint32_t tag, int stage) {
+    const WaitContext patient{wait.error_flag, wait.host_record, wait.rank, 2 * wait.timeout_ns + kVerdictSlackNs};
+    uint32_t came = 0;
+    if (wait_for_tag<true>(patient, b.verdict(which, peer), tag, peer, stage, false, came))
+        return came != 0;
+    record_error(wait, kErrorTimeout, peer, stage, 0, tag);
+    return false;
+}
+
+// NOTE [wait costs] (checks.py): DeepEP's wait_recv_cost_stats. Block 0's thread for `peer` adds the SM
+// clock cycles from the start of the receive until it saw `peer`'s signal (or gave up on it); every block
+// waits alike, so one block's count stands for all of them.
+__device__ __forceinline__ void add_wait_cost(int64_t* wait_costs, int peer, int64_t recv_start) {
+    if (wait_costs != nullptr && blockIdx.x == 0)
+        atomicAdd(reinterpret_cast<unsigned long long*>(wait_costs + peer),
+                  static_cast<unsigned long long>(clock64() - recv_start));
 }
 
 }  // namespace tokenyard

@@ -13,3 +13,9 @@ typedef unsigned long long uint64_t;
 #else
 #include <cstdint>
 #endif
+
+namespace tokenyard {
+
+constexpr int kWarpSize = 32;
+
+}  // namespace tokenyard

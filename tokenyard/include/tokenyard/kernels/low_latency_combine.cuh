@@ -1,0 +1,277 @@
+// Low-latency combine over NVLink (docs/semantics.md, "Low-latency combine"). No host synchronisation and
+// no data-dependent allocation, so it can be captured in a CUDA graph.
+#pragma once
+
+#include "low_latency_common.cuh"
+
+namespace tokenyard::kernels {
+
+// Columns of one reduce item: kReduceVectors 16-byte vectors per lane, 512 bf16 channels per warp.
+constexpr int kReduceVectors = 2;
+constexpr int kReduceInt4 = kReduceVectors * kWarpSize;
+constexpr int kReduceBatch = 4;  // rows whose loads are in flight together
+
+// Up to kReduceBatch rows of one reduce item, their loads issued together: lane from[u] offered row u.
+struct RowBatch {
+    int4 v[kReduceBatch][kReduceVectors];
+    int from[kReduceBatch];
+    int n;
+};
+
+// Takes the first kReduceBatch lanes of `rows_from` (clearing them) and loads, of each such lane's `row`,
+// this lane's columns first + c * 32 + lane (c < kReduceVectors, below num_int4; zeros elsewhere).
+template <bool kFromPeers>
+__device__ __forceinline__ void load_rows(RowBatch& batch, uint32_t& rows_from, const int4* row, int first,
+                                          int num_int4, int lane) {
+    batch.n = 0;
+#pragma unroll
+    for (int u = 0; u < kReduceBatch; ++u) {
+        batch.from[u] = rows_from != 0u ? __ffs(rows_from) - 1 : 0;
+        batch.n += rows_from != 0u ? 1 : 0;
+        rows_from &= rows_from - 1u;
+    }
+#pragma unroll
+    for (int u = 0; u < kReduceBatch; ++u) {
+        const int4* src = reinterpret_cast<const int4*>(
+                __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(row), batch.from[u]));
+#pragma unroll
+        for (int c = 0; c < kReduceVectors; ++c) {
+            const int i = first + c * kWarpSize + lane;
+            batch.v[u][c] = make_int4(0, 0, 0, 0);
+            if (u < batch.n && i < num_int4)
+                batch.v[u][c] = kFromPeers ? ptx::ld_na_v4(src + i) : ptx::ld_nc_v4(src + i);
+        }
+    }
+}
+
+// acc += weight * row over the batch's rows in increasing lane order, each lane offering its `weight`: one
+// float32 product, then one float32 sum, as routing.py.
+__device__ __forceinline__ void add_rows(float (&acc)[kReduceVectors][8], const RowBatch& batch, float weight) {
+#pragma unroll
+    for (int u = 0; u < kReduceBatch; ++u) {
+        const float w = __shfl_sync(0xffffffffu, weight, batch.from[u]);
+        if (u >= batch.n)
+            break;
+#pragma unroll
+        for (int c = 0; c < kReduceVectors; ++c) {
+            const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&batch.v[u][c]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                acc[c][e] = __fadd_rn(acc[c][e], __fmul_rn(w, __bfloat162float(h[e])));
+        }
+    }
+}
+
+// acc += weight * row for the lanes set in `rows_from`, each lane offering its `row` and `weight`: a batch
+// of rows at a time, so a warp waits for memory once per kReduceBatch rows rather than once per row.
+// `batch` may hold the first batch already (`loaded`: its rows are no longer in rows_from).
+template <bool kFromPeers>
+__device__ __forceinline__ void accumulate_rows(float (&acc)[kReduceVectors][8], RowBatch& batch, bool loaded,
+                                                uint32_t rows_from, const int4* row, float weight, int first,
+                                                int num_int4, int lane) {
+    if (loaded)
+        add_rows(acc, batch, weight);
+    while (rows_from != 0u) {
+        load_rows<kFromPeers>(batch, rows_from, row, first, num_int4, lane);
+        add_rows(acc, batch, weight);
+    }
+}
+
+__device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduceVectors][8], int first, int num_int4,
+                                           int lane) {
+#pragma unroll
+    for (int c = 0; c < kReduceVectors; ++c) {
+        const int i = first + c * kWarpSize + lane;
+        if (i >= num_int4)
+            continue;
+        int4 out;
+        __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            o[e] = __float2bfloat16_rn(acc[c][e]);
+        ptx::st_na_v4(dst + i, out);
+    }
+}
+
+// NOTE [low-latency combine]
+// The expert's rank pre-reduces: a token comes back from each rank as one bf16 row, the weighted sum of
+// its experts there, instead of one row per expert (4 ranks, top-8: ~3.6 rows instead of 8, which halves
+// the bytes on NVLink). The weights are the combine's, so they travel first.
+// Send (do_send): the blocks form one group per rank s, the rank whose messages they send back (NOTE
+// [peer-major blocks]). (1) The group writes this rank's topk_weights to s, each token's at the slot of
+// its dispatch message to s, each weight a word (tag << 32) | float bits: a word that carries its own
+// epoch needs no fence and no flag (with a release and a flag per rank, the items began later and the sends
+// ended later).
+// (2) The items are (message slot j from s in this half's dispatch, piece of kReduceInt4 columns); a slot
+// whose header's tag is of another dispatch (the token did not come here) contributes nothing. The
+// message's header names the token's choices on this rank, positions(s, j) the packed row each went to
+// (the dispatch wrote it) and weights(s, j) their weights, all read an item ahead; the warp asks for the
+// item's first rows, then waits for a weight only while its tag is older (the first items' weights are
+// still on their way, and loading the rows meanwhile made the combine faster:
+// benchmarks/results/low_latency_decisions.md), sums weight * row over those choices in k order (float32, as
+// routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last
+// block to finish publishes (tag << 32) | 1 to every source. Reduce (do_recv): one thread per block
+// waits for each rank's flag (NOTE [block waits]); the items are (token t, piece); lane d finds whether
+// the token went to rank d (NOTE [pair slots], rank rows) and points at d's row t; the warp sums the rows
+// in rank order in float32 and writes bf16. The result is routing.low_latency_combine(..., pre_reduce=True)
+// bit for bit: within bf16 rounding of one sum.
+template <int kNumTopk, typename TopkT>
+__device__ __forceinline__ void low_latency_combine(
+        const int4* x, const TopkT* topk_idx, const float* topk_weights, int num_tokens, int hidden, int num_experts,
+        int4* combined_x, int* rank_mask, int64_t* wait_costs, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
+        int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
+    trace_mark(trace, kTraceStart);
+    const LowLatencyBuffers b = TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, kNumTopk, hidden);
+    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int num_warps = blockDim.x / kWarpSize;
+    const int hidden_int4 = hidden * 2 / 16;
+    const int num_pieces = (hidden_int4 + kReduceInt4 - 1) / kReduceInt4;
+    const uint32_t epoch = launch_epoch(b, 1, do_send), tag = b.tag(epoch);  // NOTE [call tags]
+    const auto masked = [&](int r) { return rank_mask != nullptr && rank_mask[r] != 0; };
+    extern __shared__ uint32_t bits[];  // NOTE [pair slots], a row per rank
+    const int words = (num_max + 31) / 32;
+
+    if (do_send) {
+        // This block's destination: the rank whose messages it sends back (NOTE [peer-major blocks]).
+        const PeerBlocks group = peer_blocks(num_ranks, local_blocks);
+        const int s = next_peer(rank, num_ranks, group.turn);
+        const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
+        // Lane k's part of item `item`: where choice k of message j went on this rank and its weight word, all
+        // loaded at once, an item ahead of the sums (a warp waits for memory once per item, for the rows).
+        // Items past the last are read too (every slot's words exist) and never used.
+        struct Choice {
+            uint64_t weight;   // (tag << 32) | float bits once it came
+            uint32_t tag;      // the message's: token j of s came here in this half's dispatch if it is its tag
+            int local_expert;  // -1: the choice is not on this rank
+            int position;      // the packed row it went to
+        };
+        const auto choice_of = [&](int item) -> Choice {
+            Choice choice{0, 0, -1, 0};
+            if (item < num_max * num_pieces && lane < kNumTopk) {
+                const int j = item / num_pieces;
+                const uint8_t* message = b.message(rank, s, j);
+                choice.weight = ptx::ld_relaxed_sys(b.weights(rank, s, j) + lane);
+                choice.tag = static_cast<uint32_t>(*reinterpret_cast<const uint64_t*>(message) >> 32);
+                choice.local_expert = reinterpret_cast<const int16_t*>(message + kHeaderChoices)[lane];
+                choice.position = b.positions(s, j)[lane];
+            }
+            return choice;
+        };
+        // The first item's words and s's message count are asked for before the weights go out, so that
+        // neither waits for the other.
+        const int stride = group.count * num_warps;
+        int item = warp * group.count + group.index;
+        Choice next = choice_of(item);
+        const uint64_t count_word = threadIdx.x == 0 ? ptx::ld_relaxed_sys(b.count(rank, s)) : 0;
+        // (1) This rank's weights to s, a thread per token over the group, each token's to its message slot
+        //     (the token index) if it went to s, each tagged with the epoch: no fence and no flag.
+        for (int t = group.index + group.count * static_cast<int>(threadIdx.x); t < num_tokens && !masked(s);
+             t += group.count * static_cast<int>(blockDim.x)) {
+            float w[kNumTopk];
+            bool here = false;
+#pragma unroll
+            for (int k = 0; k < kNumTopk; ++k) {
+                const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + k]);
+                here |= e >= 0 && e < num_experts && e / b.num_local_experts == s;
+                w[k] = topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
+            }
+            if (!here)
+                continue;
+            uint64_t* to = b.weights(s, rank, t);
+#pragma unroll
+            for (int k = 0; k < kNumTopk; ++k)
+                ptx::st_relaxed_sys(to + k, (static_cast<uint64_t>(tag) << 32) | __float_as_uint(w[k]));
+        }
+        // (2) The items: (message slot j, piece) of s in the dispatch of this half, as many slots as s had
+        //     tokens (a source masked during that dispatch left an older epoch there: nothing from it).
+        __shared__ int num_items;
+        if (threadIdx.x == 0) {
+            const bool sent = !masked(s) && static_cast<uint32_t>(count_word >> 32) == dispatch_tag;
+            num_items = sent ? static_cast<int>(count_word & 0xffffffffu) * num_pieces : 0;
+        }
+        __syncthreads();
+        trace_mark(trace, kTracePrologue);
+        for (; item < num_items; item += stride) {
+            const int j = item / num_pieces, piece = item % num_pieces;
+            const Choice choice = next;
+            next = choice_of(item + stride);
+            if (rank_mask != nullptr && ptx::ld_relaxed_sys(rank_mask + s) != 0)
+                break;  // masked meanwhile: its rows are absent
+            const int4* row = choice.tag == dispatch_tag && choice.local_expert >= 0
+                                      ? x + static_cast<int64_t>(choice.position) * hidden_int4
+                                      : nullptr;
+            uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
+            if (rows_from == 0u)
+                continue;  // token j of s did not come here: nothing to send back
+            // The first rows are asked for, then a weight not come yet (its tag is an older call's) is waited
+            // for: at the first items the weights are still on their way, and the rows come meanwhile.
+            RowBatch batch;
+            load_rows<false>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
+            uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
+            bool lost = false;
+            if (row != nullptr && static_cast<uint32_t>(choice.weight >> 32) != tag) {
+                lost = !wait_tag_or_mask<false>(wait, b.weights(rank, s, j) + lane, tag, s,
+                                                kStageLowLatencyCombineWeights, rank_mask, weight_bits);
+            }
+            if (__any_sync(0xffffffffu, lost))
+                break;  // masked: s gets no signal below; else the timeout recorded withholds every signal
+            const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
+            float acc[kReduceVectors][8] = {};
+            accumulate_rows<false>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4, lane);
+            store_bf16(b.combine_row(s, rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
+        }
+        // Without a mask, a launch that recorded a failure (a lost weight, a receive timeout in another
+        // block) left rows unwritten: its peers must time out rather than sum them.
+        publish_when_last(b, 1, epoch, rank_mask, trace, [&](int r) { return Signal{b.combine_flag(r, rank), 1u}; },
+                          [&] { return rank_mask == nullptr && failed(wait); });
+    }
+    if (!do_recv) {
+        trace_mark(trace, kTraceEnd);
+        return;
+    }
+
+    const int64_t recv_start = clock64();  // NOTE [wait costs]
+    // Without the mask, which the send's waits may change meanwhile: which ranks' rows count is decided below.
+    build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, b.num_local_experts,
+                                           nullptr);
+    trace_mark(trace, kTraceRecvReady);
+    // One thread per rank that has rows for this rank waits for them (NOTE [block waits]); a rank masked
+    // before or meanwhile is absent. Under a mask block 0 decides for every block (NOTE [one verdict]).
+    __shared__ bool rows_here[kWarpSize];
+    bool missed = false;  // recorded (no mask): the host raises it, and the block has nothing more to do
+    if (threadIdx.x < num_ranks) {
+        const int d = threadIdx.x;
+        const bool expected = row_count(bits, words, d) > 0;
+        bool here = false;
+        if (expected && rank_mask != nullptr && blockIdx.x != 0) {
+            here = follow_verdict(b, wait, kVerdictCombine, d, tag, kStageLowLatencyCombineRecv);
+        } else if (expected) {
+            if (!masked(d)) {
+                here = wait_or_mask(wait, b.combine_flag(rank, d), tag, d, kStageLowLatencyCombineRecv, rank_mask) >= 0;
+                add_wait_cost(wait_costs, d, recv_start);
+            }
+            if (rank_mask != nullptr)
+                publish_verdict(b, kVerdictCombine, d, tag, here);
+            missed = !here && rank_mask == nullptr;
+        }
+        rows_here[d] = here;
+    }
+    if (__syncthreads_or(missed))
+        return;
+    trace_mark(trace, kTraceRecvMid);
+    for (int item = warp * gridDim.x + blockIdx.x; item < num_tokens * num_pieces; item += gridDim.x * num_warps) {
+        const int t = item / num_pieces, piece = item % num_pieces;
+        const int4* row = nullptr;
+        if (lane < num_ranks && rows_here[lane] && pair_chosen(bits, words, lane, t))
+            row = b.combine_row(rank, lane, t);  // the message slot is the token index
+        float acc[kReduceVectors][8] = {};
+        RowBatch batch;
+        accumulate_rows<true>(acc, batch, false, __ballot_sync(0xffffffffu, row != nullptr), row, 1.0f,
+                              piece * kReduceInt4, hidden_int4, lane);
+        store_bf16(combined_x + static_cast<int64_t>(t) * hidden_int4, acc, piece * kReduceInt4, hidden_int4, lane);
+    }
+    trace_mark(trace, kTraceEnd);
+}
+
+}  // namespace tokenyard::kernels

@@ -1,0 +1,311 @@
+// Low-latency dispatch over NVLink (docs/semantics.md, "Low-latency dispatch"). No host synchronisation
+// and no data-dependent allocation, so it can be captured in a CUDA graph.
+#pragma once
+
+#include "../quant.cuh"
+#include "low_latency_common.cuh"
+
+namespace tokenyard::kernels {
+
+// NOTE [low-latency dispatch]
+// A token crosses to a rank once, whatever number of its experts live there, and the receiver fans it out
+// to its local experts (4 ranks, top-8 of 256: ~3.6 messages per token instead of 8 pair copies).
+// Send (do_send): the work items are the pieces of kPieceChannels channels of every token, dealt over
+// blocks 1, 2, ... so that consecutive items go to different SMs (item i to warp i / (G - 1) of block
+// 1 + i % (G - 1) on a grid of G): one token keeps 14 warps busy at hidden 7168 instead of one warp walking
+// its row. A warp loads its piece and its token's top-k choices, quantizes
+// the piece once (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with
+// an IEEE division, optionally rounded up to a power of two, q = e4m3(clamp(x / scale))), each lane 16
+// channels, and stores it with 16-byte stores into the message of every rank d the token goes to: d's
+// region of this rank at slot t, the token index. Piece 0 also writes the header: its tag (tag << 32) | t,
+// and for each choice on d its local expert. Nothing of that waits for the pair bits, so the data leaves
+// sooner than when the slot was the rank's tokens before t going to d (a receiver learns from the tag which
+// slots hold this call's messages). Block 0 sends no data: meanwhile it builds the pair bits
+// (expert rows), sends each rank d how many of this rank's tokens chose each of d's experts, each count a
+// word (tag << 32) | count that needs no fence (a release of their own waited behind the data), and writes,
+// a thread per pair, the pair's slot among this rank's rows of its expert into the header. So the counts
+// travel while the data is still going out, and the data blocks go from their last store straight to the
+// done counter (benchmarks/results/low_latency_decisions.md). The last block to finish publishes to each rank d
+// (tag << 32) | this rank's number of tokens (NOTE [cumulative release]).
+// Receive (do_recv): every block waits for every source's expert counts (under a rank mask block 0 waits
+// and the others follow its verdicts: NOTE [one verdict]) and numbers the packed rows
+// (NOTE [recv order]: the rows of local expert l from source s begin after those of the sources before
+// s) while the data is still in flight; then it waits for the data signals, and block 0 writes
+// packed_recv_count, layout_range and the stats. The items are then (source s, slot j < its tokens, piece
+// of kRecvPieceVectors), dealt over every block as the sends are over theirs: a warp loads the header's
+// tag, choices and slots and the piece's data and scales at once (one round trip); a tag of another call
+// means token j of s did not come here. Otherwise it stores the piece into the row of every choice (row =
+// first row of (l, s) + slot) with the piece's scales; piece 0 records src_info and, in `positions`, where
+// each choice went (which the combine reads). No scan of the headers and no wait for another block: every
+// message is read once, and all of them at once (a block per expert scanning the headers and copying its
+// rows took several times longer after the signals).
+// A source masked between its counts and its data is left out and the rows renumbered. With a recv hook
+// the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
+template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
+__device__ __forceinline__ void low_latency_dispatch(
+        const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
+        uint8_t* packed_recv_x, uint32_t* packed_recv_scales, int* packed_recv_count, int* src_info,
+        int64_t* layout_range, int* cumulative_stats, int* rank_mask, int64_t* wait_costs,
+        TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
+        int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
+    static_assert(kNumTopk <= kHeaderMaxTopk, "the message header has room for 16 top-k choices");
+    trace_mark(trace, kTraceStart);
+    const LowLatencyBuffers b = TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, kNumTopk, hidden);
+    const int num_local_experts = b.num_local_experts;
+    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    const int num_warps = blockDim.x / kWarpSize;
+    const int num_scales = hidden / 128;
+    const int data_bytes = kUseFp8 ? hidden : hidden * 2;
+    const int num_slots = num_ranks * num_max;
+    const uint32_t epoch = launch_epoch(b, 0, do_send), tag = b.tag(epoch);  // NOTE [call tags]
+
+    extern __shared__ uint32_t shared_words[];
+    if (do_send) {
+        // Block 0's books: the pair bits (expert rows), every unmasked rank's expert counts, each word tagged
+        // with the epoch, and every pair's slot in its message's header.
+        if (blockIdx.x == 0) {
+            uint32_t* bits = shared_words;  // a row per expert (NOTE [pair slots])
+            const int words = (num_max + 31) / 32;
+            build_pair_bits<kNumTopk, TopkT, false>(bits, words, topk_idx, num_tokens, num_experts,
+                                                    num_local_experts, rank_mask);
+            for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+                const int d = e / num_local_experts;
+                if (rank_mask == nullptr || rank_mask[d] == 0)
+                    ptx::st_relaxed_sys(b.expert_counts(d, rank) + e % num_local_experts,
+                                        (static_cast<uint64_t>(tag) << 32) | row_count(bits, words, e));
+            }
+            for (int p = threadIdx.x; p < num_tokens * kNumTopk; p += blockDim.x) {
+                const int64_t e = static_cast<int64_t>(topk_idx[p]);
+                const int t = p / kNumTopk;
+                if (e < -1 || e >= num_experts)  // sent nowhere; this rank raises at its next call
+                    record_error(wait, kErrorBadLowLatencyIds, rank, kStageLowLatencyDispatchSend,
+                                 static_cast<uint32_t>(e), num_experts);
+                if (routed(e, num_experts, num_local_experts, rank_mask))
+                    reinterpret_cast<int16_t*>(b.message(static_cast<int>(e / num_local_experts), rank, t) +
+                                               kHeaderSlots)[p % kNumTopk] =
+                            static_cast<int16_t>(pair_slot(bits, words, static_cast<int>(e), t));
+            }
+        }
+        // The data: blocks 1, 2, ... (block 0 too on a one-block grid).
+        const int data_blocks = max(1, static_cast<int>(gridDim.x) - 1);
+        const int data_block = static_cast<int>(blockIdx.x) - (gridDim.x > 1 ? 1 : 0);
+        const int num_pieces = (hidden + kPieceChannels - 1) / kPieceChannels;
+        const int num_items = num_tokens * num_pieces, stride = data_blocks * num_warps;
+        // Lane k: the expert of top-k choice k of the item's token, or -1 (none, out of range, masked rank).
+        const auto expert_of = [&](int item) -> int64_t {
+            if (item >= num_items || lane >= kNumTopk)
+                return -1;
+            const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(item / num_pieces) * kNumTopk +
+                                                            lane]);
+            return routed(e, num_experts, num_local_experts, rank_mask) ? e : -1;
+        };
+        // Loads (the piece and its token's choices) run one item ahead of the stores.
+        int item = data_block < 0 ? num_items : warp * data_blocks + data_block;
+        int4 raw[2];
+        load_piece(raw, x, item, num_items, num_pieces, hidden, lane);
+        int64_t next_e = expert_of(item);
+        trace_mark(trace, kTracePrologue);
+        for (; item < num_items; item += stride) {
+            const int t = item / num_pieces, piece = item % num_pieces;
+            const int c = piece * kPieceChannels + lane * 16;  // this lane's 16 channels
+            float scale = 0.0f;
+            int4 q = raw[0];
+            if constexpr (kUseFp8)  // every lane: the cast's shuffles need the whole warp
+                q = round_scale ? cast_fp8_16<true>(raw, scale) : cast_fp8_16<false>(raw, scale);
+            const int4 piece_raw[2] = {raw[0], raw[1]};
+            const int64_t e = next_e;
+            const uint32_t ranks = __reduce_or_sync(0xffffffffu, e >= 0 ? 1u << (e / num_local_experts) : 0u);
+            load_piece(raw, x, item + stride, num_items, num_pieces, hidden, lane);
+            next_e = expert_of(item + stride);
+            for (int turn = 0; turn < num_ranks; ++turn) {
+                const int d = next_peer(rank, num_ranks, turn);
+                if (((ranks >> d) & 1u) == 0u)
+                    continue;  // the same for the whole warp
+                uint8_t* to = b.message(d, rank, t);
+                uint8_t* data = to + header_bytes;
+                if constexpr (kUseFp8) {
+                    if (c < hidden) {
+                        ptx::st_na_v4(reinterpret_cast<int4*>(data + c), q);
+                        if (lane % 8 == 0)
+                            reinterpret_cast<float*>(data + hidden)[c / 128] = scale;
+                    }
+                } else {
+                    if (c < hidden)
+                        ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8, piece_raw[0]);
+                    if (c + 8 < hidden)
+                        ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8 + 1, piece_raw[1]);
+                }
+                if (piece != 0)
+                    continue;
+                if (lane == 0)  // the message is this call's
+                    *reinterpret_cast<uint64_t*>(to) = (static_cast<uint64_t>(tag) << 32) | static_cast<uint32_t>(t);
+                if (lane < kNumTopk) {  // which of the token's choices live on d, as local experts
+                    reinterpret_cast<int16_t*>(to + kHeaderChoices)[lane] =
+                            e >= 0 && e / num_local_experts == d ? static_cast<int16_t>(e % num_local_experts) : -1;
+                }
+            }
+        }
+        publish_when_last(b, 0, epoch, rank_mask, trace, [&](int d) {  // the message slots: this rank's tokens
+            return Signal{b.count(d, rank), static_cast<uint32_t>(num_tokens)};
+        }, [] { return false; });  // a bad id's token goes nowhere; the other tokens still arrive
+    }
+    if (!do_recv) {
+        trace_mark(trace, kTraceEnd);
+        return;
+    }
+
+    // Receive: the rows of every (local expert, source) are numbered from the expert counts, which travel
+    // without a fence and come while the data is still in flight; then the data signals.
+    const int64_t recv_start = clock64();  // NOTE [wait costs]
+    __shared__ int num_messages[kWarpSize], first_item[kWarpSize + 1];
+    __shared__ bool present[kWarpSize];  // every count of the source (then also its data) is here
+    int* counts = reinterpret_cast<int*>(shared_words);  // [L][R]
+    int* begins = counts + num_experts;                   // [L][R]: the first row of (l, s)
+    // From the present sources; `record` (block 0, once the data is here): the outputs that say so too.
+    const auto number_rows = [&](bool record) {
+        for (int l = threadIdx.x; l < num_local_experts; l += blockDim.x) {
+            int total = 0;
+            for (int s = 0; s < num_ranks; ++s) {
+                const int count = present[s] ? counts[l * num_ranks + s] : 0;
+                begins[l * num_ranks + s] = total;
+                if (record)
+                    layout_range[static_cast<int64_t>(l) * num_ranks + s] =
+                            (static_cast<int64_t>(total) << 32) | static_cast<int64_t>(count);
+                total += count;
+            }
+            if (record) {
+                packed_recv_count[l] = total;
+                if (cumulative_stats != nullptr)
+                    cumulative_stats[l] += total;
+            }
+        }
+    };
+    // NOTE [one verdict]: without a mask every block decides for itself; with one, block 0 for all of them.
+    const bool decides = rank_mask == nullptr || blockIdx.x == 0;
+    int* const decider_mask = decides ? rank_mask : nullptr;  // a follower never masks
+    const bool judges = rank_mask != nullptr && blockIdx.x == 0;
+    __syncthreads();  // the shared words are free (the pair bits)
+    if (threadIdx.x < num_ranks) {
+        const int s = threadIdx.x;
+        present[s] = decides ? rank_mask == nullptr || rank_mask[s] == 0
+                             : follow_verdict(b, wait, kVerdictCounts, s, tag, kStageLowLatencyDispatchCounts);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) {  // a thread per (source, local expert)
+        const int s = i / num_local_experts, l = i % num_local_experts;
+        int count = -1;
+        if (present[s]) {
+            count = wait_or_mask(wait, b.expert_counts(rank, s) + l, tag, s, kStageLowLatencyDispatchCounts,
+                                 decider_mask);
+        }
+        if (count < 0)
+            present[s] = false;  // every writer writes false
+        counts[l * num_ranks + s] = max(0, count);
+    }
+    __syncthreads();
+    if (judges && threadIdx.x < num_ranks)
+        publish_verdict(b, kVerdictCounts, threadIdx.x, tag, present[threadIdx.x]);
+    number_rows(false);
+    trace_mark(trace, kTraceRecvReady);
+    bool lost = false;  // a source whose counts came but whose data did not (masked meanwhile)
+    if (threadIdx.x < num_ranks) {
+        const int s = threadIdx.x;
+        int count = -1;
+        const bool sent = present[s] && (decides ? rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + s) == 0
+                                                 : follow_verdict(b, wait, kVerdictData, s, tag,
+                                                                  kStageLowLatencyDispatchRecv));
+        if (sent) {
+            count = wait_or_mask(wait, b.count(rank, s), tag, s, kStageLowLatencyDispatchRecv, decider_mask);
+            add_wait_cost(wait_costs, s, recv_start);
+        }
+        if (judges)
+            publish_verdict(b, kVerdictData, s, tag, count >= 0);
+        lost = present[s] && count < 0;
+        present[s] = count >= 0;
+        num_messages[s] = max(0, count);
+    }
+    if (__syncthreads_or(lost) || blockIdx.x == 0) {
+        number_rows(blockIdx.x == 0);  // block 0 writes the outputs; every block renumbers without a lost source
+        __syncthreads();
+    }
+    const int num_vectors = data_bytes / 16;
+    const int num_pieces = (num_vectors + kRecvPieceVectors - 1) / kRecvPieceVectors;
+    if (threadIdx.x == 0) {
+        first_item[0] = 0;
+        for (int s = 0; s < num_ranks; ++s)
+            first_item[s + 1] = first_item[s] + num_messages[s] * num_pieces;
+    }
+    __syncthreads();
+    trace_mark(trace, kTraceRecvMid);
+
+    int s = 0;
+    for (int item = warp * gridDim.x + blockIdx.x; item < first_item[num_ranks]; item += gridDim.x * num_warps) {
+        while (first_item[s + 1] <= item)  // items only grow, so s never moves back
+            ++s;
+        const int j = (item - first_item[s]) / num_pieces, piece = (item - first_item[s]) % num_pieces;
+        const uint8_t* msg = b.message(rank, s, j);
+        const int4* data = reinterpret_cast<const int4*>(msg + header_bytes);
+        // Every load of the item before its first store (issue is in order: a store waiting for its load
+        // holds back every load behind it): the message's tag, lane k's choice and slot, the piece's vectors,
+        // its scales. A tag of another call: token j of s did not come to this rank.
+        const uint64_t header = lane == 0 ? ptx::ld_relaxed_sys(reinterpret_cast<const uint64_t*>(msg)) : 0;
+        int l = -1, slot = 0;
+        if (lane < kNumTopk) {
+            l = header_int16(msg, kHeaderChoices, lane);
+            slot = header_int16(msg, kHeaderSlots, lane);
+        }
+        int4 v[kRecvVectors];
+        load_batch<kRecvVectors, true>(v, data, piece * kRecvPieceVectors, num_vectors, lane);
+        const int* scales = reinterpret_cast<const int*>(msg + header_bytes + hidden);
+        // FP8: lane g < 16 has scale group g of the piece; UE8M0: lane w < 4 has word w (groups 4w..4w+3).
+        constexpr int kPieceGroups = kRecvPieceVectors / 8;  // 128 channels = 8 vectors of FP8
+        int scale_bits[4] = {};
+        int group = 0;
+        if constexpr (kUseFp8) {
+            if constexpr (kUseUe8m0) {
+                group = piece * kPieceGroups + 4 * lane;
+                if (lane < kPieceGroups / 4 && group < num_scales) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        scale_bits[i] = ptx::ld_na_s32(scales + group + i);
+                }
+            } else {
+                group = piece * kPieceGroups + lane;
+                if (lane < kPieceGroups && group < num_scales)
+                    scale_bits[0] = ptx::ld_na_s32(scales + group);
+            }
+        }
+        if (static_cast<uint32_t>(__shfl_sync(0xffffffffu, header, 0) >> 32) != tag)
+            continue;
+        const int row = l >= 0 ? begins[l * num_ranks + s] + slot : -1;
+        if (piece == 0 && row >= 0) {  // lane k: where choice k went
+            b.positions(s, j)[lane] = l * num_slots + row;
+            src_info[static_cast<int64_t>(l) * num_slots + row] = j;  // the message slot is the token index
+        }
+        for (uint32_t targets = __ballot_sync(0xffffffffu, row >= 0); targets != 0u; targets &= targets - 1u) {
+            const int k = __ffs(targets) - 1;
+            const int to_l = __shfl_sync(0xffffffffu, l, k), to_row = __shfl_sync(0xffffffffu, row, k);
+            const int64_t out = static_cast<int64_t>(to_l) * num_slots + to_row;
+            store_batch<kRecvVectors>(reinterpret_cast<int4*>(packed_recv_x + out * data_bytes), v,
+                                      piece * kRecvPieceVectors, num_vectors, lane);
+            if constexpr (kUseFp8 && kUseUe8m0) {  // four groups' biased exponents per int32 (quant.pack_ue8m0)
+                if (lane < kPieceGroups / 4 && group < num_scales) {
+                    uint32_t word = 0;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        word |= ((static_cast<uint32_t>(scale_bits[i]) >> 23) & 0xffu) << (8 * i);
+                    packed_recv_scales[(static_cast<int64_t>(to_l) * (num_scales / 4) + group / 4) * num_slots +
+                                       to_row] = word;
+                }
+            } else if constexpr (kUseFp8) {  // column-major, as DeepEP
+                if (lane < kPieceGroups && group < num_scales)
+                    packed_recv_scales[(static_cast<int64_t>(to_l) * num_scales + group) * num_slots + to_row] =
+                            scale_bits[0];
+            }
+        }
+    }
+    trace_mark(trace, kTraceEnd);
+}
+
+}  // namespace tokenyard::kernels
