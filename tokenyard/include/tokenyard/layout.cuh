@@ -29,12 +29,13 @@ static_assert(kSignaturesOffset + 4 * kMaxRanks * kMaxSignatureInts * 4 <= kNoti
 // The signature's ints come from the host (one owner: collectives.SIGNATURE_INTS, a template argument).
 
 // A chunk slot: the sender's sequence number (stored last, with release) and the row range it filled; a
-// dispatch also stores its number of sending warps in `pad` (NOTE [sender ranges]).
+// dispatch's also holds its launch's number of sending warps, which the receivers check (NOTE [sender
+// ranges]). A combine leaves `send_warps` unused.
 struct alignas(16) ChunkSlot {
     uint32_t seq;
     int begin;
     int end;
-    int pad;
+    int send_warps;
 };
 
 // One rank's view of the normal-mode buffers of every rank of the group (offsets from workspace.py).

@@ -295,7 +295,7 @@ __device__ __forceinline__ void dispatch(
         ptx::fence_acq_rel_sys();
         ptx::st_relaxed_sys(&slot->begin, prefix_excl[static_cast<int64_t>(t0) * kNumRanks + q]);
         ptx::st_relaxed_sys(&slot->end, prefix_excl[static_cast<int64_t>(t1) * kNumRanks + q]);
-        ptx::st_relaxed_sys(&slot->pad, num_send_warps);  // the receiver checks it is its own W
+        ptx::st_relaxed_sys(&slot->send_warps, num_send_warps);  // the receiver checks it is its own W
         ptx::st_release_sys(&slot->seq, seq);
     };
 
@@ -344,7 +344,7 @@ __device__ __forceinline__ void dispatch(
             ok = wait_at_least(wait, &slot->seq, seq, source, kStageDispatchRecv);
             begin = ptx::ld_na_s32(&slot->begin);
             end = ptx::ld_na_s32(&slot->end);
-            const int sender_warps = ptx::ld_na_s32(&slot->pad);
+            const int sender_warps = ptx::ld_na_s32(&slot->send_warps);
             if (ok && sender_warps != num_send_warps) {  // NOTE [sender ranges]: not the same num_sms
                 record_error(wait, kErrorMismatch, source, kStageDispatchRecv, sender_warps, num_send_warps);
                 ok = false;
