@@ -12,6 +12,7 @@
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh residency
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh shared_bench
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh faults
+#   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh structure_ab
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -153,6 +154,21 @@ if [ "$what" = host_cost ]; then
     TOKENYARD_CHECK_INPUTS=1 timeout 200 python3 benchmarks/host_cost.py --json "$out/host_cost_checked.json" \
         > "$out/host_cost_checked.log" 2>&1
     grep -v Warn "$out/host_cost_checked.log" | head -14
+fi
+if [ "$what" = structure_ab ]; then
+    # Issue 22: the README's benchmark (CUDA backend only) at one rank, twice in the tree of TOKENYARD_BEFORE and
+    # twice in this one, on this machine; benchmarks/structure_ab.py merges them into structure_ab.json. The
+    # earlier tree travels ignored, as _before/ (carry it): git archive "$TOKENYARD_BEFORE" | tar x -C _before
+    for side in before after; do
+        for i in 1 2; do
+            (cd "$([ $side = before ] && echo _before || echo .)" && \
+                TOKENYARD_COMMIT=$([ $side = before ] && echo "$TOKENYARD_BEFORE" || echo "$TOKENYARD_COMMIT") \
+                timeout 240 python3 -m tokenyard.bench --quiet --backends cuda --json "$out/ab_${side}_$i.json" \
+                2>&1 | tail -3)
+        done
+    done
+    python3 benchmarks/structure_ab.py --before-commit "$TOKENYARD_BEFORE" --after-commit "$TOKENYARD_COMMIT" \
+        --json "$out/structure_ab.json" --before "$out"/ab_before_*.json --after "$out"/ab_after_*.json
 fi
 if [ "$what" = one_gpu ]; then
     timeout 420 python3 -m pytest -v tests/gpu/test_one_gpu.py -p no:cacheprovider 2>&1 \

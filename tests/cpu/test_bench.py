@@ -122,3 +122,33 @@ def test_a_run_of_ranks_sharing_gpus_reports_no_rate_as_bandwidth():
                    "nccl": {"dispatch": {"us": 10.0, "nvlink_gbps": None, "logical_gbps": None}},
                    "tokenyard": {"low_latency": {"dispatch_us": 20.0, "dispatch_nvlink_gbps": None}},
                    "compare_sm": {"tokenyard": [{"num_sms": 8, "dispatch": {"us": 3.0, "nvlink_gbps": None}}]}}
+
+
+def _structure_ab():
+    import importlib.util
+
+    path = REPO_ROOT / "benchmarks" / "structure_ab.py"
+    spec = importlib.util.spec_from_file_location("structure_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_structure_ab_takes_each_sides_median_and_refuses_runs_from_another_device_or_settings():
+    ab = _structure_ab()
+
+    def doc(scale, device="H100 x 1", iters=50):
+        figures = {name: scale * (10.0 + i) for i, (name, _) in enumerate(ab.FIGURES)}
+        tokenyard = {}
+        for name, (entry, key) in ab.FIGURES:
+            tokenyard.setdefault(entry, {})[key] = figures[name]
+        return {"device": device, "settings": {"iters": iters}, "tokenyard": tokenyard}
+
+    merged = ab.merge([doc(1.0), doc(3.0), doc(2.0)], [doc(1.5), doc(0.5), doc(1.0)], "c0", "c1")
+    first = merged["figures"][ab.FIGURES[0][0]]
+    assert (first["before"], first["after"], first["ratio"]) == (20.0, 10.0, 0.5)
+    assert merged["runs_per_side"] == [3, 3] and merged["device"] == "H100 x 1"
+    assert "| 20.0 | 10.0 | 0.500 |" in ab.table(merged)
+    for other in (doc(1.0, device="H200 x 1"), doc(1.0, iters=10)):
+        with pytest.raises(ValueError, match="differ"):
+            ab.merge([doc(1.0)], [other], "c0", "c1")
