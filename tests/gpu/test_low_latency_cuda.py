@@ -299,7 +299,7 @@ def _plain_handles_and_wait_costs(seed):
         assert_within_bf16_rounding(results["cuda"][b], results["reference"][b],
                                     f"micro-batch {b}: combine through a plain handle against the reference")
     # Cycles of waiting, each no longer than its two calls took (no GPU clocks above MAX_SM_CLOCK_HZ): a raw
-    # clock reading, or a count that never resets, fails this.
+    # clock reading in place of a difference fails this.
     dispatch_costs, combine_costs = waits[1], waits[2] - waits[1]
     for what, costs in (("dispatch", dispatch_costs), ("combine", combine_costs)):
         most = spans[what] * MAX_SM_CLOCK_HZ
