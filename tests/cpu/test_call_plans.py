@@ -63,6 +63,11 @@ SPEC = KernelSpec("h.cuh", "ns::kernel", (), (
     Param("float*", "maybe"), Param("uint64_t", "timeout"), Param("int", "rows")), 128)
 
 
+def _args(b):
+    """SPEC's arguments, by name (null pointers, n 1, rows 2)."""
+    return dict(src=b.inp("src"), n=1, dst=0, seq=b.scalar("seq"), maybe=0, timeout=0, rows=2)
+
+
 @pytest.fixture(scope="module")
 def extension():
     return call_plans()
@@ -84,8 +89,9 @@ def test_run_fills_slots_allocates_and_orders_streams(driver):
     b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"), poison_outputs=True)
     counts = b.output("counts", (4,), torch.int32, zero=True)
     dst = b.output("dst", (b.scalar("rows"), 3), torch.int64)
-    b.launch(kernel, 7, (b.inp("src"), n, dst, b.scalar("seq"), b.inp("maybe"), timeout, b.scalar("rows")),
-             shared_bytes=96)
+    # Given out of order: the names place them.
+    b.launch(kernel, 7, dict(rows=b.scalar("rows"), timeout=timeout, maybe=b.inp("maybe"), seq=b.scalar("seq"), dst=dst,
+                             n=n, src=b.inp("src")), shared_bytes=96)
     plan = b.build()
     assert plan.output_names == ("counts", "dst") and kernel.prepared == [96]
     src = torch.randint(0, 100, (5,), dtype=torch.int32)
@@ -110,7 +116,7 @@ def test_run_fills_slots_allocates_and_orders_streams(driver):
 def test_run_on_the_compute_stream_and_after_the_callers_event(driver):
     kernel = FakeKernel(SPEC, 5)
     b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"))
-    b.launch(kernel, 1, (b.inp("src"), 1, 0, b.scalar("seq"), 0, 0, 2))
+    b.launch(kernel, 1, _args(b))
     plan = b.build()
     plan.run_here(11, (None, None), [3, 0])
     assert [c[0] for c in driver.calls] == ["launch"] and driver.calls[0][5] == 11
@@ -124,15 +130,19 @@ def test_a_failed_launch_raises(extension, monkeypatch):
     extension.set_driver(*fake.addresses)
     monkeypatch.setattr(plans, "module", lambda: extension)
     b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"))
-    b.launch(FakeKernel(SPEC, 5), 1, (b.inp("src"), 1, 0, b.scalar("seq"), 0, 0, 2))
+    b.launch(FakeKernel(SPEC, 5), 1, _args(b))
     with pytest.raises(RuntimeError, match="cuLaunchKernel failed: CUDA driver error 719"):
         b.build().run_here(11, (None, None), [3, 0])
 
 
-def test_a_launch_with_the_wrong_argument_count_is_refused(driver):
-    b = plans.PlanBuilder(torch.device("cpu"), ("src",))
-    with pytest.raises(ValueError, match="takes 7 arguments, got 2"):
-        b.launch(FakeKernel(SPEC, 5), 1, (b.inp("src"), 1))
+def test_a_launch_that_misses_or_invents_a_parameter_is_refused_naming_it(driver):
+    b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"))
+    with pytest.raises(ValueError, match=r"no value for \['dst', 'seq', 'maybe', 'timeout', 'rows'\]"):
+        b.launch(FakeKernel(SPEC, 5), 1, dict(src=b.inp("src"), n=1))
+    misspelt = _args(b)
+    misspelt["row"] = misspelt.pop("rows")
+    with pytest.raises(ValueError, match=r"no value for \['rows'\], no parameter for \['row'\]"):
+        b.launch(FakeKernel(SPEC, 5), 1, misspelt)
 
 
 def test_outputs_in_one_allocation_are_aligned_parts_filled_once(driver):
@@ -144,8 +154,8 @@ def test_outputs_in_one_allocation_are_aligned_parts_filled_once(driver):
     counts, matrix, empty = b.outputs_in_one((("counts", (rows,), torch.int32),
                                               ("matrix", (3, b.scalar("rows")), torch.float32),
                                               ("empty", (0, 4), torch.int64)), zero=True)
-    b.launch(kernel, 1, (b.inp("src"), 1, alone, b.scalar("seq"), 0, 0, b.scalar("rows")))
-    b.launch(kernel, 1, (counts, 1, matrix, b.scalar("seq"), empty, 0, b.scalar("rows")))
+    b.launch(kernel, 1, dict(_args(b), dst=alone, rows=b.scalar("rows")))
+    b.launch(kernel, 1, dict(_args(b), src=counts, dst=matrix, maybe=empty, rows=b.scalar("rows")))
     plan = b.build()
     assert plan.output_names == ("alone", "counts", "matrix", "empty") and plan.native.num_outputs() == 4
     outputs = plan.native.run((None, None), [1, rows + extra], 11, 0, 0, 0, 0, False, False, 0)

@@ -54,7 +54,8 @@ class Kernel:
             check(libcuda().cuFuncSetAttribute(self._function, 8, shared_bytes), "cuFuncSetAttribute")
             self._max_dynamic_shared = shared_bytes
 
-    def __call__(self, grid: int, stream: int, *args, shared_bytes: int = 0) -> None:
+    def __call__(self, grid: int, stream: int, shared_bytes: int = 0, **args) -> None:
+        """Launch with the kernel's arguments by parameter name (KernelSpec.ordered)."""
         self.prepare(shared_bytes)
         packed = self.spec.pack(args)
         size = ctypes.c_size_t(ctypes.sizeof(packed))

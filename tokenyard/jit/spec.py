@@ -76,11 +76,22 @@ class KernelSpec:
         Kept on the instance: the cache lookup would hash every parameter on every launch."""
         return _args_type(self.params)
 
-    def pack(self, values):
-        """Kernel argument values in one parameter buffer, checked against the parameter list."""
-        if len(values) != len(self.params):
-            raise ValueError(f"{self.function} takes {len(self.params)} arguments, got {len(values)}")
-        return self.args_type(*values)
+    def ordered(self, args) -> list:
+        """The values of `args` (parameter name -> value) in the kernel's parameter order: a call names every
+        parameter once, so the list of parameters here is the only place that orders them.
+
+        Raises:
+            ValueError: a parameter without a value, or a value for no parameter.
+        """
+        names = [p.name for p in self.params]
+        missing, unknown = [n for n in names if n not in args], [n for n in args if n not in names]
+        if missing or unknown:
+            raise ValueError(f"{self.function}: no value for {missing}, no parameter for {unknown}")
+        return [args[n] for n in names]
+
+    def pack(self, args):
+        """Kernel argument values (parameter name -> value) in one parameter buffer."""
+        return self.args_type(*self.ordered(args))
 
 
 @functools.lru_cache(maxsize=None)

@@ -232,8 +232,16 @@ class CudaBackend(Backend):
         """The current stream of this backend's device, as a raw handle (NOTE [host cost per call])."""
         return torch._C._cuda_getCurrentRawStream(self.device_index)
 
-    def _wait_args(self):
-        return (self.error_flag.data_ptr(), self.host_record_ptr, self.timeout_ns)
+    def _wait_args(self) -> dict:
+        """Every kernel's bounded-wait parameters (kernels._WAIT)."""
+        return dict(error_flag=self.error_flag.data_ptr(), host_record=self.host_record_ptr, timeout_ns=self.timeout_ns)
+
+    def _normal_buffer_args(self, layout: workspace.NormalLayout, seq) -> dict:
+        """The normal-mode kernels' view of every rank's buffer (kernels._BUFFERS)."""
+        return dict(peer_bases=self.normal.bases_tensor.data_ptr(), rank=self.ctx.rank,
+                    control_bytes=layout.control_bytes, region_bytes=layout.region_bytes,
+                    slots_offset=layout.slots_offset, max_chunks=layout.max_chunks, row_bytes=layout.row_bytes,
+                    seq=seq)
 
     def _signature(self, op: str, **fields: int) -> int:
         """The device address of `op`'s shape signature (collectives.signature), which the call's first exchange
@@ -244,10 +252,6 @@ class CudaBackend(Backend):
         if tensor is None:
             tensor = self._signatures[values] = plans.device_constant(values, torch.int32, self.ctx.device)
         return tensor.data_ptr()
-
-    def _buffer_args(self, layout: workspace.NormalLayout, seq: int):
-        return (self.normal.bases_tensor.data_ptr(), self.ctx.rank, layout.control_bytes, layout.region_bytes,
-                layout.slots_offset, layout.max_chunks, layout.row_bytes, seq)
 
     def _normal_state(self) -> str:
         """What a normal-mode timeout adds: whether the device's table of peer addresses still holds what this
@@ -337,9 +341,10 @@ class CudaBackend(Backend):
             in_rank = b.output("is_token_in_rank", (num_tokens, num_ranks), torch.bool)
             if num_tokens > 0:
                 b.launch(self._kernel(kernels.dispatch_layout(num_ranks, topk_dtype)),
-                         heuristics.layout_grid(num_tokens, kernels.LAYOUT_THREADS, self.device_sms),
-                         (b.inp("topk_idx"), num_tokens, num_topk, num_experts, per_rank, per_expert, in_rank,
-                          self.verdict.data_ptr()),
+                         heuristics.layout_grid(num_tokens, kernels.LAYOUT_THREADS, self.device_sms), dict(
+                             topk_idx=b.inp("topk_idx"), num_tokens=num_tokens, num_topk=num_topk,
+                             num_experts=num_experts, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
+                             is_token_in_rank=in_rank, verdict=self.verdict.data_ptr()),
                          shared_bytes=(num_experts + num_ranks) * 4)
             return b.build()
 
@@ -426,33 +431,43 @@ class CudaBackend(Backend):
             counts = first.part(handle_whole, "counts", (num_ranks, 1), torch.int32)
             source_first = first.part(handle_whole, "source_first", (num_ranks, 1), torch.int32)
             send_head = first.part(handle_whole, "send_head", (T, num_ranks), torch.int32)
-        placed = (first.inp("recv_first"), first.inp("cursor")) if m.placed_by_notify else (0, 0)
-        call = ((first.inp("call_tokens_per_rank"), first.inp("call_prefix_matrix")) if m.whole_call else (0, 0))
-        judged = tuple(first.inp(n) if m.judged else 0 for n in ("check_in_rank", "check_per_rank", "check_per_expert"))
-        first.launch(self._kernel(kernels.dispatch_notify(num_ranks, m.topk_dtype)), num_ranks + 1, (
-            first.inp("is_token_in_rank"), T, 0 if m.cached else first.inp("num_tokens_per_expert"), m.num_experts,
-            m.expert_alignment, prefix_excl, rank_prefix_matrix, source_num_tokens, counts, source_first,
-            first.scalar("call_num_tokens"), call[0], call[1], placed[0], placed[1],
-            first.inp("check_topk_idx") if m.judged_topk else 0, m.num_topk, first.scalar("check_tokens"), *judged,
-            self.verdict.data_ptr(), int(m.judged and not cpu_wait), self.host_counts_ptr, self._dispatch_signature(m),
-            first.scalar("call_id"), self.normal.bases_tensor.data_ptr(), rank, first.scalar("notify_expected"),
-            *self._wait_args()), shared_bytes=num_local_experts * 4 + kernels.JUDGE_WINDOW if m.judged else 0)
+        given = lambda name, present: first.inp(name) if present else 0  # noqa: E731
+        first.launch(self._kernel(kernels.dispatch_notify(num_ranks, m.topk_dtype)), num_ranks + 1, dict(
+            is_token_in_rank=first.inp("is_token_in_rank"), num_tokens=T,
+            num_tokens_per_expert=given("num_tokens_per_expert", not m.cached), num_experts=m.num_experts,
+            expert_alignment=m.expert_alignment, prefix_excl=prefix_excl, rank_prefix_matrix=rank_prefix_matrix,
+            source_num_tokens=source_num_tokens, counts=counts, source_first=source_first,
+            call_num_tokens=first.scalar("call_num_tokens"),
+            call_tokens_per_rank=given("call_tokens_per_rank", m.whole_call),
+            call_prefix_matrix=given("call_prefix_matrix", m.whole_call),
+            recv_first=given("recv_first", m.placed_by_notify), cursor=given("cursor", m.placed_by_notify),
+            check_topk_idx=given("check_topk_idx", m.judged_topk), num_topk=m.num_topk,
+            check_num_tokens=first.scalar("check_tokens"), check_in_rank=given("check_in_rank", m.judged),
+            check_per_rank=given("check_per_rank", m.judged), check_per_expert=given("check_per_expert", m.judged),
+            verdict=self.verdict.data_ptr(), record_verdict=int(m.judged and not cpu_wait),
+            host_counts=self.host_counts_ptr, signature=self._dispatch_signature(m), call_id=first.scalar("call_id"),
+            peer_bases=self.normal.bases_tensor.data_ptr(), rank=rank,
+            notify_expected=first.scalar("notify_expected"), **self._wait_args()),
+            shared_bytes=num_local_experts * 4 + kernels.JUDGE_WINDOW if m.judged else 0)
 
         # 2. The rows.
         def launch(b: plans.PlanBuilder, outputs, made_by_first: bool) -> None:
             def made(ref):  # an output of the first plan, seen from `b`
                 return ref if made_by_first or ref == 0 else b.inp(first.outputs[ref.index][0])
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
-            b.launch(kernel, grid.num_blocks, (
-                b.inp("x"), b.inp("x_scales"), *m.scale_strides, b.inp("topk_idx"),
-                b.inp("topk_weights") if m.with_weights else 0, b.inp("is_token_in_rank"), made(prefix_excl),
-                made(rank_prefix_matrix), made(source_num_tokens), T, num_local_experts, grid.num_send_blocks,
-                recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, made(send_head),
-                b.scalar("num_worst"), b.inp("recv_first") if rows_placed else 0, b.scalar("token_base"),
-                int(own_rows_direct), num_send_warps,
-                self.normal.bases_tensor.data_ptr(), rank, layout.control_bytes, layout.region_bytes,
-                layout.slots_offset, layout.max_chunks, layout.row_bytes, b.scalar("seq"),
-                0 if m.cached else self.verdict.data_ptr(), *self._wait_args()))
+            b.launch(kernel, grid.num_blocks, dict(
+                x=b.inp("x"), x_scales=b.inp("x_scales"), scale_token_stride=m.scale_strides[0],
+                scale_hidden_stride=m.scale_strides[1], topk_idx=b.inp("topk_idx"),
+                topk_weights=b.inp("topk_weights") if m.with_weights else 0,
+                is_token_in_rank=b.inp("is_token_in_rank"), prefix_excl=made(prefix_excl),
+                rank_prefix_matrix=made(rank_prefix_matrix), source_num_tokens=made(source_num_tokens), num_tokens=T,
+                num_local_experts=num_local_experts, num_send_blocks=grid.num_send_blocks, recv_x=recv_x,
+                recv_scales=recv_scales, recv_topk_idx=recv_topk_idx, recv_topk_weights=recv_topk_weights,
+                recv_src_idx=recv_src_idx, send_head=made(send_head), num_worst_tokens=b.scalar("num_worst"),
+                recv_first=b.inp("recv_first") if rows_placed else 0, src_idx_base=b.scalar("token_base"),
+                local_direct=int(own_rows_direct), num_send_warps=num_send_warps,
+                **self._normal_buffer_args(layout, b.scalar("seq")),
+                verdict=0 if m.cached else self.verdict.data_ptr(), **self._wait_args()))
 
         def make_outputs(b: plans.PlanBuilder, num_rows):
             rows = rows_whole if b is first else b.whole()
@@ -569,15 +584,15 @@ class CudaBackend(Backend):
                 combined_x = b.part(whole, "combined_x", (num_tokens, hidden), torch.bfloat16)
                 combined_w = b.part(whole, "combined_topk_weights", (num_tokens, num_topk), torch.float32) \
                     if num_topk else 0
-            b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk)), grid.num_blocks, (
-                b.inp("x"), b.inp("topk_weights"), b.inp("bias_0"), b.inp("bias_1"), b.inp("rank_prefix_matrix"),
-                b.inp("recv_first"), b.inp("send_head"), num_tokens, grid.num_send_blocks, combined_x, combined_w,
-                int(heuristics.combine_own_rows_direct()),
-                self.normal.bases_tensor.data_ptr(), self.ctx.rank, layout.control_bytes, layout.region_bytes,
-                layout.slots_offset, layout.max_chunks, layout.row_bytes, b.scalar("seq"),
-                b.scalar("barrier_expected"),
-                self._signature("combine", hidden=hidden, num_topk=num_topk, num_biases=num_biases),
-                *self._wait_args()))
+            b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk)), grid.num_blocks, dict(
+                x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),
+                rank_prefix_matrix=b.inp("rank_prefix_matrix"), recv_first=b.inp("recv_first"),
+                send_head=b.inp("send_head"), num_tokens=num_tokens, num_send_blocks=grid.num_send_blocks,
+                combined_x=combined_x, combined_topk_weights=combined_w,
+                local_direct=int(heuristics.combine_own_rows_direct()),
+                **self._normal_buffer_args(layout, b.scalar("seq")), barrier_expected=b.scalar("barrier_expected"),
+                signature=self._signature("combine", hidden=hidden, num_topk=num_topk, num_biases=num_biases),
+                **self._wait_args()))
             return b.build()
 
         return self.plan(("combine", num_tokens, hidden, num_topk, num_biases, num_sms, placed), build)

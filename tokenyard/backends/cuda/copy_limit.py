@@ -35,8 +35,9 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
         torch.cuda.synchronize()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        kernel(grid, torch.cuda.current_stream().cuda_stream, src.data_ptr(), num_bytes // 16,
-               backend.normal.bases_tensor.data_ptr(), ctx.rank, control, stride, shared_bytes=shared)
+        kernel(grid, torch.cuda.current_stream().cuda_stream, shared_bytes=shared, src=src.data_ptr(),
+               num_int4=num_bytes // 16, peer_bases=backend.normal.bases_tensor.data_ptr(), rank=ctx.rank,
+               offset_bytes=control, stride_bytes=stride)
         stop.record()
         stop.synchronize()
         if i >= warmup:

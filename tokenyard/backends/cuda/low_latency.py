@@ -101,13 +101,16 @@ class LowLatencyKernels:
         backend's life, so worked out at the first call rather than at every launch."""
         return heuristics.low_latency_local_blocks(self._grid(), self.backend.ctx.num_ranks)
 
-    def _buffer_args(self, b, layout, do_send: int, do_recv: int, num_max: int, factor: int):
+    def _buffer_args(self, b, layout, do_send: int, do_recv: int, num_max: int, factor: int) -> dict:
+        """Both kernels' view of the buffer (kernels._LOW_LATENCY_BUFFERS), and which half does what."""
         ctx = self.backend.ctx
-        return (b.scalar("bases"), ctx.rank, ctx.num_ranks, num_max, layout.dispatch_recv,
-                layout.dispatch_message_bytes, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES,
-                layout.dispatch_positions, layout.dispatch_counts, layout.dispatch_expert_counts,
-                layout.combine_weights, layout.combine_recv, layout.combine_flags, layout.state, factor, do_send,
-                do_recv, self._local_blocks)
+        return dict(peer_bases=b.scalar("bases"), rank=ctx.rank, num_ranks=ctx.num_ranks, num_max=num_max,
+                    dispatch_recv=layout.dispatch_recv, message_bytes=layout.dispatch_message_bytes,
+                    header_bytes=workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES,
+                    dispatch_positions=layout.dispatch_positions, dispatch_counts=layout.dispatch_counts,
+                    dispatch_expert_counts=layout.dispatch_expert_counts, combine_weights=layout.combine_weights,
+                    combine_recv=layout.combine_recv, combine_flags=layout.combine_flags, state=layout.state,
+                    tag_factor=factor, do_send=do_send, do_recv=do_recv, local_blocks=self._local_blocks)
 
     def _pair_bits_bytes(self, num_max: int, num_rows: int) -> int:
         """The pair bits of NOTE [pair slots]: a row of words per rank, or per expert and per rank."""
@@ -221,11 +224,14 @@ class LowLatencyKernels:
                             use_ue8m0=int(use_ue8m0))
 
         def launch_args(b, made, do_send, do_recv):
-            return (b.inp("x"), b.inp("topk_idx"), num_tokens, hidden, num_experts, int(round_scale),
-                    made["packed_recv_x"], made.get("packed_recv_x_scales", 0), made["packed_recv_count"],
-                    made["src_info"], made["layout_range"], b.inp("stats"), b.inp("rank_mask"), b.inp("wait_costs"),
-                    *self._buffer_args(b, layout, do_send, do_recv, num_max, factor), *self.backend._wait_args(),
-                    b.scalar("trace"))
+            return dict(x=b.inp("x"), topk_idx=b.inp("topk_idx"), num_tokens=num_tokens, hidden=hidden,
+                        num_experts=num_experts, round_scale=int(round_scale), packed_recv_x=made["packed_recv_x"],
+                        packed_recv_scales=made.get("packed_recv_x_scales", 0),
+                        packed_recv_count=made["packed_recv_count"], src_info=made["src_info"],
+                        layout_range=made["layout_range"], cumulative_stats=b.inp("stats"),
+                        rank_mask=b.inp("rank_mask"), wait_costs=b.inp("wait_costs"),
+                        **self._buffer_args(b, layout, do_send, do_recv, num_max, factor),
+                        **self.backend._wait_args(), trace=b.scalar("trace"))
 
         key = ("low_latency_dispatch", kernel, num_tokens, hidden, num_experts, num_max, round_scale, hook)
         return self._plans(key, kernel, LOW_LATENCY_DISPATCH_INPUTS, outputs, launch_args, shared_bytes, hook)
@@ -241,10 +247,12 @@ class LowLatencyKernels:
                             num_max=num_max)
 
         def launch_args(b, made, do_send, do_recv):
-            return (b.inp("x"), b.inp("topk_idx"), b.inp("topk_weights"), num_tokens, hidden, num_experts,
-                    made["combined_x"] if "combined_x" in made else b.inp("out"), b.inp("rank_mask"), b.inp("wait_costs"),
-                    *self._buffer_args(b, layout, do_send, do_recv, num_max, factor), *self.backend._wait_args(),
-                    b.scalar("trace"))
+            return dict(x=b.inp("x"), topk_idx=b.inp("topk_idx"), topk_weights=b.inp("topk_weights"),
+                        num_tokens=num_tokens, hidden=hidden, num_experts=num_experts,
+                        combined_x=made["combined_x"] if "combined_x" in made else b.inp("out"),
+                        rank_mask=b.inp("rank_mask"), wait_costs=b.inp("wait_costs"),
+                        **self._buffer_args(b, layout, do_send, do_recv, num_max, factor),
+                        **self.backend._wait_args(), trace=b.scalar("trace"))
 
         key = ("low_latency_combine", kernel, num_tokens, hidden, num_experts, num_max, with_out, hook)
         return self._plans(key, kernel, LOW_LATENCY_COMBINE_INPUTS, outputs, launch_args,

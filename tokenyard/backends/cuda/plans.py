@@ -117,11 +117,11 @@ class PlanBuilder:
         assert all(isinstance(d, int) or d.kind == _SCALAR for d in shape), shape
         return tuple(-(d.index + 1) if isinstance(d, Ref) else int(d) for d in shape)
 
-    def launch(self, kernel: Kernel, grid: int, args: Sequence, shared_bytes: int = 0) -> None:
-        """A launch of `kernel` with `args` in its parameter order: ints, or `Ref`s filled at each run."""
+    def launch(self, kernel: Kernel, grid: int, args: Dict[str, object], shared_bytes: int = 0) -> None:
+        """A launch of `kernel` with `args` by parameter name (KernelSpec.ordered): ints, or `Ref`s filled at
+        each run."""
         spec = kernel.spec
-        if len(args) != len(spec.params):
-            raise ValueError(f"{spec.function} takes {len(spec.params)} arguments, got {len(args)}")
+        args = spec.ordered(args)
         kernel.prepare(shared_bytes)
         block_type = spec.args_type
         constants = [0 if isinstance(a, Ref) else a for a in args]
