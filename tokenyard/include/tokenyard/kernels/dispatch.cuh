@@ -12,7 +12,7 @@ namespace tokenyard::kernels {
 // Blocks [0, num_send_blocks) send; the rest receive. Work is split per warp, never per block, so no warp
 // waits for another: a sender warp takes a contiguous range of tokens (NOTE [sender ranges]) and, piece
 // by piece of at most kChunkTokens tokens, copies each token to every rank it goes to (one read of x, up
-// to kNumRanks writes) into row prefix_excl[t][q] of this rank's region in rank q's buffer, then
+// to kNumRanks writes) into row prefix_excl[t][dest] of this rank's region in rank dest's buffer, then
 // publishes, in the piece's slot at each destination, the row range it filled and the call's sequence
 // number (release, after a system fence). Receiver warps take (piece, sender warp, source) items
 // piece-major, following the senders' progress. A receiver waits for the slot, then copies its rows to
@@ -127,9 +127,9 @@ __device__ __forceinline__ void dispatch(
     // gets the tail in one store instruction, where scalar stores would have sent many small NVLink writes;
     // the receiver loads it with the data, one vector per lane, and scatters the words to the outputs.
 
-    // Metadata word w of destination `q` for this lane, built from lane w (or w - kNumTopk) of the top-k.
-    auto meta_word = [&](int w, int q, int64_t expert, float weight, int t) {
-        const int64_t first = static_cast<int64_t>(q) * num_local_experts;
+    // Metadata word w of destination `dest` for this lane, built from lane w (or w - kNumTopk) of the top-k.
+    auto meta_word = [&](int w, int dest, int64_t expert, float weight, int t) {
+        const int64_t first = static_cast<int64_t>(dest) * num_local_experts;
         const bool local = lane < kNumTopk && expert >= first && expert < first + num_local_experts;
         const int id = __shfl_sync(0xffffffffu, local ? static_cast<int>(expert - first) : -1, w % kWarpSize);
         const int bits = __shfl_sync(0xffffffffu, local ? __float_as_int(weight) : 0, (w - kNumTopk) & (kWarpSize - 1));
@@ -176,8 +176,9 @@ __device__ __forceinline__ void dispatch(
         }
         uint8_t* dst[kNumRanks];
 #pragma unroll
-        for (int q = 0; q < kNumRanks; ++q)
-            dst[q] = ((mask >> q) & 1u) ? buffers.row(q, rank, __shfl_sync(0xffffffffu, index, q)) : nullptr;
+        for (int dest = 0; dest < kNumRanks; ++dest)
+            dst[dest] = ((mask >> dest) & 1u) ? buffers.row(dest, rank, __shfl_sync(0xffffffffu, index, dest))
+                                              : nullptr;
         // This rank's own row, written straight into the outputs (NOTE [dispatch roles]).
         int64_t direct_row = -1;
         if (local_direct && dst[rank] != nullptr) {
@@ -194,9 +195,9 @@ __device__ __forceinline__ void dispatch(
             if (base > 0)
                 load_batch<kBatch, false>(v, src, base, kDataInt4, lane);
 #pragma unroll
-            for (int q = 0; q < kNumRanks; ++q)
-                if (dst[q] != nullptr)
-                    store_batch<kBatch>(reinterpret_cast<int4*>(dst[q]), v, base, kDataInt4, lane);
+            for (int dest = 0; dest < kNumRanks; ++dest)
+                if (dst[dest] != nullptr)
+                    store_batch<kBatch>(reinterpret_cast<int4*>(dst[dest]), v, base, kDataInt4, lane);
             if (direct != nullptr)
                 store_batch<kBatch>(direct, v, base, kDataInt4, lane);
         }
@@ -222,8 +223,8 @@ __device__ __forceinline__ void dispatch(
                 recv_src_idx[direct_row] = src_idx_base + t;
         }
 #pragma unroll
-        for (int q = 0; q < kNumRanks; ++q) {
-            if (((mask >> q) & 1u) == 0)
+        for (int dest = 0; dest < kNumRanks; ++dest) {
+            if (((mask >> dest) & 1u) == 0)
                 continue;  // uniform over the warp: every lane takes part in the shuffles
 #pragma unroll
             for (int u = 0; u < kTailPerLane; ++u) {
@@ -234,12 +235,12 @@ __device__ __forceinline__ void dispatch(
                     int words[4];
 #pragma unroll
                     for (int c = 0; c < 4; ++c)
-                        words[c] = meta_word(4 * m + c, q, expert, weight, t);
+                        words[c] = meta_word(4 * m + c, dest, expert, weight, t);
                     if (m >= 0)
                         vec = make_int4(words[0], words[1], words[2], words[3]);
                 }
-                if (dst[q] != nullptr && i < kTailInt4)
-                    ptx::st_na_v4(reinterpret_cast<int4*>(dst[q] + kDataInt4 * 16) + i, vec);
+                if (dst[dest] != nullptr && i < kTailInt4)
+                    ptx::st_na_v4(reinterpret_cast<int4*>(dst[dest] + kDataInt4 * 16) + i, vec);
             }
         }
     };
@@ -288,13 +289,13 @@ __device__ __forceinline__ void dispatch(
         }
     };
 
-    // Publish tokens [t0, t1) of a sender's piece in slot `index` at destination q (one lane): its rows
+    // Publish tokens [t0, t1) of a sender's piece in slot `index` at destination dest (one lane): its rows
     // first (fence), then the sequence number, with the sender's launch width for the receiver to check.
-    auto publish = [&](int q, int index, int t0, int t1) {
-        ChunkSlot* slot = buffers.slot(q, rank, index);
+    auto publish = [&](int dest, int index, int t0, int t1) {
+        ChunkSlot* slot = buffers.slot(dest, rank, index);
         ptx::fence_acq_rel_sys();
-        ptx::st_relaxed_sys(&slot->begin, prefix_excl[static_cast<int64_t>(t0) * kNumRanks + q]);
-        ptx::st_relaxed_sys(&slot->end, prefix_excl[static_cast<int64_t>(t1) * kNumRanks + q]);
+        ptx::st_relaxed_sys(&slot->begin, prefix_excl[static_cast<int64_t>(t0) * kNumRanks + dest]);
+        ptx::st_relaxed_sys(&slot->end, prefix_excl[static_cast<int64_t>(t1) * kNumRanks + dest]);
         ptx::st_relaxed_sys(&slot->send_warps, num_send_warps);  // the receiver checks it is its own W
         ptx::st_release_sys(&slot->seq, seq);
     };

@@ -16,16 +16,16 @@ namespace tokenyard::kernels {
 // its row. A warp loads its piece and its token's top-k choices, quantizes
 // the piece once (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with
 // an IEEE division, optionally rounded up to a power of two, q = e4m3(clamp(x / scale))), each lane 16
-// channels, and stores it with 16-byte stores into the message of every rank d the token goes to: d's
+// channels, and stores it with 16-byte stores into the message of every rank dest the token goes to: dest's
 // region of this rank at slot t, the token index. Piece 0 also writes the header: its tag (tag << 32) | t,
-// and for each choice on d its local expert. Nothing of that waits for the pair bits, so the data leaves
-// sooner than when the slot was the rank's tokens before t going to d (a receiver learns from the tag which
+// and for each choice on dest its local expert. Nothing of that waits for the pair bits, so the data leaves
+// sooner than when the slot was the rank's tokens before t going to dest (a receiver learns from the tag which
 // slots hold this call's messages). Block 0 sends no data: meanwhile it builds the pair bits
-// (expert rows), sends each rank d how many of this rank's tokens chose each of d's experts, each count a
+// (expert rows), sends each rank dest how many of this rank's tokens chose each of dest's experts, each count a
 // word (tag << 32) | count that needs no fence (a release of their own waited behind the data), and writes,
 // a thread per pair, the pair's slot among this rank's rows of its expert into the header. So the counts
 // travel while the data is still going out, and the data blocks go from their last store straight to the
-// done counter (benchmarks/results/low_latency_decisions.md). The last block to finish publishes to each rank d
+// done counter (benchmarks/results/low_latency_decisions.md). The last block to finish publishes to each rank dest
 // (tag << 32) | this rank's number of tokens (NOTE [cumulative release]).
 // Receive (do_recv): every block waits for every source's expert counts (under a rank mask block 0 waits
 // and the others follow its verdicts: NOTE [one verdict]) and numbers the packed rows
@@ -70,9 +70,9 @@ __device__ __forceinline__ void low_latency_dispatch(
             build_pair_bits<kNumTopk, TopkT, false>(bits, words, topk_idx, num_tokens, num_experts,
                                                     num_local_experts, rank_mask);
             for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-                const int d = e / num_local_experts;
-                if (rank_mask == nullptr || rank_mask[d] == 0)
-                    ptx::st_relaxed_sys(b.expert_counts(d, rank) + e % num_local_experts,
+                const int dest = e / num_local_experts;
+                if (rank_mask == nullptr || rank_mask[dest] == 0)
+                    ptx::st_relaxed_sys(b.expert_counts(dest, rank) + e % num_local_experts,
                                         (static_cast<uint64_t>(tag) << 32) | row_count(bits, words, e));
             }
             for (int p = threadIdx.x; p < num_tokens * kNumTopk; p += blockDim.x) {
@@ -119,10 +119,10 @@ __device__ __forceinline__ void low_latency_dispatch(
             load_piece(raw, x, item + stride, num_items, num_pieces, hidden, lane);
             next_e = expert_of(item + stride);
             for (int turn = 0; turn < num_ranks; ++turn) {
-                const int d = next_peer(rank, num_ranks, turn);
-                if (((ranks >> d) & 1u) == 0u)
+                const int dest = next_peer(rank, num_ranks, turn);
+                if (((ranks >> dest) & 1u) == 0u)
                     continue;  // the same for the whole warp
-                uint8_t* to = b.message(d, rank, t);
+                uint8_t* to = b.message(dest, rank, t);
                 uint8_t* data = to + header_bytes;
                 if constexpr (kUseFp8) {
                     if (c < hidden) {
@@ -140,14 +140,14 @@ __device__ __forceinline__ void low_latency_dispatch(
                     continue;
                 if (lane == 0)  // the message is this call's
                     *reinterpret_cast<uint64_t*>(to) = (static_cast<uint64_t>(tag) << 32) | static_cast<uint32_t>(t);
-                if (lane < kNumTopk) {  // which of the token's choices live on d, as local experts
+                if (lane < kNumTopk) {  // which of the token's choices live on dest, as local experts
                     reinterpret_cast<int16_t*>(to + kHeaderChoices)[lane] =
-                            e >= 0 && e / num_local_experts == d ? static_cast<int16_t>(e % num_local_experts) : -1;
+                            e >= 0 && e / num_local_experts == dest ? static_cast<int16_t>(e % num_local_experts) : -1;
                 }
             }
         }
-        publish_when_last(b, 0, epoch, rank_mask, trace, [&](int d) {  // the message slots: this rank's tokens
-            return Signal{b.count(d, rank), static_cast<uint32_t>(num_tokens)};
+        publish_when_last(b, 0, epoch, rank_mask, trace, [&](int dest) {  // the message slots: this rank's tokens
+            return Signal{b.count(dest, rank), static_cast<uint32_t>(num_tokens)};
         }, [] { return false; });  // a bad id's token goes nowhere; the other tokens still arrive
     }
     if (!do_recv) {

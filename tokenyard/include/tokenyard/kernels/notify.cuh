@@ -5,19 +5,19 @@
 
 namespace tokenyard::kernels {
 
-// Block q's Verdict bits for column q of the whole call's inputs (NOTE [input verdict]), kJudgeWindow tokens
+// Block dest's Verdict bits for column dest of the whole call's inputs (NOTE [input verdict]), kJudgeWindow tokens
 // at a time; `shared`: dynamic shared memory of num_local_experts ints, then a byte per token of the window
-// (whether one of its ids names rank q's experts). The ids are read flat in 16-byte vectors (where the
+// (whether one of its ids names rank dest's experts). The ids are read flat in 16-byte vectors (where the
 // window starts 16-byte aligned, else one by one), kBatch vectors in flight per thread: one block reads every
 // id, so its time is the ids' bytes over the loads it keeps in flight.
 template <int kNumRanks, int kNumThreads, int kJudgeWindow, typename TopkT>
-__device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int num_topk, int num_tokens,
+__device__ __forceinline__ int judge_column(int dest, const TopkT* topk_idx, int num_topk, int num_tokens,
                                             const bool* is_token_in_rank, const int* num_tokens_per_rank,
                                             const int* num_tokens_per_expert, int num_experts, int* shared) {
     constexpr int kBatch = 8, kPerVector = 16 / sizeof(TopkT);
     __shared__ int column, bits;
     const int num_local_experts = num_experts / kNumRanks;
-    const int first = q * num_local_experts;
+    const int first = dest * num_local_experts;
     int* expert_pairs = shared;
     uint8_t* hits = reinterpret_cast<uint8_t*>(shared + num_local_experts);
     for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads)
@@ -71,7 +71,7 @@ __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int nu
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
                 const int t = base + u * kNumThreads;
-                in[u] = t < w1 && is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + q];
+                in[u] = t < w1 && is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + dest];
             }
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
@@ -92,18 +92,18 @@ __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int nu
             if (expert_pairs[l] != num_tokens_per_expert[first + l])
                 atomicOr(&bits, kPerExpertDisagrees);
     }
-    if (threadIdx.x == 0 && column != num_tokens_per_rank[q])
+    if (threadIdx.x == 0 && column != num_tokens_per_rank[dest])
         atomicOr(&bits, kPerRankDisagrees);
     __syncthreads();
     return bits;
 }
 
 // NOTE [notify]
-// Grid of kNumRanks + 1 blocks. Block q (< kNumRanks) scans column q of is_token_in_rank into
-// prefix_excl[t][q] = tokens before t that go to rank q (row num_tokens holds the total), then writes
+// Grid of kNumRanks + 1 blocks. Block dest (< kNumRanks) scans column dest of is_token_in_rank into
+// prefix_excl[t][dest] = tokens before t that go to rank dest (row num_tokens holds the total), then writes
 // that total to every rank's notify data (row = this rank), with the same for the whole call this
-// request is round 0 of (`call_tokens_per_rank[q]`; NOTE [rounds] in rounds.py), and block 0 the token
-// counts (this request's, the whole call's); rank q's expert counts go to rank q. Last it adds 1 to every
+// request is round 0 of (`call_tokens_per_rank[dest]`; NOTE [rounds] in rounds.py), and block 0 the token
+// counts (this request's, the whole call's); rank dest's expert counts go to rank dest. Last it adds 1 to every
 // rank's notify counter for this source. One-shot, the whole call is this request (null
 // call_tokens_per_rank, call_num_tokens = num_tokens). Block kNumRanks waits until every source's counter
 // reached `notify_expected` (= calls so far * kNumRanks), then builds rank_prefix_matrix, the received
@@ -111,7 +111,7 @@ __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int nu
 // largest call token count of any rank and the per-expert counts, and publishes them to the host:
 // host_counts = [call_id (last), received rows, most call tokens, whole call's received rows, mask of the
 // sources whose inputs were judged bad, their Verdict bits, per-local-expert counts...].
-// A fresh dispatch's handle also gets, where given, `counts[q]` = the tokens this rank sends to rank q and
+// A fresh dispatch's handle also gets, where given, `counts[dest]` = the tokens this rank sends to rank dest and
 // `source_first[s]` = the first received row from source s (both [kNumRanks], written here rather than by
 // kernels of their own).
 // A round of a fresh dispatch in rounds (NOTE [placed rounds] in rounds.py) also gets `recv_first` and
@@ -120,9 +120,9 @@ __device__ __forceinline__ int judge_column(int q, const TopkT* topk_idx, int nu
 // read from cursor in later rounds; then cursor[s] = recv_first[s] + the round's rows from s, for the next
 // round. So no round waits for the host to place it.
 // NOTE [input verdict] in tokenyard/checks.py: where given `check_in_rank` (a fresh dispatch's one-shot
-// request, or round 0 of its rounds), block q also judges column q of the whole call's inputs (ids in
-// range, is_token_in_rank[:, q] against the ids, the column's total against num_tokens_per_rank[q], the
-// pairs of rank q's experts against num_tokens_per_expert) and sends its Verdict bits with the counts; the
+// request, or round 0 of its rounds), block dest also judges column dest of the whole call's inputs (ids in
+// range, is_token_in_rank[:, dest] against the ids, the column's total against num_tokens_per_rank[dest], the
+// pairs of rank dest's experts against num_tokens_per_expert) and sends its Verdict bits with the counts; the
 // receiving block ORs every source's, publishes the mask of bad sources and their bits to the host, and
 // leaves the mask in verdict[1], which the data kernels of the call read to move nothing. Without
 // check_topk_idx, the ids get_dispatch_layout saw out of range (verdict[0], cleared here) stand for them.
@@ -137,7 +137,8 @@ template <int kNumRanks, int kNumThreads, typename TopkT, int kJudgeWindow, int 
 __device__ __forceinline__ void dispatch_notify(
         const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
         int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens, int* counts,
-        int* source_first, int call_num_tokens, const int* call_tokens_per_rank, int* call_prefix_matrix, int* recv_first, int* cursor,
+        int* source_first, int call_num_tokens, const int* call_tokens_per_rank, int* call_prefix_matrix,
+        int* recv_first, int* cursor,
         const TopkT* check_topk_idx, int num_topk, int check_num_tokens, const bool* check_in_rank,
         const int* check_per_rank, const int* check_per_expert, int* verdict, int record_verdict,
         int* host_counts, const int* signature,
@@ -156,16 +157,16 @@ __device__ __forceinline__ void dispatch_notify(
     extern __shared__ int judge_shared[];  // where judging: judge_column's
 
     if (blockIdx.x < kNumRanks) {
-        const int q = blockIdx.x;
+        const int dest = blockIdx.x;
         int judged = 0;
         if (check_in_rank != nullptr) {
             judged = judge_column<kNumRanks, kNumThreads, kJudgeWindow>(
-                    q, check_topk_idx, num_topk, check_num_tokens, check_in_rank, check_per_rank, check_per_expert,
+                    dest, check_topk_idx, num_topk, check_num_tokens, check_in_rank, check_per_rank, check_per_expert,
                     num_experts, judge_shared);
-            if (q == 0 && check_topk_idx == nullptr)
+            if (dest == 0 && check_topk_idx == nullptr)
                 judged |= verdict[0];
             __syncthreads();
-            if (q == 0 && threadIdx.x == 0)
+            if (dest == 0 && threadIdx.x == 0)
                 verdict[0] = 0;
         }
         // Thread i counts tokens [i * per_thread, (i + 1) * per_thread) of the column, its flags held in
@@ -174,19 +175,19 @@ __device__ __forceinline__ void dispatch_notify(
         const int per_thread = (num_tokens + kNumThreads - 1) / kNumThreads;
         const int begin = min(num_tokens, static_cast<int>(threadIdx.x) * per_thread);
         const int end = min(num_tokens, begin + per_thread);
-        const bool* column_q = is_token_in_rank + q;
+        const bool* column_dest = is_token_in_rank + dest;
         bool held[kHeld];
         int mine = 0;
         if (per_thread <= kHeld) {
 #pragma unroll
             for (int i = 0; i < kHeld; ++i)
-                held[i] = begin + i < end && column_q[static_cast<int64_t>(begin + i) * kNumRanks];
+                held[i] = begin + i < end && column_dest[static_cast<int64_t>(begin + i) * kNumRanks];
 #pragma unroll
             for (int i = 0; i < kHeld; ++i)
                 mine += held[i];
         } else {
             for (int t = begin; t < end; ++t)
-                mine += column_q[static_cast<int64_t>(t) * kNumRanks];
+                mine += column_dest[static_cast<int64_t>(t) * kNumRanks];
         }
         // Inclusive scan: within each warp by shuffles, then over the warps' totals.
         const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -218,36 +219,38 @@ __device__ __forceinline__ void dispatch_notify(
 #pragma unroll
             for (int i = 0; i < kHeld; ++i) {
                 if (begin + i < end) {
-                    prefix_excl[static_cast<int64_t>(begin + i) * kNumRanks + q] = running;
+                    prefix_excl[static_cast<int64_t>(begin + i) * kNumRanks + dest] = running;
                     running += held[i];
                 }
             }
         } else {
             for (int t = begin; t < end; ++t) {
-                prefix_excl[static_cast<int64_t>(t) * kNumRanks + q] = running;
-                running += column_q[static_cast<int64_t>(t) * kNumRanks];
+                prefix_excl[static_cast<int64_t>(t) * kNumRanks + dest] = running;
+                running += column_dest[static_cast<int64_t>(t) * kNumRanks];
             }
         }
         if (threadIdx.x == 0) {
-            prefix_excl[static_cast<int64_t>(num_tokens) * kNumRanks + q] = total;
+            prefix_excl[static_cast<int64_t>(num_tokens) * kNumRanks + dest] = total;
             if (counts != nullptr)
-                counts[q] = total;
+                counts[dest] = total;
         }
         if (threadIdx.x < kNumRanks) {
             int* data = buffers.notify_data(threadIdx.x) + rank * stride;
-            ptx::st_relaxed_sys(data + q, total);
-            ptx::st_relaxed_sys(data + kCallCountsAt + q, call_tokens_per_rank != nullptr ? call_tokens_per_rank[q] : total);
-            ptx::st_relaxed_sys(data + kVerdictAt + q, judged);
-            if (q == 0) {
+            ptx::st_relaxed_sys(data + dest, total);
+            ptx::st_relaxed_sys(data + kCallCountsAt + dest,
+                                call_tokens_per_rank != nullptr ? call_tokens_per_rank[dest] : total);
+            ptx::st_relaxed_sys(data + kVerdictAt + dest, judged);
+            if (dest == 0) {
                 ptx::st_relaxed_sys(data + kNumRanks, num_tokens);
                 ptx::st_relaxed_sys(data + kNumRanks + 1, call_num_tokens);
             }
         }
         for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads) {
-            const int count = num_tokens_per_expert != nullptr ? num_tokens_per_expert[q * num_local_experts + l] : 0;
-            ptx::st_relaxed_sys(buffers.notify_data(q) + rank * stride + kExpertsAt + l, count);
+            const int count =
+                    num_tokens_per_expert != nullptr ? num_tokens_per_expert[dest * num_local_experts + l] : 0;
+            ptx::st_relaxed_sys(buffers.notify_data(dest) + rank * stride + kExpertsAt + l, count);
         }
-        if (q == 0)
+        if (dest == 0)
             send_signature<kNumRanks, kSignatureInts>(buffers, call_id % 2, signature);
         __syncthreads();
         if (threadIdx.x < kNumRanks) {
@@ -273,27 +276,27 @@ __device__ __forceinline__ void dispatch_notify(
     if (threadIdx.x < kNumRanks) {
         const int s = threadIdx.x;
         int bits = 0;
-        for (int q = 0; q < kNumRanks; ++q)
-            bits |= ptx::ld_na_s32(data + s * stride + kVerdictAt + q);
+        for (int dest = 0; dest < kNumRanks; ++dest)
+            bits |= ptx::ld_na_s32(data + s * stride + kVerdictAt + dest);
         if (bits != 0) {
             atomicOr(&bad_sources, 1 << s);
             atomicOr(&bad_bits, bits);
         }
     }
     if (threadIdx.x < kNumRanks) {
-        const int q = threadIdx.x;
+        const int dest = threadIdx.x;
         int running = 0, call_running = 0;
         for (int s = 0; s < kNumRanks; ++s) {
-            if (q == rank && source_first != nullptr)
+            if (dest == rank && source_first != nullptr)
                 source_first[s] = running;
-            running += ptx::ld_na_s32(data + s * stride + q);
-            rank_prefix_matrix[s * kNumRanks + q] = running;
-            call_running += ptx::ld_na_s32(data + s * stride + kCallCountsAt + q);
+            running += ptx::ld_na_s32(data + s * stride + dest);
+            rank_prefix_matrix[s * kNumRanks + dest] = running;
+            call_running += ptx::ld_na_s32(data + s * stride + kCallCountsAt + dest);
             if (call_prefix_matrix != nullptr)
-                call_prefix_matrix[s * kNumRanks + q] = call_running;
+                call_prefix_matrix[s * kNumRanks + dest] = call_running;
         }
-        source_num_tokens[q] = ptx::ld_na_s32(data + q * stride + kNumRanks);
-        if (q == rank) {
+        source_num_tokens[dest] = ptx::ld_na_s32(data + dest * stride + kNumRanks);
+        if (dest == rank) {
             host_counts[1] = running;
             host_counts[3] = call_running;
             if (recv_first != nullptr) {
@@ -307,7 +310,7 @@ __device__ __forceinline__ void dispatch_notify(
                 }
             }
         }
-        if (q == 0) {
+        if (dest == 0) {
             int most = 0;
             for (int s = 0; s < kNumRanks; ++s)
                 most = max(most, ptx::ld_na_s32(data + s * stride + kNumRanks + 1));
