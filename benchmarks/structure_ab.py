@@ -70,8 +70,9 @@ def main(argv=None) -> None:
     parser.add_argument("--before", nargs="+", required=True)
     parser.add_argument("--after", nargs="+", required=True)
     args = parser.parse_args(argv)
-    load = lambda paths: [json.load(open(p)) for p in paths]  # noqa: E731
-    doc = merge(load(args.before), load(args.after), args.before_commit, args.after_commit)
+    docs = {side: [json.load(open(path)) for path in paths] for side, paths in (("before", args.before),
+                                                                                 ("after", args.after))}
+    doc = merge(docs["before"], docs["after"], args.before_commit, args.after_commit)
     with open(args.json, "w") as f:
         json.dump(doc, f, indent=1)
     print(table(doc))

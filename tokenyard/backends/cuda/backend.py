@@ -431,7 +431,10 @@ class CudaBackend(Backend):
             counts = first.part(handle_whole, "counts", (num_ranks, 1), torch.int32)
             source_first = first.part(handle_whole, "source_first", (num_ranks, 1), torch.int32)
             send_head = first.part(handle_whole, "send_head", (T, num_ranks), torch.int32)
-        given = lambda name, present: first.inp(name) if present else 0  # noqa: E731
+
+        def given(name: str, present: bool):  # the input where this call has it, else a null pointer
+            return first.inp(name) if present else 0
+
         first.launch(self._kernel(kernels.dispatch_notify(num_ranks, m.topk_dtype)), num_ranks + 1, dict(
             is_token_in_rank=first.inp("is_token_in_rank"), num_tokens=T,
             num_tokens_per_expert=given("num_tokens_per_expert", not m.cached), num_experts=m.num_experts,
