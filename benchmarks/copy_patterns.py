@@ -4,7 +4,7 @@
 
 Every rank writes one rank's share of the DeepSeek-V3 normal-mode bytes (4096 tokens of 7168 FP8 channels
 with scales, ~30 MB, or `--bytes_per_peer`) into each peer's buffer at the same time, with each pattern of
-include/tokenyard/kernels/copy_limit.cuh and each grid size (0: every SM), and prints the egress GB/s per
+tokenyard/bench/include/tokenyard_bench/copy_limit.cuh and each grid size (0: every SM), and prints the egress GB/s per
 GPU (the slowest rank's median; for the pull patterns, which read from the peers, the ingress). The
 benchmark's copy limit uses the "interleaved" pattern with every SM. Small sizes time the launch and the
 ranks' skew more than the copy.
@@ -26,8 +26,7 @@ def rank_main(blocks, num_bytes_per_peer: int):
     import torch.distributed as dist
 
     from tokenyard import Buffer
-    from tokenyard.backends.cuda import measure_copy_limit_gbps
-    from tokenyard.backends.cuda.kernels import COPY_PATTERNS
+    from tokenyard.bench.copy_limit import COPY_PATTERNS, measure_copy_limit_gbps
 
     num_ranks = dist.get_world_size()
     num_nvl_bytes = ((num_ranks + 1) * num_bytes_per_peer >> 20) + 64 << 20  # room for a slice per rank

@@ -9,11 +9,12 @@ import re
 import pytest
 
 from tokenyard.backends.cuda import kernels
+from tokenyard.bench import copy_limit
 from tokenyard.jit.compiler import INCLUDE_DIR
 
 
-def _header(path: str) -> str:
-    with open(os.path.join(INCLUDE_DIR, path)) as f:
+def _header(spec) -> str:
+    with open(os.path.join(spec.include_root or INCLUDE_DIR, spec.header)) as f:
         return f.read()
 
 
@@ -43,7 +44,7 @@ def _split_top_level(text: str) -> list:
 def device_parameter_names(spec) -> list:
     """The parameter names of `spec`'s device function, macros expanded."""
     function = spec.function.rsplit("::", 1)[-1]
-    text = _header(spec.header)
+    text = _header(spec)
     match = re.search(r"__device__ __forceinline__ void %s\(" % function, text)
     assert match, f"{spec.header} defines no device function {function}"
     depth, i = 1, match.end()
@@ -59,8 +60,10 @@ def device_parameter_names(spec) -> list:
     return names
 
 
-@pytest.mark.parametrize("spec", list({(s.header, s.function): s for s in kernels.every_kernel()}.values()),
-                         ids=lambda s: s.entry)
+SPECS = {(s.header, s.function): s for s in (*kernels.every_kernel(), *copy_limit.every_kernel())}
+
+
+@pytest.mark.parametrize("spec", list(SPECS.values()), ids=lambda s: s.entry)
 def test_every_kernels_parameter_list_names_its_device_functions_parameters_in_order(spec):
     assert device_parameter_names(spec) == [p.name for p in spec.params]
 

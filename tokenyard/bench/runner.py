@@ -276,19 +276,16 @@ def measure_low_latency(ctx: RankContext, buffer: Buffer, problem: Problem):
 def copy_limit_gbps(ctx: RankContext, buffer: Buffer) -> Optional[float]:
     """NOTE [copy limit] The physical bound: every GPU copying into all peers at once.
 
-    Measuring it needs peer memory mapped across processes, which only the CUDA backend has. The hook:
-    where ``tokenyard.backends.cuda`` provides ``measure_copy_limit_gbps(buffer, num_bytes_per_peer,
-    pattern=...)`` and ``COPY_PATTERNS``, it is called with the bytes one rank's tokens take, with every SM,
-    once per way of issuing the writes (NOTE [copy patterns] in copy_limit.cuh), and the fastest counts: the
-    limit is the best rate a plain copy reached, never a slow way of copying. Otherwise, and at one rank
-    (no peers to copy to), the limit is not measured (None).
+    Measuring it needs peer memory mapped across processes, which only the CUDA backend has: with it,
+    copy_limit.measure_copy_limit_gbps runs with the bytes one rank's tokens take, with every SM, once per way
+    of issuing the writes (NOTE [copy patterns] in include/tokenyard_bench/copy_limit.cuh), and the fastest
+    counts: the limit is the best rate a plain copy reached, never a slow way of copying. Otherwise, and at one
+    rank (no peers to copy to), the limit is not measured (None).
     """
     if buffer.backend != "cuda" or ctx.num_ranks < 2 or ctx.topology.shares_gpu:
         return None
-    try:
-        from ..backends.cuda import COPY_PATTERNS, measure_copy_limit_gbps
-    except ImportError:
-        return None
+    from .copy_limit import COPY_PATTERNS, measure_copy_limit_gbps
+
     s = ctx.settings
     num_bytes = round(s.num_tokens * bandwidth.row_bytes(s.hidden_size, s.dtype == "fp8"))
     return max(measure_copy_limit_gbps(buffer, num_bytes, pattern=pattern) for pattern in COPY_PATTERNS)

@@ -15,7 +15,8 @@ from . import compiler as compilers
 from .spec import KernelSpec
 
 # NOTE [kernel cache]
-# The key hashes the generated source, every header under tokenyard/include, the compiler's identity
+# The key hashes the generated source, every header under tokenyard/include (and under the spec's
+# include_root, where it has one), the compiler's identity
 # (NVRTC or nvcc version), its flags and the target architecture. One process compiles a unit while the
 # others that want it wait on a lock file beside it (ranks of one machine start alike and would otherwise
 # each compile every kernel), then read what it wrote. The unit is written to a temporary file in the cache
@@ -52,12 +53,12 @@ _loaded: Dict[Tuple[str, int], object] = {}
 _compiler = None
 
 
-def _headers_digest() -> str:
+def _headers_digest(top: str) -> str:
     digest = hashlib.sha256()
-    for root, _, files in sorted(os.walk(compilers.INCLUDE_DIR)):
+    for root, _, files in sorted(os.walk(top)):
         for name in sorted(files):
             path = os.path.join(root, name)
-            digest.update(os.path.relpath(path, compilers.INCLUDE_DIR).encode())
+            digest.update(os.path.relpath(path, top).encode())
             with open(path, "rb") as f:
                 digest.update(f.read())
     return digest.hexdigest()
@@ -75,7 +76,9 @@ def get_compiler():
 
 def cache_key(spec: KernelSpec, arch: str, identity: str) -> str:
     digest = hashlib.sha256()
-    for part in (spec.source(), _headers_digest(), identity, " ".join(compilers.FLAGS), arch):
+    headers = [_headers_digest(compilers.INCLUDE_DIR)] + ([_headers_digest(spec.include_root)] if spec.include_root
+                                                          else [])
+    for part in (spec.source(), *headers, identity, " ".join(compilers.FLAGS), arch):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
@@ -99,7 +102,6 @@ def _cached(path: str) -> Optional[bytes]:
 def compile_cubin(spec: KernelSpec, arch: str, cache_dir: Optional[str] = None) -> bytes:
     """The cubin of `spec` for `arch` (e.g. "sm_90a"), from the cache or freshly compiled."""
     compiler = get_compiler()
-    include_dirs = [compilers.INCLUDE_DIR] + compilers.cuda_include_dirs()
     key = cache_key(spec, arch, compiler.identity)
     folder = os.path.join(cache_dir or env.settings().cache_dir, key[:2])
     path = os.path.join(folder, key + ".cubin")
@@ -117,7 +119,7 @@ def compile_cubin(spec: KernelSpec, arch: str, cache_dir: Optional[str] = None) 
         cubin = _cached(path)  # another process compiled it while this one waited
         if cubin is not None:
             return cubin
-        cubin = compiler.compile(spec.source(), arch, include_dirs)
+        cubin = compiler.compile(spec.source(), arch, compilers.include_dirs(spec))
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")

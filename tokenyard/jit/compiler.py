@@ -28,6 +28,11 @@ def _site_nvidia_dirs(sub: str) -> List[str]:
     return [d for d in found if os.path.isdir(d)]
 
 
+def include_dirs(spec) -> List[str]:
+    """Where `spec`'s unit finds its headers: tokenyard/include, the spec's own root if it has one, CUDA's."""
+    return [INCLUDE_DIR] + ([spec.include_root] if spec.include_root else []) + cuda_include_dirs()
+
+
 def cuda_include_dirs() -> List[str]:
     """Where cuda_bf16.h and friends live: $CUDA_HOME, the pip wheels, /usr/local/cuda."""
     candidates = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-from typing import Tuple
+from typing import Optional, Tuple
 
 # C++ parameter types a kernel may take, and how ctypes passes each. Any pointer is a c_void_p.
 _SCALARS = {
@@ -38,7 +38,9 @@ class KernelSpec:
     """A kernel: `function<template_args>(params...)` from `header`, launched with `num_threads` threads.
 
     The generated unit defines ``extern "C" __global__ void tokenyard_<name>(params...)`` (`entry`) that
-    calls the device function; the compiler checks that `params` match the header's signature.
+    calls the device function; the compiler checks that `params` match the header's signature. `header` is
+    found under tokenyard/include, or under `include_root` (an absolute folder searched too, for kernels
+    that are not the library's own, such as the benchmark's).
     """
 
     header: str
@@ -46,11 +48,12 @@ class KernelSpec:
     template_args: Tuple[str, ...]
     params: Tuple[Param, ...]
     num_threads: int
+    include_root: Optional[str] = None
 
     def __post_init__(self):
         # Specs key the loaded-kernel table on every launch: hash the fields once.
         object.__setattr__(self, "_hash", hash((self.header, self.function, self.template_args, self.params,
-                                                self.num_threads)))
+                                                self.num_threads, self.include_root)))
 
     def __hash__(self) -> int:
         return self._hash

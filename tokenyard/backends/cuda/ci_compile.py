@@ -9,6 +9,7 @@ import argparse
 import sys
 import time
 
+from ...bench import copy_limit
 from ...jit import compiler as compilers
 from . import kernels
 
@@ -22,11 +23,10 @@ def main(argv=None) -> int:
     if compiler is None:
         print(f"ci_compile: no {args.compiler} on this machine", file=sys.stderr)
         return 1
-    include_dirs = [compilers.INCLUDE_DIR] + compilers.cuda_include_dirs()
-    specs = list(dict.fromkeys(kernels.every_kernel()))
+    specs = list(dict.fromkeys([*kernels.every_kernel(), *copy_limit.every_kernel()]))
     start = time.time()
     for i, spec in enumerate(specs, 1):
-        cubin = compiler.compile(spec.source(), args.arch, include_dirs)
+        cubin = compiler.compile(spec.source(), args.arch, compilers.include_dirs(spec))
         print(f"[{i}/{len(specs)}] {spec.function}<{', '.join(map(str, spec.template_args))}>: "
               f"{len(cubin)} bytes", flush=True)
     print(f"ci_compile: {len(specs)} kernels compiled for {args.arch} with {compiler.identity} "

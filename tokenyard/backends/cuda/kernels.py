@@ -145,28 +145,12 @@ def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
         LOW_LATENCY_THREADS)
 
 
-# NOTE [copy patterns] in copy_limit.cuh
-COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_peer_major": 4}
-
-
-@functools.lru_cache(maxsize=None)
-def copy_to_peers(num_ranks: int, pattern: str = "interleaved") -> KernelSpec:
-    return KernelSpec(
-        "tokenyard/kernels/copy_limit.cuh", "tokenyard::kernels::copy_to_peers",
-        (num_ranks, DATA_THREADS, COPY_PATTERNS[pattern]),
-        (Param("const int4*", "src"), Param("int64_t", "num_int4"), Param("uint8_t* const*", "peer_bases"),
-         Param("int", "rank"), Param("int64_t", "offset_bytes"), Param("int64_t", "stride_bytes")),
-        DATA_THREADS)
-
-
 def every_kernel():
     """Representative instantiations of every kernel, for CI's compile check."""
     for ranks in (2, 4, 8):
         for dtype in (torch.int64, torch.int32):
             yield dispatch_layout(ranks, dtype)
             yield dispatch_notify(ranks, dtype)
-        for pattern in COPY_PATTERNS:
-            yield copy_to_peers(ranks, pattern)
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64)   # FP8 with scales, DeepSeek-V3
         yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64)    # bf16
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k

@@ -1,12 +1,39 @@
-"""The physical limit of the same run: every GPU copying into all its peers at once (all SMs)."""
+"""The physical limit of the same run: every GPU copying into all its peers at once (all SMs), with a
+measurement kernel of the benchmark's own (include/tokenyard_bench/copy_limit.cuh, outside the library's
+include tree)."""
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.distributed as dist
 
-from ... import workspace
-from . import kernels
+from .. import workspace
+from ..jit.spec import KernelSpec, Param
+
+# NOTE [copy patterns] in copy_limit.cuh
+COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_peer_major": 4}
+THREADS = 512
+_INCLUDE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
+
+
+@functools.lru_cache(maxsize=None)
+def copy_to_peers(num_ranks: int, pattern: str = "interleaved") -> KernelSpec:
+    return KernelSpec(
+        "tokenyard_bench/copy_limit.cuh", "tokenyard::bench::copy_to_peers",
+        (num_ranks, THREADS, COPY_PATTERNS[pattern]),
+        (Param("const int4*", "src"), Param("int64_t", "num_int4"), Param("uint8_t* const*", "peer_bases"),
+         Param("int", "rank"), Param("int64_t", "offset_bytes"), Param("int64_t", "stride_bytes")),
+        THREADS, include_root=_INCLUDE_ROOT)
+
+
+def every_kernel():
+    """Every copy pattern at 2, 4 and 8 ranks, for CI's compile check."""
+    for ranks in (2, 4, 8):
+        for pattern in COPY_PATTERNS:
+            yield copy_to_peers(ranks, pattern)
 
 
 def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, warmup: int = 3,
@@ -24,11 +51,11 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
     stride = (ctx.num_nvl_bytes - control) // num_ranks // 16 * 16
     num_bytes = min(num_bytes_per_peer, stride) // 16 * 16
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=ctx.device)
-    kernel = backend._kernel(kernels.copy_to_peers(num_ranks, pattern))
+    kernel = backend._kernel(copy_to_peers(num_ranks, pattern))
     grid = num_blocks or backend.device_sms
     if pattern in ("peer_major", "pull_peer_major") and grid < num_ranks - 1:
         raise ValueError(f"the peer-major pattern needs a block per peer: {grid} blocks for {num_ranks - 1} peers")
-    shared = kernels.DATA_THREADS // 32 * 2 * 4096 if pattern == "bulk" else 0  # two 4 KB stages per warp
+    shared = THREADS // 32 * 2 * 4096 if pattern == "bulk" else 0  # two 4 KB stages per warp
     times = []
     for i in range(warmup + iters):
         dist.barrier(group=ctx.group)

@@ -16,9 +16,9 @@
 //       SM they read 242-268 GB/s where the push patterns write 258-305 (copy_patterns_pull.json).
 #pragma once
 
-#include "../copy.cuh"
+#include <tokenyard/copy.cuh>
 
-namespace tokenyard::kernels {
+namespace tokenyard::bench {
 
 enum CopyPattern : int {
     kCopyInterleaved = 0,
