@@ -111,10 +111,10 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // benchmarks/results/low_latency_decisions.md), sums weight * row over those choices in k order (float32, as
 // routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last
 // block to finish publishes (tag << 32) | 1 to every source. Reduce (do_recv): one thread per block
-// waits for each rank's flag (NOTE [block waits]); the items are (token t, piece); lane d finds whether
-// the token went to rank d (NOTE [pair slots], rank rows) and points at d's row t; the warp sums the rows
-// in rank order in float32 and writes bf16. The result is routing.low_latency_combine(..., pre_reduce=True)
-// bit for bit: within bf16 rounding of one sum.
+// waits for each rank's flag (NOTE [block waits]); the items are (token t, piece); lane dest finds whether
+// the token went to rank dest (NOTE [pair slots], rank rows) and points at dest's row t; the warp sums the
+// rows in rank order in float32 and writes bf16. The result is routing.low_latency_combine(...,
+// pre_reduce=True) bit for bit: within bf16 rounding of one sum.
 template <int kNumTopk, typename TopkT>
 __device__ __forceinline__ void low_latency_combine(
         const int4* x, const TopkT* topk_idx, const float* topk_weights, int num_tokens, int hidden, int num_experts,
@@ -241,21 +241,22 @@ __device__ __forceinline__ void low_latency_combine(
     __shared__ bool rows_here[kWarpSize];
     bool missed = false;  // recorded (no mask): the host raises it, and the block has nothing more to do
     if (threadIdx.x < num_ranks) {
-        const int d = threadIdx.x;
-        const bool expected = row_count(bits, words, d) > 0;
+        const int dest = threadIdx.x;
+        const bool expected = row_count(bits, words, dest) > 0;
         bool here = false;
         if (expected && rank_mask != nullptr && blockIdx.x != 0) {
-            here = follow_verdict(b, wait, kVerdictCombine, d, tag, kStageLowLatencyCombineRecv);
+            here = follow_verdict(b, wait, kVerdictCombine, dest, tag, kStageLowLatencyCombineRecv);
         } else if (expected) {
-            if (!masked(d)) {
-                here = wait_or_mask(wait, b.combine_flag(rank, d), tag, d, kStageLowLatencyCombineRecv, rank_mask) >= 0;
-                add_wait_cost(wait_costs, d, recv_start);
+            if (!masked(dest)) {
+                here = wait_or_mask(wait, b.combine_flag(rank, dest), tag, dest, kStageLowLatencyCombineRecv,
+                                    rank_mask) >= 0;
+                add_wait_cost(wait_costs, dest, recv_start);
             }
             if (rank_mask != nullptr)
-                publish_verdict(b, kVerdictCombine, d, tag, here);
+                publish_verdict(b, kVerdictCombine, dest, tag, here);
             missed = !here && rank_mask == nullptr;
         }
-        rows_here[d] = here;
+        rows_here[dest] = here;
     }
     if (__syncthreads_or(missed))
         return;
