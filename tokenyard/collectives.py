@@ -174,11 +174,13 @@ class Collectives:
         the host); NCCL's waits are on the GPU stream."""
         return self.group is not None and (self.device.type == "cpu" or self.mode == "host")
 
-    def _finish(self, work, what: str) -> None:
-        """Wait for a gloo collective until `timeout_s`; its own error, if it failed, comes from `wait()`."""
-        if not wait_until(work.is_completed, self.timeout_s):
+    def _finish(self, work, what: str, timeout_s: Optional[float] = None) -> None:
+        """Wait for a gloo collective until `timeout_s` (the Buffer's if None); its own error, if it failed,
+        comes from `wait()`."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not wait_until(work.is_completed, timeout_s):
             raise CommTimeoutError(self.rank, -1, f"{self.op}/{what}",
-                                   f"a peer did not join within {self.timeout_s:g} s. The group still holds this "
+                                   f"a peer did not join within {timeout_s:g} s. The group still holds this "
                                    "unfinished collective: make a new group, and a new Buffer on it, for the next call")
         try:
             work.wait()
@@ -243,12 +245,13 @@ class Collectives:
         gathered = torch.stack(pieces)
         return gathered.to(t.device) if staged else gathered
 
-    def barrier(self) -> None:
-        """Return once every rank has called it, within timeout_s (as max_int, which it is)."""
-        self.max_int(0)
+    def barrier(self, what: str = "barrier", timeout_s: Optional[float] = None) -> None:
+        """Return once every rank has called it (as max_int, which it is)."""
+        self.max_int(0, what, timeout_s)
 
-    def max_int(self, value: int) -> int:
-        """The largest `value` over the ranks (a host sync).
+    def max_int(self, value: int, what: str = "rounds", timeout_s: Optional[float] = None) -> int:
+        """The largest `value` over the ranks (a host sync), within `timeout_s` (the Buffer's if None); `what`
+        names the stage a timeout reports.
 
         On CUDA the all-reduce and a copy into pinned memory run on a stream of their own, so they wait for
         none of the work queued before them, and the wait is for them alone (an event), bounded: a rank
@@ -258,7 +261,7 @@ class Collectives:
             return max(self._all_gather_object(int(value)))
         if self._bounded():
             t = torch.full((1,), value, dtype=torch.int64)
-            self._finish(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "rounds")
+            self._finish(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what, timeout_s)
             return int(t[0])
         group = self._device_group()
         if self._stream is None:
@@ -270,9 +273,9 @@ class Collectives:
             host.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        if not wait_until(done.query, self.timeout_s):
-            raise CommTimeoutError(self.rank, -1, "dispatch/rounds",
-                                   "the ranks did not agree on the round count; destroy this Buffer")
+        if not wait_until(done.query, self.timeout_s if timeout_s is None else timeout_s):
+            raise CommTimeoutError(self.rank, -1, f"{self.op}/{what}",
+                                   "a peer did not join; destroy this Buffer")
         return int(host[0])
 
     def destroy(self) -> None:

@@ -73,6 +73,9 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
     import torch.distributed.nn  # noqa: F401 - before the group exists: NOTE [gloo threads at exit]
 
     disable_nvlink_multicast()
+    # One intra-op thread a rank, as torchrun gives several ranks of one host: ranks that each spread their
+    # host work over every core (test oracles, the reference backend) spin against each other's threads.
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=timeout_s)
     if use_cuda:
@@ -84,7 +87,6 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
         else:
             dist.init_process_group("gloo", rank=rank, world_size=num_ranks, timeout=timeout)
         return device
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=num_ranks, timeout=timeout)
     return torch.device("cpu")
 

@@ -95,9 +95,10 @@ class SymmetricBuffer:
     A rank zeroes its memory before its IPC handle leaves the process: cudaMemset runs on the legacy stream,
     behind whatever the process queued before, and a peer may write as soon as it holds the handle. A rank
     frees its memory only once no rank maps it (CUDA leaves a cudaFree before every importer's
-    cudaIpcCloseMemHandle undefined): at `close` the ranks meet (a bounded barrier, so that none is still
-    using a peer's memory), close their mappings, meet again, then free. A meeting that fails (a peer gone, or
-    later than timeout_s) is skipped: the memory is released regardless.
+    cudaIpcCloseMemHandle undefined): at the Buffer's destroy each rank waits for its own kernels, closes its
+    mappings of the peers' memory, meets the others once (`meet`), then frees its own. Every rank that calls
+    destroy posts that one meeting, met or not, so the group's collectives stay in step for the next Buffer.
+    A meeting that fails (a peer gone, or later than its deadline) releases the memory regardless.
     """
 
     def __init__(self, ctx: GroupContext, num_bytes: int):
@@ -111,25 +112,30 @@ class SymmetricBuffer:
         self.bases_tensor = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
         self.tensor = torch.as_tensor(_CudaArray(self.local, num_bytes), device=ctx.device)
 
-    def close(self, ctx: Optional[GroupContext]) -> None:
-        """With `ctx`, collective, as the Buffer's destroy (NOTE [symmetric lifetime]); without, alone."""
-        met = ctx is not None and _meet(ctx)
+    def unmap_peers(self) -> None:
         for r, base in enumerate(self.bases):
             if r != self.rank:
                 runtime.ipc_close(base)
-        if met:
-            _meet(ctx)
+        self.bases = [self.local]
+
+    def free(self) -> None:
         runtime.free(self.local)
         self.bases = []
 
 
-def _meet(ctx: GroupContext) -> bool:
-    """A bounded barrier of the group: -> whether every rank came (False: one is gone or late)."""
+# The destroy meeting's deadline is timeout_s, but no less than this: ranks reach destroy with the host's
+# skew (seconds), which a deadline set for the kernels' waits (microseconds where a low-latency decoder
+# masks late peers) does not bound.
+MEETING_FLOOR_S = 5.0
+
+
+def meet(ctx: GroupContext) -> None:
+    """A bounded barrier of the group (NOTE [symmetric lifetime]); a rank that does not come is not waited for."""
     try:
-        ctx.collectives.barrier()
+        ctx.collectives.op = "destroy"
+        ctx.collectives.barrier("meeting", max(ctx.timeout_s, MEETING_FLOOR_S))
     except (TokenyardError, RuntimeError):
-        return False
-    return True
+        pass
 
 
 class CudaBackend(Backend):
@@ -657,10 +663,14 @@ class CudaBackend(Backend):
 
     def destroy(self, together: bool = True) -> None:
         torch.cuda.synchronize(self.device_index)
-        for name in ("normal", "low_latency_buffer"):
-            if getattr(self, name) is not None:
-                getattr(self, name).close(self.ctx if together else None)
-                setattr(self, name, None)
+        held = [b for b in (self.normal, self.low_latency_buffer) if b is not None]
+        self.normal = self.low_latency_buffer = None
+        for buffer in held:
+            buffer.unmap_peers()
+        if held and together:  # NOTE [symmetric lifetime]
+            meet(self.ctx)
+        for buffer in held:
+            buffer.free()
         for ptr in (self.host_record_ptr, self.host_counts_ptr):
             runtime.host_free(ptr)
         self.host_record_ptr = self.host_counts_ptr = 0
