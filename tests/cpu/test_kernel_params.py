@@ -1,8 +1,11 @@
-"""Each kernel's parameters, as kernels.py lists them, against the device function in its header: the generated
-entry point passes them by position, so the two lists must name the same parameters in the same order."""
+"""Each kernel's parameters are listed once, in kernels.py (NOTE [kernel parameters] in tokenyard/jit/spec.py): the
+generated unit writes them as a struct whose layout is pinned to the ctypes buffer the launch fills, and the device
+function reads them by name. The compiler checks names and layout (CI compiles every kernel); these tests check the
+same without a compiler, and that no listed parameter goes unread."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 
@@ -12,66 +15,61 @@ from tokenyard.backends.cuda import kernels
 from tokenyard.bench import copy_limit
 from tokenyard.jit.compiler import INCLUDE_DIR
 
-
-def _header(spec) -> str:
-    with open(os.path.join(spec.include_root or INCLUDE_DIR, spec.header)) as f:
-        return f.read()
-
-
-def _macros() -> dict:
-    """Every `#define NAME ...` (with continued lines) of the headers, by name."""
-    found = {}
-    for root, _, files in os.walk(INCLUDE_DIR):
-        for name in files:
-            text = open(os.path.join(root, name)).read().replace("\\\n", " ")
-            for match in re.finditer(r"^#define (\w+)\s+(.*)$", text, re.MULTILINE):
-                found[match.group(1)] = match.group(2)
-    return found
-
-
-def _split_top_level(text: str) -> list:
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(text):
-        depth += c in "(<[{"
-        depth -= c in ")>]}"
-        if c == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return [p.strip() for p in parts if p.strip()]
-
-
-def device_parameter_names(spec) -> list:
-    """The parameter names of `spec`'s device function, macros expanded."""
-    function = spec.function.rsplit("::", 1)[-1]
-    text = _header(spec)
-    match = re.search(r"__device__ __forceinline__ void %s\(" % function, text)
-    assert match, f"{spec.header} defines no device function {function}"
-    depth, i = 1, match.end()
-    while depth:
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        i += 1
-    macros, names = _macros(), []
-    for param in _split_top_level(text[match.end():i - 1]):
-        if param in macros:
-            names += [re.findall(r"\w+", p)[-1] for p in _split_top_level(macros[param])]
-        else:
-            names.append(re.findall(r"\w+", param)[-1])
-    return names
-
-
 SPECS = {(s.header, s.function): s for s in (*kernels.every_kernel(), *copy_limit.every_kernel())}
 
 
+def _read(root: str, header: str) -> str:
+    with open(os.path.join(root, header)) as f:
+        return f.read()
+
+
+def _function_text(spec) -> str:
+    """The device function's text, from its template line to its closing brace."""
+    text = _read(spec.include_root or INCLUDE_DIR, spec.header)
+    function = spec.function.rsplit("::", 1)[-1]
+    match = re.search(r"template <[^;{}]*typename Params>\n__device__ __forceinline__ void %s\(const Params& p\) \{"
+                      % function, text)
+    assert match, f"{spec.header}: {function} must be `template <..., typename Params> ... {function}(const Params& p)`"
+    depth, i = 1, match.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return text[match.start():i]
+
+
+def _read_fields(text: str) -> set:
+    code = "\n".join(line.partition("//")[0] for line in text.splitlines())
+    return set(re.findall(r"(?<![\w.])p\.(\w+)", code))
+
+
+def _helper_fields(text: str) -> set:
+    """Fields read by helpers that take the whole struct (`LowLatencyBuffers::of(p, ...)`)."""
+    if "LowLatencyBuffers::of(p" not in text:
+        return set()
+    layout = _read(INCLUDE_DIR, "tokenyard/layout.cuh")
+    start = layout.index("static __device__ __forceinline__ LowLatencyBuffers of(")
+    return _read_fields(layout[start:layout.index("}", start)])
+
+
 @pytest.mark.parametrize("spec", list(SPECS.values()), ids=lambda s: s.entry)
-def test_every_kernels_parameter_list_names_its_device_functions_parameters_in_order(spec):
-    assert device_parameter_names(spec) == [p.name for p in spec.params]
+def test_every_kernel_reads_exactly_its_listed_parameters(spec):
+    text = _function_text(spec)
+    read = _read_fields(text) | _helper_fields(text)
+    listed = {p.name for p in spec.params}
+    assert read <= listed, f"read but not listed in kernels.py: {sorted(read - listed)}"
+    assert listed <= read, f"listed but never read: {sorted(listed - read)}"
 
 
-def test_a_swap_of_two_parameters_is_seen():
-    spec = kernels.combine(4, 7168 * 2 // 16, 8)
-    names = device_parameter_names(spec)
-    swapped = [p.name for p in spec.params]
-    i, j = swapped.index("num_tokens"), swapped.index("num_send_blocks")
-    swapped[i], swapped[j] = swapped[j], swapped[i]
-    assert names != swapped
+@pytest.mark.parametrize("spec", [kernels.combine(4, 7168 * 2 // 16, 8), kernels.low_latency_dispatch(8, *(
+    kernels.torch.int64, True, False))], ids=lambda s: s.entry)
+def test_the_generated_struct_is_pinned_to_the_launch_buffers_layout(spec):
+    source = spec.source()
+    fields = re.findall(r"^    (.+) (\w+);$", source[source.index("struct Params {"):source.index("};")], re.MULTILINE)
+    assert fields == [(p.ctype, p.name) for p in spec.params]
+    layout = spec.args_type
+    assert f"static_assert(sizeof(Params) == {ctypes.sizeof(layout)}," in source
+    for p in spec.params:
+        assert f"static_assert(__builtin_offsetof(Params, {p.name}) == {getattr(layout, p.name).offset}," in source
+    packed = spec.pack({p.name: i + 1 for i, p in enumerate(spec.params)})
+    assert [getattr(packed, p.name) for p in spec.params] == list(range(1, len(spec.params) + 1))
+    assert "(const __grid_constant__ Params p)" in source and f"{spec.function}<" in source

@@ -37,10 +37,16 @@ class Param:
 class KernelSpec:
     """A kernel: `function<template_args>(params...)` from `header`, launched with `num_threads` threads.
 
-    The generated unit defines ``extern "C" __global__ void tokenyard_<name>(params...)`` (`entry`) that
-    calls the device function; the compiler checks that `params` match the header's signature. `header` is
-    found under tokenyard/include, or under `include_root` (an absolute folder searched too, for kernels
-    that are not the library's own, such as the benchmark's).
+    NOTE [kernel parameters]
+    `params` is the only list of a kernel's parameters. The generated unit (`source`) writes them as the
+    fields of a struct `Params`, pins its size and every offset to the ctypes layout that `pack` fills, and
+    defines ``extern "C" __global__ void tokenyard_<name>(const __grid_constant__ Params p)`` (`entry`),
+    which calls ``function<template_args>(p)``: the device function takes `const Params& p` (a template
+    parameter of its own) and reads its parameters by name, `p.num_tokens`, so a misspelt or missing one
+    fails to compile and none can be swapped. Callers name every value (`pack` of a dict).
+
+    `header` is found under tokenyard/include, or under `include_root` (an absolute folder searched too, for
+    kernels that are not the library's own, such as the benchmark's).
     """
 
     header: str
@@ -64,13 +70,22 @@ class KernelSpec:
         return "tokenyard_" + self.function.rsplit("::", 1)[-1]
 
     def source(self) -> str:
-        signature = ", ".join(f"{p.ctype} {p.name}" for p in self.params)
-        call_args = ", ".join(p.name for p in self.params)
+        """The unit: the header, the parameter struct written from `params` with its layout pinned to the
+        ctypes one that `pack` fills (NOTE [kernel parameters]), and the entry point."""
+        fields = "".join(f"    {p.ctype} {p.name};\n" for p in self.params)
+        layout = self.args_type
+        offsets = "".join(f"static_assert(__builtin_offsetof(Params, {p.name}) == {getattr(layout, p.name).offset}, "
+                          f"\"{p.name}\");\n" for p in self.params)
         template = ", ".join(str(a) for a in self.template_args)
         return (f"#include <{self.header}>\n\n"
+                f"namespace {{\n"
+                f"struct Params {{\n{fields}}};\n"
+                f"static_assert(sizeof(Params) == {ctypes.sizeof(layout)}, \"the parameter buffer's size\");\n"
+                f"{offsets}"
+                f"}}  // namespace\n\n"
                 f"extern \"C\" __global__ void __launch_bounds__({self.num_threads}, 1)\n"
-                f"{self.entry}({signature}) {{\n"
-                f"    {self.function}<{template}>({call_args});\n"
+                f"{self.entry}(const __grid_constant__ Params p) {{\n"
+                f"    {self.function}<{template}>(p);\n"
                 f"}}\n")
 
     @functools.cached_property

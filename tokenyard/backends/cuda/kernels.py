@@ -105,15 +105,14 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
         DATA_THREADS)
 
 
-# TOKENYARD_LOW_LATENCY_BUFFER_PARAMS in layout.cuh, in the same order.
+# What LowLatencyBuffers::of (layout.cuh) reads, and which half of the work a launch does.
 _LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "rank"), Param("int", "num_ranks"),
                         Param("int", "num_max"), Param("int64_t", "dispatch_recv"), Param("int64_t", "message_bytes"),
                         Param("int64_t", "header_bytes"), Param("int64_t", "dispatch_positions"),
                         Param("int64_t", "dispatch_counts"), Param("int64_t", "dispatch_expert_counts"),
                         Param("int64_t", "combine_weights"),
                         Param("int64_t", "combine_recv"), Param("int64_t", "combine_flags"), Param("int64_t", "state"),
-                        Param("uint32_t", "tag_factor"), Param("int", "do_send"), Param("int", "do_recv"),
-                        Param("int", "local_blocks"))
+                        Param("uint32_t", "tag_factor"), Param("int", "do_send"), Param("int", "do_recv"))
 _TRACE = (Param("uint64_t*", "trace"),)  # NOTE [low-latency trace]; nullptr except in benchmarks/ll_phases.py
 
 
@@ -140,7 +139,7 @@ def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
         (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("const float*", "topk_weights"),
          Param("int", "num_tokens"), Param("int", "hidden"),
          Param("int", "num_experts"), Param("int4*", "combined_x"), Param("int*", "rank_mask"),
-         Param("int64_t*", "wait_costs"))
+         Param("int64_t*", "wait_costs"), Param("int", "local_blocks"))
         + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
         LOW_LATENCY_THREADS)
 

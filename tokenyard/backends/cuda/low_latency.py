@@ -110,7 +110,7 @@ class LowLatencyKernels:
                     dispatch_positions=layout.dispatch_positions, dispatch_counts=layout.dispatch_counts,
                     dispatch_expert_counts=layout.dispatch_expert_counts, combine_weights=layout.combine_weights,
                     combine_recv=layout.combine_recv, combine_flags=layout.combine_flags, state=layout.state,
-                    tag_factor=factor, do_send=do_send, do_recv=do_recv, local_blocks=self._local_blocks)
+                    tag_factor=factor, do_send=do_send, do_recv=do_recv)
 
     def _pair_bits_bytes(self, num_max: int, num_rows: int) -> int:
         """The pair bits of NOTE [pair slots]: a row of words per rank, or per expert and per rank."""
@@ -250,7 +250,7 @@ class LowLatencyKernels:
             return dict(x=b.inp("x"), topk_idx=b.inp("topk_idx"), topk_weights=b.inp("topk_weights"),
                         num_tokens=num_tokens, hidden=hidden, num_experts=num_experts,
                         combined_x=made["combined_x"] if "combined_x" in made else b.inp("out"),
-                        rank_mask=b.inp("rank_mask"), wait_costs=b.inp("wait_costs"),
+                        rank_mask=b.inp("rank_mask"), wait_costs=b.inp("wait_costs"), local_blocks=self._local_blocks,
                         **self._buffer_args(b, layout, do_send, do_recv, num_max, factor),
                         **self.backend._wait_args(), trace=b.scalar("trace"))
 

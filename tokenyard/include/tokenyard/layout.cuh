@@ -114,6 +114,15 @@ struct LowLatencyBuffers {
     int64_t state;
     uint32_t tag_factor;         // NOTE [call tags]: odd, from the call's signature
 
+    // The view a low-latency kernel's parameters describe (kernels.py, _LOW_LATENCY_BUFFERS).
+    template <typename Params>
+    static __device__ __forceinline__ LowLatencyBuffers of(const Params& p, int num_topk) {
+        return {p.peer_bases, p.rank, p.num_ranks, p.num_experts / p.num_ranks, p.num_max, num_topk,
+                p.dispatch_recv, p.message_bytes, p.header_bytes, p.dispatch_positions, p.dispatch_counts,
+                p.dispatch_expert_counts, p.combine_weights, p.combine_recv, static_cast<int64_t>(p.hidden) * 2,
+                p.combine_flags, p.state, p.tag_factor};
+    }
+
     // Message `slot` of `source` in rank `owner`'s receive region: one per (source, token sent to owner).
     __device__ __forceinline__ uint8_t* message(int owner, int source, int slot) const {
         return peer_bases[owner] + dispatch_recv + (static_cast<int64_t>(source) * num_max + slot) * message_bytes;
@@ -163,20 +172,5 @@ struct LowLatencyBuffers {
         return reinterpret_cast<uint64_t*>(peer_bases[rank] + state + kVerdictsAt) + which * kWarpSize + peer;
     }
 };
-
-// The kernels' shared parameter list (kernels.py, _LOW_LATENCY_BUFFERS): the struct above, which half does
-// what, and the combine's `local_blocks` (NOTE [peer-major blocks]; the dispatch ignores it).
-#define TOKENYARD_LOW_LATENCY_BUFFER_PARAMS                                                                        \
-    uint8_t *const *peer_bases, int rank, int num_ranks, int num_max, int64_t dispatch_recv, int64_t message_bytes, \
-            int64_t header_bytes, int64_t dispatch_positions, int64_t dispatch_counts,                              \
-            int64_t dispatch_expert_counts, int64_t combine_weights, int64_t combine_recv, int64_t combine_flags,   \
-            int64_t state, uint32_t tag_factor, int do_send, int do_recv, int local_blocks
-
-#define TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, num_topk, hidden)                                              \
-    LowLatencyBuffers {                                                                                          \
-        peer_bases, rank, num_ranks, (num_experts) / num_ranks, num_max, (num_topk), dispatch_recv, message_bytes, \
-                header_bytes, dispatch_positions, dispatch_counts, dispatch_expert_counts, combine_weights,        \
-                combine_recv, static_cast<int64_t>(hidden) * 2, combine_flags, state, tag_factor                 \
-    }
 
 }  // namespace tokenyard

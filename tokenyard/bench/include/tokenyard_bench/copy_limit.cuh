@@ -37,25 +37,24 @@ __device__ __forceinline__ void bulk_store_to_global(void* dst, const void* src_
                  :: "l"(dst), "r"(src), "r"(num_bytes) : "memory");
 }
 
-template <int kNumRanks, int kNumThreads, int kPattern = kCopyInterleaved>
-__device__ __forceinline__ void copy_to_peers(const int4* src, int64_t num_int4, uint8_t* const* peer_bases, int rank,
-                                              int64_t offset_bytes, int64_t stride_bytes) {
+template <int kNumRanks, int kNumThreads, int kPattern = kCopyInterleaved, typename Params>
+__device__ __forceinline__ void copy_to_peers(const Params& p) {
     int4* dst[kNumRanks];
 #pragma unroll
     for (int q = 0; q < kNumRanks; ++q)
-        dst[q] = reinterpret_cast<int4*>(peer_bases[q] + offset_bytes + rank * stride_bytes);
+        dst[q] = reinterpret_cast<int4*>(p.peer_bases[q] + p.offset_bytes + p.rank * p.stride_bytes);
 
     if constexpr (kPattern == kCopyBulk) {
         extern __shared__ int4 stages[];  // [warps][2][kBulkPieceInt4]
         const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
         const int num_warps = kNumThreads / kWarpSize;
-        const int64_t num_pieces = (num_int4 + kBulkPieceInt4 - 1) / kBulkPieceInt4;
+        const int64_t num_pieces = (p.num_int4 + kBulkPieceInt4 - 1) / kBulkPieceInt4;
         int stage = 0;
         for (int64_t piece = static_cast<int64_t>(blockIdx.x) * num_warps + warp; piece < num_pieces;
              piece += static_cast<int64_t>(gridDim.x) * num_warps, stage ^= 1) {
             int4* staged = stages + (warp * 2 + stage) * kBulkPieceInt4;
             const int64_t first = piece * kBulkPieceInt4;
-            const int n = static_cast<int>(min(static_cast<int64_t>(kBulkPieceInt4), num_int4 - first));
+            const int n = static_cast<int>(min(static_cast<int64_t>(kBulkPieceInt4), p.num_int4 - first));
             if (lane == 0)  // the stage's previous sends have read it
                 asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
             __syncwarp();
@@ -63,7 +62,7 @@ __device__ __forceinline__ void copy_to_peers(const int4* src, int64_t num_int4,
 #pragma unroll
             for (int u = 0; u < kCopyUnroll; ++u)
                 if (u * kWarpSize + lane < n)
-                    v[u] = ptx::ld_nc_v4(src + first + u * kWarpSize + lane);
+                    v[u] = ptx::ld_nc_v4(p.src + first + u * kWarpSize + lane);
 #pragma unroll
             for (int u = 0; u < kCopyUnroll; ++u)
                 if (u * kWarpSize + lane < n)
@@ -73,7 +72,7 @@ __device__ __forceinline__ void copy_to_peers(const int4* src, int64_t num_int4,
             if (lane == 0) {
 #pragma unroll
                 for (int q = 0; q < kNumRanks; ++q)
-                    if (q != rank)
+                    if (q != p.rank)
                         bulk_store_to_global(dst[q] + first, staged, static_cast<uint32_t>(n) * 16u);
                 asm volatile("cp.async.bulk.commit_group;" ::: "memory");
             }
@@ -93,15 +92,15 @@ __device__ __forceinline__ void copy_to_peers(const int4* src, int64_t num_int4,
     const int slice = kOnePeer ? static_cast<int>(blockIdx.x) / num_targets : blockIdx.x;
     if (slice >= num_slices)
         return;  // peer-major with a grid that is not a multiple of R - 1: the spare blocks idle
-    const int only = kOnePeer ? (static_cast<int>(blockIdx.x) % num_targets + rank + 1) % kNumRanks : -1;
-    const int64_t per_block = (num_int4 + num_slices - 1) / num_slices;
-    const int64_t begin = slice * per_block, end = min(num_int4, begin + per_block);
+    const int only = kOnePeer ? (static_cast<int>(blockIdx.x) % num_targets + p.rank + 1) % kNumRanks : -1;
+    const int64_t per_block = (p.num_int4 + num_slices - 1) / num_slices;
+    const int64_t begin = slice * per_block, end = min(p.num_int4, begin + per_block);
     if constexpr (kPull) {  // from peer q's slice for this rank into this rank's slice of q
-        int4* own = reinterpret_cast<int4*>(peer_bases[rank] + offset_bytes);
+        int4* own = reinterpret_cast<int4*>(p.peer_bases[p.rank] + p.offset_bytes);
         for (int64_t base = begin + threadIdx.x; base < end; base += kCopyUnroll * kNumThreads) {
 #pragma unroll
             for (int q = 0; q < kNumRanks; ++q) {
-                if (q == rank || (only >= 0 && q != only))
+                if (q == p.rank || (only >= 0 && q != only))
                     continue;
                 int4 v[kCopyUnroll];
 #pragma unroll
@@ -114,7 +113,7 @@ __device__ __forceinline__ void copy_to_peers(const int4* src, int64_t num_int4,
                 for (int u = 0; u < kCopyUnroll; ++u) {
                     const int64_t i = base + u * kNumThreads;
                     if (i < end)
-                        ptx::st_na_v4(own + q * (stride_bytes / 16) + i, v[u]);
+                        ptx::st_na_v4(own + q * (p.stride_bytes / 16) + i, v[u]);
                 }
             }
         }
@@ -126,11 +125,11 @@ __device__ __forceinline__ void copy_to_peers(const int4* src, int64_t num_int4,
         for (int u = 0; u < kCopyUnroll; ++u) {
             const int64_t i = base + u * kNumThreads;
             if (i < end)
-                v[u] = ptx::ld_nc_v4(src + i);
+                v[u] = ptx::ld_nc_v4(p.src + i);
         }
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q) {
-            if (q == rank || (only >= 0 && q != only))
+            if (q == p.rank || (only >= 0 && q != only))
                 continue;
 #pragma unroll
             for (int u = 0; u < kCopyUnroll; ++u) {

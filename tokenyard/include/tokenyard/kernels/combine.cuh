@@ -46,75 +46,70 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // In a placed round (NOTE [placed rounds] in tokenyard/rounds.py), `x` and `topk_weights` are the whole call's and
 // the round's rows from source s start at row recv_first[s] of them (else rank_prefix_matrix gives it);
 // send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
-template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts>
-__device__ __forceinline__ void combine(
-        const int4* x, const float* topk_weights, const int4* bias_0, const int4* bias_1,
-        const int* rank_prefix_matrix, const int* recv_first, const int* send_head, int num_tokens,
-        int num_send_blocks, int4* combined_x, float* combined_topk_weights, int local_direct,
-        uint8_t* const* peer_bases, int rank,
-        int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
-        uint32_t seq,
-        uint32_t barrier_expected, const int* signature, int* error_flag, int* host_record, uint64_t timeout_ns) {
+template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
+          typename Params>
+__device__ __forceinline__ void combine(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     constexpr int kWeightsOffset = kHiddenInt4 * 16;
-    const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_offset, max_chunks, row_bytes};
-    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+    const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
+                                p.slots_offset, p.max_chunks, p.row_bytes};
+    const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     // The first row from `source` in this round's part of the receive order, and in `x`.
-    auto round_first = [&](int source) { return first_row_in_order(rank_prefix_matrix, kNumRanks, rank, source); };
+    auto round_first = [&](int source) { return first_row_in_order(p.rank_prefix_matrix, kNumRanks, p.rank, source); };
     auto x_first = [&](int source) {
-        return first_row_placed(recv_first, rank_prefix_matrix, kNumRanks, rank, source);
+        return first_row_placed(p.recv_first, p.rank_prefix_matrix, kNumRanks, p.rank, source);
     };
-    if (!normal_barrier<kNumRanks, kSignatureInts>(buffers, wait, barrier_expected, signature))
+    if (!normal_barrier<kNumRanks, kSignatureInts>(buffers, wait, p.barrier_expected, p.signature))
         return;
 
-    if (static_cast<int>(blockIdx.x) < num_send_blocks) {
+    if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
         int most_chunks = 0;
         for (int s = 0; s < kNumRanks; ++s) {
-            const int rows = rank_prefix_matrix[s * kNumRanks + rank] - round_first(s);
+            const int rows = p.rank_prefix_matrix[s * kNumRanks + p.rank] - round_first(s);
             most_chunks = max(most_chunks, (rows + kChunkRows - 1) / kChunkRows);
         }
-        const int num_send_warps = num_send_blocks * kNumWarps;
+        const int num_send_warps = p.num_send_blocks * kNumWarps;
         // With local_direct the items cover the other sources only (as the dispatch's receivers do).
-        const int num_sources = local_direct ? kNumRanks - 1 : kNumRanks;
+        const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
         for (int item = blockIdx.x * kNumWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
             const int chunk = item / num_sources, other = item % num_sources;
-            const int source = local_direct && other >= rank ? other + 1 : other;
+            const int source = p.local_direct && other >= p.rank ? other + 1 : other;
             const int first = x_first(source);
-            const int rows = rank_prefix_matrix[source * kNumRanks + rank] - round_first(source);
+            const int rows = p.rank_prefix_matrix[source * kNumRanks + p.rank] - round_first(source);
             if (chunk * kChunkRows >= rows)
                 continue;
             const int j1 = min(rows, (chunk + 1) * kChunkRows);
             for (int j = chunk * kChunkRows; j < j1; ++j) {
-                uint8_t* dst = buffers.row(source, rank, j);
+                uint8_t* dst = buffers.row(source, p.rank, j);
                 const int64_t from = first + j;
-                warp_copy<16, false>(reinterpret_cast<int4*>(dst), x + from * kHiddenInt4, kHiddenInt4, lane);
+                warp_copy<16, false>(reinterpret_cast<int4*>(dst), p.x + from * kHiddenInt4, kHiddenInt4, lane);
                 if (lane < kNumTopk)
-                    reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = topk_weights[from * kNumTopk + lane];
+                    reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = p.topk_weights[from * kNumTopk + lane];
             }
             __syncwarp();
             if (lane == 0) {
                 ptx::fence_acq_rel_sys();
-                ptx::st_release_sys(&buffers.slot(source, rank, chunk)->seq, seq);
+                ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, p.seq);
             }
         }
         return;
     }
 
     // Reducers.
-    const int reducer_warp = (blockIdx.x - num_send_blocks) * kNumWarps + warp;
-    const int num_reducer_warps = (gridDim.x - num_send_blocks) * kNumWarps;
-    for (int t = reducer_warp; t < num_tokens; t += num_reducer_warps) {
+    const int reducer_warp = (blockIdx.x - p.num_send_blocks) * kNumWarps + warp;
+    const int num_reducer_warps = (gridDim.x - p.num_send_blocks) * kNumWarps;
+    for (int t = reducer_warp; t < p.num_tokens; t += num_reducer_warps) {
         const int64_t token = t;
         int index = -1;
         bool ready = true;
         if (lane < kNumRanks) {
-            const int head = send_head[token * kNumRanks + lane];
+            const int head = p.send_head[token * kNumRanks + lane];
             if (head >= 0)  // the token's row among this rank's rows at rank `lane`
-                index = head - first_row_in_order(rank_prefix_matrix, kNumRanks, lane, rank);
-            if (head >= 0 && !(local_direct && lane == rank))
-                ready = wait_at_least(wait, &buffers.slot(rank, lane, index / kChunkRows)->seq, seq, lane,
+                index = head - first_row_in_order(p.rank_prefix_matrix, kNumRanks, lane, p.rank);
+            if (head >= 0 && !(p.local_direct && lane == p.rank))
+                ready = wait_at_least(wait, &buffers.slot(p.rank, lane, index / kChunkRows)->seq, p.seq, lane,
                                       kStageCombineRecv);
         }
         __syncwarp();  // NOTE [warp acquire] in sync.cuh: each lane's acquire covers every lane's reads of the rows
@@ -122,19 +117,19 @@ __device__ __forceinline__ void combine(
             return;
         int indices[kNumRanks];
         const int4* rows_in[kNumRanks];  // where each rank's row of this token is read
-        const int64_t own_row = x_first(rank) + __shfl_sync(0xffffffffu, index, rank);  // in x, local_direct
+        const int64_t own_row = x_first(p.rank) + __shfl_sync(0xffffffffu, index, p.rank);  // in x, local_direct
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q) {
             indices[q] = __shfl_sync(0xffffffffu, index, q);
             rows_in[q] = indices[q] < 0 ? nullptr
-                         : local_direct && q == rank ? x + own_row * kHiddenInt4
-                         : reinterpret_cast<const int4*>(buffers.row(rank, q, indices[q]));
+                         : p.local_direct && q == p.rank ? p.x + own_row * kHiddenInt4
+                         : reinterpret_cast<const int4*>(buffers.row(p.rank, q, indices[q]));
         }
         // kUnroll vectors per lane, each with its kNumRanks loads issued before any is summed (16 loads in
         // flight per lane); the sum of
         // every element still runs bias_0, bias_1, rank 0, rank 1, ... as the semantics fix.
         constexpr int kUnroll = kNumRanks >= 16 ? 1 : 16 / kNumRanks;
-        const int4* biases[2] = {bias_0, bias_1};
+        const int4* biases[2] = {p.bias_0, p.bias_1};
         for (int base = 0; base < kHiddenInt4; base += kUnroll * kWarpSize) {
             int4 rows[kUnroll][kNumRanks];
 #pragma unroll
@@ -178,7 +173,7 @@ __device__ __forceinline__ void combine(
 #pragma unroll
                 for (int e = 0; e < 8; ++e)
                     o[e] = __float2bfloat16_rn(acc[e]);
-                ptx::st_na_v4(combined_x + token * kHiddenInt4 + i, out);
+                ptx::st_na_v4(p.combined_x + token * kHiddenInt4 + i, out);
             }
         }
         if (lane < kNumTopk) {
@@ -187,12 +182,12 @@ __device__ __forceinline__ void combine(
             for (int q = 0; q < kNumRanks; ++q) {
                 if (indices[q] < 0)
                     continue;
-                const float* w = local_direct && q == rank
-                    ? topk_weights + own_row * kNumTopk
-                    : reinterpret_cast<const float*>(buffers.row(rank, q, indices[q]) + kWeightsOffset);
+                const float* w = p.local_direct && q == p.rank
+                    ? p.topk_weights + own_row * kNumTopk
+                    : reinterpret_cast<const float*>(buffers.row(p.rank, q, indices[q]) + kWeightsOffset);
                 acc = __fadd_rn(acc, __int_as_float(ptx::ld_na_s32(reinterpret_cast<const int*>(w) + lane)));
             }
-            combined_topk_weights[token * kNumTopk + lane] = acc;
+            p.combined_topk_weights[token * kNumTopk + lane] = acc;
         }
     }
 }

@@ -89,21 +89,12 @@ struct SenderRanges {
 };
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
-          int kChunkTokens, int kTailTokens>
-__device__ __forceinline__ void dispatch(
-        const int4* x, const uint32_t* x_scales, int64_t scale_token_stride, int64_t scale_hidden_stride,
-        const TopkT* topk_idx, const float* topk_weights, const bool* is_token_in_rank, const int* prefix_excl,
-        const int* rank_prefix_matrix, const int* source_num_tokens, int num_tokens, int num_local_experts,
-        int num_send_blocks, int4* recv_x, uint32_t* recv_scales, TopkT* recv_topk_idx, float* recv_topk_weights,
-        int* recv_src_idx, int* send_head, int num_worst_tokens, const int* recv_first, int src_idx_base,
-        int local_direct, int num_send_warps, uint8_t* const* peer_bases, int rank,
-        int64_t control_bytes, int64_t region_bytes, int64_t slots_offset, int max_chunks, int64_t row_bytes,
-        uint32_t seq, const int* verdict,
-        int* error_flag, int* host_record, uint64_t timeout_ns) {
+          int kChunkTokens, int kTailTokens, typename Params>
+__device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
-    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+    const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
     // Values judged bad, or ranks whose count exchange found other calls (NOTE [call signatures]): no rows.
-    if ((verdict != nullptr && verdict[1] != 0) || failed(wait))
+    if ((p.verdict != nullptr && p.verdict[1] != 0) || failed(wait))
         return;
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     using Ranges = SenderRanges<kChunkTokens, kTailTokens>;
@@ -111,11 +102,12 @@ __device__ __forceinline__ void dispatch(
     constexpr int kScaleInt4 = (kNumScales + 3) / 4;
     constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
     constexpr int kTailPerLane = (kTailInt4 + kWarpSize - 1) / kWarpSize;
-    const NormalBuffers buffers{peer_bases, rank, control_bytes, region_bytes, slots_offset, max_chunks, row_bytes};
+    const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
+                                p.slots_offset, p.max_chunks, p.row_bytes};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     // The output row of the first row from `source` (NOTE [placed rounds]).
     auto out_first = [&](int source) {
-        return first_row_placed(recv_first, rank_prefix_matrix, kNumRanks, rank, source);
+        return first_row_placed(p.recv_first, p.rank_prefix_matrix, kNumRanks, p.rank, source);
     };
 
     // NOTE [row tail]
@@ -129,8 +121,8 @@ __device__ __forceinline__ void dispatch(
 
     // Metadata word w of destination `dest` for this lane, built from lane w (or w - kNumTopk) of the top-k.
     auto meta_word = [&](int w, int dest, int64_t expert, float weight, int t) {
-        const int64_t first = static_cast<int64_t>(dest) * num_local_experts;
-        const bool local = lane < kNumTopk && expert >= first && expert < first + num_local_experts;
+        const int64_t first = static_cast<int64_t>(dest) * p.num_local_experts;
+        const bool local = lane < kNumTopk && expert >= first && expert < first + p.num_local_experts;
         const int id = __shfl_sync(0xffffffffu, local ? static_cast<int>(expert - first) : -1, w % kWarpSize);
         const int bits = __shfl_sync(0xffffffffu, local ? __float_as_int(weight) : 0, (w - kNumTopk) & (kWarpSize - 1));
         return w < kNumTopk ? id : w < 2 * kNumTopk ? bits : w == 2 * kNumTopk ? t : 0;
@@ -144,7 +136,7 @@ __device__ __forceinline__ void dispatch(
     auto send_token = [&](int t) {
         constexpr int kBatch = 16;
         const int64_t token = t;
-        const int4* src = x + token * kDataInt4;
+        const int4* src = p.x + token * kDataInt4;
         int4 v[kBatch];
         load_batch<kBatch, false>(v, src, 0, kDataInt4, lane);
         int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
@@ -155,42 +147,42 @@ __device__ __forceinline__ void dispatch(
             for (int c = 0; c < 4; ++c) {
                 const int j = (u * kWarpSize + lane) * 4 + c;
                 if (u * kWarpSize + lane < kScaleInt4 && j < kNumScales)
-                    words[c] = static_cast<int>(x_scales[token * scale_token_stride + j * scale_hidden_stride]);
+                    words[c] = static_cast<int>(p.x_scales[token * p.scale_token_stride + j * p.scale_hidden_stride]);
             }
             tail[u] = make_int4(words[0], words[1], words[2], words[3]);
         }
         int64_t expert = -1;
         float weight = 0.0f;
         if (lane < kNumTopk) {
-            expert = static_cast<int64_t>(topk_idx[token * kNumTopk + lane]);
-            weight = topk_weights != nullptr ? topk_weights[token * kNumTopk + lane] : 0.0f;
+            expert = static_cast<int64_t>(p.topk_idx[token * kNumTopk + lane]);
+            weight = p.topk_weights != nullptr ? p.topk_weights[token * kNumTopk + lane] : 0.0f;
         }
-        const bool hit = lane < kNumRanks && is_token_in_rank[token * kNumRanks + lane];
-        const int slot_index = lane < kNumRanks ? prefix_excl[token * kNumRanks + lane] : 0;
+        const bool hit = lane < kNumRanks && p.is_token_in_rank[token * kNumRanks + lane];
+        const int slot_index = lane < kNumRanks ? p.prefix_excl[token * kNumRanks + lane] : 0;
 
         const uint32_t mask = __ballot_sync(0xffffffffu, hit);
         const int index = hit ? slot_index : -1;
-        if (send_head != nullptr && lane < kNumRanks) {
-            const int before = first_row_in_order(rank_prefix_matrix, kNumRanks, lane, rank);
-            send_head[token * kNumRanks + lane] = hit ? before + index : -1;
+        if (p.send_head != nullptr && lane < kNumRanks) {
+            const int before = first_row_in_order(p.rank_prefix_matrix, kNumRanks, lane, p.rank);
+            p.send_head[token * kNumRanks + lane] = hit ? before + index : -1;
         }
         uint8_t* dst[kNumRanks];
 #pragma unroll
         for (int dest = 0; dest < kNumRanks; ++dest)
-            dst[dest] = ((mask >> dest) & 1u) ? buffers.row(dest, rank, __shfl_sync(0xffffffffu, index, dest))
+            dst[dest] = ((mask >> dest) & 1u) ? buffers.row(dest, p.rank, __shfl_sync(0xffffffffu, index, dest))
                                               : nullptr;
         // This rank's own row, written straight into the outputs (NOTE [dispatch roles]).
         int64_t direct_row = -1;
-        if (local_direct && dst[rank] != nullptr) {
-            dst[rank] = nullptr;
-            direct_row = out_first(rank) + __shfl_sync(0xffffffffu, index, rank);
-            if (num_worst_tokens > 0 && direct_row >= num_worst_tokens) {
+        if (p.local_direct && dst[p.rank] != nullptr) {
+            dst[p.rank] = nullptr;
+            direct_row = out_first(p.rank) + __shfl_sync(0xffffffffu, index, p.rank);
+            if (p.num_worst_tokens > 0 && direct_row >= p.num_worst_tokens) {
                 if (lane == 0)
-                    record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, direct_row + 1, num_worst_tokens);
+                    record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, direct_row + 1, p.num_worst_tokens);
                 direct_row = -1;
             }
         }
-        int4* direct = direct_row >= 0 ? recv_x + direct_row * kDataInt4 : nullptr;
+        int4* direct = direct_row >= 0 ? p.recv_x + direct_row * kDataInt4 : nullptr;
         for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
             if (base > 0)
                 load_batch<kBatch, false>(v, src, base, kDataInt4, lane);
@@ -209,18 +201,18 @@ __device__ __forceinline__ void dispatch(
                 for (int c = 0; c < 4; ++c) {
                     const int j = (u * kWarpSize + lane) * 4 + c;
                     if (u * kWarpSize + lane < kScaleInt4 && j < kNumScales)
-                        recv_scales[direct_row * kNumScales + j] = static_cast<uint32_t>(words[c]);
+                        p.recv_scales[direct_row * kNumScales + j] = static_cast<uint32_t>(words[c]);
                 }
             }
             if (lane < kNumTopk) {
-                const int64_t first = static_cast<int64_t>(rank) * num_local_experts;
-                const bool local = expert >= first && expert < first + num_local_experts;
-                recv_topk_idx[direct_row * kNumTopk + lane] = static_cast<TopkT>(local ? expert - first : -1);
-                if (recv_topk_weights != nullptr)
-                    recv_topk_weights[direct_row * kNumTopk + lane] = local ? weight : 0.0f;
+                const int64_t first = static_cast<int64_t>(p.rank) * p.num_local_experts;
+                const bool local = expert >= first && expert < first + p.num_local_experts;
+                p.recv_topk_idx[direct_row * kNumTopk + lane] = static_cast<TopkT>(local ? expert - first : -1);
+                if (p.recv_topk_weights != nullptr)
+                    p.recv_topk_weights[direct_row * kNumTopk + lane] = local ? weight : 0.0f;
             }
-            if (lane == 0 && recv_src_idx != nullptr)
-                recv_src_idx[direct_row] = src_idx_base + t;
+            if (lane == 0 && p.recv_src_idx != nullptr)
+                p.recv_src_idx[direct_row] = p.src_idx_base + t;
         }
 #pragma unroll
         for (int dest = 0; dest < kNumRanks; ++dest) {
@@ -252,7 +244,7 @@ __device__ __forceinline__ void dispatch(
         constexpr int kBatch = 16;
         const int4* data_in = reinterpret_cast<const int4*>(src);
         const int4* tail_in = data_in + kDataInt4;
-        int4* data_out = recv_x + out * kDataInt4;
+        int4* data_out = p.recv_x + out * kDataInt4;
         int4 tail[kTailPerLane];
         for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
             int4 v[kBatch];
@@ -276,14 +268,14 @@ __device__ __forceinline__ void dispatch(
                 const int j = i * 4 + c, w = (i - kScaleInt4) * 4 + c;
                 if (i < kScaleInt4) {
                     if (j < kNumScales)
-                        recv_scales[out * kNumScales + j] = static_cast<uint32_t>(words[c]);
+                        p.recv_scales[out * kNumScales + j] = static_cast<uint32_t>(words[c]);
                 } else if (w < kNumTopk) {
-                    recv_topk_idx[out * kNumTopk + w] = static_cast<TopkT>(words[c]);
+                    p.recv_topk_idx[out * kNumTopk + w] = static_cast<TopkT>(words[c]);
                 } else if (w < 2 * kNumTopk) {
-                    if (recv_topk_weights != nullptr)
-                        recv_topk_weights[out * kNumTopk + w - kNumTopk] = __int_as_float(words[c]);
-                } else if (w == 2 * kNumTopk && recv_src_idx != nullptr) {
-                    recv_src_idx[out] = src_idx_base + words[c];
+                    if (p.recv_topk_weights != nullptr)
+                        p.recv_topk_weights[out * kNumTopk + w - kNumTopk] = __int_as_float(words[c]);
+                } else if (w == 2 * kNumTopk && p.recv_src_idx != nullptr) {
+                    p.recv_src_idx[out] = p.src_idx_base + words[c];
                 }
             }
         }
@@ -292,17 +284,17 @@ __device__ __forceinline__ void dispatch(
     // Publish tokens [t0, t1) of a sender's piece in slot `index` at destination dest (one lane): its rows
     // first (fence), then the sequence number, with the sender's launch width for the receiver to check.
     auto publish = [&](int dest, int index, int t0, int t1) {
-        ChunkSlot* slot = buffers.slot(dest, rank, index);
+        ChunkSlot* slot = buffers.slot(dest, p.rank, index);
         ptx::fence_acq_rel_sys();
-        ptx::st_relaxed_sys(&slot->begin, prefix_excl[static_cast<int64_t>(t0) * kNumRanks + dest]);
-        ptx::st_relaxed_sys(&slot->end, prefix_excl[static_cast<int64_t>(t1) * kNumRanks + dest]);
-        ptx::st_relaxed_sys(&slot->send_warps, num_send_warps);  // the receiver checks it is its own W
-        ptx::st_release_sys(&slot->seq, seq);
+        ptx::st_relaxed_sys(&slot->begin, p.prefix_excl[static_cast<int64_t>(t0) * kNumRanks + dest]);
+        ptx::st_relaxed_sys(&slot->end, p.prefix_excl[static_cast<int64_t>(t1) * kNumRanks + dest]);
+        ptx::st_relaxed_sys(&slot->send_warps, p.num_send_warps);  // the receiver checks it is its own W
+        ptx::st_release_sys(&slot->seq, p.seq);
     };
 
-    if (static_cast<int>(blockIdx.x) < num_send_blocks) {
+    if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
         const int send_warp = blockIdx.x * kNumWarps + warp;
-        const Ranges ranges(num_tokens, num_send_warps);
+        const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp);
         for (int piece = 0; piece < num_pieces; ++piece) {
             int t0, t1;
@@ -318,36 +310,36 @@ __device__ __forceinline__ void dispatch(
 
     // Receivers: each warp takes (piece, sender warp, source) items piece-major, waits for the slot, copies
     // the rows.
-    const int receiver = blockIdx.x - num_send_blocks, num_receivers = gridDim.x - num_send_blocks;
+    const int receiver = blockIdx.x - p.num_send_blocks, num_receivers = gridDim.x - p.num_send_blocks;
     int most_pieces = 0;
     for (int s = 0; s < kNumRanks; ++s)
-        most_pieces = max(most_pieces, Ranges(source_num_tokens[s], num_send_warps).num_pieces);
-    const int num_recv = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + rank];
-    if (num_worst_tokens > 0 && recv_first == nullptr && num_recv > num_worst_tokens && receiver == 0 &&
+        most_pieces = max(most_pieces, Ranges(p.source_num_tokens[s], p.num_send_warps).num_pieces);
+    const int num_recv = p.rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + p.rank];
+    if (p.num_worst_tokens > 0 && p.recv_first == nullptr && num_recv > p.num_worst_tokens && receiver == 0 &&
         threadIdx.x == 0)
-        record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, num_recv, num_worst_tokens);
+        record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, num_recv, p.num_worst_tokens);
     const int num_recv_warps = num_receivers * kNumWarps;
     // With local_direct the items cover the other sources only: had this rank's own source kept its item
     // numbers, a warp count that is a multiple of kNumRanks would leave every warp landing on it idle.
-    const int num_sources = local_direct ? kNumRanks - 1 : kNumRanks;
-    const int items_per_piece = num_send_warps * num_sources;
+    const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
+    const int items_per_piece = p.num_send_warps * num_sources;
     for (int item = receiver * kNumWarps + warp; item < most_pieces * items_per_piece; item += num_recv_warps) {
         const int piece = item / items_per_piece, sender = item % items_per_piece / num_sources;
         const int other = item % num_sources;
-        const int source = local_direct && other >= rank ? other + 1 : other;
-        const Ranges ranges(source_num_tokens[source], num_send_warps);
+        const int source = p.local_direct && other >= p.rank ? other + 1 : other;
+        const Ranges ranges(p.source_num_tokens[source], p.num_send_warps);
         if (piece >= ranges.pieces_of(sender))
             continue;
         int begin = 0, end = 0;
         bool ok = true;
         if (lane == 0) {
-            ChunkSlot* slot = buffers.slot(rank, source, ranges.slot(sender, piece));
-            ok = wait_at_least(wait, &slot->seq, seq, source, kStageDispatchRecv);
+            ChunkSlot* slot = buffers.slot(p.rank, source, ranges.slot(sender, piece));
+            ok = wait_at_least(wait, &slot->seq, p.seq, source, kStageDispatchRecv);
             begin = ptx::ld_na_s32(&slot->begin);
             end = ptx::ld_na_s32(&slot->end);
             const int sender_warps = ptx::ld_na_s32(&slot->send_warps);
-            if (ok && sender_warps != num_send_warps) {  // NOTE [sender ranges]: not the same num_sms
-                record_error(wait, kErrorMismatch, source, kStageDispatchRecv, sender_warps, num_send_warps);
+            if (ok && sender_warps != p.num_send_warps) {  // NOTE [sender ranges]: not the same num_sms
+                record_error(wait, kErrorMismatch, source, kStageDispatchRecv, sender_warps, p.num_send_warps);
                 ok = false;
             }
         }
@@ -357,23 +349,23 @@ __device__ __forceinline__ void dispatch(
         begin = __shfl_sync(0xffffffffu, begin, 0);
         end = __shfl_sync(0xffffffffu, end, 0);
         const int first = out_first(source);
-        if (num_worst_tokens > 0 && first + end > num_worst_tokens) {
+        if (p.num_worst_tokens > 0 && first + end > p.num_worst_tokens) {
             if (lane == 0)  // one-shot, also recorded above with the whole count
-                record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, first + end, num_worst_tokens);
-            end = max(begin, num_worst_tokens - first);
+                record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, first + end, p.num_worst_tokens);
+            end = max(begin, p.num_worst_tokens - first);
         }
         for (int j = begin; j < end; ++j)
-            receive_row(buffers.row(rank, source, j), first + j);
+            receive_row(buffers.row(p.rank, source, j), first + j);
     }
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
-    if (num_worst_tokens > 0 && recv_first == nullptr) {
+    if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
         const int stride = num_receivers * kNumThreads;
-        for (int64_t r = num_recv + receiver * kNumThreads + threadIdx.x; r < num_worst_tokens; r += stride) {
-            recv_src_idx[r] = -1;
+        for (int64_t r = num_recv + receiver * kNumThreads + threadIdx.x; r < p.num_worst_tokens; r += stride) {
+            p.recv_src_idx[r] = -1;
             for (int k = 0; k < kNumTopk; ++k) {
-                recv_topk_idx[r * kNumTopk + k] = static_cast<TopkT>(-1);
-                if (recv_topk_weights != nullptr)
-                    recv_topk_weights[r * kNumTopk + k] = 0.0f;
+                p.recv_topk_idx[r * kNumTopk + k] = static_cast<TopkT>(-1);
+                if (p.recv_topk_weights != nullptr)
+                    p.recv_topk_weights[r * kNumTopk + k] = 0.0f;
             }
         }
     }

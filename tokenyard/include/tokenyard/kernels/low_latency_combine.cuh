@@ -115,27 +115,24 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // the token went to rank dest (NOTE [pair slots], rank rows) and points at dest's row t; the warp sums the
 // rows in rank order in float32 and writes bf16. The result is routing.low_latency_combine(...,
 // pre_reduce=True) bit for bit: within bf16 rounding of one sum.
-template <int kNumTopk, typename TopkT>
-__device__ __forceinline__ void low_latency_combine(
-        const int4* x, const TopkT* topk_idx, const float* topk_weights, int num_tokens, int hidden, int num_experts,
-        int4* combined_x, int* rank_mask, int64_t* wait_costs, TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
-        int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
-    trace_mark(trace, kTraceStart);
-    const LowLatencyBuffers b = TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, kNumTopk, hidden);
-    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+template <int kNumTopk, typename TopkT, typename Params>
+__device__ __forceinline__ void low_latency_combine(const Params& p) {
+    trace_mark(p.trace, kTraceStart);
+    const LowLatencyBuffers b = LowLatencyBuffers::of(p, kNumTopk);
+    const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_warps = blockDim.x / kWarpSize;
-    const int hidden_int4 = hidden * 2 / 16;
+    const int hidden_int4 = p.hidden * 2 / 16;
     const int num_pieces = (hidden_int4 + kReduceInt4 - 1) / kReduceInt4;
-    const uint32_t epoch = launch_epoch(b, 1, do_send), tag = b.tag(epoch);  // NOTE [call tags]
-    const auto masked = [&](int r) { return rank_mask != nullptr && rank_mask[r] != 0; };
+    const uint32_t epoch = launch_epoch(b, 1, p.do_send), tag = b.tag(epoch);  // NOTE [call tags]
+    const auto masked = [&](int r) { return p.rank_mask != nullptr && p.rank_mask[r] != 0; };
     extern __shared__ uint32_t bits[];  // NOTE [pair slots], a row per rank
-    const int words = (num_max + 31) / 32;
+    const int words = (p.num_max + 31) / 32;
 
-    if (do_send) {
+    if (p.do_send) {
         // This block's destination: the rank whose messages it sends back (NOTE [peer-major blocks]).
-        const PeerBlocks group = peer_blocks(num_ranks, local_blocks);
-        const int s = next_peer(rank, num_ranks, group.turn);
+        const PeerBlocks group = peer_blocks(p.num_ranks, p.local_blocks);
+        const int s = next_peer(p.rank, p.num_ranks, group.turn);
         const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
         // Lane k's part of item `item`: where choice k of message j went on this rank and its weight word, all
         // loaded at once, an item ahead of the sums (a warp waits for memory once per item, for the rows).
@@ -148,10 +145,10 @@ __device__ __forceinline__ void low_latency_combine(
         };
         const auto choice_of = [&](int item) -> Choice {
             Choice choice{0, 0, -1, 0};
-            if (item < num_max * num_pieces && lane < kNumTopk) {
+            if (item < p.num_max * num_pieces && lane < kNumTopk) {
                 const int j = item / num_pieces;
-                const uint8_t* message = b.message(rank, s, j);
-                choice.weight = ptx::ld_relaxed_sys(b.weights(rank, s, j) + lane);
+                const uint8_t* message = b.message(p.rank, s, j);
+                choice.weight = ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane);
                 choice.tag = static_cast<uint32_t>(*reinterpret_cast<const uint64_t*>(message) >> 32);
                 choice.local_expert = reinterpret_cast<const int16_t*>(message + kHeaderChoices)[lane];
                 choice.position = b.positions(s, j)[lane];
@@ -163,22 +160,22 @@ __device__ __forceinline__ void low_latency_combine(
         const int stride = group.count * num_warps;
         int item = warp * group.count + group.index;
         Choice next = choice_of(item);
-        const uint64_t count_word = threadIdx.x == 0 ? ptx::ld_relaxed_sys(b.count(rank, s)) : 0;
+        const uint64_t count_word = threadIdx.x == 0 ? ptx::ld_relaxed_sys(b.count(p.rank, s)) : 0;
         // (1) This rank's weights to s, a thread per token over the group, each token's to its message slot
         //     (the token index) if it went to s, each tagged with the epoch: no fence and no flag.
-        for (int t = group.index + group.count * static_cast<int>(threadIdx.x); t < num_tokens && !masked(s);
+        for (int t = group.index + group.count * static_cast<int>(threadIdx.x); t < p.num_tokens && !masked(s);
              t += group.count * static_cast<int>(blockDim.x)) {
             float w[kNumTopk];
             bool here = false;
 #pragma unroll
             for (int k = 0; k < kNumTopk; ++k) {
-                const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(t) * kNumTopk + k]);
-                here |= e >= 0 && e < num_experts && e / b.num_local_experts == s;
-                w[k] = topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
+                const int64_t e = static_cast<int64_t>(p.topk_idx[static_cast<int64_t>(t) * kNumTopk + k]);
+                here |= e >= 0 && e < p.num_experts && e / b.num_local_experts == s;
+                w[k] = p.topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
             }
             if (!here)
                 continue;
-            uint64_t* to = b.weights(s, rank, t);
+            uint64_t* to = b.weights(s, p.rank, t);
 #pragma unroll
             for (int k = 0; k < kNumTopk; ++k)
                 ptx::st_relaxed_sys(to + k, (static_cast<uint64_t>(tag) << 32) | __float_as_uint(w[k]));
@@ -191,15 +188,15 @@ __device__ __forceinline__ void low_latency_combine(
             num_items = sent ? static_cast<int>(count_word & 0xffffffffu) * num_pieces : 0;
         }
         __syncthreads();
-        trace_mark(trace, kTracePrologue);
+        trace_mark(p.trace, kTracePrologue);
         for (; item < num_items; item += stride) {
             const int j = item / num_pieces, piece = item % num_pieces;
             const Choice choice = next;
             next = choice_of(item + stride);
-            if (rank_mask != nullptr && ptx::ld_relaxed_sys(rank_mask + s) != 0)
+            if (p.rank_mask != nullptr && ptx::ld_relaxed_sys(p.rank_mask + s) != 0)
                 break;  // masked meanwhile: its rows are absent
             const int4* row = choice.tag == dispatch_tag && choice.local_expert >= 0
-                                      ? x + static_cast<int64_t>(choice.position) * hidden_int4
+                                      ? p.x + static_cast<int64_t>(choice.position) * hidden_int4
                                       : nullptr;
             uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
             if (rows_from == 0u)
@@ -211,68 +208,69 @@ __device__ __forceinline__ void low_latency_combine(
             uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
             bool lost = false;
             if (row != nullptr && static_cast<uint32_t>(choice.weight >> 32) != tag) {
-                lost = !wait_tag_or_mask<false>(wait, b.weights(rank, s, j) + lane, tag, s,
-                                                kStageLowLatencyCombineWeights, rank_mask, weight_bits);
+                lost = !wait_tag_or_mask<false>(wait, b.weights(p.rank, s, j) + lane, tag, s,
+                                                kStageLowLatencyCombineWeights, p.rank_mask, weight_bits);
             }
             if (__any_sync(0xffffffffu, lost))
                 break;  // masked: s gets no signal below; else the timeout recorded withholds every signal
             const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
             float acc[kReduceVectors][8] = {};
             accumulate_rows<false>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4, lane);
-            store_bf16(b.combine_row(s, rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
+            store_bf16(b.combine_row(s, p.rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
         }
         // Without a mask, a launch that recorded a failure (a lost weight, a receive timeout in another
         // block) left rows unwritten: its peers must time out rather than sum them.
-        publish_when_last(b, 1, epoch, rank_mask, trace, [&](int r) { return Signal{b.combine_flag(r, rank), 1u}; },
-                          [&] { return rank_mask == nullptr && failed(wait); });
+        publish_when_last(
+                b, 1, epoch, p.rank_mask, p.trace, [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; },
+                [&] { return p.rank_mask == nullptr && failed(wait); });
     }
-    if (!do_recv) {
-        trace_mark(trace, kTraceEnd);
+    if (!p.do_recv) {
+        trace_mark(p.trace, kTraceEnd);
         return;
     }
 
     const int64_t recv_start = clock64();  // NOTE [wait costs]
     // Without the mask, which the send's waits may change meanwhile: which ranks' rows count is decided below.
-    build_pair_bits<kNumTopk, TopkT, true>(bits, words, topk_idx, num_tokens, num_experts, b.num_local_experts,
+    build_pair_bits<kNumTopk, TopkT, true>(bits, words, p.topk_idx, p.num_tokens, p.num_experts, b.num_local_experts,
                                            nullptr);
-    trace_mark(trace, kTraceRecvReady);
+    trace_mark(p.trace, kTraceRecvReady);
     // One thread per rank that has rows for this rank waits for them (NOTE [block waits]); a rank masked
     // before or meanwhile is absent. Under a mask block 0 decides for every block (NOTE [one verdict]).
     __shared__ bool rows_here[kWarpSize];
     bool missed = false;  // recorded (no mask): the host raises it, and the block has nothing more to do
-    if (threadIdx.x < num_ranks) {
+    if (threadIdx.x < p.num_ranks) {
         const int dest = threadIdx.x;
         const bool expected = row_count(bits, words, dest) > 0;
         bool here = false;
-        if (expected && rank_mask != nullptr && blockIdx.x != 0) {
+        if (expected && p.rank_mask != nullptr && blockIdx.x != 0) {
             here = follow_verdict(b, wait, kVerdictCombine, dest, tag, kStageLowLatencyCombineRecv);
         } else if (expected) {
             if (!masked(dest)) {
-                here = wait_or_mask(wait, b.combine_flag(rank, dest), tag, dest, kStageLowLatencyCombineRecv,
-                                    rank_mask) >= 0;
-                add_wait_cost(wait_costs, dest, recv_start);
+                here = wait_or_mask(wait, b.combine_flag(p.rank, dest), tag, dest, kStageLowLatencyCombineRecv,
+                                    p.rank_mask) >= 0;
+                add_wait_cost(p.wait_costs, dest, recv_start);
             }
-            if (rank_mask != nullptr)
+            if (p.rank_mask != nullptr)
                 publish_verdict(b, kVerdictCombine, dest, tag, here);
-            missed = !here && rank_mask == nullptr;
+            missed = !here && p.rank_mask == nullptr;
         }
         rows_here[dest] = here;
     }
     if (__syncthreads_or(missed))
         return;
-    trace_mark(trace, kTraceRecvMid);
-    for (int item = warp * gridDim.x + blockIdx.x; item < num_tokens * num_pieces; item += gridDim.x * num_warps) {
+    trace_mark(p.trace, kTraceRecvMid);
+    for (int item = warp * gridDim.x + blockIdx.x; item < p.num_tokens * num_pieces; item += gridDim.x * num_warps) {
         const int t = item / num_pieces, piece = item % num_pieces;
         const int4* row = nullptr;
-        if (lane < num_ranks && rows_here[lane] && pair_chosen(bits, words, lane, t))
-            row = b.combine_row(rank, lane, t);  // the message slot is the token index
+        if (lane < p.num_ranks && rows_here[lane] && pair_chosen(bits, words, lane, t))
+            row = b.combine_row(p.rank, lane, t);  // the message slot is the token index
         float acc[kReduceVectors][8] = {};
         RowBatch batch;
         accumulate_rows<true>(acc, batch, false, __ballot_sync(0xffffffffu, row != nullptr), row, 1.0f,
                               piece * kReduceInt4, hidden_int4, lane);
-        store_bf16(combined_x + static_cast<int64_t>(t) * hidden_int4, acc, piece * kReduceInt4, hidden_int4, lane);
+        store_bf16(p.combined_x + static_cast<int64_t>(t) * hidden_int4, acc, piece * kReduceInt4, hidden_int4, lane);
     }
-    trace_mark(trace, kTraceEnd);
+    trace_mark(p.trace, kTraceEnd);
 }
 
 }  // namespace tokenyard::kernels

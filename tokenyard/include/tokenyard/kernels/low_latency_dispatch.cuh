@@ -41,99 +41,94 @@ namespace tokenyard::kernels {
 // rows took several times longer after the signals).
 // A source masked between its counts and its data is left out and the rows renumbered. With a recv hook
 // the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
-template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0>
-__device__ __forceinline__ void low_latency_dispatch(
-        const int4* x, const TopkT* topk_idx, int num_tokens, int hidden, int num_experts, int round_scale,
-        uint8_t* packed_recv_x, uint32_t* packed_recv_scales, int* packed_recv_count, int* src_info,
-        int64_t* layout_range, int* cumulative_stats, int* rank_mask, int64_t* wait_costs,
-        TOKENYARD_LOW_LATENCY_BUFFER_PARAMS,
-        int* error_flag, int* host_record, uint64_t timeout_ns, uint64_t* trace) {
+template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0, typename Params>
+__device__ __forceinline__ void low_latency_dispatch(const Params& p) {
     static_assert(kNumTopk <= kHeaderMaxTopk, "the message header has room for 16 top-k choices");
-    trace_mark(trace, kTraceStart);
-    const LowLatencyBuffers b = TOKENYARD_LOW_LATENCY_BUFFERS(num_experts, kNumTopk, hidden);
+    trace_mark(p.trace, kTraceStart);
+    const LowLatencyBuffers b = LowLatencyBuffers::of(p, kNumTopk);
     const int num_local_experts = b.num_local_experts;
-    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
+    const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_warps = blockDim.x / kWarpSize;
-    const int num_scales = hidden / 128;
-    const int data_bytes = kUseFp8 ? hidden : hidden * 2;
-    const int num_slots = num_ranks * num_max;
-    const uint32_t epoch = launch_epoch(b, 0, do_send), tag = b.tag(epoch);  // NOTE [call tags]
+    const int num_scales = p.hidden / 128;
+    const int data_bytes = kUseFp8 ? p.hidden : p.hidden * 2;
+    const int num_slots = p.num_ranks * p.num_max;
+    const uint32_t epoch = launch_epoch(b, 0, p.do_send), tag = b.tag(epoch);  // NOTE [call tags]
 
     extern __shared__ uint32_t shared_words[];
-    if (do_send) {
+    if (p.do_send) {
         // Block 0's books: the pair bits (expert rows), every unmasked rank's expert counts, each word tagged
         // with the epoch, and every pair's slot in its message's header.
         if (blockIdx.x == 0) {
             uint32_t* bits = shared_words;  // a row per expert (NOTE [pair slots])
-            const int words = (num_max + 31) / 32;
-            build_pair_bits<kNumTopk, TopkT, false>(bits, words, topk_idx, num_tokens, num_experts,
-                                                    num_local_experts, rank_mask);
-            for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+            const int words = (p.num_max + 31) / 32;
+            build_pair_bits<kNumTopk, TopkT, false>(bits, words, p.topk_idx, p.num_tokens, p.num_experts,
+                                                    num_local_experts, p.rank_mask);
+            for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
                 const int dest = e / num_local_experts;
-                if (rank_mask == nullptr || rank_mask[dest] == 0)
-                    ptx::st_relaxed_sys(b.expert_counts(dest, rank) + e % num_local_experts,
+                if (p.rank_mask == nullptr || p.rank_mask[dest] == 0)
+                    ptx::st_relaxed_sys(b.expert_counts(dest, p.rank) + e % num_local_experts,
                                         (static_cast<uint64_t>(tag) << 32) | row_count(bits, words, e));
             }
-            for (int p = threadIdx.x; p < num_tokens * kNumTopk; p += blockDim.x) {
-                const int64_t e = static_cast<int64_t>(topk_idx[p]);
-                const int t = p / kNumTopk;
-                if (e < -1 || e >= num_experts)  // sent nowhere; this rank raises at its next call
-                    record_error(wait, kErrorBadLowLatencyIds, rank, kStageLowLatencyDispatchSend,
-                                 static_cast<uint32_t>(e), num_experts);
-                if (routed(e, num_experts, num_local_experts, rank_mask))
-                    reinterpret_cast<int16_t*>(b.message(static_cast<int>(e / num_local_experts), rank, t) +
-                                               kHeaderSlots)[p % kNumTopk] =
+            for (int pair = threadIdx.x; pair < p.num_tokens * kNumTopk; pair += blockDim.x) {
+                const int64_t e = static_cast<int64_t>(p.topk_idx[pair]);
+                const int t = pair / kNumTopk;
+                if (e < -1 || e >= p.num_experts)  // sent nowhere; this rank raises at its next call
+                    record_error(wait, kErrorBadLowLatencyIds, p.rank, kStageLowLatencyDispatchSend,
+                                 static_cast<uint32_t>(e), p.num_experts);
+                if (routed(e, p.num_experts, num_local_experts, p.rank_mask))
+                    reinterpret_cast<int16_t*>(b.message(static_cast<int>(e / num_local_experts), p.rank, t) +
+                                               kHeaderSlots)[pair % kNumTopk] =
                             static_cast<int16_t>(pair_slot(bits, words, static_cast<int>(e), t));
             }
         }
         // The data: blocks 1, 2, ... (block 0 too on a one-block grid).
         const int data_blocks = max(1, static_cast<int>(gridDim.x) - 1);
         const int data_block = static_cast<int>(blockIdx.x) - (gridDim.x > 1 ? 1 : 0);
-        const int num_pieces = (hidden + kPieceChannels - 1) / kPieceChannels;
-        const int num_items = num_tokens * num_pieces, stride = data_blocks * num_warps;
+        const int num_pieces = (p.hidden + kPieceChannels - 1) / kPieceChannels;
+        const int num_items = p.num_tokens * num_pieces, stride = data_blocks * num_warps;
         // Lane k: the expert of top-k choice k of the item's token, or -1 (none, out of range, masked rank).
         const auto expert_of = [&](int item) -> int64_t {
             if (item >= num_items || lane >= kNumTopk)
                 return -1;
-            const int64_t e = static_cast<int64_t>(topk_idx[static_cast<int64_t>(item / num_pieces) * kNumTopk +
+            const int64_t e = static_cast<int64_t>(p.topk_idx[static_cast<int64_t>(item / num_pieces) * kNumTopk +
                                                             lane]);
-            return routed(e, num_experts, num_local_experts, rank_mask) ? e : -1;
+            return routed(e, p.num_experts, num_local_experts, p.rank_mask) ? e : -1;
         };
         // Loads (the piece and its token's choices) run one item ahead of the stores.
         int item = data_block < 0 ? num_items : warp * data_blocks + data_block;
         int4 raw[2];
-        load_piece(raw, x, item, num_items, num_pieces, hidden, lane);
+        load_piece(raw, p.x, item, num_items, num_pieces, p.hidden, lane);
         int64_t next_e = expert_of(item);
-        trace_mark(trace, kTracePrologue);
+        trace_mark(p.trace, kTracePrologue);
         for (; item < num_items; item += stride) {
             const int t = item / num_pieces, piece = item % num_pieces;
             const int c = piece * kPieceChannels + lane * 16;  // this lane's 16 channels
             float scale = 0.0f;
             int4 q = raw[0];
             if constexpr (kUseFp8)  // every lane: the cast's shuffles need the whole warp
-                q = round_scale ? cast_fp8_16<true>(raw, scale) : cast_fp8_16<false>(raw, scale);
+                q = p.round_scale ? cast_fp8_16<true>(raw, scale) : cast_fp8_16<false>(raw, scale);
             const int4 piece_raw[2] = {raw[0], raw[1]};
             const int64_t e = next_e;
             const uint32_t ranks = __reduce_or_sync(0xffffffffu, e >= 0 ? 1u << (e / num_local_experts) : 0u);
-            load_piece(raw, x, item + stride, num_items, num_pieces, hidden, lane);
+            load_piece(raw, p.x, item + stride, num_items, num_pieces, p.hidden, lane);
             next_e = expert_of(item + stride);
-            for (int turn = 0; turn < num_ranks; ++turn) {
-                const int dest = next_peer(rank, num_ranks, turn);
+            for (int turn = 0; turn < p.num_ranks; ++turn) {
+                const int dest = next_peer(p.rank, p.num_ranks, turn);
                 if (((ranks >> dest) & 1u) == 0u)
                     continue;  // the same for the whole warp
-                uint8_t* to = b.message(dest, rank, t);
-                uint8_t* data = to + header_bytes;
+                uint8_t* to = b.message(dest, p.rank, t);
+                uint8_t* data = to + p.header_bytes;
                 if constexpr (kUseFp8) {
-                    if (c < hidden) {
+                    if (c < p.hidden) {
                         ptx::st_na_v4(reinterpret_cast<int4*>(data + c), q);
                         if (lane % 8 == 0)
-                            reinterpret_cast<float*>(data + hidden)[c / 128] = scale;
+                            reinterpret_cast<float*>(data + p.hidden)[c / 128] = scale;
                     }
                 } else {
-                    if (c < hidden)
+                    if (c < p.hidden)
                         ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8, piece_raw[0]);
-                    if (c + 8 < hidden)
+                    if (c + 8 < p.hidden)
                         ptx::st_na_v4(reinterpret_cast<int4*>(data) + c / 8 + 1, piece_raw[1]);
                 }
                 if (piece != 0)
@@ -146,12 +141,12 @@ __device__ __forceinline__ void low_latency_dispatch(
                 }
             }
         }
-        publish_when_last(b, 0, epoch, rank_mask, trace, [&](int dest) {  // the message slots: this rank's tokens
-            return Signal{b.count(dest, rank), static_cast<uint32_t>(num_tokens)};
+        publish_when_last(b, 0, epoch, p.rank_mask, p.trace, [&](int dest) {  // the message slots: this rank's tokens
+            return Signal{b.count(dest, p.rank), static_cast<uint32_t>(p.num_tokens)};
         }, [] { return false; });  // a bad id's token goes nowhere; the other tokens still arrive
     }
-    if (!do_recv) {
-        trace_mark(trace, kTraceEnd);
+    if (!p.do_recv) {
+        trace_mark(p.trace, kTraceEnd);
         return;
     }
 
@@ -161,63 +156,63 @@ __device__ __forceinline__ void low_latency_dispatch(
     __shared__ int num_messages[kWarpSize], first_item[kWarpSize + 1];
     __shared__ bool present[kWarpSize];  // every count of the source (then also its data) is here
     int* counts = reinterpret_cast<int*>(shared_words);  // [L][R]
-    int* begins = counts + num_experts;                   // [L][R]: the first row of (l, s)
+    int* begins = counts + p.num_experts;                   // [L][R]: the first row of (l, s)
     // From the present sources; `record` (block 0, once the data is here): the outputs that say so too.
     const auto number_rows = [&](bool record) {
         for (int l = threadIdx.x; l < num_local_experts; l += blockDim.x) {
             int total = 0;
-            for (int s = 0; s < num_ranks; ++s) {
-                const int count = present[s] ? counts[l * num_ranks + s] : 0;
-                begins[l * num_ranks + s] = total;
+            for (int s = 0; s < p.num_ranks; ++s) {
+                const int count = present[s] ? counts[l * p.num_ranks + s] : 0;
+                begins[l * p.num_ranks + s] = total;
                 if (record)
-                    layout_range[static_cast<int64_t>(l) * num_ranks + s] =
+                    p.layout_range[static_cast<int64_t>(l) * p.num_ranks + s] =
                             (static_cast<int64_t>(total) << 32) | static_cast<int64_t>(count);
                 total += count;
             }
             if (record) {
-                packed_recv_count[l] = total;
-                if (cumulative_stats != nullptr)
-                    cumulative_stats[l] += total;
+                p.packed_recv_count[l] = total;
+                if (p.cumulative_stats != nullptr)
+                    p.cumulative_stats[l] += total;
             }
         }
     };
     // NOTE [one verdict]: without a mask every block decides for itself; with one, block 0 for all of them.
-    const bool decides = rank_mask == nullptr || blockIdx.x == 0;
-    int* const decider_mask = decides ? rank_mask : nullptr;  // a follower never masks
-    const bool judges = rank_mask != nullptr && blockIdx.x == 0;
+    const bool decides = p.rank_mask == nullptr || blockIdx.x == 0;
+    int* const decider_mask = decides ? p.rank_mask : nullptr;  // a follower never masks
+    const bool judges = p.rank_mask != nullptr && blockIdx.x == 0;
     __syncthreads();  // the shared words are free (the pair bits)
-    if (threadIdx.x < num_ranks) {
+    if (threadIdx.x < p.num_ranks) {
         const int s = threadIdx.x;
-        present[s] = decides ? rank_mask == nullptr || rank_mask[s] == 0
+        present[s] = decides ? p.rank_mask == nullptr || p.rank_mask[s] == 0
                              : follow_verdict(b, wait, kVerdictCounts, s, tag, kStageLowLatencyDispatchCounts);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) {  // a thread per (source, local expert)
+    for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) {  // a thread per (source, local expert)
         const int s = i / num_local_experts, l = i % num_local_experts;
         int count = -1;
         if (present[s]) {
-            count = wait_or_mask(wait, b.expert_counts(rank, s) + l, tag, s, kStageLowLatencyDispatchCounts,
+            count = wait_or_mask(wait, b.expert_counts(p.rank, s) + l, tag, s, kStageLowLatencyDispatchCounts,
                                  decider_mask);
         }
         if (count < 0)
             present[s] = false;  // every writer writes false
-        counts[l * num_ranks + s] = max(0, count);
+        counts[l * p.num_ranks + s] = max(0, count);
     }
     __syncthreads();
-    if (judges && threadIdx.x < num_ranks)
+    if (judges && threadIdx.x < p.num_ranks)
         publish_verdict(b, kVerdictCounts, threadIdx.x, tag, present[threadIdx.x]);
     number_rows(false);
-    trace_mark(trace, kTraceRecvReady);
+    trace_mark(p.trace, kTraceRecvReady);
     bool lost = false;  // a source whose counts came but whose data did not (masked meanwhile)
-    if (threadIdx.x < num_ranks) {
+    if (threadIdx.x < p.num_ranks) {
         const int s = threadIdx.x;
         int count = -1;
-        const bool sent = present[s] && (decides ? rank_mask == nullptr || ptx::ld_relaxed_sys(rank_mask + s) == 0
+        const bool sent = present[s] && (decides ? p.rank_mask == nullptr || ptx::ld_relaxed_sys(p.rank_mask + s) == 0
                                                  : follow_verdict(b, wait, kVerdictData, s, tag,
                                                                   kStageLowLatencyDispatchRecv));
         if (sent) {
-            count = wait_or_mask(wait, b.count(rank, s), tag, s, kStageLowLatencyDispatchRecv, decider_mask);
-            add_wait_cost(wait_costs, s, recv_start);
+            count = wait_or_mask(wait, b.count(p.rank, s), tag, s, kStageLowLatencyDispatchRecv, decider_mask);
+            add_wait_cost(p.wait_costs, s, recv_start);
         }
         if (judges)
             publish_verdict(b, kVerdictData, s, tag, count >= 0);
@@ -233,19 +228,19 @@ __device__ __forceinline__ void low_latency_dispatch(
     const int num_pieces = (num_vectors + kRecvPieceVectors - 1) / kRecvPieceVectors;
     if (threadIdx.x == 0) {
         first_item[0] = 0;
-        for (int s = 0; s < num_ranks; ++s)
+        for (int s = 0; s < p.num_ranks; ++s)
             first_item[s + 1] = first_item[s] + num_messages[s] * num_pieces;
     }
     __syncthreads();
-    trace_mark(trace, kTraceRecvMid);
+    trace_mark(p.trace, kTraceRecvMid);
 
     int s = 0;
-    for (int item = warp * gridDim.x + blockIdx.x; item < first_item[num_ranks]; item += gridDim.x * num_warps) {
+    for (int item = warp * gridDim.x + blockIdx.x; item < first_item[p.num_ranks]; item += gridDim.x * num_warps) {
         while (first_item[s + 1] <= item)  // items only grow, so s never moves back
             ++s;
         const int j = (item - first_item[s]) / num_pieces, piece = (item - first_item[s]) % num_pieces;
-        const uint8_t* msg = b.message(rank, s, j);
-        const int4* data = reinterpret_cast<const int4*>(msg + header_bytes);
+        const uint8_t* msg = b.message(p.rank, s, j);
+        const int4* data = reinterpret_cast<const int4*>(msg + p.header_bytes);
         // Every load of the item before its first store (issue is in order: a store waiting for its load
         // holds back every load behind it): the message's tag, lane k's choice and slot, the piece's vectors,
         // its scales. A tag of another call: token j of s did not come to this rank.
@@ -257,7 +252,7 @@ __device__ __forceinline__ void low_latency_dispatch(
         }
         int4 v[kRecvVectors];
         load_batch<kRecvVectors, true>(v, data, piece * kRecvPieceVectors, num_vectors, lane);
-        const int* scales = reinterpret_cast<const int*>(msg + header_bytes + hidden);
+        const int* scales = reinterpret_cast<const int*>(msg + p.header_bytes + p.hidden);
         // FP8: lane g < 16 has scale group g of the piece; UE8M0: lane w < 4 has word w (groups 4w..4w+3).
         constexpr int kPieceGroups = kRecvPieceVectors / 8;  // 128 channels = 8 vectors of FP8
         int scale_bits[4] = {};
@@ -278,16 +273,16 @@ __device__ __forceinline__ void low_latency_dispatch(
         }
         if (static_cast<uint32_t>(__shfl_sync(0xffffffffu, header, 0) >> 32) != tag)
             continue;
-        const int row = l >= 0 ? begins[l * num_ranks + s] + slot : -1;
+        const int row = l >= 0 ? begins[l * p.num_ranks + s] + slot : -1;
         if (piece == 0 && row >= 0) {  // lane k: where choice k went
             b.positions(s, j)[lane] = l * num_slots + row;
-            src_info[static_cast<int64_t>(l) * num_slots + row] = j;  // the message slot is the token index
+            p.src_info[static_cast<int64_t>(l) * num_slots + row] = j;  // the message slot is the token index
         }
         for (uint32_t targets = __ballot_sync(0xffffffffu, row >= 0); targets != 0u; targets &= targets - 1u) {
             const int k = __ffs(targets) - 1;
             const int to_l = __shfl_sync(0xffffffffu, l, k), to_row = __shfl_sync(0xffffffffu, row, k);
             const int64_t out = static_cast<int64_t>(to_l) * num_slots + to_row;
-            store_batch<kRecvVectors>(reinterpret_cast<int4*>(packed_recv_x + out * data_bytes), v,
+            store_batch<kRecvVectors>(reinterpret_cast<int4*>(p.packed_recv_x + out * data_bytes), v,
                                       piece * kRecvPieceVectors, num_vectors, lane);
             if constexpr (kUseFp8 && kUseUe8m0) {  // four groups' biased exponents per int32 (quant.pack_ue8m0)
                 if (lane < kPieceGroups / 4 && group < num_scales) {
@@ -295,17 +290,17 @@ __device__ __forceinline__ void low_latency_dispatch(
 #pragma unroll
                     for (int i = 0; i < 4; ++i)
                         word |= ((static_cast<uint32_t>(scale_bits[i]) >> 23) & 0xffu) << (8 * i);
-                    packed_recv_scales[(static_cast<int64_t>(to_l) * (num_scales / 4) + group / 4) * num_slots +
+                    p.packed_recv_scales[(static_cast<int64_t>(to_l) * (num_scales / 4) + group / 4) * num_slots +
                                        to_row] = word;
                 }
             } else if constexpr (kUseFp8) {  // column-major, as DeepEP
                 if (lane < kPieceGroups && group < num_scales)
-                    packed_recv_scales[(static_cast<int64_t>(to_l) * num_scales + group) * num_slots + to_row] =
+                    p.packed_recv_scales[(static_cast<int64_t>(to_l) * num_scales + group) * num_slots + to_row] =
                             scale_bits[0];
             }
         }
     }
-    trace_mark(trace, kTraceEnd);
+    trace_mark(p.trace, kTraceEnd);
 }
 
 }  // namespace tokenyard::kernels

@@ -133,20 +133,11 @@ __device__ __forceinline__ int judge_column(int dest, const TopkT* topk_idx, int
 // the buffer's previous contents: it is the barrier before the data kernel.
 // Block 0 also sends the call's `signature` (dispatch table call_id % 2), and the receiving block compares
 // every rank's before it reads any count (NOTE [call signatures] in layout.cuh).
-template <int kNumRanks, int kNumThreads, typename TopkT, int kJudgeWindow, int kSignatureInts>
-__device__ __forceinline__ void dispatch_notify(
-        const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert, int num_experts,
-        int expert_alignment, int* prefix_excl, int* rank_prefix_matrix, int* source_num_tokens, int* counts,
-        int* source_first, int call_num_tokens, const int* call_tokens_per_rank, int* call_prefix_matrix,
-        int* recv_first, int* cursor,
-        const TopkT* check_topk_idx, int num_topk, int check_num_tokens, const bool* check_in_rank,
-        const int* check_per_rank, const int* check_per_expert, int* verdict, int record_verdict,
-        int* host_counts, const int* signature,
-        uint32_t call_id, uint8_t* const* peer_bases, int rank, uint32_t notify_expected,
-        int* error_flag, int* host_record, uint64_t timeout_ns) {
-    const NormalBuffers buffers{peer_bases, rank, 0, 0, 0, 0, 0};
-    const WaitContext wait{error_flag, host_record, rank, timeout_ns};
-    const int num_local_experts = num_experts / kNumRanks;
+template <int kNumRanks, int kNumThreads, typename TopkT, int kJudgeWindow, int kSignatureInts, typename Params>
+__device__ __forceinline__ void dispatch_notify(const Params& p) {
+    const NormalBuffers buffers{p.peer_bases, p.rank, 0, 0, 0, 0, 0};
+    const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
+    const int num_local_experts = p.num_experts / kNumRanks;
     constexpr int kCallCountsAt = kNumRanks + 2, kVerdictAt = 2 * kNumRanks + 2, kExpertsAt = 3 * kNumRanks + 2;
     constexpr int kHostExpertsAt = 6;
     const int stride = kExpertsAt + num_local_experts;
@@ -159,23 +150,23 @@ __device__ __forceinline__ void dispatch_notify(
     if (blockIdx.x < kNumRanks) {
         const int dest = blockIdx.x;
         int judged = 0;
-        if (check_in_rank != nullptr) {
+        if (p.check_in_rank != nullptr) {
             judged = judge_column<kNumRanks, kNumThreads, kJudgeWindow>(
-                    dest, check_topk_idx, num_topk, check_num_tokens, check_in_rank, check_per_rank, check_per_expert,
-                    num_experts, judge_shared);
-            if (dest == 0 && check_topk_idx == nullptr)
-                judged |= verdict[0];
+                    dest, p.check_topk_idx, p.num_topk, p.check_num_tokens, p.check_in_rank, p.check_per_rank,
+                    p.check_per_expert, p.num_experts, judge_shared);
+            if (dest == 0 && p.check_topk_idx == nullptr)
+                judged |= p.verdict[0];
             __syncthreads();
             if (dest == 0 && threadIdx.x == 0)
-                verdict[0] = 0;
+                p.verdict[0] = 0;
         }
         // Thread i counts tokens [i * per_thread, (i + 1) * per_thread) of the column, its flags held in
         // registers (loaded together) wherever they fit, then an exclusive scan over the threads.
         constexpr int kHeld = 16;
-        const int per_thread = (num_tokens + kNumThreads - 1) / kNumThreads;
-        const int begin = min(num_tokens, static_cast<int>(threadIdx.x) * per_thread);
-        const int end = min(num_tokens, begin + per_thread);
-        const bool* column_dest = is_token_in_rank + dest;
+        const int per_thread = (p.num_tokens + kNumThreads - 1) / kNumThreads;
+        const int begin = min(p.num_tokens, static_cast<int>(threadIdx.x) * per_thread);
+        const int end = min(p.num_tokens, begin + per_thread);
+        const bool* column_dest = p.is_token_in_rank + dest;
         bool held[kHeld];
         int mine = 0;
         if (per_thread <= kHeld) {
@@ -219,43 +210,43 @@ __device__ __forceinline__ void dispatch_notify(
 #pragma unroll
             for (int i = 0; i < kHeld; ++i) {
                 if (begin + i < end) {
-                    prefix_excl[static_cast<int64_t>(begin + i) * kNumRanks + dest] = running;
+                    p.prefix_excl[static_cast<int64_t>(begin + i) * kNumRanks + dest] = running;
                     running += held[i];
                 }
             }
         } else {
             for (int t = begin; t < end; ++t) {
-                prefix_excl[static_cast<int64_t>(t) * kNumRanks + dest] = running;
+                p.prefix_excl[static_cast<int64_t>(t) * kNumRanks + dest] = running;
                 running += column_dest[static_cast<int64_t>(t) * kNumRanks];
             }
         }
         if (threadIdx.x == 0) {
-            prefix_excl[static_cast<int64_t>(num_tokens) * kNumRanks + dest] = total;
-            if (counts != nullptr)
-                counts[dest] = total;
+            p.prefix_excl[static_cast<int64_t>(p.num_tokens) * kNumRanks + dest] = total;
+            if (p.counts != nullptr)
+                p.counts[dest] = total;
         }
         if (threadIdx.x < kNumRanks) {
-            int* data = buffers.notify_data(threadIdx.x) + rank * stride;
+            int* data = buffers.notify_data(threadIdx.x) + p.rank * stride;
             ptx::st_relaxed_sys(data + dest, total);
             ptx::st_relaxed_sys(data + kCallCountsAt + dest,
-                                call_tokens_per_rank != nullptr ? call_tokens_per_rank[dest] : total);
+                                p.call_tokens_per_rank != nullptr ? p.call_tokens_per_rank[dest] : total);
             ptx::st_relaxed_sys(data + kVerdictAt + dest, judged);
             if (dest == 0) {
-                ptx::st_relaxed_sys(data + kNumRanks, num_tokens);
-                ptx::st_relaxed_sys(data + kNumRanks + 1, call_num_tokens);
+                ptx::st_relaxed_sys(data + kNumRanks, p.num_tokens);
+                ptx::st_relaxed_sys(data + kNumRanks + 1, p.call_num_tokens);
             }
         }
         for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads) {
             const int count =
-                    num_tokens_per_expert != nullptr ? num_tokens_per_expert[dest * num_local_experts + l] : 0;
-            ptx::st_relaxed_sys(buffers.notify_data(dest) + rank * stride + kExpertsAt + l, count);
+                    p.num_tokens_per_expert != nullptr ? p.num_tokens_per_expert[dest * num_local_experts + l] : 0;
+            ptx::st_relaxed_sys(buffers.notify_data(dest) + p.rank * stride + kExpertsAt + l, count);
         }
         if (dest == 0)
-            send_signature<kNumRanks, kSignatureInts>(buffers, call_id % 2, signature);
+            send_signature<kNumRanks, kSignatureInts>(buffers, p.call_id % 2, p.signature);
         __syncthreads();
         if (threadIdx.x < kNumRanks) {
             ptx::fence_acq_rel_sys();
-            ptx::atomic_add_release_sys(buffers.notify_flag(threadIdx.x) + rank, 1);
+            ptx::atomic_add_release_sys(buffers.notify_flag(threadIdx.x) + p.rank, 1);
         }
         return;
     }
@@ -267,12 +258,12 @@ __device__ __forceinline__ void dispatch_notify(
     }
     __syncthreads();
     if (threadIdx.x < kNumRanks &&
-        !wait_at_least(wait, buffers.notify_flag(rank) + threadIdx.x, notify_expected, threadIdx.x, kStageNotify))
+        !wait_at_least(wait, buffers.notify_flag(p.rank) + threadIdx.x, p.notify_expected, threadIdx.x, kStageNotify))
         ok = false;
     __syncthreads();
-    if (!ok || !signatures_agree<kNumRanks, kSignatureInts>(buffers, wait, call_id % 2, signature, kStageNotify))
+    if (!ok || !signatures_agree<kNumRanks, kSignatureInts>(buffers, wait, p.call_id % 2, p.signature, kStageNotify))
         return;
-    const int* data = buffers.notify_data(rank);
+    const int* data = buffers.notify_data(p.rank);
     if (threadIdx.x < kNumRanks) {
         const int s = threadIdx.x;
         int bits = 0;
@@ -287,26 +278,26 @@ __device__ __forceinline__ void dispatch_notify(
         const int dest = threadIdx.x;
         int running = 0, call_running = 0;
         for (int s = 0; s < kNumRanks; ++s) {
-            if (dest == rank && source_first != nullptr)
-                source_first[s] = running;
+            if (dest == p.rank && p.source_first != nullptr)
+                p.source_first[s] = running;
             running += ptx::ld_na_s32(data + s * stride + dest);
-            rank_prefix_matrix[s * kNumRanks + dest] = running;
+            p.rank_prefix_matrix[s * kNumRanks + dest] = running;
             call_running += ptx::ld_na_s32(data + s * stride + kCallCountsAt + dest);
-            if (call_prefix_matrix != nullptr)
-                call_prefix_matrix[s * kNumRanks + dest] = call_running;
+            if (p.call_prefix_matrix != nullptr)
+                p.call_prefix_matrix[s * kNumRanks + dest] = call_running;
         }
-        source_num_tokens[dest] = ptx::ld_na_s32(data + dest * stride + kNumRanks);
-        if (dest == rank) {
-            host_counts[1] = running;
-            host_counts[3] = call_running;
-            if (recv_first != nullptr) {
+        p.source_num_tokens[dest] = ptx::ld_na_s32(data + dest * stride + kNumRanks);
+        if (dest == p.rank) {
+            p.host_counts[1] = running;
+            p.host_counts[3] = call_running;
+            if (p.recv_first != nullptr) {
                 int call_first = 0;
                 for (int s = 0; s < kNumRanks; ++s) {
-                    const int first = call_tokens_per_rank != nullptr ? call_first : cursor[s];
-                    recv_first[s] = first;
-                    if (cursor != nullptr)
-                        cursor[s] = first + ptx::ld_na_s32(data + s * stride + rank);
-                    call_first += ptx::ld_na_s32(data + s * stride + kCallCountsAt + rank);
+                    const int first = p.call_tokens_per_rank != nullptr ? call_first : p.cursor[s];
+                    p.recv_first[s] = first;
+                    if (p.cursor != nullptr)
+                        p.cursor[s] = first + ptx::ld_na_s32(data + s * stride + p.rank);
+                    call_first += ptx::ld_na_s32(data + s * stride + kCallCountsAt + p.rank);
                 }
             }
         }
@@ -314,25 +305,25 @@ __device__ __forceinline__ void dispatch_notify(
             int most = 0;
             for (int s = 0; s < kNumRanks; ++s)
                 most = max(most, ptx::ld_na_s32(data + s * stride + kNumRanks + 1));
-            host_counts[2] = most;
+            p.host_counts[2] = most;
         }
     }
     for (int l = threadIdx.x; l < num_local_experts; l += kNumThreads) {
         int count = 0;
         for (int s = 0; s < kNumRanks; ++s)
             count += ptx::ld_na_s32(data + s * stride + kExpertsAt + l);
-        host_counts[kHostExpertsAt + l] = (count + expert_alignment - 1) / expert_alignment * expert_alignment;
+        p.host_counts[kHostExpertsAt + l] = (count + p.expert_alignment - 1) / p.expert_alignment * p.expert_alignment;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        host_counts[4] = bad_sources;
-        host_counts[5] = bad_bits;
-        if (check_in_rank != nullptr)
-            verdict[1] = bad_sources;
-        if (record_verdict && bad_sources != 0)
+        p.host_counts[4] = bad_sources;
+        p.host_counts[5] = bad_bits;
+        if (p.check_in_rank != nullptr)
+            p.verdict[1] = bad_sources;
+        if (p.record_verdict && bad_sources != 0)
             record_error(wait, kErrorBadValues, __ffs(bad_sources) - 1, kStageNotify, bad_bits, bad_sources);
         ptx::fence_acq_rel_sys();
-        ptx::st_relaxed_sys(reinterpret_cast<uint32_t*>(host_counts), call_id);
+        ptx::st_relaxed_sys(reinterpret_cast<uint32_t*>(p.host_counts), p.call_id);
     }
 }
 
