@@ -69,7 +69,7 @@ def test_the_generated_struct_is_pinned_to_the_launch_buffers_layout(spec):
     layout = spec.args_type
     assert f"static_assert(sizeof(Params) == {ctypes.sizeof(layout)}," in source
     for p in spec.params:
-        assert f"static_assert(__builtin_offsetof(Params, {p.name}) == {getattr(layout, p.name).offset}," in source
+        assert f"static_assert(TOKENYARD_OFFSET_OF(Params, {p.name}) == {getattr(layout, p.name).offset}," in source
     packed = spec.pack({p.name: i + 1 for i, p in enumerate(spec.params)})
     assert [getattr(packed, p.name) for p in spec.params] == list(range(1, len(spec.params) + 1))
     assert "(const __grid_constant__ Params p)" in source and f"{spec.function}<" in source

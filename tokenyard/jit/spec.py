@@ -33,6 +33,11 @@ class Param:
             raise ValueError(f"kernel parameter type {self.ctype!r} has no ctypes mapping") from None
 
 
+# NVRTC before 13.4 has no __builtin_offsetof; its front end folds __INTADDR__ of a member's address instead.
+_OFFSET_OF = ("#ifdef __CUDACC_RTC__\n#define TOKENYARD_OFFSET_OF(T, m) __INTADDR__(&((T*)0)->m)\n"
+              "#else\n#define TOKENYARD_OFFSET_OF(T, m) __builtin_offsetof(T, m)\n#endif\n\n")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """A kernel: `function<template_args>(params...)` from `header`, launched with `num_threads` threads.
@@ -74,10 +79,11 @@ class KernelSpec:
         ctypes one that `pack` fills (NOTE [kernel parameters]), and the entry point."""
         fields = "".join(f"    {p.ctype} {p.name};\n" for p in self.params)
         layout = self.args_type
-        offsets = "".join(f"static_assert(__builtin_offsetof(Params, {p.name}) == {getattr(layout, p.name).offset}, "
+        offsets = "".join(f"static_assert(TOKENYARD_OFFSET_OF(Params, {p.name}) == {getattr(layout, p.name).offset}, "
                           f"\"{p.name}\");\n" for p in self.params)
         template = ", ".join(str(a) for a in self.template_args)
         return (f"#include <{self.header}>\n\n"
+                f"{_OFFSET_OF}"
                 f"namespace {{\n"
                 f"struct Params {{\n{fields}}};\n"
                 f"static_assert(sizeof(Params) == {ctypes.sizeof(layout)}, \"the parameter buffer's size\");\n"
