@@ -9,8 +9,8 @@ import re
 import pytest
 
 from tokenyard.backends.cuda import kernels
-from tokenyard.bench import copy_limit
 from tokenyard.jit.compiler import INCLUDE_DIR
+from tokenyard.tools.bench import copy_limit
 
 
 def _header(spec) -> str:
