@@ -5,13 +5,13 @@
 
 One rank per GPU (4 by default), hidden 7168, top-8 of 256 experts, FP8 dispatch and bf16 combine: each
 token count runs on a Buffer of `--budget_bytes` (calls that need more run in rounds, NOTE [rounds] in
-tokenyard/rounds.py), and 4096 tokens also run on a Buffer sized by the hint (the unbounded path). Without
+tokenyard/plan/rounds.py), and 4096 tokens also run on a Buffer sized by the hint (the unbounded path). Without
 GPUs it runs a small problem on gloo ranks through the reference backend (a check that it works, not a
 measurement).
 
-Timing is tokenyard.bench's: `Timer.medians` (L2 flush and a barrier before every call, CUDA events,
-median of `--iters`); "dispatch" is get_dispatch_layout plus dispatch, as in `python -m tokenyard.bench`;
-the expert output combined is the received rows as bf16. Bandwidth is tokenyard.bench.bandwidth's NVLink
+Timing is tokenyard.tools.bench's: `Timer.medians` (L2 flush and a barrier before every call, CUDA events,
+median of `--iters`); "dispatch" is get_dispatch_layout plus dispatch, as in `python -m tokenyard.tools.bench`;
+the expert output combined is the received rows as bf16. Bandwidth is tokenyard.tools.bench.bandwidth's NVLink
 GB/s (bytes crossing between GPUs over the time of the slowest rank). peak_bytes is the largest over the
 ranks of torch.cuda.max_memory_allocated during the timed calls (the inputs, the expert output, the
 outputs and the calls' temporaries; the timer's L2-flush scratch left out) plus num_nvl_bytes (the CUDA
@@ -78,7 +78,7 @@ def parse(argv: Optional[List[str]], gpu: bool) -> argparse.Namespace:
     if gpu and args.iters < 20:
         parser.error("--iters must be at least 20 on GPUs")
     if args.budget_bytes is None:
-        from tokenyard import workspace
+        from tokenyard.plan import workspace
 
         args.budget_bytes = workspace.normal_required_bytes(
             args.num_ranks, CPU_ROUND_TOKENS, workspace.normal_combine_row_bytes(args.hidden, args.num_topk))
@@ -94,8 +94,9 @@ def _problem(args, rank: int, num_ranks: int, num_tokens: int, device, group):
     """This rank's inputs (made on its device) and every rank's send counts ``counts[s][d]``."""
     import torch
 
-    from tokenyard import quantize_fp8, routing
-    from tokenyard.testing import make_topk_idx, make_topk_weights
+    from tokenyard import quantize_fp8
+    from tokenyard.semantics import routing
+    from tokenyard.tools.testing import make_topk_idx, make_topk_weights
 
     generator = torch.Generator().manual_seed(args.seed * 1009 + rank + 7919 * num_tokens)
     topk_idx = make_topk_idx(num_tokens, args.num_experts, args.num_topk, num_ranks, "uniform", generator, rank)
@@ -116,7 +117,7 @@ def _measure(args, ctx, num_tokens: int, num_nvl_bytes: int, per_round_tokens: O
     import torch
 
     from tokenyard import Buffer, dequantize_fp8
-    from tokenyard.bench import bandwidth, timing
+    from tokenyard.tools.bench import bandwidth, timing
 
     rank, num_ranks, group, device, timer = ctx
     gpu = device.type == "cuda"
@@ -158,7 +159,7 @@ def _rank_samples(args) -> Optional[List[dict]]:
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config
-    from tokenyard.bench.timing import Timer
+    from tokenyard.tools.bench.timing import Timer
 
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if args.gpu else torch.device("cpu")
@@ -181,7 +182,7 @@ def _rank_samples(args) -> Optional[List[dict]]:
 
 def run_ranks(args) -> List[dict]:
     """Every rank's samples (rank 0's report); raises RuntimeError with the failing ranks' tracebacks."""
-    from tokenyard.launch import run_on_ranks
+    from tokenyard.tools.launch import run_on_ranks
 
     return run_on_ranks(args.num_ranks, _rank_samples, args, use_cuda=args.gpu, timeout_s=args.timeout_s,
                         group_timeout_s=args.timeout_s)[0]
@@ -193,7 +194,7 @@ def run_ranks(args) -> List[dict]:
 
 def _entry(num_tokens: int, per_rank: List[dict]) -> dict:
     """One configuration's figures from every rank's samples (the slowest rank decides, bandwidth.py)."""
-    from tokenyard.bench import bandwidth
+    from tokenyard.tools.bench import bandwidth
 
     dispatch = bandwidth.summarize([p["dispatch"] for p in per_rank])
     combine = bandwidth.summarize([p["combine"] for p in per_rank])
@@ -246,7 +247,7 @@ def markdown(doc: dict) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
-    from tokenyard.bench.report import git_commit
+    from tokenyard.tools.bench.report import git_commit
 
     gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
     args = parse(argv, gpu)

@@ -4,8 +4,8 @@
 
 Every rank writes one rank's share of the DeepSeek-V3 normal-mode bytes (4096 tokens of 7168 FP8 channels
 with scales, ~30 MB, or `--bytes_per_peer`) into each peer's buffer at the same time, with each pattern of
-tokenyard/bench/include/tokenyard_bench/copy_limit.cuh and each grid size (0: every SM), and prints the egress GB/s per
-GPU (the slowest rank's median; for the pull patterns, which read from the peers, the ingress). The
+tokenyard/tools/bench/include/tokenyard_bench/copy_limit.cuh and each grid size (0: every SM), and prints the
+egress GB/s per GPU (the slowest rank's median; for the pull patterns, which read from the peers, the ingress). The
 benchmark's copy limit uses the "interleaved" pattern with every SM. Small sizes time the launch and the
 ranks' skew more than the copy.
 """
@@ -26,7 +26,7 @@ def rank_main(blocks, num_bytes_per_peer: int):
     import torch.distributed as dist
 
     from tokenyard import Buffer
-    from tokenyard.bench.copy_limit import COPY_PATTERNS, measure_copy_limit_gbps
+    from tokenyard.tools.bench.copy_limit import COPY_PATTERNS, measure_copy_limit_gbps
 
     num_ranks = dist.get_world_size()
     num_nvl_bytes = ((num_ranks + 1) * num_bytes_per_peer >> 20) + 64 << 20  # room for a slice per rank
@@ -52,9 +52,9 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from tokenyard.bench import bandwidth
-    from tokenyard.bench.report import git_commit
-    from tokenyard.launch import run_on_ranks
+    from tokenyard.tools.bench import bandwidth
+    from tokenyard.tools.bench.report import git_commit
+    from tokenyard.tools.launch import run_on_ranks
 
     num_ranks = args.num_ranks or torch.cuda.device_count()
     num_bytes = args.bytes_per_peer or round(4096 * bandwidth.row_bytes(7168, fp8=True))

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.cpu import fault_scenarios as scenarios  # noqa: E402
 from tests.gpu import spawn  # noqa: E402
-from tokenyard.bench.report import git_commit  # noqa: E402
+from tokenyard.tools.bench.report import git_commit  # noqa: E402
 
 
 def _device(backend: str, num_ranks: int) -> str:

@@ -58,7 +58,7 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
@@ -242,7 +242,7 @@ def main() -> None:
     import torch
 
     num_ranks = args.num_ranks or (2 if args.cpu else max(1, torch.cuda.device_count()))
-    from tokenyard.launch import run_on_ranks
+    from tokenyard.tools.launch import run_on_ranks
 
     per_rank = run_on_ranks(num_ranks, rank_main, token_counts, profile_tokens, args.iters, not args.cpu, use_cuda=not args.cpu)
     calls = {name: {"tokens": {t: (max(r["calls"][name][t] for r in per_rank)
@@ -279,7 +279,7 @@ def main() -> None:
         for where, count, own, cumulative in rows:
             print(f"  {own:7.2f} {cumulative:7.2f} {count:6.2f}  {where}")
     if args.json:
-        from tokenyard.bench.report import git_commit
+        from tokenyard.tools.bench.report import git_commit
 
         device = torch.cuda.get_device_name() if not args.cpu else "cpu"
         with open(args.json, "w") as f:

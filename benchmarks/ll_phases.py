@@ -38,8 +38,8 @@ def rank_main(num_tokens: int, hidden: int, num_experts: int, num_topk: int, ite
     import torch.distributed as dist
 
     from tokenyard import Buffer
-    from tokenyard.bench.timing import ALIGN_SLEEP_CYCLES
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard.tools.bench.timing import ALIGN_SLEEP_CYCLES
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -94,7 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from tokenyard.launch import run_on_ranks
+    from tokenyard.tools.launch import run_on_ranks
 
     num_ranks = args.num_ranks or torch.cuda.device_count()
     result = {}
@@ -111,7 +111,7 @@ def main() -> None:
     if args.json:
         import datetime
 
-        from tokenyard.bench.report import git_commit
+        from tokenyard.tools.bench.report import git_commit
 
         with open(args.json, "w") as f:
             json.dump({"commit": git_commit(), "device": f"{torch.cuda.get_device_name()} x {num_ranks}",

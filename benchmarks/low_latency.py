@@ -2,7 +2,7 @@
 
     python benchmarks/low_latency.py --json OUT.json [--tokens 1,32,64,128,256] [--num_ranks 4]
 
-Runs ``python -m tokenyard.bench --mode low_latency`` once per token count (the CUDA kernels beside the
+Runs ``python -m tokenyard.tools.bench --mode low_latency`` once per token count (the CUDA kernels beside the
 reference backend over NCCL) and keeps, per count: tokenyard's CUDA-graph replay times (``*_graph_us``,
 CUDA events around the replay) and the GPU time of its kernels in those replays (``dispatch_us``,
 ``combine_us``, the figure DeepEP reports), and the reference backend's graph replay times as ``nccl``.
@@ -22,7 +22,7 @@ import tempfile
 def run_bench(num_tokens: int, num_ranks: int, backends: str, folder: str) -> dict:
     path = os.path.join(folder, f"ll_{num_ranks}_{num_tokens}.json")
     env = dict(os.environ, TOKENYARD_LOW_LATENCY_KERNELS="on")
-    subprocess.run([sys.executable, "-m", "tokenyard.bench", "--quiet", "--mode", "low_latency", "--num_ranks",
+    subprocess.run([sys.executable, "-m", "tokenyard.tools.bench", "--quiet", "--mode", "low_latency", "--num_ranks",
                     str(num_ranks), "--num_tokens", str(max(num_tokens, 128)), "--num_tokens_low_latency",
                     str(num_tokens), "--backends", backends, "--json", path], check=True, env=env,
                    stdout=subprocess.DEVNULL)

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tokenyard import devices  # noqa: E402
-from tokenyard.launch import run_on_ranks  # noqa: E402
+from tokenyard.plan import devices  # noqa: E402
+from tokenyard.tools.launch import run_on_ranks  # noqa: E402
 
 SHARE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
@@ -33,7 +33,7 @@ def _trials(seed: int, grids, num_trials: int):
     import torch.distributed as dist
 
     from tokenyard import Buffer
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -91,7 +91,7 @@ def main(argv=None) -> None:
                       f"{g['grid']} blocks ({g['of']}) {g['completed']}/{g['trials']}" for g in run["grids"]),
                   flush=True)
     if args.json:
-        from tokenyard.bench.report import git_commit
+        from tokenyard.tools.bench.report import git_commit
 
         document = {"commit": git_commit(), "device": torch.cuda.get_device_name(0),
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

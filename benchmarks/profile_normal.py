@@ -5,7 +5,7 @@
 Prints, on rank 0, the average time of each kernel for a cached dispatch and a combine at the
 DeepSeek-V3 setting, for each share of sending blocks, with a rank's own rows written directly or
 through the buffer (heuristics.*_OWN_ROWS_DIRECT). A diagnostic for tuning; the figures that count are the
-benchmark's (python -m tokenyard.bench).
+benchmark's (python -m tokenyard.tools.bench).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _profile(num_sms: int, num_tokens: int):
 
     from tokenyard import Buffer, Config
     from tokenyard.backends.cuda import heuristics
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())

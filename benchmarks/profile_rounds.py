@@ -4,7 +4,7 @@ combine on rank 0, from the PyTorch profiler (CUPTI), with every kernel's start,
     python benchmarks/profile_rounds.py [--num_ranks 2] [--num_tokens 32768] [--budget_bytes 536870912]
 
 DeepSeek-V3 shapes (hidden 7168, top-8 of 256, FP8 dispatch, bf16 combine) at 24 SMs on a Buffer of
-`--budget_bytes`, so the calls run in rounds (NOTE [rounds] in tokenyard/rounds.py). A diagnostic: the
+`--budget_bytes`, so the calls run in rounds (NOTE [rounds] in tokenyard/plan/rounds.py). A diagnostic: the
 figures that count are benchmarks/bounded.py's.
 """
 
@@ -34,7 +34,7 @@ def _profile(num_tokens: int, budget_bytes: int):
     from torch.profiler import ProfilerActivity, profile
 
     from tokenyard import Buffer
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())

@@ -26,7 +26,7 @@
 # `shared` (on any machine, one GPU included) runs tests/gpu at each rank count of TOKENYARD_TEST_NUM_RANKS
 # (default 2,4,8), the ranks spread evenly over the GPUs there are, several per GPU under MPS: it starts the
 # MPS daemon with pipe and log folders of its own under /tmp and stops it at the end (NOTE [shared GPUs] in
-# tokenyard/devices.py). Extra arguments go to pytest (say, -k to run part of the suite in one call). Logs:
+# tokenyard/plan/devices.py). Extra arguments go to pytest (say, -k to run part of the suite in one call). Logs:
 # shared_gpu_<ranks>.log; benchmarks/shared_gpu.py turns them into shared_gpu.json. `residency` (under MPS
 # too) measures which grids of ranks sharing a GPU are resident together (benchmarks/mps_residency.py);
 # `shared_bench` runs the benchmark at 2 and 4 ranks on the GPUs there are (times only where they share).
@@ -64,8 +64,8 @@ if [ "$what" = shared_bench ]; then
     # The benchmark with ranks sharing the GPUs: times only, labelled shared, no bandwidth.
     start_mps
     for ranks in 2 4; do
-        timeout 200 python3 -m tokenyard.bench --quiet --num_ranks $ranks --json "$out/bench_shared_${ranks}.json" \
-            2>&1 | grep -v Warn | tail -16
+        timeout 200 python3 -m tokenyard.tools.bench --quiet --num_ranks $ranks \
+            --json "$out/bench_shared_${ranks}.json" 2>&1 | grep -v Warn | tail -16
     done
 fi
 if [ "$what" = faults ]; then
@@ -105,7 +105,7 @@ if [ "$what" = low_latency ] || [ "$what" = all ]; then
         2>&1 | tail -42
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-    bench="timeout 200 python3 -m tokenyard.bench --quiet --num_sms 24"
+    bench="timeout 200 python3 -m tokenyard.tools.bench --quiet --num_sms 24"
     $bench --mode all --json "$out/normal.json" --plot "$out/normal.png" 2>&1 | tail -16
     if [ "$num_gpus" -ge 2 ]; then
         $bench --mode normal --num_ranks 2 --backends cuda --json "$out/normal_2ranks.json" 2>&1 | tail -6
@@ -128,8 +128,8 @@ if [ "$what" = ep8_tests ]; then
         | tee "$out/gpu_tests_ep8.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -20
 fi
 if [ "$what" = ep8_bench ]; then
-    timeout 220 python3 -m tokenyard.bench --quiet --num_sms 24 --num_ranks 8 --mode all --json "$out/normal_ep8.json" \
-        --plot "$out/normal_ep8.png" 2>&1 | tail -16
+    timeout 220 python3 -m tokenyard.tools.bench --quiet --num_sms 24 --num_ranks 8 --mode all \
+        --json "$out/normal_ep8.json" --plot "$out/normal_ep8.png" 2>&1 | tail -16
     timeout 200 python3 benchmarks/low_latency.py --num_ranks 8 --json "$out/low_latency_ep8.json" 2>&1 | tail -8
     timeout 60 python3 benchmarks/ll_phases.py --num_ranks 8 --tokens 128 --iters 20 \
         --json "$out/low_latency_phases_ep8.json" 2>&1 | tail -24
@@ -141,7 +141,7 @@ if [ "$what" = shares ]; then
     for shares in 0.5,0.25 0.5834,0.2917 0.625,0.3334 0.6667,0.4167 0.7084,0.5; do
         tuning="dispatch_share=${shares%,*},combine_share=${shares#*,}"
         echo "TOKENYARD_TUNING=$tuning"
-        TOKENYARD_TUNING="$tuning" timeout 100 python3 -m tokenyard.bench --quiet --num_sms 24 \
+        TOKENYARD_TUNING="$tuning" timeout 100 python3 -m tokenyard.tools.bench --quiet --num_sms 24 \
             --mode normal --backends cuda --json "$out/shares_${shares/,/_}.json" 2>&1 \
             | grep -E "tokenyard .*kernel|copy limit"
     done
@@ -163,7 +163,7 @@ if [ "$what" = structure_ab ]; then
         for i in 1 2; do
             (cd "$([ $side = before ] && echo _before || echo .)" && \
                 TOKENYARD_COMMIT=$([ $side = before ] && echo "$TOKENYARD_BEFORE" || echo "$TOKENYARD_COMMIT") \
-                timeout 240 python3 -m tokenyard.bench --quiet --backends cuda --json "$out/ab_${side}_$i.json" \
+                timeout 240 python3 -m tokenyard.tools.bench --quiet --backends cuda --json "$out/ab_${side}_$i.json" \
                 2>&1 | tail -3)
         done
     done
@@ -176,6 +176,6 @@ if [ "$what" = one_gpu ]; then
     # Two ranks on one GPU without MPS (this part starts no daemon): the CUDA backend must refuse, naming MPS.
     [ "$num_gpus" -eq 1 ] && TOKENYARD_TEST_NUM_RANKS=2 timeout 120 python3 -m pytest -v tests/gpu/test_process_groups.py \
         -k mps -p no:cacheprovider 2>&1 | tee "$out/gpu_tests_without_mps.log" | grep -E "PASSED|FAILED|passed|failed|Error"
-    timeout 150 python3 -m tokenyard.bench --quiet --json "$out/bench_one_gpu.json" 2>&1 | tail -16
+    timeout 150 python3 -m tokenyard.tools.bench --quiet --json "$out/bench_one_gpu.json" 2>&1 | tail -16
 fi
 tar czf "$out/jit_cache.tgz" "${TOKENYARD_CACHE_DIR#$PWD/}" 2>/dev/null || true

@@ -13,7 +13,7 @@ if os.path.isdir(os.path.join(_ROOT, "tokenyard")):
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from tokenyard.launch import free_port, init_rank, leave_group  # noqa: E402
+from tokenyard.tools.launch import free_port, init_rank, leave_group  # noqa: E402
 
 
 def parse_args(description: str, num_experts: int, steps: int) -> argparse.Namespace:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import _common  # noqa: E402  (puts this checkout first on sys.path)
-from tokenyard import Buffer, moe  # noqa: E402
+from tokenyard import Buffer  # noqa: E402
+from tokenyard.layers import moe  # noqa: E402
 
 VOCAB, HIDDEN, INTERMEDIATE, NUM_EXPERTS, NUM_TOPK = 256, 128, 256, 16, 4
 BATCH_PER_RANK = 8                   # sequences decoded by each rank

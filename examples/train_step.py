@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import _common  # noqa: E402  (puts this checkout first on sys.path)
-from tokenyard import moe  # noqa: E402
+from tokenyard.layers import moe  # noqa: E402
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS, NUM_TOPK, TOKENS_PER_RANK = 64, 128, 8, 2, 64
 

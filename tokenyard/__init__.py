@@ -1,20 +1,20 @@
 """tokenyard: expert-parallel dispatch and combine for Mixture-of-Experts models, DeepEP-compatible.
 
 ``import tokenyard`` loads no CUDA code; the CUDA backend compiles its kernels on first use.
-`AutoTuner` (tokenyard.autotune) and `Benchmark` (tokenyard.benchmark) load on first use;
-`tokenyard.affinity` binds a rank to its GPU's cores, NUMA memory and NIC.
+`AutoTuner` (tokenyard.tools.autotune) and `Benchmark` (tokenyard.benchmark) load on first use;
+`tokenyard.tools.affinity` binds a rank to its GPU's cores, NUMA memory and NIC.
 """
 
 import torch
 
-from . import quant, routing
 from .buffer import Buffer
 from .config import Config
 from .errors import (BackendUnavailableError, CapacityError, CommTimeoutError, HandleError, InvalidInputError,
                      PeerLostError, RankMismatchError, TokenyardError)
 from .event import EventHandle, EventOverlap
 from .handle import DispatchHandle, LowLatencyHandle
-from .quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
+from .semantics import quant, routing
+from .semantics.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
 
 topk_idx_t = torch.int64
 """The dtype of expert indices, as DeepEP names it (int32 is accepted too)."""
@@ -29,7 +29,7 @@ __all__ = [
     "quant", "routing", "AutoTuner", "Benchmark",
 ]
 
-_LAZY = {"AutoTuner": "autotune", "Benchmark": "benchmark"}
+_LAZY = {"AutoTuner": "tools.autotune", "Benchmark": "benchmark"}
 
 
 def __getattr__(name: str):

@@ -1,9 +1,9 @@
 """`Benchmark`: the benchmark command's measurements, run in-process on a group the caller already has.
 
-Naive equivalent: ``python -m tokenyard.bench --mode normal ...`` without spawning processes; every rank
+Naive equivalent: ``python -m tokenyard.tools.bench --mode normal ...`` without spawning processes; every rank
 of `group` calls the same method with the same arguments, and every rank gets the same JSON document
-the command writes (tokenyard/bench/report.py). The calls timed, the bandwidth formulas and the
-summary across ranks are the command's own (tokenyard/bench/runner.py, bandwidth.py, timing.py).
+the command writes (tokenyard/tools/bench/report.py). The calls timed, the bandwidth formulas and the
+summary across ranks are the command's own (tokenyard/tools/bench/runner.py, bandwidth.py, timing.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import devices
 from .buffer import Buffer
 from .errors import InvalidInputError
+from .plan import devices
 
 DEFAULT_SM_COUNTS = (8, 16, 24, 32, 40, 48)
 
@@ -52,7 +52,7 @@ class Benchmark:
         self.iters, self.warmup, self.seed, self.quiet = iters, warmup, seed, quiet
 
     def _settings(self, mode: str, **problem):
-        from .bench import options, runner
+        from .tools.bench import options, runner
 
         seed = self.seed if self.seed is not None else runner.from_rank_0(self.group, secrets.randbelow(2**31))
         gpu = devices.default_device().type == "cuda"
@@ -64,7 +64,7 @@ class Benchmark:
             raise InvalidInputError(str(exc)) from None
 
     def _run(self, settings) -> dict:
-        from .bench import report, runner
+        from .tools.bench import report, runner
 
         samples = runner.measure_group(runner.group_context(settings, self.group))
         date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

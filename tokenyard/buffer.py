@@ -14,16 +14,17 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import checks, devices, env, ops, rounds, workspace
+from . import checks, env, ops
 from .backends import create_backend
 from .backends.base import GroupContext
-from .collectives import Collectives, choose_mode
+from .backends.collectives import Collectives, choose_mode
+from .backends.requests import CombineRequest, DispatchRequest, LayoutCheck
 from .buffer_low_latency import LowLatencyCalls
 from .config import Config
 from .errors import InvalidInputError, TokenyardError
 from .event import EventHandle, EventOverlap
 from .handle import DispatchHandle
-from .requests import CombineRequest, DispatchRequest, LayoutCheck
+from .plan import devices, rounds, workspace
 
 _buffer_ids = itertools.count(1)
 
@@ -170,7 +171,7 @@ class Buffer(LowLatencyCalls):
         self._last_rounds = self._last_round_tokens = 0  # the last normal call's, for the fast paths to learn
         self._learnable_shape = None  # the CUDA backend's DispatchShape of the last cached or worst-case dispatch
         if self.backend == "cuda":
-            from .fast_paths import FastPaths
+            from .backends.cuda.fast_paths import FastPaths
 
             self._fast = FastPaths(self)
         self._rank_mask = None

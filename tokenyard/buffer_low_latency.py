@@ -9,10 +9,11 @@ from typing import Callable, Optional
 
 import torch
 
-from . import checks, devices, ops, workspace
+from . import checks, ops
+from .backends.requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
 from .errors import InvalidInputError
 from .handle import LowLatencyHandle
-from .requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
+from .plan import devices, workspace
 
 
 def _no_async_with_hook(async_finish: bool, return_recv_hook: bool) -> None:

@@ -10,9 +10,9 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from . import workspace
 from .errors import CapacityError, HandleError, InvalidInputError
 from .handle import DispatchHandle, LowLatencyHandle, as_dispatch_handle, as_low_latency_handle
+from .plan import workspace
 
 TOPK_DTYPES = (torch.int64, torch.int32)
 SCALE_DTYPES = (torch.float32, torch.int32)
@@ -113,7 +113,7 @@ def layout_agrees(topk_idx: Optional[torch.Tensor], num_experts: int, num_tokens
                   is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> None:
     """The debug mode's host check of a dispatch's layout tensors: the judgement of NOTE [input verdict], read
     on the host (a device sync) and refused on this rank before any communication."""
-    from .routing import layout_verdict
+    from .semantics.routing import layout_verdict
 
     kinds = int(layout_verdict(topk_idx, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
     if kinds:
@@ -156,7 +156,7 @@ def topk_values(t: torch.Tensor, num_experts: int) -> None:
         return
     low, high = (int(v) for v in torch.aminmax(t))
     if low < -1 or high >= num_experts:
-        from .routing import bad_expert_ids
+        from .semantics.routing import bad_expert_ids
 
         bad = t[bad_expert_ids(t, num_experts)].flatten()[0].item()
         _fail(f"topk_idx holds expert id {bad}, outside [-1, {num_experts})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import workspace
+from .plan import workspace
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tokenyard import Buffer, quantize_fp8
-from tokenyard.testing import make_rank_inputs
+from tokenyard.tools.testing import make_rank_inputs
 
 from .scenarios import _world, assert_same, normal_buffer
 

@@ -1,4 +1,4 @@
-"""Faults with real peers, as rank functions for `tokenyard.launch.run_on_ranks` (each scenario in processes of
+"""Faults with real peers, as rank functions for `tokenyard.tools.launch.run_on_ranks` (each scenario in processes of
 its own, so that a group left broken reaches nothing else): ranks that make different calls, skip one, sleep
 past the deadline or die. Each rank returns what it saw, ``{"error", "detected_s", "recovered"}``: the error
 it raised (None for the rank at fault where it raised nothing), how long after its call began, and whether
@@ -43,7 +43,7 @@ def _device(backend):
 
 
 def _inputs(seed, num_ranks, hidden=HIDDEN, num_experts=NUM_EXPERTS, backend="reference"):
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard.tools.testing import make_rank_inputs
 
     return make_rank_inputs(seed, num_ranks, NUM_TOKENS, hidden, num_experts, NUM_TOPK, device=_device(backend))
 
@@ -64,7 +64,8 @@ def _dispatch(buffer, x, topk_idx, weights, num_experts=NUM_EXPERTS, num_worst_t
 
 def correct_call(group, seed, backend="reference") -> bool:
     """A dispatch on a new Buffer of `group`, against the oracle; raises where it differs."""
-    from tokenyard import Buffer, routing
+    from tokenyard import Buffer
+    from tokenyard.semantics import routing
 
     inputs = _inputs(seed, group.size(), backend=backend)
     buffer = Buffer(group, 1 << 22, 0, backend=backend, timeout_s=TIMEOUT_S)
@@ -169,7 +170,7 @@ def run(num_ranks, fn, seed, what, backend="reference") -> dict:
     """Every rank's view of scenario `what` of `fn` (`mismatch` or `late_peer`), ``{rank: dict}``, in processes of
     its own. In KILLED, rank 1 must end by SIGKILL (noticed by its end, not a deadline) and is left out; any
     other rank that fails raises RanksFailed."""
-    from tokenyard.launch import RanksFailed, run_on_ranks
+    from tokenyard.tools.launch import RanksFailed, run_on_ranks
 
     try:
         seen = run_on_ranks(num_ranks, fn, seed, what, backend, use_cuda=backend == "cuda", timeout_s=120,

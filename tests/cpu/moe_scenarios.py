@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tokenyard import Buffer, autograd, moe, routing
-from tokenyard.testing import all_gather, make_rank_inputs
+from tokenyard import Buffer
+from tokenyard.layers import autograd, moe
+from tokenyard.semantics import routing
+from tokenyard.tools.testing import all_gather, make_rank_inputs
 
 BF16_UNIT = 2.0 ** -8  # bf16 keeps 8 significant bits: one rounding moves a value by at most this, relatively
 

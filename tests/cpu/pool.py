@@ -2,7 +2,7 @@
 
 Spawning processes and importing torch costs seconds, so each world size is started once and every test
 sends it a function to run on all ranks. Ranks answer as every launcher's do (NOTE [rank reports] in
-tokenyard/launch.py): a failure on any rank becomes an AssertionError in the test with that rank's traceback,
+tokenyard/tools/launch.py): a failure on any rank becomes an AssertionError in the test with that rank's traceback,
 and a pool with a failed or silent rank is killed and started again for the next test.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 
-from tokenyard import launch
+from tokenyard.tools import launch
 
 
 def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
@@ -25,7 +25,7 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
             outbox.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - reported to the test
             outbox.put((rank, False, traceback.format_exc()))
-    launch.leave_group()  # NOTE [gloo threads at exit] in tokenyard/launch.py
+    launch.leave_group()  # NOTE [gloo threads at exit] in tokenyard/tools/launch.py
 
 
 class RankPool:

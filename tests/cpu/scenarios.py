@@ -1,7 +1,7 @@
 """Functions that run on every rank of a RankPool (tests/cpu/pool.py).
 
 Each builds all ranks' inputs from one seed, runs tokenyard on its own share, and compares with the
-single-process oracle (tokenyard.routing) or with a property computed here independently.
+single-process oracle (tokenyard.semantics.routing) or with a property computed here independently.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import tokenyard
-from tokenyard import Buffer, Config, routing
-from tokenyard.testing import make_rank_inputs
+from tokenyard import Buffer, Config
+from tokenyard.semantics import routing
+from tokenyard.tools.testing import make_rank_inputs
 
 
 def _world():

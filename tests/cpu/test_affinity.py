@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from tokenyard import affinity
+from tokenyard.tools import affinity
 
 from .test_bench import _run_bench
 

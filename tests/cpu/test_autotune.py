@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from tokenyard import autotune, env
+from tokenyard import env
 from tokenyard.errors import InvalidInputError
+from tokenyard.tools import autotune
 
 PROBLEM = dict(hidden_size=128, num_tokens=16, num_experts=8, num_topk=2, sm_counts=[8, 16])
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tokenyard.bench import bandwidth, options
+from tokenyard.tools.bench import bandwidth, options
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 OP_FIELDS = {"us", "nvlink_gbps", "logical_gbps", "num_sms"}
@@ -17,7 +17,7 @@ OP_FIELDS = {"us", "nvlink_gbps", "logical_gbps", "num_sms"}
 
 def _run_bench(*args, timeout_s=240):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "tokenyard.bench", *args], cwd=REPO_ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "tokenyard.tools.bench", *args], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -112,7 +112,7 @@ def test_dashed_spellings_are_aliases_and_cpu_defaults_are_the_small_problem():
 
 
 def test_a_run_of_ranks_sharing_gpus_reports_no_rate_as_bandwidth():
-    from tokenyard.bench import report
+    from tokenyard.tools.bench import report
 
     doc = {"copy_limit_gbps": 300.0, "nccl": {"dispatch": {"us": 10.0, "nvlink_gbps": 5.0, "logical_gbps": 7.0}},
            "tokenyard": {"low_latency": {"dispatch_us": 20.0, "dispatch_nvlink_gbps": 1.0}},

@@ -53,9 +53,10 @@ def test_autotuner_and_benchmark_load_on_first_use_without_cuda_jit_or_matplotli
 
     code = ("import sys, tokenyard\n"
             "loaded = lambda *names: [m for m in sys.modules if m.startswith(names)]\n"
-            "assert not loaded('tokenyard.autotune', 'tokenyard.benchmark', 'tokenyard.bench', 'tokenyard.affinity',"
-            " 'matplotlib'), loaded('tokenyard.autotune', 'tokenyard.benchmark', 'tokenyard.bench', 'matplotlib')\n"
-            "assert tokenyard.AutoTuner.__module__ == 'tokenyard.autotune'\n"
+            "assert not loaded('tokenyard.tools.autotune', 'tokenyard.benchmark', 'tokenyard.tools.bench',"
+            " 'tokenyard.tools.affinity', 'matplotlib'), "
+            "loaded('tokenyard.tools.autotune', 'tokenyard.benchmark', 'tokenyard.tools.bench', 'matplotlib')\n"
+            "assert tokenyard.AutoTuner.__module__ == 'tokenyard.tools.autotune'\n"
             "assert tokenyard.Benchmark.__module__ == 'tokenyard.benchmark'\n"
             "assert not loaded('tokenyard.backends.cuda', 'tokenyard.jit', 'matplotlib'), "
             "loaded('tokenyard.backends.cuda', 'tokenyard.jit', 'matplotlib')\n")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tokenyard import workspace
+from tokenyard.plan import workspace
 
 from . import bounded_scenarios
 
@@ -80,10 +80,10 @@ def test_a_fresh_dispatch_agrees_on_rounds_only_after_its_count_exchange():
     the bounded count exchange timed out), no host collective has been started that the peer never joins."""
     import torch
 
-    from tokenyard import rounds
+    from tokenyard.backends.requests import DispatchRequest
     from tokenyard.config import Config
     from tokenyard.errors import CommTimeoutError
-    from tokenyard.requests import DispatchRequest
+    from tokenyard.plan import rounds
 
     num_tokens, num_ranks = 6, 2
     topk_idx = torch.randint(0, 4, (num_tokens, 2))

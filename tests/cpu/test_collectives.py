@@ -1,18 +1,18 @@
-"""Bounded collectives over gloo (tokenyard/collectives.py): a wait given up on leaves its collective posted,
+"""Bounded collectives over gloo (tokenyard/backends/collectives.py): a wait given up on leaves its collective posted,
 so ranks that post the same collectives stay in step (NOTE [symmetric lifetime] in backends/cuda/backend.py)."""
 
 from __future__ import annotations
 
 import time
 
-from tokenyard import launch
+from tokenyard.tools import launch
 
 
 def _late_meeting_then_more():
     import torch
     import torch.distributed as dist
 
-    from tokenyard.collectives import Collectives
+    from tokenyard.backends.collectives import Collectives
     from tokenyard.errors import CommTimeoutError
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()

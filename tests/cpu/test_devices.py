@@ -1,14 +1,16 @@
-"""Where a Buffer works (tokenyard/devices.py) and how its tensors cross the group (tokenyard/collectives.py):
-the device rule, ranks sharing GPUs, virtual nodes, on CPU with made-up placements and real gloo ranks."""
+"""Where a Buffer works (tokenyard/plan/devices.py) and how its tensors cross the group
+(tokenyard/backends/collectives.py): the device rule, ranks sharing GPUs, virtual nodes, on CPU with made-up
+placements and real gloo ranks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenyard import InvalidInputError, devices
-from tokenyard.collectives import choose_mode
-from tokenyard.devices import RankPlace, make_topology
+from tokenyard import InvalidInputError
+from tokenyard.backends.collectives import choose_mode
+from tokenyard.plan import devices
+from tokenyard.plan.devices import RankPlace, make_topology
 
 H100 = 132
 

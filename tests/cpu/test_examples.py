@@ -16,5 +16,5 @@ def test_example_runs_and_passes_its_own_check(script):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "2 ranks on cpu" in done.stdout
     # A group that outlives its ranks' teardown aborts the process at exit now and then, so its warning
-    # fails every run (NOTE [gloo threads at exit] in tokenyard/launch.py).
+    # fails every run (NOTE [gloo threads at exit] in tokenyard/tools/launch.py).
     assert "still holds the process group" not in done.stderr, done.stderr[-4000:]

@@ -1,12 +1,11 @@
-"""The constants Python reads from the CUDA headers (tokenyard/headers.py): found, and used whole."""
+"""The constants Python reads from the CUDA headers (tokenyard/plan/headers.py): found, and used whole."""
 
 from __future__ import annotations
 
 import pytest
 
-from tokenyard import workspace
 from tokenyard.backends.cuda import backend
-from tokenyard import headers
+from tokenyard.plan import headers, workspace
 
 
 def test_every_stage_a_kernel_can_record_has_a_name_in_errors():

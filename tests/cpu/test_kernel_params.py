@@ -12,8 +12,8 @@ import re
 import pytest
 
 from tokenyard.backends.cuda import kernels
-from tokenyard.bench import copy_limit
 from tokenyard.jit.compiler import INCLUDE_DIR
+from tokenyard.tools.bench import copy_limit
 
 SPECS = {(s.header, s.function): s for s in (*kernels.every_kernel(), *copy_limit.every_kernel())}
 

@@ -1,4 +1,4 @@
-"""The one way launchers hear their ranks (NOTE [rank reports] in tokenyard/launch.py)."""
+"""The one way launchers hear their ranks (NOTE [rank reports] in tokenyard/tools/launch.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tokenyard import launch
+from tokenyard.tools import launch
 
 
 def _fail_on_rank_0_while_the_others_hang():

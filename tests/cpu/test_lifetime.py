@@ -1,4 +1,4 @@
-"""A Buffer lets go of its group as soon as it is dropped (NOTE [gloo threads at exit] in tokenyard/launch.py)."""
+"""A Buffer lets go of its group as soon as it is dropped (NOTE [gloo threads at exit] in tokenyard/tools/launch.py)."""
 
 import gc
 import weakref
@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from tokenyard import Buffer
-from tokenyard.testing import make_rank_inputs
+from tokenyard.tools.testing import make_rank_inputs
 
 from . import scenarios
 

@@ -44,8 +44,8 @@ def test_pre_reduced_combine_is_within_bf16_rounding_of_one_sum(seed):
     equal on one rank, within bf16 rounding (and not always equal) on four."""
     import torch
 
-    from tokenyard import routing
-    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+    from tokenyard.semantics import routing
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     for num_ranks in (1, 4):
         num_experts, num_max = 8 * num_ranks, 24

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tokenyard.launch import run_on_ranks
+from tokenyard.tools.launch import run_on_ranks
 
 pytest.importorskip("megatron.core", reason="megatron-core is in the test extra: pip install '.[test]'")
 
@@ -35,8 +35,8 @@ def _megatron_step(alias_dir, seed, async_finish, allocate_on_comm_stream):
     # importorskip) did before the alias was on the path: import it again, as a fresh process would.
     fused_a2a = importlib.reload(fused_a2a)
 
-    from tokenyard import routing
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard.semantics import routing
+    from tokenyard.tools.testing import make_rank_inputs
 
     assert fused_a2a.HAVE_DEEP_EP, "megatron did not find deep_ep"
     rank, num_ranks = dist.get_rank(), dist.get_world_size()

@@ -5,7 +5,7 @@ The dense block runs in this process, once on each rank's slice of the tokens; t
 slice and their share of the experts, and must reproduce its output and every gradient.
 
 Float32 tolerances: the layer's output and its input's gradient pass through `Buffer.combine`, whose rows
-are bf16 (NOTE [combine wire dtype] in tokenyard/autograd.py), so they match to bf16 rounding; the
+are bf16 (NOTE [combine wire dtype] in tokenyard/layers/autograd.py), so they match to bf16 rounding; the
 weights' gradients never pass through it and match to float32 rounding.
 """
 
@@ -103,6 +103,6 @@ def test_importing_tokenyard_moe_and_autograd_loads_no_cuda_library():
     import sys
 
     unwanted = ("tokenyard.backends.cuda", "tokenyard.jit", "transformers")
-    code = ("import sys, tokenyard.moe, tokenyard.autograd; "
+    code = ("import sys, tokenyard.layers.moe, tokenyard.layers.autograd; "
             f"bad = [m for m in sys.modules if m.startswith({unwanted!r})]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,4 @@
-"""Normal mode through the reference backend on gloo ranks, against tokenyard.routing and properties."""
+"""Normal mode through the reference backend on gloo ranks, against tokenyard.semantics.routing and properties."""
 
 import pytest
 

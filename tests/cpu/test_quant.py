@@ -1,8 +1,8 @@
-"""The quantization definition (tokenyard.quant), in one process."""
+"""The quantization definition (tokenyard.semantics.quant), in one process."""
 
 import torch
 
-from tokenyard import quant
+from tokenyard.semantics import quant
 
 
 def _x(seed, rows=16, hidden=1024, scale=3.0):

@@ -1,9 +1,9 @@
-"""Buffer sizing (tokenyard.workspace) and the CUDA kernels' launch descriptions, on CPU."""
+"""Buffer sizing (tokenyard.plan.workspace) and the CUDA kernels' launch descriptions, on CPU."""
 
 import pytest
 
-from tokenyard import workspace
 from tokenyard.config import Config
+from tokenyard.plan import workspace
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])

@@ -1,7 +1,7 @@
 """Start the ranks of a GPU test, run a function on each, collect failures.
 
-Ranks spread evenly over the GPUs here (tokenyard.launch.init_rank): one per GPU in an NCCL group where there
-are enough GPUs, else several per GPU in a gloo group, under MPS (NOTE [shared GPUs] in tokenyard/devices.py;
+Ranks spread evenly over the GPUs here (tokenyard.tools.launch.init_rank): one per GPU in an NCCL group where there
+are enough GPUs, else several per GPU in a gloo group, under MPS (NOTE [shared GPUs] in tokenyard/plan/devices.py;
 `benchmarks/run_device.sh` starts the daemon). TOKENYARD_TEST_NUM_RANKS chooses the rank counts.
 """
 
@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from tokenyard import devices
-from tokenyard.launch import disable_nvlink_multicast, run_on_ranks
+from tokenyard.plan import devices
+from tokenyard.tools.launch import disable_nvlink_multicast, run_on_ranks
 
 disable_nvlink_multicast()
 

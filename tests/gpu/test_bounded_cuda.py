@@ -1,5 +1,5 @@
 """Bounded buffers on the CUDA backend: calls in rounds against the reference backend's one-shot calls on
-the same inputs (device machine only; NOTE [rounds] in tokenyard/rounds.py).
+the same inputs (device machine only; NOTE [rounds] in tokenyard/plan/rounds.py).
 
 Dispatch must match bit for bit (data, scales, indices, weights, counts, order, every handle field); combine
 too, since each token is summed in one round in the same order. Ranks have very different token counts,
@@ -43,8 +43,9 @@ def compare_rounds(seed, cases, backend="cuda"):
     where this function checks itself)."""
     import torch.distributed as dist
 
-    from tokenyard import Buffer, Config, workspace
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard import Buffer, Config
+    from tokenyard.plan import workspace
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")

@@ -22,7 +22,7 @@ def compiled_calls(seed: int, backend: str = "cuda"):
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config, ops
-    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")
@@ -88,7 +88,7 @@ def compiled_low_latency(seed: int, backend: str = "cuda"):
     import torch.distributed as dist
 
     from tokenyard import Buffer, ops
-    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")

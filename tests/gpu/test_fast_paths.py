@@ -1,4 +1,4 @@
-"""The Buffer's fast paths (NOTE [fast paths] in tokenyard/fast_paths.py), device machine only.
+"""The Buffer's fast paths (NOTE [fast paths] in tokenyard/backends/cuda/fast_paths.py), device machine only.
 
 Each call kind is made once through the full path (which records its shape) and then again with fresh
 inputs of the same shape, which must take the fast path; every result, poisoned before the kernels write
@@ -87,7 +87,7 @@ def _fast_paths_match(seed):
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config
-    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())

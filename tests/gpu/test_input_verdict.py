@@ -34,8 +34,9 @@ def _raises(fn, *fragments):
 def judge_inputs(seed: int, backend: str = "cuda"):
     import torch.distributed as dist
 
-    from tokenyard import Buffer, Config, routing
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard import Buffer, Config
+    from tokenyard.semantics import routing
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")

@@ -73,7 +73,7 @@ def _pre_reduced(y, layout_range, all_inputs, num_experts):
     and `layout_range` (gathered here) and every rank's inputs."""
     import torch.distributed as dist
 
-    from tokenyard import routing
+    from tokenyard.semantics import routing
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (_FilledSlots(y, layout_range), layout_range.cpu()))
@@ -87,7 +87,7 @@ def _compare(seed, cases):
     import torch.distributed as dist
 
     from tokenyard import Buffer
-    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -149,7 +149,7 @@ def _graph_replay(seed):
     import torch.distributed as dist
 
     from tokenyard import Buffer
-    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -210,7 +210,7 @@ def _shapes_on_one_buffer(seed):
     import torch.distributed as dist
 
     from tokenyard import Buffer
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -258,7 +258,7 @@ def _plain_handles_and_wait_costs(seed):
     import torch.distributed as dist
 
     from tokenyard import Buffer
-    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -323,8 +323,9 @@ def _masked_rank(seed):
 
     import torch.distributed as dist
 
-    from tokenyard import Buffer, routing
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard import Buffer
+    from tokenyard.semantics import routing
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -395,8 +396,9 @@ def _deadline_race(seed):
 
     import torch.distributed as dist
 
-    from tokenyard import Buffer, routing
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard import Buffer
+    from tokenyard.semantics import routing
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())

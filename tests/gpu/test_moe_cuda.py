@@ -2,7 +2,7 @@
 
 The same comparison as tests/cpu/test_moe.py, on one GPU per rank: every rank builds the dense
 transformers block on its GPU and runs it on every rank's slice of the tokens (the same shapes as the
-layer's, so both routers see the same bits), then runs `tokenyard.moe.ExpertParallelMoE` with
+layer's, so both routers see the same bits), then runs `tokenyard.layers.moe.ExpertParallelMoE` with
 ``backend="cuda"`` on its own slice and compares output, input gradient and every weight's gradient.
 With TOKENYARD_RESULTS_DIR set, the measured errors are written to ``moe_equivalence.json`` there
 (benchmarks/results/ in the repository) before any tolerance is checked.
@@ -61,7 +61,7 @@ def _write(results, seed):
     folder = os.environ.get("TOKENYARD_RESULTS_DIR")
     if not folder:
         return
-    from tokenyard.bench.report import git_commit
+    from tokenyard.tools.bench.report import git_commit
 
     document = {
         "commit": git_commit(),

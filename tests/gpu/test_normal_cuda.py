@@ -30,7 +30,7 @@ def _compare_ranks(seed, cases):
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -103,7 +103,7 @@ def _small_dispatch(seed, num_tokens, timeout_s):
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())

@@ -1,4 +1,4 @@
-"""The CUDA backend on any process group (NOTE [device rule] in tokenyard/devices.py), device machine only.
+"""The CUDA backend on any process group (NOTE [device rule] in tokenyard/plan/devices.py), device machine only.
 
 vLLM builds DeepEP's Buffer on a gloo group while every tensor lives on the GPU. Here a Buffer on a gloo
 group must take the CUDA backend, work on the GPU, and give what the same calls give through an
@@ -52,7 +52,7 @@ def _vllm_pattern(seed):
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config
-    from tokenyard.testing import assert_within_bf16_rounding, make_rank_inputs
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -144,8 +144,9 @@ def _cuda_backend_where_mps_serves(seed):
 
     import torch.distributed as dist
 
-    from tokenyard import BackendUnavailableError, Buffer, Config, routing
-    from tokenyard.testing import make_rank_inputs
+    from tokenyard import BackendUnavailableError, Buffer, Config
+    from tokenyard.semantics import routing
+    from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())

@@ -13,10 +13,10 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..collectives import Collectives
-from ..devices import Topology
-from ..requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
-                        LowLatencyDispatchRequest, LowLatencyDispatchResult)
+from ..plan.devices import Topology
+from .collectives import Collectives
+from .requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
+                       LowLatencyDispatchRequest, LowLatencyDispatchResult)
 
 
 @dataclasses.dataclass

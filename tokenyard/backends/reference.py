@@ -17,12 +17,13 @@ from typing import List, Optional
 
 import torch
 
-from .. import checks, quant, routing
+from .. import checks
 from ..errors import InvalidInputError
 from ..handle import DispatchHandle, LowLatencyHandle
-from ..requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
-                        LowLatencyDispatchRequest, LowLatencyDispatchResult, Placement)
+from ..semantics import quant, routing
 from .base import Backend, GroupContext
+from .requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
+                       LowLatencyDispatchRequest, LowLatencyDispatchResult, Placement)
 
 
 def _as_bytes(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

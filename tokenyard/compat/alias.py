@@ -49,7 +49,7 @@ _BENCHMARK = '''"""python -m deep_ep.benchmark: tokenyard's benchmark (an alias 
 
 import sys
 
-from tokenyard.bench.__main__ import main
+from tokenyard.tools.bench.__main__ import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="python -m deep_ep.benchmark"))

@@ -13,13 +13,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from ... import checks, collectives, env, headers, workspace
+from ... import checks, env
 from ...errors import BackendUnavailableError, CommTimeoutError, InvalidInputError, TokenyardError
 from ...handle import DispatchHandle
 from ...jit import load
-from ...requests import CombineRequest, DispatchRequest, DispatchResult
-from ...waiting import wait_until
+from ...plan import headers, workspace
+from .. import collectives
 from ..base import Backend, GroupContext
+from ..requests import CombineRequest, DispatchRequest, DispatchResult
+from ..waiting import wait_until
 from . import heuristics, kernels, plans, runtime
 
 HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: call id, three counts, the verdict (two), per-local-expert counts

@@ -9,8 +9,8 @@ import argparse
 import sys
 import time
 
-from ...bench import copy_limit
 from ...jit import compiler as compilers
+from ...tools.bench import copy_limit
 from . import kernels
 
 

@@ -10,9 +10,9 @@ import functools
 
 import torch
 
-from ... import headers, workspace
-from ...collectives import SIGNATURE_INTS
 from ...jit import KernelSpec, Param
+from ...plan import headers, workspace
+from ..collectives import SIGNATURE_INTS
 
 LAYOUT_THREADS = 256
 NOTIFY_THREADS = 512

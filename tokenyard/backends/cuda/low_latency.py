@@ -16,10 +16,11 @@ from typing import Optional
 
 import torch
 
-from ... import collectives, workspace
 from ...errors import InvalidInputError
 from ...handle import LowLatencyHandle
-from ...requests import LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
+from ...plan import workspace
+from .. import collectives
+from ..requests import LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from . import heuristics, kernels, plans
 
 _HANDLE_OUTPUTS = ("src_info", "layout_range")  # a dispatch's outputs that its handle keeps

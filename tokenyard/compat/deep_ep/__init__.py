@@ -2,7 +2,7 @@
 
 Also `deep_ep.buffer.Buffer`, `deep_ep.utils`, and the seed README's `AutoTuner`, `Benchmark` and
 ``python -m deep_ep.benchmark`` (here ``python -m tokenyard.compat.deep_ep.benchmark``, the same command
-line as ``python -m tokenyard.bench``).
+line as ``python -m tokenyard.tools.bench``).
 """
 
 from ... import __version__, topk_idx_t

@@ -1,9 +1,9 @@
 """``python -m tokenyard.compat.deep_ep.benchmark``: DeepEP's ``python -m deep_ep.benchmark`` command line,
-which is ``python -m tokenyard.bench`` (the same options)."""
+which is ``python -m tokenyard.tools.bench`` (the same options)."""
 
 import sys
 
-from ...bench.__main__ import main
+from ...tools.bench.__main__ import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="python -m tokenyard.compat.deep_ep.benchmark"))

@@ -1,4 +1,4 @@
-// Byte layout of the normal-mode buffer and of a half of the low-latency buffer, as tokenyard/workspace.py
+// Byte layout of the normal-mode buffer and of a half of the low-latency buffer, as tokenyard/plan/workspace.py
 // computes them (NOTE [normal-mode buffer]). The host passes the sizes; these helpers only turn them into pointers.
 #pragma once
 

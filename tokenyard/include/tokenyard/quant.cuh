@@ -1,4 +1,4 @@
-// The FP8 cast of the low-latency dispatch, exactly as tokenyard/quant.py: 128-channel groups, one float32
+// The FP8 cast of the low-latency dispatch, exactly as tokenyard/semantics/quant.py: 128-channel groups, one float32
 // scale each (optionally rounded up to a power of two).
 #pragma once
 

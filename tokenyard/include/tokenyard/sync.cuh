@@ -9,7 +9,7 @@
 namespace tokenyard {
 
 // NOTE [error record]: int32 words in pinned host memory, read by check_failures in backends/cuda/backend.py,
-// which takes the numbers below from this header (tokenyard/headers.py).
+// which takes the numbers below from this header (tokenyard/plan/headers.py).
 //   [0] 0 = no error, 1 = timeout, 2 = more rows than the output holds (value seen > expected), 3 = a peer
 //   sent with another launch shape (value seen: its sending warps, expected: ours), 4 = a dispatch that
 //   does not wait for the CPU was given bad values (seen: the Verdict bits, expected: the mask of the ranks

@@ -58,7 +58,7 @@ def layout_verdict(topk_idx: Optional[torch.Tensor], num_experts: int, num_token
     """Per rank. The NOTE [input verdict] bits (checks.py) of a fresh dispatch's inputs, as an int32 0-D tensor
     on their device (no host sync): ids outside [-1, E), and layout tensors unlike `dispatch_layout` of the
     ids in range. Without `topk_idx`, only `num_tokens_per_rank` against `is_token_in_rank`."""
-    from . import checks
+    from .. import checks
 
     num_ranks = is_token_in_rank.size(1)
     tests = [(checks.PER_RANK_DISAGREES, (is_token_in_rank.sum(0, dtype=torch.int32) != num_tokens_per_rank).any())]

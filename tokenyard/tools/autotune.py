@@ -6,7 +6,7 @@ Naive equivalent::
     Buffer.set_num_sms(min(n for n in times if times[n] <= 1.05 * min(times.values())))
 
 Every method is collective: all ranks of the group call it with the same arguments. Each rank times the
-calls (the benchmark's own measurements, tokenyard/bench/runner.py); the slowest rank's time counts for
+calls (the benchmark's own measurements, tokenyard/tools/bench/runner.py); the slowest rank's time counts for
 each SM count (bandwidth.summarize); rank 0 chooses and broadcasts, so all ranks agree.
 
 NOTE [SM choice]
@@ -36,10 +36,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import devices, env
-from .buffer import Buffer
-from .config import Config
-from .errors import InvalidInputError, TokenyardError
+from .. import env
+from ..buffer import Buffer
+from ..config import Config
+from ..errors import InvalidInputError, TokenyardError
+from ..plan import devices
 
 PROFILE_FORMAT = "tokenyard-profile/1"
 DEFAULT_TOLERANCE = 0.05
@@ -80,7 +81,7 @@ class AutoTuner:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, backend: Optional[str] = None,
                  iters: Optional[int] = None, warmup: Optional[int] = None, tolerance: float = DEFAULT_TOLERANCE,
                  profile_dir: Optional[str] = None, seed: Optional[int] = None, quiet: bool = False) -> None:
-        from .benchmark import _group
+        from ..benchmark import _group
 
         self.group = _group(group)
         self.backend = backend or env.settings().backend

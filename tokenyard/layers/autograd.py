@@ -27,8 +27,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .buffer import Buffer
-from .errors import InvalidInputError
+from ..buffer import Buffer
+from ..errors import InvalidInputError
 
 _WIRE_DTYPE = torch.bfloat16
 _ROW_ALIGN_BYTES = 16  # dispatch rows must be a multiple of 16 bytes

@@ -36,7 +36,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import CommTimeoutError, InvalidInputError, PeerLostError, RankMismatchError
+from ..errors import CommTimeoutError, InvalidInputError, PeerLostError, RankMismatchError
 from .waiting import wait_until
 
 MODES = ("direct", "nccl", "host")

@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .errors import InvalidInputError
+from ..errors import InvalidInputError
 
 
 def buffer_device(cuda_available: bool, current_device: int) -> torch.device:
@@ -99,7 +99,7 @@ def this_rank(device: torch.device) -> RankPlace:
 def _mps_serves(device_index: int) -> bool:
     """Whether contexts on this GPU are MPS clients (the device attribute; False where it cannot be read)."""
     try:
-        from .backends.cuda import runtime
+        from ..backends.cuda import runtime
 
         return runtime.mps_enabled(device_index)
     except Exception:  # noqa: BLE001 - no libcudart, or a driver without the attribute: not known to be MPS

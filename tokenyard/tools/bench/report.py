@@ -19,9 +19,9 @@ The JSON document (`build`), one entry ``{us, nvlink_gbps, logical_gbps, num_sms
 An op's plain entry is timed with CUDA events around the call after a barrier (host work before its first
 kernel included); ``*_back_to_back`` with the same events around calls made one after another with no
 barrier between them, as DeepEP's harness times calls; ``*_kernel`` is the GPU time of its own kernels
-from the profiler, as DeepEP reports (tokenyard/bench/timing.py). Kernel times exist on GPUs for the CUDA
-backend and NCCL's all-to-all.
-    affinity:    [each rank's tokenyard.affinity.Binding.as_dict()]                   (with --bind)
+from the profiler, as DeepEP reports (tokenyard/tools/bench/timing.py). Kernel times exist on GPUs for the
+CUDA backend and NCCL's all-to-all.
+    affinity:    [each rank's tokenyard.tools.affinity.Binding.as_dict()]             (with --bind)
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ LOW_LATENCY_TABLE_OPS = (("ll_dispatch", "dispatch"), ("ll_combine", "combine"),
 def git_commit() -> Optional[str]:
     """TOKENYARD_COMMIT when set (a copied tree whose git metadata may be missing or stale, as on the
     device machine); else ``git rev-parse HEAD`` of the checkout tokenyard runs from; else None."""
-    from ..env import settings
+    from ...env import settings
 
     if settings().commit:
         return settings().commit
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from . import quant
+from ..semantics import quant
 
 ROUTING_KINDS = ("uniform", "skewed", "masked", "empty_rank", "no_tokens", "repeated")
 
@@ -93,7 +93,7 @@ def all_gather(t: torch.Tensor, group=None) -> torch.Tensor:
     results to compare on every rank."""
     import torch.distributed as dist
 
-    from .collectives import Collectives, choose_mode
+    from ..backends.collectives import Collectives, choose_mode
 
     group = group if group is not None else dist.group.WORLD
     mode = choose_mode(str(dist.get_backend(group)), t.device.type, shares_gpu=True)

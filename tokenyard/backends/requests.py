@@ -11,8 +11,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .config import Config
-from .handle import DispatchHandle, LowLatencyHandle
+from ..config import Config
+from ..handle import DispatchHandle, LowLatencyHandle
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import pathlib
 import re
 from typing import Dict
 
-INCLUDE = pathlib.Path(__file__).resolve().parent / "include" / "tokenyard"
+INCLUDE = pathlib.Path(__file__).resolve().parents[1] / "include" / "tokenyard"
 
 
 @functools.lru_cache(maxsize=None)

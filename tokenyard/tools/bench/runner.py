@@ -20,10 +20,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import quant, routing
-from .. import devices
-from ..buffer import Buffer
-from ..config import Config
+from ...buffer import Buffer
+from ...config import Config
+from ...plan import devices
+from ...semantics import quant, routing
 from ..launch import init_rank, leave_group
 from ..testing import make_rank_inputs
 from . import BenchError, bandwidth, timing
@@ -333,7 +333,7 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
 
 def choose_backends(ctx: RankContext) -> List[str]:
     """The requested backends, or every one that runs on all ranks; raises where one cannot run."""
-    from ..backends import cuda_available
+    from ...backends import cuda_available
 
     cuda_everywhere = all(ctx.all_gather(ctx.device.type == "cuda" and cuda_available()))
     if ctx.settings.backends is None:
@@ -349,7 +349,7 @@ def resolve_backend(ctx: RankContext, name: str) -> str:
     the validated CUDA backend, else "reference" (the rule of tokenyard.backends.create_backend)."""
     if name != "auto":
         return name
-    from ..backends import cuda_available, cuda_validated
+    from ...backends import cuda_available, cuda_validated
 
     usable = ctx.device.type == "cuda" and cuda_available() and cuda_validated()
     return "cuda" if all(ctx.all_gather(usable)) else "reference"
@@ -404,9 +404,9 @@ def measure_group(ctx: RankContext, affinity: Optional[dict] = None) -> List[dic
 def run_rank(rank: int, num_ranks: int, port: int, settings: BenchSettings) -> Optional[List[dict]]:
     """Join the group, measure, gather; rank 0 returns every rank's samples, the others None.
 
-    With ``--bind`` the rank first binds itself (tokenyard.affinity.bind: one rank per GPU of this machine),
+    With ``--bind`` the rank first binds itself (tokenyard.tools.affinity.bind: one rank per GPU of this machine),
     before it creates threads or communicators, and records the binding with its samples. On GPUs the ranks
-    spread over the GPUs as tokenyard.launch.init_rank spreads them (several per GPU where there are fewer).
+    spread over the GPUs as tokenyard.tools.launch.init_rank spreads them (several per GPU where there are fewer).
     """
     binding = None
     if settings.bind:

@@ -10,8 +10,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import workspace
-from ..jit.spec import KernelSpec, Param
+from ...jit.spec import KernelSpec, Param
+from ...plan import workspace
 
 # NOTE [copy patterns] in copy_limit.cuh
 COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_peer_major": 4}

@@ -66,7 +66,7 @@ def plot(doc: dict, path: str) -> None:
         ax.set_title(title)
         ax.set_ylabel("GB/s")
         ax.legend(fontsize=7)
-    fig.suptitle(f"tokenyard.bench: {doc['device']}, hidden {doc['hidden']}, {doc['num_tokens']} tokens, "
+    fig.suptitle(f"tokenyard.tools.bench: {doc['device']}, hidden {doc['hidden']}, {doc['num_tokens']} tokens, "
                  f"{doc['num_experts']} experts, top-{doc['num_topk']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

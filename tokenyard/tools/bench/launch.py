@@ -1,10 +1,10 @@
-"""Start one process per rank with `tokenyard.launch` and turn any failure into a `BenchError`.
+"""Start one process per rank with `tokenyard.tools.launch` and turn any failure into a `BenchError`.
 
-Each rank sends one report (NOTE [rank reports] in tokenyard/launch.py): rank 0's value is every rank's
+Each rank sends one report (NOTE [rank reports] in tokenyard/tools/launch.py): rank 0's value is every rank's
 samples, a failed rank's is its traceback (a `BenchError`'s message alone). The ranks meet on a free port of
 127.0.0.1 in `runner.run_rank`, which makes the group itself.
 
-NVLink multicast stays off (NOTE [NVLink multicast] in tokenyard/launch.py): the variables are set before
+NVLink multicast stays off (NOTE [NVLink multicast] in tokenyard/tools/launch.py): the variables are set before
 any rank starts; the launcher has imported torch by then (``import tokenyard`` does) but creates no
 communicator, and the ranks inherit the variables before they import torch.distributed.
 """

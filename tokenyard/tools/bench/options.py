@@ -1,4 +1,4 @@
-"""The command line of ``python -m tokenyard.bench`` and the settings it resolves to.
+"""The command line of ``python -m tokenyard.tools.bench`` and the settings it resolves to.
 
 Every option has DeepEP's underscore spelling (``--num_tokens``) and a dashed alias (``--num-tokens``).
 Options left out take machine-dependent defaults: a small problem on CPU gloo ranks, or DeepSeek-V3's
@@ -12,7 +12,7 @@ import dataclasses
 import secrets
 from typing import Optional, Sequence, Tuple
 
-from .. import workspace
+from ...plan import workspace
 
 MODES = ("normal", "low_latency", "compare_sm", "all")
 BACKENDS = ("reference", "cuda")
@@ -63,7 +63,7 @@ class BenchSettings:
     plot: Optional[str]
     quiet: bool
     gpu: bool
-    bind: bool = False  # each rank binds to its GPU's NUMA node, cores and NIC (tokenyard.affinity)
+    bind: bool = False  # each rank binds to its GPU's NUMA node, cores and NIC (tokenyard.tools.affinity)
 
     def runs(self, part: str) -> bool:
         """Whether this run measures `part` (``normal``, ``low_latency`` or ``compare_sm``)."""
@@ -95,7 +95,7 @@ def _name_list(text: str) -> Tuple[str, ...]:
     return names
 
 
-def build_parser(prog: str = "python -m tokenyard.bench") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m tokenyard.tools.bench") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Time tokenyard's dispatch and combine on every backend against an all-to-all baseline.")
@@ -125,7 +125,7 @@ def build_parser(prog: str = "python -m tokenyard.bench") -> argparse.ArgumentPa
     add("plot", metavar="PATH.png", help="draw bandwidth per op and backend (needs matplotlib)")
     add("quiet", action="store_true", help="no progress bar")
     add("bind", action="store_true", help="bind each rank to the cores, NUMA memory and RDMA NIC of its GPU "
-                                          "(tokenyard.affinity.bind); the JSON records it under 'affinity'")
+                                          "(tokenyard.tools.affinity.bind); the JSON records it under 'affinity'")
     return parser
 
 
@@ -202,7 +202,7 @@ def for_group(*, mode: str, hidden_size: int, num_tokens: int, num_experts: int,
 
 def check(s: BenchSettings, num_gpus: int) -> None:
     """Refuse, before any process starts, a problem that some call would refuse later."""
-    del num_gpus  # more ranks than GPUs share them (tokenyard.launch.init_rank): times only, no bandwidth
+    del num_gpus  # more ranks than GPUs share them (tokenyard.tools.launch.init_rank): times only, no bandwidth
     problems = []
     if not s.gpu and s.backends and "cuda" in s.backends:
         problems.append("--backends cuda needs GPUs; this machine has none")
@@ -226,7 +226,7 @@ def check(s: BenchSettings, num_gpus: int) -> None:
         raise ValueError("; ".join(problems))
 
 
-def parse(argv: Optional[Sequence[str]], num_gpus: int, prog: str = "python -m tokenyard.bench") -> BenchSettings:
+def parse(argv: Optional[Sequence[str]], num_gpus: int, prog: str = "python -m tokenyard.tools.bench") -> BenchSettings:
     """Parse `argv` and resolve it; exits with usage (status 2, naming `prog`) on a bad setting."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)

@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from .event import EventHandle, EventOverlap
-from .handle import DispatchHandle
+from ...event import EventHandle, EventOverlap
+from ...handle import DispatchHandle
 
 _raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
 _current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
@@ -72,8 +72,8 @@ class FastPaths:
     """The fast paths of one CUDA-backend Buffer (NOTE [fast paths])."""
 
     def __init__(self, buffer):
-        from .backends.cuda import plans
-        from .backends.cuda.backend import DISPATCH_INPUTS
+        from . import plans
+        from .backend import DISPATCH_INPUTS
 
         self.unused_dispatch_inputs = (None,) * (len(DISPATCH_INPUTS) - 5)  # a cached dispatch's, after the fifth
         self.buffer = buffer

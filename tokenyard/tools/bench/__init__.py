@@ -1,4 +1,4 @@
-"""The benchmark command ``python -m tokenyard.bench``: time dispatch and combine on every backend.
+"""The benchmark command ``python -m tokenyard.tools.bench``: time dispatch and combine on every backend.
 
 It starts one process per rank, times each backend's normal-mode and low-latency calls on fresh random
 inputs, times an ``all_to_all_single`` moving the same bytes as a baseline, and prints a table (also JSON

@@ -1,4 +1,4 @@
-"""``python -m tokenyard.bench``: time dispatch and combine; print a table, write JSON and a plot.
+"""``python -m tokenyard.tools.bench``: time dispatch and combine; print a table, write JSON and a plot.
 
 Exit status: 0 on success, 1 when a rank fails or the run times out (the message names the rank), 2 for a
 bad command line.
@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from . import BenchError, launch, options, plot, report
 
 
-def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m tokenyard.bench") -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m tokenyard.tools.bench") -> int:
     import torch
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -34,7 +34,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m tokenyard.
             plot.plot(doc, settings.plot)
             print(f"wrote {settings.plot}")
     except BenchError as exc:
-        print(f"tokenyard.bench: {exc}", file=sys.stderr)
+        print(f"tokenyard.tools.bench: {exc}", file=sys.stderr)
         return 1
     return 0
 

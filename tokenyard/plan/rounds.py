@@ -71,11 +71,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import checks, routing, workspace
-from .collectives import Collectives
-from .errors import InvalidInputError
-from .handle import DispatchHandle
-from .requests import CombineRequest, DispatchRequest, DispatchResult, Placement, WholeCall
+from .. import checks
+from ..backends.collectives import Collectives
+from ..backends.requests import CombineRequest, DispatchRequest, DispatchResult, Placement, WholeCall
+from ..errors import InvalidInputError
+from ..handle import DispatchHandle
+from ..semantics import routing
+from . import workspace
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -39,7 +39,7 @@ import warnings
 import weakref
 from typing import Optional
 
-from . import devices
+from ..plan import devices
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -104,7 +104,7 @@ def leave_group() -> None:
     if group() is not None:
         warnings.warn("tokenyard: something still holds the process group after destroy_process_group, so "
                       "its threads live on and may abort the process at exit (NOTE [gloo threads at exit] in "
-                      "tokenyard/launch.py)", stacklevel=2)
+                      "tokenyard/tools/launch.py)", stacklevel=2)
 
 
 def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, num_gpus: Optional[int],

@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..buffer import Buffer
+from ..config import Config
+from ..errors import InvalidInputError
 from . import autograd
-from .buffer import Buffer
-from .config import Config
-from .errors import InvalidInputError
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -272,7 +272,7 @@ class ExpertParallelMoE(nn.Module):
     computed as router -> `autograd.dispatch` -> local experts with the weights -> `autograd.combine`.
 
     Shapes: ``hidden_states [..., H]`` -> ``[..., H]`` in the same dtype (bf16 or float32; float32 rows are
-    rounded to bf16 for the combine, NOTE [combine wire dtype] in tokenyard/autograd.py). Every rank must
+    rounded to bf16 for the combine, NOTE [combine wire dtype] in tokenyard/layers/autograd.py). Every rank must
     call forward (and backward) the same number of times, with any number of tokens, zero included.
 
     Arguments:
