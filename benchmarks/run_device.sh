@@ -158,13 +158,14 @@ fi
 if [ "$what" = structure_ab ]; then
     # Issue 22: the README's benchmark (CUDA backend only) at one rank, twice in the tree of TOKENYARD_BEFORE and
     # twice in this one, on this machine; benchmarks/structure_ab.py merges them into structure_ab.json. The
-    # earlier tree travels ignored, as _before/ (carry it): git archive "$TOKENYARD_BEFORE" | tar x -C _before
+    # earlier tree travels ignored, as _before/ (carry it): git archive "$TOKENYARD_BEFORE" | tar x -C _before. Trees
+    # older than the layout of item 8 name the benchmark tokenyard.bench.
     for side in before after; do
         for i in 1 2; do
             (cd "$([ $side = before ] && echo _before || echo .)" && \
+                module=$([ -d tokenyard/tools/bench ] && echo tokenyard.tools.bench || echo tokenyard.bench) && \
                 TOKENYARD_COMMIT=$([ $side = before ] && echo "$TOKENYARD_BEFORE" || echo "$TOKENYARD_COMMIT") \
-                timeout 240 python3 -m tokenyard.tools.bench --quiet --backends cuda --json "$out/ab_${side}_$i.json" \
-                2>&1 | tail -3)
+                timeout 240 python3 -m $module --quiet --backends cuda --json "$out/ab_${side}_$i.json" 2>&1 | tail -3)
         done
     done
     python3 benchmarks/structure_ab.py --before-commit "$TOKENYARD_BEFORE" --after-commit "$TOKENYARD_COMMIT" \
