@@ -137,18 +137,30 @@ def _structure_ab():
 def test_structure_ab_takes_each_sides_median_and_refuses_runs_from_another_device_or_settings():
     ab = _structure_ab()
 
+    seeds = iter(range(100))
+
     def doc(scale, device="H100 x 1", iters=50):
         figures = {name: scale * (10.0 + i) for i, (name, _) in enumerate(ab.FIGURES)}
         tokenyard = {}
         for name, (entry, key) in ab.FIGURES:
             tokenyard.setdefault(entry, {})[key] = figures[name]
-        return {"device": device, "settings": {"iters": iters}, "tokenyard": tokenyard}
+        seed = next(seeds)  # each run draws its own inputs and writes its own file: no difference of settings
+        return {"device": device, "settings": {"iters": iters, "seed": seed, "json": f"ab_{seed}.json"},
+                "tokenyard": tokenyard}
 
-    merged = ab.merge([doc(1.0), doc(3.0), doc(2.0)], [doc(1.5), doc(0.5), doc(1.0)], "c0", "c1")
+    merged = ab.merge([doc(1.0), doc(3.0), doc(2.0)], [doc(1.5), doc(0.5), doc(1.0)], "c0", "c1", "first")
     first = merged["figures"][ab.FIGURES[0][0]]
     assert (first["before"], first["after"], first["ratio"]) == (20.0, 10.0, 0.5)
     assert merged["runs_per_side"] == [3, 3] and merged["device"] == "H100 x 1"
+    assert merged["seeds"] == {"before": [0, 1, 2], "after": [3, 4, 5]}
     assert "| 20.0 | 10.0 | 0.500 |" in ab.table(merged)
     for other in (doc(1.0, device="H200 x 1"), doc(1.0, iters=10)):
         with pytest.raises(ValueError, match="differ"):
             ab.merge([doc(1.0)], [other], "c0", "c1")
+
+    # Sessions (one machine's runs each) gather in one file, only for the same commits and device.
+    second = ab.merge([doc(1.0)], [doc(1.0)], "c0", "c1", "second")
+    both = ab.add_session(ab.add_session({}, merged), second)
+    assert [s["label"] for s in both["sessions"]] == ["first", "second"] and both["commit_after"] == "c1"
+    with pytest.raises(ValueError, match="compares"):
+        ab.add_session(both, ab.merge([doc(1.0)], [doc(1.0)], "c0", "c2"))
