@@ -9,6 +9,7 @@ import torch
 
 from .buffer import Buffer
 from .config import Config
+from .elastic import ElasticBuffer, EPHandle
 from .errors import (BackendUnavailableError, CapacityError, CommTimeoutError, HandleError, InvalidInputError,
                      PeerLostError, RankMismatchError, TokenyardError)
 from .event import EventHandle, EventOverlap
@@ -22,7 +23,7 @@ topk_idx_t = torch.int64
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "Config", "EventHandle", "EventOverlap", "DispatchHandle", "LowLatencyHandle", "topk_idx_t",
+    "Buffer", "ElasticBuffer", "EPHandle", "Config", "EventHandle", "EventOverlap", "DispatchHandle", "LowLatencyHandle", "topk_idx_t",
     "TokenyardError", "InvalidInputError", "CapacityError", "HandleError", "CommTimeoutError", "RankMismatchError",
     "PeerLostError",
     "BackendUnavailableError", "quantize_fp8", "dequantize_fp8", "quantize_int8", "dequantize_int8",

@@ -167,8 +167,8 @@ class ReferenceBackend(Backend):
         recv = rows.new_empty(num_recv, rows.size(1))
         self._all_to_all(recv, rows[order], recv_counts, send_counts)
 
-        # 3. Unpack, pad to num_worst_tokens, and describe the layout in the handle.
-        num_rows = request.num_worst_tokens or num_recv
+        # 3. Unpack, pad to num_worst_tokens (a cached dispatch: to its handle's rows), and describe the layout.
+        num_rows = request.handle.num_rows if cached else request.num_worst_tokens or num_recv
         pad = num_rows - num_recv
 
         def padded(t, fill):

@@ -30,8 +30,9 @@ MARKER = "TOKENYARD_ALIAS"
 _INIT = '''"""DeepEP's module name, served by tokenyard (`python -m tokenyard.compat.alias uninstall` removes it)."""
 
 from tokenyard.compat import deep_ep as _tokenyard
-from tokenyard.compat.deep_ep import (Buffer, Config, EventHandle, EventOverlap, __version__,  # noqa: F401
-                                      buffer, topk_idx_t, utils)
+from tokenyard.compat.deep_ep import (Buffer, Config, ElasticBuffer, EPHandle, EventHandle,  # noqa: F401
+                                      EventOverlap, __version__, buffer, get_logical_domain_size,
+                                      get_physical_domain_size, topk_idx_t, utils)
 
 TOKENYARD_ALIAS = True
 __all__ = _tokenyard.__all__

@@ -1,0 +1,28 @@
+"""DeepEP V2's `ElasticBuffer` through the reference backend on gloo ranks, against a loop oracle
+(tests/cpu/elastic_scenarios.py) of docs/semantics.md, "ElasticBuffer"."""
+
+import pytest
+
+from . import elastic_scenarios as scenarios
+
+
+@pytest.mark.parametrize("do_expand", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("alignment", [1, 64, 128])
+def test_dispatch_and_combine_with_and_without_expansion(ranks, seed, do_expand, dtype, alignment):
+    ranks(2).run(scenarios.round_trip, seed, 12, 256, 8, 4, "uniform", dtype, do_expand, alignment, True)
+
+
+@pytest.mark.parametrize("do_expand", [False, True])
+@pytest.mark.parametrize("kind", ["masked", "skewed", "no_tokens"])
+def test_without_cpu_sync_outputs_have_the_worst_case_rows(ranks, seed, do_expand, kind):
+    ranks(4).run(scenarios.round_trip, seed, 10, 128, 16, 4, kind, "bf16", do_expand, 4, False)
+
+
+@pytest.mark.parametrize("do_expand", [False, True])
+def test_eight_ranks_fp8(ranks, seed, do_expand):
+    ranks(8).run(scenarios.round_trip, seed, 6, 256, 32, 8, "uniform", "fp8", do_expand, 16, True)
+
+
+def test_bad_calls_are_refused_before_any_communication(ranks, seed):
+    ranks(2).run(scenarios.refusals, seed)

@@ -1,0 +1,93 @@
+"""DeepEP V2's `ElasticBuffer` on the CUDA backend against the same calls on the reference backend over the same
+group (docs/semantics.md, "ElasticBuffer"), device machine only: dispatch bit for bit (the CUDA Buffer's
+outputs poisoned before its kernels write them), combine within bf16 rounding, expanded and not, bf16 and FP8,
+with and without the CPU sync, cached dispatches, bias and -1 entries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import spawn
+
+pytestmark = spawn.needs_ranks()
+
+NUM_TOKENS, HIDDEN, NUM_TOPK = 96, 2048, 8
+
+# (dtype, do_expand, expert_alignment, do_cpu_sync, routing kind)
+CASES = (("bf16", False, 1, True, "uniform"), ("fp8", True, 128, True, "masked"),
+         ("fp8", False, 64, False, "skewed"), ("bf16", True, 16, False, "masked"))
+
+
+def _same(what, a, b):
+    assert a is None and b is None or (a.shape == b.shape and torch.equal(spawn.bits(a), spawn.bits(b))), \
+        f"{what} differs"
+
+
+def _split(x):
+    return x if isinstance(x, tuple) else (x, None)
+
+
+def _elastic_matches(seed):
+    import torch.distributed as dist
+
+    from tokenyard import ElasticBuffer
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts = 8 * num_ranks
+    cuda = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=NUM_TOKENS, hidden=HIDDEN, num_topk=NUM_TOPK,
+                         num_gpu_timeout_secs=30, backend="cuda", check_inputs=False)
+    cuda.buffer.runtime.poison_outputs = True
+    ref = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=NUM_TOKENS, hidden=HIDDEN, num_topk=NUM_TOPK,
+                        backend="reference", check_inputs=False)
+    reports = []
+    for case, (dtype, do_expand, alignment, do_cpu_sync, kind) in enumerate(CASES):
+        x, topk_idx, weights = make_rank_inputs(seed + case, num_ranks, NUM_TOKENS, HIDDEN, num_experts, NUM_TOPK,
+                                                kind, dtype, device)[rank]
+        got, want = {}, {}
+        for buffer, out in ((cuda, got), (ref, want)):
+            stats = torch.zeros(num_experts // num_ranks, dtype=torch.int32, device=device)
+            recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(
+                x, topk_idx, weights, stats, num_experts, expert_alignment=alignment, do_cpu_sync=do_cpu_sync,
+                do_expand=do_expand, do_zero_padding=do_expand)
+            again = buffer.dispatch(x, topk_weights=weights, handle=handle, do_expand=do_expand,
+                                    do_zero_padding=do_expand)
+            expert_out = (_split(recv_x)[0].float() * 0.5 - 0.25).to(torch.bfloat16)
+            bias = (x[0] if isinstance(x, tuple) else x).float().mul(0.125).to(torch.bfloat16)
+            combined, combined_w, _ = buffer.combine(expert_out, handle, recv_w, bias)
+            out.update(x=recv_x, idx=recv_idx, w=recv_w, handle=handle, stats=stats, again=again,
+                       combined=combined, combined_w=combined_w)
+        torch.cuda.synchronize()
+        h, hr = got["handle"], want["handle"]
+        valid = hr.psum_num_recv_tokens_per_scaleup_rank[-1].item()
+        for name in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                     "num_unaligned_recv_tokens_per_expert"):
+            _same(f"case {case}: handle.{name}", getattr(h, name), getattr(hr, name))
+        _same(f"case {case}: recv_src_metadata", h.recv_src_metadata[:valid], hr.recv_src_metadata[:valid])
+        assert (h.num_recv_tokens, h.num_expanded_tokens, h.num_recv_tokens_per_expert_list) == \
+            (hr.num_recv_tokens, hr.num_expanded_tokens, hr.num_recv_tokens_per_expert_list), f"case {case}: counts"
+        _same(f"case {case}: stats", got["stats"], want["stats"])
+        rows = slice(None) if do_expand else slice(0, valid)  # expanded: padding zeroed on both
+        for i, (a, b) in enumerate(zip(_split(got["x"]), _split(want["x"]))):
+            _same(f"case {case}: recv_x[{i}]", None if a is None else a[rows], None if b is None else b[rows])
+            _same(f"case {case}: cached recv_x[{i}]", None if a is None else _split(got["again"][0])[i][rows],
+                  None if b is None else _split(want["again"][0])[i][rows])
+        _same(f"case {case}: recv_topk_weights", got["w"][rows], want["w"][rows])
+        if not do_expand:
+            _same(f"case {case}: recv_topk_idx", got["idx"], want["idx"])
+        assert_within_bf16_rounding(got["combined"], want["combined"], f"case {case}: combine")
+        assert torch.equal(got["combined_w"], want["combined_w"]), f"case {case}: combined weights"
+        reports.append(f"case {case} {CASES[case]}: {valid} rows received, "
+                       f"{h.num_expanded_tokens} expanded rows: matches")
+    cuda.buffer.runtime.check_failures()
+    for buffer in (cuda, ref):
+        buffer.destroy()
+    return reports
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts())
+def test_elastic_buffer_on_cuda_matches_the_reference(num_ranks, seed):
+    for line in spawn.run(num_ranks, _elastic_matches, seed)[0]:
+        print(line)

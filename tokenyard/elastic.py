@@ -1,0 +1,400 @@
+"""DeepEP V2's API: `ElasticBuffer` (dispatch with no separate layout call, the expanded layout, combine) and
+`EPHandle`, on the same backends as `Buffer` (docs/semantics.md, "ElasticBuffer").
+
+An ElasticBuffer holds a `Buffer` and runs each call as the V1 calls of the same meaning: the layout, the
+dispatch (with ``num_worst_tokens`` where the CPU must not wait), a cached dispatch of the top-k weights
+(V2 delivers every slot's weight, V1 only the local ones'), and the expanded layout's tensor operations
+(tokenyard/semantics/expand.py), which need no host sync, so a CUDA graph may capture a call made with
+``do_cpu_sync=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .buffer import Buffer
+from .config import Config
+from .errors import HandleError, InvalidInputError
+from .event import EventHandle, EventOverlap
+from .semantics import expand as expanded
+
+XLike = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _overlap(event) -> Optional[EventOverlap]:
+    """V2 passes `EventHandle`s where V1 takes `EventOverlap`s."""
+    return EventOverlap(event) if isinstance(event, EventHandle) else event
+
+
+class EPHandle:
+    """The layout of one `ElasticBuffer.dispatch`, for its combine and cached dispatches (DeepEP V2's fields).
+
+    Attributes:
+        do_expand, num_experts, expert_alignment, num_max_tokens_per_rank, num_sms: the dispatch's settings.
+        topk_idx: ``[T, K]`` the routing this rank sent.
+        num_recv_tokens: rows received (the worst case ``R * num_max_tokens_per_rank`` without a CPU sync).
+        num_expanded_tokens: rows of the expanded layout (its worst case without a CPU sync).
+        num_recv_tokens_per_expert_list: each local expert's pairs rounded up to `expert_alignment` ([]
+            without a CPU sync).
+        psum_num_recv_tokens_per_scaleup_rank: int32 ``[R]``, inclusive prefix sums of the rows from each
+            source rank (every rank is one NVLink domain: the scale-up ranks are the group).
+        psum_num_recv_tokens_per_expert: int32 ``[L]``: expanded, where each expert's pairs end
+            (``align(end[i-1]) + count[i]``); otherwise the inclusive prefix sums of the aligned counts.
+        num_unaligned_recv_tokens_per_expert: int32 ``[L]``, each local expert's pairs.
+        recv_src_metadata: int32 ``[N, K + 2]`` (`tokenyard.semantics.expand.source_metadata`).
+        dst_buffer_slot_idx, token_metadata_at_forward, channel_linked_list: DeepEP's kernel bookkeeping;
+            None here.
+    """
+
+    def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
+                 num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
+                 num_recv_tokens_per_expert_list: list, psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
+                 psum_num_recv_tokens_per_expert: torch.Tensor, num_unaligned_recv_tokens_per_expert: torch.Tensor,
+                 recv_src_metadata: torch.Tensor, dst_buffer_slot_idx=None, token_metadata_at_forward=None,
+                 channel_linked_list=None):
+        self.do_expand, self.num_experts, self.expert_alignment = do_expand, num_experts, expert_alignment
+        self.num_max_tokens_per_rank, self.num_sms, self.topk_idx = num_max_tokens_per_rank, num_sms, topk_idx
+        self.num_recv_tokens, self.num_expanded_tokens = num_recv_tokens, num_expanded_tokens
+        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
+        self.recv_src_metadata = recv_src_metadata
+        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        self.token_metadata_at_forward = token_metadata_at_forward
+        self.channel_linked_list = channel_linked_list
+        # tokenyard's own: the V1 dispatch's handle, its local top-k ids, and each pair's expanded row.
+        self.dispatch_handle = None
+        self.recv_topk_idx: Optional[torch.Tensor] = None
+        self.row_of: Optional[torch.Tensor] = None
+        self.buffer_id: Optional[int] = None
+
+
+class ElasticBuffer:
+    """DeepEP V2's `ElasticBuffer`: expert-parallel dispatch and combine in one class.
+
+    Arguments (DeepEP V2's, in its order):
+        group: the EP process group (any `torch.distributed` group, as for `Buffer`).
+        num_bytes: buffer bytes per rank; None: `get_buffer_size_hint` of the next four arguments.
+        num_cpu_bytes: host memory for Engram, which tokenyard does not offer: must be 0.
+        num_max_tokens_per_rank: the most tokens a rank dispatches in one call (the default of `dispatch`).
+        hidden, num_topk, use_fp8_dispatch: the problem the size hint makes room for.
+        deterministic: accepted; tokenyard's rows are always in one order (by source rank, then token).
+        allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps:
+            RDMA and SM-policy settings of DeepEP; accepted and ignored (every rank is reached over NVLink).
+        num_cpu_timeout_secs: accepted; host waits use `num_gpu_timeout_secs` as every wait's deadline.
+        num_gpu_timeout_secs: the deadline of every wait for a peer (`Buffer`'s timeout_s).
+        explicitly_destroy: accepted; `destroy()` works either way.
+    tokenyard's own, keyword only: backend, check_inputs, per_round_tokens, device (as for `Buffer`).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
+                 num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False,
+                 deterministic: bool = False, allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
+                 prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
+                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
+                 *, backend: Optional[str] = None, check_inputs: Optional[bool] = None,
+                 per_round_tokens: Optional[int] = None, device: Optional[Union[str, torch.device]] = None) -> None:
+        del allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_cpu_timeout_secs  # see docstring
+        if num_cpu_bytes:
+            raise InvalidInputError("num_cpu_bytes is Engram's host memory, which tokenyard does not offer: pass 0")
+        if num_bytes is None:
+            if num_max_tokens_per_rank <= 0 or hidden <= 0:
+                raise InvalidInputError("without num_bytes, num_max_tokens_per_rank and hidden must be positive "
+                                        "(they size the buffer)")
+            num_bytes = ElasticBuffer.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk,
+                                                           use_fp8_dispatch, allow_hybrid_mode)
+        self.buffer = Buffer(group, num_nvl_bytes=num_bytes, explicitly_destroy=explicitly_destroy,
+                             backend=backend, timeout_s=float(num_gpu_timeout_secs), check_inputs=check_inputs,
+                             per_round_tokens=per_round_tokens, device=device)
+        self.group, self.num_bytes, self.deterministic = group, num_bytes, deterministic
+        self.rank_idx, self.num_ranks = self.buffer.rank, self.buffer.group_size
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.allow_hybrid_mode, self.explicitly_destroy = allow_hybrid_mode, explicitly_destroy
+        self.num_allocated_qps = num_allocated_qps
+        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
+        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
+        self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
+
+    @property
+    def backend(self) -> str:
+        return self.buffer.backend
+
+    @staticmethod
+    def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
+                             use_fp8_dispatch: bool = False, allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:
+        """Bytes per rank for calls of `num_max_tokens_per_rank` tokens in one round (more run in rounds). bf16
+        rows bound FP8 ones, so `use_fp8_dispatch` changes nothing; the other settings are DeepEP's."""
+        del num_topk, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction
+        config = Config(num_max_tokens_per_rank=num_max_tokens_per_rank)
+        return config.get_nvl_buffer_size_hint(hidden * 2, group.size())
+
+    def destroy(self) -> None:
+        self.buffer.destroy()
+
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
+        """Return once every rank has called it (the streams and the device as they are)."""
+        del use_comm_stream, sequential
+        if with_cpu_sync and self.buffer.device.type == "cuda":
+            torch.cuda.synchronize(self.buffer.device)
+        self.buffer._exchange.barrier("ElasticBuffer.barrier")
+
+    @staticmethod
+    def capture() -> EventHandle:
+        """An event on the current stream."""
+        return EventHandle()
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        return self.buffer.get_comm_stream()
+
+    def get_physical_domain_size(self) -> Tuple[int, int]:
+        """(RDMA ranks, NVLink ranks): one NVLink domain of the whole group."""
+        return self.num_rdma_ranks, self.num_nvlink_ranks
+
+    def get_logical_domain_size(self) -> Tuple[int, int]:
+        """(scale-out ranks, scale-up ranks), as `get_physical_domain_size`."""
+        return self.num_scaleout_ranks, self.num_scaleup_ranks
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0, rdma_gbs: float = 0,
+                                nvlink_gbs: float = 0, sm_read_gbs: float = 200, sm_write_gbs: float = 50) -> int:
+        """SMs a call uses when given 0: `Buffer.num_sms` (`Buffer.set_num_sms`)."""
+        del num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs
+        return Buffer.num_sms
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        """Queue pairs: none (no RDMA path); accepted for DeepEP's callers."""
+        del num_sms
+        return 0
+
+    def __getattr__(self, name: str):
+        if name.startswith(("engram_", "pp_", "agrs_")) or name in ("all_gather", "create_agrs_session",
+                                                                       "destroy_agrs_session"):
+            raise InvalidInputError(f"ElasticBuffer.{name} is DeepEP V2's Engram, pipeline-parallel or "
+                                    "all-gather/reduce-scatter API, which tokenyard does not offer "
+                                    "(docs/semantics.md, \"ElasticBuffer\")")
+        raise AttributeError(f"'ElasticBuffer' object has no attribute {name!r}")
+
+    # -- dispatch ----------------------------------------------------------------------------------------------
+
+    def _config(self, num_sms: int) -> Optional[Config]:
+        return Config(num_sms) if num_sms else None
+
+    def dispatch(self, x: XLike, topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, num_experts: Optional[int] = None,
+                 num_max_tokens_per_rank: Optional[int] = None, expert_alignment: Optional[int] = None,
+                 num_sms: int = 0, num_qps: int = 0, previous_event: Optional[EventHandle] = None,
+                 previous_event_before_epilogue: Optional[EventHandle] = None, async_with_compute_stream: bool = False,
+                 allocate_on_comm_stream: bool = False, handle: Optional[EPHandle] = None, do_handle_copy: bool = True,
+                 do_cpu_sync: Optional[bool] = None, do_expand: bool = False, do_zero_padding: bool = False,
+                 use_tma_aligned_col_major_sf: bool = False):
+        """Send each token to every rank that holds one of its experts (docs/semantics.md, "ElasticBuffer").
+
+        Arguments:
+            x: ``[T, H]`` bf16, or ``(data [T, H], scales [T, S])`` (FP8 e4m3 with float32 or packed scales).
+            topk_idx, topk_weights: ``[T, K]`` global expert ids (-1: none) and float32 weights; topk_idx is
+                None with a handle (topk_weights may be given then: they travel by the handle's layout).
+            cumulative_local_expert_recv_stats: int32 ``[L]``; a fresh dispatch adds each local expert's pairs.
+            num_experts: required without a handle.
+            num_max_tokens_per_rank: the most tokens a rank sends (default: the constructor's).
+            expert_alignment: each local expert's count rounds up to this multiple (default 1).
+            num_sms: SMs for the CUDA kernels (0: `get_theoretical_num_sms`). num_qps: ignored.
+            previous_event: the call waits for it. previous_event_before_epilogue: waited for before the call.
+            async_with_compute_stream: return an event the caller waits for (the outputs are ready on the
+                current stream when it is recorded).
+            allocate_on_comm_stream: as in `Buffer.dispatch`.
+            handle: a previous dispatch's `EPHandle`: reuse its layout (no count exchange, no CPU wait).
+            do_handle_copy: keep a copy of `topk_idx` in the handle (else the handle holds the caller's).
+            do_cpu_sync: wait on the host for the counts (default True; False with a handle): outputs then have
+                exactly the received rows; without it, the worst case's rows (the valid ones end at
+                ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]``, the rest unspecified).
+            do_expand: one row per (received token, local expert), grouped by expert, each group starting at a
+                multiple of `expert_alignment`. do_zero_padding: zero the rows between the groups.
+            use_tma_aligned_col_major_sf: the received scales column-major, their column stride a multiple
+                of 4 rows.
+        Returns:
+            ``recv_x`` (a tuple like `x`), ``recv_topk_idx`` (local ids, -1 elsewhere; None when expanded),
+            ``recv_topk_weights`` (every slot's weight ``[N, K]``, or ``[M]`` per expanded row; None without
+            weights), the `EPHandle`, an `EventOverlap`.
+        """
+        del num_qps
+        if previous_event_before_epilogue is not None:
+            previous_event_before_epilogue.current_stream_wait()
+        if do_zero_padding and not do_expand:
+            raise InvalidInputError("do_zero_padding zeroes the expanded layout's padding: it needs do_expand")
+        if handle is not None:
+            result = self._cached_dispatch(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                                           expert_alignment, num_sms, previous_event, allocate_on_comm_stream, handle,
+                                           do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
+        else:
+            result = self._fresh_dispatch(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
+                                          num_max_tokens_per_rank, expert_alignment, num_sms, previous_event,
+                                          allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand,
+                                          do_zero_padding, use_tma_aligned_col_major_sf)
+        return result + (self._event(async_with_compute_stream),)
+
+    @staticmethod
+    def _event(async_with_compute_stream: bool) -> EventOverlap:
+        return EventOverlap(EventHandle()) if async_with_compute_stream else EventOverlap(None)
+
+    def _fresh_dispatch(self, x, topk_idx, topk_weights, stats, num_experts, num_max, expert_alignment, num_sms,
+                        previous_event, allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand,
+                        do_zero_padding, col_major_sf):
+        if topk_idx is None or num_experts is None:
+            raise InvalidInputError("a dispatch without a handle needs topk_idx and num_experts")
+        num_max = self.num_max_tokens_per_rank if num_max is None else num_max
+        expert_alignment = 1 if expert_alignment is None else expert_alignment
+        do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+        data = x[0] if isinstance(x, tuple) else x
+        if num_max <= 0 or data.size(0) > num_max:
+            raise InvalidInputError(f"{data.size(0)} tokens on rank {self.rank_idx}, more than num_max_tokens_per_rank "
+                                    f"= {num_max} (give it to the constructor or to dispatch)")
+        if expert_alignment < 1:
+            raise InvalidInputError(f"expert_alignment must be at least 1, got {expert_alignment}")
+        num_sms = num_sms or self.get_theoretical_num_sms(num_experts, topk_idx.size(1))
+        config = self._config(num_sms)
+        buffer = self.buffer
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(
+            topk_idx, num_experts, previous_event=_overlap(previous_event),
+            allocate_on_comm_stream=allocate_on_comm_stream)
+        num_worst = 0 if do_cpu_sync else self.num_ranks * num_max
+        # V1 delivers only the local slots' weights (the rest are sent below), but its num_worst_tokens wants some.
+        v1_weights = None if do_cpu_sync else torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        recv_x, recv_topk_idx, _, per_expert_list, v1, _ = buffer.dispatch(
+            x, None, per_rank, None, in_rank, per_expert, topk_idx, v1_weights, expert_alignment, num_worst, config,
+            allocate_on_comm_stream=allocate_on_comm_stream)
+        recv_weights = self._send_weights(topk_weights, v1, config)
+        num_local = num_experts // self.num_ranks
+        num_rows = recv_topk_idx.size(0)
+        row_of, counts, ends = expanded.expand_rows(recv_topk_idx, num_local, expert_alignment)
+        if do_cpu_sync:
+            num_expanded = sum(per_expert_list)
+        else:
+            num_expanded = expanded.worst_expanded_rows(num_rows, topk_idx.size(1), num_local, expert_alignment)
+        if stats is not None:
+            if stats.dtype != torch.int32 or stats.shape != (num_local,):
+                raise InvalidInputError(f"cumulative_local_expert_recv_stats must be int32 [{num_local}], got "
+                                        f"{stats.dtype} {list(stats.shape)}")
+            stats += counts.to(stats.device)
+        if do_expand:
+            psum_per_expert = ends
+        else:
+            aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
+            psum_per_expert = torch.cumsum(aligned, 0, dtype=torch.int32)
+        psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx].contiguous()
+        handle = EPHandle(do_expand, num_experts, expert_alignment, num_max, num_sms,
+                          topk_idx.clone() if do_handle_copy else topk_idx,
+                          v1.num_recv_tokens if do_cpu_sync else num_rows, num_expanded,
+                          per_expert_list if do_cpu_sync else [], psum_per_rank, psum_per_expert, counts,
+                          expanded.source_metadata(recv_topk_idx, v1.recv_src_idx, psum_per_rank, num_max,
+                                                   row_of if do_expand else None))
+        handle.dispatch_handle, handle.recv_topk_idx, handle.row_of = v1, recv_topk_idx, row_of
+        handle.buffer_id = id(self)
+        if do_expand:
+            return self._expanded(recv_x, recv_weights, handle, do_zero_padding, col_major_sf) + (handle,)
+        return (self._laid_out(recv_x, col_major_sf), recv_topk_idx, recv_weights, handle)
+
+    def _cached_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max, expert_alignment, num_sms,
+                         previous_event, allocate_on_comm_stream, handle, do_cpu_sync, do_expand, do_zero_padding,
+                         col_major_sf):
+        if not isinstance(handle, EPHandle) or handle.dispatch_handle is None:
+            raise HandleError("handle must be the EPHandle of an ElasticBuffer.dispatch")
+        if handle.buffer_id != id(self):
+            raise HandleError("the handle was made by another ElasticBuffer")
+        if topk_idx is not None:
+            raise InvalidInputError("a dispatch with a handle takes its topk_idx from the handle: pass None")
+        if do_cpu_sync:
+            raise InvalidInputError("a dispatch with a handle never waits on the CPU: do_cpu_sync must not be True")
+        for name, value, held in (("num_experts", num_experts, handle.num_experts),
+                                  ("num_max_tokens_per_rank", num_max, handle.num_max_tokens_per_rank),
+                                  ("expert_alignment", expert_alignment, handle.expert_alignment)):
+            if value is not None and value != held:
+                raise InvalidInputError(f"{name} = {value} differs from the handle's {held}")
+        if do_expand != handle.do_expand:
+            raise InvalidInputError(f"do_expand = {do_expand}, but the handle's dispatch had {handle.do_expand}")
+        config = self._config(num_sms or handle.num_sms)
+        recv_x = self.buffer.dispatch(x, handle.dispatch_handle, config=config, previous_event=_overlap(previous_event),
+                                      allocate_on_comm_stream=allocate_on_comm_stream)[0]
+        recv_weights = self._send_weights(topk_weights, handle.dispatch_handle, config)
+        if do_expand:
+            return self._expanded(recv_x, recv_weights, handle, do_zero_padding, col_major_sf) + (handle,)
+        return (self._laid_out(recv_x, col_major_sf), handle.recv_topk_idx.clone(), recv_weights, handle)
+
+    def _send_weights(self, topk_weights, v1_handle, config) -> Optional[torch.Tensor]:
+        """Every slot's weight at each received row: a cached dispatch of the weights as rows of float32,
+        padded to 16 bytes."""
+        if topk_weights is None:
+            return None
+        num_topk = topk_weights.size(1)
+        width = expanded.align(num_topk, 4)
+        rows = torch.zeros(topk_weights.size(0), width, dtype=torch.float32, device=topk_weights.device)
+        rows[:, :num_topk] = topk_weights
+        return self.buffer.dispatch(rows, v1_handle, config=config)[0][:, :num_topk].contiguous()
+
+    def _expanded(self, recv_x, recv_weights, handle: EPHandle, zero_fill: bool, col_major_sf: bool):
+        data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+        rows = handle.num_expanded_tokens
+        out = expanded.expand(data, handle.row_of, rows, zero_fill)
+        if scales is not None:
+            out = self._laid_out((out, expanded.expand(scales, handle.row_of, rows, zero_fill)), col_major_sf)
+        weights = None if recv_weights is None else expanded.expand_weights(recv_weights, handle.row_of, rows,
+                                                                           zero_fill)
+        return out, None, weights
+
+    @staticmethod
+    def _laid_out(recv_x, col_major_sf: bool):
+        """Scales column-major with a column stride that is a multiple of 4 rows, where asked."""
+        if not col_major_sf or not isinstance(recv_x, tuple):
+            return recv_x
+        data, scales = recv_x
+        rows = expanded.align(scales.size(0), 4)
+        storage = torch.empty(scales.size(1), rows, dtype=scales.dtype, device=scales.device)
+        out = storage[:, :scales.size(0)].t()
+        out.copy_(scales)
+        return data, out
+
+    # -- combine -----------------------------------------------------------------------------------------------
+
+    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None, num_sms: int = 0,
+                num_qps: int = 0, previous_event: Optional[EventHandle] = None,
+                previous_event_before_epilogue: Optional[EventHandle] = None, async_with_compute_stream: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Send each received row back to its token's rank and sum there (docs/semantics.md, "ElasticBuffer").
+
+        Arguments:
+            x: bf16, ``[N, H]`` one row per received row, or ``[M, H]`` one per expanded row (the rows of one
+                received token are summed first, in slot order, in float32, then rounded to bf16).
+            handle: the dispatch's `EPHandle`.
+            topk_weights: ``[N, K]`` (or ``[M]`` expanded) float32: ``combined_topk_weights[t, k]`` is slot k's
+                value on the rank that owns its expert (0 where the slot has none). Not applied to `x`.
+            bias: ``[T, H]`` bf16, or a tuple of two, added once per token.
+            num_sms: SMs for the CUDA kernels (0: the handle's). num_qps: ignored.
+            previous_event, previous_event_before_epilogue, async_with_compute_stream, allocate_on_comm_stream:
+                as in `dispatch`.
+        Returns:
+            ``combined_x`` [T, H] bf16, ``combined_topk_weights`` [T, K] float32 or None, an `EventOverlap`.
+        """
+        del num_qps
+        if not isinstance(handle, EPHandle) or handle.dispatch_handle is None:
+            raise HandleError("handle must be the EPHandle of an ElasticBuffer.dispatch")
+        if previous_event_before_epilogue is not None:
+            previous_event_before_epilogue.current_stream_wait()
+        rows = handle.num_expanded_tokens if handle.do_expand else handle.dispatch_handle.num_rows
+        if x.dim() != 2 or x.size(0) != rows:
+            made = "expanded" if handle.do_expand else "received"
+            raise InvalidInputError(f"x must have the {rows} rows the dispatch {made}, got {list(x.shape)}")
+        if handle.do_expand:
+            if topk_weights is not None and topk_weights.shape != (rows,):
+                raise InvalidInputError(f"expanded topk_weights must be [{rows}], got {list(topk_weights.shape)}")
+            weights = None if topk_weights is None else expanded.gather_weights(topk_weights, handle.row_of)
+            x = expanded.reduce_expanded(x, handle.row_of)
+        else:
+            weights = None if topk_weights is None else expanded.local_weights(topk_weights, handle.recv_topk_idx)
+        combined_x, combined_weights, _ = self.buffer.combine(
+            x, handle.dispatch_handle, weights, bias, self._config(num_sms or handle.num_sms),
+            previous_event=_overlap(previous_event), allocate_on_comm_stream=allocate_on_comm_stream)
+        return combined_x, combined_weights, self._event(async_with_compute_stream)

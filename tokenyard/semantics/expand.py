@@ -1,0 +1,140 @@
+"""DeepEP V2's expanded layout (docs/semantics.md, "ElasticBuffer"), as tensor operations that run wherever the
+tensors are, with no host sync (so a CUDA graph may capture them).
+
+A dispatch received ``N`` rows on this rank with ``recv_topk_idx [N, K]`` (local expert ids, -1 elsewhere). The
+expanded layout has one row per pair (row j, slot k) with ``recv_topk_idx[j, k] >= 0``: the pairs of local
+expert 0 first, then those of expert 1, ...; within an expert in increasing j (the rows' order, that is by
+source rank, then by token index there); expert i's block starts at ``align(end of block i-1)`` (``align``
+rounds up to a multiple of `expert_alignment`), so that every block starts aligned; rows between a block's
+end and the next block's start are padding.
+
+Worked example: L = 2 local experts, alignment 4, ``recv_topk_idx = [[1, -1], [0, 1], [-1, 0]]``:
+expert 0 holds pairs (1, 0), (2, 1) at rows 0, 1; rows 2, 3 are padding; expert 1 holds (0, 0), (1, 1) at
+rows 4, 5; so ``row_of = [[4, -1], [0, 5], [-1, 1]]``, counts [2, 2], starts [0, 4], ends [2, 6], and the
+tensors have ``align(6) = 8`` rows.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def worst_expanded_rows(num_rows: int, num_topk: int, num_local_experts: int, expert_alignment: int) -> int:
+    """Rows of the expanded tensors when the counts are not known on the host: every row's pairs (at most
+    min(K, L) local ones) and each expert's padding."""
+    return align(num_rows * min(num_topk, num_local_experts) + (expert_alignment - 1) * num_local_experts,
+                 expert_alignment)
+
+
+def expert_counts(recv_topk_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """int32 [L]: the pairs of each local expert (ids below 0 count nowhere)."""
+    valid = recv_topk_idx >= 0
+    counts = torch.zeros(num_local_experts, dtype=torch.int64, device=recv_topk_idx.device)
+    counts.scatter_add_(0, torch.where(valid, recv_topk_idx, 0).flatten().long(), valid.flatten().long())
+    return counts.to(torch.int32)
+
+
+def expand_rows(recv_topk_idx: torch.Tensor, num_local_experts: int,
+                expert_alignment: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (``row_of`` int32 [N, K]: each pair's expanded row, -1 where no local expert; ``counts`` int32 [L];
+    ``ends`` int32 [L]: where each expert's pairs end, ``align(ends[i-1]) + counts[i]``)."""
+    num_rows, num_topk = recv_topk_idx.shape
+    device = recv_topk_idx.device
+    counts = expert_counts(recv_topk_idx, num_local_experts).long()
+    # starts[i] = align(ends[i-1]); with aligned sizes a[i] = align(counts[i]), starts are the exclusive
+    # prefix sums of a (every start is aligned, so align(start + count) = start + a).
+    aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
+    starts = torch.cumsum(aligned, 0) - aligned
+    ends = starts + counts
+    # The rank of pair (j, k) within its expert: pairs sorted by (expert, j); a row holds an expert at most once.
+    valid = recv_topk_idx >= 0
+    experts = torch.where(valid, recv_topk_idx, num_local_experts).long()
+    rows = torch.arange(num_rows, device=device).unsqueeze(1).expand(num_rows, num_topk)
+    key = (experts * max(num_rows, 1) + rows).flatten()
+    order = torch.argsort(key)
+    sorted_experts = experts.flatten()[order]
+    first_of_expert = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts]), 0)
+    rank_in_expert = torch.arange(order.numel(), device=device) - first_of_expert[sorted_experts]
+    starts_ext = torch.cat([starts, torch.zeros(1, dtype=torch.long, device=device)])
+    row_sorted = torch.where(sorted_experts < num_local_experts, starts_ext[sorted_experts] + rank_in_expert, -1)
+    row_of = torch.empty_like(row_sorted)
+    row_of[order] = row_sorted
+    return row_of.view(num_rows, num_topk).to(torch.int32), counts.to(torch.int32), ends.to(torch.int32)
+
+
+def expand(rows: torch.Tensor, row_of: torch.Tensor, num_expanded: int, zero_fill: bool) -> torch.Tensor:
+    """``out [num_expanded, ...]`` with ``out[row_of[j, k]] = rows[j]`` for every pair; other rows are zero
+    where `zero_fill`, else unspecified. One spare row takes the pairs without a local expert, so no host
+    sync counts them."""
+    if rows.element_size() == 1 and rows.dtype != torch.uint8:  # FP8 has no index_copy_: move the bytes
+        return expand(rows.view(torch.uint8), row_of, num_expanded, zero_fill).view(rows.dtype)
+    num_rows, num_topk = row_of.shape
+    shape = (num_expanded + 1,) + tuple(rows.shape[1:])
+    out = torch.zeros(shape, dtype=rows.dtype, device=rows.device) if zero_fill else \
+        torch.empty(shape, dtype=rows.dtype, device=rows.device)
+    where = torch.where(row_of >= 0, row_of, num_expanded).flatten().long()
+    source = rows.unsqueeze(1).expand((num_rows, num_topk) + tuple(rows.shape[1:])).reshape(
+        (num_rows * num_topk,) + tuple(rows.shape[1:]))
+    out.index_copy_(0, where, source)
+    return out[:num_expanded]
+
+
+def expand_weights(topk_weights: torch.Tensor, row_of: torch.Tensor, num_expanded: int,
+                   zero_fill: bool) -> torch.Tensor:
+    """float32 [num_expanded]: pair (j, k)'s weight ``topk_weights[j, k]`` at its expanded row."""
+    out = torch.zeros(num_expanded + 1, dtype=torch.float32, device=topk_weights.device) if zero_fill else \
+        torch.empty(num_expanded + 1, dtype=torch.float32, device=topk_weights.device)
+    where = torch.where(row_of >= 0, row_of, num_expanded).flatten().long()
+    out.index_copy_(0, where, topk_weights.float().flatten())
+    return out[:num_expanded]
+
+
+def reduce_expanded(x: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """The rows a combine sends back: row j is ``x.dtype(sum over k in increasing order of
+    float32(x[row_of[j, k]]))`` over the pairs with a local expert (zeros for a row without)."""
+    num_rows, num_topk = row_of.shape
+    acc = torch.zeros(num_rows, x.size(1), dtype=torch.float32, device=x.device)
+    padded = torch.cat([x, torch.zeros(1, x.size(1), dtype=x.dtype, device=x.device)])
+    where = torch.where(row_of >= 0, row_of, x.size(0)).long()
+    for k in range(num_topk):
+        acc += padded[where[:, k]].float()
+    return acc.to(x.dtype)
+
+
+def gather_weights(topk_weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] from expanded weights [M]: pair (j, k)'s weight, 0 where no local expert."""
+    padded = torch.cat([topk_weights.float(), torch.zeros(1, dtype=torch.float32, device=topk_weights.device)])
+    return padded[torch.where(row_of >= 0, row_of, topk_weights.size(0)).long()]
+
+
+def local_weights(topk_weights: torch.Tensor, recv_topk_idx: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K]: the weights of the slots whose expert is local, 0 elsewhere (what a combine sums, so each
+    token's slot k comes back from the one rank that owns its expert)."""
+    return torch.where(recv_topk_idx >= 0, topk_weights.float(), torch.zeros((), device=topk_weights.device))
+
+
+def source_metadata(recv_topk_idx: torch.Tensor, recv_src_idx: torch.Tensor, psum_per_rank: torch.Tensor,
+                    num_max_tokens_per_rank: int, row_of: Optional[torch.Tensor]) -> torch.Tensor:
+    """int32 [N, K + 2], DeepEP V2's ``recv_src_metadata``: column 0 the token's global index
+    ``source rank * num_max_tokens_per_rank + token index`` (-1 on padding rows), column 1
+    ``source rank * K + the first slot with a local expert``, columns 2.. the pairs' expanded rows (-1 where
+    none, and everywhere outside the expanded layout)."""
+    num_rows, num_topk = recv_topk_idx.shape
+    device = recv_topk_idx.device
+    positions = torch.arange(num_rows, device=device, dtype=torch.int32)
+    source = torch.searchsorted(psum_per_rank.to(torch.int32).contiguous(), positions, right=True).to(torch.int32)
+    real = recv_src_idx >= 0
+    global_idx = torch.where(real, source * num_max_tokens_per_rank + recv_src_idx, -1)
+    local = recv_topk_idx >= 0
+    slots = torch.arange(num_topk, device=device, dtype=torch.int32).expand(num_rows, num_topk)
+    first_slot = torch.where(local, slots, num_topk).min(dim=1).values
+    first = torch.where(real & (first_slot < num_topk), source * num_topk + first_slot, -1)
+    expanded = row_of if row_of is not None else torch.full((num_rows, num_topk), -1, dtype=torch.int32,
+                                                             device=device)
+    return torch.cat([global_idx.unsqueeze(1), first.unsqueeze(1), expanded.to(torch.int32)], dim=1).to(torch.int32)
