@@ -109,8 +109,16 @@ class ReferenceBackend(Backend):
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         placement = request.placement
-        return self._placed_dispatch(request) if placement is not None and placement.outputs is not None \
-            else self._dispatch(request)
+        if placement is not None and placement.outputs is not None:
+            return self._placed_dispatch(request)
+        result = self._dispatch(request)
+        if request.handle is not None and placement is None:  # a cached call fills its handle's rows, as DeepEP's
+            pad = request.handle.num_rows - result.recv_x.size(0)
+            if pad > 0:
+                result = dataclasses.replace(result, **{name: torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))])
+                                                        for name in ("recv_x", "recv_x_scales")
+                                                        if (t := getattr(result, name)) is not None})
+        return result
 
     def combine(self, request: CombineRequest):
         return self._placed_combine(request) if request.placement is not None else self._combine(request)
@@ -167,8 +175,8 @@ class ReferenceBackend(Backend):
         recv = rows.new_empty(num_recv, rows.size(1))
         self._all_to_all(recv, rows[order], recv_counts, send_counts)
 
-        # 3. Unpack, pad to num_worst_tokens (a cached dispatch: to its handle's rows), and describe the layout.
-        num_rows = request.handle.num_rows if cached else request.num_worst_tokens or num_recv
+        # 3. Unpack, pad to num_worst_tokens, and describe the layout in the handle.
+        num_rows = request.num_worst_tokens or num_recv
         pad = num_rows - num_recv
 
         def padded(t, fill):

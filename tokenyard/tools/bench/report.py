@@ -36,14 +36,15 @@ from typing import List, Optional, Tuple
 
 from . import bandwidth
 from .options import BenchSettings
-from .runner import BACK_TO_BACK_SUFFIX, KERNEL_SUFFIX, NORMAL_OPS
+from .runner import BACK_TO_BACK_SUFFIX, ELASTIC_OPS, KERNEL_SUFFIX, NORMAL_OPS
 
 
 def _timed_ways(ops):
     return tuple(ops) + tuple(op + BACK_TO_BACK_SUFFIX for op in ops) + tuple(op + KERNEL_SUFFIX for op in ops)
 
 
-OPS = _timed_ways(NORMAL_OPS)
+SWEEP_OPS = _timed_ways(NORMAL_OPS)  # the SM sweep times the V1 calls
+OPS = SWEEP_OPS + _timed_ways(ELASTIC_OPS)
 BASELINE_OPS = _timed_ways(("dispatch", "combine"))
 
 BACKEND_KEYS = {"reference": "reference", "cuda": "tokenyard"}
@@ -94,7 +95,7 @@ def _sweep(name: str, per_rank: List[dict], sm_counts) -> List[dict]:
     points = []
     for n in sm_counts:
         point = {"num_sms": n}
-        for op in OPS:
+        for op in SWEEP_OPS:
             point[op] = bandwidth.summarize([p["sweep"][n].get(op) for p in per_rank], n if name == "cuda" else None)
         points.append(point)
     return points
@@ -172,7 +173,7 @@ def results(doc: dict) -> List[Tuple[str, str, dict]]:
                 "us": ll[f"{name}_us"], "nvlink_gbps": ll.get(f"{name}_nvlink_gbps"),
                 "logical_gbps": ll.get(f"{name}_logical_gbps"), "num_sms": None}))
         for point in doc.get("compare_sm", {}).get(key, []):
-            rows += [(key, f"{op} @ {point['num_sms']} SMs", point.get(op)) for op in OPS]
+            rows += [(key, f"{op} @ {point['num_sms']} SMs", point.get(op)) for op in SWEEP_OPS]
     return [(who, op, values) for who, op, values in rows if values is not None]
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ...buffer import Buffer
 from ...config import Config
+from ...elastic import ElasticBuffer
 from ...plan import devices
 from ...semantics import quant, routing
 from ..launch import init_rank, leave_group
@@ -30,6 +31,10 @@ from . import BenchError, bandwidth, timing
 from .options import BenchSettings
 
 NORMAL_OPS = ("dispatch", "dispatch_cached", "combine")
+# DeepEP V2's calls (ElasticBuffer), rows as received and expanded per local expert (aligned to EXPAND_ALIGNMENT).
+ELASTIC_OPS = ("v2_dispatch", "v2_dispatch_cached", "v2_combine",
+               "v2_expand_dispatch", "v2_expand_dispatch_cached", "v2_expand_combine")
+EXPAND_ALIGNMENT = 128
 LOW_LATENCY_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_graph", "ll_combine_graph")
 HOOK_OP = "ll_hook_graph"  # dispatch and combine with return_recv_hook=True, both hooks called, as one graph
 KERNEL_SUFFIX = "_kernel"  # the same operation timed as the GPU time of its kernels (timing.kernel_medians)
@@ -158,6 +163,34 @@ def measure_normal(ctx: RankContext, buffer: Buffer, problem: Problem) -> Dict[s
     samples = dict(zip(NORMAL_OPS, [(times[0], *dispatch_bytes), (times[1], *dispatch_bytes),
                                     (times[2], *combine_bytes)]))
     return with_other_times(ctx, samples, steps, TOKENYARD_KERNELS if buffer.backend == "cuda" else None)
+
+
+def measure_elastic(ctx: RankContext, backend: str, problem: Problem) -> Dict[str, bandwidth.Sample]:
+    """DeepEP V2's dispatch (layout included, weights sent), cached dispatch and combine on an `ElasticBuffer`,
+    with rows as received and expanded; the bytes counted are the V1 calls' (the same rows cross)."""
+    s, p = ctx.settings, problem
+    buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=s.num_tokens, hidden=s.hidden_size, num_topk=s.num_topk,
+                           backend=backend, check_inputs=False)
+    try:
+        steps = []
+        for do_expand in (False, True):
+            def dispatch(do_expand=do_expand):
+                return buffer.dispatch(p.x, p.topk_idx, p.topk_weights, num_experts=s.num_experts,
+                                       expert_alignment=EXPAND_ALIGNMENT if do_expand else 1, do_expand=do_expand)
+
+            recv_x, _, _, handle, _ = dispatch()
+            expert_output = _as_bf16(recv_x)
+            steps += [dispatch, lambda h=handle, e=do_expand: buffer.dispatch(p.x, handle=h, do_expand=e),
+                      lambda o=expert_output, h=handle: buffer.combine(o, h)]
+        times = ctx.medians(steps)
+        row = bandwidth.row_bytes(s.hidden_size, fp8=s.dtype == "fp8")
+        dispatch_bytes = bandwidth.normal_dispatch_bytes(p.counts, ctx.rank, row)
+        combine_bytes = bandwidth.normal_combine_bytes(p.counts, ctx.rank, s.hidden_size)
+        samples = dict(zip(ELASTIC_OPS, [(t, *(combine_bytes if op.endswith("combine") else dispatch_bytes))
+                                         for op, t in zip(ELASTIC_OPS, times)]))
+        return with_other_times(ctx, samples, steps, TOKENYARD_KERNELS if buffer.backend == "cuda" else None)
+    finally:
+        buffer.destroy()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -309,6 +342,7 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
         if s.runs("normal"):
             progress.set_description(f"{name} normal")
             out["samples"].update(measure_normal(ctx, buffer, problem))
+            out["samples"].update(measure_elastic(ctx, name, problem))
             progress.update()
         if s.runs("compare_sm"):
             default_num_sms = Buffer.num_sms
