@@ -269,7 +269,10 @@ class ElasticBuffer:
         recv_weights = self._send_weights(topk_weights, v1, config)
         num_local = num_experts // self.num_ranks
         num_rows = recv_topk_idx.size(0)
-        row_of, counts, ends = expanded.expand_rows(recv_topk_idx, num_local, expert_alignment)
+        if do_expand:
+            row_of, counts, ends = expanded.expand_rows(recv_topk_idx, num_local, expert_alignment)
+        else:
+            row_of, counts = None, expanded.expert_counts(recv_topk_idx, num_local)
         if do_cpu_sync:
             num_expanded = sum(per_expert_list)
         else:
@@ -289,8 +292,7 @@ class ElasticBuffer:
                           topk_idx.clone() if do_handle_copy else topk_idx,
                           v1.num_recv_tokens if do_cpu_sync else num_rows, num_expanded,
                           per_expert_list if do_cpu_sync else [], psum_per_rank, psum_per_expert, counts,
-                          expanded.source_metadata(recv_topk_idx, v1.recv_src_idx, psum_per_rank, num_max,
-                                                   row_of if do_expand else None))
+                          expanded.source_metadata(recv_topk_idx, v1.recv_src_idx, psum_per_rank, num_max, row_of))
         handle.dispatch_handle, handle.recv_topk_idx, handle.row_of = v1, recv_topk_idx, row_of
         handle.buffer_id = id(self)
         if do_expand:

@@ -68,31 +68,40 @@ def expand_rows(recv_topk_idx: torch.Tensor, num_local_experts: int,
     return row_of.view(num_rows, num_topk).to(torch.int32), counts.to(torch.int32), ends.to(torch.int32)
 
 
+def _pair_of(row_of: torch.Tensor, num_expanded: int) -> torch.Tensor:
+    """int64 [num_expanded]: the pair ``j * K + k`` each expanded row holds, ``N * K`` on padding rows."""
+    num_pairs = row_of.numel()
+    pair_of = torch.full((num_expanded + 1,), num_pairs, dtype=torch.long, device=row_of.device)
+    where = torch.where(row_of >= 0, row_of, num_expanded).flatten().long()  # one spare row takes the rest
+    pair_of.scatter_(0, where, torch.arange(num_pairs, device=row_of.device))
+    return pair_of[:num_expanded]
+
+
+def _gathered(source: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, zero_fill: bool) -> torch.Tensor:
+    """``source[index]`` (index clamped into range), rows where not `valid` zero if `zero_fill`."""
+    if source.size(0) == 0:
+        shape = (index.numel(),) + tuple(source.shape[1:])
+        return torch.zeros(shape, dtype=source.dtype, device=source.device)
+    out = source.index_select(0, index.clamp(max=source.size(0) - 1))
+    if zero_fill:
+        out.masked_fill_(~valid.view((-1,) + (1,) * (out.dim() - 1)), 0)
+    return out
+
+
 def expand(rows: torch.Tensor, row_of: torch.Tensor, num_expanded: int, zero_fill: bool) -> torch.Tensor:
     """``out [num_expanded, ...]`` with ``out[row_of[j, k]] = rows[j]`` for every pair; other rows are zero
-    where `zero_fill`, else unspecified. One spare row takes the pairs without a local expert, so no host
-    sync counts them."""
-    if rows.element_size() == 1 and rows.dtype != torch.uint8:  # FP8 has no index_copy_: move the bytes
+    where `zero_fill`, else unspecified. A gather by each expanded row's pair: no host sync counts them."""
+    if rows.element_size() == 1 and rows.dtype != torch.uint8:  # FP8 has no masked_fill_: move the bytes
         return expand(rows.view(torch.uint8), row_of, num_expanded, zero_fill).view(rows.dtype)
-    num_rows, num_topk = row_of.shape
-    shape = (num_expanded + 1,) + tuple(rows.shape[1:])
-    out = torch.zeros(shape, dtype=rows.dtype, device=rows.device) if zero_fill else \
-        torch.empty(shape, dtype=rows.dtype, device=rows.device)
-    where = torch.where(row_of >= 0, row_of, num_expanded).flatten().long()
-    source = rows.unsqueeze(1).expand((num_rows, num_topk) + tuple(rows.shape[1:])).reshape(
-        (num_rows * num_topk,) + tuple(rows.shape[1:]))
-    out.index_copy_(0, where, source)
-    return out[:num_expanded]
+    pair_of = _pair_of(row_of, num_expanded)
+    return _gathered(rows, pair_of // row_of.size(1), pair_of < row_of.numel(), zero_fill)
 
 
 def expand_weights(topk_weights: torch.Tensor, row_of: torch.Tensor, num_expanded: int,
                    zero_fill: bool) -> torch.Tensor:
     """float32 [num_expanded]: pair (j, k)'s weight ``topk_weights[j, k]`` at its expanded row."""
-    out = torch.zeros(num_expanded + 1, dtype=torch.float32, device=topk_weights.device) if zero_fill else \
-        torch.empty(num_expanded + 1, dtype=torch.float32, device=topk_weights.device)
-    where = torch.where(row_of >= 0, row_of, num_expanded).flatten().long()
-    out.index_copy_(0, where, topk_weights.float().flatten())
-    return out[:num_expanded]
+    pair_of = _pair_of(row_of, num_expanded)
+    return _gathered(topk_weights.float().flatten(), pair_of, pair_of < row_of.numel(), zero_fill)
 
 
 def reduce_expanded(x: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
@@ -100,10 +109,8 @@ def reduce_expanded(x: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
     float32(x[row_of[j, k]]))`` over the pairs with a local expert (zeros for a row without)."""
     num_rows, num_topk = row_of.shape
     acc = torch.zeros(num_rows, x.size(1), dtype=torch.float32, device=x.device)
-    padded = torch.cat([x, torch.zeros(1, x.size(1), dtype=x.dtype, device=x.device)])
-    where = torch.where(row_of >= 0, row_of, x.size(0)).long()
     for k in range(num_topk):
-        acc += padded[where[:, k]].float()
+        acc += _gathered(x, row_of[:, k].long().clamp(min=0), row_of[:, k] >= 0, True).float()
     return acc.to(x.dtype)
 
 
