@@ -516,7 +516,7 @@ class Buffer(LowLatencyCalls):
     @devices.runs_where_tensors_are("x")
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                  allocate_on_comm_stream):
+                  allocate_on_comm_stream, all_topk_weights: bool = False):
         backend = self._backend()
         x, x_scales, scales_1d = checks.dispatch_x(x, device=self.device)
         num_tokens = x.size(0)
@@ -577,7 +577,7 @@ class Buffer(LowLatencyCalls):
                                   num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                                   num_tokens_per_expert=num_tokens_per_expert, handle=handle,
                                   expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                                  config=config,
+                                  config=config, all_topk_weights=all_topk_weights,
                                   check=None if handle is not None else LayoutCheck(
                                       topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
         if self._fast is not None and (handle is not None or num_worst_tokens):  # what a fast path would record

@@ -2,8 +2,9 @@
 `EPHandle`, on the same backends as `Buffer` (docs/semantics.md, "ElasticBuffer").
 
 An ElasticBuffer holds a `Buffer` and runs each call as the V1 calls of the same meaning: the layout, the
-dispatch (with ``num_worst_tokens`` where the CPU must not wait), a cached dispatch of the top-k weights
-(V2 delivers every slot's weight, V1 only the local ones'), and the expanded layout's tensor operations
+dispatch (with ``num_worst_tokens`` where the CPU must not wait, and every slot's weight delivered, where V1
+delivers the local slots'), a cached dispatch of the top-k weights where a cached call is given them, and
+the expanded layout's tensor operations
 (tokenyard/semantics/expand.py), which need no host sync, so a CUDA graph may capture a call made with
 ``do_cpu_sync=False``.
 """
@@ -261,12 +262,14 @@ class ElasticBuffer:
             topk_idx, num_experts, previous_event=_overlap(previous_event),
             allocate_on_comm_stream=allocate_on_comm_stream)
         num_worst = 0 if do_cpu_sync else self.num_ranks * num_max
-        # V1 delivers only the local slots' weights (the rest are sent below), but its num_worst_tokens wants some.
-        v1_weights = None if do_cpu_sync else torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
-        recv_x, recv_topk_idx, _, per_expert_list, v1, _ = buffer.dispatch(
-            x, None, per_rank, None, in_rank, per_expert, topk_idx, v1_weights, expert_alignment, num_worst, config,
-            allocate_on_comm_stream=allocate_on_comm_stream)
-        recv_weights = self._send_weights(topk_weights, v1, config)
+        weights = topk_weights  # num_worst_tokens wants some: zeros where the caller has none
+        if weights is None and not do_cpu_sync:
+            weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        recv_x, recv_topk_idx, recv_weights, per_expert_list, v1, _ = buffer._dispatch(
+            x, None, per_rank, in_rank, per_expert, topk_idx, weights, expert_alignment, num_worst, config, None,
+            False, allocate_on_comm_stream, all_topk_weights=True)
+        if topk_weights is None:
+            recv_weights = None
         num_local = num_experts // self.num_ranks
         num_rows = recv_topk_idx.size(0)
         if do_expand:

@@ -202,7 +202,7 @@ class ReferenceBackend(Backend):
             if topk_weights is not None:
                 recv_topk_weights = _from_bytes(recv, *next(spans), topk_weights.dtype, topk_weights.size(1))
             recv_topk_idx, recv_topk_weights = routing.to_local_topk(recv_topk_idx, recv_topk_weights, rank,
-                                                                    num_local_experts)
+                                                                    num_local_experts, request.all_topk_weights)
             recv_topk_idx = padded(recv_topk_idx, -1)
             if recv_topk_weights is not None:
                 recv_topk_weights = padded(recv_topk_weights, 0)

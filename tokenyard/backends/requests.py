@@ -70,6 +70,7 @@ class DispatchRequest:
     placement: Optional[Placement] = None    # a placed round: its rows go straight into the whole call's tensors
     call: Optional[WholeCall] = None         # round 0 of a call in rounds: the result reports most_call_tokens
     check: Optional[LayoutCheck] = None      # a fresh dispatch's one-shot request or round 0
+    all_topk_weights: bool = False           # every slot's weight arrives, not only the local ones' (DeepEP V2)
 
     @property
     def num_experts(self) -> int:

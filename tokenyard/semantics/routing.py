@@ -75,14 +75,16 @@ def layout_verdict(topk_idx: Optional[torch.Tensor], num_experts: int, num_token
 
 
 def to_local_topk(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], rank: int,
-                  num_local_experts: int):
-    """Per rank. Global expert ids -> this rank's local ids, -1 for experts elsewhere; their weights 0."""
+                  num_local_experts: int, all_weights: bool = False):
+    """Per rank. Global expert ids -> this rank's local ids, -1 for experts elsewhere; their weights 0 (kept
+    with `all_weights`, as DeepEP V2 delivers them)."""
     begin = rank * num_local_experts
     local = (topk_idx >= begin) & (topk_idx < begin + num_local_experts)
     local_idx = torch.where(local, topk_idx - begin, torch.full_like(topk_idx, -1))
     local_weights = None
     if topk_weights is not None:
-        local_weights = torch.where(local, topk_weights, torch.zeros_like(topk_weights))
+        local_weights = topk_weights if all_weights else torch.where(local, topk_weights,
+                                                                     torch.zeros_like(topk_weights))
     return local_idx, local_weights
 
 

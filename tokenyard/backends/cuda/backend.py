@@ -80,6 +80,7 @@ class DispatchShape:
     whole_call: bool                   # round 0: the whole call's counts are exchanged too
     judged: bool                       # the count exchange judges the whole call's values (request.check)
     judged_topk: bool                  # ... with its topk_idx
+    all_weights: bool                  # every slot's weight arrives (DispatchRequest.all_topk_weights)
 
 
 class _CudaArray:
@@ -383,7 +384,8 @@ class CudaBackend(Backend):
             round_0=placement is not None and outputs is None, placed_rows=None if outputs is None else outputs[0].size(0),
             placed_by_notify=placement is not None and placement.cursor is not None,
             whole_call=request.call is not None, judged=request.check is not None,
-            judged_topk=request.check is not None and request.check.topk_idx is not None)
+            judged_topk=request.check is not None and request.check.topk_idx is not None,
+            all_weights=request.all_topk_weights)
 
     def dispatch_plans(self, shape: DispatchShape) -> Tuple[plans.Plan, Optional[plans.Plan]]:
         """The plans of a dispatch of `shape` (inputs DISPATCH_INPUTS, scalars DISPATCH_SCALARS): the count
@@ -419,7 +421,7 @@ class CudaBackend(Backend):
             raise InvalidInputError(f"{num_send_warps} sending warps need {slots} chunk slots per source, more than "
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
-                                               chunk_tokens, tail_tokens))
+                                               chunk_tokens, tail_tokens, m.all_weights))
         rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
         own_rows_direct = heuristics.dispatch_own_rows_direct()
         T = m.num_tokens

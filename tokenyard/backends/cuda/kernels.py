@@ -68,15 +68,18 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
 
 @functools.lru_cache(maxsize=None)
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
-             chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS) -> KernelSpec:
+             chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
+             all_weights: bool = False) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
-    `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens."""
+    `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
+    weight arrives (DeepEP V2), not only the local slots'."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
-        (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens),
+        (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
+         "true" if all_weights else "false"),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -151,6 +154,7 @@ def every_kernel():
             yield dispatch_layout(ranks, dtype)
             yield dispatch_notify(ranks, dtype)
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64)   # FP8 with scales, DeepSeek-V3
+        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, all_weights=True)  # ElasticBuffer's
         yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64)    # bf16
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k
         yield combine(ranks, 7168 * 2 // 16, 8)

@@ -89,7 +89,7 @@ struct SenderRanges {
 };
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
-          int kChunkTokens, int kTailTokens, typename Params>
+          int kChunkTokens, int kTailTokens, bool kAllWeights, typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -112,7 +112,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
 
     // NOTE [row tail]
     // After its data, a row holds its scales (padded to 16 bytes) and its metadata: kNumTopk int32 local
-    // expert ids (-1 where the expert lives elsewhere), kNumTopk float32 weights (0 there) and the int32
+    // expert ids (-1 where the expert lives elsewhere), kNumTopk float32 weights (0 there, unless kAllWeights:
+    // DeepEP V2 delivers every slot's weight) and the int32
     // source index, padded to 16 bytes. Lane i of a warp owns the tail's 16-byte vector i: the scales
     // 4i..4i+3, or metadata words 4m..4m+3 with m = i - kScaleInt4. The sender builds the vectors in
     // registers (the metadata once per destination, from the top-k lanes by shuffles) and each destination
@@ -124,7 +125,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int64_t first = static_cast<int64_t>(dest) * p.num_local_experts;
         const bool local = lane < kNumTopk && expert >= first && expert < first + p.num_local_experts;
         const int id = __shfl_sync(0xffffffffu, local ? static_cast<int>(expert - first) : -1, w % kWarpSize);
-        const int bits = __shfl_sync(0xffffffffu, local ? __float_as_int(weight) : 0, (w - kNumTopk) & (kWarpSize - 1));
+        const int bits = __shfl_sync(0xffffffffu, kAllWeights || local ? __float_as_int(weight) : 0,
+                                     (w - kNumTopk) & (kWarpSize - 1));
         return w < kNumTopk ? id : w < 2 * kNumTopk ? bits : w == 2 * kNumTopk ? t : 0;
     };
 
@@ -209,7 +211,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 const bool local = expert >= first && expert < first + p.num_local_experts;
                 p.recv_topk_idx[direct_row * kNumTopk + lane] = static_cast<TopkT>(local ? expert - first : -1);
                 if (p.recv_topk_weights != nullptr)
-                    p.recv_topk_weights[direct_row * kNumTopk + lane] = local ? weight : 0.0f;
+                    p.recv_topk_weights[direct_row * kNumTopk + lane] = kAllWeights || local ? weight : 0.0f;
             }
             if (lane == 0 && p.recv_src_idx != nullptr)
                 p.recv_src_idx[direct_row] = p.src_idx_base + t;
