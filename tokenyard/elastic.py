@@ -71,6 +71,7 @@ class EPHandle:
         self.dispatch_handle = None
         self.recv_topk_idx: Optional[torch.Tensor] = None
         self.row_of: Optional[torch.Tensor] = None
+        self.source_row: Optional[torch.Tensor] = None  # expanded: the received row each expanded row holds
         self.buffer_id: Optional[int] = None
 
 
@@ -342,9 +343,12 @@ class ElasticBuffer:
     def _expanded(self, recv_x, recv_weights, handle: EPHandle, zero_fill: bool, col_major_sf: bool):
         data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         rows = handle.num_expanded_tokens
-        out = expanded.expand(data, handle.row_of, rows, zero_fill)
+        if handle.source_row is None:
+            handle.source_row = expanded.source_rows(handle.row_of, rows)
+        backend = self.buffer._backend()
+        out = backend.gather_rows(data, handle.source_row, zero_fill)
         if scales is not None:
-            out = self._laid_out((out, expanded.expand(scales, handle.row_of, rows, zero_fill)), col_major_sf)
+            out = self._laid_out((out, backend.gather_rows(scales, handle.source_row, zero_fill)), col_major_sf)
         weights = None if recv_weights is None else expanded.expand_weights(recv_weights, handle.row_of, rows,
                                                                            zero_fill)
         return out, None, weights
@@ -396,7 +400,7 @@ class ElasticBuffer:
             if topk_weights is not None and topk_weights.shape != (rows,):
                 raise InvalidInputError(f"expanded topk_weights must be [{rows}], got {list(topk_weights.shape)}")
             weights = None if topk_weights is None else expanded.gather_weights(topk_weights, handle.row_of)
-            x = expanded.reduce_expanded(x, handle.row_of)
+            x = self.buffer._backend().reduce_expanded(x, handle.row_of)
         else:
             weights = None if topk_weights is None else expanded.local_weights(topk_weights, handle.recv_topk_idx)
         combined_x, combined_weights, _ = self.buffer.combine(

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan.devices import Topology
+from ..semantics import expand
 from .collectives import Collectives
 from .requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                        LowLatencyDispatchRequest, LowLatencyDispatchResult)
@@ -75,6 +76,13 @@ class Backend(abc.ABC):
         if self.poison_outputs and t.numel():
             t.view(torch.uint8).fill_(0xAB)
         return t
+
+    # DeepEP V2's expanded layout (tokenyard/semantics/expand.py): what a backend may do faster.
+    def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
+        return expand.gather_rows(rows, source_row, zero_fill)
+
+    def reduce_expanded(self, x: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+        return expand.reduce_expanded(x, row_of)
 
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):

@@ -88,13 +88,24 @@ def _gathered(source: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, ze
     return out
 
 
+def source_rows(row_of: torch.Tensor, num_expanded: int) -> torch.Tensor:
+    """int32 [num_expanded]: the received row each expanded row holds, -1 on padding."""
+    pair_of = _pair_of(row_of, num_expanded)
+    return torch.where(pair_of < row_of.numel(), pair_of // row_of.size(1), -1).to(torch.int32)
+
+
+def gather_rows(rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
+    """``out[m] = rows[source_row[m]]``; rows with ``source_row[m] < 0`` are zero where `zero_fill`, else
+    unspecified."""
+    if rows.element_size() == 1 and rows.dtype != torch.uint8:  # FP8 has no masked_fill_: move the bytes
+        return gather_rows(rows.view(torch.uint8), source_row, zero_fill).view(rows.dtype)
+    return _gathered(rows, source_row.long().clamp(min=0), source_row >= 0, zero_fill)
+
+
 def expand(rows: torch.Tensor, row_of: torch.Tensor, num_expanded: int, zero_fill: bool) -> torch.Tensor:
     """``out [num_expanded, ...]`` with ``out[row_of[j, k]] = rows[j]`` for every pair; other rows are zero
     where `zero_fill`, else unspecified. A gather by each expanded row's pair: no host sync counts them."""
-    if rows.element_size() == 1 and rows.dtype != torch.uint8:  # FP8 has no masked_fill_: move the bytes
-        return expand(rows.view(torch.uint8), row_of, num_expanded, zero_fill).view(rows.dtype)
-    pair_of = _pair_of(row_of, num_expanded)
-    return _gathered(rows, pair_of // row_of.size(1), pair_of < row_of.numel(), zero_fill)
+    return gather_rows(rows, source_rows(row_of, num_expanded), zero_fill)
 
 
 def expand_weights(topk_weights: torch.Tensor, row_of: torch.Tensor, num_expanded: int,

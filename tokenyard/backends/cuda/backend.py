@@ -658,6 +658,35 @@ class CudaBackend(Backend):
         return self._low_latency.next_low_latency_combine_buffer(num_max_dispatch_tokens_per_rank, hidden,
                                                                  num_experts)
 
+    # -- DeepEP V2's expanded layout (tokenyard/semantics/expand.py) ------------------------------------------
+
+    def _expand_grid(self, num_rows: int) -> int:
+        return max(1, min(-(-num_rows // (kernels.EXPAND_THREADS // 32)), self.device_sms * 4))
+
+    def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
+        row_bytes = rows[0].numel() * rows.element_size() if rows.dim() > 1 else rows.element_size()
+        if rows.device.type != "cuda" or rows.dim() == 1 or row_bytes % 16 or not rows.is_contiguous():
+            return super().gather_rows(rows, source_row, zero_fill)
+        num_expanded = source_row.numel()
+        out = torch.empty((num_expanded,) + tuple(rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        if num_expanded:
+            self._kernel(kernels.expand_rows(row_bytes // 16))(
+                self._expand_grid(num_expanded), self._stream(), rows=rows.data_ptr(),
+                source_row=source_row.to(torch.int32).contiguous().data_ptr(), num_expanded=num_expanded,
+                zero_fill=int(zero_fill), out=out.data_ptr())
+        return out
+
+    def reduce_expanded(self, x: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or x.size(1) % 8 or not x.is_contiguous():
+            return super().reduce_expanded(x, row_of)
+        num_rows, num_topk = row_of.shape
+        out = torch.empty(num_rows, x.size(1), dtype=x.dtype, device=x.device)
+        if num_rows:
+            self._kernel(kernels.reduce_expanded(x.size(1) // 8, num_topk))(
+                self._expand_grid(num_rows), self._stream(), x=x.data_ptr(),
+                row_of=row_of.to(torch.int32).contiguous().data_ptr(), num_rows=num_rows, out=out.data_ptr())
+        return out
+
     def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
         if use_rdma_buffer:
             if self.low_latency_buffer is not None:

@@ -147,6 +147,29 @@ def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
         LOW_LATENCY_THREADS)
 
 
+EXPAND_THREADS = 512
+
+
+@functools.lru_cache(maxsize=None)
+def expand_rows(row_int4: int) -> KernelSpec:
+    """ElasticBuffer's expanded rows: each a copy of the received row it holds, or zeros (padding)."""
+    return KernelSpec(
+        "tokenyard/kernels/expand.cuh", "tokenyard::kernels::expand_rows", (row_int4,),
+        (Param("const int4*", "rows"), Param("const int*", "source_row"), Param("int64_t", "num_expanded"),
+         Param("int", "zero_fill"), Param("int4*", "out")),
+        EXPAND_THREADS)
+
+
+@functools.lru_cache(maxsize=None)
+def reduce_expanded(hidden_int4: int, num_topk: int) -> KernelSpec:
+    """ElasticBuffer's combine: each received row's expanded rows summed (bf16 rows, float32 sums)."""
+    return KernelSpec(
+        "tokenyard/kernels/expand.cuh", "tokenyard::kernels::reduce_expanded", (hidden_int4, num_topk),
+        (Param("const int4*", "x"), Param("const int*", "row_of"), Param("int64_t", "num_rows"),
+         Param("int4*", "out")),
+        EXPAND_THREADS)
+
+
 def every_kernel():
     """Representative instantiations of every kernel, for CI's compile check."""
     for ranks in (2, 4, 8):
@@ -159,6 +182,9 @@ def every_kernel():
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k
         yield combine(ranks, 7168 * 2 // 16, 8)
         yield combine(ranks, 4096 * 2 // 16, 0)
+    yield expand_rows(7168 // 16)       # FP8 rows, DeepSeek-V3
+    yield expand_rows(56 * 4 // 16)     # their scales
+    yield reduce_expanded(7168 * 2 // 16, 8)
     for num_topk in (1, 8):
         for use_fp8, use_ue8m0 in ((True, False), (True, True), (False, False)):
             yield low_latency_dispatch(num_topk, torch.int64, use_fp8, use_ue8m0)
