@@ -256,6 +256,10 @@ class ElasticBuffer:
                                     f"= {num_max} (give it to the constructor or to dispatch)")
         if expert_alignment < 1:
             raise InvalidInputError(f"expert_alignment must be at least 1, got {expert_alignment}")
+        num_local = num_experts // self.num_ranks
+        if stats is not None and (stats.dtype != torch.int32 or stats.shape != (num_local,)):
+            raise InvalidInputError(f"cumulative_local_expert_recv_stats must be int32 [{num_local}], got "
+                                    f"{stats.dtype} {list(stats.shape)}")
         num_sms = num_sms or self.get_theoretical_num_sms(num_experts, topk_idx.size(1))
         config = self._config(num_sms)
         buffer = self.buffer
@@ -271,33 +275,28 @@ class ElasticBuffer:
             False, allocate_on_comm_stream, all_topk_weights=True)
         if topk_weights is None:
             recv_weights = None
-        num_local = num_experts // self.num_ranks
         num_rows = recv_topk_idx.size(0)
-        if do_expand:
-            row_of, counts, ends = expanded.expand_rows(recv_topk_idx, num_local, expert_alignment)
-        else:
-            row_of, counts = None, expanded.expert_counts(recv_topk_idx, num_local)
         if do_cpu_sync:
             num_expanded = sum(per_expert_list)
         else:
             num_expanded = expanded.worst_expanded_rows(num_rows, topk_idx.size(1), num_local, expert_alignment)
+        psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx].contiguous()
+        counts, ends, row_of, source_row, metadata = buffer._backend().expanded_layout(
+            recv_topk_idx, v1.recv_src_idx, psum_per_rank, num_local, expert_alignment, num_max,
+            num_expanded if do_expand else None)
         if stats is not None:
-            if stats.dtype != torch.int32 or stats.shape != (num_local,):
-                raise InvalidInputError(f"cumulative_local_expert_recv_stats must be int32 [{num_local}], got "
-                                        f"{stats.dtype} {list(stats.shape)}")
             stats += counts.to(stats.device)
         if do_expand:
             psum_per_expert = ends
         else:
             aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
             psum_per_expert = torch.cumsum(aligned, 0, dtype=torch.int32)
-        psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx].contiguous()
         handle = EPHandle(do_expand, num_experts, expert_alignment, num_max, num_sms,
                           topk_idx.clone() if do_handle_copy else topk_idx,
                           v1.num_recv_tokens if do_cpu_sync else num_rows, num_expanded,
-                          per_expert_list if do_cpu_sync else [], psum_per_rank, psum_per_expert, counts,
-                          expanded.source_metadata(recv_topk_idx, v1.recv_src_idx, psum_per_rank, num_max, row_of))
+                          per_expert_list if do_cpu_sync else [], psum_per_rank, psum_per_expert, counts, metadata)
         handle.dispatch_handle, handle.recv_topk_idx, handle.row_of = v1, recv_topk_idx, row_of
+        handle.source_row = source_row
         handle.buffer_id = id(self)
         if do_expand:
             return self._expanded(recv_x, recv_weights, handle, do_zero_padding, col_major_sf) + (handle,)
@@ -343,8 +342,6 @@ class ElasticBuffer:
     def _expanded(self, recv_x, recv_weights, handle: EPHandle, zero_fill: bool, col_major_sf: bool):
         data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         rows = handle.num_expanded_tokens
-        if handle.source_row is None:
-            handle.source_row = expanded.source_rows(handle.row_of, rows)
         backend = self.buffer._backend()
         out = backend.gather_rows(data, handle.source_row, zero_fill)
         if scales is not None:

@@ -78,6 +78,19 @@ class Backend(abc.ABC):
         return t
 
     # DeepEP V2's expanded layout (tokenyard/semantics/expand.py): what a backend may do faster.
+    def expanded_layout(self, recv_topk_idx: torch.Tensor, recv_src_idx: torch.Tensor, psum_per_rank: torch.Tensor,
+                        num_local: int, alignment: int, num_max: int, num_expanded: Optional[int]):
+        """A dispatch's layout for its `EPHandle`: -> (counts [L], ends [L], row_of [N, K], source_row [M],
+        recv_src_metadata [N, K + 2]), all int32; the middle three None unless expanded (`num_expanded`
+        rows)."""
+        if num_expanded is None:
+            counts, ends, row_of, source_row = expand.expert_counts(recv_topk_idx, num_local), None, None, None
+        else:
+            row_of, counts, ends = expand.expand_rows(recv_topk_idx, num_local, alignment)
+            source_row = expand.source_rows(row_of, num_expanded)
+        return counts, ends, row_of, source_row, expand.source_metadata(recv_topk_idx, recv_src_idx, psum_per_rank,
+                                                                        num_max, row_of)
+
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
         return expand.gather_rows(rows, source_row, zero_fill)
 

@@ -663,6 +663,36 @@ class CudaBackend(Backend):
     def _expand_grid(self, num_rows: int) -> int:
         return max(1, min(-(-num_rows // (kernels.EXPAND_THREADS // 32)), self.device_sms * 4))
 
+    def expanded_layout(self, recv_topk_idx, recv_src_idx, psum_per_rank, num_local, alignment, num_max,
+                        num_expanded):
+        if recv_topk_idx.device.type != "cuda":
+            return super().expanded_layout(recv_topk_idx, recv_src_idx, psum_per_rank, num_local, alignment, num_max,
+                                           num_expanded)
+        num_rows, num_topk = recv_topk_idx.shape
+        device, stream, i32 = recv_topk_idx.device, self._stream(), torch.int32
+        counts = torch.zeros(num_local, dtype=i32, device=device)
+        row_of = torch.empty(num_rows, num_topk, dtype=i32, device=device)
+        metadata = torch.empty(num_rows, num_topk + 2, dtype=i32, device=device)
+        recv_topk_idx = recv_topk_idx.contiguous()
+        if num_rows:
+            self._kernel(kernels.expand_count(num_topk, recv_topk_idx.dtype))(
+                max(1, min(-(-num_rows // kernels.EXPAND_THREADS), self.device_sms * 4)), stream,
+                shared_bytes=num_local * 4,
+                recv_topk_idx=recv_topk_idx.data_ptr(), recv_src_idx=recv_src_idx.contiguous().data_ptr(),
+                psum_per_rank=psum_per_rank.to(i32).contiguous().data_ptr(), num_ranks=psum_per_rank.numel(),
+                num_rows=num_rows, num_local=num_local, num_max=num_max, counts=counts.data_ptr(),
+                row_of=row_of.data_ptr(), metadata=metadata.data_ptr())
+        if num_expanded is None:
+            return counts, None, None, None, metadata
+        ends = torch.empty(num_local, dtype=i32, device=device)
+        source_row = torch.full((num_expanded,), -1, dtype=i32, device=device)
+        if num_local:
+            self._kernel(kernels.expand_place(num_topk, recv_topk_idx.dtype))(
+                num_local, stream, recv_topk_idx=recv_topk_idx.data_ptr(), num_rows=num_rows, alignment=alignment,
+                counts=counts.data_ptr(), ends=ends.data_ptr(), row_of=row_of.data_ptr(),
+                metadata=metadata.data_ptr(), source_row=source_row.data_ptr())
+        return counts, ends, row_of, source_row, metadata
+
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
         row_bytes = rows[0].numel() * rows.element_size() if rows.dim() > 1 else rows.element_size()
         if rows.device.type != "cuda" or rows.dim() == 1 or row_bytes % 16 or not rows.is_contiguous():

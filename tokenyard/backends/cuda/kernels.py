@@ -151,6 +151,31 @@ EXPAND_THREADS = 512
 
 
 @functools.lru_cache(maxsize=None)
+def expand_count(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
+    """ElasticBuffer's layout, first launch: per-expert counts, source metadata (kernels/expand.cuh)."""
+    topk_t = topk_ctype(topk_dtype)
+    return KernelSpec(
+        "tokenyard/kernels/expand.cuh", "tokenyard::kernels::expand_count", (num_topk, topk_t),
+        (Param(f"const {topk_t}*", "recv_topk_idx"), Param("const int*", "recv_src_idx"),
+         Param("const int*", "psum_per_rank"), Param("int", "num_ranks"), Param("int", "num_rows"),
+         Param("int", "num_local"), Param("int", "num_max"), Param("int*", "counts"), Param("int*", "row_of"),
+         Param("int*", "metadata")),
+        EXPAND_THREADS)
+
+
+@functools.lru_cache(maxsize=None)
+def expand_place(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
+    """ElasticBuffer's layout, second launch: each pair's expanded row, a block per local expert."""
+    topk_t = topk_ctype(topk_dtype)
+    return KernelSpec(
+        "tokenyard/kernels/expand.cuh", "tokenyard::kernels::expand_place", (num_topk, topk_t),
+        (Param(f"const {topk_t}*", "recv_topk_idx"), Param("int", "num_rows"), Param("int", "alignment"),
+         Param("const int*", "counts"), Param("int*", "ends"), Param("int*", "row_of"), Param("int*", "metadata"),
+         Param("int*", "source_row")),
+        EXPAND_THREADS)
+
+
+@functools.lru_cache(maxsize=None)
 def expand_rows(row_int4: int) -> KernelSpec:
     """ElasticBuffer's expanded rows: each a copy of the received row it holds, or zeros (padding)."""
     return KernelSpec(
@@ -182,6 +207,8 @@ def every_kernel():
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k
         yield combine(ranks, 7168 * 2 // 16, 8)
         yield combine(ranks, 4096 * 2 // 16, 0)
+    yield expand_count(8, torch.int64)
+    yield expand_place(8, torch.int64)
     yield expand_rows(7168 // 16)       # FP8 rows, DeepSeek-V3
     yield expand_rows(56 * 4 // 16)     # their scales
     yield reduce_expanded(7168 * 2 // 16, 8)

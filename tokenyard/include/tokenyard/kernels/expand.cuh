@@ -8,6 +8,89 @@
 
 namespace tokenyard::kernels {
 
+// The expanded layout of one dispatch, in two launches (tokenyard/semantics/expand.py says what it is).
+// expand_count, a thread per received row: each local expert's pairs (counts, zeroed by the caller), the
+// row's source metadata (its global token index and first local slot; the expanded columns -1), and -1 in
+// every row_of entry. expand_place, a block per local expert e: its group starts at the sum of the aligned
+// counts before it; the block scans every pair in (row, slot) order, a warp ballot and the warps' running
+// totals numbering e's pairs, and writes each one's expanded row to row_of and the metadata, and its
+// received row to source_row (-1 elsewhere, filled by the caller); ends[e] is where the pairs end.
+template <int kNumTopk, typename TopkT, typename Params>
+__device__ __forceinline__ void expand_count(const Params& p) {
+    extern __shared__ int block_counts[];  // [num_local]
+    for (int i = threadIdx.x; i < p.num_local; i += blockDim.x)
+        block_counts[i] = 0;
+    __syncthreads();
+    constexpr int kStride = kNumTopk + 2;
+    for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < p.num_rows;
+         j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        int source = 0;
+        for (int r = 0; r < p.num_ranks; ++r)
+            source += p.psum_per_rank[r] <= j;
+        const int token = p.recv_src_idx[j];
+        int first = kNumTopk;
+#pragma unroll
+        for (int k = kNumTopk - 1; k >= 0; --k) {
+            const int64_t e = static_cast<int64_t>(p.recv_topk_idx[j * kNumTopk + k]);
+            if (e >= 0) {
+                atomicAdd(&block_counts[e], 1);
+                first = k;
+            }
+            p.row_of[j * kNumTopk + k] = -1;
+            p.metadata[j * kStride + 2 + k] = -1;
+        }
+        p.metadata[j * kStride] = token >= 0 ? source * p.num_max + token : -1;
+        p.metadata[j * kStride + 1] = token >= 0 && first < kNumTopk ? source * kNumTopk + first : -1;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < p.num_local; i += blockDim.x) {
+        if (block_counts[i] != 0)
+            atomicAdd(p.counts + i, block_counts[i]);
+    }
+}
+
+template <int kNumTopk, typename TopkT, typename Params>
+__device__ __forceinline__ void expand_place(const Params& p) {
+    __shared__ int warp_totals[32];
+    __shared__ int base;
+    const int e = blockIdx.x, lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int warps = blockDim.x / kWarpSize;
+    if (threadIdx.x == 0) {
+        int start = 0;
+        for (int i = 0; i < e; ++i)
+            start += (p.counts[i] + p.alignment - 1) / p.alignment * p.alignment;
+        base = start;
+        p.ends[e] = start + p.counts[e];
+    }
+    __syncthreads();
+    constexpr int kStride = kNumTopk + 2;
+    const int64_t num_pairs = static_cast<int64_t>(p.num_rows) * kNumTopk;
+    for (int64_t chunk = 0; chunk < num_pairs; chunk += blockDim.x) {
+        const int64_t f = chunk + threadIdx.x;
+        const bool mine = f < num_pairs && static_cast<int64_t>(p.recv_topk_idx[f]) == e;
+        const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+        if (lane == 0)
+            warp_totals[warp] = __popc(ballot);
+        __syncthreads();
+        int before = base;
+        for (int w = 0; w < warp; ++w)
+            before += warp_totals[w];
+        if (mine) {
+            const int row = before + __popc(ballot & ((1u << lane) - 1u));
+            const int64_t j = f / kNumTopk;
+            p.row_of[f] = row;
+            p.metadata[j * kStride + 2 + f % kNumTopk] = row;
+            p.source_row[row] = static_cast<int>(j);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 0; w < warps; ++w)
+                base += warp_totals[w];
+        }
+        __syncthreads();
+    }
+}
+
 // Expanded row m holds received row source_row[m], or is padding (-1): a warp per row copies its
 // kRowInt4 16-byte vectors, or writes zeros where zero_fill (padding is left as it is otherwise).
 template <int kRowInt4, typename Params>
