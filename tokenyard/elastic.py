@@ -4,9 +4,8 @@
 An ElasticBuffer holds a `Buffer` and runs each call as the V1 calls of the same meaning: the layout, the
 dispatch (with ``num_worst_tokens`` where the CPU must not wait, and every slot's weight delivered, where V1
 delivers the local slots'), a cached dispatch of the top-k weights where a cached call is given them, and
-the expanded layout's tensor operations
-(tokenyard/semantics/expand.py), which need no host sync, so a CUDA graph may capture a call made with
-``do_cpu_sync=False``.
+the expanded layout, which the backend computes without a host sync (`Backend.expanded_layout`,
+`gather_rows`, `reduce_expanded`: kernels on the CUDA backend, tokenyard/semantics/expand.py elsewhere).
 """
 
 from __future__ import annotations
