@@ -102,12 +102,6 @@ def gather_rows(rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -
     return _gathered(rows, source_row.long().clamp(min=0), source_row >= 0, zero_fill)
 
 
-def expand(rows: torch.Tensor, row_of: torch.Tensor, num_expanded: int, zero_fill: bool) -> torch.Tensor:
-    """``out [num_expanded, ...]`` with ``out[row_of[j, k]] = rows[j]`` for every pair; other rows are zero
-    where `zero_fill`, else unspecified. A gather by each expanded row's pair: no host sync counts them."""
-    return gather_rows(rows, source_rows(row_of, num_expanded), zero_fill)
-
-
 def expand_weights(topk_weights: torch.Tensor, row_of: torch.Tensor, num_expanded: int,
                    zero_fill: bool) -> torch.Tensor:
     """float32 [num_expanded]: pair (j, k)'s weight ``topk_weights[j, k]`` at its expanded row."""
