@@ -35,6 +35,9 @@ def test_bench_command_on_two_gloo_ranks_writes_table_json_and_png(tmp_path):
                       "--plot", str(png_path), "--quiet")
     assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert "reference" in done.stdout and "dispatch_cached_back_to_back" in done.stdout, done.stdout
+    assert "remote_gbps" in done.stdout and "nvlink_gbps" not in done.stdout and "num_sms" not in done.stdout, \
+        "a CPU run's table speaks of remote bytes, not of NVLink or SMs"
+    assert "v2_expand_combine" in done.stdout, "DeepEP V2's calls have rows of their own"
 
     doc = json.loads(json_path.read_text())
     for key in ("commit", "device", "date", "settings", "num_ranks", "num_tokens", "hidden", "num_topk",
@@ -52,7 +55,7 @@ def test_bench_command_on_two_gloo_ranks_writes_table_json_and_png(tmp_path):
     for op in ("dispatch", "combine"):
         for timed in (op, op + "_back_to_back"):
             _assert_positive_op(doc["nccl"][timed], f"nccl.{timed}")
-    for op in ("dispatch", "dispatch_cached", "combine"):
+    for op in ("dispatch", "dispatch_cached", "combine", "v2_dispatch", "v2_expand_dispatch", "v2_expand_combine"):
         for timed in (op, op + "_back_to_back"):
             _assert_positive_op(doc["reference"][timed], f"reference.{timed}")
     low_latency = doc["reference"]["low_latency"]

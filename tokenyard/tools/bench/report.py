@@ -178,14 +178,24 @@ def results(doc: dict) -> List[Tuple[str, str, dict]]:
 
 
 COLUMNS = ("backend", "op", "us", "nvlink_gbps", "logical_gbps", "num_sms")
+CPU_COLUMNS = ("backend", "op", "us", "remote_gbps", "logical_gbps")  # the same figures, in words for CPU ranks
 
 
-def _cells(who: str, op: str, values: dict) -> List[str]:
+def _on_gpus(doc: dict) -> bool:
+    return doc.get("settings", {}).get("gpu", True)
+
+
+def _columns(doc: dict) -> Tuple[str, ...]:
+    return COLUMNS if _on_gpus(doc) else CPU_COLUMNS
+
+
+def _cells(who: str, op: str, values: dict, columns: Tuple[str, ...] = COLUMNS) -> List[str]:
     def number(v):  # 2 decimals, or 3 significant digits below 1 (CPU bandwidths are small)
         return "-" if v is None else f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"
 
-    return [who, op, f"{values['us']:.1f}", number(values["nvlink_gbps"]), number(values["logical_gbps"]),
-            "-" if values["num_sms"] is None else str(values["num_sms"])]
+    cells = [who, op, f"{values['us']:.1f}", number(values["nvlink_gbps"]), number(values["logical_gbps"]),
+             "-" if values["num_sms"] is None else str(values["num_sms"])]
+    return cells[:len(columns)]
 
 
 def _notes(doc: dict) -> List[str]:
@@ -196,6 +206,10 @@ def _notes(doc: dict) -> List[str]:
                                else f"{doc['copy_limit_gbps']:.1f} GB/s")]
     if "shared by" in doc["device"]:
         notes.append("ranks share GPUs (MPS): times only, no bandwidth, no NCCL baseline")
+    if not _on_gpus(doc):
+        notes.append("CPU ranks: remote_gbps counts the bytes sent to other ranks"
+                     + ("; the reference backend ignores SM counts, so the '@ N SMs' rows time the same calls"
+                        if doc.get("compare_sm") else ""))
     for key in backend_keys(doc):
         error = doc[key]["low_latency"]["graph_error"]
         if error and doc[key]["low_latency"]["dispatch_us"] is not None:
@@ -205,13 +219,14 @@ def _notes(doc: dict) -> List[str]:
 
 def table(doc: dict) -> str:
     """The results as fixed-width text (header, one line per operation, then notes)."""
-    lines = [_cells(*row) for row in results(doc)]
-    widths = [max(len(c) for c in column) for column in zip(COLUMNS, *lines)]
+    columns = _columns(doc)
+    lines = [_cells(*row, columns) for row in results(doc)]
+    widths = [max(len(c) for c in column) for column in zip(columns, *lines)]
 
     def fmt(cells):
         return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
-    body = [fmt(COLUMNS), "  ".join("-" * w for w in widths)] + [fmt(cells) for cells in lines]
+    body = [fmt(columns), "  ".join("-" * w for w in widths)] + [fmt(cells) for cells in lines]
     return "\n".join(_notes(doc)[:1] + body + _notes(doc)[1:])
 
 
@@ -224,11 +239,11 @@ def print_table(doc: dict) -> None:
         print(table(doc), flush=True)
         return
     notes = _notes(doc)
-    rich_table = Table()
-    for i, column in enumerate(COLUMNS):
+    rich_table, columns = Table(), _columns(doc)
+    for i, column in enumerate(columns):
         rich_table.add_column(column, justify="left" if i < 2 else "right", no_wrap=True)
     for row in results(doc):
-        rich_table.add_row(*_cells(*row))
+        rich_table.add_row(*_cells(*row, columns))
     console = Console() if sys.stdout.isatty() else Console(width=200)  # a pipe would get 80 columns
     console.print(notes[0], markup=False, highlight=False)
     console.print(rich_table)
