@@ -115,6 +115,10 @@ def normal_round_trip(seed, num_tokens, hidden, num_experts, num_topk, kind, dty
         assert_same("cached recv_x_scales", _split(again)[1], recv_scales)
         # A plain DeepEP 6-tuple works as a handle too.
         assert_same("tuple-handle recv_x", _split(buffer.dispatch(x, handle=tuple(handle))[0])[0], recv_data)
+    else:  # a cached dispatch fills its handle's rows, the worst case's here (as the CUDA backend's and DeepEP's)
+        again = _split(buffer.dispatch(x, handle=handle)[0])[0]
+        assert again.size(0) == num_worst_tokens, f"cached dispatch gave {again.size(0)} rows"
+        assert_same("cached recv_x (worst-case handle)", again[:num_recv], recv_data[:num_recv])
 
     # Combine of random expert outputs, with weights and bias, against the oracle.
     rows = [torch.randn(o["recv_x"].size(0), hidden, generator=torch.Generator().manual_seed(seed + 7 * r + 1))
