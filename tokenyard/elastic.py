@@ -288,8 +288,7 @@ class ElasticBuffer:
         if do_expand:
             psum_per_expert = ends
         else:
-            aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
-            psum_per_expert = torch.cumsum(aligned, 0, dtype=torch.int32)
+            psum_per_expert = torch.cumsum(expanded.align(counts, expert_alignment), 0, dtype=torch.int32)
         handle = EPHandle(do_expand, num_experts, expert_alignment, num_max, num_sms,
                           topk_idx.clone() if do_handle_copy else topk_idx,
                           v1.num_recv_tokens if do_cpu_sync else num_rows, num_expanded,

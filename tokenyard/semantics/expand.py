@@ -21,7 +21,8 @@ from typing import Optional, Tuple
 import torch
 
 
-def align(value: int, alignment: int) -> int:
+def align(value, alignment: int):
+    """`value` (an int, or an integer tensor elementwise) rounded up to a multiple of `alignment`."""
     return (value + alignment - 1) // alignment * alignment
 
 
@@ -49,7 +50,7 @@ def expand_rows(recv_topk_idx: torch.Tensor, num_local_experts: int,
     counts = expert_counts(recv_topk_idx, num_local_experts).long()
     # starts[i] = align(ends[i-1]); with aligned sizes a[i] = align(counts[i]), starts are the exclusive
     # prefix sums of a (every start is aligned, so align(start + count) = start + a).
-    aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
+    aligned = align(counts, expert_alignment)
     starts = torch.cumsum(aligned, 0) - aligned
     ends = starts + counts
     # The rank of pair (j, k) within its expert: pairs sorted by (expert, j); a row holds an expert at most once.

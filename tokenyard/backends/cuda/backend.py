@@ -660,8 +660,9 @@ class CudaBackend(Backend):
 
     # -- DeepEP V2's expanded layout (tokenyard/semantics/expand.py) ------------------------------------------
 
-    def _expand_grid(self, num_rows: int) -> int:
-        return max(1, min(-(-num_rows // (kernels.EXPAND_THREADS // 32)), self.device_sms * 4))
+    def _expand_grid(self, num_items: int, per_block: int = kernels.EXPAND_THREADS // 32) -> int:
+        """Blocks for `num_items` (a warp each by default), at most four per SM (the kernels stride over the rest)."""
+        return max(1, min(-(-num_items // per_block), self.device_sms * 4))
 
     def expanded_layout(self, recv_topk_idx, recv_src_idx, psum_per_rank, num_local, alignment, num_max,
                         num_expanded):
@@ -676,8 +677,7 @@ class CudaBackend(Backend):
         recv_topk_idx = recv_topk_idx.contiguous()
         if num_rows:
             self._kernel(kernels.expand_count(num_topk, recv_topk_idx.dtype))(
-                max(1, min(-(-num_rows // kernels.EXPAND_THREADS), self.device_sms * 4)), stream,
-                shared_bytes=num_local * 4,
+                self._expand_grid(num_rows, per_block=kernels.EXPAND_THREADS), stream, shared_bytes=num_local * 4,
                 recv_topk_idx=recv_topk_idx.data_ptr(), recv_src_idx=recv_src_idx.contiguous().data_ptr(),
                 psum_per_rank=psum_per_rank.to(i32).contiguous().data_ptr(), num_ranks=psum_per_rank.numel(),
                 num_rows=num_rows, num_local=num_local, num_max=num_max, counts=counts.data_ptr(),
