@@ -9,6 +9,7 @@ GPUs under MPS (NOTE [MPS]).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -694,7 +695,7 @@ class CudaBackend(Backend):
         return counts, ends, row_of, source_row, metadata
 
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
-        row_bytes = rows[0].numel() * rows.element_size() if rows.dim() > 1 else rows.element_size()
+        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # also where no row was received
         if rows.device.type != "cuda" or rows.dim() == 1 or row_bytes % 16 or not rows.is_contiguous():
             return super().gather_rows(rows, source_row, zero_fill)
         num_expanded = source_row.numel()
