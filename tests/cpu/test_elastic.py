@@ -19,6 +19,11 @@ def test_without_cpu_sync_outputs_have_the_worst_case_rows(ranks, seed, do_expan
     ranks(4).run(scenarios.round_trip, seed, 10, 128, 16, 4, kind, "bf16", do_expand, 4, False)
 
 
+@pytest.mark.parametrize("do_cpu_sync", [True, False])
+def test_a_rank_that_receives_nothing_gets_empty_expanded_tensors(ranks, seed, do_cpu_sync):
+    ranks(4).run(scenarios.round_trip, seed, 10, 256, 16, 4, "empty_rank", "fp8", True, 64, do_cpu_sync)
+
+
 @pytest.mark.parametrize("do_expand", [False, True])
 def test_eight_ranks_fp8(ranks, seed, do_expand):
     ranks(8).run(scenarios.round_trip, seed, 6, 256, 32, 8, "uniform", "fp8", do_expand, 16, True)

@@ -1,7 +1,7 @@
 """DeepEP V2's `ElasticBuffer` on the CUDA backend against the same calls on the reference backend over the same
 group (docs/semantics.md, "ElasticBuffer"), device machine only: dispatch bit for bit (the CUDA Buffer's
 outputs poisoned before its kernels write them), combine within bf16 rounding, expanded and not, bf16 and FP8,
-with and without the CPU sync, cached dispatches, bias and -1 entries."""
+with and without the CPU sync, cached dispatches, bias, -1 entries and a rank that receives nothing."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ NUM_TOKENS, HIDDEN, NUM_TOPK = 96, 2048, 8
 
 # (dtype, do_expand, expert_alignment, do_cpu_sync, routing kind)
 CASES = (("bf16", False, 1, True, "uniform"), ("fp8", True, 128, True, "masked"),
-         ("fp8", False, 64, False, "skewed"), ("bf16", True, 16, False, "masked"))
+         ("fp8", False, 64, False, "skewed"), ("bf16", True, 16, False, "masked"),
+         ("fp8", True, 64, True, "empty_rank"))  # the last rank receives no row
 
 
 def _same(what, a, b):
