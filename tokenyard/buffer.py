@@ -315,6 +315,24 @@ class Buffer(LowLatencyCalls):
 
     # -- streams ----------------------------------------------------------------------------------------
 
+    def _refuse_capture(self, backend, what: str, cpu_wait: bool = False) -> None:
+        """NOTE [graph capture]
+        A normal-mode call inside a CUDA-graph capture runs on replay only what the GPU does, so it is
+        refused unless the GPU does all of it: the backend counts its calls on the GPU
+        (Backend.CAPTURES_NORMAL_MODE; the reference backend exchanges counts through the host), and the
+        CPU waits for nothing (a fresh dispatch without num_worst_tokens waits for the received counts to
+        size its outputs). Host values the call reads (shapes, the rounds, which derive from them) are the
+        same at every replay; DeepEP's value checks (check_inputs) are skipped while capturing."""
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return
+        if not backend.CAPTURES_NORMAL_MODE:
+            raise InvalidInputError(f"the {backend.name} backend cannot run a {what} inside a CUDA-graph capture: "
+                                    "its count exchange goes through the host; use the CUDA backend")
+        if cpu_wait:
+            raise InvalidInputError(f"a {what} inside a CUDA-graph capture needs num_worst_tokens "
+                                    "(ElasticBuffer: do_cpu_sync=False): without it the CPU waits for the "
+                                    "received counts, which a capture never computes")
+
     def _check_values(self) -> bool:
         if not self.check_inputs:
             return False
@@ -565,6 +583,7 @@ class Buffer(LowLatencyCalls):
         row_bytes = workspace.normal_dispatch_row_bytes(x.size(1) * x.element_size(), scale_bytes, num_topk)
         paired_row_bytes = None if handle is not None else workspace.normal_combine_row_bytes(x.size(1), num_topk)
         round_tokens = self._round_tokens(num_tokens, row_bytes, "dispatch", paired_row_bytes)
+        self._refuse_capture(backend, "dispatch", cpu_wait=handle is None and not num_worst_tokens)
         check_values = self._check_values()
 
         if backend.wants_call_agreement(False):  # NOTE [call agreement]
@@ -663,6 +682,7 @@ class Buffer(LowLatencyCalls):
         round_tokens = self._round_tokens(handle.num_tokens, workspace.normal_combine_row_bytes(x.size(1), num_topk),
                                           "combine")
         config = config if config is not None else self.get_combine_config(self.group_size)
+        self._refuse_capture(backend, "combine")
         if backend.wants_call_agreement(False):  # NOTE [call agreement]
             self._exchange.agree("combine", hidden=x.size(1), num_topk=num_topk,
                                  num_biases=(bias_0 is not None) + (bias_1 is not None))

@@ -41,6 +41,9 @@ class Backend(abc.ABC):
     """One implementation of the tokenyard operations."""
 
     name: str = "?"
+    # Normal-mode calls that wait for no count on the host may be captured in a CUDA graph (NOTE [graph
+    # capture] in buffer.py): what they signal is counted on the GPU.
+    CAPTURES_NORMAL_MODE = False
 
     def __init__(self, ctx: GroupContext):
         self.ctx = ctx

@@ -25,7 +25,7 @@ from ..requests import CombineRequest, DispatchRequest, DispatchResult
 from ..waiting import wait_until
 from . import heuristics, kernels, plans, runtime
 
-HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: call id, three counts, the verdict (two), per-local-expert counts
+HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: the call's ticket, three counts, the verdict (two), per-local-expert counts
 _HOST_EXPERTS_AT = 6
 # NOTE [error record] in include/tokenyard/sync.cuh: the kinds of error and the stages, numbered there; the
 # stages' names in errors, here.
@@ -50,8 +50,11 @@ DISPATCH_INPUTS = ("x", "x_scales", "topk_idx", "topk_weights", "is_token_in_ran
                    "call_tokens_per_rank", "call_prefix_matrix", "recv_first", "cursor", "recv_x", "recv_x_scales",
                    "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "check_topk_idx", "check_in_rank",
                    "check_per_rank", "check_per_expert")
-DISPATCH_SCALARS = ("call_id", "notify_expected", "call_num_tokens", "seq", "num_worst", "token_base", "num_rows",
-                    "check_tokens")
+# The call numbers the kernels signal with are the GPU's (NOTE [normal-mode call numbers] in
+# include/tokenyard/sync.cuh), so a captured call replays with new ones; the host's `ticket` only tells the CPU
+# wait which call's counts have arrived.
+DISPATCH_SCALARS = ("ticket", "call_num_tokens", "num_worst", "token_base", "num_rows", "check_tokens")
+_NUM_WORST, _NUM_ROWS = DISPATCH_SCALARS.index("num_worst"), DISPATCH_SCALARS.index("num_rows")
 COMBINE_INPUTS = ("x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "recv_first", "send_head",
                   "combined_x", "combined_topk_weights")
 
@@ -152,6 +155,8 @@ class CudaBackend(Backend):
     # against its pre-reduced arithmetic, graph replays, a masked rank; 2 and 4 H200s).
     # TOKENYARD_LOW_LATENCY_KERNELS=off hands the calls to the reference implementation over the same group.
     LOW_LATENCY_KERNELS_VALIDATED = True
+    # NOTE [normal-mode call numbers] in include/tokenyard/sync.cuh; tests/gpu/test_graph_capture.py.
+    CAPTURES_NORMAL_MODE = True
 
     @staticmethod
     def available() -> bool:
@@ -212,9 +217,10 @@ class CudaBackend(Backend):
         self.host_counts_ptr = runtime.host_alloc_mapped(HOST_COUNTS_INTS * 4)
         self.host_counts = runtime.int32_view(self.host_counts_ptr, HOST_COUNTS_INTS)
         self.timeout_ns = int(ctx.timeout_s * 1e9)
-        self._seq = 0
-        self._notify_calls = 0
-        self._barrier_calls = 0
+        # The rank's CallCounter words (sync.cuh), zero on every rank as the buffers are.
+        self.call_counts = torch.zeros(headers.enum("sync.cuh", "CallCounter")["kNumCallCounters"],
+                                       dtype=torch.int64, device=ctx.device)
+        self._tickets = 0
         self._failure: Optional[TokenyardError] = None
         self._kernels = {}  # id(spec) -> (spec, Kernel), see _kernel
         self._plans = plans.PlanCache()
@@ -246,12 +252,12 @@ class CudaBackend(Backend):
         """Every kernel's bounded-wait parameters (kernels._WAIT)."""
         return dict(error_flag=self.error_flag.data_ptr(), host_record=self.host_record_ptr, timeout_ns=self.timeout_ns)
 
-    def _normal_buffer_args(self, layout: workspace.NormalLayout, seq) -> dict:
+    def _normal_buffer_args(self, layout: workspace.NormalLayout) -> dict:
         """The normal-mode kernels' view of every rank's buffer (kernels._BUFFERS)."""
         return dict(peer_bases=self.normal.bases_tensor.data_ptr(), rank=self.ctx.rank,
                     control_bytes=layout.control_bytes, region_bytes=layout.region_bytes,
                     slots_offset=layout.slots_offset, max_chunks=layout.max_chunks, row_bytes=layout.row_bytes,
-                    seq=seq)
+                    call_counts=self.call_counts.data_ptr())
 
     def _signature(self, op: str, **fields: int) -> int:
         """The device address of `op`'s shape signature (collectives.signature), which the call's first exchange
@@ -318,16 +324,10 @@ class CudaBackend(Backend):
         if self._failure is not None:
             raise self._failure
 
-    def _next(self, counter: str) -> int:
-        """Advance one of the call counters (the same on every rank, since every rank makes the same calls)."""
-        value = (getattr(self, counter) + 1) & _MASK32
-        setattr(self, counter, value)
-        return value
-
-    def _wait_host_counts(self, call_id: int) -> None:
-        """The CPU wait of a dispatch: until the notify kernel published the counts, bounded."""
+    def _wait_host_counts(self, ticket: int) -> None:
+        """The CPU wait of a dispatch: until the notify kernel published the counts of call `ticket`, bounded."""
         # A second longer than the kernel's own wait, whose error names the late peer.
-        if not wait_until(lambda: (self.host_counts[0] & _MASK32) == call_id, self.ctx.timeout_s + 1.0,
+        if not wait_until(lambda: (self.host_counts[0] & _MASK32) == ticket, self.ctx.timeout_s + 1.0,
                           self.check_failures):
             self._failure = CommTimeoutError(self.ctx.rank, -1, "dispatch/notify (CPU wait)", "the counts never arrived")
             raise self._failure
@@ -459,9 +459,9 @@ class CudaBackend(Backend):
             check_num_tokens=first.scalar("check_tokens"), check_in_rank=given("check_in_rank", m.judged),
             check_per_rank=given("check_per_rank", m.judged), check_per_expert=given("check_per_expert", m.judged),
             verdict=self.verdict.data_ptr(), record_verdict=int(m.judged and not cpu_wait),
-            host_counts=self.host_counts_ptr, signature=self._dispatch_signature(m), call_id=first.scalar("call_id"),
-            peer_bases=self.normal.bases_tensor.data_ptr(), rank=rank,
-            notify_expected=first.scalar("notify_expected"), **self._wait_args()),
+            host_counts=self.host_counts_ptr, signature=self._dispatch_signature(m), ticket=first.scalar("ticket"),
+            peer_bases=self.normal.bases_tensor.data_ptr(), rank=rank, call_counts=self.call_counts.data_ptr(),
+            **self._wait_args()),
             shared_bytes=num_local_experts * 4 + kernels.JUDGE_WINDOW if m.judged else 0)
 
         # 2. The rows.
@@ -480,7 +480,7 @@ class CudaBackend(Backend):
                 recv_src_idx=recv_src_idx, send_head=made(send_head), num_worst_tokens=b.scalar("num_worst"),
                 recv_first=b.inp("recv_first") if rows_placed else 0, src_idx_base=b.scalar("token_base"),
                 local_direct=int(own_rows_direct), num_send_warps=num_send_warps,
-                **self._normal_buffer_args(layout, b.scalar("seq")),
+                **self._normal_buffer_args(layout),
                 verdict=0 if m.cached else self.verdict.data_ptr(), **self._wait_args()))
 
         def make_outputs(b: plans.PlanBuilder, num_rows):
@@ -520,11 +520,10 @@ class CudaBackend(Backend):
 
     def dispatch_scalars(self, num_tokens: int, call_num_tokens: Optional[int] = None, num_worst: int = 0,
                          token_base: int = 0, check_tokens: int = 0) -> list:
-        """A dispatch's per-call values, DISPATCH_SCALARS (advancing the call counters)."""
-        call_id = self._next("_notify_calls")
-        return [call_id, (call_id * self.ctx.num_ranks) & _MASK32,
-                num_tokens if call_num_tokens is None else call_num_tokens, self._next("_seq"), num_worst, token_base,
-                0, check_tokens]
+        """A dispatch's per-call values, DISPATCH_SCALARS (with a new ticket)."""
+        self._tickets = (self._tickets + 1) & _MASK32
+        return [self._tickets, num_tokens if call_num_tokens is None else call_num_tokens, num_worst, token_base, 0,
+                check_tokens]
 
     def note_judged(self, num_experts: int) -> None:
         """A dispatch whose values the notify kernel judges: its expert count names the range in the message
@@ -552,12 +551,12 @@ class CudaBackend(Backend):
                                         request.num_worst_tokens if outputs is None else outputs[0].size(0),
                                         0 if outputs is None else placement.token_base,
                                         0 if check is None else check.is_token_in_rank.size(0))
-        call_id = scalars[0]
+        ticket = scalars[0]
         stream = self._stream()
         made = first.named(first.run_here(stream, inputs, scalars))
         per_expert_list = most_call_tokens = None
         if second is not None:
-            self._wait_host_counts(call_id)
+            self._wait_host_counts(ticket)
             if self.host_counts[4] != 0:  # NOTE [input verdict]: every rank raises; the Buffer stays usable
                 mask = int(self.host_counts[4]) & _MASK32
                 raise checks.verdict_error(checks.ranks_in(mask, num_ranks), int(self.host_counts[5]),
@@ -565,8 +564,8 @@ class CudaBackend(Backend):
             num_rows, most_call_tokens = int(self.host_counts[1]), int(self.host_counts[2])
             if placement is not None:  # round 0 of a call in rounds: the whole call's rows, this round's placed
                 num_rows = int(self.host_counts[3])
-                scalars[4] = num_rows
-            scalars[6] = num_rows
+                scalars[_NUM_WORST] = num_rows
+            scalars[_NUM_ROWS] = num_rows
             num_local_experts = request.num_experts // num_ranks
             per_expert_list = [int(self.host_counts[_HOST_EXPERTS_AT + l]) for l in range(num_local_experts)]
             made.update(second.named(second.run_here(stream, inputs + tuple(made.values()), scalars)))
@@ -582,7 +581,7 @@ class CudaBackend(Backend):
 
     def combine_plan(self, num_tokens: int, hidden: int, num_topk: int, num_biases: int, num_sms: int,
                      placed: bool) -> plans.Plan:
-        """Inputs COMBINE_INPUTS, scalars (seq, barrier_expected) -> (combined_x, combined_topk_weights) unless
+        """Inputs COMBINE_INPUTS -> (combined_x, combined_topk_weights) unless
         `placed` (a round of a call in rounds writes into the whole call's tensors, given as inputs).
         `num_biases` only enters the call's signature (NOTE [call signatures])."""
         def build():
@@ -590,7 +589,7 @@ class CudaBackend(Backend):
             layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
                                              workspace.normal_combine_row_bytes(hidden, num_topk))
             grid = heuristics.data_grid(num_sms, self.device_sms, heuristics.combine_send_share(num_ranks))
-            b = self._builder(COMBINE_INPUTS, ("seq", "barrier_expected"))
+            b = self._builder(COMBINE_INPUTS)
             if placed:
                 combined_x, combined_w = b.inp("combined_x"), b.inp("combined_topk_weights")
             else:
@@ -604,15 +603,12 @@ class CudaBackend(Backend):
                 send_head=b.inp("send_head"), num_tokens=num_tokens, num_send_blocks=grid.num_send_blocks,
                 combined_x=combined_x, combined_topk_weights=combined_w,
                 local_direct=int(heuristics.combine_own_rows_direct()),
-                **self._normal_buffer_args(layout, b.scalar("seq")), barrier_expected=b.scalar("barrier_expected"),
+                **self._normal_buffer_args(layout),
                 signature=self._signature("combine", hidden=hidden, num_topk=num_topk, num_biases=num_biases),
                 **self._wait_args()))
             return b.build()
 
         return self.plan(("combine", num_tokens, hidden, num_topk, num_biases, num_sms, placed), build)
-
-    def combine_scalars(self) -> list:
-        return [self._next("_seq"), self._next("_barrier_calls")]
 
     def combine(self, request: CombineRequest):
         self.check_failures()
@@ -623,7 +619,7 @@ class CudaBackend(Backend):
         placed = (None, None) if placement is None else placement.outputs
         inputs = (x, weights, request.bias_0, request.bias_1, handle.rank_prefix_matrix,
                   None if placement is None else placement.recv_first, handle.send_head) + tuple(placed)
-        made = plan.run_here(self._stream(), inputs, self.combine_scalars())
+        made = plan.run_here(self._stream(), inputs)
         if placement is not None:
             return placement.outputs
         return made if weights is not None else (made[0], None)

@@ -223,7 +223,7 @@ class FastPaths:
         self.backend.check_failures()
         bias_0, bias_1 = split_x(bias)
         inputs = (x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, None, handle.send_head, None, None)
-        outputs, event = self.run(entry[0], inputs, self.backend.combine_scalars(), previous_event, async_finish)
+        outputs, event = self.run(entry[0], inputs, (), previous_event, async_finish)
         return outputs[0], (outputs[1] if topk_weights is not None else None), event
 
     def learn_combine(self, x, handle, topk_weights, bias, config, async_finish, round_tokens: int) -> None:

@@ -27,7 +27,8 @@ _TOPK_CTYPES = {torch.int64: "int64_t", torch.int32: "int"}
 _WAIT = (Param("int*", "error_flag"), Param("int*", "host_record"), Param("uint64_t", "timeout_ns"))
 _BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "rank"), Param("int64_t", "control_bytes"),
             Param("int64_t", "region_bytes"), Param("int64_t", "slots_offset"), Param("int", "max_chunks"),
-            Param("int64_t", "row_bytes"), Param("uint32_t", "seq"))
+            Param("int64_t", "row_bytes"), Param("unsigned long long*", "call_counts"))
+# call_counts: the rank's CallCounter words (NOTE [normal-mode call numbers] in include/tokenyard/sync.cuh).
 
 
 def topk_ctype(dtype: torch.dtype) -> str:
@@ -60,9 +61,9 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
          Param(f"const {topk_t}*", "check_topk_idx"), Param("int", "num_topk"), Param("int", "check_num_tokens"),
          Param("const bool*", "check_in_rank"), Param("const int*", "check_per_rank"),
          Param("const int*", "check_per_expert"), Param("int*", "verdict"), Param("int", "record_verdict"),
-         Param("int*", "host_counts"), Param("const int*", "signature"), Param("uint32_t", "call_id"),
-         Param("uint8_t* const*", "peer_bases"),
-         Param("int", "rank"), Param("uint32_t", "notify_expected")) + _WAIT,
+         Param("int*", "host_counts"), Param("const int*", "signature"), Param("uint32_t", "ticket"),
+         Param("uint8_t* const*", "peer_bases"), Param("int", "rank"),
+         Param("unsigned long long*", "call_counts")) + _WAIT,
         NOTIFY_THREADS)
 
 
@@ -104,7 +105,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
          Param("const int*", "send_head"),
          Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
-        + _BUFFERS + (Param("uint32_t", "barrier_expected"), Param("const int*", "signature")) + _WAIT,
+        + _BUFFERS + (Param("const int*", "signature"),) + _WAIT,
         DATA_THREADS)
 
 

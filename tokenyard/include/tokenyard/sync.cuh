@@ -77,6 +77,35 @@ __device__ __forceinline__ bool failed(const WaitContext& ctx) {
     return ptx::ld_relaxed_sys(ctx.error_flag) != 0;
 }
 
+// NOTE [normal-mode call numbers]
+// The numbers that normal-mode calls signal with (a chunk slot's sequence number, the notify and barrier
+// counts each rank waits for) are counted on the GPU, not passed by the host, so a call captured in a CUDA
+// graph signals new ones at every replay, as an eager call does. Each counter (CallCounter) is a 64-bit word
+// of the rank's own device memory: its high half counts the launches that read it, its low half the blocks
+// of the current launch that have arrived. Every block arrives once, before anything else (a block that
+// returns early arrives all the same), and reads the count; the block that arrives last moves the count on
+// and clears the arrivals in one add. So every block of a launch reads the same number (the launches before
+// it, plus one), and the next launch, which begins after this one ends in stream order, the next. Every
+// rank makes the same launches (the calls are collective), so the numbers agree across ranks.
+enum CallCounter : int { kCountNotify = 0, kCountSeq = 1, kCountBarrier = 2, kNumCallCounters = 3 };
+
+// -> numbers[i]: this launch's number on counters[i] for i < kCount (a thread per counter; the whole block
+// must call it).
+template <int kCount>
+__device__ __forceinline__ void launch_numbers(unsigned long long* counters, uint32_t (&numbers)[kCount]) {
+    __shared__ uint32_t shared_numbers[kCount];
+    if (threadIdx.x < kCount) {
+        const unsigned long long before = atomicAdd(counters + threadIdx.x, 1ull);
+        if (static_cast<uint32_t>(before) == gridDim.x - 1)
+            atomicAdd(counters + threadIdx.x, (1ull << 32) - gridDim.x);
+        shared_numbers[threadIdx.x] = static_cast<uint32_t>(before >> 32) + 1u;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kCount; ++i)
+        numbers[i] = shared_numbers[i];
+}
+
 // NOTE [warp acquire]
 // An acquire load orders the later reads of the thread that made it, not of its warp's other lanes, and a
 // shuffle or vote is no memory-ordering operation. Where one lane waits for a flag and the whole warp then

@@ -61,7 +61,12 @@ __device__ __forceinline__ void combine(const Params& p) {
     auto x_first = [&](int source) {
         return first_row_placed(p.recv_first, p.rank_prefix_matrix, kNumRanks, p.rank, source);
     };
-    if (!normal_barrier<kNumRanks, kSignatureInts>(buffers, wait, p.barrier_expected, p.signature))
+    // NOTE [normal-mode call numbers] in sync.cuh: the slots' sequence number, then the barrier's count.
+    static_assert(kCountBarrier == kCountSeq + 1, "read together");
+    uint32_t numbers[2];
+    launch_numbers<2>(p.call_counts + kCountSeq, numbers);
+    const uint32_t seq = numbers[0];
+    if (!normal_barrier<kNumRanks, kSignatureInts>(buffers, wait, numbers[1], p.signature))
         return;
 
     if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
@@ -91,7 +96,7 @@ __device__ __forceinline__ void combine(const Params& p) {
             __syncwarp();
             if (lane == 0) {
                 ptx::fence_acq_rel_sys();
-                ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, p.seq);
+                ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, seq);
             }
         }
         return;
@@ -109,7 +114,7 @@ __device__ __forceinline__ void combine(const Params& p) {
             if (head >= 0)  // the token's row among this rank's rows at rank `lane`
                 index = head - first_row_in_order(p.rank_prefix_matrix, kNumRanks, lane, p.rank);
             if (head >= 0 && !(p.local_direct && lane == p.rank))
-                ready = wait_at_least(wait, &buffers.slot(p.rank, lane, index / kChunkRows)->seq, p.seq, lane,
+                ready = wait_at_least(wait, &buffers.slot(p.rank, lane, index / kChunkRows)->seq, seq, lane,
                                       kStageCombineRecv);
         }
         __syncwarp();  // NOTE [warp acquire] in sync.cuh: each lane's acquire covers every lane's reads of the rows

@@ -93,6 +93,8 @@ template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNu
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
+    uint32_t seq[1];  // NOTE [normal-mode call numbers] in sync.cuh: before any block may return
+    launch_numbers<1>(p.call_counts + kCountSeq, seq);
     // Values judged bad, or ranks whose count exchange found other calls (NOTE [call signatures]): no rows.
     if ((p.verdict != nullptr && p.verdict[1] != 0) || failed(wait))
         return;
@@ -291,7 +293,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         ptx::st_relaxed_sys(&slot->begin, p.prefix_excl[static_cast<int64_t>(t0) * kNumRanks + dest]);
         ptx::st_relaxed_sys(&slot->end, p.prefix_excl[static_cast<int64_t>(t1) * kNumRanks + dest]);
         ptx::st_relaxed_sys(&slot->send_warps, p.num_send_warps);  // the receiver checks it is its own W
-        ptx::st_release_sys(&slot->seq, p.seq);
+        ptx::st_release_sys(&slot->seq, seq[0]);
     };
 
     if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
@@ -336,7 +338,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         bool ok = true;
         if (lane == 0) {
             ChunkSlot* slot = buffers.slot(p.rank, source, ranges.slot(sender, piece));
-            ok = wait_at_least(wait, &slot->seq, p.seq, source, kStageDispatchRecv);
+            ok = wait_at_least(wait, &slot->seq, seq[0], source, kStageDispatchRecv);
             begin = ptx::ld_na_s32(&slot->begin);
             end = ptx::ld_na_s32(&slot->end);
             const int sender_warps = ptx::ld_na_s32(&slot->send_warps);

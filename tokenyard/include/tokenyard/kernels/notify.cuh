@@ -106,11 +106,12 @@ __device__ __forceinline__ int judge_column(int dest, const TopkT* topk_idx, int
 // counts (this request's, the whole call's); rank dest's expert counts go to rank dest. Last it adds 1 to every
 // rank's notify counter for this source. One-shot, the whole call is this request (null
 // call_tokens_per_rank, call_num_tokens = num_tokens). Block kNumRanks waits until every source's counter
-// reached `notify_expected` (= calls so far * kNumRanks), then builds rank_prefix_matrix, the received
-// total, the whole call's rank_prefix_matrix (`call_prefix_matrix`, where given) and received total, the
-// largest call token count of any rank and the per-expert counts, and publishes them to the host:
-// host_counts = [call_id (last), received rows, most call tokens, whole call's received rows, mask of the
-// sources whose inputs were judged bad, their Verdict bits, per-local-expert counts...].
+// reached this launch's number (NOTE [normal-mode call numbers] in sync.cuh) times kNumRanks, then builds
+// rank_prefix_matrix, the received total, the whole call's rank_prefix_matrix (`call_prefix_matrix`, where
+// given) and received total, the largest call token count of any rank and the per-expert counts, and
+// publishes them to the host: host_counts = [ticket (last: the host's number of the call, which its CPU
+// wait looks for), received rows, most call tokens, whole call's received rows, mask of the sources whose
+// inputs were judged bad, their Verdict bits, per-local-expert counts...].
 // A fresh dispatch's handle also gets, where given, `counts[dest]` = the tokens this rank sends to rank dest and
 // `source_first[s]` = the first received row from source s (both [kNumRanks], written here rather than by
 // kernels of their own).
@@ -131,7 +132,7 @@ __device__ __forceinline__ int judge_column(int dest, const TopkT* topk_idx, int
 // kNumRanks verdicts, then the counts of the destination's experts. Since a rank only enters this kernel
 // after its previous normal-mode kernels finished, a completed notify also means every rank is done with
 // the buffer's previous contents: it is the barrier before the data kernel.
-// Block 0 also sends the call's `signature` (dispatch table call_id % 2), and the receiving block compares
+// Block 0 also sends the call's `signature` (dispatch table: the dispatch number % 2), and the receiving block compares
 // every rank's before it reads any count (NOTE [call signatures] in layout.cuh).
 template <int kNumRanks, int kNumThreads, typename TopkT, int kJudgeWindow, int kSignatureInts, typename Params>
 __device__ __forceinline__ void dispatch_notify(const Params& p) {
@@ -146,6 +147,8 @@ __device__ __forceinline__ void dispatch_notify(const Params& p) {
     __shared__ bool ok;
     __shared__ int bad_sources, bad_bits;
     extern __shared__ int judge_shared[];  // where judging: judge_column's
+    uint32_t call[1];
+    launch_numbers<1>(p.call_counts + kCountNotify, call);
 
     if (blockIdx.x < kNumRanks) {
         const int dest = blockIdx.x;
@@ -242,7 +245,7 @@ __device__ __forceinline__ void dispatch_notify(const Params& p) {
             ptx::st_relaxed_sys(buffers.notify_data(dest) + p.rank * stride + kExpertsAt + l, count);
         }
         if (dest == 0)
-            send_signature<kNumRanks, kSignatureInts>(buffers, p.call_id % 2, p.signature);
+            send_signature<kNumRanks, kSignatureInts>(buffers, call[0] % 2, p.signature);
         __syncthreads();
         if (threadIdx.x < kNumRanks) {
             ptx::fence_acq_rel_sys();
@@ -258,10 +261,11 @@ __device__ __forceinline__ void dispatch_notify(const Params& p) {
     }
     __syncthreads();
     if (threadIdx.x < kNumRanks &&
-        !wait_at_least(wait, buffers.notify_flag(p.rank) + threadIdx.x, p.notify_expected, threadIdx.x, kStageNotify))
+        !wait_at_least(wait, buffers.notify_flag(p.rank) + threadIdx.x, call[0] * kNumRanks, threadIdx.x,
+                       kStageNotify))
         ok = false;
     __syncthreads();
-    if (!ok || !signatures_agree<kNumRanks, kSignatureInts>(buffers, wait, p.call_id % 2, p.signature, kStageNotify))
+    if (!ok || !signatures_agree<kNumRanks, kSignatureInts>(buffers, wait, call[0] % 2, p.signature, kStageNotify))
         return;
     const int* data = buffers.notify_data(p.rank);
     if (threadIdx.x < kNumRanks) {
@@ -323,7 +327,7 @@ __device__ __forceinline__ void dispatch_notify(const Params& p) {
         if (p.record_verdict && bad_sources != 0)
             record_error(wait, kErrorBadValues, __ffs(bad_sources) - 1, kStageNotify, bad_bits, bad_sources);
         ptx::fence_acq_rel_sys();
-        ptx::st_relaxed_sys(reinterpret_cast<uint32_t*>(p.host_counts), p.call_id);
+        ptx::st_relaxed_sys(reinterpret_cast<uint32_t*>(p.host_counts), p.ticket);
     }
 }
 
