@@ -161,10 +161,23 @@ class ElasticBuffer:
         return self.num_scaleout_ranks, self.num_scaleup_ranks
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0, rdma_gbs: float = 0,
-                                nvlink_gbs: float = 0, sm_read_gbs: float = 200, sm_write_gbs: float = 50) -> int:
-        """SMs a call uses when given 0: `Buffer.num_sms` (`Buffer.set_num_sms`)."""
-        del num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs
-        return Buffer.num_sms
+                                nvlink_gbs: float = 0, sm_read_gbs: float = 0, sm_write_gbs: float = 0) -> int:
+        """SMs a call uses when given 0: the fewest at which the normal-mode kernels fill NVLink (NOTE [SM model]
+        in tokenyard/backends/cuda/heuristics.py), at this group's size.
+
+        Arguments:
+            nvlink_gbs: what NVLink carries out of a GPU; sm_write_gbs: what one sending SM writes to the peers;
+                sm_read_gbs: what one receiving SM copies out of the buffer. 0 takes our kernels' figures
+                (DeepEP V2's defaults, 50 and 200, describe its own kernels).
+            num_experts, num_topk: accepted (the rates above do not depend on them). num_scaleout_topk,
+                rdma_gbs: ignored (one NVLink domain).
+        """
+        del num_experts, num_topk, num_scaleout_topk, rdma_gbs
+        from .backends.cuda import heuristics
+
+        return heuristics.theoretical_num_sms(self.num_ranks, nvlink_gbs or heuristics.NVLINK_GBS,
+                                              sm_write_gbs or heuristics.SM_WRITE_GBS,
+                                              sm_read_gbs or heuristics.SM_READ_GBS)
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """Queue pairs: none (no RDMA path); accepted for DeepEP's callers."""

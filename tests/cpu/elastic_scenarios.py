@@ -173,3 +173,19 @@ def refusals(seed):
     assert len(errors) == 5 and "rows" in errors[-1]
     buffer.destroy()
     return errors
+
+
+def queries(seed):
+    """The runtime queries: one NVLink domain of the whole group, and NOTE [SM model]'s count for it."""
+    from tokenyard.backends.cuda import heuristics
+
+    del seed
+    _, num_ranks = _world()
+    buffer = tokenyard.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=8, hidden=128, backend="reference")
+    assert buffer.get_physical_domain_size() == buffer.get_logical_domain_size() == (1, num_ranks)
+    model = heuristics.theoretical_num_sms(num_ranks)
+    assert buffer.get_theoretical_num_sms(4 * num_ranks, 2) == model
+    assert buffer.get_theoretical_num_sms(4 * num_ranks, 2, sm_write_gbs=10) > model
+    assert buffer.get_theoretical_num_qps(model) == 0
+    buffer.destroy()
+    return model

@@ -31,3 +31,7 @@ def test_eight_ranks_fp8(ranks, seed, do_expand):
 
 def test_bad_calls_are_refused_before_any_communication(ranks, seed):
     ranks(2).run(scenarios.refusals, seed)
+
+
+def test_runtime_queries(ranks, seed):
+    ranks(4).run(scenarios.queries, seed)

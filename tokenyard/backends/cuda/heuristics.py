@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ... import env
 
@@ -97,6 +98,45 @@ def fewest_sms(num_ranks: int) -> int:
     receiver or reducer), and in low-latency mode one block for the own rank and one per peer
     (low_latency_local_blocks)."""
     return max(2, num_ranks)
+
+
+# NOTE [SM model]
+# How many SMs a normal-mode kernel needs before more stop helping (DeepEP V2's get_theoretical_num_sms). A
+# kernel of n SMs gives int(n * share) blocks to senders, which write rows to the peers at about
+# `sm_write_gbs` each, and the rest to receivers (reducers in a combine), which copy rows out of the local
+# buffer at about `sm_read_gbs` each (data_grid). A GPU's NVLink carries about `nvlink_gbs` out of it. So the
+# senders fill NVLink from nvlink_gbs / sm_write_gbs of them on, and the receivers keep up from
+# nvlink_gbs / sm_read_gbs: n is the fewest SMs whose split gives both, under the dispatch's share and the
+# combine's, rounded up to even (DeepEP's SM counts are even). Example, 4 ranks at the defaults: 8 senders
+# and 2 receivers; a share of 3/8 gives 8 senders from 22 SMs on, for both kernels: 22.
+# The figures: what one sending SM moved in the sweep of 4 H200s (benchmarks/results/compare_sm.json: 38-41
+# GB/s per sending block at 8 and 16 SMs, where NVLink was not yet full); DeepEP V2's for a receiving SM (not
+# measured alone here); the copy limits measured on 2, 4 and 8 H200s (242-318 GB/s, normal*.json) for
+# NVLink. benchmarks/results/sm_model.md sets the model beside the sweeps.
+SM_WRITE_GBS = 40.0
+SM_READ_GBS = 200.0
+NVLINK_GBS = 300.0
+
+
+def theoretical_num_sms(num_ranks: int, nvlink_gbs: float = NVLINK_GBS, sm_write_gbs: float = SM_WRITE_GBS,
+                        sm_read_gbs: float = SM_READ_GBS) -> int:
+    """NOTE [SM model]: the SMs at which the normal-mode kernels of `num_ranks` ranks fill NVLink.
+
+    Example: 4 ranks -> 22; 2 ranks -> 24 (the combine sends from a third of its blocks).
+    """
+    if min(nvlink_gbs, sm_write_gbs, sm_read_gbs) <= 0:
+        raise ValueError("the SM model's rates must be positive")
+    senders, receivers = math.ceil(nvlink_gbs / sm_write_gbs), math.ceil(nvlink_gbs / sm_read_gbs)
+    need = fewest_sms(num_ranks)
+    for share in (dispatch_send_share(num_ranks), combine_send_share(num_ranks)):
+        n = max(need, math.floor(senders / share))
+        while True:
+            grid = data_grid(n, n, share)
+            if grid.num_send_blocks >= senders and grid.num_blocks - grid.num_send_blocks >= receivers:
+                break
+            n += 1
+        need = max(need, n)
+    return need + need % 2
 
 
 def layout_grid(num_tokens: int, threads: int, device_sms: int) -> int:

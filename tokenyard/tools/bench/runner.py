@@ -167,7 +167,8 @@ def measure_normal(ctx: RankContext, buffer: Buffer, problem: Problem) -> Dict[s
 
 def measure_elastic(ctx: RankContext, backend: str, problem: Problem) -> Dict[str, bandwidth.Sample]:
     """DeepEP V2's dispatch (layout included, weights sent), cached dispatch and combine on an `ElasticBuffer`,
-    with rows as received and expanded; the bytes counted are the V1 calls' (the same rows cross)."""
+    with rows as received and expanded, at the V1 rows' SM count (not get_theoretical_num_sms: the rows compare
+    the two APIs); the bytes counted are the V1 calls' (the same rows cross)."""
     s, p = ctx.settings, problem
     buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=s.num_tokens, hidden=s.hidden_size, num_topk=s.num_topk,
                            backend=backend, check_inputs=False)
@@ -176,12 +177,13 @@ def measure_elastic(ctx: RankContext, backend: str, problem: Problem) -> Dict[st
         for do_expand in (False, True):
             def dispatch(do_expand=do_expand):
                 return buffer.dispatch(p.x, p.topk_idx, p.topk_weights, num_experts=s.num_experts,
-                                       expert_alignment=EXPAND_ALIGNMENT if do_expand else 1, do_expand=do_expand)
+                                       num_sms=Buffer.num_sms, expert_alignment=EXPAND_ALIGNMENT if do_expand else 1,
+                                       do_expand=do_expand)
 
             recv_x, _, _, handle, _ = dispatch()
             expert_output = _as_bf16(recv_x)
             steps += [dispatch, lambda h=handle, e=do_expand: buffer.dispatch(p.x, handle=h, do_expand=e),
-                      lambda o=expert_output, h=handle: buffer.combine(o, h)]
+                      lambda o=expert_output, h=handle: buffer.combine(o, h, num_sms=Buffer.num_sms)]
         times = ctx.medians(steps)
         row = bandwidth.row_bytes(s.hidden_size, fp8=s.dtype == "fp8")
         dispatch_bytes = bandwidth.normal_dispatch_bytes(p.counts, ctx.rank, row)
