@@ -219,7 +219,7 @@ def _call_vs_kernel(ops, iters: int, gpu: bool, device):
                 per_call.append(0.0)
                 continue
             by_name[event.name[:48]] = by_name.get(event.name[:48], 0.0) + event.time_range.elapsed_us() / iters
-            if per_call and event.name.startswith("tokenyard_"):
+            if per_call and event.name.startswith("tokenyard::"):
                 per_call[-1] += event.time_range.elapsed_us()
         kernel_us = statistics.median(per_call) if len(per_call) == iters else None
         out[name] = {"call_us": call_us, "kernel_us": kernel_us,

@@ -10,6 +10,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from tokenyard.backends.cuda import kernels
 from tokenyard.jit.compiler import INCLUDE_DIR
@@ -73,3 +74,17 @@ def test_the_generated_struct_is_pinned_to_the_launch_buffers_layout(spec):
     packed = spec.pack({p.name: i + 1 for i, p in enumerate(spec.params)})
     assert [getattr(packed, p.name) for p in spec.params] == list(range(1, len(spec.params) + 1))
     assert "(const __grid_constant__ Params p)" in source and f"{spec.function}<" in source
+
+
+def test_profilers_find_one_dispatch_and_one_combine_kernel_per_mode():
+    """NOTE [kernel names]: DeepEP's bench_kineto counts the profile's lines that contain "dispatch" (one allowed)
+    and matches trace events on "::dispatch"; a call launches the kernels of one mode only."""
+    names = {s.name for s in kernels.every_kernel()}
+    for word in ("dispatch", "combine"):
+        assert sorted(n for n in names if word in n) == [f"tokenyard::low_latency::{word}",
+                                                          f"tokenyard::normal::{word}"]
+    assert {n.split("::")[1] for n in names} == {"normal", "low_latency", "elastic"}
+    spec = kernels.dispatch(4, 448, 56, 8, torch.int64)
+    assert spec.entry == "_ZN9tokenyard6normal8dispatchE6Params"  # Itanium ABI of tokenyard::normal::dispatch(Params)
+    assert "namespace tokenyard::normal {" in spec.source() and "\ndispatch(const __grid_constant__ Params p)" in \
+        spec.source()

@@ -45,10 +45,19 @@ class KernelSpec:
     NOTE [kernel parameters]
     `params` is the only list of a kernel's parameters. The generated unit (`source`) writes them as the
     fields of a struct `Params`, pins its size and every offset to the ctypes layout that `pack` fills, and
-    defines ``extern "C" __global__ void tokenyard_<name>(const __grid_constant__ Params p)`` (`entry`),
-    which calls ``function<template_args>(p)``: the device function takes `const Params& p` (a template
+    defines ``__global__ void <name>(const __grid_constant__ Params p)`` (NOTE [kernel names]), which
+    calls ``function<template_args>(p)``: the device function takes `const Params& p` (a template
     parameter of its own) and reads its parameters by name, `p.num_tokens`, so a misspelt or missing one
     fails to compile and none can be swapped. Callers name every value (`pack` of a dict).
+
+    NOTE [kernel names]
+    Profilers show a kernel by its C++ name, and DeepEP's benchmark helper (`bench_kineto` in its tests)
+    finds a call's kernels by it: exactly one line of the profile may contain "dispatch" (or "combine"), and
+    the trace's events are matched on "::dispatch". So each kernel is a function of a namespace per mode,
+    `name` (tokenyard::normal::dispatch, tokenyard::normal::notify, tokenyard::low_latency::combine, ...),
+    and only a mode's data kernels are called dispatch and combine. The entry is not extern "C": it is found
+    in the module by its Itanium-ABI symbol (`entry`), which for a function of namespaces taking the
+    global struct Params is written without substitutions; ci_compile checks that every compiled unit holds it.
 
     `header` is found under tokenyard/include, or under `include_root` (an absolute folder searched too, for
     kernels that are not the library's own, such as the benchmark's).
@@ -60,19 +69,25 @@ class KernelSpec:
     params: Tuple[Param, ...]
     num_threads: int
     include_root: Optional[str] = None
+    name: str = ""  # NOTE [kernel names]: namespace::function; default tokenyard::<the function's last part>
 
     def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", "tokenyard::" + self.function.rsplit("::", 1)[-1])
         # Specs key the loaded-kernel table on every launch: hash the fields once.
         object.__setattr__(self, "_hash", hash((self.header, self.function, self.template_args, self.params,
-                                                self.num_threads, self.include_root)))
+                                                self.num_threads, self.include_root, self.name)))
 
     def __hash__(self) -> int:
         return self._hash
 
     @property
     def entry(self) -> str:
-        """The kernel's symbol: named after the function, so profilers tell kernels apart."""
-        return "tokenyard_" + self.function.rsplit("::", 1)[-1]
+        """The kernel's symbol (NOTE [kernel names]): `name(Params)` mangled.
+
+        Example: tokenyard::normal::dispatch -> _ZN9tokenyard6normal8dispatchE6Params.
+        """
+        return "_ZN" + "".join(f"{len(part)}{part}" for part in self.name.split("::")) + "E6Params"
 
     def source(self) -> str:
         """The unit: the header, the parameter struct written from `params` with its layout pinned to the
@@ -82,17 +97,18 @@ class KernelSpec:
         offsets = "".join(f"static_assert(TOKENYARD_OFFSET_OF(Params, {p.name}) == {getattr(layout, p.name).offset}, "
                           f"\"{p.name}\");\n" for p in self.params)
         template = ", ".join(str(a) for a in self.template_args)
+        namespace, function = self.name.rsplit("::", 1)
         return (f"#include <{self.header}>\n\n"
                 f"{_OFFSET_OF}"
-                f"namespace {{\n"
                 f"struct Params {{\n{fields}}};\n"
                 f"static_assert(sizeof(Params) == {ctypes.sizeof(layout)}, \"the parameter buffer's size\");\n"
-                f"{offsets}"
-                f"}}  // namespace\n\n"
-                f"extern \"C\" __global__ void __launch_bounds__({self.num_threads}, 1)\n"
-                f"{self.entry}(const __grid_constant__ Params p) {{\n"
-                f"    {self.function}<{template}>(p);\n"
-                f"}}\n")
+                f"{offsets}\n"
+                f"namespace {namespace} {{\n"
+                f"__global__ void __launch_bounds__({self.num_threads}, 1)\n"
+                f"{function}(const __grid_constant__ Params p) {{\n"
+                f"    ::{self.function}<{template}>(p);\n"
+                f"}}\n"
+                f"}}  // namespace {namespace}\n")
 
     @functools.cached_property
     def args_type(self):

@@ -27,6 +27,9 @@ def main(argv=None) -> int:
     start = time.time()
     for i, spec in enumerate(specs, 1):
         cubin = compiler.compile(spec.source(), args.arch, compilers.include_dirs(spec))
+        if spec.entry.encode() + b"\0" not in cubin:  # NOTE [kernel names]: the symbol the driver will look up
+            print(f"ci_compile: {spec.name}: no symbol {spec.entry} in the compiled unit", file=sys.stderr)
+            return 1
         print(f"[{i}/{len(specs)}] {spec.function}<{', '.join(map(str, spec.template_args))}>: "
               f"{len(cubin)} bytes", flush=True)
     print(f"ci_compile: {len(specs)} kernels compiled for {args.arch} with {compiler.identity} "

@@ -43,7 +43,7 @@ def dispatch_layout(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
         (Param(f"const {topk_t}*", "topk_idx"), Param("int", "num_tokens"), Param("int", "num_topk"),
          Param("int", "num_experts"), Param("int*", "num_tokens_per_rank"), Param("int*", "num_tokens_per_expert"),
          Param("bool*", "is_token_in_rank"), Param("int*", "verdict")),
-        LAYOUT_THREADS)
+        LAYOUT_THREADS, name="tokenyard::normal::layout")
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,7 +64,7 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
          Param("int*", "host_counts"), Param("const int*", "signature"), Param("uint32_t", "ticket"),
          Param("uint8_t* const*", "peer_bases"), Param("int", "rank"),
          Param("unsigned long long*", "call_counts")) + _WAIT,
-        NOTIFY_THREADS)
+        NOTIFY_THREADS, name="tokenyard::normal::notify")
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,7 +92,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int", "src_idx_base"), Param("int", "local_direct"),
          Param("int", "num_send_warps"))
         + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT,
-        DATA_THREADS)
+        DATA_THREADS, name="tokenyard::normal::dispatch")
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +106,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
          Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
         + _BUFFERS + (Param("const int*", "signature"),) + _WAIT,
-        DATA_THREADS)
+        DATA_THREADS, name="tokenyard::normal::combine")
 
 
 # What LowLatencyBuffers::of (layout.cuh) reads, and which half of the work a launch does.
@@ -132,7 +132,7 @@ def low_latency_dispatch(num_topk: int, topk_dtype: torch.dtype, use_fp8: bool, 
          Param("int*", "packed_recv_count"), Param("int*", "src_info"), Param("int64_t*", "layout_range"),
          Param("int*", "cumulative_stats"), Param("int*", "rank_mask"), Param("int64_t*", "wait_costs"))
         + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
-        LOW_LATENCY_THREADS)
+        LOW_LATENCY_THREADS, name="tokenyard::low_latency::dispatch")
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,7 +145,7 @@ def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
          Param("int", "num_experts"), Param("int4*", "combined_x"), Param("int*", "rank_mask"),
          Param("int64_t*", "wait_costs"), Param("int", "local_blocks"))
         + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
-        LOW_LATENCY_THREADS)
+        LOW_LATENCY_THREADS, name="tokenyard::low_latency::combine")
 
 
 EXPAND_THREADS = 512
@@ -161,7 +161,7 @@ def expand_count(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
          Param("const int*", "psum_per_rank"), Param("int", "num_ranks"), Param("int", "num_rows"),
          Param("int", "num_local"), Param("int", "num_max"), Param("int*", "counts"), Param("int*", "row_of"),
          Param("int*", "metadata")),
-        EXPAND_THREADS)
+        EXPAND_THREADS, name="tokenyard::elastic::expand_count")
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,7 +173,7 @@ def expand_place(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
         (Param(f"const {topk_t}*", "recv_topk_idx"), Param("int", "num_rows"), Param("int", "alignment"),
          Param("const int*", "counts"), Param("int*", "ends"), Param("int*", "row_of"), Param("int*", "metadata"),
          Param("int*", "source_row")),
-        EXPAND_THREADS)
+        EXPAND_THREADS, name="tokenyard::elastic::expand_place")
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,7 +183,7 @@ def expand_rows(row_int4: int) -> KernelSpec:
         "tokenyard/kernels/expand.cuh", "tokenyard::kernels::expand_rows", (row_int4,),
         (Param("const int4*", "rows"), Param("const int*", "source_row"), Param("int64_t", "num_expanded"),
          Param("int", "zero_fill"), Param("int4*", "out")),
-        EXPAND_THREADS)
+        EXPAND_THREADS, name="tokenyard::elastic::expand_rows")
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,7 +193,7 @@ def reduce_expanded(hidden_int4: int, num_topk: int) -> KernelSpec:
         "tokenyard/kernels/expand.cuh", "tokenyard::kernels::reduce_expanded", (hidden_int4, num_topk),
         (Param("const int4*", "x"), Param("const int*", "row_of"), Param("int64_t", "num_rows"),
          Param("int4*", "out")),
-        EXPAND_THREADS)
+        EXPAND_THREADS, name="tokenyard::elastic::reduce_expanded")
 
 
 def every_kernel():

@@ -39,7 +39,7 @@ LOW_LATENCY_OPS = ("ll_dispatch", "ll_combine", "ll_dispatch_graph", "ll_combine
 HOOK_OP = "ll_hook_graph"  # dispatch and combine with return_recv_hook=True, both hooks called, as one graph
 KERNEL_SUFFIX = "_kernel"  # the same operation timed as the GPU time of its kernels (timing.kernel_medians)
 BACK_TO_BACK_SUFFIX = "_back_to_back"  # timed with no barrier between calls (timing.back_to_back_medians)
-TOKENYARD_KERNELS = ("tokenyard_",)
+TOKENYARD_KERNELS = ("tokenyard::",)  # NOTE [kernel names] in jit/spec.py
 NCCL_ALL_TO_ALL_KERNELS = ("ncclDevKernel_SendRecv", "ncclKernel_SendRecv")
 LOW_LATENCY_SEED_OFFSET = 1 << 20  # a backend's low-latency problem: its seed plus this
 

@@ -2,8 +2,7 @@
 // (docs/semantics.md, "Normal combine").
 #pragma once
 
-#include <cuda_bf16.h>
-
+#include "../bf16.cuh"
 #include "../copy.cuh"
 #include "../signatures.cuh"
 
@@ -158,27 +157,15 @@ __device__ __forceinline__ void combine(const Params& p) {
                 for (int b = 0; b < 2; ++b) {
                     if (biases[b] == nullptr)
                         continue;
-                    const int4 v = ptx::ld_nc_v4(biases[b] + token * kHiddenInt4 + i);
-                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e)
-                        acc[e] = __fadd_rn(acc[e], __bfloat162float(h[e]));
+                    add_bf16x8(acc, ptx::ld_nc_v4(biases[b] + token * kHiddenInt4 + i));
                 }
 #pragma unroll
                 for (int q = 0; q < kNumRanks; ++q) {
                     if (indices[q] < 0)
                         continue;
-                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&rows[u][q]);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e)
-                        acc[e] = __fadd_rn(acc[e], __bfloat162float(h[e]));
+                    add_bf16x8(acc, rows[u][q]);
                 }
-                int4 out;
-                __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    o[e] = __float2bfloat16_rn(acc[e]);
-                ptx::st_na_v4(p.combined_x + token * kHiddenInt4 + i, out);
+                ptx::st_na_v4(p.combined_x + token * kHiddenInt4 + i, to_bf16x8(acc));
             }
         }
         if (lane < kNumTopk) {

@@ -2,8 +2,7 @@
 // tokenyard/semantics/expand.py is the same in PyTorch, the reference backend's and the oracle).
 #pragma once
 
-#include <cuda_bf16.h>
-
+#include "../bf16.cuh"
 #include "../copy.cuh"
 
 namespace tokenyard::kernels {
@@ -127,18 +126,9 @@ __device__ __forceinline__ void reduce_expanded(const Params& p) {
             for (int k = 0; k < kNumTopk; ++k) {
                 if (rows[k] < 0)
                     continue;
-                const int4 v = ptx::ld_nc_v4(p.x + static_cast<int64_t>(rows[k]) * kHiddenInt4 + i);
-                const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    acc[e] = __fadd_rn(acc[e], __bfloat162float(h[e]));
+                add_bf16x8(acc, ptx::ld_nc_v4(p.x + static_cast<int64_t>(rows[k]) * kHiddenInt4 + i));
             }
-            int4 out;
-            __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                o[e] = __float2bfloat16_rn(acc[e]);
-            ptx::st_na_v4(p.out + j * kHiddenInt4 + i, out);
+            ptx::st_na_v4(p.out + j * kHiddenInt4 + i, to_bf16x8(acc));
         }
     }
 }

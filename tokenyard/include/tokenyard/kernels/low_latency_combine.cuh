@@ -2,6 +2,7 @@
 // no data-dependent allocation, so it can be captured in a CUDA graph.
 #pragma once
 
+#include "../bf16.cuh"
 #include "low_latency_common.cuh"
 
 namespace tokenyard::kernels {
@@ -53,12 +54,8 @@ __device__ __forceinline__ void add_rows(float (&acc)[kReduceVectors][8], const 
         if (u >= batch.n)
             break;
 #pragma unroll
-        for (int c = 0; c < kReduceVectors; ++c) {
-            const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&batch.v[u][c]);
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                acc[c][e] = __fadd_rn(acc[c][e], __fmul_rn(w, __bfloat162float(h[e])));
-        }
+        for (int c = 0; c < kReduceVectors; ++c)
+            add_weighted_bf16x8(acc[c], batch.v[u][c], w);
     }
 }
 
@@ -84,12 +81,7 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
         const int i = first + c * kWarpSize + lane;
         if (i >= num_int4)
             continue;
-        int4 out;
-        __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-            o[e] = __float2bfloat16_rn(acc[c][e]);
-        ptx::st_na_v4(dst + i, out);
+        ptx::st_na_v4(dst + i, to_bf16x8(acc[c]));
     }
 }
 

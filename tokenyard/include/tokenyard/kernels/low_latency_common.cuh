@@ -2,8 +2,6 @@
 // the message (docs/semantics.md, "Low-latency dispatch/combine").
 #pragma once
 
-#include <cuda_bf16.h>
-
 #include "../copy.cuh"
 #include "../layout.cuh"
 #include "../sync.cuh"
