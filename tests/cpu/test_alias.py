@@ -22,8 +22,8 @@ def _venv(path) -> str:
     return python
 
 
-def _run(python, *args, cwd):
-    return subprocess.run([python, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+def _run(python, *args, cwd, env=None):
+    return subprocess.run([python, *args], capture_output=True, text=True, cwd=cwd, timeout=300, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +76,13 @@ def test_beside_a_real_deep_ep_install_refuses_and_writes_nothing(venv):
         for name in os.listdir(real):
             os.unlink(os.path.join(real, name))
         os.rmdir(real)
+
+
+def test_an_installed_copy_names_the_commit_it_was_built_from(venv):
+    python, cwd = venv  # `pip install .` of this checkout (not editable); run from elsewhere
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not run from a git checkout")
+    found = _run(python, "-c", "from tokenyard.tools.bench.report import git_commit; print(git_commit())",
+                 cwd=cwd, env={k: v for k, v in os.environ.items() if k != "TOKENYARD_COMMIT"})
+    assert found.returncode == 0 and found.stdout.strip() == head.stdout.strip(), found

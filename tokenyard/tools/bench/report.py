@@ -57,18 +57,25 @@ LOW_LATENCY_TABLE_OPS = (("ll_dispatch", "dispatch"), ("ll_combine", "combine"),
 
 def git_commit() -> Optional[str]:
     """TOKENYARD_COMMIT when set (a copied tree whose git metadata may be missing or stale, as on the
-    device machine); else ``git rev-parse HEAD`` of the checkout tokenyard runs from; else None."""
+    device machine); else ``git rev-parse HEAD`` of the checkout tokenyard runs from; else the commit an
+    installed copy was built from (setup.py); else None."""
     from ...env import settings
 
     if settings().commit:
         return settings().commit
     root = pathlib.Path(__file__).resolve().parents[3]
+    if (root / ".git").exists():  # a checkout (an editable install included): its HEAD now
+        try:
+            done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            done = None
+        if done is not None and done.returncode == 0 and done.stdout.strip():
+            return done.stdout.strip()
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+        from ... import _build_info
+    except ImportError:
         return None
-    commit = done.stdout.strip()
-    return commit if done.returncode == 0 and commit else None
+    return _build_info.COMMIT
 
 
 def _low_latency(per_rank: List[dict]) -> dict:
