@@ -39,7 +39,9 @@ def test_every_cuda_kernel_description_generates_one_include_and_one_instantiati
     assert specs
     for spec in specs:
         source = spec.source()
-        assert source.count("#include") == 1 and f"{spec.entry}(" in source
+        namespace, function = spec.name.rsplit("::", 1)  # NOTE [kernel names]
+        assert source.count("#include") == 1 and f"namespace {namespace} {{" in source
+        assert f"\n{function}(const __grid_constant__ Params p)" in source
         values = {p.name: i for i, p in enumerate(spec.params, 1)}
         packed = spec.pack(dict(reversed(values.items())))  # by name, whatever the order given
         assert [getattr(packed, p.name) for p in spec.params] == list(range(1, len(spec.params) + 1))
