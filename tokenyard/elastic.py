@@ -10,6 +10,7 @@ the expanded layout, which the backend computes without a host sync (`Backend.ex
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple, Union
 
 import torch
@@ -217,8 +218,9 @@ class ElasticBuffer:
             expert_alignment: each local expert's count rounds up to this multiple (default 1).
             num_sms: SMs for the CUDA kernels (0: `get_theoretical_num_sms`). num_qps: ignored.
             previous_event: the call waits for it. previous_event_before_epilogue: waited for before the call.
-            async_with_compute_stream: return an event the caller waits for (the outputs are ready on the
-                current stream when it is recorded).
+            async_with_compute_stream: the call runs on the communication stream without holding up the
+                current stream; the returned event says when its outputs are ready (wait for it before using
+                them: `event.current_stream_wait()`), as V1's `async_finish` (NOTE [elastic streams]).
             allocate_on_comm_stream: as in `Buffer.dispatch`.
             handle: a previous dispatch's `EPHandle`: reuse its layout (no count exchange, no CPU wait).
             do_handle_copy: keep a copy of `topk_idx` in the handle (else the handle holds the caller's).
@@ -239,20 +241,49 @@ class ElasticBuffer:
             previous_event_before_epilogue.current_stream_wait()
         if do_zero_padding and not do_expand:
             raise InvalidInputError("do_zero_padding zeroes the expanded layout's padding: it needs do_expand")
-        if handle is not None:
-            result = self._cached_dispatch(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
-                                           expert_alignment, num_sms, previous_event, allocate_on_comm_stream, handle,
-                                           do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
-        else:
-            result = self._fresh_dispatch(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
-                                          num_max_tokens_per_rank, expert_alignment, num_sms, previous_event,
-                                          allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand,
-                                          do_zero_padding, use_tma_aligned_col_major_sf)
-        return result + (self._event(async_with_compute_stream),)
+        with self._scope(previous_event, async_with_compute_stream, allocate_on_comm_stream) as (scope, previous):
+            if handle is not None:
+                result = self._cached_dispatch(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                                               expert_alignment, num_sms, previous, allocate_on_comm_stream, handle,
+                                               do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
+            else:
+                result = self._fresh_dispatch(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
+                                              num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, previous,
+                                              allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand,
+                                              do_zero_padding, use_tma_aligned_col_major_sf)
+        return result + (self._finish(scope, result, (x, topk_idx, topk_weights, cumulative_local_expert_recv_stats),
+                                      async_with_compute_stream),)
 
-    @staticmethod
-    def _event(async_with_compute_stream: bool) -> EventOverlap:
-        return EventOverlap(EventHandle()) if async_with_compute_stream else EventOverlap(None)
+    @contextlib.contextmanager
+    def _scope(self, previous_event, async_with_compute_stream: bool, allocate_on_comm_stream: bool):
+        """NOTE [elastic streams]
+        With async_with_compute_stream, the whole call (its V1 calls and the torch work around them, the
+        expanded layout included) runs on the Buffer's communication stream, after `previous_event` (else
+        after the current stream's work so far): the caller's stream goes on at once, and the call's event
+        says when the outputs are ready. Its outputs and the handle's tensors are handed to the caller's
+        stream, and the inputs to the communication stream, as V1's `async_finish` does, so that neither
+        stream's allocator reuses memory the other still reads. Without it the V1 calls order the streams
+        themselves, each joining the caller's stream at its end."""
+        if not async_with_compute_stream:
+            yield None, _overlap(previous_event)
+            return
+        with self.buffer._stream_scope(use_comm_stream=True, previous_event=_overlap(previous_event),
+                                       async_finish=True, allocate_on_comm_stream=allocate_on_comm_stream) as scope:
+            yield scope, None
+
+    def _finish(self, scope, outputs: tuple, inputs: tuple, async_with_compute_stream: bool) -> EventOverlap:
+        """The call's event (NOTE [elastic streams]), after handing its tensors to the streams that use them."""
+        if scope is None or scope.event.event is None:
+            return EventOverlap(EventHandle()) if async_with_compute_stream else EventOverlap(None)
+        made = [t for t in outputs if not isinstance(t, EPHandle)]
+        for t in outputs:
+            if isinstance(t, EPHandle):
+                made += [v for v in vars(t).values() if isinstance(v, torch.Tensor)] + list(t.dispatch_handle)
+        flat = [u for t in made for u in (t if isinstance(t, (tuple, list)) else (t,))]
+        self.buffer._hand_over(scope.owner, flat)
+        self.buffer._hand_over(self.buffer._comm_stream,
+                               [u for t in inputs for u in (t if isinstance(t, (tuple, list)) else (t,))])
+        return scope.event
 
     def _fresh_dispatch(self, x, topk_idx, topk_weights, stats, num_experts, num_max, expert_alignment, num_sms,
                         previous_event, allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand,
@@ -404,14 +435,18 @@ class ElasticBuffer:
         if x.dim() != 2 or x.size(0) != rows:
             made = "expanded" if handle.do_expand else "received"
             raise InvalidInputError(f"x must have the {rows} rows the dispatch {made}, got {list(x.shape)}")
-        if handle.do_expand:
-            if topk_weights is not None and topk_weights.shape != (rows,):
-                raise InvalidInputError(f"expanded topk_weights must be [{rows}], got {list(topk_weights.shape)}")
-            weights = None if topk_weights is None else expanded.gather_weights(topk_weights, handle.row_of)
-            x = self.buffer._backend().reduce_expanded(x, handle.row_of)
-        else:
-            weights = None if topk_weights is None else expanded.local_weights(topk_weights, handle.recv_topk_idx)
-        combined_x, combined_weights, _ = self.buffer.combine(
-            x, handle.dispatch_handle, weights, bias, self._config(num_sms or handle.num_sms),
-            previous_event=_overlap(previous_event), allocate_on_comm_stream=allocate_on_comm_stream)
-        return combined_x, combined_weights, self._event(async_with_compute_stream)
+        if handle.do_expand and topk_weights is not None and topk_weights.shape != (rows,):
+            raise InvalidInputError(f"expanded topk_weights must be [{rows}], got {list(topk_weights.shape)}")
+        inputs = (x, topk_weights) + (bias if isinstance(bias, tuple) else (bias,))
+        with self._scope(previous_event, async_with_compute_stream, allocate_on_comm_stream) as (scope, previous):
+            if handle.do_expand:
+                weights = None if topk_weights is None else expanded.gather_weights(topk_weights, handle.row_of)
+                x = self.buffer._backend().reduce_expanded(x, handle.row_of)
+            else:
+                weights = None if topk_weights is None else expanded.local_weights(topk_weights,
+                                                                                   handle.recv_topk_idx)
+            combined_x, combined_weights, _ = self.buffer.combine(
+                x, handle.dispatch_handle, weights, bias, self._config(num_sms or handle.num_sms),
+                previous_event=previous, allocate_on_comm_stream=allocate_on_comm_stream)
+        return combined_x, combined_weights, self._finish(scope, (combined_x, combined_weights), inputs,
+                                                          async_with_compute_stream)

@@ -1,7 +1,8 @@
 """DeepEP V2's `ElasticBuffer` on the CUDA backend against the same calls on the reference backend over the same
 group (docs/semantics.md, "ElasticBuffer"), device machine only: dispatch bit for bit (the CUDA Buffer's
 outputs poisoned before its kernels write them), combine within bf16 rounding, expanded and not, bf16 and FP8,
-with and without the CPU sync, cached dispatches, bias, -1 entries and a rank that receives nothing."""
+with and without the CPU sync, cached dispatches, bias, -1 entries and a rank that receives nothing, on the
+current stream and (async_with_compute_stream) on the communication stream."""
 
 from __future__ import annotations
 
@@ -49,15 +50,20 @@ def _elastic_matches(seed):
                                                 kind, dtype, device)[rank]
         got, want = {}, {}
         for buffer, out in ((cuda, got), (ref, want)):
+            # NOTE [elastic streams]: odd cases run the CUDA calls on the comm stream, waited for by event
+            side = dict(async_with_compute_stream=buffer is cuda and case % 2 == 1)
             stats = torch.zeros(num_experts // num_ranks, dtype=torch.int32, device=device)
-            recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(
+            recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(
                 x, topk_idx, weights, stats, num_experts, expert_alignment=alignment, do_cpu_sync=do_cpu_sync,
-                do_expand=do_expand, do_zero_padding=do_expand)
+                do_expand=do_expand, do_zero_padding=do_expand, **side)
+            event.current_stream_wait()
             again = buffer.dispatch(x, topk_weights=weights, handle=handle, do_expand=do_expand,
-                                    do_zero_padding=do_expand)
+                                    do_zero_padding=do_expand, **side)
+            again[-1].current_stream_wait()
             expert_out = (_split(recv_x)[0].float() * 0.5 - 0.25).to(torch.bfloat16)
             bias = (x[0] if isinstance(x, tuple) else x).float().mul(0.125).to(torch.bfloat16)
-            combined, combined_w, _ = buffer.combine(expert_out, handle, recv_w, bias)
+            combined, combined_w, event = buffer.combine(expert_out, handle, recv_w, bias, **side)
+            event.current_stream_wait()
             out.update(x=recv_x, idx=recv_idx, w=recv_w, handle=handle, stats=stats, again=again,
                        combined=combined, combined_w=combined_w)
         torch.cuda.synchronize()
