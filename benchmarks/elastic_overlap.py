@@ -4,7 +4,8 @@ beside a bf16 matmul chain on the caller's stream, timed with CUDA events on tha
 
 - compute alone; the step alone;
 - serial: the step, then the matmuls (async_with_compute_stream=False: the caller's stream waits);
-- overlapped: the step launched with async_with_compute_stream=True, the matmuls, then the event's wait.
+- overlapped: the matmuls, then the step with async_with_compute_stream=True after an event captured before
+  them, then the wait for the step's event.
 
     python benchmarks/elastic_overlap.py --json out.json
 """
@@ -68,12 +69,18 @@ def main(argv=None) -> int:
         compute()
 
     def overlapped():
+        # The matmuls are queued first (the host's time per call would otherwise keep the caller's stream
+        # idle while it queues the step); the step waits for what the caller's stream had done before them
+        # (`capture`), not for them: without previous_event the comm stream waits for all of the caller's
+        # stream so far.
+        ready = buffer.capture()
+        compute()
         recv, _, recv_w, handle, event = buffer.dispatch(x, topk_idx, weights, None, args.num_experts,
-                                                         do_cpu_sync=False, async_with_compute_stream=True)
-        compute()  # on the caller's stream, while the dispatch runs on the comm stream
-        event.current_stream_wait()
-        combined, _, event = buffer.combine(recv, handle, recv_w, async_with_compute_stream=True)
-        event.current_stream_wait()
+                                                         do_cpu_sync=False, previous_event=ready,
+                                                         async_with_compute_stream=True)
+        combined, _, done = buffer.combine(recv, handle, recv_w, previous_event=event.event,
+                                           async_with_compute_stream=True)
+        done.current_stream_wait()
 
     cases = {"compute alone": compute, "step alone": lambda: step(False), "serial": serial,
              "overlapped": overlapped}
