@@ -503,6 +503,15 @@ class Buffer(LowLatencyCalls):
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
             return ops.dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                 topk_weights, expert_alignment, num_worst_tokens)
+        return self._dispatch_call(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event,
+                                   async_finish, allocate_on_comm_stream)
+
+    def _dispatch_call(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                       topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+                       allocate_on_comm_stream, all_topk_weights: bool = False):
+        """`dispatch` through its fast paths where they apply (NOTE [fast paths]), else the full checks;
+        `all_topk_weights`: every slot's weight arrives (ElasticBuffer's), not only the local slots'."""
         fast = self._fast if not allocate_on_comm_stream else None  # NOTE [fast paths]
         cached = handle is not None and topk_idx is None and topk_weights is None
         if fast is not None and cached:
@@ -513,15 +522,15 @@ class Buffer(LowLatencyCalls):
         layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
         if worst:
             result = fast.worst_dispatch(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                                         config, previous_event, async_finish)
+                                         config, previous_event, async_finish, all_topk_weights)
             if result is not None:
                 return result
         result = self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                 topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                                allocate_on_comm_stream)
+                                allocate_on_comm_stream, all_topk_weights)
         if worst and self._last_rounds == 1 and self._learnable_x(x):
             fast.learn_worst_dispatch(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                      async_finish, self._learnable_shape, result[4].rounds)
+                                      async_finish, self._learnable_shape, result[4].rounds, all_topk_weights)
         if fast is not None and cached and self._last_rounds == 1 and getattr(handle, "fast_for", None) == self._id and \
                 self._learnable_x(x):
             fast.learn_cached_dispatch(x, handle, config, async_finish, self._learnable_shape, self._last_round_tokens)

@@ -313,7 +313,7 @@ class ElasticBuffer:
         weights = topk_weights  # num_worst_tokens wants some: zeros where the caller has none
         if weights is None and not do_cpu_sync:
             weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
-        recv_x, recv_topk_idx, recv_weights, per_expert_list, v1, _ = buffer._dispatch(
+        recv_x, recv_topk_idx, recv_weights, per_expert_list, v1, _ = buffer._dispatch_call(
             x, None, per_rank, in_rank, per_expert, topk_idx, weights, expert_alignment, num_worst, config, None,
             False, allocate_on_comm_stream, all_topk_weights=True)
         if topk_weights is None:
@@ -388,8 +388,8 @@ class ElasticBuffer:
         out = backend.gather_rows(data, handle.source_row, zero_fill)
         if scales is not None:
             out = self._laid_out((out, backend.gather_rows(scales, handle.source_row, zero_fill)), col_major_sf)
-        weights = None if recv_weights is None else expanded.expand_weights(recv_weights, handle.row_of, rows,
-                                                                           zero_fill)
+        weights = None if recv_weights is None else backend.expand_weights(recv_weights, handle.row_of, rows,
+                                                                          zero_fill)
         return out, None, weights
 
     @staticmethod
@@ -440,7 +440,8 @@ class ElasticBuffer:
         inputs = (x, topk_weights) + (bias if isinstance(bias, tuple) else (bias,))
         with self._scope(previous_event, async_with_compute_stream, allocate_on_comm_stream) as (scope, previous):
             if handle.do_expand:
-                weights = None if topk_weights is None else expanded.gather_weights(topk_weights, handle.row_of)
+                weights = None if topk_weights is None else self.buffer._backend().gather_weights(topk_weights,
+                                                                                                  handle.row_of)
                 x = self.buffer._backend().reduce_expanded(x, handle.row_of)
             else:
                 weights = None if topk_weights is None else expanded.local_weights(topk_weights,

@@ -100,6 +100,13 @@ class Backend(abc.ABC):
     def reduce_expanded(self, x: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
         return expand.reduce_expanded(x, row_of)
 
+    def expand_weights(self, topk_weights: torch.Tensor, row_of: torch.Tensor, num_expanded: int,
+                       zero_fill: bool) -> torch.Tensor:
+        return expand.expand_weights(topk_weights, row_of, num_expanded, zero_fill)
+
+    def gather_weights(self, topk_weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+        return expand.gather_weights(topk_weights, row_of)
+
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         """-> (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R])."""

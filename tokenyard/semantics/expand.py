@@ -23,6 +23,8 @@ import torch
 
 def align(value, alignment: int):
     """`value` (an int, or an integer tensor elementwise) rounded up to a multiple of `alignment`."""
+    if alignment == 1:  # no tensor operations where nothing rounds (the host's time per call)
+        return value
     return (value + alignment - 1) // alignment * alignment
 
 
@@ -129,7 +131,7 @@ def gather_weights(topk_weights: torch.Tensor, row_of: torch.Tensor) -> torch.Te
 def local_weights(topk_weights: torch.Tensor, recv_topk_idx: torch.Tensor) -> torch.Tensor:
     """float32 [N, K]: the weights of the slots whose expert is local, 0 elsewhere (what a combine sums, so each
     token's slot k comes back from the one rank that owns its expert)."""
-    return torch.where(recv_topk_idx >= 0, topk_weights.float(), torch.zeros((), device=topk_weights.device))
+    return topk_weights.float().masked_fill(recv_topk_idx < 0, 0.0)
 
 
 def source_metadata(recv_topk_idx: torch.Tensor, recv_src_idx: torch.Tensor, psum_per_rank: torch.Tensor,

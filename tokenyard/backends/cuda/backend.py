@@ -714,6 +714,30 @@ class CudaBackend(Backend):
                 row_of=row_of.to(torch.int32).contiguous().data_ptr(), num_rows=num_rows, out=out.data_ptr())
         return out
 
+    def _move_weights(self, row_of: torch.Tensor, pairs: torch.Tensor, expanded: torch.Tensor, to_expanded: bool):
+        num_pairs = row_of.numel()
+        if num_pairs:
+            self._kernel(kernels.move_weights())(
+                self._expand_grid(num_pairs, per_block=kernels.EXPAND_THREADS), self._stream(),
+                row_of=row_of.data_ptr(), num_pairs=num_pairs, to_expanded=int(to_expanded), pairs=pairs.data_ptr(),
+                expanded=expanded.data_ptr())
+
+    def expand_weights(self, topk_weights, row_of, num_expanded, zero_fill):
+        if topk_weights.device.type != "cuda" or row_of.dtype != torch.int32 or not row_of.is_contiguous():
+            return super().expand_weights(topk_weights, row_of, num_expanded, zero_fill)
+        pairs = topk_weights.float().contiguous()
+        make = torch.zeros if zero_fill else torch.empty
+        out = make(num_expanded, dtype=torch.float32, device=pairs.device)
+        self._move_weights(row_of, pairs, out, True)
+        return out
+
+    def gather_weights(self, topk_weights, row_of):
+        if topk_weights.device.type != "cuda" or row_of.dtype != torch.int32 or not row_of.is_contiguous():
+            return super().gather_weights(topk_weights, row_of)
+        out = torch.empty(row_of.shape, dtype=torch.float32, device=topk_weights.device)
+        self._move_weights(row_of, out, topk_weights.float().contiguous(), False)
+        return out
+
     def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
         if use_rdma_buffer:
             if self.low_latency_buffer is not None:

@@ -166,18 +166,18 @@ class FastPaths:
             round_tokens))
 
     def _worst_key(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                   async_finish):
+                   async_finish, all_weights):
         data, scales = split_x(x)
         return ("worst", tensor_key(data), scales_key(scales), tuple(tensor_key(t) for t in layout),
                 tensor_key(topk_idx), tensor_key(topk_weights), expert_alignment, num_worst_tokens,
-                self.buffer.num_sms if config is None else config.num_sms, async_finish)
+                self.buffer.num_sms if config is None else config.num_sms, async_finish, all_weights)
 
     def worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                       previous_event, async_finish):
+                       previous_event, async_finish, all_weights: bool = False):
         """A fresh dispatch with num_worst_tokens (one plan, no CPU wait); `layout` = (num_tokens_per_rank,
-        is_token_in_rank, num_tokens_per_expert)."""
+        is_token_in_rank, num_tokens_per_expert); `all_weights`: DispatchRequest.all_topk_weights."""
         entry = self.lookup(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                                            config, async_finish))
+                                            config, async_finish, all_weights))
         if entry is None or not self.usable(previous_event):
             return None
         self.backend.check_failures()
@@ -197,7 +197,7 @@ class FastPaths:
         return recv_x, outputs[at["recv_topk_idx"]], outputs[at["recv_topk_weights"]], [], handle, event
 
     def learn_worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                             async_finish, shape, rounds) -> None:
+                             async_finish, shape, rounds, all_weights: bool = False) -> None:
         first, second = self.backend.dispatch_plans(shape)
         names = first.output_names
         if second is not None or "recv_topk_weights" not in names:
@@ -206,7 +206,7 @@ class FastPaths:
         at["recv_x_scales"] = names.index("recv_x_scales") if "recv_x_scales" in names else None
         at["handle"] = tuple(names.index(n) for n in ("rank_prefix_matrix", "counts", "source_first", "recv_src_idx"))
         self.record(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                    async_finish), (first.native, at, rounds))
+                                    async_finish, all_weights), (first.native, at, rounds))
 
     def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
         bias_0, bias_1 = split_x(bias)

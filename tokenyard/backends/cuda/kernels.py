@@ -187,6 +187,16 @@ def expand_rows(row_int4: int) -> KernelSpec:
 
 
 @functools.lru_cache(maxsize=None)
+def move_weights() -> KernelSpec:
+    """ElasticBuffer's pair weights, received layout [N, K] to expanded [M] or back (kernels/expand.cuh)."""
+    return KernelSpec(
+        "tokenyard/kernels/expand.cuh", "tokenyard::kernels::move_weights", (),
+        (Param("const int*", "row_of"), Param("int64_t", "num_pairs"), Param("int", "to_expanded"),
+         Param("float*", "pairs"), Param("float*", "expanded")),
+        EXPAND_THREADS, name="tokenyard::elastic::move_weights")
+
+
+@functools.lru_cache(maxsize=None)
 def reduce_expanded(hidden_int4: int, num_topk: int) -> KernelSpec:
     """ElasticBuffer's combine: each received row's expanded rows summed (bf16 rows, float32 sums)."""
     return KernelSpec(
@@ -213,6 +223,7 @@ def every_kernel():
     yield expand_rows(7168 // 16)       # FP8 rows, DeepSeek-V3
     yield expand_rows(56 * 4 // 16)     # their scales
     yield reduce_expanded(7168 * 2 // 16, 8)
+    yield move_weights()
     for num_topk in (1, 8):
         for use_fp8, use_ue8m0 in ((True, False), (True, True), (False, False)):
             yield low_latency_dispatch(num_topk, torch.int64, use_fp8, use_ue8m0)

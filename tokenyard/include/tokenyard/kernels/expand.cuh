@@ -90,6 +90,23 @@ __device__ __forceinline__ void expand_place(const Params& p) {
     }
 }
 
+// Pair weights between the received layout ([N, K], pair f = j * K + k) and the expanded one ([M]), a thread
+// per pair: to_expanded, the pair's weight goes to its expanded row row_of[f] (the caller zeroes or leaves the
+// padding rows); else the pair's weight comes from its expanded row, 0 where the pair has no local expert.
+template <typename Params>
+__device__ __forceinline__ void move_weights(const Params& p) {
+    for (int64_t f = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; f < p.num_pairs;
+         f += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int row = p.row_of[f];
+        if (p.to_expanded) {
+            if (row >= 0)
+                p.expanded[row] = p.pairs[f];
+        } else {
+            p.pairs[f] = row >= 0 ? p.expanded[row] : 0.0f;
+        }
+    }
+}
+
 // Expanded row m holds received row source_row[m], or is padding (-1): a warp per row copies its
 // kRowInt4 16-byte vectors, or writes zeros where zero_fill (padding is left as it is otherwise).
 template <int kRowInt4, typename Params>
