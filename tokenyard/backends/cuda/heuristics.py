@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from ... import env
@@ -118,6 +119,7 @@ SM_READ_GBS = 200.0
 NVLINK_GBS = 300.0
 
 
+@functools.lru_cache(maxsize=64)  # asked at every ElasticBuffer call without num_sms
 def theoretical_num_sms(num_ranks: int, nvlink_gbs: float = NVLINK_GBS, sm_write_gbs: float = SM_WRITE_GBS,
                         sm_read_gbs: float = SM_READ_GBS) -> int:
     """NOTE [SM model]: the SMs at which the normal-mode kernels of `num_ranks` ranks fill NVLink.
