@@ -25,7 +25,7 @@ from ..requests import CombineRequest, DispatchRequest, DispatchResult
 from ..waiting import wait_until
 from . import heuristics, kernels, plans, runtime
 
-HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: the call's ticket, three counts, the verdict (two), per-local-expert counts
+HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: the ticket, three counts, the verdict (two), per-local-expert counts
 _HOST_EXPERTS_AT = 6
 # NOTE [error record] in include/tokenyard/sync.cuh: the kinds of error and the stages, numbered there; the
 # stages' names in errors, here.
@@ -656,87 +656,117 @@ class CudaBackend(Backend):
                                                                  num_experts)
 
     # -- DeepEP V2's expanded layout (tokenyard/semantics/expand.py) ------------------------------------------
+    # Each runs as a plan (NOTE [call plans]) whose row counts are scalars, so a dispatch with the CPU sync,
+    # whose counts change at every call, reuses it too; the kernels stride over their rows, so the grids are
+    # sized for the most rows there can be.
 
-    def _expand_grid(self, num_items: int, per_block: int = kernels.EXPAND_THREADS // 32) -> int:
-        """Blocks for `num_items` (a warp each by default), at most four per SM (the kernels stride over the rest)."""
-        return max(1, min(-(-num_items // per_block), self.device_sms * 4))
+    def _strided_grid(self, most_items: int, per_block: int = kernels.EXPAND_THREADS // 32) -> int:
+        """Blocks for up to `most_items` (a warp each by default), at most four per SM."""
+        return max(1, min(-(-most_items // per_block), self.device_sms * 4))
 
     def expanded_layout(self, recv_topk_idx, recv_src_idx, psum_per_rank, num_local, alignment, num_max,
                         num_expanded):
-        if recv_topk_idx.device.type != "cuda":
+        usable = recv_topk_idx.is_contiguous() and recv_src_idx.is_contiguous() and recv_src_idx.dtype == torch.int32
+        if recv_topk_idx.device.type != "cuda" or psum_per_rank.dtype != torch.int32 or not usable:
             return super().expanded_layout(recv_topk_idx, recv_src_idx, psum_per_rank, num_local, alignment, num_max,
                                            num_expanded)
         num_rows, num_topk = recv_topk_idx.shape
-        device, stream, i32 = recv_topk_idx.device, self._stream(), torch.int32
-        counts = torch.zeros(num_local, dtype=i32, device=device)
-        row_of = torch.empty(num_rows, num_topk, dtype=i32, device=device)
-        metadata = torch.empty(num_rows, num_topk + 2, dtype=i32, device=device)
-        recv_topk_idx = recv_topk_idx.contiguous()
-        if num_rows:
-            self._kernel(kernels.expand_count(num_topk, recv_topk_idx.dtype))(
-                self._expand_grid(num_rows, per_block=kernels.EXPAND_THREADS), stream, shared_bytes=num_local * 4,
-                recv_topk_idx=recv_topk_idx.data_ptr(), recv_src_idx=recv_src_idx.contiguous().data_ptr(),
-                psum_per_rank=psum_per_rank.to(i32).contiguous().data_ptr(), num_ranks=psum_per_rank.numel(),
-                num_rows=num_rows, num_local=num_local, num_max=num_max, counts=counts.data_ptr(),
-                row_of=row_of.data_ptr(), metadata=metadata.data_ptr())
-        if num_expanded is None:
-            return counts, None, None, None, metadata
-        ends = torch.empty(num_local, dtype=i32, device=device)
-        source_row = torch.full((num_expanded,), -1, dtype=i32, device=device)
-        if num_local:
-            self._kernel(kernels.expand_place(num_topk, recv_topk_idx.dtype))(
-                num_local, stream, recv_topk_idx=recv_topk_idx.data_ptr(), num_rows=num_rows, alignment=alignment,
-                counts=counts.data_ptr(), ends=ends.data_ptr(), row_of=row_of.data_ptr(),
-                metadata=metadata.data_ptr(), source_row=source_row.data_ptr())
-        return counts, ends, row_of, source_row, metadata
+        num_ranks, expanded = psum_per_rank.numel(), num_expanded is not None
+        topk_dtype, stride = recv_topk_idx.dtype, psum_per_rank.stride(0)
+
+        def build():
+            i32 = torch.int32
+            b = self._builder(("recv_topk_idx", "recv_src_idx", "psum_per_rank"), ("num_rows", "num_expanded"))
+            rows = b.scalar("num_rows")
+            counts = b.output("counts", (num_local,), i32, zero=True)
+            row_of = b.output("row_of", (rows, num_topk), i32)
+            metadata = b.output("metadata", (rows, num_topk + 2), i32)
+            b.launch(self._kernel(kernels.expand_count(num_topk, topk_dtype)),
+                     self._strided_grid(num_ranks * num_max, per_block=kernels.EXPAND_THREADS), dict(
+                         recv_topk_idx=b.inp("recv_topk_idx"), recv_src_idx=b.inp("recv_src_idx"),
+                         psum_per_rank=b.inp("psum_per_rank"), psum_stride=stride, num_ranks=num_ranks,
+                         num_rows=rows, num_local=num_local, num_max=num_max, counts=counts, row_of=row_of,
+                         metadata=metadata), shared_bytes=num_local * 4)
+            if expanded:
+                ends = b.output("ends", (num_local,), i32)
+                source_row = b.output("source_row", (b.scalar("num_expanded"),), i32, fill=0xFF)  # -1: padding
+                b.launch(self._kernel(kernels.expand_place(num_topk, topk_dtype)), num_local, dict(
+                    recv_topk_idx=b.inp("recv_topk_idx"), num_rows=rows, alignment=alignment, counts=counts,
+                    ends=ends, row_of=row_of, metadata=metadata, source_row=source_row))
+            return b.build()
+
+        plan = self.plan(("expanded_layout", num_topk, topk_dtype, num_ranks, stride, num_local, alignment, num_max,
+                          expanded), build)
+        made = plan.named(plan.run_here(self._stream(), (recv_topk_idx, recv_src_idx, psum_per_rank),
+                                        (num_rows, num_expanded or 0)))
+        return made["counts"], made.get("ends"), made["row_of"] if expanded else None, made.get("source_row"), \
+            made["metadata"]
 
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # also where no row was received
-        if rows.device.type != "cuda" or rows.dim() == 1 or row_bytes % 16 or not rows.is_contiguous():
+        if rows.device.type != "cuda" or rows.dim() == 1 or row_bytes % 16 or not rows.is_contiguous() or \
+                source_row.dtype != torch.int32 or not source_row.is_contiguous():
             return super().gather_rows(rows, source_row, zero_fill)
-        num_expanded = source_row.numel()
-        out = torch.empty((num_expanded,) + tuple(rows.shape[1:]), dtype=rows.dtype, device=rows.device)
-        if num_expanded:
-            self._kernel(kernels.expand_rows(row_bytes // 16))(
-                self._expand_grid(num_expanded), self._stream(), rows=rows.data_ptr(),
-                source_row=source_row.to(torch.int32).contiguous().data_ptr(), num_expanded=num_expanded,
-                zero_fill=int(zero_fill), out=out.data_ptr())
-        return out
+        tail = tuple(rows.shape[1:])
+
+        def build():
+            b = self._builder(("rows", "source_row"), ("num_expanded",))
+            m = b.scalar("num_expanded")
+            out = b.output("out", (m,) + tail, rows.dtype)
+            b.launch(self._kernel(kernels.expand_rows(row_bytes // 16)), self._strided_grid(1 << 30), dict(
+                rows=b.inp("rows"), source_row=b.inp("source_row"), num_expanded=m, zero_fill=int(zero_fill),
+                out=out))
+            return b.build()
+
+        plan = self.plan(("gather_rows", tail, rows.dtype, zero_fill), build)
+        return plan.run_here(self._stream(), (rows, source_row), (source_row.numel(),))[0]
 
     def reduce_expanded(self, x: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or x.size(1) % 8 or not x.is_contiguous():
+        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or x.size(1) % 8 or not x.is_contiguous() or \
+                row_of.dtype != torch.int32 or not row_of.is_contiguous():
             return super().reduce_expanded(x, row_of)
         num_rows, num_topk = row_of.shape
-        out = torch.empty(num_rows, x.size(1), dtype=x.dtype, device=x.device)
-        if num_rows:
-            self._kernel(kernels.reduce_expanded(x.size(1) // 8, num_topk))(
-                self._expand_grid(num_rows), self._stream(), x=x.data_ptr(),
-                row_of=row_of.to(torch.int32).contiguous().data_ptr(), num_rows=num_rows, out=out.data_ptr())
-        return out
+        hidden = x.size(1)
 
-    def _move_weights(self, row_of: torch.Tensor, pairs: torch.Tensor, expanded: torch.Tensor, to_expanded: bool):
-        num_pairs = row_of.numel()
-        if num_pairs:
-            self._kernel(kernels.move_weights())(
-                self._expand_grid(num_pairs, per_block=kernels.EXPAND_THREADS), self._stream(),
-                row_of=row_of.data_ptr(), num_pairs=num_pairs, to_expanded=int(to_expanded), pairs=pairs.data_ptr(),
-                expanded=expanded.data_ptr())
+        def build():
+            b = self._builder(("x", "row_of"), ("num_rows",))
+            n = b.scalar("num_rows")
+            out = b.output("out", (n, hidden), torch.bfloat16)
+            b.launch(self._kernel(kernels.reduce_expanded(hidden // 8, num_topk)), self._strided_grid(1 << 30),
+                     dict(x=b.inp("x"), row_of=b.inp("row_of"), num_rows=n, out=out))
+            return b.build()
+
+        plan = self.plan(("reduce_expanded", hidden, num_topk), build)
+        return plan.run_here(self._stream(), (x, row_of), (num_rows,))[0]
+
+    def _move_weights(self, row_of: torch.Tensor, given: torch.Tensor, out_rows: int, to_expanded: bool,
+                      zero_fill: bool) -> torch.Tensor:
+        """move_weights as a plan: `given` the pairs' weights ([N, K]) to an expanded [out_rows], or the
+        expanded weights to the pairs' [N, K]."""
+        num_topk = row_of.size(1)
+
+        def build():
+            b = self._builder(("row_of", "given"), ("num_pairs", "out_rows"))
+            shape = (b.scalar("out_rows"),) if to_expanded else (b.scalar("out_rows"), num_topk)
+            out = b.output("out", shape, torch.float32, zero=to_expanded and zero_fill)
+            pairs, expanded = (b.inp("given"), out) if to_expanded else (out, b.inp("given"))
+            b.launch(self._kernel(kernels.move_weights()), self._strided_grid(1 << 30, kernels.EXPAND_THREADS),
+                     dict(row_of=b.inp("row_of"), num_pairs=b.scalar("num_pairs"), to_expanded=int(to_expanded),
+                          pairs=pairs, expanded=expanded))
+            return b.build()
+
+        plan = self.plan(("move_weights", num_topk, to_expanded, zero_fill), build)
+        return plan.run_here(self._stream(), (row_of, given), (row_of.numel(), out_rows))[0]
 
     def expand_weights(self, topk_weights, row_of, num_expanded, zero_fill):
         if topk_weights.device.type != "cuda" or row_of.dtype != torch.int32 or not row_of.is_contiguous():
             return super().expand_weights(topk_weights, row_of, num_expanded, zero_fill)
-        pairs = topk_weights.float().contiguous()
-        make = torch.zeros if zero_fill else torch.empty
-        out = make(num_expanded, dtype=torch.float32, device=pairs.device)
-        self._move_weights(row_of, pairs, out, True)
-        return out
+        return self._move_weights(row_of, topk_weights.float().contiguous(), num_expanded, True, zero_fill)
 
     def gather_weights(self, topk_weights, row_of):
         if topk_weights.device.type != "cuda" or row_of.dtype != torch.int32 or not row_of.is_contiguous():
             return super().gather_weights(topk_weights, row_of)
-        out = torch.empty(row_of.shape, dtype=torch.float32, device=topk_weights.device)
-        self._move_weights(row_of, out, topk_weights.float().contiguous(), False)
-        return out
+        return self._move_weights(row_of, topk_weights.float().contiguous(), row_of.size(0), False, False)
 
     def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
         if use_rdma_buffer:

@@ -158,7 +158,8 @@ def expand_count(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
     return KernelSpec(
         "tokenyard/kernels/expand.cuh", "tokenyard::kernels::expand_count", (num_topk, topk_t),
         (Param(f"const {topk_t}*", "recv_topk_idx"), Param("const int*", "recv_src_idx"),
-         Param("const int*", "psum_per_rank"), Param("int", "num_ranks"), Param("int", "num_rows"),
+         Param("const int*", "psum_per_rank"), Param("int64_t", "psum_stride"), Param("int", "num_ranks"),
+         Param("int", "num_rows"),
          Param("int", "num_local"), Param("int", "num_max"), Param("int*", "counts"), Param("int*", "row_of"),
          Param("int*", "metadata")),
         EXPAND_THREADS, name="tokenyard::elastic::expand_count")

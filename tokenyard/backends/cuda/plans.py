@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,9 +87,11 @@ class PlanBuilder:
     def out(self, name: str) -> Ref:
         return Ref(_OUTPUT, [o[0] for o in self.outputs].index(name))
 
-    def output(self, name: str, shape: Sequence, dtype: torch.dtype, zero: bool = False) -> Ref:
-        """A tensor the run allocates; a dimension may be a scalar `Ref` (its value at the run)."""
-        self.outputs.append((name, self._dims(shape), dtype, self._fill(zero), -1, True))
+    def output(self, name: str, shape: Sequence, dtype: torch.dtype, zero: bool = False,
+               fill: Optional[int] = None) -> Ref:
+        """A tensor the run allocates; a dimension may be a scalar `Ref` (its value at the run). `fill`: a
+        byte every byte of it starts as (0xFF: int32 -1), whatever `zero` and poisoning say."""
+        self.outputs.append((name, self._dims(shape), dtype, self._fill(zero) if fill is None else fill, -1, True))
         return Ref(_OUTPUT, len(self.outputs) - 1)
 
     def whole(self, zero: bool = False) -> int:

@@ -25,7 +25,7 @@ __device__ __forceinline__ void expand_count(const Params& p) {
          j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         int source = 0;
         for (int r = 0; r < p.num_ranks; ++r)
-            source += p.psum_per_rank[r] <= j;
+            source += p.psum_per_rank[static_cast<int64_t>(r) * p.psum_stride] <= j;
         const int token = p.recv_src_idx[j];
         int first = kNumTopk;
 #pragma unroll
