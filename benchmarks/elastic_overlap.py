@@ -39,13 +39,10 @@ def main(argv=None) -> int:
 
     from tokenyard import ElasticBuffer
     from tokenyard.tools.bench.report import git_commit
+    from tokenyard.tools.launch import free_port, init_rank, leave_group
     from tokenyard.tools.testing import make_rank_inputs
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = init_rank(0, 1, free_port(), use_cuda=True)
     buffer = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=args.num_tokens, hidden=args.hidden,
                            num_topk=args.num_topk, backend="cuda", check_inputs=False)
     x, topk_idx, weights = make_rank_inputs(1, 1, args.num_tokens, args.hidden, args.num_experts, args.num_topk,
@@ -107,7 +104,7 @@ def main(argv=None) -> int:
                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": vars(args),
                        "median_us": results, "saved_us": saved}, f, indent=1)
     buffer.destroy()
-    dist.destroy_process_group()
+    leave_group()
     return 0
 
 

@@ -36,13 +36,10 @@ def main(argv=None) -> int:
 
     from tokenyard import Buffer, ElasticBuffer
     from tokenyard.tools.bench.report import git_commit
+    from tokenyard.tools.launch import free_port, init_rank, leave_group
     from tokenyard.tools.testing import make_rank_inputs
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29519")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
+    device = init_rank(0, 1, free_port(), use_cuda=True)
     hidden, num_experts, num_topk, tokens = 7168, 256, 8, args.num_tokens
     elastic = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=tokens, hidden=hidden, num_topk=num_topk,
                             backend="cuda")
@@ -108,7 +105,7 @@ def main(argv=None) -> int:
                                         dtype="fp8", num_ranks=1, num_sms=Buffer.num_sms),
                        "host_us": results, "profiles": profiles}, f, indent=1)
     elastic.destroy()
-    dist.destroy_process_group()
+    leave_group()
     return 0
 
 
