@@ -9,7 +9,7 @@ The steps, each reported:
 2. on each of `--num_ranks` spawned ranks (a gloo group, ranks spread over the GPUs there are): the unique id
    from rank 0 through the torch group, NVSHMEM initialised from it (no MPI, no nvshmrun), a symmetric buffer;
 3. the cubin loaded through the driver and registered (`nvshmemx_cumodule_init`), then a ping: PE 0 puts a
-   value with a signal into PE 1's buffer, PE 1 waits for the signal and reads it.
+   value with a signal into every other PE's buffer, each waits for its signal and reads the value.
 
     python benchmarks/nvshmem_probe.py [--num_ranks 2] [--json out.json]
 
@@ -73,12 +73,14 @@ KERNEL = r"""
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-// PE 0 puts `value` into `data` on PE 1 with a signal; PE 1 waits for the signal and copies what came to `out`.
+// PE 0 puts `value` into `data` on every other PE with a signal; each waits for its signal and copies what came
+// to `out`.
 extern "C" __global__ void probe_ping(int* data, uint64_t* signal, int value, int* out) {
     if (threadIdx.x != 0 || blockIdx.x != 0)
         return;
     if (nvshmem_my_pe() == 0) {
-        nvshmem_int_put_signal(data, &value, 1, signal, 1, NVSHMEM_SIGNAL_SET, 1);
+        for (int pe = 1; pe < nvshmem_n_pes(); ++pe)
+            nvshmem_int_put_signal(data, &value, 1, signal, 1, NVSHMEM_SIGNAL_SET, pe);
         nvshmem_quiet();
         *out = -1;
     } else {
@@ -166,7 +168,7 @@ def rank_main(built: dict) -> dict:
     start = time.time()
     check(lib.cuLaunchKernel(function, 1, 1, 1, 32, 1, 1, 0, ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
     torch.cuda.synchronize()
-    report["ping"] = {"seen": int(out.item()), "expected": 1234 if rank == 1 else -1,
+    report["ping"] = {"seen": int(out.item()), "expected": 1234 if rank > 0 else -1,
                       "seconds": round(time.time() - start, 3)}
     shim.probe_barrier_all()
     shim.probe_free(ctypes.c_void_p(data))
