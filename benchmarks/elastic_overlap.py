@@ -37,12 +37,20 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
-    from tokenyard import ElasticBuffer
-    from tokenyard.tools.bench.report import git_commit
     from tokenyard.tools.launch import free_port, init_rank, leave_group
-    from tokenyard.tools.testing import make_rank_inputs
 
     device = init_rank(0, 1, free_port(), use_cuda=True)
+    try:
+        return _measure(args, device)
+    finally:
+        leave_group()  # once _measure's buffers and tensors are gone (NOTE [gloo threads at exit])
+
+
+def _measure(args, device) -> int:
+    from tokenyard import ElasticBuffer
+    from tokenyard.tools.bench.report import git_commit
+    from tokenyard.tools.testing import make_rank_inputs
+
     buffer = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=args.num_tokens, hidden=args.hidden,
                            num_topk=args.num_topk, backend="cuda", check_inputs=False)
     x, topk_idx, weights = make_rank_inputs(1, 1, args.num_tokens, args.hidden, args.num_experts, args.num_topk,
@@ -104,7 +112,6 @@ def main(argv=None) -> int:
                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "settings": vars(args),
                        "median_us": results, "saved_us": saved}, f, indent=1)
     buffer.destroy()
-    leave_group()
     return 0
 
 

@@ -31,15 +31,23 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
+    from tokenyard.tools.launch import free_port, init_rank, leave_group
+
+    device = init_rank(0, 1, free_port(), use_cuda=True)
+    try:
+        return _measure(args, device)
+    finally:
+        leave_group()  # once _measure's buffers and tensors are gone (NOTE [gloo threads at exit])
+
+
+def _measure(args, device) -> int:
     import torch
     import torch.distributed as dist
 
     from tokenyard import Buffer, ElasticBuffer
     from tokenyard.tools.bench.report import git_commit
-    from tokenyard.tools.launch import free_port, init_rank, leave_group
     from tokenyard.tools.testing import make_rank_inputs
 
-    device = init_rank(0, 1, free_port(), use_cuda=True)
     hidden, num_experts, num_topk, tokens = 7168, 256, 8, args.num_tokens
     elastic = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=tokens, hidden=hidden, num_topk=num_topk,
                             backend="cuda")
@@ -105,7 +113,6 @@ def main(argv=None) -> int:
                                         dtype="fp8", num_ranks=1, num_sms=Buffer.num_sms),
                        "host_us": results, "profiles": profiles}, f, indent=1)
     elastic.destroy()
-    leave_group()
     return 0
 
 
