@@ -124,6 +124,8 @@ def build_parser(prog: str = "python -m tokenyard.tools.bench") -> argparse.Argu
     add("json", metavar="PATH", help="write the results as JSON")
     add("plot", metavar="PATH.png", help="draw bandwidth per op and backend (needs matplotlib)")
     add("quiet", action="store_true", help="no progress bar")
+    add("model", action="store_true", help="print predicted internode times for a cluster instead, from a "
+                                           "documented model (`--model --help` lists its arguments)")
     add("bind", action="store_true", help="bind each rank to the cores, NUMA memory and RDMA NIC of its GPU "
                                           "(tokenyard.tools.affinity.bind); the JSON records it under 'affinity'")
     return parser
