@@ -27,6 +27,7 @@ top-k routing with the k experts of a token distinct and uniform:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from typing import Optional, Sequence
@@ -135,6 +136,10 @@ def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> 
         print(f"{op:<9} {r['us']:8.1f} {r['bound']:>7} {r['rdma_gbps']:10.1f} {r['bottleneck_rdma_gbps']:11.1f} "
               f"{r['nvlink_gbps']:12.1f}")
     if args.json:
+        from .report import git_commit
+
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         with open(args.json, "w") as f:
-            json.dump({"predicted": True, "settings": vars(args), **result}, f, indent=1)
+            json.dump({"predicted": True, "commit": git_commit(), "date": date, "settings": vars(args), **result}, f,
+                      indent=1)
     return 0
