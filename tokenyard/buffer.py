@@ -413,11 +413,13 @@ class Buffer(LowLatencyCalls):
 
     @staticmethod
     def _hand_over(stream, tensors) -> None:
+        """Mark `tensors` (tensors, Nones, or tuples of them such as FP8 data with scales) as used by `stream`."""
         if stream is None:
             return
         for t in tensors:
-            if isinstance(t, torch.Tensor):
-                t.record_stream(stream)
+            for u in t if isinstance(t, (tuple, list)) else (t,):
+                if isinstance(u, torch.Tensor):
+                    u.record_stream(stream)
 
     # -- normal mode --------------------------------------------------------------------------------------
 

@@ -275,14 +275,10 @@ class ElasticBuffer:
         """The call's event (NOTE [elastic streams]), after handing its tensors to the streams that use them."""
         if scope is None or scope.event.event is None:
             return EventOverlap(EventHandle()) if async_with_compute_stream else EventOverlap(None)
-        made = [t for t in outputs if not isinstance(t, EPHandle)]
-        for t in outputs:
-            if isinstance(t, EPHandle):
-                made += [v for v in vars(t).values() if isinstance(v, torch.Tensor)] + list(t.dispatch_handle)
-        flat = [u for t in made for u in (t if isinstance(t, (tuple, list)) else (t,))]
-        self.buffer._hand_over(scope.owner, flat)
-        self.buffer._hand_over(self.buffer._comm_stream,
-                               [u for t in inputs for u in (t if isinstance(t, (tuple, list)) else (t,))])
+        # A handle's fields: its tensors, and the V1 handle (a tuple) with its own.
+        made = [v for t in outputs for v in (vars(t).values() if isinstance(t, EPHandle) else (t,))]
+        self.buffer._hand_over(scope.owner, made)
+        self.buffer._hand_over(self.buffer._comm_stream, inputs)
         return scope.event
 
     def _fresh_dispatch(self, x, topk_idx, topk_weights, stats, num_experts, num_max, expert_alignment, num_sms,
