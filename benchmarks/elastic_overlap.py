@@ -37,20 +37,18 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
-    from tokenyard.tools.launch import free_port, init_rank, leave_group
+    from tokenyard.tools.launch import run_on_ranks
 
-    device = init_rank(0, 1, free_port(), use_cuda=True)
-    try:
-        return _measure(args, device)
-    finally:
-        leave_group()  # once _measure's buffers and tensors are gone (NOTE [gloo threads at exit])
+    return run_on_ranks(1, _measure, args, use_cuda=True)[0]
 
 
-def _measure(args, device) -> int:
+def _measure(args) -> int:
+    """One rank of a group of one (tokenyard.tools.launch.run_on_ranks joins and leaves it)."""
     from tokenyard import ElasticBuffer
     from tokenyard.tools.bench.report import git_commit
     from tokenyard.tools.testing import make_rank_inputs
 
+    device = torch.device("cuda", torch.cuda.current_device())
     buffer = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=args.num_tokens, hidden=args.hidden,
                            num_topk=args.num_topk, backend="cuda", check_inputs=False)
     x, topk_idx, weights = make_rank_inputs(1, 1, args.num_tokens, args.hidden, args.num_experts, args.num_topk,

@@ -110,10 +110,9 @@ def fewest_sms(num_ranks: int) -> int:
 # nvlink_gbs / sm_read_gbs: n is the fewest SMs whose split gives both, under the dispatch's share and the
 # combine's, rounded up to even (DeepEP's SM counts are even). Example, 4 ranks at the defaults: 8 senders
 # and 2 receivers; a share of 3/8 gives 8 senders from 22 SMs on, for both kernels: 22.
-# The figures: what one sending SM moved in the sweep of 4 H200s (benchmarks/results/compare_sm.json: 38-41
-# GB/s per sending block at 8 and 16 SMs, where NVLink was not yet full); DeepEP V2's for a receiving SM (not
-# measured alone here); the copy limits measured on 2, 4 and 8 H200s (242-318 GB/s, normal*.json) for
-# NVLink. benchmarks/results/sm_model.md sets the model beside the sweeps.
+# The figures: a sending SM's from the SM sweep where NVLink was not yet full, NVLink's from the copy limits
+# measured on 2, 4 and 8 GPUs, a receiving SM's DeepEP V2's (not measured alone here);
+# benchmarks/results/sm_model.md gives where each comes from and sets the model beside the sweeps.
 SM_WRITE_GBS = 40.0
 SM_READ_GBS = 200.0
 NVLINK_GBS = 300.0
