@@ -74,3 +74,19 @@ def test_a_cache_that_cannot_be_written_names_the_kernel_and_the_path(tmp_path, 
     blocked.write_text("a file where the cache folder should be")
     with pytest.raises(cache.KernelCacheError, match=r"tokenyard::kernels::example<7, int64_t>.*not-a-folder"):
         cache.compile_cubin(SPEC, "sm_90a", str(blocked))
+
+
+def test_the_key_follows_the_headers_a_unit_includes_and_no_others(tmp_path):
+    """NOTE [kernel cache]: a header the unit reaches (through another, by a relative name) changes its key;
+    a header it does not include leaves the key alone."""
+    root = tmp_path / "include"
+    (root / "mine").mkdir(parents=True)
+    (root / "mine" / "top.cuh").write_text('#pragma once\n#include "../common.cuh"\n#include <cuda_bf16.h>\n')
+    (root / "common.cuh").write_text("#pragma once\nconstexpr int kValue = 1;\n")
+    (root / "other.cuh").write_text("#pragma once\n")
+    spec = KernelSpec("mine/top.cuh", "mine::top", (), (Param("int", "n"),), 32, include_root=str(root))
+    before = cache.cache_key(spec, "sm_90a", "stand-in")
+    (root / "other.cuh").write_text("#pragma once\nconstexpr int kOther = 2;\n")
+    assert cache.cache_key(spec, "sm_90a", "stand-in") == before
+    (root / "common.cuh").write_text("#pragma once\nconstexpr int kValue = 2;\n")
+    assert cache.cache_key(spec, "sm_90a", "stand-in") != before

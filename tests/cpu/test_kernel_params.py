@@ -83,7 +83,7 @@ def test_profilers_find_one_dispatch_and_one_combine_kernel_per_mode():
     for word in ("dispatch", "combine"):
         assert sorted(n for n in names if word in n) == [f"tokenyard::low_latency::{word}",
                                                           f"tokenyard::normal::{word}"]
-    assert {n.split("::")[1] for n in names} == {"normal", "low_latency", "elastic"}
+    assert {n.split("::")[1] for n in names} == {"normal", "low_latency", "elastic", "internode"}
     spec = kernels.dispatch(4, 448, 56, 8, torch.int64)
     assert spec.entry == "_ZN9tokenyard6normal8dispatchE6Params"  # Itanium ABI of tokenyard::normal::dispatch(Params)
     assert "namespace tokenyard::normal {" in spec.source() and "\ndispatch(const __grid_constant__ Params p)" in \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import tempfile
 import threading
 from typing import Dict, Optional, Tuple
@@ -15,9 +16,10 @@ from . import compiler as compilers
 from .spec import KernelSpec
 
 # NOTE [kernel cache]
-# The key hashes the generated source, every header under tokenyard/include (and under the spec's
-# include_root, where it has one), the compiler's identity
-# (NVRTC or nvcc version), its flags and the target architecture. One process compiles a unit while the
+# The key hashes the generated source, the headers it includes from tokenyard/include (or from the spec's
+# include_root), followed through their own includes, so a change to one header recompiles only the units
+# that include it, the compiler's identity (NVRTC or nvcc version, and NVSHMEM's for units linked with it,
+# NOTE [NVSHMEM units] in nvshmem.py), its flags and the target architecture. One process compiles a unit while the
 # others that want it wait on a lock file beside it (ranks of one machine start alike and would otherwise
 # each compile every kernel), then read what it wrote. The unit is written to a temporary file in the cache
 # folder, flushed to disk and renamed into place, so a reader finds a whole file or none; the file ends with
@@ -53,14 +55,34 @@ _loaded: Dict[Tuple[str, int], object] = {}
 _compiler = None
 
 
-def _headers_digest(top: str) -> str:
+_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
+
+
+def _includes_digest(source: str, roots: Tuple[str, ...]) -> str:
+    """The headers `source` includes from `roots`, followed through theirs (NOTE [kernel cache]): each file's
+    path within its root and its bytes. A quoted or angled name is looked for beside the including header,
+    then in each root; names found in neither (CUDA's, the C++ library's) are not ours to hash. An include
+    inside an #if is followed whatever the condition: hashing more than is compiled only costs a compile."""
     digest = hashlib.sha256()
-    for root, _, files in sorted(os.walk(top)):
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            digest.update(os.path.relpath(path, top).encode())
-            with open(path, "rb") as f:
-                digest.update(f.read())
+    seen = set()
+    pending = [(source, None)]
+    while pending:
+        text, here = pending.pop()
+        for name in _INCLUDE.findall(text):
+            for folder in ([here] if here else []) + list(roots):
+                path = os.path.normpath(os.path.join(folder, name))
+                if os.path.isfile(path):
+                    break
+            else:
+                continue
+            if path in seen:
+                continue
+            seen.add(path)
+            root = next(r for r in roots if path.startswith(os.path.join(r, "")))
+            with open(path) as f:
+                header = f.read()
+            digest.update(os.path.relpath(path, root).encode() + b"\0" + header.encode() + b"\0")
+            pending.append((header, os.path.dirname(path)))
     return digest.hexdigest()
 
 
@@ -76,9 +98,9 @@ def get_compiler():
 
 def cache_key(spec: KernelSpec, arch: str, identity: str) -> str:
     digest = hashlib.sha256()
-    headers = [_headers_digest(compilers.INCLUDE_DIR)] + ([_headers_digest(spec.include_root)] if spec.include_root
-                                                          else [])
-    for part in (spec.source(), *headers, identity, " ".join(compilers.FLAGS), arch):
+    source = spec.source()
+    roots = tuple(os.path.normpath(r) for r in (compilers.INCLUDE_DIR, spec.include_root) if r)
+    for part in (source, _includes_digest(source, roots), identity, " ".join(compilers.FLAGS), arch):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
@@ -101,7 +123,12 @@ def _cached(path: str) -> Optional[bytes]:
 
 def compile_cubin(spec: KernelSpec, arch: str, cache_dir: Optional[str] = None) -> bytes:
     """The cubin of `spec` for `arch` (e.g. "sm_90a"), from the cache or freshly compiled."""
-    compiler = get_compiler()
+    if spec.nvshmem:
+        from . import nvshmem
+
+        compiler = nvshmem.linker()
+    else:
+        compiler = get_compiler()
     key = cache_key(spec, arch, compiler.identity)
     folder = os.path.join(cache_dir or env.settings().cache_dir, key[:2])
     path = os.path.join(folder, key + ".cubin")

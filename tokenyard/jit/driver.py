@@ -45,6 +45,7 @@ class Kernel:
         check(lib.cuModuleGetFunction(ctypes.byref(self._function), self._module, spec.entry.encode()),
               "cuModuleGetFunction")
         self.handle = self._function.value
+        self.module = self._module.value  # its CUmodule, which NVSHMEM units register (NOTE [NVSHMEM units])
         self._max_dynamic_shared = 48 * 1024
 
     def prepare(self, shared_bytes: int) -> None:

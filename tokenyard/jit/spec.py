@@ -70,13 +70,14 @@ class KernelSpec:
     num_threads: int
     include_root: Optional[str] = None
     name: str = ""  # NOTE [kernel names]: namespace::function; default tokenyard::<the function's last part>
+    nvshmem: bool = False  # calls NVSHMEM's device API: compiled and linked as NOTE [NVSHMEM units] says
 
     def __post_init__(self):
         if not self.name:
             object.__setattr__(self, "name", "tokenyard::" + self.function.rsplit("::", 1)[-1])
         # Specs key the loaded-kernel table on every launch: hash the fields once.
         object.__setattr__(self, "_hash", hash((self.header, self.function, self.template_args, self.params,
-                                                self.num_threads, self.include_root, self.name)))
+                                                self.num_threads, self.include_root, self.name, self.nvshmem)))
 
     def __hash__(self) -> int:
         return self._hash

@@ -36,7 +36,8 @@ _STAGE_NAMES = {"kStageBarrier": "combine/barrier", "kStageNotify": "dispatch/no
                 "kStageLowLatencyCombineRecv": "low_latency_combine/receive",
                 "kStageLowLatencyCombineWeights": "low_latency_combine/weights",
                 "kStageLowLatencyDispatchCounts": "low_latency_dispatch/expert_counts",
-                "kStageLowLatencyDispatchSend": "low_latency_dispatch/send"}
+                "kStageLowLatencyDispatchSend": "low_latency_dispatch/send",
+                "kStageInternodeSignal": "internode/signal", "kStageInternodeBarrier": "internode/barrier"}
 _STAGES = {value: _STAGE_NAMES[member] for member, value in headers.enum("sync.cuh", "Stage").items()}
 _MASK32 = 0xFFFFFFFF
 # From kRecordSignaturesAt, the table of every rank's signature: kMaxRanks rows of kMaxSignatureInts.

@@ -1,4 +1,5 @@
-"""Compile every CUDA kernel for one architecture (CI runs this without a GPU).
+"""Compile every CUDA kernel for one architecture (CI runs this without a GPU); the NVSHMEM units where NVSHMEM is
+installed (the internode extra), with nvcc and nvlink whatever the compiler chosen.
 
     python -m tokenyard.backends.cuda.ci_compile --arch sm_90
 """
@@ -10,6 +11,7 @@ import sys
 import time
 
 from ...jit import compiler as compilers
+from ...jit import nvshmem
 from ...tools.bench import copy_limit
 from . import kernels
 
@@ -24,9 +26,13 @@ def main(argv=None) -> int:
         print(f"ci_compile: no {args.compiler} on this machine", file=sys.stderr)
         return 1
     specs = list(dict.fromkeys([*kernels.every_kernel(), *copy_limit.every_kernel()]))
+    if nvshmem.find() is None:  # NOTE [NVSHMEM units]: they need the internode extra
+        print(f"ci_compile: skipped the NVSHMEM units ({nvshmem.missing_reason()})")
+        specs = [s for s in specs if not s.nvshmem]
     start = time.time()
     for i, spec in enumerate(specs, 1):
-        cubin = compiler.compile(spec.source(), args.arch, compilers.include_dirs(spec))
+        unit_compiler = nvshmem.linker() if spec.nvshmem else compiler
+        cubin = unit_compiler.compile(spec.source(), args.arch, compilers.include_dirs(spec))
         if spec.entry.encode() + b"\0" not in cubin:  # NOTE [kernel names]: the symbol the driver will look up
             print(f"ci_compile: {spec.name}: no symbol {spec.entry} in the compiled unit", file=sys.stderr)
             return 1

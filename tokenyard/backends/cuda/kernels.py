@@ -207,6 +207,21 @@ def reduce_expanded(hidden_int4: int, num_topk: int) -> KernelSpec:
         EXPAND_THREADS, name="tokenyard::elastic::reduce_expanded")
 
 
+TRANSPORT_CHECK_THREADS = 512  # a sending warp per node: 16 nodes at most
+
+
+@functools.lru_cache(maxsize=None)
+def transport_check() -> KernelSpec:
+    """The check of the transport seam between nodes (NOTE [transport seam]); an NVSHMEM unit."""
+    return KernelSpec(
+        "tokenyard/kernels/transport_check.cuh", "tokenyard::kernels::transport_check", (),
+        (Param("const void*", "send"), Param("void*", "recv"), Param("uint64_t*", "signals"),
+         Param("uint64_t*", "arrivals"), Param("void*", "out"), Param("int64_t", "bytes"), Param("int", "num_nodes"),
+         Param("int", "ranks_per_node"), Param("int", "num_ranks"), Param("uint64_t", "expected"),
+         Param("int", "do_send"), Param("int", "rank"), *_WAIT),
+        TRANSPORT_CHECK_THREADS, name="tokenyard::internode::transport_check", nvshmem=True)
+
+
 def every_kernel():
     """Representative instantiations of every kernel, for CI's compile check."""
     for ranks in (2, 4, 8):
@@ -229,3 +244,4 @@ def every_kernel():
         for use_fp8, use_ue8m0 in ((True, False), (True, True), (False, False)):
             yield low_latency_dispatch(num_topk, torch.int64, use_fp8, use_ue8m0)
         yield low_latency_combine(num_topk, torch.int64)
+    yield transport_check()

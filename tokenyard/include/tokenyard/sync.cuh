@@ -30,6 +30,8 @@ enum Stage : int {
     kStageLowLatencyCombineWeights = 7,
     kStageLowLatencyDispatchCounts = 8,
     kStageLowLatencyDispatchSend = 9,
+    kStageInternodeSignal = 10,
+    kStageInternodeBarrier = 11,
 };
 
 enum ErrorKind : int {

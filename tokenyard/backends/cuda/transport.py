@@ -1,0 +1,130 @@
+"""NVSHMEM's host side (NOTE [transport seam] in include/tokenyard/transport.cuh): started once per process from a
+unique id that the group's ranks exchange over torch.distributed (no MPI, no nvshmrun), symmetric memory, and
+the kernels that call NVSHMEM, each module registered before its first launch (NOTE [NVSHMEM units]).
+
+NOTE [NVSHMEM start]
+NVSHMEM has one world per process: the ranks of the group that started it, each a PE of the same number. So a
+process starts it once, for one group (`Transport.start`; a second start for the same group shares it, one for
+another group is refused), and stops it when the last user closes. Before the start we set, unless the user
+has: NVSHMEM_DISABLE_NVLS=1 (NVLink multicast stays off: it can take a host's GPUs out of service);
+NVSHMEM_SYMMETRIC_SIZE to what the users ask for, rounded up, where it is unset (NVSHMEM's default reserves a
+gigabyte or more of every GPU's memory for the symmetric heap); and where ranks share a GPU under MPS,
+NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 (NVSHMEM otherwise refuses several PEs per GPU unless their
+MPS shares sum to at most 100%). Symmetric allocations are collective: every rank of the group makes the same
+ones in the same order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Callable, List, Optional
+
+from ...errors import BackendUnavailableError
+from ...jit import cache as kernel_cache
+from ...jit import nvshmem
+from ...jit.spec import KernelSpec
+
+_HEAP_ALIGN = 1 << 21  # NVSHMEM maps its heap in 2 MiB pages
+_lock = threading.Lock()
+_started: Optional["Transport"] = None
+
+
+def _round_up(value: int, align: int) -> int:
+    return (value + align - 1) // align * align
+
+
+class Transport:
+    """NVSHMEM started for one group in this process."""
+
+    def __init__(self, shim: ctypes.CDLL, ranks: tuple):
+        self.shim, self.ranks = shim, ranks
+        self.rank, self.num_ranks = shim.tokenyard_nvshmem_my_pe(), shim.tokenyard_nvshmem_n_pes()
+        self.users = 0
+        self._registered = set()
+
+    @staticmethod
+    def start(rank: int, num_ranks: int, all_gather_object: Callable, global_ranks: tuple, heap_bytes: int,
+              shares_gpu: bool) -> "Transport":
+        """NVSHMEM for the group whose members are `global_ranks` (this process being `rank` of `num_ranks`), with
+        a symmetric heap of at least `heap_bytes`; collective over the group (NOTE [NVSHMEM start]).
+
+        Raises:
+            BackendUnavailableError: NVSHMEM is missing, its shim does not build, it does not start, or it is
+                started for another group in this process.
+        """
+        global _started
+        with _lock:
+            if _started is not None:
+                if _started.ranks != tuple(global_ranks):
+                    raise BackendUnavailableError(
+                        f"NVSHMEM is started in this process for ranks {_started.ranks}; it has one world per "
+                        f"process, so it cannot serve ranks {tuple(global_ranks)} too")
+                _started.users += 1
+                return _started
+            if nvshmem.find() is None:
+                raise BackendUnavailableError(nvshmem.missing_reason())
+            os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+            os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(_round_up(max(heap_bytes, 1), _HEAP_ALIGN)))
+            if shares_gpu:
+                os.environ.setdefault("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "1")
+            try:
+                shim = ctypes.CDLL(nvshmem.shim_path())
+            except Exception as exc:  # CompileError or OSError: the message says what is missing
+                raise BackendUnavailableError(f"the NVSHMEM host shim is not usable: {exc}") from exc
+            for name in ("tokenyard_nvshmem_calloc", "tokenyard_nvshmem_ptr"):
+                getattr(shim, name).restype = ctypes.c_void_p
+            shim.tokenyard_nvshmem_ptr.argtypes = [ctypes.c_void_p, ctypes.c_int]
+            shim.tokenyard_nvshmem_calloc.argtypes = [ctypes.c_size_t]
+            uid = ctypes.create_string_buffer(shim.tokenyard_nvshmem_uid_bytes())
+            status = shim.tokenyard_nvshmem_uid(uid) if rank == 0 else 0
+            ids = all_gather_object((status, uid.raw if rank == 0 else None))
+            if ids[0][0] != 0:
+                raise BackendUnavailableError(f"nvshmemx_get_uniqueid failed on rank 0 (status {ids[0][0]})")
+            root_id = ids[0][1]
+            status = shim.tokenyard_nvshmem_init(rank, num_ranks, ctypes.create_string_buffer(root_id, len(root_id)))
+            if status != 0:
+                raise BackendUnavailableError(f"NVSHMEM did not start on rank {rank} (status {status}); "
+                                              "NVSHMEM_DEBUG=INFO says why")
+            _started = Transport(shim, tuple(global_ranks))
+            if (_started.rank, _started.num_ranks) != (rank, num_ranks):
+                raise BackendUnavailableError(f"NVSHMEM made rank {rank} of {num_ranks} PE {_started.rank} of "
+                                              f"{_started.num_ranks}")
+            _started.users = 1
+            return _started
+
+    def close(self) -> None:
+        """One user less; the last stops NVSHMEM (collective then)."""
+        global _started
+        with _lock:
+            self.users -= 1
+            if self.users == 0 and _started is self:
+                self.shim.tokenyard_nvshmem_finalize()
+                _started = None
+
+    def alloc(self, num_bytes: int) -> int:
+        """Zeroed symmetric memory (collective: every rank makes the same allocations in the same order)."""
+        ptr = self.shim.tokenyard_nvshmem_calloc(num_bytes)
+        if not ptr:
+            heap = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+            raise BackendUnavailableError(f"NVSHMEM could not allocate {num_bytes} symmetric bytes on rank "
+                                          f"{self.rank} (NVSHMEM_SYMMETRIC_SIZE={heap})")
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self.shim.tokenyard_nvshmem_free(ctypes.c_void_p(ptr))
+
+    def peer_pointers(self, ptr: int) -> List[int]:
+        """For each PE, `ptr`'s address there where this GPU can load and store it directly, else 0."""
+        return [self.shim.tokenyard_nvshmem_ptr(ctypes.c_void_p(ptr), pe) or 0 for pe in range(self.num_ranks)]
+
+    def load(self, spec: KernelSpec, device_index: int):
+        """The kernel of an NVSHMEM unit, its module registered with NVSHMEM once (NOTE [NVSHMEM units])."""
+        kernel = kernel_cache.load(spec, device_index)
+        if kernel.module not in self._registered:
+            status = self.shim.tokenyard_nvshmem_cumodule_init(ctypes.c_void_p(kernel.module))
+            if status != 0:
+                raise BackendUnavailableError(f"nvshmemx_cumodule_init failed for {spec.name} (status {status})")
+            self._registered.add(kernel.module)
+        return kernel
