@@ -1,0 +1,36 @@
+"""What NVSHMEM's pieces need to build, without a GPU (NOTE [NVSHMEM units], NOTE [NVSHMEM host shim] in
+tokenyard/jit/nvshmem.py): where the internode extra is installed, the host shim builds with g++ and exports the
+calls Transport makes, and the transport check kernel compiles and links into a cubin that holds its entry symbol.
+CI installs the extra where its package index has it (.ci/run)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import pytest
+
+from tokenyard.backends.cuda import kernels
+from tokenyard.jit import compiler as compilers
+from tokenyard.jit import nvshmem
+
+pytestmark = pytest.mark.skipif(nvshmem.find() is None, reason="the internode extra (NVSHMEM) is not installed")
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_the_host_shim_builds_once_and_exports_every_call(tmp_path):
+    path = nvshmem.shim_path(str(tmp_path))
+    assert nvshmem.shim_path(str(tmp_path)) == path  # built once, found the second time
+    shim = ctypes.CDLL(path)
+    for name in ("uid_bytes", "uid", "init", "my_pe", "n_pes", "version", "calloc", "free", "ptr", "barrier_all",
+                 "cumodule_init", "cumodule_finalize", "finalize"):
+        assert hasattr(shim, f"tokenyard_nvshmem_{name}"), name
+    assert shim.tokenyard_nvshmem_uid_bytes() > 0
+
+
+@pytest.mark.skipif(compilers.nvcc_path() is None, reason="no nvcc")
+def test_an_nvshmem_unit_links_into_a_cubin_with_its_entry():
+    spec = kernels.transport_check()
+    cubin = nvshmem.linker().compile(spec.source(), "sm_90", compilers.include_dirs(spec))
+    assert cubin.startswith(b"\x7fELF") and spec.entry.encode() + b"\0" in cubin
+    assert "nvshmem " + nvshmem.find().version in nvshmem.linker().identity  # in the kernel cache's key
