@@ -89,8 +89,9 @@ class Buffer(LowLatencyCalls):
             `num_nvl_bytes` holds for the dispatch rows and for combine rows of the same hidden size);
             a call whose rows do not fit that many raises CapacityError saying the bytes it needs.
         ranks_per_node: split the group into nodes of this many consecutive ranks, as the runtime queries
-            see it (default TOKENYARD_RANKS_PER_NODE, else a node per host; NOTE [virtual nodes] in
-            devices.py).
+            and normal mode see it (default TOKENYARD_RANKS_PER_NODE, else a node per host; NOTE [virtual nodes]
+            in devices.py); on several nodes normal mode takes the hierarchical path (docs/semantics.md
+            "Internode normal mode"), on the reference backend (NOTE [internode normal mode]).
         device: "cpu" or "cuda" (the current CUDA device) to override the device rule: by default the
             current CUDA device wherever PyTorch sees a GPU, whatever the group's backend, else the CPU
             (NOTE [device rule] in devices.py). Calls given CPU tensors on a GPU Buffer run on the CPU.
@@ -469,7 +470,8 @@ class Buffer(LowLatencyCalls):
             topk_idx: ``[T, K]`` int64 (or int32) global expert ids, -1 for none.
             num_experts: total experts E, divisible by the group size R.
         Returns:
-            ``num_tokens_per_rank`` int32 [R], ``num_tokens_per_rdma_rank`` (None: one NVLink domain),
+            ``num_tokens_per_rank`` int32 [R], ``num_tokens_per_rdma_rank`` (int32 [N]: tokens with an expert on
+            each of N > 1 nodes; None on one node),
             ``num_tokens_per_expert`` int32 [E], ``is_token_in_rank`` bool [T, R], event.
         Raises:
             InvalidInputError: bad dtype/shape/device, ids outside [-1, E), E not divisible by R.
@@ -525,7 +527,7 @@ class Buffer(LowLatencyCalls):
             handle: a previous dispatch's handle: reuse its layout (no count exchange, no CPU wait); then
                 the layout arguments and top-k must be None.
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from `get_dispatch_layout`.
-            num_tokens_per_rdma_rank: accepted and ignored (one NVLink domain).
+            num_tokens_per_rdma_rank: accepted and ignored (derived from is_token_in_rank on several nodes).
             topk_idx, topk_weights: ``[T, K]`` global expert ids (int64) and float32 weights, or None.
             expert_alignment: round each local expert's count up to this multiple.
             num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows have
@@ -535,12 +537,14 @@ class Buffer(LowLatencyCalls):
             config: performance settings (default `get_dispatch_config`).
         Returns:
             ``recv_x`` (tuple like `x`), ``recv_topk_idx`` (local ids, -1 elsewhere), ``recv_topk_weights``
-            (0 where -1), ``num_recv_tokens_per_expert_list``, ``handle`` (a `DispatchHandle`), event.
+            (0 where -1), ``num_recv_tokens_per_expert_list``, ``handle`` (a `DispatchHandle`; an
+            `InternodeHandle` on several nodes), event.
             With a cached handle the middle four are None. More tokens than one round of `num_nvl_bytes`
             holds run in rounds with the same results (NOTE [rounds] in rounds.py).
         Raises:
             InvalidInputError, HandleError, CapacityError (not one row fits, or `per_round_tokens` is above
-            what fits): before any communication.
+            what fits): before any communication. BackendUnavailableError: ``backend="cuda"`` on several nodes
+            (NOTE [internode normal mode]).
         """
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
             self._refuse_internode_compile("dispatch")
@@ -705,7 +709,8 @@ class Buffer(LowLatencyCalls):
         Returns:
             ``combined_x`` [T, H] bf16, ``combined_topk_weights`` [T, K] float32 or None, event.
         Raises:
-            InvalidInputError, HandleError, CapacityError: before any communication.
+            InvalidInputError, HandleError, CapacityError: before any communication. BackendUnavailableError:
+            ``backend="cuda"`` on several nodes (NOTE [internode normal mode]).
         """
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
             self._refuse_internode_compile("combine")

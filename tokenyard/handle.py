@@ -158,6 +158,11 @@ class InternodeHandle(_NamedTuple):
         return self[0].size(0)
 
     @property
+    def rounds(self):
+        """The rounds of its one-node equivalent (one: internode calls run whole), None without `flat`."""
+        return None if self.flat is None else self.flat.rounds
+
+    @property
     def num_forwarded(self) -> int:
         """Rows this rank forwarded (received in stage 1)."""
         return self[9].size(0)

@@ -135,8 +135,13 @@ def internode_round_trip(seed, ranks_per_node, num_tokens, hidden, num_experts, 
     for name in ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
                  "is_token_in_rank", "send_head"):
         assert_same(f"derived flat {name}", getattr(derived, name), getattr(handle.flat, name))
-    flat_combined, _, _ = flat_buffer.combine(y, tuple(handle))
-    assert_same("one-node combine of the internode handle", flat_combined, routing.combine(rows, send_heads)[0][rank])
+    assert handle.rounds.num_rounds == 1
+    for what, h in (("handle", handle), ("10-tuple", tuple(handle))):
+        flat_combined, _, _ = flat_buffer.combine(y, h)
+        assert_same(f"one-node combine of the internode {what}", flat_combined,
+                    routing.combine(rows, send_heads)[0][rank])
+    assert_same("one-node cached dispatch of the internode handle",
+                _split(flat_buffer.dispatch(x, handle=handle)[0])[0][:num_recv], mine["recv_x"])
     flat_buffer.destroy()
     buffer.destroy()
     return num_recv
@@ -178,3 +183,34 @@ def normal_mode_refused_with_cuda_backend_on_nodes(ranks_per_node):
         raise AssertionError("normal mode ran without a backend for it")
     buffer.destroy()
 
+
+
+def autograd_on_nodes(seed, ranks_per_node, num_tokens, hidden, num_experts, num_topk):
+    """tokenyard.layers.autograd on several nodes: dispatch's backward is the internode combine of the
+    gradients, combine's backward the cached dispatch of its gradient (docs/semantics.md)."""
+    from tokenyard.layers import autograd
+
+    rank, num_ranks = _world()
+    inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, "uniform", "bf16")
+    x, topk_idx, topk_weights = inputs[rank]
+    buffer = normal_buffer(num_tokens, hidden * 2, ranks_per_node=ranks_per_node)
+    oracle = routing.dispatch([i[0] for i in inputs], [None] * num_ranks, [i[1] for i in inputs],
+                              [i[2] for i in inputs], num_experts)
+    grads = [torch.randn(o["recv_x"].size(0), hidden, generator=torch.Generator().manual_seed(seed + 3 * r))
+             .to(torch.bfloat16) for r, o in enumerate(oracle)]
+    x = x.clone().requires_grad_()
+    recv_x, _, _, _, handle = autograd.dispatch(buffer, x, topk_idx, topk_weights, num_experts)
+    assert isinstance(handle, InternodeHandle)
+    recv_x.backward(grads[rank])
+    want = routing.internode_combine(grads, [o["send_head"] for o in oracle], ranks_per_node)[0][rank]
+    assert_same("dispatch backward", x.grad, want)
+
+    y = recv_x.detach().clone().requires_grad_()
+    combined = autograd.combine(buffer, y, handle)[0]
+    grad_out = [torch.randn(i[0].size(0), hidden, generator=torch.Generator().manual_seed(seed - 5 * r))
+                .to(torch.bfloat16) for r, i in enumerate(inputs)]
+    combined.backward(grad_out[rank])
+    want_rows = routing.dispatch(grad_out, [None] * num_ranks, [i[1] for i in inputs], [i[2] for i in inputs],
+                                 num_experts)[rank]["recv_x"]
+    assert_same("combine backward", y.grad, want_rows)
+    buffer.destroy()

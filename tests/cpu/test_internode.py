@@ -51,3 +51,7 @@ def test_normal_mode_without_its_backend_raises_and_names_the_way_out(ranks):
     ("auto", "cuda", 1, "cuda"), ("auto", "reference", 4, "reference"), ("reference", "reference", 2, "reference")])
 def test_normal_mode_backend_on_several_nodes(requested, chosen, num_nodes, want):
     assert normal_mode_backend(requested, chosen, num_nodes) == want
+
+
+def test_autograd_backward_on_nodes_is_the_internode_combine_and_cached_dispatch(ranks, seed):
+    ranks(8).run(internode_scenarios.autograd_on_nodes, seed, 4, 10, 128, 32, 4)
