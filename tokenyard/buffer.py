@@ -193,6 +193,8 @@ class Buffer(LowLatencyCalls):
         runs_on = normal_mode_backend(requested, self.runtime.name, self.topology.num_nodes if self._internode else 1)
         if runs_on is None or runs_on == self.runtime.name:
             return None if runs_on is None else self.runtime
+        if context.group is None:  # an mpi4py comm: the reference backend needs a torch.distributed group
+            return None
         message = (f"the group has {self.topology.num_nodes} nodes and the CUDA backend has no internode kernels "
                    "yet: normal mode (layout, dispatch, combine) runs on the reference backend, low-latency mode "
                    "on CUDA")
