@@ -13,7 +13,7 @@ from .elastic import ElasticBuffer, EPHandle
 from .errors import (BackendUnavailableError, CapacityError, CommTimeoutError, HandleError, InvalidInputError,
                      PeerLostError, RankMismatchError, TokenyardError)
 from .event import EventHandle, EventOverlap
-from .handle import DispatchHandle, LowLatencyHandle
+from .handle import DispatchHandle, InternodeHandle, LowLatencyHandle
 from .semantics import quant, routing
 from .semantics.quant import dequantize_fp8, dequantize_int8, quantize_fp8, quantize_int8
 
@@ -23,7 +23,8 @@ topk_idx_t = torch.int64
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "ElasticBuffer", "EPHandle", "Config", "EventHandle", "EventOverlap", "DispatchHandle", "LowLatencyHandle", "topk_idx_t",
+    "Buffer", "ElasticBuffer", "EPHandle", "Config", "EventHandle", "EventOverlap", "DispatchHandle",
+    "InternodeHandle", "LowLatencyHandle", "topk_idx_t",
     "TokenyardError", "InvalidInputError", "CapacityError", "HandleError", "CommTimeoutError", "RankMismatchError",
     "PeerLostError",
     "BackendUnavailableError", "quantize_fp8", "dequantize_fp8", "quantize_int8", "dequantize_int8",

@@ -9,22 +9,24 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from . import checks, env, ops
-from .backends import create_backend
+from .backends import create_backend, internode, make_reference, normal_mode_backend
 from .backends.base import GroupContext
 from .backends.collectives import Collectives, choose_mode
 from .backends.requests import CombineRequest, DispatchRequest, LayoutCheck
 from .buffer_low_latency import LowLatencyCalls
 from .config import Config
-from .errors import InvalidInputError, TokenyardError
+from .errors import BackendUnavailableError, HandleError, InvalidInputError, TokenyardError
 from .event import EventHandle, EventOverlap
-from .handle import DispatchHandle
+from .handle import DispatchHandle, InternodeHandle
 from .plan import devices, rounds, workspace
+from .semantics import routing
 
 _buffer_ids = itertools.count(1)
 
@@ -87,8 +89,9 @@ class Buffer(LowLatencyCalls):
             `num_nvl_bytes` holds for the dispatch rows and for combine rows of the same hidden size);
             a call whose rows do not fit that many raises CapacityError saying the bytes it needs.
         ranks_per_node: split the group into nodes of this many consecutive ranks, as the runtime queries
-            see it (default TOKENYARD_RANKS_PER_NODE, else a node per host; NOTE [virtual nodes] in
-            devices.py).
+            and normal mode see it (default TOKENYARD_RANKS_PER_NODE, else a node per host; NOTE [virtual nodes]
+            in devices.py); on several nodes normal mode takes the hierarchical path (docs/semantics.md
+            "Internode normal mode"), on the reference backend (NOTE [internode normal mode]).
         device: "cpu" or "cuda" (the current CUDA device) to override the device rule: by default the
             current CUDA device wherever PyTorch sees a GPU, whatever the group's backend, else the CPU
             (NOTE [device rule] in devices.py). Calls given CPU tensors on a GPU Buffer run on the CPU.
@@ -103,6 +106,9 @@ class Buffer(LowLatencyCalls):
     """
 
     num_sms: int = 20
+    # Whether normal mode takes the hierarchical path on several nodes (NOTE [internode normal mode]); False
+    # for ElasticBuffer's Buffer (NOTE [elastic nodes] in elastic.py).
+    _normal_mode_sees_nodes: bool = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
@@ -165,6 +171,9 @@ class Buffer(LowLatencyCalls):
                                collectives=self._exchange)
         self.runtime = create_backend(backend or settings.backend, context)
         self.backend = self.runtime.name
+        # NOTE [internode normal mode] in backends/__init__.py
+        self._internode = self._normal_mode_sees_nodes and self.topology.num_nodes > 1
+        self._normal_runtime = self._normal_mode_runtime(backend or settings.backend, context)
         self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._joined_stream = self._ran_on = None  # NOTE [joined stream]
         self._fast = None  # NOTE [fast paths]
@@ -178,13 +187,39 @@ class Buffer(LowLatencyCalls):
         if enable_shrink:
             self._rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
 
+    def _normal_mode_runtime(self, requested: str, context: GroupContext):
+        """NOTE [internode normal mode]: the backend that runs this Buffer's normal-mode calls, None where
+        they are refused (`backend="cuda"` on several nodes)."""
+        runs_on = normal_mode_backend(requested, self.runtime.name, self.topology.num_nodes if self._internode else 1)
+        if runs_on is None or runs_on == self.runtime.name:
+            return None if runs_on is None else self.runtime
+        if context.group is None:  # an mpi4py comm: the reference backend needs a torch.distributed group
+            return None
+        message = (f"the group has {self.topology.num_nodes} nodes and the CUDA backend has no internode kernels "
+                   "yet: normal mode (layout, dispatch, combine) runs on the reference backend, low-latency mode "
+                   "on CUDA")
+        env.log(f"rank {self.rank}: {message}")
+        if self.rank == 0:
+            warnings.warn(f"tokenyard: {message}", stacklevel=3)
+        return make_reference(context)
+
+    def _normal_backend(self):
+        """The backend of a normal-mode call (NOTE [internode normal mode])."""
+        own = self._backend()
+        if self._normal_runtime is None:
+            raise BackendUnavailableError(
+                f"normal-mode calls on a group of {self.topology.num_nodes} nodes need internode kernels, which the "
+                f"{own.name} backend does not have yet: use backend='auto' or 'reference' (the reference backend's "
+                "hierarchical path), or ranks_per_node equal to the group size; low-latency calls work here")
+        return self._normal_runtime
+
     def _cpu_twin(self) -> "Buffer":
         """NOTE [device rule]: the Buffer that serves this one's calls on CPU tensors, made at the first such
         call (every rank makes the same calls, so all make it together)."""
         if self._twin is None:
             if not isinstance(self.group, dist.ProcessGroup):
                 raise InvalidInputError("CPU tensors on a GPU Buffer need a torch.distributed group (gloo)")
-            self._twin = Buffer(self.group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
+            self._twin = type(self)(self.group, self.num_nvl_bytes, self.num_rdma_bytes, self.low_latency_mode,
                                 explicitly_destroy=self.explicitly_destroy, enable_shrink=self.enable_shrink,
                                 backend="reference", timeout_s=self.timeout_s, check_inputs=self.check_inputs,
                                 per_round_tokens=self.per_round_tokens, ranks_per_node=self.ranks_per_node,
@@ -202,6 +237,9 @@ class Buffer(LowLatencyCalls):
     def _destroy(self, together: bool) -> None:
         self._fast = None
         if self.runtime is not None:
+            if self._normal_runtime is not None and self._normal_runtime is not self.runtime:
+                self._normal_runtime.destroy(together)
+            self._normal_runtime = None
             self.runtime.destroy(together)
             self.runtime = None
             self._exchange.destroy()
@@ -434,27 +472,30 @@ class Buffer(LowLatencyCalls):
             topk_idx: ``[T, K]`` int64 (or int32) global expert ids, -1 for none.
             num_experts: total experts E, divisible by the group size R.
         Returns:
-            ``num_tokens_per_rank`` int32 [R], ``num_tokens_per_rdma_rank`` (None: one NVLink domain),
+            ``num_tokens_per_rank`` int32 [R], ``num_tokens_per_rdma_rank`` (int32 [N]: tokens with an expert on
+            each of N > 1 nodes; None on one node),
             ``num_tokens_per_expert`` int32 [E], ``is_token_in_rank`` bool [T, R], event.
         Raises:
             InvalidInputError: bad dtype/shape/device, ids outside [-1, E), E not divisible by R.
         """
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
+            self._refuse_internode_compile("get_dispatch_layout")
             return ops.get_dispatch_layout(self, topk_idx, num_experts)
-        if self._fast is not None and not allocate_on_comm_stream and not self.check_inputs:  # NOTE [fast paths]
+        fast = self._fast if not self._internode else None  # NOTE [internode normal mode]
+        if fast is not None and not allocate_on_comm_stream and not self.check_inputs:  # NOTE [fast paths]
             result = self._fast.layout(topk_idx, num_experts, previous_event, async_finish)
             if result is not None:
                 return result
         result = self._get_dispatch_layout(topk_idx, num_experts, previous_event, async_finish,
                                            allocate_on_comm_stream)
-        if self._fast is not None and not allocate_on_comm_stream and not self.check_inputs and \
+        if fast is not None and not allocate_on_comm_stream and not self.check_inputs and \
                 topk_idx.device == self.device:
             self._fast.learn_layout(topk_idx, num_experts, async_finish)
         return result
 
     @devices.runs_where_tensors_are("topk_idx")
     def _get_dispatch_layout(self, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream):
-        backend = self._backend()
+        backend = self._normal_backend()
         num_experts = checks.num_experts(num_experts, self.group_size)
         checks.topk_idx(topk_idx, num_tokens=None, device=self.device)
         if self._check_values():
@@ -462,8 +503,11 @@ class Buffer(LowLatencyCalls):
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
             per_rank, per_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
-        self._hand_over(scope.owner, (per_rank, per_expert, in_rank))
-        return per_rank, None, per_expert, in_rank, scope.event
+            per_rdma_rank = None  # one node: one NVLink domain
+            if self._internode:
+                per_rdma_rank = routing.tokens_per_node(in_rank, self.topology.ranks_per_node).sum(0, dtype=torch.int32)
+        self._hand_over(scope.owner, (per_rank, per_rdma_rank, per_expert, in_rank))
+        return per_rank, per_rdma_rank, per_expert, in_rank, scope.event
 
     def dispatch(self, x: XLike, handle: Optional[tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -485,7 +529,7 @@ class Buffer(LowLatencyCalls):
             handle: a previous dispatch's handle: reuse its layout (no count exchange, no CPU wait); then
                 the layout arguments and top-k must be None.
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from `get_dispatch_layout`.
-            num_tokens_per_rdma_rank: accepted and ignored (one NVLink domain).
+            num_tokens_per_rdma_rank: accepted and ignored (derived from is_token_in_rank on several nodes).
             topk_idx, topk_weights: ``[T, K]`` global expert ids (int64) and float32 weights, or None.
             expert_alignment: round each local expert's count up to this multiple.
             num_worst_tokens: if > 0, outputs have exactly this many rows (padding rows have
@@ -495,14 +539,17 @@ class Buffer(LowLatencyCalls):
             config: performance settings (default `get_dispatch_config`).
         Returns:
             ``recv_x`` (tuple like `x`), ``recv_topk_idx`` (local ids, -1 elsewhere), ``recv_topk_weights``
-            (0 where -1), ``num_recv_tokens_per_expert_list``, ``handle`` (a `DispatchHandle`), event.
+            (0 where -1), ``num_recv_tokens_per_expert_list``, ``handle`` (a `DispatchHandle`; an
+            `InternodeHandle` on several nodes), event.
             With a cached handle the middle four are None. More tokens than one round of `num_nvl_bytes`
             holds run in rounds with the same results (NOTE [rounds] in rounds.py).
         Raises:
             InvalidInputError, HandleError, CapacityError (not one row fits, or `per_round_tokens` is above
-            what fits): before any communication.
+            what fits): before any communication. BackendUnavailableError: ``backend="cuda"`` on several nodes
+            (NOTE [internode normal mode]).
         """
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
+            self._refuse_internode_compile("dispatch")
             return ops.dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                                 topk_weights, expert_alignment, num_worst_tokens)
         return self._dispatch_call(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
@@ -514,7 +561,7 @@ class Buffer(LowLatencyCalls):
                        allocate_on_comm_stream, all_topk_weights: bool = False):
         """`dispatch` through its fast paths where they apply (NOTE [fast paths]), else the full checks;
         `all_topk_weights`: every slot's weight arrives (ElasticBuffer's), not only the local slots'."""
-        fast = self._fast if not allocate_on_comm_stream else None  # NOTE [fast paths]
+        fast = self._fast if not (allocate_on_comm_stream or self._internode) else None  # NOTE [fast paths]
         cached = handle is not None and topk_idx is None and topk_weights is None
         if fast is not None and cached:
             result = fast.cached_dispatch(x, handle, config, previous_event, async_finish)
@@ -549,7 +596,7 @@ class Buffer(LowLatencyCalls):
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                   allocate_on_comm_stream, all_topk_weights: bool = False):
-        backend = self._backend()
+        backend = self._normal_backend()
         x, x_scales, scales_1d = checks.dispatch_x(x, device=self.device)
         num_tokens = x.size(0)
         config = config if config is not None else self.get_dispatch_config(self.group_size)
@@ -557,6 +604,7 @@ class Buffer(LowLatencyCalls):
         num_worst_tokens = checks.size_int("num_worst_tokens", num_worst_tokens)
         if handle is not None:
             handle = checks.dispatch_handle(handle, num_ranks=self.group_size, device=self.device)
+            handle = self._handle_for_nodes(handle)
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidInputError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
             num_worst_tokens = 0  # as in DeepEP: the handle's rows (its num_worst_tokens, if it had one)
@@ -613,24 +661,29 @@ class Buffer(LowLatencyCalls):
                                   config=config, all_topk_weights=all_topk_weights,
                                   check=None if handle is not None else LayoutCheck(
                                       topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
-        if self._fast is not None and (handle is not None or num_worst_tokens):  # what a fast path would record
+        if self._fast is not None and not self._internode and (handle is not None or num_worst_tokens):  # fast paths
             self._learnable_shape = self.runtime.dispatch_shape(request)
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
-            if handle is None:
+            if self._internode:  # whole calls (NOTE [internode stages] in backends/internode.py)
+                result = backend.internode_dispatch(request)
+                plan = None
+            elif handle is None:
                 result, plan = rounds.dispatch(backend, request, round_tokens=round_tokens, exchange=self._exchange,
                                                check_values=check_values)
             else:
                 plan = rounds.plan_for(handle, round_tokens, self._exchange)
                 result = rounds.cached_dispatch(backend, request, plan)
-            self._last_rounds, self._last_round_tokens = plan.num_rounds, round_tokens
+            self._last_rounds, self._last_round_tokens = 1 if plan is None else plan.num_rounds, round_tokens
         new_handle = result.handle
-        if handle is None:
+        if handle is None and self._internode:
+            new_handle = self._internode_handle(result, num_worst_tokens)
+        elif handle is None:
             new_handle = DispatchHandle(*result.handle, buffer_id=self._id, rounds=plan,
                                         num_recv_tokens=None if num_worst_tokens else result.recv_x.size(0),
                                         fast_for=self._id if plan.num_rounds == 1 else None)
         outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights)
-        self._hand_over(scope.owner, outputs + tuple(new_handle))
+        self._hand_over(scope.owner, outputs + tuple(new_handle) + tuple(getattr(new_handle, "flat", None) or ()))
         if async_finish:
             self._hand_over(self._comm_stream, (x, x_scales, topk_idx, topk_weights, is_token_in_rank))
         recv_scales = result.recv_x_scales
@@ -658,11 +711,13 @@ class Buffer(LowLatencyCalls):
         Returns:
             ``combined_x`` [T, H] bf16, ``combined_topk_weights`` [T, K] float32 or None, event.
         Raises:
-            InvalidInputError, HandleError, CapacityError: before any communication.
+            InvalidInputError, HandleError, CapacityError: before any communication. BackendUnavailableError:
+            ``backend="cuda"`` on several nodes (NOTE [internode normal mode]).
         """
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
+            self._refuse_internode_compile("combine")
             return ops.combine(self, x, handle, topk_weights, bias)
-        fast = self._fast if not allocate_on_comm_stream else None  # NOTE [fast paths]
+        fast = self._fast if not (allocate_on_comm_stream or self._internode) else None  # NOTE [fast paths]
         if fast is not None:
             result = fast.combine(x, handle, topk_weights, bias, config, previous_event, async_finish)
             if result is not None:
@@ -677,8 +732,8 @@ class Buffer(LowLatencyCalls):
 
     @devices.runs_where_tensors_are("x")
     def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream):
-        backend = self._backend()
-        handle = checks.dispatch_handle(handle, num_ranks=self.group_size, device=self.device)
+        backend = self._normal_backend()
+        handle = self._handle_for_nodes(checks.dispatch_handle(handle, num_ranks=self.group_size, device=self.device))
         checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(handle.num_rows, None), device=self.device)
         if topk_weights is not None:
             checks.tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(handle.num_rows, None),
@@ -701,10 +756,46 @@ class Buffer(LowLatencyCalls):
                                  config=config)
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
-            plan = rounds.plan_for(handle, round_tokens, self._exchange)
-            combined_x, combined_topk_weights = rounds.combine(backend, request, plan)
-        self._last_rounds, self._last_round_tokens = plan.num_rounds, round_tokens
+            if self._internode:  # whole calls (NOTE [internode stages] in backends/internode.py)
+                combined_x, combined_topk_weights = backend.internode_combine(request)
+                num_rounds = 1
+            else:
+                plan = rounds.plan_for(handle, round_tokens, self._exchange)
+                combined_x, combined_topk_weights = rounds.combine(backend, request, plan)
+                num_rounds = plan.num_rounds
+        self._last_rounds, self._last_round_tokens = num_rounds, round_tokens
         self._hand_over(scope.owner, (combined_x, combined_topk_weights))
         if async_finish:
             self._hand_over(self._comm_stream, (x, topk_weights, bias_0, bias_1) + tuple(handle))
         return combined_x, combined_topk_weights, scope.event
+
+    # -- internode normal mode (NOTE [internode normal mode] in backends/__init__.py) ---------------------
+
+    def _refuse_internode_compile(self, what: str) -> None:
+        if self._internode:
+            raise InvalidInputError(f"{what} on a group of {self.topology.num_nodes} nodes cannot be traced by "
+                                    "torch.compile yet (its custom ops carry the one-node handle): call it eagerly")
+
+    def _handle_for_nodes(self, handle):
+        """A checked normal-mode handle as this Buffer's nodes need it: an `InternodeHandle` of as many nodes on
+        several, the equivalent one-node `DispatchHandle` on one (NOTE [internode handle])."""
+        if isinstance(handle, InternodeHandle):
+            if not self._internode:
+                return internode.flat_handle_of(handle, self._exchange)
+            if handle.rdma_channel_prefix_matrix.size(0) != self.topology.num_nodes:
+                raise HandleError(f"the handle was made on {handle.rdma_channel_prefix_matrix.size(0)} nodes; this "
+                                  f"Buffer's group has {self.topology.num_nodes} (ranks_per_node differs)")
+            return handle
+        if self._internode:
+            raise HandleError(f"a one-node handle (6 fields) on a Buffer of {self.topology.num_nodes} nodes: pass the "
+                              "handle of a dispatch on such a Buffer (10 fields, NOTE [internode handle])")
+        return handle
+
+    def _internode_handle(self, result, num_worst_tokens: int) -> InternodeHandle:
+        """A fresh internode dispatch's handle with this Buffer's attributes; its `flat` one-node handle carries
+        the one round the call ran in, which a one-node Buffer replays where it fits (NOTE [rounds])."""
+        num_recv = None if num_worst_tokens else result.recv_x.size(0)
+        most = result.most_call_tokens
+        flat = DispatchHandle(*result.handle.flat, buffer_id=self._id, num_recv_tokens=num_recv,
+                              rounds=rounds.Rounds(max(most, 1), 1, most, most))
+        return InternodeHandle(*result.handle, flat=flat, buffer_id=self._id, num_recv_tokens=num_recv)

@@ -11,7 +11,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from .errors import CapacityError, HandleError, InvalidInputError
-from .handle import DispatchHandle, LowLatencyHandle, as_dispatch_handle, as_low_latency_handle
+from .handle import InternodeHandle, LowLatencyHandle, as_low_latency_handle, as_normal_handle
 from .plan import workspace
 
 TOPK_DTYPES = (torch.int64, torch.int32)
@@ -223,11 +223,14 @@ def _handle_field(kind: str, name: str, value, **expected) -> None:
         raise HandleError(f"{exc} (NOTE [handle contents] in handle.py says what each field holds)") from None
 
 
-def dispatch_handle(handle, *, num_ranks: int, device) -> DispatchHandle:
-    """Our handle or DeepEP's 6-tuple, from any Buffer of the group, as DeepEP takes any handle: its fields
-    are tensors of the shapes and dtypes of NOTE [handle contents] (checked here, no value read), and its
-    rounds are replayed where they fit the Buffer it is given to, else derived again (rounds.plan_for)."""
-    handle = _converted(handle, as_dispatch_handle)
+def dispatch_handle(handle, *, num_ranks: int, device):
+    """Our handle or DeepEP's 6-tuple (or an internode handle or 10-tuple, NOTE [internode handle]), from any
+    Buffer of the group, as DeepEP takes any handle: its fields are tensors of the shapes and dtypes of NOTE
+    [handle contents] (checked here, no value read), and its rounds are replayed where they fit the Buffer it
+    is given to, else derived again (rounds.plan_for)."""
+    handle = _converted(handle, as_normal_handle)
+    if isinstance(handle, InternodeHandle):
+        return _internode_handle(handle, num_ranks, device)
     ranks_by_one = dict(dtypes=(torch.int32,), dim=2, device=device)
     _handle_field("dispatch", "rank_prefix_matrix", handle.rank_prefix_matrix, dtypes=(torch.int32,),
                   shape=(num_ranks, num_ranks), device=device)
@@ -242,6 +245,25 @@ def dispatch_handle(handle, *, num_ranks: int, device) -> DispatchHandle:
                   shape=(None, num_ranks), device=device)
     _handle_field("dispatch", "send_head", handle.send_head, dtypes=(torch.int32,),
                   shape=(handle.is_token_in_rank.size(0), num_ranks), device=device)
+    return handle
+
+
+def _internode_handle(handle: InternodeHandle, num_ranks: int, device) -> InternodeHandle:
+    """The ten fields' shapes and dtypes (NOTE [internode handle]); N nodes as its fields say."""
+    int32 = dict(dtypes=(torch.int32,), device=device)
+    _handle_field("internode", "rdma_channel_prefix_matrix", handle.rdma_channel_prefix_matrix, dim=2, **int32)
+    num_nodes = handle.rdma_channel_prefix_matrix.size(0)
+    if num_nodes < 1 or num_ranks % num_nodes:
+        raise HandleError(f"the internode handle names {num_nodes} nodes, which do not divide {num_ranks} ranks")
+    _handle_field("internode", "is_token_in_rank", handle.is_token_in_rank, dtypes=(torch.bool,),
+                  shape=(None, num_ranks), device=device)
+    num_tokens = handle.is_token_in_rank.size(0)
+    shapes = {"gbl_channel_prefix_matrix": (num_ranks, 1), "recv_rdma_channel_prefix_matrix": (num_nodes, 1),
+              "recv_rdma_rank_prefix_sum": (num_nodes,), "recv_gbl_channel_prefix_matrix": (num_ranks, 1),
+              "recv_gbl_rank_prefix_sum": (num_ranks,), "recv_src_meta": (None, 2),
+              "send_rdma_head": (num_tokens, num_nodes), "send_nvl_head": (None, num_ranks // num_nodes)}
+    for name, shape in shapes.items():
+        _handle_field("internode", name, getattr(handle, name), shape=shape, **int32)
     return handle
 
 

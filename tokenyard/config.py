@@ -19,7 +19,7 @@ class Config:
             tokenyard sends into fixed-size per-source regions (docs/semantics.md), so these are accepted
             and ignored.
         num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens: DeepEP's RDMA chunking;
-            accepted and ignored (no RDMA path yet).
+            accepted and ignored (internode normal mode runs over the group's collectives, no RDMA kernels yet).
         num_max_tokens_per_rank: tokenyard's own, keyword only: how many tokens per rank the size hints
             make room for.
     """
@@ -44,6 +44,8 @@ class Config:
         return workspace.normal_size_hint(hidden_bytes, num_ranks, self.num_max_tokens_per_rank)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """`num_rdma_bytes` for normal mode: 0, since every rank of a group is reached over NVLink."""
+        """`num_rdma_bytes` for normal mode: 0. On one node every rank is reached over NVLink; on several, the
+        reference backend's hierarchical path moves rows over the group's collectives, with no RDMA buffer
+        (docs/semantics.md "Internode normal mode")."""
         del hidden_bytes, num_ranks
         return 0

@@ -75,6 +75,17 @@ class EPHandle:
         self.buffer_id: Optional[int] = None
 
 
+class _OneNodeBuffer(Buffer):
+    """NOTE [elastic nodes]
+    ElasticBuffer's `Buffer` runs normal mode as one node whatever nodes its group has (real hosts, or virtual
+    ones from TOKENYARD_RANKS_PER_NODE): ElasticBuffer offers V2's calls without its scale-out (hybrid)
+    mode, reports `num_scaleout_ranks = 1`, and its handles and expanded layouts are built on the one-node
+    `DispatchHandle`. So its results never depend on nodes, it keeps the CUDA backend on virtual nodes of one
+    host, and a group of several hosts runs as before (the reference backend's one-node all-to-all)."""
+
+    _normal_mode_sees_nodes = False
+
+
 class ElasticBuffer:
     """DeepEP V2's `ElasticBuffer`: expert-parallel dispatch and combine in one class.
 
@@ -109,7 +120,7 @@ class ElasticBuffer:
                                         "(they size the buffer)")
             num_bytes = ElasticBuffer.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk,
                                                            use_fp8_dispatch, allow_hybrid_mode)
-        self.buffer = Buffer(group, num_nvl_bytes=num_bytes, explicitly_destroy=explicitly_destroy,
+        self.buffer = _OneNodeBuffer(group, num_nvl_bytes=num_bytes, explicitly_destroy=explicitly_destroy,
                              backend=backend, timeout_s=float(num_gpu_timeout_secs), check_inputs=check_inputs,
                              per_round_tokens=per_round_tokens, device=device)
         self.group, self.num_bytes, self.deterministic = group, num_bytes, deterministic

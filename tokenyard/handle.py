@@ -14,12 +14,46 @@ device; R ranks, T tokens sent by this rank, N rows received by this rank):
     send_head                   int32 [T, R]  row at which token t landed on rank r, or -1.
 
 These six fields are all any backend needs to run a cached dispatch or a combine, so a plain 6-tuple
-built by DeepEP-style code is accepted too. `LowLatencyHandle` unpacks into DeepEP's five low-latency
+built by DeepEP-style code is accepted too. `InternodeHandle` (a group of several nodes, NOTE [internode
+handle]) unpacks into DeepEP's ten internode fields. `LowLatencyHandle` unpacks into DeepEP's five low-latency
 fields ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``:
 
     src_info      int32 [L, R * M]  source token index of each slot (-1 where unused).
     layout_range  int64 [L, R]      ``(begin << 32) | count``: the slots of local expert l that came
                                     from rank r are ``begin .. begin + count - 1``.
+
+NOTE [internode handle]
+A dispatch on a group of N > 1 nodes of P ranks (rank r is local rank r % P of node r // P) moves rows in
+two stages (docs/semantics.md "Internode normal mode"): to the forwarder (m, r % P) of each node m that
+holds one of the token's experts, which receives in order of source node, then token ("RDMA"), and from it
+to the ranks of m that hold them ("NVLink"). `InternodeHandle` unpacks into DeepEP's ten internode fields,
+in DeepEP's order, with these meanings (one "channel", as the intranode handle has; T tokens sent, N_recv
+rows received, N_fwd rows forwarded by this rank):
+
+    is_token_in_rank                 bool  [T, R]      whether this rank's token t went to rank q.
+    rdma_channel_prefix_matrix       int32 [N, 1]      tokens this rank sends to node m (stage 1).
+    gbl_channel_prefix_matrix        int32 [R, 1]      tokens this rank sends to rank q.
+    recv_rdma_channel_prefix_matrix  int32 [N, 1]      tokens this rank forwards that came from node m.
+    recv_rdma_rank_prefix_sum        int32 [N]         its inclusive cumsum.
+    recv_gbl_channel_prefix_matrix   int32 [R, 1]      first received row from each source rank.
+    recv_gbl_rank_prefix_sum         int32 [R]         inclusive cumsum of the rows from each source rank.
+    recv_src_meta                    int32 [N_recv, 2] (source rank, source token index) of each received
+                                                       row; -1 on `num_worst_tokens` padding rows.
+    send_rdma_head                   int32 [T, N]      row at which token t landed in forwarder (m, r % P)'s
+                                                       stage-1 receive, or -1.
+    send_nvl_head                    int32 [N_fwd, P]  for each row this rank forwarded (stage-1 receive
+                                                       order), the row at which it landed on local rank j
+                                                       of this node, or -1.
+
+DeepEP's own cached path reads `recv_src_meta.size(0)` as the rows received and `send_nvl_head.size(0)` as
+the rows forwarded; so do we. The ten fields are all the reference backend's internode path needs, so a
+plain 10-tuple is accepted too. The handle also carries, as the attribute `flat` (not unpacked), the
+`DispatchHandle` a one-node dispatch of the same tokens makes, so a Buffer that sees the group as one node
+takes the handle as well; a plain 10-tuple has none, which such a Buffer derives (`backends.internode.
+flat_handle`, one all-gather).
+Example: 2 nodes x 2 ranks; rank 1 (node 0, local 1) sends token 0 (experts on ranks 1 and 3) to
+forwarders 1 (itself) and 3, so send_rdma_head[0] = [row on 1, row on 3]; forwarder 3 sends it on to
+rank 3 only, and its send_nvl_head row for it is [-1, row on 3].
 """
 
 from __future__ import annotations
@@ -30,6 +64,9 @@ import torch
 
 _DISPATCH_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix",
                     "recv_src_idx", "is_token_in_rank", "send_head")
+_INTERNODE_FIELDS = ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                     "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
+                     "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head", "send_nvl_head")
 _LOW_LATENCY_FIELDS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden",
                        "num_experts")
 
@@ -95,6 +132,42 @@ class DispatchHandle(_NamedTuple):
         return self[4].size(0)
 
 
+class InternodeHandle(_NamedTuple):
+    """The layout of one normal-mode dispatch over several nodes (see NOTE [internode handle]).
+
+    Attributes beyond the ten fields:
+        flat: the `DispatchHandle` a one-node dispatch of the same tokens makes (None for a handle built
+            from a plain tuple).
+        buffer_id: identity of the `Buffer` that made it (None for a handle built from a plain tuple).
+        num_recv_tokens: rows actually received, or None where unknown on the host (`num_worst_tokens`).
+    """
+
+    _fields = _INTERNODE_FIELDS
+    flat: Optional[DispatchHandle] = None
+    buffer_id: Optional[int] = None
+    num_recv_tokens: Optional[int] = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the received tensors (the worst-case count when `num_worst_tokens` was used)."""
+        return self[7].size(0)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this rank sent (rows of its combine output)."""
+        return self[0].size(0)
+
+    @property
+    def rounds(self):
+        """The rounds of its one-node equivalent (one: internode calls run whole), None without `flat`."""
+        return None if self.flat is None else self.flat.rounds
+
+    @property
+    def num_forwarded(self) -> int:
+        """Rows this rank forwarded (received in stage 1)."""
+        return self[9].size(0)
+
+
 class LowLatencyHandle(_NamedTuple):
     """The layout of one low-latency dispatch (see NOTE [handle contents]).
 
@@ -125,6 +198,15 @@ def _as_handle(cls, handle):
 def as_dispatch_handle(handle) -> DispatchHandle:
     """Accept our handle or DeepEP's plain 6-tuple."""
     return _as_handle(DispatchHandle, handle)
+
+
+def as_normal_handle(handle):
+    """Accept a `DispatchHandle`, an `InternodeHandle`, or DeepEP's plain 6- or 10-tuple."""
+    is_sequence = isinstance(handle, (tuple, list))
+    if isinstance(handle, InternodeHandle) or (is_sequence and not isinstance(handle, DispatchHandle)
+                                               and len(handle) == len(_INTERNODE_FIELDS)):
+        return _as_handle(InternodeHandle, handle)
+    return as_dispatch_handle(handle)
 
 
 def as_low_latency_handle(handle) -> LowLatencyHandle:

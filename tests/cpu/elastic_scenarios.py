@@ -189,3 +189,23 @@ def queries(seed):
     assert buffer.get_theoretical_num_qps(model) == 0
     buffer.destroy()
     return model
+
+
+def round_trip_on_virtual_nodes(seed, ranks_per_node):
+    """NOTE [elastic nodes]: with TOKENYARD_RANKS_PER_NODE making virtual nodes, ElasticBuffer still runs as one
+    node, with the same results."""
+    import os
+
+    from tokenyard import env
+
+    os.environ["TOKENYARD_RANKS_PER_NODE"] = str(ranks_per_node)
+    env.settings.cache_clear()
+    try:
+        _, num_ranks = _world()
+        buffer = tokenyard.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=8, hidden=128, backend="reference")
+        assert buffer.buffer.topology.num_nodes == num_ranks // ranks_per_node and not buffer.buffer._internode
+        buffer.destroy()
+        round_trip(seed, 10, 128, 16, 4, "skewed", "bf16", True, 4, True)
+    finally:
+        del os.environ["TOKENYARD_RANKS_PER_NODE"]
+        env.settings.cache_clear()

@@ -60,12 +60,13 @@ def independent_layout(topk_idx, num_experts, num_ranks):
 
 
 def normal_round_trip(seed, num_tokens, hidden, num_experts, num_topk, kind, dtype, expert_alignment=1,
-                      num_worst_tokens=0):
+                      num_worst_tokens=0, ranks_per_node=None):
     rank, num_ranks = _world()
     inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, kind, dtype)
     x, topk_idx, topk_weights = inputs[rank]
     data, scales = _split(x)
-    buffer = normal_buffer(num_tokens, hidden * max(data.element_size(), 2))
+    buffer = normal_buffer(num_tokens, hidden * max(data.element_size(), 2), ranks_per_node=ranks_per_node)
+    assert buffer.topology.num_nodes == 1
     assert buffer.backend == "reference"
 
     # Layout, against an independent count.

@@ -35,3 +35,7 @@ def test_bad_calls_are_refused_before_any_communication(ranks, seed):
 
 def test_runtime_queries(ranks, seed):
     ranks(4).run(scenarios.queries, seed)
+
+
+def test_virtual_nodes_leave_elastic_buffer_one_node(ranks, seed):
+    ranks(4).run(scenarios.round_trip_on_virtual_nodes, seed, 2)

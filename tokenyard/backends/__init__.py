@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Optional
 
 from .. import env
 from ..errors import BackendUnavailableError
@@ -27,7 +28,7 @@ def cuda_validated() -> bool:
     return CudaBackend.VALIDATED
 
 
-def _make_reference(ctx: GroupContext) -> Backend:
+def make_reference(ctx: GroupContext) -> Backend:
     from .reference import ReferenceBackend
 
     return ReferenceBackend(ctx)
@@ -42,7 +43,23 @@ def _make_cuda(ctx: GroupContext) -> Backend:
     return CudaBackend(ctx)
 
 
-_FACTORIES = {"reference": _make_reference, "cuda": _make_cuda}
+_FACTORIES = {"reference": make_reference, "cuda": _make_cuda}
+
+
+def normal_mode_backend(requested: str, chosen: str, num_nodes: int) -> Optional[str]:
+    """NOTE [internode normal mode]
+    The CUDA backend has no internode kernels yet, so a Buffer whose group has several nodes (real or virtual,
+    NOTE [virtual nodes]) runs its normal-mode calls (layout, dispatch, combine) on the reference backend's
+    hierarchical path (NOTE [internode stages]). Which backend runs them: the Buffer's own (`chosen`) with
+    one node or where it is the reference backend; "reference" where `backend="auto"` chose CUDA (the Buffer
+    says so once); None where the caller asked for "cuda" itself: those calls raise BackendUnavailableError.
+    Low-latency calls stay on the Buffer's own backend: their meaning does not depend on nodes.
+
+    Examples: ("auto", "cuda", 2) -> "reference"; ("cuda", "cuda", 2) -> None; ("cuda", "cuda", 1) -> "cuda".
+    """
+    if num_nodes <= 1 or chosen == "reference":
+        return chosen
+    return "reference" if requested == "auto" else None
 
 
 def create_backend(name: str, ctx: GroupContext) -> Backend:
@@ -57,7 +74,7 @@ def create_backend(name: str, ctx: GroupContext) -> Backend:
 def _create_auto(ctx: GroupContext) -> Backend:
     """CUDA if it can run on every rank (decided together, so all ranks pick the same), else reference."""
     if ctx.device.type != "cuda":
-        return _make_reference(ctx)
+        return make_reference(ctx)
     backend, reason = None, None
     if not all(ctx.all_gather_object(cuda_available() and cuda_validated())):
         reason = "it cannot run on every rank"
@@ -78,4 +95,4 @@ def _create_auto(ctx: GroupContext) -> Backend:
     if ctx.rank == 0:
         warnings.warn(f"tokenyard: using the reference backend (NCCL all-to-all) because the CUDA backend: "
                       f"{reason}. Set TOKENYARD_VERBOSE=1 for details.", stacklevel=4)
-    return _make_reference(ctx)
+    return make_reference(ctx)

@@ -64,6 +64,17 @@ def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.cumsum(dim) - t
 
 
+def flat_handle(counts: torch.Tensor, rank: int, recv_src_idx: torch.Tensor,
+                is_token_in_rank: torch.Tensor) -> DispatchHandle:
+    """The one-node `DispatchHandle` (NOTE [handle contents]) from ``counts [R, R]`` (tokens rank s sends to
+    rank r, the same on every rank) and this rank's own fields."""
+    rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
+    recv_first = _exclusive_cumsum(counts[:, rank], 0)
+    send_head = routing.landing_rows(is_token_in_rank, rank_prefix_matrix[rank] - counts[rank])
+    return DispatchHandle(rank_prefix_matrix, counts[rank].view(-1, 1).to(torch.int32).clone(),
+                          recv_first.view(-1, 1).to(torch.int32), recv_src_idx, is_token_in_rank, send_head)
+
+
 class ReferenceBackend(Backend):
     name = "reference"
 
@@ -123,61 +134,53 @@ class ReferenceBackend(Backend):
     def combine(self, request: CombineRequest):
         return self._placed_combine(request) if request.placement is not None else self._combine(request)
 
-    def _dispatch(self, request: DispatchRequest) -> DispatchResult:
+    def count_exchange(self, request: DispatchRequest):
+        """A fresh dispatch's count exchange: every rank's counts, layout checks' verdict (NOTE [input verdict])
+        and per-expert counts, in one all-gather. Returns ``counts [R, R]`` (tokens rank s sends to rank r, the
+        same on every rank), the most tokens of any rank's whole call (`request.call`, else this call; NOTE
+        [notify] in kernels/notify.cuh says what for), and this rank's per-local-expert counts (a list).
+
+        Raises:
+            InvalidInputError: some rank's verdict is bad (every rank raises the same).
+        """
         num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
-        x, is_token_in_rank = request.x, request.is_token_in_rank
-        num_tokens = x.size(0)
-        cached = request.handle is not None
+        num_experts = request.num_experts
+        num_local_experts = num_experts // num_ranks
+        per_rank = request.num_tokens_per_rank.to(torch.int32)
+        call = request.call
+        mine = torch.cat([per_rank, per_rank.new_full((1,), request.x.size(0) if call is None else call.num_tokens),
+                          per_rank if call is None else call.tokens_per_rank.to(torch.int32),
+                          request.num_tokens_per_expert.to(torch.int32), self._verdict(request)])
+        gathered = self._all_gather(mine)
+        verdicts = gathered[:, -1].tolist()
+        if any(verdicts):
+            kinds = functools.reduce(operator.or_, verdicts)
+            raise checks.verdict_error([r for r, v in enumerate(verdicts) if v], kinds, num_experts)
+        if call is not None:
+            call.prefix_matrix.copy_(gathered[:, num_ranks + 1:2 * num_ranks + 1].cumsum(0))
+        first = 2 * num_ranks + 1 + rank * num_local_experts
+        per_expert = gathered[:, first:first + num_local_experts].sum(0).tolist()
+        return gathered[:, :num_ranks], int(gathered[:, num_ranks].max()), per_expert
 
-        # 1. Counts: counts[s, r] = tokens rank s sends to rank r (same on every rank), with the same of the
-        # whole call this request is round 0 of (NOTE [notify] in kernels/notify.cuh says what for).
-        most_call_tokens = None
-        if cached:
-            rank_prefix_matrix = request.handle.rank_prefix_matrix
-            counts = torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
-        else:
-            num_experts = request.num_experts
-            num_local_experts = num_experts // num_ranks
-            per_rank = request.num_tokens_per_rank.to(torch.int32)
-            call = request.call
-            mine = torch.cat([per_rank, per_rank.new_full((1,), num_tokens if call is None else call.num_tokens),
-                              per_rank if call is None else call.tokens_per_rank.to(torch.int32),
-                              request.num_tokens_per_expert.to(torch.int32), self._verdict(request)])
-            gathered = self._all_gather(mine)
-            verdicts = gathered[:, -1].tolist()
-            if any(verdicts):
-                kinds = functools.reduce(operator.or_, verdicts)
-                raise checks.verdict_error([r for r, v in enumerate(verdicts) if v], kinds, num_experts)
-            counts = gathered[:, :num_ranks]
-            most_call_tokens = int(gathered[:, num_ranks].max())
-            rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
-            if call is not None:
-                call.prefix_matrix.copy_(gathered[:, num_ranks + 1:2 * num_ranks + 1].cumsum(0))
-            first = 2 * num_ranks + 1 + rank * num_local_experts
-            per_expert = gathered[:, first:first + num_local_experts].sum(0).tolist()
-        send_counts = counts[rank].tolist()
-        recv_counts = counts[:, rank].tolist()
-        num_recv = sum(recv_counts)
-        if request.num_worst_tokens:
-            checks.received_rows(counts.sum(0), request.num_worst_tokens)
-
-        # 2. Rows in send order: for each destination rank, its tokens in increasing index.
-        dest_rows = [is_token_in_rank[:, r].nonzero().flatten() for r in range(num_ranks)]
-        order = torch.cat(dest_rows)
-        src_idx = torch.arange(num_tokens, dtype=torch.int32, device=x.device).view(-1, 1)
-        columns = [_as_bytes(x), _as_bytes(src_idx)]
-        if request.x_scales is not None:
-            columns.append(_as_bytes(request.x_scales))
-        with_topk = not cached and request.topk_idx is not None
-        if with_topk:
+    @staticmethod
+    def payload(request: DispatchRequest, extra: Optional[torch.Tensor] = None):
+        """Each token's bytes as one row: ``[x | source token index | scales | topk_idx | topk_weights | extra]``
+        (those given; no top-k in a cached dispatch). Returns the rows and each column's span, which
+        `received` reads back."""
+        x = request.x
+        src_idx = torch.arange(x.size(0), dtype=torch.int32, device=x.device).view(-1, 1)
+        columns = [_as_bytes(x), _as_bytes(src_idx), _as_bytes(request.x_scales)]
+        if request.handle is None and request.topk_idx is not None:
             columns += [_as_bytes(request.topk_idx), _as_bytes(request.topk_weights)]
-        rows, spans = _pack([c for c in columns if c is not None])
-        recv = rows.new_empty(num_recv, rows.size(1))
-        self._all_to_all(recv, rows[order], recv_counts, send_counts)
+        columns.append(_as_bytes(extra))
+        return _pack([c for c in columns if c is not None])
 
-        # 3. Unpack, pad to num_worst_tokens, and describe the layout in the handle.
-        num_rows = request.num_worst_tokens or num_recv
-        pad = num_rows - num_recv
+    def received(self, request: DispatchRequest, recv: torch.Tensor, spans, per_expert: Optional[list]):
+        """The outputs from the received `payload` rows, in receive order, padded to num_worst_tokens
+        (docs/semantics.md "Normal dispatch"): ``(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, recv_src_idx)``."""
+        x, num_recv = request.x, recv.size(0)
+        pad = (request.num_worst_tokens or num_recv) - num_recv
 
         def padded(t, fill):
             if pad == 0:
@@ -192,34 +195,55 @@ class ReferenceBackend(Backend):
             s = request.x_scales
             recv_x_scales = padded(_from_bytes(recv, *next(spans), s.dtype, s.size(1)), 0)
         recv_topk_idx = recv_topk_weights = per_expert_list = None
-        if not cached:
+        if request.handle is None:
             per_expert_list = [] if request.num_worst_tokens else routing.align_counts(per_expert,
                                                                                       request.expert_alignment)
-        if with_topk:
-            topk_idx, topk_weights = request.topk_idx, request.topk_weights
-            recv_topk_idx = _from_bytes(recv, *next(spans), topk_idx.dtype, topk_idx.size(1))
-            recv_topk_weights = None
-            if topk_weights is not None:
-                recv_topk_weights = _from_bytes(recv, *next(spans), topk_weights.dtype, topk_weights.size(1))
-            recv_topk_idx, recv_topk_weights = routing.to_local_topk(recv_topk_idx, recv_topk_weights, rank,
-                                                                    num_local_experts, request.all_topk_weights)
-            recv_topk_idx = padded(recv_topk_idx, -1)
-            if recv_topk_weights is not None:
-                recv_topk_weights = padded(recv_topk_weights, 0)
+            if request.topk_idx is not None:
+                topk_idx, topk_weights = request.topk_idx, request.topk_weights
+                recv_topk_idx = _from_bytes(recv, *next(spans), topk_idx.dtype, topk_idx.size(1))
+                if topk_weights is not None:
+                    recv_topk_weights = _from_bytes(recv, *next(spans), topk_weights.dtype, topk_weights.size(1))
+                recv_topk_idx, recv_topk_weights = routing.to_local_topk(
+                    recv_topk_idx, recv_topk_weights, self.ctx.rank, request.num_experts // self.ctx.num_ranks,
+                    request.all_topk_weights)
+                recv_topk_idx = padded(recv_topk_idx, -1)
+                if recv_topk_weights is not None:
+                    recv_topk_weights = padded(recv_topk_weights, 0)
+        return recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, recv_src_idx
 
+    def _dispatch(self, request: DispatchRequest) -> DispatchResult:
+        num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
+        is_token_in_rank = request.is_token_in_rank
+        cached = request.handle is not None
+
+        # 1. Counts: counts[s, r] = tokens rank s sends to rank r (same on every rank).
+        most_call_tokens = per_expert = None
+        if cached:
+            rank_prefix_matrix = request.handle.rank_prefix_matrix
+            counts = torch.diff(rank_prefix_matrix, dim=0, prepend=torch.zeros_like(rank_prefix_matrix[:1]))
+        else:
+            counts, most_call_tokens, per_expert = self.count_exchange(request)
+            rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
+        send_counts = counts[rank].tolist()
+        recv_counts = counts[:, rank].tolist()
+        num_recv = sum(recv_counts)
+        if request.num_worst_tokens:
+            checks.received_rows(counts.sum(0), request.num_worst_tokens)
+
+        # 2. Rows in send order: for each destination rank, its tokens in increasing index.
+        dest_rows = [is_token_in_rank[:, r].nonzero().flatten() for r in range(num_ranks)]
+        order = torch.cat(dest_rows)
+        rows, spans = self.payload(request)
+        recv = rows.new_empty(num_recv, rows.size(1))
+        self._all_to_all(recv, rows[order], recv_counts, send_counts)
+
+        # 3. Unpack, pad to num_worst_tokens, and describe the layout in the handle.
+        recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, recv_src_idx = self.received(
+            request, recv, spans, per_expert)
         if cached:
             handle = request.handle
         else:
-            send_head = torch.full((num_tokens, num_ranks), -1, dtype=torch.int32, device=x.device)
-            prefix_before = (rank_prefix_matrix[rank - 1] if rank > 0
-                             else torch.zeros_like(rank_prefix_matrix[0])).tolist()
-            for r, dest in enumerate(dest_rows):
-                send_head[dest, r] = prefix_before[r] + torch.arange(dest.numel(), dtype=torch.int32,
-                                                                     device=x.device)
-            recv_first = _exclusive_cumsum(counts[:, rank], 0)
-            handle = DispatchHandle(rank_prefix_matrix, counts[rank].view(-1, 1).to(torch.int32).clone(),
-                                    recv_first.view(-1, 1).to(torch.int32), recv_src_idx, is_token_in_rank,
-                                    send_head)
+            handle = flat_handle(counts, rank, recv_src_idx, is_token_in_rank)
         result = DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle,
                                 most_call_tokens)
         placement = request.placement
@@ -269,6 +293,18 @@ class ReferenceBackend(Backend):
                 acc_w[dest] = acc_w[dest] + weights[begin:end]
             begin = end
         return acc.to(request.x.dtype), acc_w
+
+    # -- internode normal mode (NOTE [internode stages] in internode.py): whole calls, no rounds ---------
+
+    def internode_dispatch(self, request: DispatchRequest) -> DispatchResult:
+        from . import internode
+
+        return internode.dispatch(self, request)
+
+    def internode_combine(self, request: CombineRequest):
+        from . import internode
+
+        return internode.combine(self, request)
 
     # -- placed rounds (NOTE [placed rounds] in rounds.py): a round runs as a call of its own, and its rows
     # are copied to where the CUDA kernels write them ----------------------------------------------------

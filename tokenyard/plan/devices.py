@@ -29,8 +29,10 @@ DeepEP's runtime queries (`get_num_rdma_ranks`, `get_rdma_rank`, `get_root_rdma_
 nodes of `ranks_per_node` consecutive ranks. By default a node is a host (the whole group, where it runs on
 one). `Buffer(..., ranks_per_node=R)` or TOKENYARD_RANKS_PER_NODE splits the ranks of a host into virtual
 nodes of R ranks, so that code written for several nodes runs on one machine: 4 ranks as 2 nodes x 2, 8 as
-2 x 4 or 4 x 2. A virtual node never spans two hosts. Only the queries see it for now: every kernel still
-reaches every rank of a host over NVLink.
+2 x 4 or 4 x 2. A virtual node never spans two hosts. Normal mode sees the nodes too: on several it takes
+the reference backend's hierarchical path (NOTE [internode stages] in backends/internode.py, NOTE [internode
+normal mode] in backends/__init__.py); low-latency mode, whose meaning does not depend on nodes, still reaches
+every rank of a host over NVLink.
 """
 
 from __future__ import annotations

@@ -48,6 +48,26 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
 
+def tokens_per_node(is_token_in_rank: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """Per rank. ``bool [T, N]``: whether token t has an expert on node m (some rank of m holds one),
+    nodes of `ranks_per_node` consecutive ranks (NOTE [virtual nodes] in plan/devices.py). Its column sums
+    are `get_dispatch_layout`'s ``num_tokens_per_rdma_rank``."""
+    num_tokens, num_ranks = is_token_in_rank.shape
+    return is_token_in_rank.view(num_tokens, num_ranks // ranks_per_node, ranks_per_node).any(2)
+
+
+def landing_rows(selected: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Per rank. ``int32 [T, D]``: where each selected row lands when the selected rows of column d are
+    sent in increasing order to a receiver that places them from ``first`` on; -1 where not selected.
+
+    selected: bool ``[T, D]``; first: ``[D]``, or ``[T, D]`` where the first row depends on the row too.
+    Example: selected column [1, 0, 1, 1], first 5 -> [5, -1, 6, 7]. `send_head` is this with
+    ``first[q]`` = the rows rank q receives from lower source ranks.
+    """
+    position = selected.to(torch.int32).cumsum(0, dtype=torch.int32) - 1
+    return torch.where(selected, position + first.to(torch.int32), -1).to(torch.int32)
+
+
 def bad_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Where `topk_idx` holds an id outside [-1, num_experts) (bool, its shape)."""
     return (topk_idx < -1) | (topk_idx >= num_experts)
@@ -197,6 +217,113 @@ def combine(recv_xs: Sequence[torch.Tensor], send_heads: Sequence[torch.Tensor],
             acc[rows] = acc[rows] + recv_xs[r][where].float()
             if acc_w is not None:
                 acc_w[rows] = acc_w[rows] + recv_topk_weights[r][where].float()
+        out_x.append(acc.to(recv_xs[0].dtype))
+        out_w.append(acc_w)
+    return out_x, out_w
+
+
+# --------------------------------------------------------------------------------------------------
+# internode normal mode, all ranks at once (docs/semantics.md "Internode normal mode")
+# --------------------------------------------------------------------------------------------------
+
+def internode_handles(is_token_in_ranks: Sequence[torch.Tensor], ranks_per_node: int,
+                      num_worst_tokens: int = 0) -> List[dict]:
+    """The internode handle fields (NOTE [internode handle] in handle.py) of every rank, from the two stages
+    as loops: rank (n, l) sends token t once to the forwarder (m, l) of every node m holding one of its
+    experts, which receives in order of source node, then token, and sends it on to the ranks of m that
+    hold its experts; those place rows in order of source rank, then token (NOTE [recv order]).
+
+    Returns, per rank, a dict of the ten fields by name; the rows received are padded to
+    `num_worst_tokens` where it is given (recv_src_meta -1 there).
+    """
+    num_ranks, per_node = len(is_token_in_ranks), ranks_per_node
+    num_nodes = num_ranks // per_node
+    in_rank = [t.tolist() for t in is_token_in_ranks]
+    # forwarded[f]: the (source rank, token) pairs forwarder f receives, in stage-1 order.
+    forwarded = [[] for _ in range(num_ranks)]
+    send_rdma_head = [torch.full((len(in_rank[s]), num_nodes), -1, dtype=torch.int32) for s in range(num_ranks)]
+    for f in range(num_ranks):
+        node, local = divmod(f, per_node)
+        for source_node in range(num_nodes):
+            s = source_node * per_node + local
+            for t, row in enumerate(in_rank[s]):
+                if any(row[node * per_node:(node + 1) * per_node]):
+                    send_rdma_head[s][t, node] = len(forwarded[f])
+                    forwarded[f].append((s, t))
+    # received[q]: the (source rank, token) pairs rank q receives, in its row order.
+    received = [[(s, t) for s in range(num_ranks) for t, row in enumerate(in_rank[s]) if row[q]]
+                for q in range(num_ranks)]
+    row_on = [{pair: i for i, pair in enumerate(pairs)} for pairs in received]
+    outputs = []
+    for r in range(num_ranks):
+        node = r // per_node
+        to_rank = [sum(row[q] for row in in_rank[r]) for q in range(num_ranks)]
+        to_node = [sum(any(row[m * per_node:(m + 1) * per_node]) for row in in_rank[r]) for m in range(num_nodes)]
+        from_node = [sum(s // per_node == m for s, _ in forwarded[r]) for m in range(num_nodes)]
+        from_rank = [sum(s == source for s, _ in received[r]) for source in range(num_ranks)]
+        first_row = [sum(from_rank[:source]) for source in range(num_ranks)]
+        meta = [[s, t] for s, t in received[r]] + [[-1, -1]] * max(0, num_worst_tokens - len(received[r]))
+        send_nvl_head = torch.full((len(forwarded[r]), per_node), -1, dtype=torch.int32)
+        for i, (s, t) in enumerate(forwarded[r]):
+            for j in range(per_node):
+                q = node * per_node + j
+                if in_rank[s][t][q]:
+                    send_nvl_head[i, j] = row_on[q][(s, t)]
+
+        def column(values):
+            return torch.tensor(values, dtype=torch.int32).view(-1, 1)
+
+        outputs.append({
+            "is_token_in_rank": is_token_in_ranks[r],
+            "rdma_channel_prefix_matrix": column(to_node),
+            "gbl_channel_prefix_matrix": column(to_rank),
+            "recv_rdma_channel_prefix_matrix": column(from_node),
+            "recv_rdma_rank_prefix_sum": torch.tensor(from_node, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            "recv_gbl_channel_prefix_matrix": column(first_row),
+            "recv_gbl_rank_prefix_sum": torch.tensor(from_rank, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            "recv_src_meta": torch.tensor(meta, dtype=torch.int32).view(-1, 2),
+            "send_rdma_head": send_rdma_head[r],
+            "send_nvl_head": send_nvl_head,
+        })
+    return outputs
+
+
+def internode_combine(recv_xs: Sequence[torch.Tensor], send_heads: Sequence[torch.Tensor], ranks_per_node: int,
+                      recv_topk_weights: Optional[Sequence[torch.Tensor]] = None,
+                      biases: Optional[Sequence[Sequence[torch.Tensor]]] = None):
+    """What every rank gets back from an internode combine: `combine` reduced inside each node first.
+
+    For source rank s and its token t: ``acc = float32(bias_0[t]) + float32(bias_1[t])`` (those given); then
+    for each node m, in increasing order, that token t reached: ``partial_m = bf16(sum over the ranks q of m
+    it reached, increasing, of float32(recv_xs[q][send_head_s[t, q]]))`` (a float32 sum from 0) and
+    ``acc = acc + float32(partial_m)``; the result is bf16. ``combined_topk_weights``: the same in float32
+    throughout, per node partial sums then their sum over m. With one rank per node this is `combine`.
+    """
+    num_ranks = len(recv_xs)
+    hidden = recv_xs[0].size(1)
+    out_x, out_w = [], []
+    for s in range(num_ranks):
+        send_head = send_heads[s]
+        num_tokens = send_head.size(0)
+        acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+        for bias in (biases[s] if biases is not None else ()):
+            acc = acc + bias.float()
+        acc_w = None
+        if recv_topk_weights is not None:
+            acc_w = torch.zeros(num_tokens, recv_topk_weights[0].size(1), dtype=torch.float32)
+        for begin in range(0, num_ranks, ranks_per_node):
+            partial = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+            partial_w = None if acc_w is None else torch.zeros_like(acc_w)
+            for q in range(begin, begin + ranks_per_node):
+                rows = (send_head[:, q] >= 0).nonzero().flatten()
+                where = send_head[rows, q].long()
+                partial[rows] = partial[rows] + recv_xs[q][where].float()
+                if partial_w is not None:
+                    partial_w[rows] = partial_w[rows] + recv_topk_weights[q][where].float()
+            reached = (send_head[:, begin:begin + ranks_per_node] >= 0).any(1).nonzero().flatten()
+            acc[reached] = acc[reached] + partial[reached].to(recv_xs[0].dtype).float()
+            if acc_w is not None:
+                acc_w[reached] = acc_w[reached] + partial_w[reached]
         out_x.append(acc.to(recv_xs[0].dtype))
         out_w.append(acc_w)
     return out_x, out_w
