@@ -190,14 +190,19 @@ class Buffer(LowLatencyCalls):
     def _normal_mode_runtime(self, requested: str, context: GroupContext):
         """NOTE [internode normal mode]: the backend that runs this Buffer's normal-mode calls, None where
         they are refused (`backend="cuda"` on several nodes)."""
-        runs_on = normal_mode_backend(requested, self.runtime.name, self.topology.num_nodes if self._internode else 1)
+        num_nodes = self.topology.num_nodes if self._internode else 1
+        missing = None
+        if num_nodes > 1 and self.runtime.name == "cuda":  # decided together: every rank takes the same path
+            reasons = context.all_gather_object(self.runtime.internode_missing())
+            missing = next((r for r in reasons if r is not None), None)
+        runs_on = normal_mode_backend(requested, self.runtime.name, num_nodes, internode_kernels=missing is None)
         if runs_on is None or runs_on == self.runtime.name:
             return None if runs_on is None else self.runtime
         if context.group is None:  # an mpi4py comm: the reference backend needs a torch.distributed group
             return None
-        message = (f"the group has {self.topology.num_nodes} nodes and the CUDA backend has no internode kernels "
-                   "yet: normal mode (layout, dispatch, combine) runs on the reference backend, low-latency mode "
-                   "on CUDA")
+        message = (f"the group has {self.topology.num_nodes} nodes and the CUDA backend cannot run its internode "
+                   f"kernels here ({missing}): normal mode (layout, dispatch, combine) runs on the reference "
+                   "backend, low-latency mode on CUDA")
         env.log(f"rank {self.rank}: {message}")
         if self.rank == 0:
             warnings.warn(f"tokenyard: {message}", stacklevel=3)
@@ -208,9 +213,10 @@ class Buffer(LowLatencyCalls):
         own = self._backend()
         if self._normal_runtime is None:
             raise BackendUnavailableError(
-                f"normal-mode calls on a group of {self.topology.num_nodes} nodes need internode kernels, which the "
-                f"{own.name} backend does not have yet: use backend='auto' or 'reference' (the reference backend's "
-                "hierarchical path), or ranks_per_node equal to the group size; low-latency calls work here")
+                f"normal-mode calls on a group of {self.topology.num_nodes} nodes need the {own.name} backend's "
+                "internode kernels, which cannot run here (NVSHMEM: pip install tokenyard[internode], and nvcc): "
+                "install them, or use backend='auto' or 'reference' (the reference backend's hierarchical path), or "
+                "ranks_per_node equal to the group size; low-latency calls work here")
         return self._normal_runtime
 
     def _cpu_twin(self) -> "Buffer":

@@ -51,6 +51,8 @@ def test_normal_mode_without_its_backend_raises_and_names_the_way_out(ranks):
     ("auto", "cuda", 1, "cuda"), ("auto", "reference", 4, "reference"), ("reference", "reference", 2, "reference")])
 def test_normal_mode_backend_on_several_nodes(requested, chosen, num_nodes, want):
     assert normal_mode_backend(requested, chosen, num_nodes) == want
+    # Where every rank can run the CUDA backend's internode kernels, the Buffer's own backend runs normal mode.
+    assert normal_mode_backend(requested, chosen, num_nodes, internode_kernels=True) == chosen
 
 
 def test_autograd_backward_on_nodes_is_the_internode_combine_and_cached_dispatch(ranks, seed):

@@ -81,7 +81,8 @@ def test_profilers_find_one_dispatch_and_one_combine_kernel_per_mode():
     and matches trace events on "::dispatch"; a call launches the kernels of one mode only."""
     names = {s.name for s in kernels.every_kernel()}
     for word in ("dispatch", "combine"):
-        assert sorted(n for n in names if word in n) == [f"tokenyard::low_latency::{word}",
+        assert sorted(n for n in names if word in n) == [f"tokenyard::internode::{word}",
+                                                          f"tokenyard::low_latency::{word}",
                                                           f"tokenyard::normal::{word}"]
     assert {n.split("::")[1] for n in names} == {"normal", "low_latency", "elastic", "internode"}
     spec = kernels.dispatch(4, 448, 56, 8, torch.int64)

@@ -46,18 +46,21 @@ def _make_cuda(ctx: GroupContext) -> Backend:
 _FACTORIES = {"reference": make_reference, "cuda": _make_cuda}
 
 
-def normal_mode_backend(requested: str, chosen: str, num_nodes: int) -> Optional[str]:
+def normal_mode_backend(requested: str, chosen: str, num_nodes: int, internode_kernels: bool = False) -> Optional[str]:
     """NOTE [internode normal mode]
-    The CUDA backend has no internode kernels yet, so a Buffer whose group has several nodes (real or virtual,
-    NOTE [virtual nodes]) runs its normal-mode calls (layout, dispatch, combine) on the reference backend's
-    hierarchical path (NOTE [internode stages]). Which backend runs them: the Buffer's own (`chosen`) with
-    one node or where it is the reference backend; "reference" where `backend="auto"` chose CUDA (the Buffer
-    says so once); None where the caller asked for "cuda" itself: those calls raise BackendUnavailableError.
-    Low-latency calls stay on the Buffer's own backend: their meaning does not depend on nodes.
+    A Buffer whose group has several nodes (real or virtual, NOTE [virtual nodes]) runs its normal-mode calls
+    (layout, dispatch, combine) on the CUDA backend's internode kernels (NOTE [internode kernels]) where every
+    rank can run them (`internode_kernels`: NVSHMEM and nvcc there, NOTE [NVSHMEM units]), else on the
+    reference backend's hierarchical path (NOTE [internode stages]). Which backend runs them: the Buffer's own
+    (`chosen`) with one node, where it is the reference backend, or where it is CUDA with internode kernels;
+    "reference" where `backend="auto"` chose CUDA without them (the Buffer says so once, naming the extra);
+    None where the caller asked for "cuda" itself: those calls raise BackendUnavailableError. Low-latency calls
+    stay on the Buffer's own backend: their meaning does not depend on nodes.
 
-    Examples: ("auto", "cuda", 2) -> "reference"; ("cuda", "cuda", 2) -> None; ("cuda", "cuda", 1) -> "cuda".
+    Examples: ("auto", "cuda", 2) -> "reference"; ("cuda", "cuda", 2) -> None; ("cuda", "cuda", 1) -> "cuda";
+    ("cuda", "cuda", 2, internode_kernels=True) -> "cuda".
     """
-    if num_nodes <= 1 or chosen == "reference":
+    if num_nodes <= 1 or chosen == "reference" or internode_kernels:
         return chosen
     return "reference" if requested == "auto" else None
 

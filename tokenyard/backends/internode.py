@@ -126,11 +126,13 @@ def _nodes(backend) -> _Nodes:
     return _Nodes(ctx.rank, ctx.num_ranks, ctx.topology.ranks_per_node)
 
 
-def dispatch(backend, request: DispatchRequest) -> DispatchResult:
+def dispatch(backend, request: DispatchRequest, kernels=None) -> DispatchResult:
     """A fresh or cached normal dispatch through the two stages; the outputs are the one-node dispatch's
-    (docs/semantics.md "Normal dispatch"), the handle an `InternodeHandle`."""
+    (docs/semantics.md "Normal dispatch"), the handle an `InternodeHandle`. `backend` is a reference backend,
+    whose count exchange, rows and outputs serve both paths; `kernels` (the CUDA backend's `InternodeKernels`)
+    moves the rows in place of the two all-to-alls (NOTE [internode kernels])."""
     if request.handle is not None:
-        return _cached_dispatch(backend, request)
+        return _cached_dispatch(backend, request, kernels)
     nodes = _nodes(backend)
     rank, per_node = nodes.rank, nodes.per_node
     in_rank = request.is_token_in_rank
@@ -141,11 +143,15 @@ def dispatch(backend, request: DispatchRequest) -> DispatchResult:
     node_counts = backend._all_gather(to_node.sum(0, dtype=torch.int32))  # [s, m]: tokens s sends node m
     from_node = node_counts[nodes.local::per_node, nodes.node]            # [n']: from source (n', l)
 
-    # Each row carries the token's is_token_in_rank row; the forwarder reads its node's columns of it.
-    rows, spans = backend.payload(request, extra=in_rank.to(torch.uint8))
-    in_node = slice(spans[-1][0] + nodes.node * per_node, spans[-1][0] + (nodes.node + 1) * per_node)
-    mask, recv = _two_stages(backend, nodes, rows, to_node, from_node, lambda recv1: recv1[:, in_node].bool(),
-                             counts[:, rank])
+    if kernels is None:
+        # Each row carries the token's is_token_in_rank row; the forwarder reads its node's columns of it.
+        rows, spans = backend.payload(request, extra=in_rank.to(torch.uint8))
+        in_node = slice(spans[-1][0] + nodes.node * per_node, spans[-1][0] + (nodes.node + 1) * per_node)
+        mask, recv = _two_stages(backend, nodes, rows, to_node, from_node, lambda recv1: recv1[:, in_node].bool(),
+                                 counts[:, rank])
+    else:
+        rows, spans = backend.payload(request)
+        recv, mask = kernels.dispatch(rows, in_rank, counts, node_counts)
     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, recv_src_idx = backend.received(
         request, recv, spans, per_expert)
 
@@ -177,24 +183,37 @@ def dispatch(backend, request: DispatchRequest) -> DispatchResult:
                           most_call_tokens)
 
 
-def _cached_dispatch(backend, request: DispatchRequest) -> DispatchResult:
+def _cached_dispatch(backend, request: DispatchRequest, kernels) -> DispatchResult:
     """The handle's layout again: stage 1 by `send_rdma_head`, stage 2 by `send_nvl_head`; the rows fill the
-    handle's rows (its num_worst_tokens, if it had one), as a one-node cached dispatch does."""
+    handle's rows (its num_worst_tokens, if it had one), as a one-node cached dispatch does. The kernels need
+    every rank's counts, which the handle's rows per rank and per node give (one all-gather)."""
     nodes, handle = _nodes(backend), request.handle
     rows, spans = backend.payload(request)
     from_rank = torch.diff(handle.recv_gbl_rank_prefix_sum, prepend=handle.recv_gbl_rank_prefix_sum.new_zeros(1))
     from_node = handle.recv_rdma_channel_prefix_matrix[:, 0]
-    _, recv = _two_stages(backend, nodes, rows, handle.send_rdma_head >= 0, from_node,
-                          lambda recv1: handle.send_nvl_head >= 0, from_rank)
+    if kernels is None:
+        _, recv = _two_stages(backend, nodes, rows, handle.send_rdma_head >= 0, from_node,
+                              lambda recv1: handle.send_nvl_head >= 0, from_rank)
+    else:
+        gathered = backend._all_gather(torch.cat([handle.gbl_channel_prefix_matrix[:, 0],
+                                                  handle.rdma_channel_prefix_matrix[:, 0]]).to(torch.int32))
+        recv, _ = kernels.dispatch(rows, handle.is_token_in_rank, gathered[:, :nodes.num_ranks],
+                                   gathered[:, nodes.num_ranks:])
     padded = dataclasses.replace(request, num_worst_tokens=handle.num_rows)
     recv_x, recv_x_scales = backend.received(padded, recv, spans, None)[:2]
     return DispatchResult(recv_x, recv_x_scales, None, None, None, handle)
 
 
-def combine(backend, request: CombineRequest):
-    """The internode combine (NOTE [internode stages]): ``(combined_x, combined_topk_weights or None)``."""
+def combine(backend, request: CombineRequest, kernels=None):
+    """The internode combine (NOTE [internode stages]): ``(combined_x, combined_topk_weights or None)``; with
+    `kernels`, by the CUDA backend's (NOTE [internode kernels])."""
     nodes, handle = _nodes(backend), request.handle
     x, weights = request.x, request.topk_weights
+    if kernels is not None:
+        num_recv = int(handle.recv_gbl_rank_prefix_sum[-1])
+        return kernels.combine(x[:num_recv], None if weights is None else weights[:num_recv],
+                               handle.is_token_in_rank, handle.send_nvl_head,
+                               handle.recv_rdma_channel_prefix_matrix[:, 0].tolist(), (request.bias_0, request.bias_1))
     device, hidden = x.device, x.size(1)
     columns = [_as_bytes(x)] + ([] if weights is None else [_as_bytes(weights)])
     rows, spans = _pack(columns)

@@ -13,9 +13,10 @@ import math
 from typing import Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ... import checks, env
-from ...errors import BackendUnavailableError, CommTimeoutError, InvalidInputError, TokenyardError
+from ...errors import BackendUnavailableError, CapacityError, CommTimeoutError, InvalidInputError, TokenyardError
 from ...handle import DispatchHandle
 from ...jit import load
 from ...plan import headers, workspace
@@ -43,6 +44,7 @@ _MASK32 = 0xFFFFFFFF
 # From kRecordSignaturesAt, the table of every rank's signature: kMaxRanks rows of kMaxSignatureInts.
 _RECORD_SIGNATURES_AT = headers.constant("sync.cuh", "kRecordSignaturesAt")
 _MAX_RANKS = headers.constant("layout.cuh", "kMaxRanks")
+_INTERNODE_HEAP_SLACK = 64 << 20  # NVSHMEM's heap beyond the internode region: its signals and NVSHMEM's own
 _MAX_SIGNATURE_INTS = headers.constant("layout.cuh", "kMaxSignatureInts")
 _RECORD_INTS = _RECORD_SIGNATURES_AT + _MAX_RANKS * _MAX_SIGNATURE_INTS
 
@@ -230,6 +232,7 @@ class CudaBackend(Backend):
 
         self._low_latency = ReferenceBackend(ctx)
         self._low_latency_kernels = None
+        self._internode = None  # InternodeKernels, made at the first internode call
         if self.low_latency_buffer is not None:
             self._low_latency_kernels = LowLatencyKernels(self, self.low_latency_buffer)
         choice = env.settings().low_latency_kernels
@@ -776,8 +779,55 @@ class CudaBackend(Backend):
             return self._low_latency.local_buffer(True)
         return self.normal.tensor
 
+    # -- internode normal mode (NOTE [internode kernels] in kernels/internode.cuh) ---------------------------
+
+    @staticmethod
+    def internode_missing() -> Optional[str]:
+        """None where this process can run the internode kernels, else what it lacks (NOTE [NVSHMEM units])."""
+        from ...jit import compiler as compilers
+        from ...jit import nvshmem
+
+        if nvshmem.find() is None:
+            return nvshmem.missing_reason()
+        if compilers.nvcc_path() is None:
+            return "no nvcc, which links the kernels that call NVSHMEM"
+        return None
+
+    def _internode_kernels(self):
+        """The internode kernels, NVSHMEM started for the group at the first internode call (collective)."""
+        if self._internode is None:
+            from .internode import InternodeKernels
+            from .transport import Transport
+
+            ctx = self.ctx
+            if ctx.num_rdma_bytes <= 0:
+                raise CapacityError("internode normal mode on the CUDA backend keeps its rows in num_rdma_bytes "
+                                    "of NVSHMEM memory (NOTE [internode region]); this Buffer has none",
+                                    required_bytes=0, available_bytes=0, which="num_rdma_bytes")
+            ranks = tuple(dist.get_process_group_ranks(ctx.group)) if ctx.group is not None else \
+                tuple(range(ctx.num_ranks))
+            transport = Transport.start(ctx.rank, ctx.num_ranks, ctx.all_gather_object, ranks,
+                                        heap_bytes=ctx.num_rdma_bytes + _INTERNODE_HEAP_SLACK,
+                                        shares_gpu=ctx.topology.shares_gpu)
+            self._internode = InternodeKernels(self, transport, ctx.num_rdma_bytes, ctx.topology.ranks_per_node)
+        return self._internode
+
+    def internode_dispatch(self, request: DispatchRequest) -> DispatchResult:
+        from .. import internode
+
+        return internode.dispatch(self._low_latency, request, self._internode_kernels())
+
+    def internode_combine(self, request: CombineRequest):
+        from .. import internode
+
+        return internode.combine(self._low_latency, request, self._internode_kernels())
+
     def destroy(self, together: bool = True) -> None:
         torch.cuda.synchronize(self.device_index)
+        if self._internode is not None and together:  # NVSHMEM's frees and stop are collective
+            self._internode.close()
+            self._internode.transport.close()
+        self._internode = None
         held = [b for b in (self.normal, self.low_latency_buffer) if b is not None]
         self.normal = self.low_latency_buffer = None
         for buffer in held:

@@ -222,6 +222,38 @@ def transport_check() -> KernelSpec:
         TRANSPORT_CHECK_THREADS, name="tokenyard::internode::transport_check", nvshmem=True)
 
 
+INTERNODE_THREADS = 512
+
+
+@functools.lru_cache(maxsize=None)
+def internode_dispatch() -> KernelSpec:
+    """Both stages of an internode dispatch (NOTE [internode kernels]); an NVSHMEM unit."""
+    return KernelSpec(
+        "tokenyard/kernels/internode.cuh", "tokenyard::kernels::internode_dispatch", (),
+        (Param("const uint8_t*", "send_rows"), Param("const int*", "node_row_begin"), Param("uint8_t*", "fwd_recv"),
+         Param("const int*", "fwd_rows"), Param("const int*", "dest_first"), Param("uint8_t*", "recv"),
+         Param("uint64_t*", "signals"), Param("unsigned long long*", "call_counter"), Param("int", "num_nodes"),
+         Param("int", "ranks_per_node"), Param("int", "rank"), Param("int64_t", "row_bytes"),
+         Param("int64_t", "out_row_bytes"), Param("int64_t", "fwd_capacity"), *_WAIT),
+        INTERNODE_THREADS, name="tokenyard::internode::dispatch", nvshmem=True)
+
+
+@functools.lru_cache(maxsize=None)
+def internode_combine(hidden_int4: int, num_topk: int) -> KernelSpec:
+    """Both stages of an internode combine (NOTE [internode kernels]); an NVSHMEM unit."""
+    return KernelSpec(
+        "tokenyard/kernels/internode.cuh", "tokenyard::kernels::internode_combine", (hidden_int4, num_topk),
+        (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("int", "num_recv"),
+         Param("int4*", "comb_in"), Param("int4* const*", "peer_comb_in"), Param("int", "num_fwd"),
+         Param("const int*", "fwd_row_begin"), Param("const int*", "send_nvl_head"), Param("int4*", "comb_stage"),
+         Param("int4*", "comb_out"), Param("int64_t", "fwd_capacity"), Param("int", "num_tokens"),
+         Param("const int*", "send_rdma_pos"), Param("const int4*", "bias_0"), Param("const int4*", "bias_1"),
+         Param("int4*", "out"), Param("float*", "out_weights"), Param("uint64_t*", "signals"),
+         Param("unsigned long long*", "call_counter"), Param("int", "num_nodes"), Param("int", "ranks_per_node"),
+         Param("int", "rank"), *_WAIT),
+        INTERNODE_THREADS, name="tokenyard::internode::combine", nvshmem=True)
+
+
 def every_kernel():
     """Representative instantiations of every kernel, for CI's compile check."""
     for ranks in (2, 4, 8):
@@ -245,3 +277,5 @@ def every_kernel():
             yield low_latency_dispatch(num_topk, torch.int64, use_fp8, use_ue8m0)
         yield low_latency_combine(num_topk, torch.int64)
     yield transport_check()
+    yield internode_dispatch()
+    yield internode_combine(7168 * 2 // 16, 8)

@@ -1,0 +1,113 @@
+"""Internode normal mode on the CUDA backend (NOTE [internode kernels]) against the reference backend's hierarchical
+path on the same virtual nodes (4 ranks as 2 x 2, 8 as 4 x 2 and 2 x 4; device machine only, on one GPU under
+MPS): everything that crosses a node goes through NVSHMEM. Dispatch must match bit for bit (data, scales,
+indices, weights, per-expert counts, every field of the handle), a cached dispatch with the handle and with the
+plain 10-tuple too, and combine bit for bit (the same float32 sums per node, rounded to bf16 once per node, then
+over the nodes in the same order). Fresh random inputs per case; the combine's output is poisoned first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenyard.jit import nvshmem
+
+from . import spawn
+
+pytestmark = [spawn.needs_ranks(),
+              pytest.mark.skipif(nvshmem.find() is None, reason="needs NVSHMEM (pip install tokenyard[internode])")]
+
+CASES = [
+    # (num_tokens, hidden, num_experts, num_topk, kind, dtype, num_worst_tokens)
+    (256, 7168, 256, 8, "uniform", "fp8", 0),
+    (200, 2048, 64, 4, "skewed", "bf16", 0),
+    (96, 2048, 32, 4, "masked", "int8", 0),
+    (64, 2048, 32, 8, "empty_rank", "bf16", 0),
+    (128, 4096, 64, 8, "uniform", "bf16", 2048),
+]
+RDMA_BYTES = 192 << 20
+
+
+def _layouts():
+    return [(n, p) for n in spawn.rank_counts() for p in (2, 4) if n % p == 0 and n // p >= 2]
+
+
+def _same(what, a, b):
+    if a is None or b is None:
+        assert a is None and b is None, f"{what}: one is None"
+        return
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    assert torch.equal(spawn.bits(a), spawn.bits(b)), f"{what} differs"
+
+
+def _split(x):
+    return x if isinstance(x, tuple) else (x, None)
+
+
+def _compare_ranks(seed, ranks_per_node):
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, Config, InternodeHandle
+    from tokenyard.tools.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    nvl_bytes = Config(num_max_tokens_per_rank=256).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+    ref = Buffer(dist.group.WORLD, nvl_bytes, 0, backend="reference", ranks_per_node=ranks_per_node)
+    cuda = Buffer(dist.group.WORLD, nvl_bytes, RDMA_BYTES, backend="cuda", ranks_per_node=ranks_per_node,
+                  timeout_s=30)
+    cuda.runtime.poison_outputs = True
+    report = []
+    for case_id, (num_tokens, hidden, num_experts, num_topk, kind, dtype, worst) in enumerate(CASES):
+        x, topk_idx, topk_weights = make_rank_inputs(seed + case_id, num_ranks, num_tokens, hidden, num_experts,
+                                                     num_topk, kind, dtype, device)[rank]
+        what = f"rank {rank} case {case_id} {kind}/{dtype}/h{hidden}/k{num_topk}/worst{worst}"
+        layouts = [b.get_dispatch_layout(topk_idx, num_experts) for b in (ref, cuda)]
+        for i, name in enumerate(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
+                                  "is_token_in_rank")):
+            _same(f"{what}: layout {name}", layouts[0][i], layouts[1][i])
+        per_rank, per_rdma, per_expert, in_rank, _ = layouts[1]
+        outs = [b.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
+                           num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                           num_tokens_per_expert=per_expert, expert_alignment=4, num_worst_tokens=worst)
+                for b in (ref, cuda)]
+        torch.cuda.synchronize()
+        (rx, ri, rw, rl, rh, _), (cx, ci, cw, cl, ch, _) = outs
+        assert isinstance(ch, InternodeHandle), f"{what}: handle {type(ch).__name__}"
+        num_recv = int(rh.recv_gbl_rank_prefix_sum[-1])
+        for name, a, b in (("recv_x", _split(rx)[0][:num_recv], _split(cx)[0][:num_recv]),
+                           ("recv_x_scales", _split(rx)[1], _split(cx)[1]),
+                           ("recv_topk_idx", ri, ci), ("recv_topk_weights", rw, cw)):
+            _same(f"{what}: {name}", a if name != "recv_x_scales" or a is None else a[:num_recv],
+                  b if name != "recv_x_scales" or b is None else b[:num_recv])
+        assert rl == cl, f"{what}: per-expert counts {rl} vs {cl}"
+        for name in InternodeHandle._fields:
+            _same(f"{what}: handle.{name}", getattr(rh, name), getattr(ch, name))
+
+        # Cached dispatch, with the handle and with DeepEP's plain 10-tuple.
+        for how, h in (("handle", ch), ("10-tuple", tuple(ch))):
+            again = _split(cuda.dispatch(x, handle=h)[0])
+            _same(f"{what}: cached dispatch ({how})", again[0][:num_recv], _split(cx)[0][:num_recv])
+
+        # Combine, with weights and a bias, then without either.
+        y = torch.randn(_split(cx)[0].size(0), hidden, device=device).to(torch.bfloat16)
+        bias = torch.randn(num_tokens, hidden, device=device).to(torch.bfloat16)
+        for how, with_extras in (("weights and bias", True), ("plain", False)):
+            rc = ref.combine(y, rh, topk_weights=rw if with_extras else None, bias=bias if with_extras else None)
+            cc = cuda.combine(y, ch, topk_weights=cw if with_extras else None, bias=bias if with_extras else None)
+            torch.cuda.synchronize()
+            error = (rc[0].float() - cc[0].float()).abs().max().item() if rc[0].numel() else 0.0
+            assert torch.equal(rc[0], cc[0]), f"{what}: combine ({how}) differs, max abs error {error}"
+            _same(f"{what}: combined weights ({how})", rc[1], cc[1])
+        report.append((case_id, num_recv))
+    cuda.destroy()
+    ref.destroy()
+    return report
+
+
+@pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts())
+def test_internode_kernels_match_the_reference_hierarchical_path(num_ranks, ranks_per_node):
+    seed = int(torch.randint(0, 2**30, ()).item())
+    reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, timeout_s=420.0)
+    print(f"internode kernels, {num_ranks // ranks_per_node} nodes x {ranks_per_node} on "
+          f"{spawn.describe(num_ranks)}, seed {seed}: rows received per case {reports}")
