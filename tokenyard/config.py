@@ -44,8 +44,14 @@ class Config:
         return workspace.normal_size_hint(hidden_bytes, num_ranks, self.num_max_tokens_per_rank)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """`num_rdma_bytes` for normal mode: 0. On one node every rank is reached over NVLink; on several, the
-        reference backend's hierarchical path moves rows over the group's collectives, with no RDMA buffer
-        (docs/semantics.md "Internode normal mode")."""
-        del hidden_bytes, num_ranks
-        return 0
+        """`num_rdma_bytes` for normal mode: 0 on one node (up to 8 ranks, as DeepEP assumes), where every rank is
+        reached over NVLink; on nodes of 8, what the CUDA backend's internode kernels keep for any routing of
+        `num_max_tokens_per_rank` tokens of `hidden_bytes` per rank (NOTE [internode region] in
+        backends/cuda/internode.py: each half holds, at most, a row from every token of every rank plus a row per
+        node for each of this rank's tokens; a combine row, the larger). The reference backend's hierarchical path
+        needs none."""
+        if num_ranks <= 8:
+            return 0
+        num_nodes = num_ranks // 8
+        row = hidden_bytes + 32 * 4 + 64  # a combine row: the data, up to 32 weights, padding
+        return 2 * (num_ranks + num_nodes) * self.num_max_tokens_per_rank * row

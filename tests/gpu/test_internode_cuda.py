@@ -111,3 +111,62 @@ def test_internode_kernels_match_the_reference_hierarchical_path(num_ranks, rank
     reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, timeout_s=420.0)
     print(f"internode kernels, {num_ranks // ranks_per_node} nodes x {ranks_per_node} on "
           f"{spawn.describe(num_ranks)}, seed {seed}: rows received per case {reports}")
+
+
+def _peer_that_stops(seed, ranks_per_node):
+    """Rank 1 skips its combine kernel: the others' kernels wait at the combine's start barrier until their
+    deadline and record it; each raises CommTimeoutError naming itself and the stage, a new Buffer then works."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, CommTimeoutError, Config
+    from tokenyard.tools.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    nvl_bytes = Config(num_max_tokens_per_rank=64).get_nvl_buffer_size_hint(2048 * 2, num_ranks)
+
+    def round_trip(buffer, seed_):
+        x, topk_idx, weights = make_rank_inputs(seed_, num_ranks, 64, 2048, 32, 4, "uniform", "bf16", device)[rank]
+        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 32)
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
+                                                          num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                          num_tokens_per_expert=per_expert)
+        return recv_x, handle, buffer.combine(recv_x, handle)[0]
+
+    failing = Buffer(dist.group.WORLD, nvl_bytes, 32 << 20, backend="cuda", ranks_per_node=ranks_per_node,
+                     timeout_s=3)
+    round_trip(failing, seed)  # starts the internode kernels
+    kernels = failing.runtime._internode_kernels()
+    if rank == 1:
+        launch = kernels._launch
+        kernels._launch = lambda spec, **args: None if "combine" in spec.name else launch(spec, **args)
+    recv_x, handle, _ = round_trip(failing, seed + 1)
+    torch.cuda.synchronize()
+    seen = None
+    try:
+        failing.runtime.check_failures()
+    except CommTimeoutError as exc:
+        seen = exc
+    if rank == 1:
+        assert seen is None, f"rank 1 launched nothing, yet recorded {seen}"
+    else:
+        assert seen is not None and seen.rank == rank and seen.stage == "internode/barrier", \
+            f"rank {rank}: expected a timeout at internode/barrier, got {seen!r}"
+    failing.destroy()
+
+    fresh = Buffer(dist.group.WORLD, nvl_bytes, 32 << 20, backend="cuda", ranks_per_node=ranks_per_node,
+                   timeout_s=30)
+    ref = Buffer(dist.group.WORLD, nvl_bytes, 0, backend="reference", ranks_per_node=ranks_per_node)
+    got, want = round_trip(fresh, seed + 2), round_trip(ref, seed + 2)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]), f"rank {rank}: the new Buffer differs"
+    fresh.destroy()
+    ref.destroy()
+    return str(seen)
+
+
+@pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts()[:1])
+def test_a_peer_that_stops_times_out_naming_rank_and_stage_then_a_new_buffer_works(num_ranks, ranks_per_node):
+    seed = int(torch.randint(0, 2**30, ()).item())
+    reports = spawn.run(num_ranks, _peer_that_stops, seed, ranks_per_node, timeout_s=300.0)
+    print(f"internode peer that stops, {num_ranks // ranks_per_node} nodes x {ranks_per_node}: {reports}")

@@ -320,6 +320,9 @@ class CudaBackend(Backend):
                 if stage_name.startswith("low_latency"):
                     cause = ("the peer did not make this call, or made it with another shape (hidden, top-k, experts, "
                              "num_max_dispatch_tokens_per_rank, FP8 flags); ")
+                elif stage_name.startswith("internode"):  # signal counts (NOTE [internode kernels])
+                    cause = ("a rank did not launch this call's kernel, or launched it with another grid; "
+                             "the flag counts signals of every call so far; ")
                 else:
                     cause = self._normal_state()
                 self._failure = CommTimeoutError(rank, peer, stage_name,
