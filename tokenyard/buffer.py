@@ -369,6 +369,9 @@ class Buffer(LowLatencyCalls):
         same at every replay; DeepEP's value checks (check_inputs) are skipped while capturing."""
         if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             return
+        if self._internode:
+            raise InvalidInputError(f"a {what} on a group of {self.topology.num_nodes} nodes cannot run inside a "
+                                    "CUDA-graph capture: internode calls exchange counts through the host")
         if not backend.CAPTURES_NORMAL_MODE:
             raise InvalidInputError(f"the {backend.name} backend cannot run a {what} inside a CUDA-graph capture: "
                                     "its count exchange goes through the host; use the CUDA backend")

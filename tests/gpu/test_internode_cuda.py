@@ -1,9 +1,10 @@
 """Internode normal mode on the CUDA backend (NOTE [internode kernels]) against the reference backend's hierarchical
 path on the same virtual nodes (4 ranks as 2 x 2, 8 as 4 x 2 and 2 x 4; device machine only, on one GPU under
 MPS): everything that crosses a node goes through NVSHMEM. Dispatch must match bit for bit (data, scales,
-indices, weights, per-expert counts, every field of the handle), a cached dispatch with the handle and with the
-plain 10-tuple too, and combine bit for bit (the same float32 sums per node, rounded to bf16 once per node, then
-over the nodes in the same order). Fresh random inputs per case; the combine's output is poisoned first."""
+indices, weights, per-expert counts, every field of the handle; a rank that receives nothing, one that sends
+nothing), a cached dispatch with the handle and with the plain 10-tuple too, and combine bit for bit (the same
+float32 sums per node, rounded to bf16 once per node, then over the nodes in the same order). Fresh random
+inputs per case; the combine's output is poisoned first."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ CASES = [
     (256, 7168, 256, 8, "uniform", "fp8", 0),
     (200, 2048, 64, 4, "skewed", "bf16", 0),
     (96, 2048, 32, 4, "masked", "int8", 0),
-    (64, 2048, 32, 8, "empty_rank", "bf16", 0),
+    (64, 2048, 32, 8, "empty_rank", "bf16", 0),   # the last rank receives nothing
+    (96, 2048, 16, 4, "no_tokens", "bf16", 0),    # rank 1 sends nothing
     (128, 4096, 64, 8, "uniform", "bf16", 2048),
 ]
 RDMA_BYTES = 192 << 20
@@ -91,7 +93,7 @@ def _compare_ranks(seed, ranks_per_node):
 
         # Combine, with weights and a bias, then without either.
         y = torch.randn(_split(cx)[0].size(0), hidden, device=device).to(torch.bfloat16)
-        bias = torch.randn(num_tokens, hidden, device=device).to(torch.bfloat16)
+        bias = torch.randn(_split(x)[0].size(0), hidden, device=device).to(torch.bfloat16)  # "no_tokens": none
         for how, with_extras in (("weights and bias", True), ("plain", False)):
             rc = ref.combine(y, rh, topk_weights=rw if with_extras else None, bias=bias if with_extras else None)
             cc = cuda.combine(y, ch, topk_weights=cw if with_extras else None, bias=bias if with_extras else None)
@@ -100,6 +102,17 @@ def _compare_ranks(seed, ranks_per_node):
             assert torch.equal(rc[0], cc[0]), f"{what}: combine ({how}) differs, max abs error {error}"
             _same(f"{what}: combined weights ({how})", rc[1], cc[1])
         report.append((case_id, num_recv))
+
+    # Internode calls exchange counts on the host: refused inside a CUDA-graph capture, then eager calls go on.
+    from tokenyard import InvalidInputError
+
+    for call in (lambda: cuda.combine(y, ch), lambda: cuda.dispatch(x, handle=ch)):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(InvalidInputError, match="CUDA-graph capture"):
+            with torch.cuda.graph(graph):
+                call()
+        del graph
+    _same(f"rank {rank}: combine after the refusals", ref.combine(y, rh)[0], cuda.combine(y, ch)[0])
     cuda.destroy()
     ref.destroy()
     return report
@@ -139,7 +152,8 @@ def _peer_that_stops(seed, ranks_per_node):
     kernels = failing.runtime._internode_kernels()
     if rank == 1:
         launch = kernels._launch
-        kernels._launch = lambda spec, **args: None if "combine" in spec.name else launch(spec, **args)
+        kernels._launch = lambda spec, *args, **kwargs: None if "combine" in spec.name else launch(spec, *args,
+                                                                                                    **kwargs)
     recv_x, handle, _ = round_trip(failing, seed + 1)
     torch.cuda.synchronize()
     seen = None

@@ -151,7 +151,7 @@ def dispatch(backend, request: DispatchRequest, kernels=None) -> DispatchResult:
                                  counts[:, rank])
     else:
         rows, spans = backend.payload(request)
-        recv, mask = kernels.dispatch(rows, in_rank, counts, node_counts)
+        recv, mask = kernels.dispatch(rows, in_rank, counts, node_counts, request.config.num_sms)
     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, recv_src_idx = backend.received(
         request, recv, spans, per_expert)
 
@@ -198,7 +198,7 @@ def _cached_dispatch(backend, request: DispatchRequest, kernels) -> DispatchResu
         gathered = backend._all_gather(torch.cat([handle.gbl_channel_prefix_matrix[:, 0],
                                                   handle.rdma_channel_prefix_matrix[:, 0]]).to(torch.int32))
         recv, _ = kernels.dispatch(rows, handle.is_token_in_rank, gathered[:, :nodes.num_ranks],
-                                   gathered[:, nodes.num_ranks:])
+                                   gathered[:, nodes.num_ranks:], request.config.num_sms)
     padded = dataclasses.replace(request, num_worst_tokens=handle.num_rows)
     recv_x, recv_x_scales = backend.received(padded, recv, spans, None)[:2]
     return DispatchResult(recv_x, recv_x_scales, None, None, None, handle)
@@ -213,7 +213,8 @@ def combine(backend, request: CombineRequest, kernels=None):
         num_recv = int(handle.recv_gbl_rank_prefix_sum[-1])
         return kernels.combine(x[:num_recv], None if weights is None else weights[:num_recv],
                                handle.is_token_in_rank, handle.send_nvl_head,
-                               handle.recv_rdma_channel_prefix_matrix[:, 0].tolist(), (request.bias_0, request.bias_1))
+                               handle.recv_rdma_channel_prefix_matrix[:, 0].tolist(), (request.bias_0, request.bias_1),
+                               request.config.num_sms)
     device, hidden = x.device, x.size(1)
     columns = [_as_bytes(x)] + ([] if weights is None else [_as_bytes(weights)])
     rows, spans = _pack(columns)

@@ -59,7 +59,6 @@ class InternodeKernels:
             raise ValueError(f"rank {self.rank} cannot load from every rank of its node through NVSHMEM "
                              f"(peer addresses {node_peers})")
         self.node_regions = torch.tensor(node_peers, dtype=torch.int64, device=device)
-        self.num_blocks = max(1, min(backend.device_sms, 32))
 
     def close(self) -> None:
         self.transport.free(self.signals)
@@ -73,15 +72,17 @@ class InternodeKernels:
             return torch.empty(0, dtype=torch.uint8, device=self.backend.ctx.device)
         return torch.as_tensor(_CudaArray(self.region + offset, num_bytes), device=self.backend.ctx.device)
 
-    def _launch(self, spec, **args) -> None:
+    def _launch(self, spec, num_sms: int, **args) -> None:
+        """A grid of `num_sms` blocks (Config.num_sms, the same on every rank: every wait counts signals from
+        every block of every rank, NOTE [internode kernels]), capped by the SMs this rank may fill."""
         kernel = self.transport.load(spec, self.backend.device_index)
-        kernel(self.num_blocks, self.backend._stream(), rank=self.rank, num_nodes=self.num_nodes,
-               ranks_per_node=self.per_node, **self.backend._wait_args(), **args)
+        kernel(max(1, min(num_sms, self.backend.device_sms)), self.backend._stream(), rank=self.rank,
+               num_nodes=self.num_nodes, ranks_per_node=self.per_node, **self.backend._wait_args(), **args)
 
     # -- dispatch -------------------------------------------------------------------------------------------
 
     def dispatch(self, rows: torch.Tensor, is_token_in_rank: torch.Tensor, counts: torch.Tensor,
-                 tokens_to_node: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                 tokens_to_node: torch.Tensor, num_sms: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Move `rows` ([T, B] uint8, B a multiple of 16) as the dispatch does (NOTE [internode kernels]).
 
         counts: ``[R, R]``, rows each rank sends each rank; tokens_to_node: ``[R, N]``, tokens each rank sends each
@@ -127,7 +128,7 @@ class InternodeKernels:
         fwd_rows = tokens_to_node[sources, node].to(torch.int32)
         rows_before = counts.cumsum(0) - counts                  # [s, q]: rows on q before source s
         dest_first = rows_before[sources, node * per_node:(node + 1) * per_node].to(torch.int32).contiguous()
-        self._launch(kernels.internode_dispatch(), send_rows=send_rows.data_ptr(),
+        self._launch(kernels.internode_dispatch(), num_sms, send_rows=send_rows.data_ptr(),
                      node_row_begin=node_row_begin.data_ptr(), fwd_recv=self.region, fwd_rows=fwd_rows.data_ptr(),
                      dest_first=dest_first.data_ptr(), recv=self.region + self.half, signals=self.signals,
                      call_counter=self.call_counters[0:].data_ptr(), row_bytes=stride, out_row_bytes=row_bytes,
@@ -144,8 +145,8 @@ class InternodeKernels:
     # -- combine --------------------------------------------------------------------------------------------
 
     def combine(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], is_token_in_rank: torch.Tensor,
-                send_nvl_head: torch.Tensor, forwarded_per_node: Sequence[int], bias: Tuple[Optional[torch.Tensor], ...]
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                send_nvl_head: torch.Tensor, forwarded_per_node: Sequence[int],
+                bias: Tuple[Optional[torch.Tensor], ...], num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The combine (NOTE [internode kernels]): x ``[N, H]`` bf16 in this rank's dispatch receive order;
         send_nvl_head ``[F, P]`` and forwarded_per_node (rows it forwarded from each node) from the handle.
         Returns (combined_x ``[T, H]``, combined_topk_weights or None)."""
@@ -179,7 +180,7 @@ class InternodeKernels:
                     t.view(torch.uint8).fill_(0xAB)
         x, weights = x.contiguous(), None if topk_weights is None else topk_weights.contiguous()
         biases = [None if b is None else b.contiguous() for b in bias]
-        self._launch(kernels.internode_combine(hidden_int4, num_topk), x=x.data_ptr(),
+        self._launch(kernels.internode_combine(hidden_int4, num_topk), num_sms, x=x.data_ptr(),
                      topk_weights=0 if weights is None else weights.data_ptr(), num_recv=num_recv,
                      comb_in=self.region, peer_comb_in=self.node_regions.data_ptr(), num_fwd=num_fwd,
                      fwd_row_begin=fwd_row_begin.data_ptr(), send_nvl_head=send_nvl_head.data_ptr(),
