@@ -3,9 +3,10 @@ processes that share one GPU under MPS (issue 25's first question)? A probe, not
 what works, for docs/cuda_backend.md.
 
 The steps, each reported:
-1. build: a host shim (g++) for the NVSHMEM calls its headers make inline or versioned (the UID bootstrap's
-   init, `nvshmemx_hostlib_init_attr`, `nvshmemx_cumodule_init`), and a kernel compiled with relocatable device
-   code (nvcc -rdc) then linked with the wheel's libnvshmem_device.a (nvlink) into a cubin;
+1. build, with the library's own pieces (tokenyard/jit/nvshmem.py): the host shim (g++) for the NVSHMEM calls its
+   headers make inline or versioned (the UID bootstrap's init, `nvshmemx_hostlib_init_attr`,
+   `nvshmemx_cumodule_init`), and a kernel compiled with relocatable device code (nvcc -rdc) then linked with the
+   wheel's libnvshmem_device.a (nvlink) into a cubin;
 2. on each of `--num_ranks` spawned ranks (a gloo group, ranks spread over the GPUs there are): the unique id
    from rank 0 through the torch group, NVSHMEM initialised from it (no MPI, no nvshmrun), a symmetric buffer;
 3. the cubin loaded through the driver and registered (`nvshmemx_cumodule_init`), then a ping: PE 0 puts a
@@ -25,7 +26,6 @@ import ctypes
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,40 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 ENV = {"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo", "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1",
        "NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_SYMMETRIC_SIZE": "64M"}
-
-SHIM = r"""
-#include <cuda.h>
-#include <nvshmem.h>
-#include <nvshmemx.h>
-#include <cstring>
-
-extern "C" {
-int probe_uid_bytes() { return static_cast<int>(sizeof(nvshmemx_uniqueid_t)); }
-int probe_uid(void* out) {
-    nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
-    const int status = nvshmemx_get_uniqueid(&id);
-    std::memcpy(out, &id, sizeof(id));
-    return status;
-}
-int probe_init(int rank, int num_ranks, const void* uid) {
-    nvshmemx_uniqueid_t id;
-    std::memcpy(&id, uid, sizeof(id));
-    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-    const int status = nvshmemx_set_attr_uniqueid_args(rank, num_ranks, &id, &attr);
-    if (status != 0)
-        return status;
-    nvshmemx_init_init_attr_ver_only(attr);
-    return nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
-}
-int probe_my_pe() { return nvshmem_my_pe(); }
-int probe_n_pes() { return nvshmem_n_pes(); }
-void* probe_calloc(size_t bytes) { return nvshmem_calloc(bytes, 1); }
-void probe_free(void* p) { nvshmem_free(p); }
-void probe_barrier_all() { nvshmem_barrier_all(); }
-int probe_cumodule_init(void* module) { return nvshmemx_cumodule_init(static_cast<CUmodule>(module)); }
-void probe_finalize() { nvshmemx_hostlib_finalize(); }
-}
-"""
 
 KERNEL = r"""
 #include <nvshmem.h>
@@ -91,42 +57,22 @@ extern "C" __global__ void probe_ping(int* data, uint64_t* signal, int value, in
 """
 
 
-def nvshmem_dir() -> str:
-    import nvidia.nvshmem
-
-    return list(nvidia.nvshmem.__path__)[0]
-
-
 def build(folder: str, arch: str) -> dict:
-    """-> {"shim": path, "cubin": path, "seconds": {...}}; raises CalledProcessError with the compiler's words."""
-    from tokenyard.jit.compiler import cuda_include_dirs, nvcc_path
+    """-> {"shim": path, "cubin": path, "seconds": {...}} with the library's own pieces (NOTE [NVSHMEM units],
+    NOTE [NVSHMEM host shim] in tokenyard/jit/nvshmem.py); raises CompileError with the compiler's words."""
+    from tokenyard.jit import nvshmem
 
-    root, nvcc = nvshmem_dir(), nvcc_path()
-    includes = [f"-I{os.path.join(root, 'include')}"] + [f"-I{d}" for d in cuda_include_dirs()] + \
-        [f"-I{d}" for d in ("/usr/local/cuda/include", "/usr/local/cuda/include/cccl") if os.path.isdir(d)]
-    lib = os.path.join(root, "lib")
-    paths = {name: os.path.join(folder, name) for name in ("shim.cpp", "shim.so", "ping.cu", "ping.rdc.cubin",
-                                                           "ping.cubin")}
-    with open(paths["shim.cpp"], "w") as f:
-        f.write(SHIM)
-    with open(paths["ping.cu"], "w") as f:
-        f.write(KERNEL)
-    nvlink = os.path.join(os.path.dirname(nvcc), "nvlink")
     seconds = {}
-    steps = {
-        "shim": ["g++", "-shared", "-fPIC", "-O2", paths["shim.cpp"], *includes, f"-L{lib}", "-l:libnvshmem_host.so.3",
-                 f"-Wl,-rpath,{lib}", "-Wl,--no-undefined", "-o", paths["shim.so"]],
-        "kernel": [nvcc, f"-arch={arch}", "-rdc=true", "-cubin", *includes, "-o", paths["ping.rdc.cubin"],
-                   paths["ping.cu"]],
-        "link": [nvlink, f"-arch={arch}", paths["ping.rdc.cubin"], f"-L{lib}", "-lnvshmem_device", "-o",
-                 paths["ping.cubin"]],
-    }
-    for name, cmd in steps.items():
-        start = time.time()
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        seconds[name] = round(time.time() - start, 2)
-    return {"shim": paths["shim.so"], "cubin": paths["ping.cubin"], "seconds": seconds,
-            "cubin_bytes": os.path.getsize(paths["ping.cubin"])}
+    start = time.time()
+    shim = nvshmem.shim_path(folder)
+    seconds["shim"] = round(time.time() - start, 2)
+    start = time.time()
+    cubin = nvshmem.linker().compile(KERNEL, arch, [])
+    seconds["kernel"] = round(time.time() - start, 2)
+    path = os.path.join(folder, "ping.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    return {"shim": shim, "cubin": path, "seconds": seconds, "cubin_bytes": len(cubin)}
 
 
 def rank_main(built: dict) -> dict:
@@ -138,30 +84,31 @@ def rank_main(built: dict) -> dict:
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     report = {"rank": rank}
     shim = ctypes.CDLL(built["shim"])
-    shim.probe_calloc.restype = ctypes.c_void_p
-    uid = ctypes.create_string_buffer(shim.probe_uid_bytes())
+    shim.tokenyard_nvshmem_calloc.restype = ctypes.c_void_p
+    shim.tokenyard_nvshmem_calloc.argtypes = [ctypes.c_size_t]
+    uid = ctypes.create_string_buffer(shim.tokenyard_nvshmem_uid_bytes())
     if rank == 0:
-        assert shim.probe_uid(uid) == 0, "nvshmemx_get_uniqueid failed"
+        assert shim.tokenyard_nvshmem_uid(uid) == 0, "nvshmemx_get_uniqueid failed"
     uids = [uid.raw if rank == 0 else None]
     dist.broadcast_object_list(uids, src=0)
     start = time.time()
-    status = shim.probe_init(rank, num_ranks, ctypes.create_string_buffer(uids[0], len(uids[0])))
+    status = shim.tokenyard_nvshmem_init(rank, num_ranks, ctypes.create_string_buffer(uids[0], len(uids[0])))
     report["init"] = {"status": status, "seconds": round(time.time() - start, 2)}
     assert status == 0, f"nvshmemx_hostlib_init_attr returned {status}"
-    report["pe"] = (shim.probe_my_pe(), shim.probe_n_pes())
-    data = shim.probe_calloc(64)
+    report["pe"] = (shim.tokenyard_nvshmem_my_pe(), shim.tokenyard_nvshmem_n_pes())
+    data = shim.tokenyard_nvshmem_calloc(64)
     report["symmetric"] = data is not None
     lib = libcuda()
     module = ctypes.c_void_p()
     with open(built["cubin"], "rb") as f:
         image = f.read()
     check(lib.cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
-    report["cumodule_init"] = shim.probe_cumodule_init(module)
+    report["cumodule_init"] = shim.tokenyard_nvshmem_cumodule_init(module)
     assert report["cumodule_init"] == 0, "nvshmemx_cumodule_init failed"
     function = ctypes.c_void_p()
     check(lib.cuModuleGetFunction(ctypes.byref(function), module, b"probe_ping"), "cuModuleGetFunction")
     out = torch.full((1,), -7, dtype=torch.int32, device="cuda")
-    shim.probe_barrier_all()
+    shim.tokenyard_nvshmem_barrier_all()
     args = [ctypes.c_void_p(data), ctypes.c_void_p(data + 16), ctypes.c_int(1234), ctypes.c_void_p(out.data_ptr())]
     params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
     stream = torch.cuda.current_stream().cuda_stream
@@ -170,9 +117,9 @@ def rank_main(built: dict) -> dict:
     torch.cuda.synchronize()
     report["ping"] = {"seen": int(out.item()), "expected": 1234 if rank > 0 else -1,
                       "seconds": round(time.time() - start, 3)}
-    shim.probe_barrier_all()
-    shim.probe_free(ctypes.c_void_p(data))
-    shim.probe_finalize()
+    shim.tokenyard_nvshmem_barrier_all()
+    shim.tokenyard_nvshmem_free(ctypes.c_void_p(data))
+    shim.tokenyard_nvshmem_finalize()
     return report
 
 
@@ -202,8 +149,6 @@ def main(argv=None) -> int:
             result["build"] = {k: built[k] for k in ("seconds", "cubin_bytes")}
             print(f"build: {result['build']}", flush=True)
             result["ranks"] = run_on_ranks(args.num_ranks, rank_main, built, use_cuda=True, timeout_s=120.0)
-        except subprocess.CalledProcessError as exc:
-            result["error"] = f"{exc.cmd[0]}: {exc.stderr.strip()[-2000:]}"
         except Exception as exc:  # noqa: BLE001 - the probe's answer
             result["error"] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
     print(json.dumps({k: v for k, v in result.items() if k != "settings"}, indent=1), flush=True)

@@ -47,6 +47,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
 
 
+def assert_same(what: str, a, b) -> None:
+    """`a` and `b` both None, or of one shape and equal bit for bit (`bits`)."""
+    if a is None or b is None:
+        assert a is None and b is None, f"{what}: None on one side only"
+        return
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    assert torch.equal(bits(a), bits(b)), f"{what} differs"
+
+
 def describe(num_ranks: int) -> str:
     """The GPUs `num_ranks` ranks run on, for reports: "NVIDIA H200 x 4", or "NVIDIA H100 80GB HBM3 x 1 shared
     by 8 ranks (MPS)"."""

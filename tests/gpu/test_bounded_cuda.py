@@ -27,11 +27,7 @@ HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_pr
 
 
 def _same(what, name, a, b):
-    if a is None or b is None:
-        assert a is None and b is None, f"{what}: {name} is None on one side only"
-        return
-    assert a.shape == b.shape, f"{what}: {name} shape {tuple(a.shape)} vs {tuple(b.shape)}"
-    assert torch.equal(spawn.bits(a), spawn.bits(b)), f"{what}: {name} differs"
+    spawn.assert_same(f"{what}: {name}", a, b)
 
 
 def _split(x):

@@ -34,14 +34,6 @@ def _layouts():
     return [(n, p) for n in spawn.rank_counts() for p in (2, 4) if n % p == 0 and n // p >= 2]
 
 
-def _same(what, a, b):
-    if a is None or b is None:
-        assert a is None and b is None, f"{what}: one is None"
-        return
-    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
-    assert torch.equal(spawn.bits(a), spawn.bits(b)), f"{what} differs"
-
-
 def _split(x):
     return x if isinstance(x, tuple) else (x, None)
 
@@ -67,7 +59,7 @@ def _compare_ranks(seed, ranks_per_node):
         layouts = [b.get_dispatch_layout(topk_idx, num_experts) for b in (ref, cuda)]
         for i, name in enumerate(("num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
                                   "is_token_in_rank")):
-            _same(f"{what}: layout {name}", layouts[0][i], layouts[1][i])
+            spawn.assert_same(f"{what}: layout {name}", layouts[0][i], layouts[1][i])
         per_rank, per_rdma, per_expert, in_rank, _ = layouts[1]
         outs = [b.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
                            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
@@ -80,16 +72,16 @@ def _compare_ranks(seed, ranks_per_node):
         for name, a, b in (("recv_x", _split(rx)[0][:num_recv], _split(cx)[0][:num_recv]),
                            ("recv_x_scales", _split(rx)[1], _split(cx)[1]),
                            ("recv_topk_idx", ri, ci), ("recv_topk_weights", rw, cw)):
-            _same(f"{what}: {name}", a if name != "recv_x_scales" or a is None else a[:num_recv],
+            spawn.assert_same(f"{what}: {name}", a if name != "recv_x_scales" or a is None else a[:num_recv],
                   b if name != "recv_x_scales" or b is None else b[:num_recv])
         assert rl == cl, f"{what}: per-expert counts {rl} vs {cl}"
         for name in InternodeHandle._fields:
-            _same(f"{what}: handle.{name}", getattr(rh, name), getattr(ch, name))
+            spawn.assert_same(f"{what}: handle.{name}", getattr(rh, name), getattr(ch, name))
 
         # Cached dispatch, with the handle and with DeepEP's plain 10-tuple.
         for how, h in (("handle", ch), ("10-tuple", tuple(ch))):
             again = _split(cuda.dispatch(x, handle=h)[0])
-            _same(f"{what}: cached dispatch ({how})", again[0][:num_recv], _split(cx)[0][:num_recv])
+            spawn.assert_same(f"{what}: cached dispatch ({how})", again[0][:num_recv], _split(cx)[0][:num_recv])
 
         # Combine, with weights and a bias, then without either.
         y = torch.randn(_split(cx)[0].size(0), hidden, device=device).to(torch.bfloat16)
@@ -100,7 +92,7 @@ def _compare_ranks(seed, ranks_per_node):
             torch.cuda.synchronize()
             error = (rc[0].float() - cc[0].float()).abs().max().item() if rc[0].numel() else 0.0
             assert torch.equal(rc[0], cc[0]), f"{what}: combine ({how}) differs, max abs error {error}"
-            _same(f"{what}: combined weights ({how})", rc[1], cc[1])
+            spawn.assert_same(f"{what}: combined weights ({how})", rc[1], cc[1])
         report.append((case_id, num_recv))
 
     # Internode calls exchange counts on the host: refused inside a CUDA-graph capture, then eager calls go on.
@@ -112,7 +104,7 @@ def _compare_ranks(seed, ranks_per_node):
             with torch.cuda.graph(graph):
                 call()
         del graph
-    _same(f"rank {rank}: combine after the refusals", ref.combine(y, rh)[0], cuda.combine(y, ch)[0])
+    spawn.assert_same(f"rank {rank}: combine after the refusals", ref.combine(y, rh)[0], cuda.combine(y, ch)[0])
     cuda.destroy()
     ref.destroy()
     return report

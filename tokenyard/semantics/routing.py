@@ -198,28 +198,10 @@ def combine(recv_xs: Sequence[torch.Tensor], send_heads: Sequence[torch.Tensor],
     For source rank s and its token t: ``float32(bias_0[t]) + float32(bias_1[t])`` (those given), then
     ``+ float32(recv_xs[r][send_head_s[t, r]])`` for each rank r the token went to, in increasing r; the
     sum is cast to the dtype of ``recv_xs``. Tokens sent nowhere come back as zeros (plus bias).
-    ``combined_topk_weights`` sums the received weights the same way (float32), or is None.
+    ``combined_topk_weights`` sums the received weights the same way (float32), or is None. This is
+    `internode_combine` with nodes of one rank, whose partial sum of one row is that row.
     """
-    num_ranks = len(recv_xs)
-    out_x, out_w = [], []
-    for s in range(num_ranks):
-        send_head = send_heads[s]
-        num_tokens, hidden = send_head.size(0), recv_xs[0].size(1)
-        acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
-        for bias in (biases[s] if biases is not None else ()):
-            acc = acc + bias.float()
-        acc_w = None
-        if recv_topk_weights is not None:
-            acc_w = torch.zeros(num_tokens, recv_topk_weights[0].size(1), dtype=torch.float32)
-        for r in range(num_ranks):
-            rows = (send_head[:, r] >= 0).nonzero().flatten()
-            where = send_head[rows, r].long()
-            acc[rows] = acc[rows] + recv_xs[r][where].float()
-            if acc_w is not None:
-                acc_w[rows] = acc_w[rows] + recv_topk_weights[r][where].float()
-        out_x.append(acc.to(recv_xs[0].dtype))
-        out_w.append(acc_w)
-    return out_x, out_w
+    return internode_combine(recv_xs, send_heads, 1, recv_topk_weights, biases)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -70,19 +70,31 @@ __device__ __forceinline__ bool internode_wait_all(const WaitContext& ctx, const
     return !failed(ctx);
 }
 
+// What both kernels know of their launch: the call's number, this rank's place, the grid's warps, the signal
+// words (arrivals from each node, then from each rank of this node).
+struct InternodeLaunch {
+    WaitContext ctx;
+    uint64_t call;
+    int num_nodes, per_node, node, local, lane, warp_id, total_warps;
+    uint64_t* from_nodes;
+    uint64_t* from_locals;
+};
+
 template <typename Params>
-__device__ __forceinline__ void internode_dispatch(const Params& p) {
-    const WaitContext ctx{p.error_flag, p.host_record, p.rank, p.timeout_ns};
+__device__ __forceinline__ InternodeLaunch internode_launch(const Params& p) {
     uint32_t numbers[1];
     launch_numbers<1>(p.call_counter, numbers);
-    const uint64_t call = numbers[0];
-    const int num_nodes = p.num_nodes, per_node = p.ranks_per_node;
-    const int node = p.rank / per_node, local = p.rank % per_node;
-    const int lane = static_cast<int>(threadIdx.x) % 32, num_warps = static_cast<int>(blockDim.x) / 32;
-    const int warp_id = static_cast<int>(blockIdx.x) * num_warps + static_cast<int>(threadIdx.x) / 32;
-    const int total_warps = static_cast<int>(gridDim.x) * num_warps;
-    uint64_t* from_nodes = p.signals;
-    uint64_t* from_locals = p.signals + num_nodes;
+    const int num_warps = static_cast<int>(blockDim.x) / 32;
+    return {{p.error_flag, p.host_record, p.rank, p.timeout_ns}, numbers[0], p.num_nodes, p.ranks_per_node,
+            p.rank / p.ranks_per_node, p.rank % p.ranks_per_node, static_cast<int>(threadIdx.x) % 32,
+            static_cast<int>(blockIdx.x) * num_warps + static_cast<int>(threadIdx.x) / 32,
+            static_cast<int>(gridDim.x) * num_warps, p.signals, p.signals + p.num_nodes};
+}
+
+template <typename Params>
+__device__ __forceinline__ void internode_dispatch(const Params& p) {
+    const auto [ctx, call, num_nodes, per_node, node, local, lane, warp_id, total_warps, from_nodes, from_locals] =
+        internode_launch(p);
     if (!internode_start_barrier(ctx, p.signals, num_nodes, per_node, call))
         return;
 
@@ -139,17 +151,8 @@ struct CombineRow {
 template <int kHiddenInt4, int kNumTopk, typename Params>
 __device__ __forceinline__ void internode_combine(const Params& p) {
     using Row = CombineRow<kHiddenInt4, kNumTopk>;
-    const WaitContext ctx{p.error_flag, p.host_record, p.rank, p.timeout_ns};
-    uint32_t numbers[1];
-    launch_numbers<1>(p.call_counter, numbers);
-    const uint64_t call = numbers[0];
-    const int num_nodes = p.num_nodes, per_node = p.ranks_per_node;
-    const int node = p.rank / per_node, local = p.rank % per_node;
-    const int lane = static_cast<int>(threadIdx.x) % 32, num_warps = static_cast<int>(blockDim.x) / 32;
-    const int warp_id = static_cast<int>(blockIdx.x) * num_warps + static_cast<int>(threadIdx.x) / 32;
-    const int total_warps = static_cast<int>(gridDim.x) * num_warps;
-    uint64_t* from_nodes = p.signals;
-    uint64_t* from_locals = p.signals + num_nodes;
+    const auto [ctx, call, num_nodes, per_node, node, local, lane, warp_id, total_warps, from_nodes, from_locals] =
+        internode_launch(p);
     constexpr bool weights = kNumTopk > 0;  // not the pointer: a rank that received no rows passes a null one
     if (!internode_start_barrier(ctx, p.signals, num_nodes, per_node, call))
         return;
