@@ -91,7 +91,8 @@ class Buffer(LowLatencyCalls):
         ranks_per_node: split the group into nodes of this many consecutive ranks, as the runtime queries
             and normal mode see it (default TOKENYARD_RANKS_PER_NODE, else a node per host; NOTE [virtual nodes]
             in devices.py); on several nodes normal mode takes the hierarchical path (docs/semantics.md
-            "Internode normal mode"), on the reference backend (NOTE [internode normal mode]).
+            "Internode normal mode"): the CUDA backend's internode kernels where NVSHMEM is installed, else the
+            reference backend's (NOTE [internode normal mode]).
         device: "cpu" or "cuda" (the current CUDA device) to override the device rule: by default the
             current CUDA device wherever PyTorch sees a GPU, whatever the group's backend, else the CPU
             (NOTE [device rule] in devices.py). Calls given CPU tensors on a GPU Buffer run on the CPU.
@@ -514,7 +515,8 @@ class Buffer(LowLatencyCalls):
             per_rank, per_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
             per_rdma_rank = None  # one node: one NVLink domain
             if self._internode:
-                per_rdma_rank = routing.tokens_per_node(in_rank, self.topology.ranks_per_node).sum(0, dtype=torch.int32)
+                per_node = routing.tokens_per_node(in_rank, self.topology.ranks_per_node)
+                per_rdma_rank = per_node.sum(0, dtype=torch.int32)
         self._hand_over(scope.owner, (per_rank, per_rdma_rank, per_expert, in_rank))
         return per_rank, per_rdma_rank, per_expert, in_rank, scope.event
 

@@ -43,13 +43,23 @@ def _read_fields(text: str) -> set:
     return set(re.findall(r"(?<![\w.])p\.(\w+)", code))
 
 
+# Helpers that take the whole struct: the call a kernel makes, where the helper is, how its definition starts
+# and ends.
+_HELPERS = (("LowLatencyBuffers::of(p", "tokenyard/layout.cuh",
+             "static __device__ __forceinline__ LowLatencyBuffers of(", "}"),
+            ("internode_launch(p)", "tokenyard/kernels/internode.cuh",
+             "__device__ __forceinline__ InternodeLaunch internode_launch(", "\n}"))
+
+
 def _helper_fields(text: str) -> set:
-    """Fields read by helpers that take the whole struct (`LowLatencyBuffers::of(p, ...)`)."""
-    if "LowLatencyBuffers::of(p" not in text:
-        return set()
-    layout = _read(INCLUDE_DIR, "tokenyard/layout.cuh")
-    start = layout.index("static __device__ __forceinline__ LowLatencyBuffers of(")
-    return _read_fields(layout[start:layout.index("}", start)])
+    """Fields read by helpers that take the whole struct (`_HELPERS`)."""
+    fields = set()
+    for call, header, definition, end in _HELPERS:
+        if call in text:
+            source = _read(INCLUDE_DIR, header)
+            start = source.index(definition)
+            fields |= _read_fields(source[start:source.index(end, start)])
+    return fields
 
 
 @pytest.mark.parametrize("spec", list(SPECS.values()), ids=lambda s: s.entry)

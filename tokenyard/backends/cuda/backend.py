@@ -784,9 +784,8 @@ class CudaBackend(Backend):
 
     # -- internode normal mode (NOTE [internode kernels] in kernels/internode.cuh) ---------------------------
 
-    @staticmethod
-    def internode_missing() -> Optional[str]:
-        """None where this process can run the internode kernels, else what it lacks (NOTE [NVSHMEM units])."""
+    def internode_missing(self) -> Optional[str]:
+        """None where this rank can run the internode kernels, else what it lacks (NOTE [NVSHMEM units])."""
         from ...jit import compiler as compilers
         from ...jit import nvshmem
 
@@ -794,6 +793,9 @@ class CudaBackend(Backend):
             return nvshmem.missing_reason()
         if compilers.nvcc_path() is None:
             return "no nvcc, which links the kernels that call NVSHMEM"
+        most = headers.constant("kernels/internode.cuh", "kMaxRanksPerNode")
+        if self.ctx.topology.ranks_per_node > most:
+            return f"nodes of {self.ctx.topology.ranks_per_node} ranks, more than the kernels' {most}"
         return None
 
     def _internode_kernels(self):

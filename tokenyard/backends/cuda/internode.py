@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ...errors import CapacityError
+from ...errors import BackendUnavailableError, CapacityError
 from . import kernels
 
 _ALIGN = 16
@@ -28,11 +28,11 @@ def _aligned(value: int) -> int:
     return (value + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _capacity_error(what: str, need: int, have: int, region: int) -> CapacityError:
-    return CapacityError(f"internode {what} needs {need} rows where num_rdma_bytes={region} holds {have} "
-                         "(NOTE [internode region]); make the Buffer with more num_rdma_bytes "
-                         "(Config.get_rdma_buffer_size_hint)", required_bytes=0, available_bytes=region,
-                         which="num_rdma_bytes")
+def _capacity_error(what: str, half_needed: int, region: int) -> CapacityError:
+    required = 2 * _aligned(half_needed)
+    return CapacityError(f"internode {what} needs num_rdma_bytes >= {required} (NOTE [internode region]); this Buffer "
+                         f"holds {region}: make it with more (Config.get_rdma_buffer_size_hint)",
+                         required_bytes=required, available_bytes=region, which="num_rdma_bytes")
 
 
 class InternodeKernels:
@@ -40,8 +40,6 @@ class InternodeKernels:
 
     def __init__(self, backend, transport, region_bytes: int, ranks_per_node: int):
         ctx = backend.ctx
-        if ranks_per_node > headers_max_ranks_per_node():
-            raise ValueError(f"internode kernels take nodes of at most {headers_max_ranks_per_node()} ranks")
         self.backend, self.transport = backend, transport
         self.rank, self.num_ranks, self.per_node = ctx.rank, ctx.num_ranks, ranks_per_node
         self.num_nodes = ctx.num_ranks // ranks_per_node
@@ -56,8 +54,8 @@ class InternodeKernels:
         peers = transport.peer_pointers(self.region)
         node_peers = peers[self.node * ranks_per_node:(self.node + 1) * ranks_per_node]
         if not all(node_peers):
-            raise ValueError(f"rank {self.rank} cannot load from every rank of its node through NVSHMEM "
-                             f"(peer addresses {node_peers})")
+            raise BackendUnavailableError(f"rank {self.rank} cannot load from every rank of its node through NVSHMEM "
+                                          f"(peer addresses {node_peers})")
         self.node_regions = torch.tensor(node_peers, dtype=torch.int64, device=device)
 
     def close(self) -> None:
@@ -83,7 +81,7 @@ class InternodeKernels:
 
     def dispatch(self, rows: torch.Tensor, is_token_in_rank: torch.Tensor, counts: torch.Tensor,
                  tokens_to_node: torch.Tensor, num_sms: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Move `rows` ([T, B] uint8, B a multiple of 16) as the dispatch does (NOTE [internode kernels]).
+        """Move `rows` ([T, B] uint8) as the dispatch does (NOTE [internode kernels]).
 
         counts: ``[R, R]``, rows each rank sends each rank; tokens_to_node: ``[R, N]``, tokens each rank sends each
         node (one row per node however many of its ranks the token reaches); both every rank's, the same on every
@@ -106,11 +104,10 @@ class InternodeKernels:
         capacity = self.half // (num_nodes * stride)
         # Every rank checks the same numbers, so all raise or none (NOTE [internode region]).
         most = int(tokens_to_node.max()) if tokens_to_node.numel() else 0
-        if most > capacity:
-            raise _capacity_error("dispatch", most, capacity, self.region_bytes)
         received = counts.sum(0)
-        if int(received.max()) * row_bytes > self.half:
-            raise _capacity_error("dispatch", int(received.max()), self.half // row_bytes, self.region_bytes)
+        if most > capacity or int(received.max()) * row_bytes > self.half:
+            raise _capacity_error("dispatch", max(num_nodes * most * stride, int(received.max()) * row_bytes),
+                                  self.region_bytes)
 
         # Rows grouped by destination node, each with its places on that node's ranks.
         parts, begins = [], [0]
@@ -165,7 +162,7 @@ class InternodeKernels:
         rows_to_node = to_node.sum(0)
         most = max([int(rows_to_node.max()) if num_tokens else 0] + list(forwarded_per_node))
         if most > capacity or (num_recv + num_fwd) * row_bytes > self.half:
-            raise _capacity_error("combine", max(most, num_recv + num_fwd), capacity, self.region_bytes)
+            raise _capacity_error("combine", max(num_nodes * most, num_recv + num_fwd) * row_bytes, self.region_bytes)
         # send_rdma_pos[t, m]: token t's row among this rank's tokens for node m (its partial's row there), or -1.
         taken = to_node.to(torch.int32)
         send_rdma_pos = torch.where(to_node, taken.cumsum(0, dtype=torch.int32) - 1, -1).contiguous()
@@ -191,9 +188,3 @@ class InternodeKernels:
                      out_weights=0 if out_weights is None else out_weights.data_ptr(),
                      signals=self.signals + self.num_signals * 8, call_counter=self.call_counters[1:].data_ptr())
         return out, out_weights
-
-
-def headers_max_ranks_per_node() -> int:
-    from ...plan import headers
-
-    return headers.constant("kernels/internode.cuh", "kMaxRanksPerNode")
