@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tokenyard.tools.bench import model
+from tokenyard.tools.bench import model, model_low_latency
 
 
 def _sampled_reach(seed, num_nodes, gpus_per_node, num_experts, num_topk, topk_groups=None, tokens=20000):
@@ -143,3 +143,158 @@ def test_command_line(tmp_path, capsys):
     assert model.main(["--published", "deepep", "--calibrate_on", "24"]) == 2
     with pytest.raises(SystemExit):
         model.main(["--calibrate", "32"])
+
+
+# The low-latency model (NOTE [low-latency model] in tokenyard/tools/bench/model_low_latency.py).
+
+LL_SETTING = dict(gpus_per_node=8, nic_gbps=400, nvlink_gbs=153, num_tokens=128, hidden=7168, num_topk=8,
+                  num_experts=256)
+
+
+def test_low_latency_messages_at_the_published_setting():
+    # DeepEP: a 16-byte header, 7168 FP8 values and 56 float32 scales; the combine, the bf16 row alone
+    assert model_low_latency.message_bytes(7168, 8, "dispatch") == 16 + 7168 + 224 == 7408
+    assert model_low_latency.message_bytes(7168, 8, "dispatch", dtype="bf16") == 16 + 2 * 7168
+    assert model_low_latency.message_bytes(7168, 8, "combine") == 2 * 7168
+    # ours: an 80-byte header (the tag and token index, then per choice its local expert and pair slot, room for
+    # 16) before the same data; the combine's row follows k weight words of 8 bytes
+    assert model_low_latency.message_bytes(7168, 8, "dispatch", "tokenyard") == 80 + 7168 + 224
+    assert model_low_latency.message_bytes(7168, 8, "combine", "tokenyard") == 2 * 7168 + 8 * 8
+    with pytest.raises(ValueError, match="message format"):
+        model_low_latency.message_bytes(7168, 8, "dispatch", "nccl")
+
+
+def test_low_latency_bytes_where_they_are_known_exactly():
+    ll = model_low_latency
+    # pure RDMA on 2 nodes of 8: every message but the 1/16 to this rank itself crosses the NIC, a message per choice
+    two_nodes = ll.predict(num_nodes=2, efficiency=0.5, overhead_us=3.0, **LL_SETTING)
+    dispatch, combine = two_nodes["dispatch"], two_nodes["combine"]
+    assert dispatch["messages"] == 128 * 8 and dispatch["nvlink_bytes"] == 0
+    assert dispatch["nic_bytes"] == pytest.approx(128 * 8 * 15 / 16 * 7408)
+    assert combine["nic_bytes"] == pytest.approx(128 * 8 * 15 / 16 * 14336)
+    assert dispatch["us"] == pytest.approx(3.0 + 128 * 8 * 15 / 16 * 7408 / (400 / 8 * 1e3 * 0.5))
+    # DeepEP's count: every selected pair's message, this rank's own included, over the call
+    assert dispatch["counted_gbps"] == pytest.approx(128 * 8 * 7408 / dispatch["us"] / 1e3)
+    # NVLink for same-node peers: half the ranks are on the other node; the other 7/16 go over NVLink
+    nvlink = ll.predict(num_nodes=2, efficiency=0.5, route="nvlink", **LL_SETTING)["dispatch"]
+    assert nvlink["nic_bytes"] == pytest.approx(128 * 8 * 8 / 16 * 7408)
+    assert nvlink["nvlink_bytes"] == pytest.approx(128 * 8 * 7 / 16 * 7408)
+    one_node = ll.predict(num_nodes=1, efficiency=0.5, route="nvlink", **LL_SETTING)["combine"]
+    assert one_node["nic_bytes"] == 0 and one_node["bound"] == "nvlink"
+    # ours: top-8 of 14 experts on 2 single-GPU nodes reaches both ranks (7 experts each: 8 distinct choices do
+    # not fit on one), so a token makes 2 messages, one to itself, instead of 8
+    ours = ll.predict(num_nodes=2, gpus_per_node=1, nic_gbps=400, nvlink_gbs=153, num_tokens=10, hidden=128,
+                      num_topk=8, num_experts=14, efficiency=1.0, message_format="tokenyard")
+    assert ours["messages_per_token"] == pytest.approx(2.0)
+    assert ours["dispatch"]["nic_bytes"] == pytest.approx(10 * 2 * 1 / 2 * (80 + 128 + 4))
+    assert ours["combine"]["nic_bytes"] == pytest.approx(10 * 2 * 1 / 2 * (256 + 8 * 8))
+
+
+@pytest.mark.parametrize("op", model.OPS)
+@pytest.mark.parametrize("shape", [(2, "deepep", "rdma", 0.83, 5.0), (4, "tokenyard", "nvlink", 0.6, 0.0),
+                                   (32, "deepep", "nvlink", 0.95, 12.0), (3, "tokenyard", "rdma", 0.4, 20.0)])
+def test_low_latency_calibration_recovers_the_efficiency_of_a_synthetic_point(op, shape):
+    num_nodes, message_format, route, efficiency, overhead_us = shape
+    setting = dict(LL_SETTING, num_nodes=num_nodes, num_experts=num_nodes * 8 * 4)
+    us = model_low_latency.predict(efficiency=efficiency, overhead_us=overhead_us, message_format=message_format,
+                                   route=route, **setting)[op]["us"]
+    fitted = model_low_latency.calibrate(us, op, overhead_us=overhead_us, message_format=message_format, route=route,
+                                         **setting)
+    assert fitted == pytest.approx(efficiency)
+
+
+def test_low_latency_calibration_refuses_times_that_say_nothing_about_the_nic():
+    ll = model_low_latency
+    with pytest.raises(ValueError, match="no time"):
+        ll.calibrate(4.0, overhead_us=5.0, num_nodes=2, **LL_SETTING)
+    with pytest.raises(ValueError, match="line rate"):  # 7.1 MB through a 50 GB/s NIC in 100 µs
+        ll.calibrate(100.0, num_nodes=2, **LL_SETTING)
+    with pytest.raises(ValueError, match="crosses the NIC"):
+        ll.calibrate(200.0, num_nodes=1, route="nvlink", **LL_SETTING)
+    with pytest.raises(ValueError, match="NVLink alone"):
+        ll.calibrate(200.0, num_nodes=2, route="nvlink", **dict(LL_SETTING, nvlink_gbs=1.0))
+
+
+def test_low_latency_within_ten_percent_of_deepeps_published_times_from_ep16():
+    """Issue 26's goal: calibrated on DeepEP's EP32 dispatch (the committed default), the model lands within 10% of
+    every published time from EP16 up, dispatch and combine (benchmarks/results/internode_model.md). Counting the
+    sending and the receiving together fails it (no efficiency of at most 1 fits), and so does counting only the
+    messages to other nodes. Counting every message on the NIC (the rank's own too), or one message per rank reached
+    for DeepEP, passes here but fails the next test, calibrated on another point."""
+    result = model_low_latency.compare(model_low_latency.PUBLISHED["deepep"])
+    assert result["calibrated_on"] == {"ep": 32, "op": "dispatch", "us": 182.0}
+    assert 0 < result["efficiency"] <= 1
+    assert result["efficiency"] == pytest.approx(model_low_latency.default_efficiency())
+    for point in result["points"]:
+        for op in model.OPS:
+            if point["ep"] >= 16:
+                assert abs(point[op]["error"]) < 0.10, (point["ep"], op, point[op])
+    fitted = next(p for p in result["points"] if p["ep"] == 32)
+    assert fitted["dispatch"]["error"] == pytest.approx(0, abs=1e-9)
+
+
+@pytest.mark.parametrize("calibrate_ep", sorted(model_low_latency.PUBLISHED["deepep"].points))
+def test_low_latency_goal_holds_whichever_deepep_dispatch_is_fitted(calibrate_ep):
+    for point in model_low_latency.compare(model_low_latency.PUBLISHED["deepep"], calibrate_ep)["points"]:
+        for op in model.OPS:
+            assert abs(point[op]["error"]) < 0.10 or point["ep"] < 16, (calibrate_ep, point["ep"], op, point[op])
+
+
+def test_low_latency_uccl_times_grow_with_ranks_not_bytes():
+    # internode_model.md's reason the model cannot explain UCCL-EP: from EP16 to EP32 its times double while the bytes
+    # a GPU sends grow by 1/30 (15/16 -> 31/32 of its messages), so no efficiency fits both ends within 10%
+    published = model_low_latency.PUBLISHED["uccl"]
+    result = model_low_latency.compare(published)
+    ep16, ep32 = result["points"][0], result["points"][-1]
+    assert ep32["dispatch"]["nic_bytes"] / ep16["dispatch"]["nic_bytes"] == pytest.approx(31 / 30)
+    assert published.points[32][0] / published.points[16][0] > 2
+    assert abs(ep32["dispatch"]["error"]) > 0.4
+
+
+def test_low_latency_per_rank_messages_save_nic_bytes_where_ranks_hold_several_experts():
+    choice = model_low_latency.nic_bytes_by_choice(model_low_latency.PUBLISHED["deepep"], 16, 0.8)
+    dispatch = {key: c["dispatch"]["nic_bytes"] for key, c in choice.items()}
+    assert dispatch["tokenyard_rdma"] < dispatch["deepep_rdma"]
+    assert dispatch["deepep_nvlink"] == pytest.approx(dispatch["deepep_rdma"] * 8 / 15)  # 8 of the 15 peers remote
+    assert dispatch["tokenyard_nvlink"] < dispatch["deepep_nvlink"]
+    # one expert per rank (EP256 of 256): nothing to merge, and our larger header costs 64 bytes a message
+    one_each = model_low_latency.nic_bytes_by_choice(model_low_latency.PUBLISHED["deepep"], 256, 0.8)
+    assert one_each["tokenyard_rdma"]["messages_per_token"] == pytest.approx(8)
+    assert one_each["tokenyard_rdma"]["dispatch"]["nic_bytes"] == pytest.approx(
+        one_each["deepep_rdma"]["dispatch"]["nic_bytes"] * 7472 / 7408)
+
+
+def test_low_latency_command_line(tmp_path, capsys):
+    path = tmp_path / "ll.json"
+    assert model.main(["--mode", "low_latency", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("predicted, not measured (NOTE [low-latency model]")
+    doc = json.loads(path.read_text())
+    assert doc["predicted"] and doc["settings"]["mode"] == "low_latency" and doc["settings"]["num_tokens"] == 128
+    assert doc["efficiency"] == pytest.approx(model_low_latency.default_efficiency())
+    assert doc["dispatch"]["us"] == pytest.approx(182.0)  # 4 nodes of 8 is DeepEP's EP32, the fitted point
+    assert model.main(["--mode", "low_latency", "--calibrate", "16,173", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["efficiency"] == pytest.approx(
+        model_low_latency.compare(model_low_latency.PUBLISHED["deepep"], 16)["efficiency"])
+    assert model.main(["--mode", "low_latency", "--published", "deepep", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert len(doc["points"]) == 6 and set(doc["nic_bytes"]["16"]) == {f"{f}_{r}" for f, r in
+                                                                        model_low_latency.CHOICES}
+    assert model.main(["--mode", "low_latency", "--published", "uccl", "--calibrate_on", "24"]) == 0
+    capsys.readouterr()
+    assert model.main(["--mode", "low_latency", "--published", "deepep", "--calibrate_on", "24"]) == 2
+    assert model.main(["--mode", "low_latency", "--published", "deepep", "--efficiency", "0.8"]) == 2
+    assert model.main(["--mode", "low_latency", "--calibrate", "16,50"]) == 2  # faster than the wire
+    assert "line rate" in capsys.readouterr().err
+    # normal mode stays the default, and --mode normal says so explicitly
+    assert model.main(["--mode", "normal", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["rdma_efficiency"] == pytest.approx(model.default_efficiency())
+    with pytest.raises(SystemExit):
+        model.main(["--mode", "compare_sm"])
+
+
+def test_bench_command_line_reaches_the_low_latency_model(capsys):
+    from tokenyard.tools.bench.__main__ import main
+
+    assert main(["--model", "--mode", "low_latency", "--nodes", "2"]) == 0
+    assert "NOTE [low-latency model]" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """``python -m tokenyard.tools.bench --model``: predicted internode normal-mode times for a cluster (issue 25), from
 the model below, before any internode kernel runs. Nothing is measured here: every figure follows from the
-arguments, one efficiency calibrated on a published figure, and the assumptions they name.
+arguments, one efficiency calibrated on a published figure, and the assumptions they name. ``--mode low_latency``
+predicts the low-latency calls instead (NOTE [low-latency model] in model_low_latency.py); normal is the default.
 
 NOTE [internode model]
 DeepEP's internode normal mode: a token crosses the network at most once per remote node that holds one of its
@@ -60,6 +61,7 @@ from ...backends.cuda.heuristics import NVLINK_GBS
 from ...plan import workspace
 
 OVERHEAD_US = 20.0
+MODEL_MODES = ("normal", "low_latency")  # --mode, as the benchmark spells its modes
 ROW_FORMATS = ("deepep", "tokenyard")
 OPS = ("dispatch", "combine")
 
@@ -262,6 +264,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         parser.add_argument(*spellings, dest=name, **kwargs)
 
+    add("mode", choices=MODEL_MODES, default="normal",
+        help="normal (default) or low_latency (`--model --mode low_latency --help` lists its arguments)")
     add("nodes", type=int, default=4, help="nodes (default 4)")
     add("gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
     add("nic_gbps", type=float, default=400.0, help="each GPU's NIC, Gb/s (default 400)")
@@ -325,7 +329,28 @@ def _print_published(args, prog: str) -> dict:
     return result
 
 
+def _mode(argv: Sequence[str], prog: str) -> str:
+    """The --mode of a --model command line, before the mode's own parser reads the rest."""
+    parser = argparse.ArgumentParser(prog=f"{prog} --model", add_help=False)
+    parser.add_argument("--mode", choices=MODEL_MODES, default="normal")
+    return parser.parse_known_args(argv)[0].mode
+
+
+def write_json(path: str, args: argparse.Namespace, result: dict) -> None:
+    """A prediction as JSON, with the commit and date it was made at and every setting."""
+    from .report import git_commit
+
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    with open(path, "w") as f:
+        json.dump({"predicted": True, "commit": git_commit(), "date": date, "settings": vars(args), **result}, f,
+                  indent=1)
+
+
 def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> int:
+    if _mode(argv, prog) == "low_latency":
+        from . import model_low_latency
+
+        return model_low_latency.main(argv, prog)
     args = build_parser(prog).parse_args(argv)
     setting = dict(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps,
                    nvlink_gbs=args.nvlink_gbs, num_tokens=args.num_tokens, hidden=args.hidden_size,
@@ -357,12 +382,7 @@ def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> 
         print(f"{prog} --model: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        from .report import git_commit
-
-        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        with open(args.json, "w") as f:
-            json.dump({"predicted": True, "commit": git_commit(), "date": date, "settings": vars(args), **result}, f,
-                      indent=1)
+        write_json(args.json, args, result)
     return 0
 
 
