@@ -136,11 +136,12 @@ def dispatch(backend, request: DispatchRequest, kernels=None) -> DispatchResult:
     nodes = _nodes(backend)
     rank, per_node = nodes.rank, nodes.per_node
     in_rank = request.is_token_in_rank
-    counts, most_call_tokens, per_expert = backend.count_exchange(request)  # counts[s, q]: rows s sends q
+    to_node = routing.tokens_per_node(in_rank, per_node)
+    # counts[s, q]: rows s sends q; node_counts[s, m]: tokens s sends node m
+    counts, most_call_tokens, per_expert, node_counts = backend.count_exchange(
+        request, extra=to_node.sum(0, dtype=torch.int32))
     if request.num_worst_tokens:
         checks.received_rows(counts.sum(0), request.num_worst_tokens)
-    to_node = routing.tokens_per_node(in_rank, per_node)
-    node_counts = backend._all_gather(to_node.sum(0, dtype=torch.int32))  # [s, m]: tokens s sends node m
     from_node = node_counts[nodes.local::per_node, nodes.node]            # [n']: from source (n', l)
 
     if kernels is None:

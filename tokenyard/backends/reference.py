@@ -134,11 +134,12 @@ class ReferenceBackend(Backend):
     def combine(self, request: CombineRequest):
         return self._placed_combine(request) if request.placement is not None else self._combine(request)
 
-    def count_exchange(self, request: DispatchRequest):
+    def count_exchange(self, request: DispatchRequest, extra: Optional[torch.Tensor] = None):
         """A fresh dispatch's count exchange: every rank's counts, layout checks' verdict (NOTE [input verdict])
         and per-expert counts, in one all-gather. Returns ``counts [R, R]`` (tokens rank s sends to rank r, the
         same on every rank), the most tokens of any rank's whole call (`request.call`, else this call; NOTE
-        [notify] in kernels/notify.cuh says what for), and this rank's per-local-expert counts (a list).
+        [notify] in kernels/notify.cuh says what for), and this rank's per-local-expert counts (a list); with
+        `extra` (int32 ``[X]``), every rank's too (``[R, X]``) as a fourth value, in the same all-gather.
 
         Raises:
             InvalidInputError: some rank's verdict is bad (every rank raises the same).
@@ -150,7 +151,8 @@ class ReferenceBackend(Backend):
         call = request.call
         mine = torch.cat([per_rank, per_rank.new_full((1,), request.x.size(0) if call is None else call.num_tokens),
                           per_rank if call is None else call.tokens_per_rank.to(torch.int32),
-                          request.num_tokens_per_expert.to(torch.int32), self._verdict(request)])
+                          request.num_tokens_per_expert.to(torch.int32),
+                          per_rank.new_empty(0) if extra is None else extra.to(torch.int32), self._verdict(request)])
         gathered = self._all_gather(mine)
         verdicts = gathered[:, -1].tolist()
         if any(verdicts):
@@ -160,7 +162,10 @@ class ReferenceBackend(Backend):
             call.prefix_matrix.copy_(gathered[:, num_ranks + 1:2 * num_ranks + 1].cumsum(0))
         first = 2 * num_ranks + 1 + rank * num_local_experts
         per_expert = gathered[:, first:first + num_local_experts].sum(0).tolist()
-        return gathered[:, :num_ranks], int(gathered[:, num_ranks].max()), per_expert
+        counts, most = gathered[:, :num_ranks], int(gathered[:, num_ranks].max())
+        if extra is None:
+            return counts, most, per_expert
+        return counts, most, per_expert, gathered[:, -1 - extra.numel():-1]
 
     @staticmethod
     def payload(request: DispatchRequest, extra: Optional[torch.Tensor] = None):
