@@ -193,7 +193,11 @@ class Buffer(LowLatencyCalls):
         they are refused (`backend="cuda"` on several nodes)."""
         num_nodes = self.topology.num_nodes if self._internode else 1
         missing = None
-        if num_nodes > 1 and self.runtime.name == "cuda":  # decided together: every rank takes the same path
+        if self.runtime.name == "cuda" and num_nodes == 1 and self.topology.num_hosts > 1:
+            # One node over several hosts (ElasticBuffer's Buffer): the intranode kernels cannot span them.
+            num_nodes = self.topology.num_hosts
+            missing = "the intranode kernels cannot span hosts (NOTE [several hosts])"
+        elif num_nodes > 1 and self.runtime.name == "cuda":  # decided together: every rank takes the same path
             reasons = context.all_gather_object(self.runtime.internode_missing())
             missing = next((r for r in reasons if r is not None), None)
         runs_on = normal_mode_backend(requested, self.runtime.name, num_nodes, internode_kernels=missing is None)

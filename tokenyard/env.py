@@ -19,6 +19,8 @@ change under a running program.
 |                               |       |          | need more run in rounds (NOTE [rounds] in rounds.py)     |
 | TOKENYARD_RANKS_PER_NODE      | int   | 0        | ranks per node, as the runtime queries see the group (0: |
 |                               |       |          | a node per host; NOTE [virtual nodes] in devices.py)     |
+| TOKENYARD_VIRTUAL_HOSTS       | int   | 0        | tests: blocks of this many consecutive ranks of a machine |
+|                               |       |          | act as separate hosts (NOTE [virtual hosts] in devices.py) |
 | TOKENYARD_TUNING              | str   | ""       | "key=value,...": overrides of the CUDA backend's launch  |
 |                               |       |          | heuristics, for tuning sweeps (TUNING_KEYS below)        |
 """
@@ -89,6 +91,7 @@ class Settings:
     low_latency_kernels: str = "auto"
     nvl_buffer_bytes: int = 0
     ranks_per_node: int = 0
+    virtual_hosts: int = 0
     tuning: tuple = ()
 
 
@@ -105,6 +108,7 @@ _TABLE = {
     "low_latency_kernels": ("TOKENYARD_LOW_LATENCY_KERNELS", str),
     "nvl_buffer_bytes": ("TOKENYARD_NVL_BUFFER_BYTES", int),
     "ranks_per_node": ("TOKENYARD_RANKS_PER_NODE", int),
+    "virtual_hosts": ("TOKENYARD_VIRTUAL_HOSTS", int),
     "tuning": ("TOKENYARD_TUNING", _parse_tuning),
 }
 
@@ -132,6 +136,8 @@ def settings() -> Settings:
         raise ValueError(f"TOKENYARD_NVL_BUFFER_BYTES must be >= 0, not {chosen.nvl_buffer_bytes}")
     if chosen.ranks_per_node < 0:
         raise ValueError(f"TOKENYARD_RANKS_PER_NODE must be >= 0, not {chosen.ranks_per_node}")
+    if chosen.virtual_hosts < 0:
+        raise ValueError(f"TOKENYARD_VIRTUAL_HOSTS must be >= 0, not {chosen.virtual_hosts}")
     return chosen
 
 

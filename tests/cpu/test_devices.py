@@ -4,6 +4,8 @@ placements and real gloo ranks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -150,3 +152,15 @@ def test_runtime_queries_see_virtual_nodes_on_gloo_ranks(ranks):
     assert pool.run(_runtime_queries, 2) == [(2, r // 2, r % 2, 0, "cpu", "direct") for r in range(4)]
     with pytest.raises(AssertionError, match="ranks_per_node"):
         pool.run(_runtime_queries, 3)
+
+
+def test_virtual_hosts_are_hosts_of_their_own_but_a_shared_gpu_is_still_one_gpu():
+    """NOTE [virtual hosts]: 4 ranks of one machine on one GPU, as 2 hosts of 2: nodes default to them, each rank's
+    host is its block, and the GPU counts all 4 ranks (its UUID names it wherever it is)."""
+    places = [dataclasses.replace(_gpu(f"m/virtual-host-{r // 2}", "GPU-a"), machine="m") for r in range(4)]
+    topology = make_topology(3, places)
+    assert (topology.num_hosts, topology.ranks_per_node, topology.num_nodes) == (2, 2, 2)
+    assert topology.same_host() == [2, 3]
+    assert topology.ranks_per_gpu == 4
+    one_host = make_topology(1, [_gpu("m", "GPU-a", mps=True)] * 4)
+    assert (one_host.num_hosts, one_host.same_host(), one_host.num_nodes) == (1, [0, 1, 2, 3], 1)

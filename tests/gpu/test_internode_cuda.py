@@ -176,3 +176,60 @@ def test_a_peer_that_stops_times_out_naming_rank_and_stage_then_a_new_buffer_wor
     seed = int(torch.randint(0, 2**30, ()).item())
     reports = spawn.run(num_ranks, _peer_that_stops, seed, ranks_per_node, timeout_s=300.0)
     print(f"internode peer that stops, {num_ranks // ranks_per_node} nodes x {ranks_per_node}: {reports}")
+
+
+def _virtual_hosts(seed):
+    """Ranks of one machine as hosts of 2 (NOTE [virtual hosts]): the CUDA backend starts with its internode
+    kernels, maps no memory across hosts, and its normal and low-latency calls match the reference backend's
+    (NOTE [several hosts])."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, Config
+    from tokenyard.tools.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    nvl_bytes = Config(num_max_tokens_per_rank=128).get_nvl_buffer_size_hint(2048 * 2, num_ranks)
+    rdma_bytes = max(64 << 20, Buffer.get_low_latency_rdma_size_hint(128, 2048, num_ranks, 32))
+    cuda = Buffer(dist.group.WORLD, nvl_bytes, rdma_bytes, backend="cuda", timeout_s=30)
+    ref = Buffer(dist.group.WORLD, nvl_bytes, rdma_bytes, backend="reference")
+    backend = cuda.runtime
+    same_host = {r for r in range(num_ranks) if r // 2 == rank // 2}
+    assert cuda.runtime.get_num_rdma_ranks() == num_ranks // 2 and backend.low_latency_buffer is None
+    assert {r for r, base in enumerate(backend.normal.bases) if base} == same_host, backend.normal.bases
+
+    x, topk_idx, weights = make_rank_inputs(seed, num_ranks, 128, 2048, 32, 4, "skewed", "fp8", device)[rank]
+    outs = []
+    for buffer in (ref, cuda):
+        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 32)
+        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+            x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        y = (recv_x[0].float() * 0.5).to(torch.bfloat16)
+        combined = buffer.combine(y, handle, topk_weights=recv_w)[0]
+        bf16 = x[0].float().to(torch.bfloat16)
+        packed, count, ll_handle, _, _ = buffer.low_latency_dispatch(bf16, topk_idx, 128, 32, use_fp8=False)
+        ll_out = buffer.low_latency_combine(packed, topk_idx, weights, ll_handle)[0]
+        outs.append((recv_x[0], recv_idx, counts, combined, packed, count, ll_out))
+    torch.cuda.synchronize()
+    names = ("recv_x", "recv_topk_idx", "per-expert counts", "combine", "low-latency recv", "low-latency counts",
+             "low-latency combine")
+    for name, a, b in zip(names, *outs):
+        if name == "per-expert counts":
+            assert a == b, f"rank {rank}: {name} {a} vs {b}"
+        elif name == "low-latency recv":  # only each expert's received rows are defined
+            for e in range(a.size(0)):
+                n = int(outs[0][5][e])
+                spawn.assert_same(f"rank {rank}: {name} of expert {e}", a[e, :n], b[e, :n])
+        else:
+            spawn.assert_same(f"rank {rank}: {name}", a, b)
+    cuda.destroy()
+    ref.destroy()
+    return "ok"
+
+
+@pytest.mark.parametrize("num_ranks", [n for n in spawn.rank_counts() if n >= 4][:1])
+def test_virtual_hosts_run_normal_mode_on_the_internode_kernels_and_map_nothing_across(num_ranks, monkeypatch):
+    monkeypatch.setenv("TOKENYARD_VIRTUAL_HOSTS", "2")
+    seed = int(torch.randint(0, 2**30, ()).item())
+    spawn.run(num_ranks, _virtual_hosts, seed, timeout_s=300.0)

@@ -24,6 +24,13 @@ not enough either: 8 normal-mode grids of 16 blocks, each block holding a whole 
 132 SMs), now and then left one rank's grid waiting for the others' to time out, and the quarter kept
 free ended it (benchmarks/results/moe_8_ranks_shared.md).
 
+NOTE [virtual hosts]
+Code for groups over several hosts is tested on one: TOKENYARD_VIRTUAL_HOSTS=n makes each block of n consecutive
+ranks of a machine a host of its own (its name the machine's plus the block's number), so nodes default to those
+blocks and the CUDA backend maps no memory between them by CUDA IPC, as between machines: what crosses them
+goes through NVSHMEM or the group's collectives. A GPU is still one GPU (ranks that share it are counted by its
+machine and UUID), so the rules for ranks sharing a GPU hold across virtual hosts.
+
 NOTE [virtual nodes]
 DeepEP's runtime queries (`get_num_rdma_ranks`, `get_rdma_rank`, `get_root_rdma_rank`) see the group as
 nodes of `ranks_per_node` consecutive ranks. By default a node is a host (the whole group, where it runs on
@@ -45,6 +52,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import env
 from ..errors import InvalidInputError
 
 
@@ -86,6 +94,7 @@ class RankPlace:
     gpu: str = ""          # the GPU's UUID; "" for a rank on the CPU
     visible_sms: int = 0   # multiprocessors this process sees (fewer under an MPS share)
     mps: bool = False      # MPS serves this process's GPU
+    machine: str = ""      # the machine `host` is, where that is a virtual host (NOTE [virtual hosts]); "" = `host`
 
 
 def this_rank(device: torch.device) -> RankPlace:
@@ -146,6 +155,15 @@ class Topology:
         return self.num_ranks // self.ranks_per_node
 
     @property
+    def num_hosts(self) -> int:
+        return len({p.host for p in self.places})
+
+    def same_host(self) -> List[int]:
+        """The ranks on this rank's host (virtual hosts apart, NOTE [virtual hosts])."""
+        mine = self.places[self.rank].host
+        return [r for r, p in enumerate(self.places) if p.host == mine]
+
+    @property
     def node(self) -> int:
         """This rank's node: DeepEP's RDMA rank."""
         return self.rank // self.ranks_per_node
@@ -165,14 +183,20 @@ class Topology:
 def gather_topology(rank: int, all_gather_object: Callable, device: torch.device,
                     ranks_per_node: Optional[int] = None) -> Topology:
     """Every rank's `RankPlace` on `device`, gathered (a collective), checked by `make_topology`."""
-    return make_topology(rank, all_gather_object(this_rank(device)), ranks_per_node)
+    place = this_rank(device)
+    per_host = env.settings().virtual_hosts
+    if per_host:  # NOTE [virtual hosts]
+        place = dataclasses.replace(place, host=f"{place.host}/virtual-host-{rank // per_host}", machine=place.host)
+    return make_topology(rank, all_gather_object(place), ranks_per_node)
 
 
 def _ranks_by_gpu(places: Sequence[RankPlace]) -> Dict[Tuple[str, str], List[int]]:
+    """The ranks of each GPU, keyed by (its machine, its UUID): ranks of virtual hosts that share a GPU are
+    counted together (NOTE [virtual hosts]); one UUID on two machines is two GPUs."""
     by_gpu: Dict[Tuple[str, str], List[int]] = collections.defaultdict(list)
     for r, p in enumerate(places):
         if p.gpu:
-            by_gpu[(p.host, p.gpu)].append(r)
+            by_gpu[(p.machine or p.host, p.gpu)].append(r)
     return dict(by_gpu)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -111,20 +111,24 @@ class SymmetricBuffer:
     A meeting that fails (a peer gone, or later than its deadline) releases the memory regardless.
     """
 
-    def __init__(self, ctx: GroupContext, num_bytes: int):
+    def __init__(self, ctx: GroupContext, num_bytes: int, peers: Optional[Sequence[int]] = None):
+        """`peers`: the ranks whose memory this rank maps (default all; the others' bases are 0: ranks of other
+        hosts, whose memory CUDA IPC cannot reach)."""
         self.num_bytes = num_bytes
         self.local = runtime.malloc(max(num_bytes, 16))
         runtime.memset(self.local, 0, max(num_bytes, 16))
         torch.cuda.synchronize(ctx.device)
         handles = ctx.all_gather_object(runtime.ipc_handle(self.local))
-        self.bases = [self.local if r == ctx.rank else runtime.ipc_open(h) for r, h in enumerate(handles)]
+        mapped = set(range(ctx.num_ranks) if peers is None else peers)
+        self.bases = [self.local if r == ctx.rank else runtime.ipc_open(h) if r in mapped else 0
+                      for r, h in enumerate(handles)]
         self.rank = ctx.rank
         self.bases_tensor = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
         self.tensor = torch.as_tensor(_CudaArray(self.local, num_bytes), device=ctx.device)
 
     def unmap_peers(self) -> None:
         for r, base in enumerate(self.bases):
-            if r != self.rank:
+            if r != self.rank and base:
                 runtime.ipc_close(base)
         self.bases = [self.local]
 
@@ -149,6 +153,15 @@ def meet(ctx: GroupContext) -> None:
 
 
 class CudaBackend(Backend):
+    """NOTE [several hosts]
+    CUDA IPC maps memory only between processes of one host. On a group over several hosts (real ones, or
+    virtual: NOTE [virtual hosts] in devices.py) the CUDA backend therefore runs only what needs no such
+    mapping: normal mode on its internode kernels, every byte between nodes through NVSHMEM (nodes default to
+    hosts, and a node never spans two). Each rank maps the normal-mode buffers of its own host's ranks only (the
+    intranode kernels, which write into every rank's, never run there), and low-latency calls run on the
+    reference implementation over the group (the internode low-latency kernels are issue 26's). Without
+    NVSHMEM the backend does not start on such a group, and `backend="auto"` takes the reference backend."""
+
     name = "cuda"
     # `backend="auto"` picks this backend only once its GPU tests have passed on the device machine
     # (tests/gpu/test_normal_cuda.py: bit for bit against the reference backend on 2 and 4 H200s).
@@ -204,9 +217,16 @@ class CudaBackend(Backend):
                 "the kernels need: run fewer ranks per GPU, or without an MPS share "
                 "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), which caps the SMs a rank sees (NOTE [shared GPUs] in devices.py)")
         self.low_latency_buffer = None
+        # NOTE [several hosts]: across hosts only the internode kernels run; each rank maps its host's buffers.
+        hosts = ctx.topology.num_hosts
+        if hosts > 1:
+            missing = self.internode_missing()
+            if missing is not None:
+                raise BackendUnavailableError(f"the group spans {hosts} hosts, where the CUDA backend runs only its "
+                                              f"internode kernels, and here {missing}")
         try:
-            self.normal = SymmetricBuffer(ctx, ctx.num_nvl_bytes)
-            if ctx.num_rdma_bytes > 0:
+            self.normal = SymmetricBuffer(ctx, ctx.num_nvl_bytes, ctx.topology.same_host() if hosts > 1 else None)
+            if ctx.num_rdma_bytes > 0 and hosts == 1:
                 self.low_latency_buffer = SymmetricBuffer(ctx, ctx.num_rdma_bytes)
         except runtime.RuntimeError_ as exc:
             raise BackendUnavailableError(f"could not map the peers' buffers: {exc}") from exc
