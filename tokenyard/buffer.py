@@ -813,4 +813,5 @@ class Buffer(LowLatencyCalls):
         most = result.most_call_tokens
         flat = DispatchHandle(*result.handle.flat, buffer_id=self._id, num_recv_tokens=num_recv,
                               rounds=rounds.Rounds(max(most, 1), 1, most, most))
-        return InternodeHandle(*result.handle, flat=flat, buffer_id=self._id, num_recv_tokens=num_recv)
+        return InternodeHandle(*result.handle, flat=flat, buffer_id=self._id, num_recv_tokens=num_recv,
+                               group_counts=result.handle.group_counts)

@@ -140,12 +140,16 @@ class InternodeHandle(_NamedTuple):
             from a plain tuple).
         buffer_id: identity of the `Buffer` that made it (None for a handle built from a plain tuple).
         num_recv_tokens: rows actually received, or None where unknown on the host (`num_worst_tokens`).
+        group_counts: ``(counts [R, R], tokens per node [R, N])`` of every rank, as the dispatch's count exchange
+            gave them (None for a handle built from a plain tuple): a cached dispatch on the CUDA backend's
+            kernels needs them, and exchanges them again only where they are missing.
     """
 
     _fields = _INTERNODE_FIELDS
     flat: Optional[DispatchHandle] = None
     buffer_id: Optional[int] = None
     num_recv_tokens: Optional[int] = None
+    group_counts: Optional[tuple] = None
 
     @property
     def num_rows(self) -> int:

@@ -179,7 +179,7 @@ def dispatch(backend, request: DispatchRequest, kernels=None) -> DispatchResult:
         in_rank, to_node.sum(0, dtype=torch.int32).view(-1, 1), counts[rank].to(torch.int32).view(-1, 1).clone(),
         from_node.to(torch.int32).view(-1, 1).clone(), from_node.cumsum(0).to(torch.int32),
         (recv_total - from_rank).to(torch.int32).view(-1, 1), recv_total, recv_src_meta, send_rdma_head,
-        send_nvl_head, flat=flat_handle(counts, rank, recv_src_idx, in_rank))
+        send_nvl_head, flat=flat_handle(counts, rank, recv_src_idx, in_rank), group_counts=(counts, node_counts))
     return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle,
                           most_call_tokens)
 
@@ -196,10 +196,12 @@ def _cached_dispatch(backend, request: DispatchRequest, kernels) -> DispatchResu
         _, recv = _two_stages(backend, nodes, rows, handle.send_rdma_head >= 0, from_node,
                               lambda recv1: handle.send_nvl_head >= 0, from_rank)
     else:
-        gathered = backend._all_gather(torch.cat([handle.gbl_channel_prefix_matrix[:, 0],
-                                                  handle.rdma_channel_prefix_matrix[:, 0]]).to(torch.int32))
-        recv, _ = kernels.dispatch(rows, handle.is_token_in_rank, gathered[:, :nodes.num_ranks],
-                                   gathered[:, nodes.num_ranks:], request.config.num_sms)
+        group_counts = getattr(handle, "group_counts", None)
+        if group_counts is None:  # a plain 10-tuple: every rank's counts again
+            gathered = backend._all_gather(torch.cat([handle.gbl_channel_prefix_matrix[:, 0],
+                                                      handle.rdma_channel_prefix_matrix[:, 0]]).to(torch.int32))
+            group_counts = gathered[:, :nodes.num_ranks], gathered[:, nodes.num_ranks:]
+        recv, _ = kernels.dispatch(rows, handle.is_token_in_rank, *group_counts, request.config.num_sms)
     padded = dataclasses.replace(request, num_worst_tokens=handle.num_rows)
     recv_x, recv_x_scales = backend.received(padded, recv, spans, None)[:2]
     return DispatchResult(recv_x, recv_x_scales, None, None, None, handle)
