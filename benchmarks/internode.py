@@ -77,8 +77,11 @@ def _runs(logs, num_gpus: int) -> list:
     for path in logs:
         with open(path) as f:
             text = f.read()
-        for test, ranks, per_node, verdict in re.findall(
-                r"test_internode_cuda\.py::(\w+)\[(\d+)-(\d+)\] .*?(PASSED|FAILED)", text, re.DOTALL):
+        found = re.findall(r"test_internode_cuda\.py::(\w+)\[(\d+)-(\d+)\] .*?(PASSED|FAILED)", text, re.DOTALL)
+        # The virtual-host test names only its ranks: hosts (so nodes) of 2 ranks (TOKENYARD_VIRTUAL_HOSTS=2).
+        found += [(test, ranks, "2", verdict) for test, ranks, verdict in re.findall(
+            r"test_internode_cuda\.py::(test_virtual_hosts\w+)\[(\d+)\] .*?(PASSED|FAILED)", text, re.DOTALL)]
+        for test, ranks, per_node, verdict in found:
             run = runs.setdefault((int(ranks), int(per_node)), {
                 "nodes": int(ranks) // int(per_node), "ranks_per_node": int(per_node),
                 "num_gpus": min(num_gpus, int(ranks)), "passed": 0, "failed": 0, "tests": []})
