@@ -246,24 +246,53 @@ def nic_bytes_by_choice(published: Published, ep: int) -> dict:
     return out
 
 
-def _parse_calibration(text: str) -> Tuple[int, float, str]:
-    parts = text.split(",")
-    try:
-        ep, gbs, op = int(parts[0]), float(parts[1]), (parts[2] if len(parts) > 2 else "dispatch")
-    except (IndexError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r}: EP,GBS or EP,GBS,dispatch|combine") from None
-    if len(parts) > 3 or op not in OPS:
-        raise argparse.ArgumentTypeError(f"{text!r}: EP,GBS or EP,GBS,dispatch|combine")
-    return ep, gbs, op
+def calibration_type(unit: str):
+    """The argparse type of `--calibrate EP,<unit>[,dispatch|combine]` (both models): -> (ep, value, op)."""
+    def parse(text: str) -> Tuple[int, float, str]:
+        parts = text.split(",")
+        try:
+            ep, value, op = int(parts[0]), float(parts[1]), (parts[2] if len(parts) > 2 else "dispatch")
+        except (IndexError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r}: EP,{unit} or EP,{unit},dispatch|combine") from None
+        if len(parts) > 3 or op not in OPS:
+            raise argparse.ArgumentTypeError(f"{text!r}: EP,{unit} or EP,{unit},dispatch|combine")
+        return ep, value, op
+
+    return parse
 
 
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"{prog} --model", description=__doc__.splitlines()[0])
+def model_parser(prog: str, description: str):
+    """A model's argument parser and its `add(name, ...)`, which also accepts the name spelt with dashes."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
 
     def add(name: str, **kwargs) -> None:
         spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         parser.add_argument(*spellings, dest=name, **kwargs)
 
+    return parser, add
+
+
+def calibration_nodes(args: argparse.Namespace, efficiency_given: bool) -> Optional[int]:
+    """The checks both models make of their calibration arguments; -> the nodes of `--calibrate`'s EP, if given.
+
+    Raises:
+        ValueError: --calibrate_on without --published, --published with an efficiency of its own, an EP that
+            is not whole nodes.
+    """
+    if args.calibrate_on is not None and not args.published:
+        raise ValueError("--calibrate_on names a point of a --published table")
+    if args.published and (args.calibrate or efficiency_given):
+        raise ValueError("--published fits its own efficiency: name its point with --calibrate_on EP")
+    if not args.calibrate:
+        return None
+    ep = args.calibrate[0]
+    if ep % args.gpus_per_node:
+        raise ValueError(f"EP{ep} is not whole nodes of {args.gpus_per_node} GPUs")
+    return ep // args.gpus_per_node
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser, add = model_parser(f"{prog} --model", __doc__.splitlines()[0])
     add("mode", choices=MODEL_MODES, default="normal",
         help="normal (default) or low_latency (`--model --mode low_latency --help` lists its arguments)")
     add("nodes", type=int, default=4, help="nodes (default 4)")
@@ -279,7 +308,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     add("row_format", choices=ROW_FORMATS, default="deepep", help="rows on the RDMA stage (default deepep)")
     add("rdma_efficiency", type=float,
         help="the RDMA stage's rate as a share of the NIC's line rate (default: calibrated on DeepEP's EP32 dispatch)")
-    add("calibrate", type=_parse_calibration, metavar="EP,GBS[,OP]",
+    add("calibrate", type=calibration_type("GBS"), metavar="EP,GBS[,OP]",
         help="fit the efficiency to a bottleneck figure of GBS at EP ranks (EP / gpus_per_node nodes) in the setting "
              "the other arguments give, for OP dispatch (default) or combine")
     add("published", choices=sorted(PUBLISHED),
@@ -357,20 +386,15 @@ def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> 
                    num_topk=args.num_topk, num_experts=args.num_experts, topk_groups=args.topk_groups,
                    dtype=args.dtype)
     try:
-        if args.calibrate_on is not None and not args.published:
-            raise ValueError("--calibrate_on names a point of a --published table")
+        nodes = calibration_nodes(args, args.rdma_efficiency is not None)
         if args.published:
-            if args.calibrate or args.rdma_efficiency is not None:
-                raise ValueError("--published fits its own efficiency: name its point with --calibrate_on EP")
             result = _print_published(args, prog)
         else:
             efficiency, fitted = args.rdma_efficiency, "given"
             if args.calibrate:
                 ep, gbs, op = args.calibrate
-                if ep % args.gpus_per_node:
-                    raise ValueError(f"EP{ep} is not whole nodes of {args.gpus_per_node} GPUs")
                 efficiency = calibrate(gbs, op, overhead_us=args.overhead_us, row_format=args.row_format,
-                                       **{**setting, "num_nodes": ep // args.gpus_per_node})
+                                       **{**setting, "num_nodes": nodes})
                 fitted = f"fitted on {gbs:g} GB/s {op} at EP{ep}"
             elif efficiency is None:
                 efficiency, fitted = default_efficiency(), "fitted on DeepEP's EP32 dispatch, 44 GB/s"

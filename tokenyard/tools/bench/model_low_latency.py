@@ -234,24 +234,8 @@ def nic_bytes_by_choice(published: PublishedLowLatency, ep: int, efficiency: flo
     return out
 
 
-def _parse_calibration(text: str) -> Tuple[int, float, str]:
-    parts = text.split(",")
-    try:
-        ep, us, op = int(parts[0]), float(parts[1]), (parts[2] if len(parts) > 2 else "dispatch")
-    except (IndexError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r}: EP,US or EP,US,dispatch|combine") from None
-    if len(parts) > 3 or op not in OPS:
-        raise argparse.ArgumentTypeError(f"{text!r}: EP,US or EP,US,dispatch|combine")
-    return ep, us, op
-
-
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"{prog} --model --mode low_latency", description=__doc__.splitlines()[0])
-
-    def add(name: str, **kwargs) -> None:
-        spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-        parser.add_argument(*spellings, dest=name, **kwargs)
-
+    parser, add = model.model_parser(f"{prog} --model --mode low_latency", __doc__.splitlines()[0])
     add("mode", choices=model.MODEL_MODES, default="low_latency", help="low_latency here (normal: the other model)")
     add("nodes", type=int, default=4, help="nodes (default 4)")
     add("gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
@@ -269,7 +253,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="rdma: every other rank through the NIC (pure RDMA); nvlink: same-node peers over NVLink (default rdma)")
     add("efficiency", type=float,
         help="the NIC's achieved share of its line rate (default: calibrated on DeepEP's EP32 dispatch)")
-    add("calibrate", type=_parse_calibration, metavar="EP,US[,OP]",
+    add("calibrate", type=model.calibration_type("US"), metavar="EP,US[,OP]",
         help="fit the efficiency to a call of US µs at EP ranks (EP / gpus_per_node nodes) in the setting the other "
              "arguments give, for OP dispatch (default) or combine")
     add("published", choices=sorted(PUBLISHED),
@@ -288,20 +272,15 @@ def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> 
                    nvlink_gbs=args.nvlink_gbs, num_tokens=args.num_tokens, hidden=args.hidden_size,
                    num_topk=args.num_topk, num_experts=args.num_experts, dtype=args.dtype)
     try:
-        if args.calibrate_on is not None and not args.published:
-            raise ValueError("--calibrate_on names a point of a --published table")
+        nodes = model.calibration_nodes(args, args.efficiency is not None)
         if args.published:
-            if args.calibrate or args.efficiency is not None:
-                raise ValueError("--published fits its own efficiency: name its point with --calibrate_on EP")
             result = _print_published(args)
         else:
             efficiency, fitted = args.efficiency, "given"
             if args.calibrate:
                 ep, us, op = args.calibrate
-                if ep % args.gpus_per_node:
-                    raise ValueError(f"EP{ep} is not whole nodes of {args.gpus_per_node} GPUs")
                 efficiency = calibrate(us, op, overhead_us=args.overhead_us, message_format=args.message_format,
-                                       route=args.route, **{**setting, "num_nodes": ep // args.gpus_per_node})
+                                       route=args.route, **{**setting, "num_nodes": nodes})
                 fitted = f"fitted on {us:g} µs {op} at EP{ep}"
             elif efficiency is None:
                 efficiency, fitted = default_efficiency(), "fitted on DeepEP's EP32 dispatch, 182 µs"
