@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ...errors import BackendUnavailableError, CapacityError
+from ...semantics import routing
 from . import kernels
 
 _ALIGN = 16
@@ -95,11 +96,10 @@ class InternodeKernels:
         counts, tokens_to_node = counts.to(device), tokens_to_node.to(device)
         if rows.size(1) % _ALIGN:
             rows = torch.nn.functional.pad(rows, (0, _ALIGN - rows.size(1) % _ALIGN))
-        num_tokens, row_bytes = rows.shape
+        row_bytes = rows.size(1)
         # place[t, q]: token t's row among this rank's rows for rank q, or -1.
-        taken = is_token_in_rank.to(torch.int32)
-        place = torch.where(is_token_in_rank, taken.cumsum(0, dtype=torch.int32) - 1, -1)
-        to_node = is_token_in_rank.view(num_tokens, num_nodes, per_node).any(2)
+        place = routing.landing_rows(is_token_in_rank, torch.zeros(1, dtype=torch.int32, device=device))
+        to_node = routing.tokens_per_node(is_token_in_rank, per_node)
         stride = _aligned(row_bytes + 4 * per_node)
         capacity = self.half // (num_nodes * stride)
         # Every rank checks the same numbers, so all raise or none (NOTE [internode region]).
@@ -158,14 +158,13 @@ class InternodeKernels:
         row_bytes = row_int4 * 16
         num_fwd = int(send_nvl_head.size(0))
         capacity = self.half // (num_nodes * row_bytes)
-        to_node = is_token_in_rank.view(num_tokens, num_nodes, per_node).any(2)
+        to_node = routing.tokens_per_node(is_token_in_rank, per_node)
         rows_to_node = to_node.sum(0)
         most = max([int(rows_to_node.max()) if num_tokens else 0] + list(forwarded_per_node))
         if most > capacity or (num_recv + num_fwd) * row_bytes > self.half:
             raise _capacity_error("combine", max(num_nodes * most, num_recv + num_fwd) * row_bytes, self.region_bytes)
         # send_rdma_pos[t, m]: token t's row among this rank's tokens for node m (its partial's row there), or -1.
-        taken = to_node.to(torch.int32)
-        send_rdma_pos = torch.where(to_node, taken.cumsum(0, dtype=torch.int32) - 1, -1).contiguous()
+        send_rdma_pos = routing.landing_rows(to_node, torch.zeros(1, dtype=torch.int32, device=device)).contiguous()
         fwd_row_begin = torch.tensor([0] + list(forwarded_per_node), dtype=torch.int64).cumsum(0).to(torch.int32)
         fwd_row_begin, send_nvl_head = fwd_row_begin.to(device), send_nvl_head.to(torch.int32).contiguous()
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
