@@ -136,12 +136,8 @@ class InternodeKernels:
     def _round_table(self, is_token_in_rank: torch.Tensor, most_tokens: int, per_round: int, all_gather):
         """NOTE [internode rounds]: every rank's rows per rank and tokens per node in each round ([R, rounds, R + N],
         int64 on the CPU, one all-gather), and this rank's token range of each round."""
-        num_tokens = is_token_in_rank.size(0)
         num_rounds = max(1, -(-most_tokens // per_round))
-        to_node = is_token_in_rank.view(num_tokens, self.num_nodes, self.per_node).any(2)
-        bounds = [(min(r * per_round, num_tokens), min((r + 1) * per_round, num_tokens)) for r in range(num_rounds)]
-        mine = torch.stack([torch.cat([is_token_in_rank[b:e].sum(0, dtype=torch.int32),
-                                       to_node[b:e].sum(0, dtype=torch.int32)]) for b, e in bounds])
+        mine, bounds = round_counts(is_token_in_rank, self.per_node, per_round, num_rounds)
         table = all_gather(mine.flatten()).view(self.num_ranks, num_rounds, self.num_ranks + self.num_nodes)
         return table.cpu().long(), bounds
 
@@ -207,31 +203,17 @@ class InternodeKernels:
         if most_tokens <= per_round:
             return self._combine_round(x, topk_weights, is_token_in_rank, send_nvl_head, forwarded_per_node, bias,
                                        num_sms)
-        device, num_ranks, per_node, node = x.device, self.num_ranks, self.per_node, self.node
+        device = x.device
         table, bounds = self._round_table(is_token_in_rank, most_tokens, per_round, all_gather)
-        rows = table[:, :, :num_ranks]                                  # [s, r, q]: rows s sends q in round r
-        rows_before_source = rows.sum(1).cumsum(0) - rows.sum(1)        # [s, q]: whole call, sources before s
-        rounds_before = rows.cumsum(1) - rows                           # [s, r, q]: s's rows in rounds before r
-        sources = [k * per_node + self.local for k in range(self.num_nodes)]
-        forwarded = table[sources, :, num_ranks + node]                 # [k, r]: rows forwarded from node k
-        forwarded_first = torch.tensor([0] + list(forwarded_per_node)).cumsum(0)
-        token = recv_src_meta[:, 1].long()
-        in_node = slice(node * per_node, (node + 1) * per_node)
         outs, weights_out = [], []
         for r, (begin, end) in enumerate(bounds):
-            mine = ((token >= r * per_round) & (token < (r + 1) * per_round)).nonzero().flatten()
-            picked = torch.cat([torch.arange(int(forwarded_first[k] + forwarded[k, :r].sum()),
-                                             int(forwarded_first[k] + forwarded[k, :r + 1].sum()))
-                                for k in range(self.num_nodes)]).to(device)
-            source_of = torch.repeat_interleave(torch.arange(self.num_nodes), forwarded[:, r]).to(device)
-            # A landing row of the whole call -> the same row in the round's own receive order on that rank.
-            shift = (rows[:, r, :].cumsum(0) - rows[:, r, :] - rows_before_source - rounds_before[:, r, :])
-            shift = shift[sources, in_node].to(device)[source_of]
-            head = send_nvl_head[picked]
-            head = torch.where(head >= 0, head + shift, -1).to(torch.int32)
+            mine, picked, head, forwarded = combine_round_rows(table, r, per_round, self.rank, self.per_node,
+                                                               recv_src_meta[:, 1].cpu(), send_nvl_head.cpu(),
+                                                               forwarded_per_node)
+            mine, head = mine.to(device), head.to(device)
             out, out_w = self._combine_round(
                 x[mine], None if topk_weights is None else topk_weights[mine], is_token_in_rank[begin:end], head,
-                forwarded[:, r].tolist(), tuple(None if b is None else b[begin:end] for b in bias), num_sms)
+                forwarded, tuple(None if b is None else b[begin:end] for b in bias), num_sms)
             outs.append(out)
             weights_out.append(out_w)
         return torch.cat(outs), None if topk_weights is None else torch.cat(weights_out)
@@ -294,3 +276,42 @@ def _source_major(rows: torch.Tensor) -> torch.Tensor:
             first[s][r], at = at, at + rows[s][r]
     parts = [torch.arange(first[s][r], first[s][r] + rows[s][r]) for s in range(num_sources) for r in range(num_rounds)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def round_counts(is_token_in_rank: torch.Tensor, per_node: int, per_round: int, num_rounds: int):
+    """NOTE [internode rounds]: this rank's rows per rank and tokens per node in each round (int32
+    ``[rounds, R + N]``), and its token range of each round."""
+    num_tokens, num_ranks = is_token_in_rank.shape
+    to_node = is_token_in_rank.view(num_tokens, num_ranks // per_node, per_node).any(2)
+    bounds = [(min(r * per_round, num_tokens), min((r + 1) * per_round, num_tokens)) for r in range(num_rounds)]
+    counts = torch.stack([torch.cat([is_token_in_rank[b:e].sum(0, dtype=torch.int32),
+                                     to_node[b:e].sum(0, dtype=torch.int32)]) for b, e in bounds])
+    return counts, bounds
+
+
+def combine_round_rows(table: torch.Tensor, r: int, per_round: int, rank: int, per_node: int, tokens: torch.Tensor,
+                       send_nvl_head: torch.Tensor, forwarded_per_node: Sequence[int]):
+    """NOTE [internode rounds]: what combine round `r` takes on `rank`, from the whole call's handle and every
+    rank's per-round counts (`table`, int64 ``[R, rounds, R + N]``): the received rows whose token is in the round
+    (`tokens`: recv_src_meta's token column), the forwarded rows of the round, their send_nvl_head rows with the
+    landing rows moved from the whole call's receive order to the round's, and the rows forwarded from each node.
+    All on the CPU."""
+    num_ranks = table.size(0)
+    num_nodes, node, local = num_ranks // per_node, rank // per_node, rank % per_node
+    rows = table[:, :, :num_ranks]                                   # [s, r, q]: rows s sends q in round r
+    whole = rows.sum(1)
+    sources = [k * per_node + local for k in range(num_nodes)]
+    forwarded = table[sources, :, num_ranks + node]                  # [k, r]: rows forwarded from node k
+    first = torch.tensor([0] + list(forwarded_per_node)).cumsum(0)
+    tokens = tokens.long()
+    mine = ((tokens >= r * per_round) & (tokens < (r + 1) * per_round)).nonzero().flatten()
+    picked = torch.cat([torch.arange(int(first[k] + forwarded[k, :r].sum()), int(first[k] + forwarded[k, :r + 1].sum()))
+                        for k in range(num_nodes)])
+    # On rank q, source s's rows start at (sources before s) in the whole call and at (sources before s, this
+    # round) in the round's order; s's rows of earlier rounds come first among its own.
+    shift = (rows[:, r, :].cumsum(0) - rows[:, r, :]) - (whole.cumsum(0) - whole) - (rows[:, :r, :].sum(1))
+    shift = shift[sources][:, node * per_node:(node + 1) * per_node]
+    source_of = torch.repeat_interleave(torch.arange(num_nodes), forwarded[:, r])
+    head = send_nvl_head[picked].long()
+    head = torch.where(head >= 0, head + shift[source_of], -1).to(torch.int32)
+    return mine, picked, head, forwarded[:, r].tolist()
