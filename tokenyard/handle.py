@@ -140,9 +140,9 @@ class InternodeHandle(_NamedTuple):
             from a plain tuple).
         buffer_id: identity of the `Buffer` that made it (None for a handle built from a plain tuple).
         num_recv_tokens: rows actually received, or None where unknown on the host (`num_worst_tokens`).
-        group_counts: ``(counts [R, R], tokens per node [R, N])`` of every rank, as the dispatch's count exchange
-            gave them (None for a handle built from a plain tuple): a cached dispatch on the CUDA backend's
-            kernels needs them, and exchanges them again only where they are missing.
+        group_counts: ``(counts [R, R], tokens per node [R, N], most tokens of a rank)``, as the dispatch's count
+            exchange gave them (None for a handle built from a plain tuple): the CUDA backend's kernels need them
+            for a cached dispatch and for rounds, and exchange them again only where they are missing.
     """
 
     _fields = _INTERNODE_FIELDS

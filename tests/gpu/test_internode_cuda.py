@@ -28,6 +28,14 @@ CASES = [
     (128, 4096, 64, 8, "uniform", "bf16", 2048),
 ]
 RDMA_BYTES = 192 << 20
+# A region that holds a few dozen of these tokens per round (NOTE [internode rounds]): 4 to 9 rounds a call.
+ROUND_CASES = [
+    (160, 2048, 32, 4, "uniform", "bf16", 0),
+    (160, 2048, 32, 4, "skewed", "fp8", 0),
+    (160, 2048, 32, 4, "no_tokens", "bf16", 0),
+    (128, 2048, 32, 4, "masked", "bf16", 1024),
+]
+ROUND_RDMA_BYTES = 1600 << 10
 
 
 def _layouts():
@@ -38,7 +46,7 @@ def _split(x):
     return x if isinstance(x, tuple) else (x, None)
 
 
-def _compare_ranks(seed, ranks_per_node):
+def _compare_ranks(seed, ranks_per_node, rdma_bytes=RDMA_BYTES, cases=CASES):
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config, InternodeHandle
@@ -48,11 +56,11 @@ def _compare_ranks(seed, ranks_per_node):
     device = torch.device("cuda", torch.cuda.current_device())
     nvl_bytes = Config(num_max_tokens_per_rank=256).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
     ref = Buffer(dist.group.WORLD, nvl_bytes, 0, backend="reference", ranks_per_node=ranks_per_node)
-    cuda = Buffer(dist.group.WORLD, nvl_bytes, RDMA_BYTES, backend="cuda", ranks_per_node=ranks_per_node,
+    cuda = Buffer(dist.group.WORLD, nvl_bytes, rdma_bytes, backend="cuda", ranks_per_node=ranks_per_node,
                   timeout_s=30)
     cuda.runtime.poison_outputs = True
     report = []
-    for case_id, (num_tokens, hidden, num_experts, num_topk, kind, dtype, worst) in enumerate(CASES):
+    for case_id, (num_tokens, hidden, num_experts, num_topk, kind, dtype, worst) in enumerate(cases):
         x, topk_idx, topk_weights = make_rank_inputs(seed + case_id, num_ranks, num_tokens, hidden, num_experts,
                                                      num_topk, kind, dtype, device)[rank]
         what = f"rank {rank} case {case_id} {kind}/{dtype}/h{hidden}/k{num_topk}/worst{worst}"
@@ -116,6 +124,14 @@ def test_internode_kernels_match_the_reference_hierarchical_path(num_ranks, rank
     reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, timeout_s=420.0)
     print(f"internode kernels, {num_ranks // ranks_per_node} nodes x {ranks_per_node} on "
           f"{spawn.describe(num_ranks)}, seed {seed}: rows received per case {reports}")
+
+
+@pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts()[:2])
+def test_calls_larger_than_the_region_run_in_rounds_with_the_results_of_one(num_ranks, ranks_per_node):
+    seed = int(torch.randint(0, 2**30, ()).item())
+    reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, ROUND_RDMA_BYTES, ROUND_CASES,
+                        timeout_s=420.0)
+    print(f"internode rounds, {num_ranks // ranks_per_node} nodes x {ranks_per_node}, seed {seed}: {reports}")
 
 
 def _peer_that_stops(seed, ranks_per_node):

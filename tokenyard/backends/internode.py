@@ -152,7 +152,8 @@ def dispatch(backend, request: DispatchRequest, kernels=None) -> DispatchResult:
                                  counts[:, rank])
     else:
         rows, spans = backend.payload(request)
-        recv, mask = kernels.dispatch(rows, in_rank, counts, node_counts, request.config.num_sms)
+        recv, mask = kernels.dispatch(rows, in_rank, counts, node_counts, most_call_tokens, request.config.num_sms,
+                                      backend._all_gather)
     recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, recv_src_idx = backend.received(
         request, recv, spans, per_expert)
 
@@ -179,7 +180,8 @@ def dispatch(backend, request: DispatchRequest, kernels=None) -> DispatchResult:
         in_rank, to_node.sum(0, dtype=torch.int32).view(-1, 1), counts[rank].to(torch.int32).view(-1, 1).clone(),
         from_node.to(torch.int32).view(-1, 1).clone(), from_node.cumsum(0).to(torch.int32),
         (recv_total - from_rank).to(torch.int32).view(-1, 1), recv_total, recv_src_meta, send_rdma_head,
-        send_nvl_head, flat=flat_handle(counts, rank, recv_src_idx, in_rank), group_counts=(counts, node_counts))
+        send_nvl_head, flat=flat_handle(counts, rank, recv_src_idx, in_rank),
+        group_counts=(counts, node_counts, most_call_tokens))
     return DispatchResult(recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle,
                           most_call_tokens)
 
@@ -196,12 +198,9 @@ def _cached_dispatch(backend, request: DispatchRequest, kernels) -> DispatchResu
         _, recv = _two_stages(backend, nodes, rows, handle.send_rdma_head >= 0, from_node,
                               lambda recv1: handle.send_nvl_head >= 0, from_rank)
     else:
-        group_counts = getattr(handle, "group_counts", None)
-        if group_counts is None:  # a plain 10-tuple: every rank's counts again
-            gathered = backend._all_gather(torch.cat([handle.gbl_channel_prefix_matrix[:, 0],
-                                                      handle.rdma_channel_prefix_matrix[:, 0]]).to(torch.int32))
-            group_counts = gathered[:, :nodes.num_ranks], gathered[:, nodes.num_ranks:]
-        recv, _ = kernels.dispatch(rows, handle.is_token_in_rank, *group_counts, request.config.num_sms)
+        counts, node_counts, most_tokens = group_counts(backend, handle)
+        recv, _ = kernels.dispatch(rows, handle.is_token_in_rank, counts, node_counts, most_tokens,
+                                   request.config.num_sms, backend._all_gather)
     padded = dataclasses.replace(request, num_worst_tokens=handle.num_rows)
     recv_x, recv_x_scales = backend.received(padded, recv, spans, None)[:2]
     return DispatchResult(recv_x, recv_x_scales, None, None, None, handle)
@@ -217,7 +216,8 @@ def combine(backend, request: CombineRequest, kernels=None):
         return kernels.combine(x[:num_recv], None if weights is None else weights[:num_recv],
                                handle.is_token_in_rank, handle.send_nvl_head,
                                handle.recv_rdma_channel_prefix_matrix[:, 0].tolist(), (request.bias_0, request.bias_1),
-                               request.config.num_sms)
+                               request.config.num_sms, handle.recv_src_meta[:num_recv],
+                               group_counts(backend, handle)[2], backend._all_gather)
     device, hidden = x.device, x.size(1)
     columns = [_as_bytes(x)] + ([] if weights is None else [_as_bytes(weights)])
     rows, spans = _pack(columns)
@@ -282,6 +282,19 @@ def _summed(back: torch.Tensor, spans, forwarded_to: torch.Tensor, dtype: torch.
         begin = end
     columns = [_as_bytes(acc.to(dtype))] + ([] if acc_w is None else [_as_bytes(acc_w)])
     return _pack(columns)[0]
+
+
+def group_counts(backend, handle: InternodeHandle):
+    """``(counts [R, R], tokens per node [R, N], most tokens of a rank)`` of the dispatch that made `handle`: kept
+    on our handles, gathered again (one all-gather) for a plain 10-tuple."""
+    kept = getattr(handle, "group_counts", None)
+    if kept is not None:
+        return kept
+    num_ranks = handle.gbl_channel_prefix_matrix.size(0)
+    mine = torch.cat([handle.gbl_channel_prefix_matrix[:, 0], handle.rdma_channel_prefix_matrix[:, 0],
+                      handle.gbl_channel_prefix_matrix.new_full((1,), handle.num_tokens)]).to(torch.int32)
+    gathered = backend._all_gather(mine)
+    return gathered[:, :num_ranks], gathered[:, num_ranks:-1], int(gathered[:, -1].max())
 
 
 def flat_handle_of(handle: InternodeHandle, exchange) -> DispatchHandle:

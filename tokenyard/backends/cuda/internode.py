@@ -7,9 +7,22 @@ that an address one rank computes for another is right there: dispatch puts stag
 `fwd_recv` [N][C][row] with C = half / (N x row) rows per source node, and the received rows into its second half
 (`recv`, rows of the receiver's own order); combine reads the rows ranks return from the first half (`comb_in`,
 then the forwarder's own partials, `comb_stage`) and puts partials into the second half (`comb_out`
-[N][C'][combine row]). A call whose rows do not fit raises CapacityError before anything moves: dispatch from
-the counts every rank holds (so every rank raises), combine from this rank's handle. Dispatch and combine count
-their calls and signal on words of their own (two sets of N + P + 1 words).
+[N][C'][combine row]). Dispatch and combine count their calls and signal on words of their own (two sets of
+N + P + 1 words).
+
+NOTE [internode rounds]
+A call whose rows do not fit the region runs in rounds, with the results of one: round r carries tokens
+r*P .. (r+1)*P - 1 of every rank, P being the most tokens a round can hold whatever the routing (dispatch: a row per
+node for each in the first half, a row from every rank for each in the second; combine: both, per half), the
+same on every rank; the rounds are as many as the most tokens any rank sends need (the count exchange's, kept on
+the handle as `group_counts`). One all-gather gives every rank's rows per rank and per node in each round. A
+dispatch round moves its token slice as a call of its own (its source indices stay the whole call's, since the
+rows are sliced, not rebuilt); the rounds' received rows, each round in order of source, are then put in order
+of source, then round, which is the whole call's order; the forwarders' rows likewise. A combine round takes the
+received rows whose token is in the round (recv_src_meta), the forwarded rows of the round (per node, from the
+table), their landing rows moved from the whole call's receive order to the round's, and the round's slice of
+the tokens and biases. A call whose one token per round does not fit raises CapacityError before anything moves
+(dispatch from counts every rank holds, so every rank raises; combine from sizes every rank shares).
 """
 
 from __future__ import annotations
@@ -81,33 +94,65 @@ class InternodeKernels:
     # -- dispatch -------------------------------------------------------------------------------------------
 
     def dispatch(self, rows: torch.Tensor, is_token_in_rank: torch.Tensor, counts: torch.Tensor,
-                 tokens_to_node: torch.Tensor, num_sms: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Move `rows` ([T, B] uint8) as the dispatch does (NOTE [internode kernels]).
+                 tokens_to_node: torch.Tensor, most_tokens: int, num_sms: int, all_gather
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Move `rows` ([T, B] uint8) as the dispatch does (NOTE [internode kernels]), in rounds where the whole
+        call does not fit the region (NOTE [internode rounds]).
 
         counts: ``[R, R]``, rows each rank sends each rank; tokens_to_node: ``[R, N]``, tokens each rank sends each
-        node (one row per node however many of its ranks the token reaches); both every rank's, the same on every
-        rank.
+        node (one row per node however many of its ranks the token reaches); most_tokens: the most tokens any rank
+        sends; all three every rank's, the same on every rank. all_gather: the group's all-gather of a tensor.
         Returns (the rows this rank receives, ``[num_recv, B']`` in receive order, B' being B rounded up to 16
-        bytes, a view of the region that the next call overwrites; bool ``[F, P]``: whether each row this rank
-        forwarded went to each rank of its node).
+        bytes, in one round a view of the region that the next call overwrites; bool ``[F, P]``: whether each
+        row this rank forwarded went to each rank of its node).
         """
-        per_node, num_nodes, node, local = self.per_node, self.num_nodes, self.node, self.local
         device = rows.device
         counts, tokens_to_node = counts.to(device), tokens_to_node.to(device)
         if rows.size(1) % _ALIGN:
             rows = torch.nn.functional.pad(rows, (0, _ALIGN - rows.size(1) % _ALIGN))
         row_bytes = rows.size(1)
+        stride = _aligned(row_bytes + 4 * self.per_node)
+        # Every rank checks the same numbers, so all take the same path (NOTE [internode region]).
+        most = int(tokens_to_node.max()) if tokens_to_node.numel() else 0
+        received = int(counts.sum(0).max())
+        if most * self.num_nodes * stride <= self.half and received * row_bytes <= self.half:
+            return self._dispatch_round(rows, is_token_in_rank, counts, tokens_to_node, num_sms, stride)
+        per_round = min(self.half // (self.num_nodes * stride), self.half // (self.num_ranks * row_bytes))
+        if per_round < 1:
+            raise _capacity_error("dispatch", max(self.num_nodes * stride, self.num_ranks * row_bytes),
+                                  self.region_bytes)
+        table, bounds = self._round_table(is_token_in_rank, most_tokens, per_round, all_gather)
+        recvs, masks = [], []
+        for r, (begin, end) in enumerate(bounds):
+            round_counts, round_nodes = table[:, r, :self.num_ranks].to(device), table[:, r, self.num_ranks:].to(device)
+            recv, mask = self._dispatch_round(rows[begin:end], is_token_in_rank[begin:end], round_counts, round_nodes,
+                                              num_sms, stride)
+            recvs.append(recv.clone())  # the next round overwrites the region
+            masks.append(mask)
+        sources = [k * self.per_node + self.local for k in range(self.num_nodes)]
+        recv = torch.cat(recvs)[_source_major(table[:, :, self.rank]).to(device)]
+        mask = torch.cat(masks)[_source_major(table[sources, :, self.num_ranks + self.node]).to(device)]
+        return recv, mask
+
+    def _round_table(self, is_token_in_rank: torch.Tensor, most_tokens: int, per_round: int, all_gather):
+        """NOTE [internode rounds]: every rank's rows per rank and tokens per node in each round ([R, rounds, R + N],
+        int64 on the CPU, one all-gather), and this rank's token range of each round."""
+        num_rounds = max(1, -(-most_tokens // per_round))
+        mine, bounds = round_counts(is_token_in_rank, self.per_node, per_round, num_rounds)
+        table = all_gather(mine.flatten()).view(self.num_ranks, num_rounds, self.num_ranks + self.num_nodes)
+        return table.cpu().long(), bounds
+
+    def _dispatch_round(self, rows: torch.Tensor, is_token_in_rank: torch.Tensor, counts: torch.Tensor,
+                        tokens_to_node: torch.Tensor, num_sms: int, stride: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One launch of the dispatch kernel for rows that fit the region (`dispatch` says what comes back)."""
+        per_node, num_nodes, node, local = self.per_node, self.num_nodes, self.node, self.local
+        device = rows.device
+        row_bytes = rows.size(1)
         # place[t, q]: token t's row among this rank's rows for rank q, or -1.
         place = routing.landing_rows(is_token_in_rank, torch.zeros(1, dtype=torch.int32, device=device))
         to_node = routing.tokens_per_node(is_token_in_rank, per_node)
-        stride = _aligned(row_bytes + 4 * per_node)
         capacity = self.half // (num_nodes * stride)
-        # Every rank checks the same numbers, so all raise or none (NOTE [internode region]).
-        most = int(tokens_to_node.max()) if tokens_to_node.numel() else 0
         received = counts.sum(0)
-        if most > capacity or int(received.max()) * row_bytes > self.half:
-            raise _capacity_error("dispatch", max(num_nodes * most * stride, int(received.max()) * row_bytes),
-                                  self.region_bytes)
 
         # Rows grouped by destination node, each with its places on that node's ranks.
         parts, begins = [], [0]
@@ -143,13 +188,43 @@ class InternodeKernels:
 
     def combine(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], is_token_in_rank: torch.Tensor,
                 send_nvl_head: torch.Tensor, forwarded_per_node: Sequence[int],
-                bias: Tuple[Optional[torch.Tensor], ...], num_sms: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The combine (NOTE [internode kernels]): x ``[N, H]`` bf16 in this rank's dispatch receive order;
-        send_nvl_head ``[F, P]`` and forwarded_per_node (rows it forwarded from each node) from the handle.
-        Returns (combined_x ``[T, H]``, combined_topk_weights or None)."""
+                bias: Tuple[Optional[torch.Tensor], ...], num_sms: int, recv_src_meta: torch.Tensor,
+                most_tokens: int, all_gather) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The combine (NOTE [internode kernels]), in rounds where `most_tokens` (the most tokens any rank sent)
+        do not fit the region at once (NOTE [internode rounds]): x ``[N, H]`` bf16 in this rank's dispatch
+        receive order; send_nvl_head ``[F, P]``, forwarded_per_node (rows it forwarded from each node) and
+        recv_src_meta ``[N, 2]`` from the handle. Returns (combined_x ``[T, H]``, combined_topk_weights or None)."""
+        self.backend.check_failures()  # a failure of an earlier call (combine waits for no CPU value)
+        num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        row_bytes = x.size(1) * x.element_size() + _aligned(num_topk * 4)
+        per_round = self.half // ((self.num_ranks + self.num_nodes) * row_bytes)
+        if per_round < 1:
+            raise _capacity_error("combine", (self.num_ranks + self.num_nodes) * row_bytes, self.region_bytes)
+        if most_tokens <= per_round:
+            return self._combine_round(x, topk_weights, is_token_in_rank, send_nvl_head, forwarded_per_node, bias,
+                                       num_sms)
+        device = x.device
+        table, bounds = self._round_table(is_token_in_rank, most_tokens, per_round, all_gather)
+        outs, weights_out = [], []
+        for r, (begin, end) in enumerate(bounds):
+            mine, picked, head, forwarded = combine_round_rows(table, r, per_round, self.rank, self.per_node,
+                                                               recv_src_meta[:, 1].cpu(), send_nvl_head.cpu(),
+                                                               forwarded_per_node)
+            mine, head = mine.to(device), head.to(device)
+            out, out_w = self._combine_round(
+                x[mine], None if topk_weights is None else topk_weights[mine], is_token_in_rank[begin:end], head,
+                forwarded, tuple(None if b is None else b[begin:end] for b in bias), num_sms)
+            outs.append(out)
+            weights_out.append(out_w)
+        return torch.cat(outs), None if topk_weights is None else torch.cat(weights_out)
+
+    def _combine_round(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], is_token_in_rank: torch.Tensor,
+                       send_nvl_head: torch.Tensor, forwarded_per_node: Sequence[int],
+                       bias: Tuple[Optional[torch.Tensor], ...], num_sms: int
+                       ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One launch of the combine kernel (`combine` says what the arguments are)."""
         per_node, num_nodes = self.per_node, self.num_nodes
         device = x.device
-        self.backend.check_failures()  # a failure of an earlier call (combine waits for no CPU value)
         num_recv, hidden = x.shape
         num_tokens = is_token_in_rank.size(0)
         num_topk = 0 if topk_weights is None else topk_weights.size(1)
@@ -187,3 +262,55 @@ class InternodeKernels:
                      out_weights=0 if out_weights is None else out_weights.data_ptr(),
                      signals=self.signals + self.num_signals * 8, call_counter=self.call_counters[1:].data_ptr())
         return out, out_weights
+
+
+def _source_major(rows: torch.Tensor) -> torch.Tensor:
+    """NOTE [internode rounds]: rows[s, r] rows of source s came in round r, the rounds one after another, each in
+    order of source; -> the index that puts them in order of source, then round (the whole call's order)."""
+    rows = rows.tolist()
+    num_sources, num_rounds = len(rows), len(rows[0]) if rows else 0
+    first, at = [[0] * num_rounds for _ in range(num_sources)], 0
+    for r in range(num_rounds):
+        for s in range(num_sources):
+            first[s][r], at = at, at + rows[s][r]
+    parts = [torch.arange(first[s][r], first[s][r] + rows[s][r]) for s in range(num_sources) for r in range(num_rounds)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def round_counts(is_token_in_rank: torch.Tensor, per_node: int, per_round: int, num_rounds: int):
+    """NOTE [internode rounds]: this rank's rows per rank and tokens per node in each round (int32
+    ``[rounds, R + N]``), and its token range of each round."""
+    num_tokens = is_token_in_rank.size(0)
+    to_node = routing.tokens_per_node(is_token_in_rank, per_node)
+    bounds = [(min(r * per_round, num_tokens), min((r + 1) * per_round, num_tokens)) for r in range(num_rounds)]
+    counts = torch.stack([torch.cat([is_token_in_rank[b:e].sum(0, dtype=torch.int32),
+                                     to_node[b:e].sum(0, dtype=torch.int32)]) for b, e in bounds])
+    return counts, bounds
+
+
+def combine_round_rows(table: torch.Tensor, r: int, per_round: int, rank: int, per_node: int, tokens: torch.Tensor,
+                       send_nvl_head: torch.Tensor, forwarded_per_node: Sequence[int]):
+    """NOTE [internode rounds]: what combine round `r` takes on `rank`, from the whole call's handle and every
+    rank's per-round counts (`table`, int64 ``[R, rounds, R + N]``): the received rows whose token is in the round
+    (`tokens`: recv_src_meta's token column), the forwarded rows of the round, their send_nvl_head rows with the
+    landing rows moved from the whole call's receive order to the round's, and the rows forwarded from each node.
+    All on the CPU."""
+    num_ranks = table.size(0)
+    num_nodes, node, local = num_ranks // per_node, rank // per_node, rank % per_node
+    rows = table[:, :, :num_ranks]                                   # [s, r, q]: rows s sends q in round r
+    whole = rows.sum(1)
+    sources = [k * per_node + local for k in range(num_nodes)]
+    forwarded = table[sources, :, num_ranks + node]                  # [k, r]: rows forwarded from node k
+    first = torch.tensor([0] + list(forwarded_per_node)).cumsum(0)
+    tokens = tokens.long()
+    mine = ((tokens >= r * per_round) & (tokens < (r + 1) * per_round)).nonzero().flatten()
+    picked = torch.cat([torch.arange(int(first[k] + forwarded[k, :r].sum()), int(first[k] + forwarded[k, :r + 1].sum()))
+                        for k in range(num_nodes)])
+    # On rank q, source s's rows start at (sources before s) in the whole call and at (sources before s, this
+    # round) in the round's order; s's rows of earlier rounds come first among its own.
+    shift = (rows[:, r, :].cumsum(0) - rows[:, r, :]) - (whole.cumsum(0) - whole) - (rows[:, :r, :].sum(1))
+    shift = shift[sources][:, node * per_node:(node + 1) * per_node]
+    source_of = torch.repeat_interleave(torch.arange(num_nodes), forwarded[:, r])
+    head = send_nvl_head[picked].long()
+    head = torch.where(head >= 0, head + shift[source_of], -1).to(torch.int32)
+    return mine, picked, head, forwarded[:, r].tolist()
