@@ -74,6 +74,7 @@ def _compare_ranks(seed, ranks_per_node, rdma_bytes=RDMA_BYTES, cases=CASES):
                            num_tokens_per_expert=per_expert, expert_alignment=4, num_worst_tokens=worst)
                 for b in (ref, cuda)]
         torch.cuda.synchronize()
+        dispatch_rounds = cuda.runtime._internode_kernels().rounds["dispatch"]
         (rx, ri, rw, rl, rh, _), (cx, ci, cw, cl, ch, _) = outs
         assert isinstance(ch, InternodeHandle), f"{what}: handle {type(ch).__name__}"
         num_recv = int(rh.recv_gbl_rank_prefix_sum[-1])
@@ -101,7 +102,7 @@ def _compare_ranks(seed, ranks_per_node, rdma_bytes=RDMA_BYTES, cases=CASES):
             error = (rc[0].float() - cc[0].float()).abs().max().item() if rc[0].numel() else 0.0
             assert torch.equal(rc[0], cc[0]), f"{what}: combine ({how}) differs, max abs error {error}"
             spawn.assert_same(f"{what}: combined weights ({how})", rc[1], cc[1])
-        report.append((case_id, num_recv))
+        report.append((case_id, num_recv, dispatch_rounds, cuda.runtime._internode_kernels().rounds["combine"]))
 
     # Internode calls exchange counts on the host: refused inside a CUDA-graph capture, then eager calls go on.
     from tokenyard import InvalidInputError
@@ -123,7 +124,8 @@ def test_internode_kernels_match_the_reference_hierarchical_path(num_ranks, rank
     seed = int(torch.randint(0, 2**30, ()).item())
     reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, timeout_s=420.0)
     print(f"internode kernels, {num_ranks // ranks_per_node} nodes x {ranks_per_node} on "
-          f"{spawn.describe(num_ranks)}, seed {seed}: rows received per case {reports}")
+          f"{spawn.describe(num_ranks)}, seed {seed}: (case, rows received, dispatch and combine launches) {reports}")
+    assert all(case[2:] == (1, 1) for report in reports for case in report), reports
 
 
 @pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts()[:2])
@@ -132,6 +134,8 @@ def test_calls_larger_than_the_region_run_in_rounds_with_the_results_of_one(num_
     reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, ROUND_RDMA_BYTES, ROUND_CASES,
                         timeout_s=420.0)
     print(f"internode rounds, {num_ranks // ranks_per_node} nodes x {ranks_per_node}, seed {seed}: {reports}")
+    # (case, rows received, dispatch launches, combine launches) per rank: every call needed several rounds.
+    assert all(rounds > 1 for report in reports for case in report for rounds in case[2:]), reports
 
 
 def _peer_that_stops(seed, ranks_per_node):

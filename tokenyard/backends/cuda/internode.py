@@ -65,6 +65,7 @@ class InternodeKernels:
         self.signals = transport.alloc(2 * self.num_signals * 8)
         device = ctx.device
         self.call_counters = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch's, combine's
+        self.rounds = {"dispatch": 0, "combine": 0}  # the launches of the last call of each
         peers = transport.peer_pointers(self.region)
         node_peers = peers[self.node * ranks_per_node:(self.node + 1) * ranks_per_node]
         if not all(node_peers):
@@ -116,12 +117,14 @@ class InternodeKernels:
         most = int(tokens_to_node.max()) if tokens_to_node.numel() else 0
         received = int(counts.sum(0).max())
         if most * self.num_nodes * stride <= self.half and received * row_bytes <= self.half:
+            self.rounds["dispatch"] = 1
             return self._dispatch_round(rows, is_token_in_rank, counts, tokens_to_node, num_sms, stride)
         per_round = min(self.half // (self.num_nodes * stride), self.half // (self.num_ranks * row_bytes))
         if per_round < 1:
             raise _capacity_error("dispatch", max(self.num_nodes * stride, self.num_ranks * row_bytes),
                                   self.region_bytes)
         table, bounds = self._round_table(is_token_in_rank, most_tokens, per_round, all_gather)
+        self.rounds["dispatch"] = len(bounds)
         recvs, masks = [], []
         for r, (begin, end) in enumerate(bounds):
             round_counts, round_nodes = table[:, r, :self.num_ranks].to(device), table[:, r, self.num_ranks:].to(device)
@@ -201,10 +204,12 @@ class InternodeKernels:
         if per_round < 1:
             raise _capacity_error("combine", (self.num_ranks + self.num_nodes) * row_bytes, self.region_bytes)
         if most_tokens <= per_round:
+            self.rounds["combine"] = 1
             return self._combine_round(x, topk_weights, is_token_in_rank, send_nvl_head, forwarded_per_node, bias,
                                        num_sms)
         device = x.device
         table, bounds = self._round_table(is_token_in_rank, most_tokens, per_round, all_gather)
+        self.rounds["combine"] = len(bounds)
         outs, weights_out = [], []
         for r, (begin, end) in enumerate(bounds):
             mine, picked, head, forwarded = combine_round_rows(table, r, per_round, self.rank, self.per_node,
