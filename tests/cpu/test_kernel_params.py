@@ -25,8 +25,13 @@ def _read(root: str, header: str) -> str:
 
 
 def _function_text(spec) -> str:
-    """The device function's text, from its template line to its closing brace."""
-    text = _read(spec.include_root or INCLUDE_DIR, spec.header)
+    """The device function's text, from its template line to its closing brace; in the unit's header or in a
+    header of its folder that it includes (the NVSHMEM units of the low-latency kernels)."""
+    root = spec.include_root or INCLUDE_DIR
+    text = _read(root, spec.header)
+    folder = os.path.dirname(spec.header)
+    for included in re.findall(r'#include "(\w+\.cuh)"', text):
+        text += _read(root, os.path.join(folder, included))
     function = spec.function.rsplit("::", 1)[-1]
     match = re.search(r"template <[^;{}]*typename Params>\n__device__ __forceinline__ void %s\(const Params& p\) \{"
                       % function, text)

@@ -83,6 +83,21 @@ def _pre_reduced(y, layout_range, all_inputs, num_experts):
     return want[dist.get_rank()].to(y.device)
 
 
+def _check_path(buffer):
+    """Under TOKENYARD_RANKS_PER_NODE (virtual nodes), the kernels reach every rank of another node through the
+    transport and only those (NOTE [internode low-latency] in include/tokenyard/sync.cuh)."""
+    import torch.distributed as dist
+
+    from tokenyard import env
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    per_node = env.settings().ranks_per_node or num_ranks
+    remote = sum(1 << r for r in range(num_ranks) if r // per_node != rank // per_node)
+    assert buffer.runtime._low_latency_kernels.remote == remote, \
+        f"rank {rank}: ranks reached by puts {buffer.runtime._low_latency_kernels.remote:#x}, want {remote:#x}"
+    return "" if remote == 0 else f" ({num_ranks // per_node} nodes x {per_node})"
+
+
 def _compare(seed, cases):
     import torch.distributed as dist
 
@@ -100,6 +115,7 @@ def _compare(seed, cases):
         cuda = Buffer(dist.group.WORLD, 0, size, backend="cuda", timeout_s=30)
         cuda.runtime.use_low_latency_kernels = True
         cuda.runtime.poison_outputs = True
+        what += _check_path(cuda)
         num_local_experts = num_experts // num_ranks
         stats = [torch.zeros(num_local_experts, dtype=torch.int32, device=device) for _ in range(2)]
 
@@ -158,6 +174,7 @@ def _graph_replay(seed):
     ref = Buffer(dist.group.WORLD, 0, size, backend="reference")
     cuda = Buffer(dist.group.WORLD, 0, size, backend="cuda", timeout_s=30)
     cuda.runtime.use_low_latency_kernels = True
+    nodes = _check_path(cuda)
 
     def step(buffer, x, topk_idx, weights, details=False):
         recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts)
@@ -191,7 +208,7 @@ def _graph_replay(seed):
     cuda.runtime.check_failures()
     ref.destroy()
     cuda.destroy()
-    return "graph replays match the reference"
+    return "graph replays match the reference" + nodes
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
@@ -334,6 +351,7 @@ def _masked_rank(seed):
     size = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
     buffer = Buffer(dist.group.WORLD, 0, size, backend="cuda", enable_shrink=True, timeout_s=3)
     buffer.runtime.use_low_latency_kernels = True
+    nodes = _check_path(buffer)
     inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, "uniform", "bf16")
     x, topk_idx, weights = (t.to(device) for t in inputs[rank])
 
@@ -370,7 +388,7 @@ def _masked_rank(seed):
         torch.cuda.synchronize()
         again = time.monotonic() - start
         assert again < 1.0, f"a call after masking took {again:.2f} s"
-        message = f"masked rank {stopped} after {first:.1f} s; next call {again * 1e3:.1f} ms"
+        message = f"masked rank {stopped} after {first:.1f} s; next call {again * 1e3:.1f} ms{nodes}"
     dist.barrier()
     buffer.destroy()
     return message

@@ -27,9 +27,10 @@ one call's outputs survive the next call). Each half holds a dispatch receive re
 (source rank, token), since a token crosses to a rank once whatever number of its experts live there
 (NOTE [low-latency dispatch] in kernels/low_latency_dispatch.cuh), where each message landed among its experts'
 rows, the combine's weights and a combine receive region of one pre-reduced row per (rank, message)
-(NOTE [low-latency combine]), plus signalling words. The size hint
-depends only on (tokens per rank, hidden, ranks, experts), as DeepEP's does, and is larger than the
-layout needs (it also covers one message per pair); top-k up to ``LOW_LATENCY_MAX_TOPK``.
+(NOTE [low-latency combine]), plus signalling words, and where a message or a row for a rank of another node is
+assembled before it is put (NOTE [internode low-latency]). The size hint depends only on (tokens per rank, hidden,
+ranks, experts), as DeepEP's does, and covers the layout, whatever the nodes (with more than one expert per
+rank DeepEP's room for one message per pair is the larger); top-k up to ``LOW_LATENCY_MAX_TOPK``.
 """
 
 from __future__ import annotations
@@ -197,6 +198,12 @@ class LowLatencyLayout:
     combine_recv    [R][M] bf16 rows: owner r's partial sum for this rank's message slot j to r
                     (NOTE [low-latency combine])
     combine_flags   [R] uint64: ``(tag << 32) | 1`` once owner r has sent every row back
+    staged_messages [R][M] dispatch messages, this rank's to rank r, and
+    staged_rows     [R][M] bf16 rows, this rank's partial sums for rank r's messages: where the kernels assemble
+                    what goes to a rank of another node before one put carries it (NOTE [internode low-latency]
+                    in kernels/low_latency_common.cuh); unused within a node
+    arrivals        [R + 1][M] uint64 ``(tag << 32) | pieces``: the pieces of each staged row (r < R) and message
+                    (R) written so far
     A tag is the call's epoch times the odd factor of its shape signature (NOTE [call tags]).
     """
 
@@ -209,6 +216,9 @@ class LowLatencyLayout:
     combine_weights: int
     combine_recv: int
     combine_flags: int
+    staged_messages: int
+    staged_rows: int
+    arrivals: int
     state: int
 
 
@@ -222,7 +232,10 @@ def low_latency_region_bytes(num_max: int, hidden: int, num_ranks: int, num_expe
             "dispatch_expert_counts": num_experts * 8,
             "combine_weights": num_messages * LOW_LATENCY_MAX_TOPK * 8,
             "combine_recv": num_messages * low_latency_combine_message_bytes(hidden),
-            "combine_flags": num_ranks * 8}
+            "combine_flags": num_ranks * 8,
+            "staged_messages": num_messages * low_latency_dispatch_message_bytes(hidden),
+            "staged_rows": num_messages * low_latency_combine_message_bytes(hidden),
+            "arrivals": (num_ranks + 1) * num_max * 8}
 
 
 def _low_latency_regions(num_max: int, hidden: int, num_ranks: int, num_experts: int):

@@ -224,12 +224,22 @@ class CudaBackend(Backend):
             if missing is not None:
                 raise BackendUnavailableError(f"the group spans {hosts} hosts, where the CUDA backend runs only its "
                                               f"internode kernels, and here {missing}")
+        # NOTE [internode low-latency] (sync.cuh): with ranks on other nodes and NVSHMEM, the low-latency buffer is
+        # in its symmetric heap, and ranks of other nodes are reached by puts; else on one host all ranks by IPC.
+        nodes = ctx.num_ranks // ctx.topology.ranks_per_node
+        internode_low_latency = ctx.num_rdma_bytes > 0 and nodes > 1 and self.internode_missing() is None
         try:
             self.normal = SymmetricBuffer(ctx, ctx.num_nvl_bytes, ctx.topology.same_host() if hosts > 1 else None)
-            if ctx.num_rdma_bytes > 0 and hosts == 1:
+            if ctx.num_rdma_bytes > 0 and hosts == 1 and not internode_low_latency:
                 self.low_latency_buffer = SymmetricBuffer(ctx, ctx.num_rdma_bytes)
         except runtime.RuntimeError_ as exc:
             raise BackendUnavailableError(f"could not map the peers' buffers: {exc}") from exc
+        self.heap_buffer = None
+        if internode_low_latency:
+            from .transport import HeapBuffer
+
+            self.heap_buffer = HeapBuffer(self._transport(), ctx.num_rdma_bytes, ctx.device,
+                                          ctx.topology.ranks_per_node)
         self.error_flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
         # [layout's kLayoutBadIds, the last judged dispatch's mask of bad ranks] (NOTE [input verdict] in checks.py)
         self.verdict = torch.zeros(2, dtype=torch.int32, device=ctx.device)
@@ -253,8 +263,8 @@ class CudaBackend(Backend):
         self._low_latency = ReferenceBackend(ctx)
         self._low_latency_kernels = None
         self._internode = None  # InternodeKernels, made at the first internode call
-        if self.low_latency_buffer is not None:
-            self._low_latency_kernels = LowLatencyKernels(self, self.low_latency_buffer)
+        if self.heap_buffer is not None or self.low_latency_buffer is not None:
+            self._low_latency_kernels = LowLatencyKernels(self, self.heap_buffer or self.low_latency_buffer)
         choice = env.settings().low_latency_kernels
         self.use_low_latency_kernels = self.LOW_LATENCY_KERNELS_VALIDATED if choice == "auto" else choice == "on"
 
@@ -797,8 +807,8 @@ class CudaBackend(Backend):
 
     def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
         if use_rdma_buffer:
-            if self.low_latency_buffer is not None:
-                return self.low_latency_buffer.tensor
+            if self._low_latency_kernels is not None:
+                return self._low_latency_kernels.buffer.tensor
             return self._low_latency.local_buffer(True)
         return self.normal.tensor
 
@@ -822,20 +832,26 @@ class CudaBackend(Backend):
         """The internode kernels, NVSHMEM started for the group at the first internode call (collective)."""
         if self._internode is None:
             from .internode import InternodeKernels
-            from .transport import Transport
 
             ctx = self.ctx
             if ctx.num_rdma_bytes <= 0:
                 raise CapacityError("internode normal mode on the CUDA backend keeps its rows in num_rdma_bytes "
                                     "of NVSHMEM memory (NOTE [internode region]); this Buffer has none",
                                     required_bytes=0, available_bytes=0, which="num_rdma_bytes")
-            ranks = tuple(dist.get_process_group_ranks(ctx.group)) if ctx.group is not None else \
-                tuple(range(ctx.num_ranks))
-            transport = Transport.start(ctx.rank, ctx.num_ranks, ctx.all_gather_object, ranks,
-                                        heap_bytes=ctx.num_rdma_bytes + _INTERNODE_HEAP_SLACK,
-                                        shares_gpu=ctx.topology.shares_gpu)
-            self._internode = InternodeKernels(self, transport, ctx.num_rdma_bytes, ctx.topology.ranks_per_node)
+            self._internode = InternodeKernels(self, self._transport(), ctx.num_rdma_bytes,
+                                               ctx.topology.ranks_per_node)
         return self._internode
+
+    def _transport(self):
+        """NVSHMEM started for the group, or a use more of it (collective at the start), its heap room for the
+        low-latency buffer and the internode kernels' region, num_rdma_bytes each."""
+        from .transport import Transport
+
+        ctx = self.ctx
+        ranks = tuple(dist.get_process_group_ranks(ctx.group)) if ctx.group is not None else tuple(range(ctx.num_ranks))
+        return Transport.start(ctx.rank, ctx.num_ranks, ctx.all_gather_object, ranks,
+                               heap_bytes=2 * ctx.num_rdma_bytes + _INTERNODE_HEAP_SLACK,
+                               shares_gpu=ctx.topology.shares_gpu)
 
     def internode_dispatch(self, request: DispatchRequest) -> DispatchResult:
         from .. import internode
@@ -852,7 +868,9 @@ class CudaBackend(Backend):
         if self._internode is not None and together:  # NVSHMEM's frees and stop are collective
             self._internode.close()
             self._internode.transport.close()
-        self._internode = None
+        if self.heap_buffer is not None and together:
+            self.heap_buffer.free()
+        self._internode = self.heap_buffer = None
         held = [b for b in (self.normal, self.low_latency_buffer) if b is not None]
         self.normal = self.low_latency_buffer = None
         for buffer in held:

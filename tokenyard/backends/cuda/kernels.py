@@ -116,36 +116,45 @@ _LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "ra
                         Param("int64_t", "dispatch_counts"), Param("int64_t", "dispatch_expert_counts"),
                         Param("int64_t", "combine_weights"),
                         Param("int64_t", "combine_recv"), Param("int64_t", "combine_flags"), Param("int64_t", "state"),
-                        Param("uint32_t", "tag_factor"), Param("int", "do_send"), Param("int", "do_recv"))
+                        Param("uint32_t", "tag_factor"), Param("int", "do_send"), Param("int", "do_recv"),
+                        Param("uint32_t", "remote_ranks"), Param("int64_t", "staged_messages"),
+                        Param("int64_t", "staged_rows"), Param("int64_t", "arrivals"))
+# NOTE [internode low-latency] (sync.cuh): with ranks on other nodes the same kernels, given the transport, in an
+# NVSHMEM unit.
+_LOW_LATENCY_INTERNODE = "tokenyard/kernels/low_latency_internode.cuh"
+_REMOTE = {False: "tokenyard::NoRemote", True: "tokenyard::transport::Remote"}
 _TRACE = (Param("uint64_t*", "trace"),)  # NOTE [low-latency trace]; nullptr except in benchmarks/ll_phases.py
 
 
 @functools.lru_cache(maxsize=None)
-def low_latency_dispatch(num_topk: int, topk_dtype: torch.dtype, use_fp8: bool, use_ue8m0: bool) -> KernelSpec:
+def low_latency_dispatch(num_topk: int, topk_dtype: torch.dtype, use_fp8: bool, use_ue8m0: bool,
+                         internode: bool = False) -> KernelSpec:
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
-        "tokenyard/kernels/low_latency_dispatch.cuh", "tokenyard::kernels::low_latency_dispatch",
-        (num_topk, topk_t, "true" if use_fp8 else "false", "true" if use_ue8m0 else "false"),
+        _LOW_LATENCY_INTERNODE if internode else "tokenyard/kernels/low_latency_dispatch.cuh",
+        "tokenyard::kernels::low_latency_dispatch",
+        (num_topk, topk_t, "true" if use_fp8 else "false", "true" if use_ue8m0 else "false", _REMOTE[internode]),
         (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("int", "num_tokens"),
          Param("int", "hidden"), Param("int", "num_experts"), Param("int", "round_scale"),
          Param("uint8_t*", "packed_recv_x"), Param("uint32_t*", "packed_recv_scales"),
          Param("int*", "packed_recv_count"), Param("int*", "src_info"), Param("int64_t*", "layout_range"),
          Param("int*", "cumulative_stats"), Param("int*", "rank_mask"), Param("int64_t*", "wait_costs"))
         + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
-        LOW_LATENCY_THREADS, name="tokenyard::low_latency::dispatch")
+        LOW_LATENCY_THREADS, name="tokenyard::low_latency::dispatch", nvshmem=internode)
 
 
 @functools.lru_cache(maxsize=None)
-def low_latency_combine(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
+def low_latency_combine(num_topk: int, topk_dtype: torch.dtype, internode: bool = False) -> KernelSpec:
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
-        "tokenyard/kernels/low_latency_combine.cuh", "tokenyard::kernels::low_latency_combine", (num_topk, topk_t),
+        _LOW_LATENCY_INTERNODE if internode else "tokenyard/kernels/low_latency_combine.cuh",
+        "tokenyard::kernels::low_latency_combine", (num_topk, topk_t, _REMOTE[internode]),
         (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("const float*", "topk_weights"),
          Param("int", "num_tokens"), Param("int", "hidden"),
          Param("int", "num_experts"), Param("int4*", "combined_x"), Param("int*", "rank_mask"),
          Param("int64_t*", "wait_costs"), Param("int", "local_blocks"))
         + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
-        LOW_LATENCY_THREADS, name="tokenyard::low_latency::combine")
+        LOW_LATENCY_THREADS, name="tokenyard::low_latency::combine", nvshmem=internode)
 
 
 EXPAND_THREADS = 512
@@ -279,3 +288,5 @@ def every_kernel():
     yield transport_check()
     yield internode_dispatch()
     yield internode_combine(7168 * 2 // 16, 8)
+    yield low_latency_dispatch(8, torch.int64, True, False, internode=True)
+    yield low_latency_combine(8, torch.int64, internode=True)

@@ -44,7 +44,10 @@ class LowLatencyKernels:
 
     def __init__(self, backend, buffer):
         self.backend = backend
-        self.buffer = buffer  # a SymmetricBuffer of num_rdma_bytes
+        # A SymmetricBuffer of num_rdma_bytes, or with ranks on other nodes a transport.HeapBuffer, whose kernels
+        # are the NVSHMEM units (NOTE [internode low-latency] in include/tokenyard/sync.cuh).
+        self.buffer = buffer
+        self.remote = getattr(buffer, "remote", 0)
         self._dispatch_calls = 0
         self._src_info_of_half = [None, None]  # data_ptr of each half's latest dispatch's src_info
         self._bases = {}  # half_bytes -> (device array of half 0's base on every rank, the same for half 1)
@@ -69,7 +72,7 @@ class LowLatencyKernels:
         region_bytes = workspace.low_latency_region_bytes(num_max, hidden, ctx.num_ranks, num_experts)
         words = [(getattr(layout, name), region_bytes[name])
                  for name in ("state", "dispatch_recv", "dispatch_counts", "dispatch_expert_counts", "combine_weights",
-                              "combine_flags")]
+                              "combine_flags", "arrivals")]
         torch.cuda.synchronize(ctx.device)
         ctx.all_gather_object(None)  # no rank still sends into this buffer
         local = self.buffer.tensor
@@ -79,6 +82,11 @@ class LowLatencyKernels:
                 local[begin:begin + num_bytes].zero_()
         torch.cuda.synchronize(ctx.device)
         ctx.all_gather_object(None)  # no rank sends before every rank is clean
+
+    def _kernel(self, spec):
+        """An NVSHMEM unit is loaded by the transport, which registers its module (NOTE [NVSHMEM units])."""
+        return self.buffer.transport.load(spec, self.backend.device_index) if spec.nvshmem else \
+            self.backend._kernel(spec)
 
     def _trace_ptr(self, kind: int) -> int:
         return 0 if self.trace is None else self.trace[kind].data_ptr()
@@ -111,7 +119,8 @@ class LowLatencyKernels:
                     dispatch_positions=layout.dispatch_positions, dispatch_counts=layout.dispatch_counts,
                     dispatch_expert_counts=layout.dispatch_expert_counts, combine_weights=layout.combine_weights,
                     combine_recv=layout.combine_recv, combine_flags=layout.combine_flags, state=layout.state,
-                    tag_factor=factor, do_send=do_send, do_recv=do_recv)
+                    tag_factor=factor, do_send=do_send, do_recv=do_recv, remote_ranks=self.remote,
+                    staged_messages=layout.staged_messages, staged_rows=layout.staged_rows, arrivals=layout.arrivals)
 
     def _pair_bits_bytes(self, num_max: int, num_rows: int) -> int:
         """The pair bits of NOTE [pair slots]: a row of words per rank, or per expert and per rank."""
@@ -208,7 +217,7 @@ class LowLatencyKernels:
                 f"low-latency dispatch of num_max_dispatch_tokens_per_rank={num_max} with {num_experts} experts on "
                 f"{ctx.num_ranks} ranks needs {shared_bytes} bytes of shared memory per block, more than this GPU's "
                 f"{limit}; use at most {limit // 4 // num_experts * 32} tokens per rank")
-        kernel = self.backend._kernel(kernels.low_latency_dispatch(num_topk, topk_dtype, use_fp8, use_ue8m0))
+        kernel = self._kernel(kernels.low_latency_dispatch(num_topk, topk_dtype, use_fp8, use_ue8m0, self.remote != 0))
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         outputs = {"packed_recv_x": ((num_local_experts, num_slots, hidden),
                                      torch.float8_e4m3fn if use_fp8 else torch.bfloat16)}
@@ -241,7 +250,7 @@ class LowLatencyKernels:
                       num_max: int, with_out: bool, hook: bool):
         """Inputs LOW_LATENCY_COMBINE_INPUTS, scalars LOW_LATENCY_SCALARS."""
         ctx = self.backend.ctx
-        kernel = self.backend._kernel(kernels.low_latency_combine(num_topk, topk_dtype))
+        kernel = self._kernel(kernels.low_latency_combine(num_topk, topk_dtype, self.remote != 0))
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         outputs = {} if with_out else {"combined_x": ((num_tokens, hidden), torch.bfloat16)}
         factor = tag_factor("low_latency_combine", hidden=hidden, num_topk=num_topk, num_experts=num_experts,

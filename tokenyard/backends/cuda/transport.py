@@ -10,8 +10,10 @@ has: NVSHMEM_DISABLE_NVLS=1 (NVLink multicast stays off: it can take a host's GP
 NVSHMEM_SYMMETRIC_SIZE to what the users ask for, rounded up, where it is unset (NVSHMEM's default reserves a
 gigabyte or more of every GPU's memory for the symmetric heap); and where ranks share a GPU under MPS,
 NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 (NVSHMEM otherwise refuses several PEs per GPU unless their
-MPS shares sum to at most 100%). Symmetric allocations are collective: every rank of the group makes the same
-ones in the same order.
+MPS shares sum to at most 100%) and NVSHMEM_DISABLE_CUDA_VMM=1 (the heap made whole at the start: with its heap
+grown as asked, NVSHMEM refused a 1.9 GB allocation in a 4 GB heap at 4 PEs on one H100, which one PE alone made;
+benchmarks/results/internode_low_latency.md). Symmetric allocations are collective: every rank of the group makes
+the same ones in the same order.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Transport:
             os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(_round_up(max(heap_bytes, 1), _HEAP_ALIGN)))
             if shares_gpu:
                 os.environ.setdefault("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "1")
+                os.environ.setdefault("NVSHMEM_DISABLE_CUDA_VMM", "1")
             try:
                 shim = ctypes.CDLL(nvshmem.shim_path())
             except Exception as exc:  # CompileError or OSError: the message says what is missing
@@ -128,3 +131,34 @@ class Transport:
                 raise BackendUnavailableError(f"nvshmemx_cumodule_init failed for {spec.name} (status {status})")
             self._registered.add(kernel.module)
         return kernel
+
+
+class HeapBuffer:
+    """`num_bytes` of the symmetric heap on every rank, seen as the low-latency kernels see a buffer (`bases`, one
+    per rank, and this rank's `tensor`) where some ranks are on other nodes (NOTE [internode low-latency] in
+    include/tokenyard/sync.cuh): a rank of this rank's node by its address here (nvshmem_ptr), one of another
+    node by this rank's own address, the symmetric one its puts name; `remote` has a bit per rank of another
+    node. Holds one use of the transport. Allocation and free are collective."""
+
+    def __init__(self, transport: Transport, num_bytes: int, device, ranks_per_node: int):
+        import torch
+
+        from .backend import _CudaArray
+
+        self.transport = transport
+        self.ptr = transport.alloc(num_bytes)
+        peers = transport.peer_pointers(self.ptr)
+        node = transport.rank // ranks_per_node
+        here = [r for r in range(transport.num_ranks) if r // ranks_per_node == node]
+        unreachable = [r for r in here if not peers[r]]
+        if unreachable:
+            self.free()
+            raise BackendUnavailableError(f"rank {transport.rank} cannot load from ranks {unreachable} of its node "
+                                          "through NVSHMEM")
+        self.remote = sum(1 << r for r in range(transport.num_ranks) if r not in here)
+        self.bases = [peers[r] if r in here else self.ptr for r in range(transport.num_ranks)]
+        self.tensor = torch.as_tensor(_CudaArray(self.ptr, num_bytes), device=device)
+
+    def free(self) -> None:
+        self.transport.free(self.ptr)
+        self.transport.close()

@@ -113,6 +113,12 @@ struct LowLatencyBuffers {
     int64_t combine_flags;
     int64_t state;
     uint32_t tag_factor;         // NOTE [call tags]: odd, from the call's signature
+    // NOTE [internode low-latency]: bit r set where rank r is on another node; peer_bases[r] is then this rank's
+    // own half, whose addresses are the symmetric ones that a put to r names.
+    uint32_t remote;
+    int64_t staged_messages;
+    int64_t staged_rows;
+    int64_t arrivals;
 
     // The view a low-latency kernel's parameters describe (kernels.py, _LOW_LATENCY_BUFFERS).
     template <typename Params>
@@ -120,7 +126,23 @@ struct LowLatencyBuffers {
         return {p.peer_bases, p.rank, p.num_ranks, p.num_experts / p.num_ranks, p.num_max, num_topk,
                 p.dispatch_recv, p.message_bytes, p.header_bytes, p.dispatch_positions, p.dispatch_counts,
                 p.dispatch_expert_counts, p.combine_weights, p.combine_recv, static_cast<int64_t>(p.hidden) * 2,
-                p.combine_flags, p.state, p.tag_factor};
+                p.combine_flags, p.state, p.tag_factor, p.remote_ranks, p.staged_messages, p.staged_rows,
+                p.arrivals};
+    }
+
+    __device__ __forceinline__ bool is_remote(int r) const { return (remote >> r) & 1u; }
+    // This rank's message to rank `dest` (another node's) for its token `slot`, assembled here before the put.
+    __device__ __forceinline__ uint8_t* staged_message(int dest, int slot) const {
+        return peer_bases[rank] + staged_messages + (static_cast<int64_t>(dest) * num_max + slot) * message_bytes;
+    }
+    // This rank's partial sum for message `slot` of rank `owner` (another node's), assembled here before the put.
+    __device__ __forceinline__ int4* staged_row(int owner, int slot) const {
+        return reinterpret_cast<int4*>(peer_bases[rank] + staged_rows +
+                                       (static_cast<int64_t>(owner) * num_max + slot) * combine_row_bytes);
+    }
+    // The pieces of staged row (owner, slot) written so far, or with owner == num_ranks of staged messages `slot`.
+    __device__ __forceinline__ uint64_t* arrival(int owner, int slot) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[rank] + arrivals) + static_cast<int64_t>(owner) * num_max + slot;
     }
 
     // Message `slot` of `source` in rank `owner`'s receive region: one per (source, token sent to owner).

@@ -234,11 +234,63 @@ struct Signal {
     uint32_t value;
 };
 
-template <typename SignalOf, typename Withhold>
+// NOTE [internode low-latency]
+// The low-latency kernels reach a rank of another node through the transport (NOTE [transport seam]), passed as
+// their template parameter Remote: tokenyard::transport::Remote in the NVSHMEM units
+// (kernels/low_latency_internode.cuh), NoRemote within a node. Every word a peer waits for (a count, a weight,
+// a flag) carries its tag, so to a rank of another node it goes alone, as one 64-bit signal (store_word). A
+// message or a partial sum is written by several warps, a piece each; for a rank of another node they write
+// their pieces into this rank's staging (LowLatencyBuffers::staged_message, staged_row) and count them in its
+// arrival word (arrive), and the warp that brings in the last piece puts the whole of it: one put per (token,
+// rank), as a NIC wants, however the pieces were dealt. Before reporting done every sending thread waits for
+// its puts to land (Remote::quiet), so the last block's signals, sent after every block's done, follow every
+// put. The receiving halves read only this rank's memory, as within a node.
+struct NoRemote {
+    static constexpr bool kEnabled = false;
+    static __device__ __forceinline__ void put_warp(void*, const void*, size_t, int) {}
+    static __device__ __forceinline__ void signal_set(uint64_t*, uint64_t, int) {}
+    static __device__ __forceinline__ void quiet() {}
+};
+
+// `value` into rank `owner`'s `word`: a store (with release where `release`) within the node, a signal to another.
+template <typename Remote>
+__device__ __forceinline__ void store_word(const LowLatencyBuffers& b, uint64_t* word, uint64_t value, int owner,
+                                           bool release) {
+    if (Remote::kEnabled && b.is_remote(owner))
+        Remote::signal_set(word, value, owner);
+    else if (release)
+        ptx::st_release_sys(word, value);
+    else
+        ptx::st_relaxed_sys(word, value);
+}
+
+// One thread: counts a piece into `word` ((tag << 32) | pieces; a word of another tag counts from zero), the
+// calling warp's stores ordered before (the caller's __syncwarp, then this release); true for the piece that
+// makes `pieces`, whose caller then sees every counted piece's stores (acquire).
+__device__ __forceinline__ bool arrive(uint64_t* word, uint32_t tag, uint32_t pieces) {
+    auto* counter = reinterpret_cast<unsigned long long*>(word);
+    __threadfence();
+    unsigned long long seen = *reinterpret_cast<volatile unsigned long long*>(counter);
+    for (;;) {
+        const unsigned long long next = static_cast<uint32_t>(seen >> 32) == tag
+                                                ? seen + 1
+                                                : (static_cast<unsigned long long>(tag) << 32) | 1ull;
+        const unsigned long long before = atomicCAS(counter, seen, next);
+        if (before == seen) {
+            __threadfence();
+            return static_cast<uint32_t>(next) == pieces;
+        }
+        seen = before;
+    }
+}
+
+template <typename Remote, typename SignalOf, typename Withhold>
 __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, int kind, uint32_t epoch,
                                                   const int* rank_mask, uint64_t* trace, SignalOf signal_of,
                                                   Withhold withhold) {
     trace_mark(trace, kTraceSent);
+    if constexpr (Remote::kEnabled)
+        Remote::quiet();  // this thread's puts have landed before its block reports done
     const bool last = last_block_done(b, kind);
     trace_mark(trace, kTraceCounted);
     if (!last)
@@ -248,7 +300,7 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
         if (rank_mask != nullptr && rank_mask[r] != 0)
             continue;
         const Signal signal = signal_of(r);
-        ptx::st_release_sys(signal.word, (static_cast<uint64_t>(b.tag(epoch)) << 32) | signal.value);
+        store_word<Remote>(b, signal.word, (static_cast<uint64_t>(b.tag(epoch)) << 32) | signal.value, r, true);
     }
     if (threadIdx.x == 0) {
         ptx::st_relaxed_sys(b.epoch(kind), epoch);

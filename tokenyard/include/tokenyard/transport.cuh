@@ -4,9 +4,10 @@
 // Internode kernels move data to other nodes only through the functions below: a warp's put of bytes, the
 // same followed by a signal, a signal alone, fence and quiet, our bounded wait for a signal, and a barrier
 // built from signals. They are thin calls of NVSHMEM's device API (issue 25), the engine DeepEP V1 uses; an
-// NCCL device API (GIN) build would rewrite this file's bodies and nothing else. Signals only ever add: a
-// signal word counts what arrived across calls, so a wait compares with the count a call expects (the calls'
-// numbers, NOTE [normal-mode call numbers] in sync.cuh) and needs no reset between calls. No wait is
+// NCCL device API (GIN) build would rewrite this file's bodies and nothing else. The normal-mode signals only
+// add: a signal word counts what arrived across calls, so a wait compares with the count a call expects (the
+// calls' numbers, NOTE [normal-mode call numbers] in sync.cuh) and needs no reset between calls. The low-latency
+// kernels' words carry their call's tag and are set (NOTE [internode low-latency] in sync.cuh). No wait is
 // NVSHMEM's own (nvshmem_signal_wait_until spins forever): we poll the word with acquire loads under the
 // deadline of a WaitContext, which records a timeout for Python to raise (NOTE [error record] in sync.cuh).
 // Units that include this header link NVSHMEM's device library (NOTE [NVSHMEM units] in jit/nvshmem.py).
@@ -39,6 +40,11 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
 // to `peer` only where a fence() separates them.
 __device__ __forceinline__ void signal_add(uint64_t* signal, uint64_t value, int peer) {
     nvshmemx_signal_op(signal, value, NVSHMEM_SIGNAL_ADD, peer);
+}
+
+// Set the symmetric word `signal` of `peer` to `value` (one thread, one 64-bit write), as signal_add orders it.
+__device__ __forceinline__ void signal_set(uint64_t* signal, uint64_t value, int peer) {
+    nvshmemx_signal_op(signal, value, NVSHMEM_SIGNAL_SET, peer);
 }
 
 // This thread's puts and signals to each peer before the fence land before those after it.
@@ -81,5 +87,18 @@ __device__ __forceinline__ bool barrier(const WaitContext& ctx, uint64_t* arriva
     quiet();
     return wait_signal(ctx, arrivals, number * static_cast<uint64_t>(count), -1, kStageInternodeBarrier);
 }
+
+// The transport as the low-latency kernels take it, their template parameter Remote (NOTE [internode
+// low-latency] in sync.cuh; within a node they take NoRemote).
+struct Remote {
+    static constexpr bool kEnabled = true;
+    static __device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes, int peer) {
+        transport::put_warp(dst, src, bytes, peer);
+    }
+    static __device__ __forceinline__ void signal_set(uint64_t* signal, uint64_t value, int peer) {
+        transport::signal_set(signal, value, peer);
+    }
+    static __device__ __forceinline__ void quiet() { transport::quiet(); }
+};
 
 }  // namespace tokenyard::transport

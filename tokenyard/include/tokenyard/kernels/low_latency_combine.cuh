@@ -106,8 +106,10 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // waits for each rank's flag (NOTE [block waits]); the items are (token t, piece); lane dest finds whether
 // the token went to rank dest (NOTE [pair slots], rank rows) and points at dest's row t; the warp sums the
 // rows in rank order in float32 and writes bf16. The result is routing.low_latency_combine(...,
-// pre_reduce=True) bit for bit: within bf16 rounding of one sum.
-template <int kNumTopk, typename TopkT, typename Params>
+// pre_reduce=True) bit for bit: within bf16 rounding of one sum. To a rank of another node (NOTE [internode
+// low-latency]) each weight goes as a signal of its own, and a partial sum's pieces are counted into its arrival
+// word, the warp that completes it putting the row.
+template <int kNumTopk, typename TopkT, typename Remote = NoRemote, typename Params>
 __device__ __forceinline__ void low_latency_combine(const Params& p) {
     trace_mark(p.trace, kTraceStart);
     const LowLatencyBuffers b = LowLatencyBuffers::of(p, kNumTopk);
@@ -170,7 +172,7 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
             uint64_t* to = b.weights(s, p.rank, t);
 #pragma unroll
             for (int k = 0; k < kNumTopk; ++k)
-                ptx::st_relaxed_sys(to + k, (static_cast<uint64_t>(tag) << 32) | __float_as_uint(w[k]));
+                store_word<Remote>(b, to + k, (static_cast<uint64_t>(tag) << 32) | __float_as_uint(w[k]), s, false);
         }
         // (2) The items: (message slot j, piece) of s in the dispatch of this half, as many slots as s had
         //     tokens (a source masked during that dispatch left an older epoch there: nothing from it).
@@ -208,11 +210,23 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
             const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
             float acc[kReduceVectors][8] = {};
             accumulate_rows<false>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4, lane);
+            if constexpr (Remote::kEnabled) {
+                if (b.is_remote(s)) {
+                    store_bf16(b.staged_row(s, j), acc, piece * kReduceInt4, hidden_int4, lane);
+                    __syncwarp();
+                    bool last = false;
+                    if (lane == 0)
+                        last = arrive(b.arrival(s, j), tag, num_pieces);
+                    if (__shfl_sync(0xffffffffu, last, 0))
+                        Remote::put_warp(b.combine_row(s, p.rank, j), b.staged_row(s, j), b.combine_row_bytes, s);
+                    continue;
+                }
+            }
             store_bf16(b.combine_row(s, p.rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
         }
         // Without a mask, a launch that recorded a failure (a lost weight, a receive timeout in another
         // block) left rows unwritten: its peers must time out rather than sum them.
-        publish_when_last(
+        publish_when_last<Remote>(
                 b, 1, epoch, p.rank_mask, p.trace, [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; },
                 [&] { return p.rank_mask == nullptr && failed(wait); });
     }

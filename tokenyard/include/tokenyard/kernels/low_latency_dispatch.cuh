@@ -40,8 +40,10 @@ namespace tokenyard::kernels {
 // message is read once, and all of them at once (a block per expert scanning the headers and copying its
 // rows took several times longer after the signals).
 // A source masked between its counts and its data is left out and the rows renumbered. With a recv hook
-// the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs].
-template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0, typename Params>
+// the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs]. To a rank of another
+// node everything goes as NOTE [internode low-latency] says: a message's pieces and its header's slots are counted
+// into the token's arrival word, and whoever completes it puts the message to each of those ranks.
+template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0, typename Remote = NoRemote, typename Params>
 __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
     static_assert(kNumTopk <= kHeaderMaxTopk, "the message header has room for 16 top-k choices");
     trace_mark(p.trace, kTraceStart);
@@ -54,6 +56,22 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
     const int data_bytes = kUseFp8 ? p.hidden : p.hidden * 2;
     const int num_slots = p.num_ranks * p.num_max;
     const uint32_t epoch = launch_epoch(b, 0, p.do_send), tag = b.tag(epoch);  // NOTE [call tags]
+    const int send_pieces = (p.hidden + kPieceChannels - 1) / kPieceChannels;
+    // NOTE [internode low-latency]: the bytes of a message that a put carries, and the warp that puts them for
+    // token t to every rank of `far` (ranks of other nodes), once its pieces and its slots have all arrived.
+    const size_t put_bytes = p.header_bytes + data_bytes + (kUseFp8 ? num_scales * 4 : 0);
+    const auto arrive_and_put = [&](int t, uint32_t far) {
+        __syncwarp();
+        bool last = false;
+        if (lane == 0)
+            last = arrive(b.arrival(p.num_ranks, t), tag, send_pieces + 1);
+        if (!__shfl_sync(0xffffffffu, last, 0))
+            return;
+        for (; far != 0u; far &= far - 1u) {
+            const int dest = __ffs(far) - 1;
+            Remote::put_warp(b.message(dest, p.rank, t), b.staged_message(dest, t), put_bytes, dest);
+        }
+    };
 
     extern __shared__ uint32_t shared_words[];
     if (p.do_send) {
@@ -67,8 +85,8 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
             for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
                 const int dest = e / num_local_experts;
                 if (p.rank_mask == nullptr || p.rank_mask[dest] == 0)
-                    ptx::st_relaxed_sys(b.expert_counts(dest, p.rank) + e % num_local_experts,
-                                        (static_cast<uint64_t>(tag) << 32) | row_count(bits, words, e));
+                    store_word<Remote>(b, b.expert_counts(dest, p.rank) + e % num_local_experts,
+                                       (static_cast<uint64_t>(tag) << 32) | row_count(bits, words, e), dest, false);
             }
             for (int pair = threadIdx.x; pair < p.num_tokens * kNumTopk; pair += blockDim.x) {
                 const int64_t e = static_cast<int64_t>(p.topk_idx[pair]);
@@ -76,33 +94,49 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
                 if (e < -1 || e >= p.num_experts)  // sent nowhere; this rank raises at its next call
                     record_error(wait, kErrorBadLowLatencyIds, p.rank, kStageLowLatencyDispatchSend,
                                  static_cast<uint32_t>(e), p.num_experts);
-                if (routed(e, p.num_experts, num_local_experts, p.rank_mask))
-                    reinterpret_cast<int16_t*>(b.message(static_cast<int>(e / num_local_experts), p.rank, t) +
-                                               kHeaderSlots)[pair % kNumTopk] =
-                            static_cast<int16_t>(pair_slot(bits, words, static_cast<int>(e), t));
+                if (!routed(e, p.num_experts, num_local_experts, p.rank_mask))
+                    continue;
+                const int dest = static_cast<int>(e / num_local_experts);
+                uint8_t* header = Remote::kEnabled && b.is_remote(dest) ? b.staged_message(dest, t)
+                                                                        : b.message(dest, p.rank, t);
+                reinterpret_cast<int16_t*>(header + kHeaderSlots)[pair % kNumTopk] =
+                        static_cast<int16_t>(pair_slot(bits, words, static_cast<int>(e), t));
+            }
+            if constexpr (Remote::kEnabled) {  // the slots are one arrival of each token bound for another node
+                __syncthreads();
+                for (int t = warp; t < p.num_tokens; t += num_warps) {
+                    int64_t e = -1;
+                    if (lane < kNumTopk) {
+                        e = static_cast<int64_t>(p.topk_idx[static_cast<int64_t>(t) * kNumTopk + lane]);
+                        e = routed(e, p.num_experts, num_local_experts, p.rank_mask) ? e : -1;
+                    }
+                    const uint32_t far = b.remote &
+                            __reduce_or_sync(0xffffffffu, e >= 0 ? 1u << (e / num_local_experts) : 0u);
+                    if (far != 0u)
+                        arrive_and_put(t, far);
+                }
             }
         }
         // The data: blocks 1, 2, ... (block 0 too on a one-block grid).
         const int data_blocks = max(1, static_cast<int>(gridDim.x) - 1);
         const int data_block = static_cast<int>(blockIdx.x) - (gridDim.x > 1 ? 1 : 0);
-        const int num_pieces = (p.hidden + kPieceChannels - 1) / kPieceChannels;
-        const int num_items = p.num_tokens * num_pieces, stride = data_blocks * num_warps;
+        const int num_items = p.num_tokens * send_pieces, stride = data_blocks * num_warps;
         // Lane k: the expert of top-k choice k of the item's token, or -1 (none, out of range, masked rank).
         const auto expert_of = [&](int item) -> int64_t {
             if (item >= num_items || lane >= kNumTopk)
                 return -1;
-            const int64_t e = static_cast<int64_t>(p.topk_idx[static_cast<int64_t>(item / num_pieces) * kNumTopk +
+            const int64_t e = static_cast<int64_t>(p.topk_idx[static_cast<int64_t>(item / send_pieces) * kNumTopk +
                                                             lane]);
             return routed(e, p.num_experts, num_local_experts, p.rank_mask) ? e : -1;
         };
         // Loads (the piece and its token's choices) run one item ahead of the stores.
         int item = data_block < 0 ? num_items : warp * data_blocks + data_block;
         int4 raw[2];
-        load_piece(raw, p.x, item, num_items, num_pieces, p.hidden, lane);
+        load_piece(raw, p.x, item, num_items, send_pieces, p.hidden, lane);
         int64_t next_e = expert_of(item);
         trace_mark(p.trace, kTracePrologue);
         for (; item < num_items; item += stride) {
-            const int t = item / num_pieces, piece = item % num_pieces;
+            const int t = item / send_pieces, piece = item % send_pieces;
             const int c = piece * kPieceChannels + lane * 16;  // this lane's 16 channels
             float scale = 0.0f;
             int4 q = raw[0];
@@ -111,13 +145,14 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
             const int4 piece_raw[2] = {raw[0], raw[1]};
             const int64_t e = next_e;
             const uint32_t ranks = __reduce_or_sync(0xffffffffu, e >= 0 ? 1u << (e / num_local_experts) : 0u);
-            load_piece(raw, p.x, item + stride, num_items, num_pieces, p.hidden, lane);
+            load_piece(raw, p.x, item + stride, num_items, send_pieces, p.hidden, lane);
             next_e = expert_of(item + stride);
             for (int turn = 0; turn < p.num_ranks; ++turn) {
                 const int dest = next_peer(p.rank, p.num_ranks, turn);
                 if (((ranks >> dest) & 1u) == 0u)
                     continue;  // the same for the whole warp
-                uint8_t* to = b.message(dest, p.rank, t);
+                uint8_t* to = Remote::kEnabled && b.is_remote(dest) ? b.staged_message(dest, t)
+                                                                    : b.message(dest, p.rank, t);
                 uint8_t* data = to + p.header_bytes;
                 if constexpr (kUseFp8) {
                     if (c < p.hidden) {
@@ -140,8 +175,12 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
                             e >= 0 && e / num_local_experts == dest ? static_cast<int16_t>(e % num_local_experts) : -1;
                 }
             }
+            if constexpr (Remote::kEnabled) {
+                if ((ranks & b.remote) != 0u)
+                    arrive_and_put(t, ranks & b.remote);
+            }
         }
-        publish_when_last(b, 0, epoch, p.rank_mask, p.trace, [&](int dest) {  // the message slots: this rank's tokens
+        publish_when_last<Remote>(b, 0, epoch, p.rank_mask, p.trace, [&](int dest) {  // the message slots: this rank's tokens
             return Signal{b.count(dest, p.rank), static_cast<uint32_t>(p.num_tokens)};
         }, [] { return false; });  // a bad id's token goes nowhere; the other tokens still arrive
     }
