@@ -201,11 +201,14 @@ def test_a_peer_that_stops_times_out_naming_rank_and_stage_then_a_new_buffer_wor
 def _virtual_hosts(seed):
     """Ranks of one machine as hosts of 2 (NOTE [virtual hosts]): the CUDA backend starts with its internode
     kernels, maps no memory across hosts, and its normal and low-latency calls match the reference backend's
-    (NOTE [several hosts])."""
+    (NOTE [several hosts]), the low-latency ones on the kernels that put to the other hosts' ranks (NOTE [internode
+    low-latency] in include/tokenyard/sync.cuh): their combine, whose sums are pre-reduced, within bf16 rounding of
+    the reference's and bit for bit the pre-reduced oracle."""
+    from .test_low_latency_cuda import _pre_reduced
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config
-    from tokenyard.tools.testing import make_rank_inputs
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -217,9 +220,11 @@ def _virtual_hosts(seed):
     same_host = {r for r in range(num_ranks) if r // 2 == rank // 2}
     assert cuda.runtime.get_num_rdma_ranks() == num_ranks // 2 and backend.low_latency_buffer is None
     assert {r for r, base in enumerate(backend.normal.bases) if base} == same_host, backend.normal.bases
+    assert backend._low_latency_kernels.remote == sum(1 << r for r in range(num_ranks) if r not in same_host)
 
-    x, topk_idx, weights = make_rank_inputs(seed, num_ranks, 128, 2048, 32, 4, "skewed", "fp8", device)[rank]
-    outs = []
+    all_inputs = make_rank_inputs(seed, num_ranks, 128, 2048, 32, 4, "skewed", "fp8", device)
+    x, topk_idx, weights = all_inputs[rank]
+    outs, layout_ranges = [], []
     for buffer in (ref, cuda):
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 32)
         recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
@@ -231,6 +236,7 @@ def _virtual_hosts(seed):
         packed, count, ll_handle, _, _ = buffer.low_latency_dispatch(bf16, topk_idx, 128, 32, use_fp8=False)
         ll_out = buffer.low_latency_combine(packed, topk_idx, weights, ll_handle)[0]
         outs.append((recv_x[0], recv_idx, counts, combined, packed, count, ll_out))
+        layout_ranges.append(ll_handle.layout_range)
     torch.cuda.synchronize()
     names = ("recv_x", "recv_topk_idx", "per-expert counts", "combine", "low-latency recv", "low-latency counts",
              "low-latency combine")
@@ -241,6 +247,10 @@ def _virtual_hosts(seed):
             for e in range(a.size(0)):
                 n = int(outs[0][5][e])
                 spawn.assert_same(f"rank {rank}: {name} of expert {e}", a[e, :n], b[e, :n])
+        elif name == "low-latency combine":
+            assert_within_bf16_rounding(b, a, f"rank {rank}: {name} against the reference backend")
+            spawn.assert_same(f"rank {rank}: {name} against the pre-reduced oracle",
+                              _pre_reduced(outs[0][4], layout_ranges[0], all_inputs, 32), b)
         else:
             spawn.assert_same(f"rank {rank}: {name}", a, b)
     cuda.destroy()

@@ -2,8 +2,9 @@
 
 Counts, layout ranges and source info exactly; FP8 data and scales bit for bit on the valid slots; combine
 within bf16 rounding of the reference backend's, and bit for bit equal to routing.low_latency_combine with
-pre_reduce=True (the kernels' arithmetic: NOTE [low-latency combine]); the same through CUDA-graph replay
-with fresh inputs each replay. Outputs are poisoned before the kernels write them.
+pre_reduce=True (the kernels' arithmetic: NOTE [low-latency combine]), also with zero_copy and `out=`; the same
+through CUDA-graph replay with fresh inputs each replay. Outputs are poisoned before the kernels write them. Under
+TOKENYARD_RANKS_PER_NODE (virtual nodes) the same tests run the kernels across nodes (NOTE [internode low-latency]).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ CASES = [
     (1, 32, 2048, 32, 1, "uniform", True, False, False, True),
     (32, 48, 1024, 16, 4, "no_tokens", True, True, False, False),
     (64, 64, 2048, 32, 4, "repeated", True, False, False, False),  # NOTE [repeated experts]
+    (48, 64, 4096, 64, 16, "uniform", False, False, False, True),
 ]
 
 
@@ -119,7 +121,7 @@ def _compare(seed, cases):
         num_local_experts = num_experts // num_ranks
         stats = [torch.zeros(num_local_experts, dtype=torch.int32, device=device) for _ in range(2)]
 
-        def run(buffer, x, topk_idx, weights, stat):
+        def run(buffer, x, topk_idx, weights, stat, replay):
             recv, count, handle, _, receive = buffer.low_latency_dispatch(
                 x, topk_idx, num_max, num_experts, cumulative_local_expert_recv_stats=stat, use_fp8=use_fp8,
                 round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
@@ -127,15 +129,24 @@ def _compare(seed, cases):
             data = recv[0] if use_fp8 else recv
             # Expert outputs: a deterministic function of the received rows, the same on both backends.
             y = (data.float() * 0.5 + 1.0).to(torch.bfloat16) if not use_fp8 else data.float().to(torch.bfloat16)
-            combined, _, receive = buffer.low_latency_combine(y, topk_idx, weights, handle, return_recv_hook=hook)
+            # The second call: the outputs written in place (zero_copy) and the result into a poisoned `out`.
+            zero_copy = replay == 1
+            out = torch.full((x.size(0), hidden), float("nan"), dtype=torch.bfloat16, device=device) \
+                if zero_copy else None
+            if zero_copy:
+                buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+            combined, _, receive = buffer.low_latency_combine(torch.empty_like(y) if zero_copy else y, topk_idx,
+                                                              weights, handle, zero_copy=zero_copy, out=out,
+                                                              return_recv_hook=hook)
             receive()
+            assert out is None or combined.data_ptr() == out.data_ptr(), "the combine did not write into out"
             return recv, count, handle, combined, y
 
         for replay in range(2):
             all_inputs = make_rank_inputs(seed + 17 * case_id + replay, num_ranks, num_tokens, hidden, num_experts,
                                           num_topk, kind, "bf16", device)
             x, topk_idx, weights = all_inputs[rank]
-            outs = [run(b, x, topk_idx, weights, s) for b, s in ((ref, stats[0]), (cuda, stats[1]))]
+            outs = [run(b, x, topk_idx, weights, s, replay) for b, s in ((ref, stats[0]), (cuda, stats[1]))]
             torch.cuda.synchronize()
             (r_recv, r_count, r_handle, r_comb, r_y), (c_recv, c_count, c_handle, c_comb, _) = outs
             assert torch.equal(r_count, c_count), f"{what}: packed_recv_count differs"

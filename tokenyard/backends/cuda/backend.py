@@ -158,9 +158,10 @@ class CudaBackend(Backend):
     virtual: NOTE [virtual hosts] in devices.py) the CUDA backend therefore runs only what needs no such
     mapping: normal mode on its internode kernels, every byte between nodes through NVSHMEM (nodes default to
     hosts, and a node never spans two). Each rank maps the normal-mode buffers of its own host's ranks only (the
-    intranode kernels, which write into every rank's, never run there), and low-latency calls run on the
-    reference implementation over the group (the internode low-latency kernels are issue 26's). Without
-    NVSHMEM the backend does not start on such a group, and `backend="auto"` takes the reference backend."""
+    intranode kernels, which write into every rank's, never run there), and low-latency calls on the low-latency
+    kernels given the transport (NOTE [internode low-latency] in include/tokenyard/sync.cuh), their buffer in
+    NVSHMEM's heap, the ranks of other nodes reached by puts. Without NVSHMEM the backend does not start on such
+    a group, and `backend="auto"` takes the reference backend."""
 
     name = "cuda"
     # `backend="auto"` picks this backend only once its GPU tests have passed on the device machine

@@ -180,7 +180,8 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
                     arrive_and_put(t, ranks & b.remote);
             }
         }
-        publish_when_last<Remote>(b, 0, epoch, p.rank_mask, p.trace, [&](int dest) {  // the message slots: this rank's tokens
+        // The message slots: this rank's tokens.
+        publish_when_last<Remote>(b, 0, epoch, p.rank_mask, p.trace, [&](int dest) {
             return Signal{b.count(dest, p.rank), static_cast<uint32_t>(p.num_tokens)};
         }, [] { return false; });  // a bad id's token goes nowhere; the other tokens still arrive
     }
