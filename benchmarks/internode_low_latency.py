@@ -87,7 +87,7 @@ def _rank(args) -> dict:
 
 
 def _runs(logs, num_gpus: int) -> list:
-    """{"nodes", "ranks_per_node", "num_gpus", "passed", "failed", "tests"} per layout that
+    """{"log", "nodes", "ranks_per_node", "num_gpus", "passed", "failed", "tests"} per log of
     tests/gpu/test_low_latency_cuda.py ran under TOKENYARD_RANKS_PER_NODE, from run_device.sh's logs (the layout
     is the one the tests print, "(N nodes x P)")."""
     runs = []
@@ -99,7 +99,7 @@ def _runs(logs, num_gpus: int) -> list:
         if layout is None or not found:
             continue
         nodes, per_node = int(layout.group(1)), int(layout.group(2))
-        runs.append({"nodes": nodes, "ranks_per_node": per_node, "num_gpus": min(num_gpus, nodes * per_node),
+        runs.append({"log": os.path.basename(path), "nodes": nodes, "ranks_per_node": per_node, "num_gpus": min(num_gpus, nodes * per_node),
                      "passed": sum(v == "PASSED" for _, _, v in found),
                      "failed": sum(v == "FAILED" for _, _, v in found),
                      "tests": [f"{test}: {verdict}" for test, _, verdict in found]})
