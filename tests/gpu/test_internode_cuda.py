@@ -198,6 +198,65 @@ def test_a_peer_that_stops_times_out_naming_rank_and_stage_then_a_new_buffer_wor
     print(f"internode peer that stops, {num_ranks // ranks_per_node} nodes x {ranks_per_node}: {reports}")
 
 
+def _low_latency_peer_that_stops(seed, ranks_per_node):
+    """Low-latency calls across nodes (NOTE [internode low-latency] in include/tokenyard/sync.cuh), no rank mask:
+    rank 1 skips its combine, so the others wait for its weights and rows until their deadline; each raises
+    CommTimeoutError naming itself and a combine stage, and a new Buffer then matches the reference backend."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, CommTimeoutError
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_tokens, hidden, num_experts = 32, 1024, 8 * num_ranks
+    size = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
+
+    def call(buffer, seed_, combine=True):
+        x, topk_idx, weights = make_rank_inputs(seed_, num_ranks, num_tokens, hidden, num_experts, 4, "uniform",
+                                                "bf16", device)[rank]
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts, use_fp8=False)
+        return count, buffer.low_latency_combine(recv, topk_idx, weights, handle)[0] if combine else None
+
+    failing = Buffer(dist.group.WORLD, 0, size, backend="cuda", ranks_per_node=ranks_per_node, timeout_s=3)
+    failing.runtime.use_low_latency_kernels = True
+    assert failing.runtime._low_latency_kernels.remote != 0, "the low-latency kernels put to no rank"
+    call(failing, seed)
+    torch.cuda.synchronize()
+    dist.barrier()
+    call(failing, seed + 1, combine=rank != 1)
+    torch.cuda.synchronize()
+    seen = None
+    try:
+        failing.runtime.check_failures()
+    except CommTimeoutError as exc:
+        seen = exc
+    if rank == 1:
+        assert seen is None, f"rank 1 skipped its combine, yet recorded {seen}"
+    else:
+        assert seen is not None and seen.rank == rank and seen.stage.startswith("low_latency_combine/"), \
+            f"rank {rank}: expected a timeout in the low-latency combine, got {seen!r}"
+    failing.destroy()
+
+    fresh = Buffer(dist.group.WORLD, 0, size, backend="cuda", ranks_per_node=ranks_per_node, timeout_s=30)
+    fresh.runtime.use_low_latency_kernels = True
+    ref = Buffer(dist.group.WORLD, 0, size, backend="reference", ranks_per_node=ranks_per_node)
+    (got_count, got), (want_count, want) = call(fresh, seed + 2), call(ref, seed + 2)
+    torch.cuda.synchronize()
+    assert torch.equal(got_count, want_count), f"rank {rank}: the new Buffer's counts differ"
+    assert_within_bf16_rounding(got, want, f"rank {rank}: the new Buffer's combine")
+    fresh.destroy()
+    ref.destroy()
+    return str(seen)
+
+
+@pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts()[:1])
+def test_a_low_latency_peer_that_stops_times_out_then_a_new_buffer_works(num_ranks, ranks_per_node):
+    seed = int(torch.randint(0, 2**30, ()).item())
+    reports = spawn.run(num_ranks, _low_latency_peer_that_stops, seed, ranks_per_node, timeout_s=300.0)
+    print(f"low-latency peer that stops, {num_ranks // ranks_per_node} nodes x {ranks_per_node}: {reports}")
+
+
 def _virtual_hosts(seed):
     """Ranks of one machine as hosts of 2 (NOTE [virtual hosts]): the CUDA backend starts with its internode
     kernels, maps no memory across hosts, and its normal and low-latency calls match the reference backend's
