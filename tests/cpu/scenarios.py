@@ -151,13 +151,13 @@ def normal_round_trip(seed, num_tokens, hidden, num_experts, num_topk, kind, dty
 
 def low_latency_round_trip(seed, num_tokens, num_max, hidden, num_experts, num_topk, kind, use_fp8=True,
                            round_scale=False, use_ue8m0=False, return_recv_hook=False, zero_copy=False,
-                           use_out=False):
+                           use_out=False, ranks_per_node=None):
     rank, num_ranks = _world()
     inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, kind, "bf16")
     x, topk_idx, topk_weights = inputs[rank]
     num_local_experts = num_experts // num_ranks
     buffer = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(num_max, hidden, num_ranks, num_experts),
-                    low_latency_mode=True, backend="reference")
+                    low_latency_mode=True, backend="reference", ranks_per_node=ranks_per_node)
     stats = torch.randint(0, 100, (num_local_experts,), dtype=torch.int32)
     stats_before = stats.clone()
     recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(

@@ -35,6 +35,14 @@ def test_hidden_7168_topk_8_like_deepseek(ranks, seed):
     ranks(4).run(scenarios.low_latency_round_trip, seed, 16, 16, 7168, 32, 8, "uniform")
 
 
+@pytest.mark.parametrize("num_ranks,ranks_per_node", [(4, 2), (8, 2), (8, 4)])
+def test_nodes_change_nothing_of_the_meaning(ranks, seed, num_ranks, ranks_per_node):
+    """Across nodes (issue 26) low-latency mode means what it means within one: the same oracle, with hooks,
+    zero_copy and `out=`."""
+    ranks(num_ranks).run(scenarios.low_latency_round_trip, seed, 12, 16, 512, 4 * num_ranks, 4, "masked", True, False,
+                         False, True, True, True, ranks_per_node)
+
+
 def test_masked_rank_is_skipped(ranks, seed):
     ranks(4).run(scenarios.low_latency_masked_rank, seed, 8, 128, 16, 4)
 

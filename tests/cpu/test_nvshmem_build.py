@@ -34,3 +34,17 @@ def test_an_nvshmem_unit_links_into_a_cubin_with_its_entry():
     cubin = nvshmem.linker().compile(spec.source(), "sm_90", compilers.include_dirs(spec))
     assert cubin.startswith(b"\x7fELF") and spec.entry.encode() + b"\0" in cubin
     assert "nvshmem " + nvshmem.find().version in nvshmem.linker().identity  # in the kernel cache's key
+
+
+def test_a_process_whose_nvshmem_serves_one_group_refuses_another_before_any_collective(monkeypatch):
+    """NOTE [NVSHMEM start]: one world per process. `Transport.refusal` says so without starting anything, so that
+    every rank of a second group can agree to take the path without NVSHMEM (the CUDA backend's low-latency
+    buffer, NOTE [internode low-latency])."""
+    from tokenyard.backends.cuda import transport
+
+    assert transport.Transport.refusal((0, 1, 2, 3)) is None  # nothing started here
+    started = transport.Transport.__new__(transport.Transport)
+    started.ranks = (0, 1, 2, 3)
+    monkeypatch.setattr(transport, "_started", started)
+    assert transport.Transport.refusal((0, 1, 2, 3)) is None
+    assert "one world per process" in transport.Transport.refusal((4, 5, 6, 7))

@@ -257,6 +257,48 @@ def test_a_low_latency_peer_that_stops_times_out_then_a_new_buffer_works(num_ran
     print(f"low-latency peer that stops, {num_ranks // ranks_per_node} nodes x {ranks_per_node}: {reports}")
 
 
+def _second_group(seed):
+    """NVSHMEM serves one group per process (NOTE [NVSHMEM start]): with it started for the world, a Buffer on a
+    group of half the ranks, nodes of 2, keeps its low-latency calls over CUDA IPC on every rank of that group
+    (Transport.refusal, agreed before any collective) and matches the reference backend there."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    size = Buffer.get_low_latency_rdma_size_hint(32, 1024, num_ranks, 4 * num_ranks)
+    world = Buffer(dist.group.WORLD, 0, size, backend="cuda", ranks_per_node=2, timeout_s=30)
+    assert world.runtime._low_latency_kernels.remote != 0, "the world's Buffer puts to no rank"
+    half = num_ranks // 2
+    groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, num_ranks)))]
+    group = groups[rank // half]
+    group_rank, num_experts = rank % half, 4 * half
+    size = Buffer.get_low_latency_rdma_size_hint(32, 1024, half, num_experts)
+    cuda = Buffer(group, 0, size, backend="cuda", ranks_per_node=2, timeout_s=30)
+    ref = Buffer(group, 0, size, backend="reference", ranks_per_node=2)
+    assert cuda.runtime._low_latency_kernels.remote == 0 and cuda.runtime.heap_buffer is None
+    x, topk_idx, weights = make_rank_inputs(seed + rank // half, half, 32, 1024, num_experts, 4, "uniform", "bf16",
+                                            device)[group_rank]
+    outs = []
+    for buffer in (ref, cuda):
+        recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 32, num_experts, use_fp8=False)
+        outs.append((count, buffer.low_latency_combine(recv, topk_idx, weights, handle)[0]))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0][0], outs[1][0]), f"rank {rank}: counts differ"
+    assert_within_bf16_rounding(outs[1][1], outs[0][1], f"rank {rank}: combine")
+    for buffer in (cuda, ref, world):
+        buffer.destroy()
+    return "ok"
+
+
+@pytest.mark.parametrize("num_ranks", [n for n in spawn.rank_counts() if n >= 8][:1])
+def test_a_second_group_keeps_low_latency_over_ipc_while_nvshmem_serves_the_first(num_ranks):
+    seed = int(torch.randint(0, 2**30, ()).item())
+    spawn.run(num_ranks, _second_group, seed, timeout_s=300.0)
+
+
 def _virtual_hosts(seed):
     """Ranks of one machine as hosts of 2 (NOTE [virtual hosts]): the CUDA backend starts with its internode
     kernels, maps no memory across hosts, and its normal and low-latency calls match the reference backend's

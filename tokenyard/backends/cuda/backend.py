@@ -229,6 +229,14 @@ class CudaBackend(Backend):
         # in its symmetric heap, and ranks of other nodes are reached by puts; else on one host all ranks by IPC.
         nodes = ctx.num_ranks // ctx.topology.ranks_per_node
         internode_low_latency = ctx.num_rdma_bytes > 0 and nodes > 1 and self.internode_missing() is None
+        if internode_low_latency:  # every rank takes the same path: NVSHMEM serves one group per process
+            from .transport import Transport
+
+            refused = [r for r in ctx.all_gather_object(Transport.refusal(self._group_ranks())) if r]
+            if refused:
+                env.log(f"low-latency calls run {'on the reference path' if hosts > 1 else 'over CUDA IPC'}: "
+                        f"{refused[0]}")
+                internode_low_latency = False
         try:
             self.normal = SymmetricBuffer(ctx, ctx.num_nvl_bytes, ctx.topology.same_host() if hosts > 1 else None)
             if ctx.num_rdma_bytes > 0 and hosts == 1 and not internode_low_latency:
@@ -843,14 +851,17 @@ class CudaBackend(Backend):
                                                ctx.topology.ranks_per_node)
         return self._internode
 
+    def _group_ranks(self) -> tuple:
+        ctx = self.ctx
+        return tuple(dist.get_process_group_ranks(ctx.group)) if ctx.group is not None else tuple(range(ctx.num_ranks))
+
     def _transport(self):
         """NVSHMEM started for the group, or a use more of it (collective at the start), its heap room for the
         low-latency buffer and the internode kernels' region, num_rdma_bytes each."""
         from .transport import Transport
 
         ctx = self.ctx
-        ranks = tuple(dist.get_process_group_ranks(ctx.group)) if ctx.group is not None else tuple(range(ctx.num_ranks))
-        return Transport.start(ctx.rank, ctx.num_ranks, ctx.all_gather_object, ranks,
+        return Transport.start(ctx.rank, ctx.num_ranks, ctx.all_gather_object, self._group_ranks(),
                                heap_bytes=2 * ctx.num_rdma_bytes + _INTERNODE_HEAP_SLACK,
                                shares_gpu=ctx.topology.shares_gpu)
 

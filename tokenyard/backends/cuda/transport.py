@@ -37,6 +37,14 @@ def _round_up(value: int, align: int) -> int:
     return (value + align - 1) // align * align
 
 
+def _other_world(global_ranks: tuple) -> Optional[str]:
+    """Why NVSHMEM, as started in this process, cannot serve the group of `global_ranks` (under _lock)."""
+    if _started is not None and _started.ranks != tuple(global_ranks):
+        return (f"NVSHMEM is started in this process for ranks {_started.ranks}; it has one world per process, so it "
+                f"cannot serve ranks {tuple(global_ranks)} too")
+    return None
+
+
 class Transport:
     """NVSHMEM started for one group in this process."""
 
@@ -45,6 +53,14 @@ class Transport:
         self.rank, self.num_ranks = shim.tokenyard_nvshmem_my_pe(), shim.tokenyard_nvshmem_n_pes()
         self.users = 0
         self._registered = set()
+
+    @staticmethod
+    def refusal(global_ranks: tuple) -> Optional[str]:
+        """Why `start` would refuse the group of `global_ranks` in this process (no collective), or None."""
+        if nvshmem.find() is None:
+            return nvshmem.missing_reason()
+        with _lock:
+            return _other_world(global_ranks)
 
     @staticmethod
     def start(rank: int, num_ranks: int, all_gather_object: Callable, global_ranks: tuple, heap_bytes: int,
@@ -60,9 +76,7 @@ class Transport:
         with _lock:
             if _started is not None:
                 if _started.ranks != tuple(global_ranks):
-                    raise BackendUnavailableError(
-                        f"NVSHMEM is started in this process for ranks {_started.ranks}; it has one world per "
-                        f"process, so it cannot serve ranks {tuple(global_ranks)} too")
+                    raise BackendUnavailableError(_other_world(global_ranks))
                 _started.users += 1
                 return _started
             if nvshmem.find() is None:
