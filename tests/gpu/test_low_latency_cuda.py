@@ -346,7 +346,8 @@ def test_plain_tuple_handles_of_two_micro_batches_and_wait_costs(num_ranks, seed
 
 
 def _masked_rank(seed):
-    """With enable_shrink, a rank that stops answering is masked and the others keep serving."""
+    """With enable_shrink, a rank that stops answering is masked and the others keep serving; once every rank has
+    cleaned the buffer and unmasked it (low_latency_update_mask_buffer), it serves again."""
     import time
 
     import torch.distributed as dist
@@ -399,10 +400,27 @@ def _masked_rank(seed):
         torch.cuda.synchronize()
         again = time.monotonic() - start
         assert again < 1.0, f"a call after masking took {again:.2f} s"
+        call()  # the stopped rank has now missed three calls: it used the buffer's halves an odd number fewer times
         message = f"masked rank {stopped} after {first:.1f} s; next call {again * 1e3:.1f} ms{nodes}"
+    # The stopped rank comes back: every rank cleans the buffer (the stopped rank's epochs and half are behind) and
+    # unmasks it, and a call of every rank is the whole oracle's.
+    torch.cuda.synchronize()
+    dist.barrier()
+    buffer.clean_low_latency_buffer(num_tokens, hidden, num_experts)
+    buffer.low_latency_update_mask_buffer(stopped, False)
+    count, combined = call()
+    torch.cuda.synchronize()
+    oracle = routing.low_latency_dispatch([inp[0] for inp in inputs], [inp[1] for inp in inputs], num_tokens,
+                                          num_experts, use_fp8=False)
+    want = routing.low_latency_combine([o["packed_recv_x"] for o in oracle], [inp[1] for inp in inputs],
+                                       [inp[2] for inp in inputs], [o["layout_range"] for o in oracle], num_experts,
+                                       pre_reduce=True)[rank]
+    assert torch.equal(count.cpu(), oracle[rank]["packed_recv_count"]), "counts differ after unmasking"
+    assert torch.equal(combined.cpu(), want), "combine differs after unmasking"
+    buffer.runtime.check_failures()
     dist.barrier()
     buffer.destroy()
-    return message
+    return message + "; unmasked after a clean, the next call whole"
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))

@@ -66,7 +66,8 @@ class LowLatencyKernels:
         """DeepEP's clean_low_latency_buffer, a call every rank makes: zero both halves' state and every word
         tagged with an epoch (signals, message headers, expert counts, weights) for this shape between two
         group barriers, so that no word left by another shape (or by other use of the memory) can match an
-        epoch, and every rank restarts from the same epochs."""
+        epoch, and every rank restarts from the same epochs and the same half (a rank that missed calls, say
+        while masked, may have used the halves an odd number of times fewer)."""
         ctx = self.backend.ctx
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         region_bytes = workspace.low_latency_region_bytes(num_max, hidden, ctx.num_ranks, num_experts)
@@ -80,6 +81,8 @@ class LowLatencyKernels:
             for offset, num_bytes in words:
                 begin = half * layout.half_bytes + offset
                 local[begin:begin + num_bytes].zero_()
+        self._dispatch_calls = 0
+        self._src_info_of_half = [None, None]
         torch.cuda.synchronize(ctx.device)
         ctx.all_gather_object(None)  # no rank sends before every rank is clean
 
