@@ -143,7 +143,8 @@ class LowLatencyCalls:
             topk_idx, topk_weights: the ``[T, K]`` ids given to the dispatch and float32 weights.
             handle: the low-latency dispatch's handle.
             use_logfmt: accepted; the rows travel as bf16 whatever it says, so the result is the plain
-                combine's (DeepEP's LogFMT-10 would round each value to one of 512 levels per group on the way).
+                combine's (DeepEP's LogFMT-10 rounds each value below 1 by up to 2.2% on the way:
+                benchmarks/results/logfmt_bound.md).
             zero_copy: read `get_next_low_latency_combine_buffer(handle)` instead of `x` (with `use_logfmt`
                 too, which DeepEP refuses).
             out: ``[T, H]`` bf16 to write into.
