@@ -185,7 +185,7 @@ class LowLatencyCalls:
         if zero_copy:
             x = backend.next_low_latency_combine_buffer(num_max, hidden, num_experts)
         checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(num_local_experts, self.group_size * num_max, hidden),
-                      device=self.device)
+                      device=self.device, contiguous=not zero_copy)  # the zero-copy tensor has DeepEP's strides
         checks.topk_idx(topk_idx, num_tokens=None, device=self.device, max_topk=workspace.LOW_LATENCY_MAX_TOPK)
         if topk_idx.size(0) > num_max:
             raise InvalidInputError(f"topk_idx has {topk_idx.size(0)} rows, more than the dispatch's "
@@ -225,7 +225,9 @@ class LowLatencyCalls:
         return receive
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
-        """The bf16 ``[L, R*M, H]`` tensor to fill before ``low_latency_combine(..., zero_copy=True)``."""
+        """The bf16 ``[L, R*M, H]`` tensor to fill before ``low_latency_combine(..., zero_copy=True)``, with
+        DeepEP's strides: rows ``H + 2 * (H // 128)`` elements apart (its combine message, LogFMT bounds included),
+        a view of memory the combine reads in place."""
         handle = checks.low_latency_handle(handle, buffer_id=self._id, num_ranks=self.group_size,
                                            device=self.device)
         return self._backend().next_low_latency_combine_buffer(handle[2], handle[3], handle[4])

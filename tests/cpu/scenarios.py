@@ -189,7 +189,10 @@ def low_latency_round_trip(seed, num_tokens, num_max, hidden, num_experts, num_t
                for r in range(num_ranks)]
     mine_out = outputs[rank]
     if zero_copy:
-        buffer.get_next_low_latency_combine_buffer(handle).copy_(mine_out)
+        in_place = buffer.get_next_low_latency_combine_buffer(handle)
+        row = hidden + 2 * (hidden // 128)  # DeepEP's combine message: the row and LogFMT bounds per 128 channels
+        assert in_place.stride() == (num_ranks * num_max * row, row, 1), in_place.stride()
+        in_place.copy_(mine_out)
         mine_out = torch.full_like(mine_out, float("nan"))
     out = torch.full((topk_idx.size(0), hidden), float("nan"), dtype=torch.bfloat16) if use_out else None
     combined, event, hook = buffer.low_latency_combine(mine_out, topk_idx, topk_weights, handle, zero_copy=zero_copy,

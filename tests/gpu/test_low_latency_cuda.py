@@ -134,7 +134,10 @@ def _compare(seed, cases):
             out = torch.full((x.size(0), hidden), float("nan"), dtype=torch.bfloat16, device=device) \
                 if zero_copy else None
             if zero_copy:
-                buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+                in_place = buffer.get_next_low_latency_combine_buffer(handle)
+                row = hidden + 2 * (hidden // 128)  # DeepEP's strides: the combine kernels read these rows in place
+                assert in_place.stride() == (num_ranks * num_max * row, row, 1), in_place.stride()
+                in_place.copy_(y)
             combined, _, receive = buffer.low_latency_combine(torch.empty_like(y) if zero_copy else y, topk_idx,
                                                               weights, handle, zero_copy=zero_copy, out=out,
                                                               return_recv_hook=hook)

@@ -20,6 +20,7 @@ import torch
 from .. import checks
 from ..errors import InvalidInputError
 from ..handle import DispatchHandle, LowLatencyHandle
+from ..plan import workspace
 from ..semantics import quant, routing
 from .base import Backend, GroupContext
 from .requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
@@ -565,9 +566,12 @@ class ReferenceBackend(Backend):
         return self._raw_buffers[key]
 
     def next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """``[L, R*M, H]`` bf16 with DeepEP's strides: a view of rows workspace.zero_copy_row_elems(H) apart."""
         shape = (num_experts // self.ctx.num_ranks, self.ctx.num_ranks * num_max_dispatch_tokens_per_rank, hidden)
         if shape not in self._zero_copy_buffers:
-            self._zero_copy_buffers[shape] = torch.zeros(shape, dtype=torch.bfloat16, device=self.ctx.device)
+            rows = torch.zeros(*shape[:2], workspace.zero_copy_row_elems(hidden), dtype=torch.bfloat16,
+                               device=self.ctx.device)
+            self._zero_copy_buffers[shape] = rows[:, :, :hidden]
         return self._zero_copy_buffers[shape]
 
     def destroy(self, together: bool = True) -> None:

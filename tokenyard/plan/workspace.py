@@ -154,6 +154,12 @@ def low_latency_combine_message_bytes(hidden: int) -> int:
     return align(hidden * 2)
 
 
+def zero_copy_row_elems(hidden: int) -> int:
+    """The row stride, in bf16 elements, of `get_next_low_latency_combine_buffer`'s tensor: DeepEP's combine message,
+    the row and a bf16 pair of LogFMT bounds per 128 channels, so that the view has DeepEP's strides."""
+    return hidden + 2 * (hidden // 128)
+
+
 @functools.lru_cache(maxsize=256)  # pure, and asked on every call
 def low_latency_half_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                            num_experts: int) -> int:

@@ -39,6 +39,16 @@ def tag_factor(op: str, **fields: int) -> int:
     return zlib.crc32(struct.pack(f"<{len(values)}q", *values)) | 1
 
 
+def _rows_in_place(x: torch.Tensor) -> torch.Tensor:
+    """Expert outputs ``[L, R*M, H]`` as the combine kernel reads them: dense rows a 16-byte multiple apart, one
+    expert's after another's (so the zero-copy tensor, whose rows are wider than H, is read where it lies); any
+    other layout is copied."""
+    rows_apart = x.stride(1)
+    if x.stride(2) == 1 and rows_apart * 2 % 16 == 0 and x.stride(0) == x.size(1) * rows_apart:
+        return x
+    return x.contiguous()
+
+
 class LowLatencyKernels:
     """The low-latency half of the CUDA backend; `backend` owns the buffers, the kernels and the errors."""
 
@@ -250,9 +260,11 @@ class LowLatencyKernels:
         return self._plans(key, kernel, LOW_LATENCY_DISPATCH_INPUTS, outputs, launch_args, shared_bytes, hook)
 
     def combine_plans(self, num_tokens: int, hidden: int, num_topk: int, topk_dtype: torch.dtype, num_experts: int,
-                      num_max: int, with_out: bool, hook: bool):
-        """Inputs LOW_LATENCY_COMBINE_INPUTS, scalars LOW_LATENCY_SCALARS."""
+                      num_max: int, with_out: bool, hook: bool, x_row_int4: Optional[int] = None):
+        """Inputs LOW_LATENCY_COMBINE_INPUTS, scalars LOW_LATENCY_SCALARS; `x_row_int4`: x's row stride in 16-byte
+        vectors (its rows dense unless given: the zero-copy tensor's are wider, see `_rows_in_place`)."""
         ctx = self.backend.ctx
+        x_row_int4 = x_row_int4 or hidden * 2 // 16
         kernel = self._kernel(kernels.low_latency_combine(num_topk, topk_dtype, self.remote != 0))
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         outputs = {} if with_out else {"combined_x": ((num_tokens, hidden), torch.bfloat16)}
@@ -264,20 +276,20 @@ class LowLatencyKernels:
                         num_tokens=num_tokens, hidden=hidden, num_experts=num_experts,
                         combined_x=made["combined_x"] if "combined_x" in made else b.inp("out"),
                         rank_mask=b.inp("rank_mask"), wait_costs=b.inp("wait_costs"), local_blocks=self._local_blocks,
-                        **self._buffer_args(b, layout, do_send, do_recv, num_max, factor),
+                        x_row_int4=x_row_int4, **self._buffer_args(b, layout, do_send, do_recv, num_max, factor),
                         **self.backend._wait_args(), trace=b.scalar("trace"))
 
-        key = ("low_latency_combine", kernel, num_tokens, hidden, num_experts, num_max, with_out, hook)
+        key = ("low_latency_combine", kernel, num_tokens, hidden, num_experts, num_max, with_out, hook, x_row_int4)
         return self._plans(key, kernel, LOW_LATENCY_COMBINE_INPUTS, outputs, launch_args,
                            self._pair_bits_bytes(num_max, ctx.num_ranks), hook)
 
     def combine(self, request: LowLatencyCombineRequest):
         handle = request.handle
-        x = request.x.contiguous()
+        x = _rows_in_place(request.x)
         topk_idx, topk_weights = request.topk_idx.contiguous(), request.topk_weights.contiguous()
         first, second = self.combine_plans(topk_idx.size(0), handle.hidden, topk_idx.size(1), topk_idx.dtype,
                                            handle.num_experts, handle.num_max_dispatch_tokens_per_rank,
-                                           request.out is not None, request.return_recv_hook)
+                                           request.out is not None, request.return_recv_hook, x.stride(1) * 2 // 16)
         combined = self.run_combine(first.native, x, topk_idx, topk_weights, handle, request.out, request.rank_mask,
                                     request.wait_recv_cost_stats)
         hook = None

@@ -190,7 +190,7 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
             if (p.rank_mask != nullptr && ptx::ld_relaxed_sys(p.rank_mask + s) != 0)
                 break;  // masked meanwhile: its rows are absent
             const int4* row = choice.tag == dispatch_tag && choice.local_expert >= 0
-                                      ? p.x + static_cast<int64_t>(choice.position) * hidden_int4
+                                      ? p.x + static_cast<int64_t>(choice.position) * p.x_row_int4
                                       : nullptr;
             uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
             if (rows_from == 0u)
