@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from . import checks, ops
-from .backends.requests import LowLatencyCombineRequest, LowLatencyDispatchRequest
+from .backends.requests import CombineOverlap, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from .errors import InvalidInputError
 from .handle import LowLatencyHandle
 from .plan import devices, workspace
@@ -21,6 +21,33 @@ def _no_async_with_hook(async_finish: bool, return_recv_hook: bool) -> None:
     been launched would mean nothing, so DeepEP refuses the pair, and so do we."""
     if async_finish and return_recv_hook:
         raise InvalidInputError("async_finish=True and return_recv_hook=True cannot be combined (as in DeepEP)")
+
+
+def _combine_overlap(overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms, src_signals,
+                     return_recv_hook, num_local_experts: int, num_slots: int, device) -> Optional[CombineOverlap]:
+    """The single-batch overlap of SGLang's DeepEP (NOTE [combine overlap] in kernels/low_latency_combine.cuh),
+    checked: None without `overlap`, whose other arguments then mean nothing, as in DeepEP."""
+    if not overlap:
+        return None
+    if src_signals is not None:
+        raise InvalidInputError("overlap with src_signals (the Blackwell form, which signals per source rank) is not "
+                                "built; give comp_signal, packed_recv_count, block_m and threshold instead")
+    if not return_recv_hook:
+        raise InvalidInputError("overlap=True sends while the expert GEMM still writes x and receives in the hook: "
+                                "pass return_recv_hook=True, as DeepEP's overlap requires")
+    for name, value, low in (("block_m", block_m, 1), ("threshold", threshold, 0), ("num_sms", num_sms, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value < 2**31:
+            raise InvalidInputError(f"{name} must be an int in [{low}, 2^31), got {value!r}")
+    if block_m & (block_m - 1):
+        raise InvalidInputError(f"block_m must be a power of two (the GEMM's rows per block), got {block_m}")
+    signal_blocks = -(-num_slots // block_m)
+    checks.tensor("comp_signal", comp_signal, dtypes=(torch.int32,), dim=1, device=device)
+    if comp_signal.numel() < num_local_experts * signal_blocks:
+        raise InvalidInputError(f"comp_signal holds {comp_signal.numel()} signals; {num_local_experts} local experts "
+                                f"of {num_slots} rows in blocks of {block_m} need {num_local_experts * signal_blocks}")
+    checks.tensor("packed_recv_count", packed_recv_count, dtypes=(torch.int32,), shape=(num_local_experts,),
+                  device=device)
+    return CombineOverlap(comp_signal, signal_blocks, block_m, threshold, num_sms, packed_recv_count)
 
 
 class LowLatencyCalls:
@@ -132,7 +159,11 @@ class LowLatencyCalls:
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None, overlap: bool = False,
+                            packed_recv_count: Optional[torch.Tensor] = None,
+                            comp_signal: Optional[torch.Tensor] = None, block_m: int = 64, threshold: int = 0,
+                            num_sms: int = 3, src_signals: Optional[torch.Tensor] = None,
+                            src_signal_expect_value: int = 0):
         """Return each expert output to its token's rank and sum them with the top-k weights.
 
         Naive equivalent: ``out[t] = sum_k topk_weights[t, k] * expert_output(topk_idx[t, k], t)``.
@@ -150,30 +181,37 @@ class LowLatencyCalls:
             out: ``[T, H]`` bf16 to write into.
             combine_wait_recv_cost_stats: ``[R]`` int64: adds, per expert rank, the GPU clock cycles the
                 receive waited for that rank's rows (CUDA kernels; NOTE [wait costs] in checks.py).
+            overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms: SGLang's single-batch overlap
+                (docs/semantics.md, "Combine overlap"): with `overlap`, `x` may still be being written by the expert
+                GEMM on another stream; row r of local expert l is read once ``comp_signal[l * ceil(R*M / block_m)
+                + r // block_m] >= threshold``; packed_recv_count is the dispatch's; the sending half runs on
+                `num_sms` SMs; needs `return_recv_hook`. The result is the plain combine's.
+            src_signals, src_signal_expect_value: the Blackwell form of the overlap; refused (not built).
         Returns:
             ``combined_x`` [T, H] bf16, event, hook.
         Raises:
             InvalidInputError, HandleError: before any communication.
         """
-        del use_logfmt  # see the docstring
-        if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
+        del use_logfmt, src_signal_expect_value  # see the docstring
+        overlap_args = (overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms, src_signals)
+        if torch.compiler.is_compiling() and not overlap:  # NOTE [custom ops] in ops.py
             return ops.low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out,
                                            combine_wait_recv_cost_stats)
-        fast = self._fast if not (async_finish or return_recv_hook or zero_copy) else None  # NOTE [fast paths]
+        fast = self._fast if not (async_finish or return_recv_hook or zero_copy or overlap) else None  # [fast paths]
         args = (x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
         if fast is not None:
             result = fast.low_latency_combine(*args)
             if result is not None:
                 return result
         result = self._low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
-                                           return_recv_hook, out, combine_wait_recv_cost_stats)
+                                           return_recv_hook, out, combine_wait_recv_cost_stats, overlap_args)
         if fast is not None and getattr(handle, "fast_for", None) == self._id and x.device == self.device:
             fast.learn_low_latency_combine(*args)
         return result
 
     @devices.runs_where_tensors_are("x")
     def _low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out,
-                             combine_wait_recv_cost_stats):
+                             combine_wait_recv_cost_stats, overlap_args=(False,) + (None,) * 6):
         backend = self._backend()
         checks.wait_recv_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                                     num_ranks=self.group_size, device=self.device)
@@ -199,13 +237,15 @@ class LowLatencyCalls:
         checks.topk_weights(topk_weights, like=topk_idx, device=self.device)
         if out is not None:
             checks.tensor("out", out, dtypes=(torch.bfloat16,), shape=(topk_idx.size(0), hidden), device=self.device)
+        overlap = _combine_overlap(*overlap_args, return_recv_hook, num_local_experts, self.group_size * num_max,
+                                   self.device)
         if backend.wants_call_agreement(True):  # NOTE [call agreement] in collectives.py
             self._exchange.agree("low_latency_combine", hidden=hidden, num_topk=topk_idx.size(1),
                                  num_experts=num_experts, num_max=num_max)
         request = LowLatencyCombineRequest(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=handle,
                                            zero_copy=zero_copy, return_recv_hook=return_recv_hook, out=out,
                                            rank_mask=self._rank_mask,
-                                           wait_recv_cost_stats=combine_wait_recv_cost_stats)
+                                           wait_recv_cost_stats=combine_wait_recv_cost_stats, overlap=overlap)
         with self._stream_scope(use_comm_stream=async_finish, async_finish=async_finish) as scope:
             combined_x, hook = backend.low_latency_combine(request)
         return combined_x, scope.event, self._wrap_hook(hook)

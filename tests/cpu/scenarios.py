@@ -217,6 +217,69 @@ def low_latency_round_trip(seed, num_tokens, num_max, hidden, num_experts, num_t
     return int(recv_count.sum())
 
 
+def low_latency_overlap(seed, num_tokens, hidden, num_experts, num_topk, block_m):
+    """SGLang's single-batch overlap (docs/semantics.md, "Combine overlap"): with every block of the dispatch's
+    rows signalled done, the plain combine's result; with one block never signalled, every rank whose rows include
+    it times out naming the stage; wrong arguments refused before anything moves."""
+    from tokenyard import CommTimeoutError, InvalidInputError
+
+    rank, num_ranks = _world()
+    inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, "uniform", "bf16")
+    x, topk_idx, topk_weights = inputs[rank]
+    num_local_experts = num_experts // num_ranks
+    buffer = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks,
+                                                                               num_experts),
+                    backend="reference", timeout_s=1.0)
+    recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts, use_fp8=False)
+    outputs = [torch.randn(num_local_experts, num_ranks * num_tokens, hidden,
+                           generator=torch.Generator().manual_seed(seed + 31 * r)).to(torch.bfloat16)
+               for r in range(num_ranks)]
+    oracle = routing.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], num_tokens, num_experts,
+                                          use_fp8=False)
+    want = routing.low_latency_combine(outputs, [i[1] for i in inputs], [i[2] for i in inputs],
+                                       [o["layout_range"] for o in oracle], num_experts)[rank]
+    signal_blocks = -(-num_ranks * num_tokens // block_m)
+    blocks = (recv_count.long() + block_m - 1) // block_m
+    threshold = 3
+    done = torch.arange(signal_blocks).view(1, -1) < blocks.view(-1, 1)
+    comp_signal = torch.where(done, threshold, 0).to(torch.int32).flatten()
+    overlap = dict(overlap=True, packed_recv_count=recv_count, comp_signal=comp_signal, block_m=block_m,
+                   threshold=threshold, num_sms=2)
+    combined, _, hook = buffer.low_latency_combine(outputs[rank], topk_idx, topk_weights, handle,
+                                                   return_recv_hook=True, **overlap)
+    hook()
+    assert_same("combine with overlap", combined, want)
+
+    for bad, words in ((dict(return_recv_hook=False), "return_recv_hook"), (dict(block_m=96), "power of two"),
+                       (dict(comp_signal=comp_signal[:1]), "comp_signal"),
+                       (dict(src_signals=torch.zeros(1, dtype=torch.int32)), "Blackwell")):
+        try:
+            buffer.low_latency_combine(outputs[rank], topk_idx, topk_weights, handle,
+                                       **{"return_recv_hook": True, **overlap, **bad})
+        except InvalidInputError as exc:
+            assert words in str(exc), (words, str(exc))
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+    # The last block of each rank's busiest local expert is never signalled done: every rank times out.
+    stalled = comp_signal.clone()
+    busiest = int(recv_count.argmax())
+    waits = bool(recv_count[busiest] > 0)
+    if waits:
+        stalled[busiest * signal_blocks + int(blocks[busiest]) - 1] = threshold - 1
+    try:
+        combined, _, hook = buffer.low_latency_combine(outputs[rank], topk_idx, topk_weights, handle,
+                                                       return_recv_hook=True, **{**overlap, "comp_signal": stalled})
+        hook()
+        seen = None
+    except CommTimeoutError as exc:
+        seen = exc
+    assert waits, "the routing left a rank's local experts empty: the timeout went untested"
+    assert seen is not None, "a block never signalled done, yet the combine returned"
+    assert seen.stage == "low_latency_combine/overlap", seen
+    return int(recv_count.sum())
+
+
 def low_latency_masked_rank(seed, num_tokens, hidden, num_experts, num_topk):
     """With enable_shrink and a masked rank, pairs to that rank's experts are dropped on every rank."""
     rank, num_ranks = _world()

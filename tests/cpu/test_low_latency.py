@@ -43,6 +43,11 @@ def test_nodes_change_nothing_of_the_meaning(ranks, seed, num_ranks, ranks_per_n
                          False, True, True, True, ranks_per_node)
 
 
+@pytest.mark.parametrize("block_m", [4, 64])
+def test_combine_overlap_waits_for_the_expert_outputs_blocks(ranks, seed, block_m):
+    ranks(2).run(scenarios.low_latency_overlap, seed, 12, 256, 8, 3, block_m)
+
+
 def test_masked_rank_is_skipped(ranks, seed):
     ranks(4).run(scenarios.low_latency_masked_rank, seed, 8, 128, 16, 4)
 

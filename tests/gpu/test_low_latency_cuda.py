@@ -348,6 +348,90 @@ def test_plain_tuple_handles_of_two_micro_batches_and_wait_costs(num_ranks, seed
         print(line)
 
 
+def _combine_overlap(seed):
+    """SGLang's single-batch overlap (NOTE [combine overlap]): the sending launch on 2 blocks reads each row once
+    its block is signalled. Signals set before the call: the pre-reduced oracle bit for bit. Signals set late by a
+    kernel on another stream (after a sleep): the send waits, then the same result. A block never signalled: the
+    call raises CommTimeoutError at low_latency_combine/overlap."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, CommTimeoutError
+    from tokenyard.tools.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_tokens, hidden, num_experts, num_topk, block_m, threshold = 64, 2048, 8 * num_ranks, 4, 16, 5
+    size = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
+    cuda = Buffer(dist.group.WORLD, 0, size, backend="cuda", timeout_s=3)
+    cuda.runtime.use_low_latency_kernels = True
+    nodes = _check_path(cuda)
+    all_inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, "uniform", "bf16",
+                                  device)
+    x, topk_idx, weights = all_inputs[rank]
+    signal_blocks = -(-num_ranks * num_tokens // block_m)
+
+    def signals(count, value):
+        blocks = (count.long() + block_m - 1) // block_m
+        done = torch.arange(signal_blocks, device=device).view(1, -1) < blocks.view(-1, 1)
+        return torch.where(done, value, 0).to(torch.int32).flatten()
+
+    side = torch.cuda.Stream(device)
+
+    def round_trip(comp_signal, late=False):
+        """One dispatch and overlapped combine; `late`: the "GEMM" on another stream writes the expert outputs
+        (poisoned until then) and then their signals ~50 ms after the combine began waiting."""
+        recv, count, handle, _, _ = cuda.low_latency_dispatch(x, topk_idx, num_tokens, num_experts, use_fp8=False)
+        y_final = (recv.float() * 0.5 + 1.0).to(torch.bfloat16)
+        y, signal = y_final, comp_signal(count)
+        if late:
+            y, signal = torch.full_like(y_final, float("nan")), signals(count, 0)
+            side.wait_stream(torch.cuda.current_stream(device))  # before the combine is launched
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(int(50e-3 * 2e9))
+                y.copy_(y_final)
+                signal.copy_(comp_signal(count))
+        combined, _, hook = cuda.low_latency_combine(y, topk_idx, weights, handle, return_recv_hook=True,
+                                                     overlap=True, packed_recv_count=count, comp_signal=signal,
+                                                     block_m=block_m, threshold=threshold, num_sms=2)
+        hook()
+        torch.cuda.synchronize()
+        return combined, y_final, handle.layout_range
+
+    combined, y, layout_range = round_trip(lambda count: signals(count, threshold))
+    assert torch.equal(combined, _pre_reduced(y, layout_range, all_inputs, num_experts)), \
+        f"rank {rank}: the overlapped combine differs from the oracle"
+    start = time.monotonic()
+    combined, y, layout_range = round_trip(lambda count: signals(count, threshold), late=True)
+    waited = time.monotonic() - start
+    assert torch.equal(combined, _pre_reduced(y, layout_range, all_inputs, num_experts)), \
+        f"rank {rank}: the combine whose expert outputs came late differs from the oracle"
+    dist.barrier()
+
+    # Every rank leaves the last block of its busiest expert below the threshold: each raises.
+    def stalled(count):
+        signal = signals(count, threshold)
+        busiest = int(count.argmax())
+        signal[busiest * signal_blocks + (int(count[busiest]) + block_m - 1) // block_m - 1] = threshold - 1
+        return signal
+
+    seen = None
+    try:
+        round_trip(stalled)
+        cuda.runtime.check_failures()
+    except CommTimeoutError as exc:
+        seen = exc
+    assert seen is not None and seen.stage == "low_latency_combine/overlap", \
+        f"rank {rank}: a block never signalled, yet the combine gave {seen!r}"
+    cuda.destroy()
+    return f"overlap: oracle bit for bit, waited {waited * 1e3:.0f} ms for late signals, then {seen.stage}{nodes}"
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
+def test_combine_overlap_reads_rows_once_signalled(num_ranks, seed):
+    for line in spawn.run(num_ranks, _combine_overlap, seed):
+        print(line)
+
+
 def _masked_rank(seed):
     """With enable_shrink, a rank that stops answering is masked and the others keep serving; once every rank has
     cleaned the buffer and unmasked it (low_latency_update_mask_buffer), it serves again."""

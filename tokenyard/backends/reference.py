@@ -18,11 +18,12 @@ from typing import List, Optional
 import torch
 
 from .. import checks
-from ..errors import InvalidInputError
+from ..errors import CommTimeoutError, InvalidInputError
 from ..handle import DispatchHandle, LowLatencyHandle
 from ..plan import workspace
 from ..semantics import quant, routing
 from .base import Backend, GroupContext
+from .waiting import wait_until
 from .requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                        LowLatencyDispatchRequest, LowLatencyDispatchResult, Placement)
 
@@ -504,6 +505,8 @@ class ReferenceBackend(Backend):
     def low_latency_combine(self, request: LowLatencyCombineRequest):
         num_ranks = self.ctx.num_ranks
         handle = request.handle
+        if request.overlap is not None:
+            self._wait_for_expert_outputs(request.overlap)
         x = request.x
         num_local_experts, num_slots, hidden = x.shape
         num_experts = handle.num_experts
@@ -564,6 +567,18 @@ class ReferenceBackend(Backend):
             size = self.ctx.num_rdma_bytes if use_rdma_buffer else self.ctx.num_nvl_bytes
             self._raw_buffers[key] = torch.zeros(size, dtype=torch.uint8, device=self.ctx.device)
         return self._raw_buffers[key]
+
+    def _wait_for_expert_outputs(self, overlap) -> None:
+        """NOTE [combine overlap] (kernels/low_latency_combine.cuh): until every block of the dispatch's rows of each
+        local expert is signalled done, polled from the host, bounded by the Buffer's deadline."""
+        counts = overlap.packed_recv_count.long()
+        blocks = (counts + overlap.block_m - 1) // overlap.block_m
+        signals = overlap.comp_signal[:counts.numel() * overlap.signal_blocks].view(-1, overlap.signal_blocks)
+        needed = torch.arange(overlap.signal_blocks, device=signals.device).view(1, -1) < blocks.view(-1, 1)
+        if not wait_until(lambda: bool(((signals >= overlap.threshold) | ~needed).all()), self.ctx.timeout_s):
+            raise CommTimeoutError(self.ctx.rank, self.ctx.rank, "low_latency_combine/overlap",
+                                   f"the expert outputs' blocks were not all signalled done (comp_signal below "
+                                   f"threshold={overlap.threshold}) within {self.ctx.timeout_s} s")
 
     def next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """``[L, R*M, H]`` bf16 with DeepEP's strides: a view of rows workspace.zero_copy_row_elems(H) apart."""

@@ -126,6 +126,18 @@ class LowLatencyDispatchResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class CombineOverlap:
+    """NOTE [combine overlap] (kernels/low_latency_combine.cuh): the combine sends while the expert GEMM still
+    writes `x`, a row once its block's signal is done."""
+    comp_signal: torch.Tensor                # [L * signal_blocks] int32, per block of block_m rows of each expert
+    signal_blocks: int                       # ceil(R * M / block_m)
+    block_m: int
+    threshold: int                           # a block is done once its signal reaches this
+    num_sms: int                             # the sending launch's blocks
+    packed_recv_count: torch.Tensor          # [L] int32: the dispatch's rows per expert (its blocks to wait for)
+
+
+@dataclasses.dataclass(frozen=True)
 class LowLatencyCombineRequest:
     x: torch.Tensor                          # [L, R*M, H] bf16
     topk_idx: torch.Tensor                   # [T, K] int64
@@ -136,3 +148,4 @@ class LowLatencyCombineRequest:
     out: Optional[torch.Tensor]              # [T, H] bf16 or None
     rank_mask: Optional[torch.Tensor]        # as in LowLatencyDispatchRequest
     wait_recv_cost_stats: Optional[torch.Tensor] = None  # as in LowLatencyDispatchRequest
+    overlap: Optional[CombineOverlap] = None

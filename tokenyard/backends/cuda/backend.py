@@ -38,7 +38,8 @@ _STAGE_NAMES = {"kStageBarrier": "combine/barrier", "kStageNotify": "dispatch/no
                 "kStageLowLatencyCombineWeights": "low_latency_combine/weights",
                 "kStageLowLatencyDispatchCounts": "low_latency_dispatch/expert_counts",
                 "kStageLowLatencyDispatchSend": "low_latency_dispatch/send",
-                "kStageInternodeSignal": "internode/signal", "kStageInternodeBarrier": "internode/barrier"}
+                "kStageInternodeSignal": "internode/signal", "kStageInternodeBarrier": "internode/barrier",
+                "kStageLowLatencyCombineOverlap": "low_latency_combine/overlap"}
 _STAGES = {value: _STAGE_NAMES[member] for member, value in headers.enum("sync.cuh", "Stage").items()}
 _MASK32 = 0xFFFFFFFF
 # From kRecordSignaturesAt, the table of every rank's signature: kMaxRanks rows of kMaxSignatureInts.
@@ -356,7 +357,9 @@ class CudaBackend(Backend):
                     "and make a new one")
             else:
                 # NOTE [call tags]: a low-latency peer whose call had another shape signals tags never awaited.
-                if stage_name.startswith("low_latency"):
+                if stage_name == "low_latency_combine/overlap":  # NOTE [combine overlap]
+                    cause = ("the expert outputs' blocks were never signalled done (comp_signal below threshold); ")
+                elif stage_name.startswith("low_latency"):
                     cause = ("the peer did not make this call, or made it with another shape (hidden, top-k, experts, "
                              "num_max_dispatch_tokens_per_rank, FP8 flags); ")
                 elif stage_name.startswith("internode"):  # signal counts (NOTE [internode kernels])

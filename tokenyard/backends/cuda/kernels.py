@@ -152,7 +152,9 @@ def low_latency_combine(num_topk: int, topk_dtype: torch.dtype, internode: bool 
         (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("const float*", "topk_weights"),
          Param("int", "num_tokens"), Param("int", "hidden"),
          Param("int", "num_experts"), Param("int4*", "combined_x"), Param("int*", "rank_mask"),
-         Param("int64_t*", "wait_costs"), Param("int", "local_blocks"), Param("int", "x_row_int4"))
+         Param("int64_t*", "wait_costs"), Param("int", "local_blocks"), Param("int", "x_row_int4"),
+         Param("const int*", "comp_signal"), Param("int", "signal_blocks"), Param("int", "block_m"),
+         Param("int", "signal_threshold"))
         + _LOW_LATENCY_BUFFERS + _WAIT + _TRACE,
         LOW_LATENCY_THREADS, name="tokenyard::low_latency::combine", nvshmem=internode)
 

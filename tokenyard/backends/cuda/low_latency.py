@@ -20,7 +20,7 @@ from ...errors import InvalidInputError
 from ...handle import LowLatencyHandle
 from ...plan import workspace
 from .. import collectives
-from ..requests import LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
+from ..requests import CombineOverlap, LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from . import heuristics, kernels, plans
 
 _HANDLE_OUTPUTS = ("src_info", "layout_range")  # a dispatch's outputs that its handle keeps
@@ -28,7 +28,7 @@ _HANDLE_OUTPUTS = ("src_info", "layout_range")  # a dispatch's outputs that its 
 _MASK32 = 0xFFFFFFFF
 # The inputs and per-call scalars of the low-latency plans (NOTE [call plans] in plans.py), in run order.
 LOW_LATENCY_DISPATCH_INPUTS = ("x", "topk_idx", "stats", "rank_mask", "wait_costs")
-LOW_LATENCY_COMBINE_INPUTS = ("x", "topk_idx", "topk_weights", "out", "rank_mask", "wait_costs")
+LOW_LATENCY_COMBINE_INPUTS = ("x", "topk_idx", "topk_weights", "out", "rank_mask", "wait_costs", "comp_signal")
 LOW_LATENCY_SCALARS = ("bases", "trace")
 
 
@@ -144,7 +144,8 @@ class LowLatencyKernels:
         (local expert, source): its count and its first row."""
         return max(self._pair_bits_bytes(num_max, num_experts), 2 * num_experts * 4)
 
-    def _plans(self, key: tuple, kernel, inputs, outputs, launch_args, shared_bytes: int, hook: bool):
+    def _plans(self, key: tuple, kernel, inputs, outputs, launch_args, shared_bytes: int, hook: bool,
+               send_grid: Optional[int] = None):
         """The plans of a call (NOTE [call plans]): one that makes `outputs` (name -> (shape, dtype)) and
         launches with sending and receiving, or with `hook` a sending one and a receiving one (whose inputs
         add the first's outputs)."""
@@ -157,7 +158,7 @@ class LowLatencyKernels:
                 if kept not in wholes:
                     wholes[kept] = first.whole()
                 made[name] = first.part(wholes[kept], name, shape, dtype)
-            first.launch(kernel, self._grid(), launch_args(first, made, 1, int(not hook)), shared_bytes)
+            first.launch(kernel, send_grid or self._grid(), launch_args(first, made, 1, int(not hook)), shared_bytes)
             if not hook:
                 return first.build(), None
             first_plan = first.build()
@@ -260,9 +261,11 @@ class LowLatencyKernels:
         return self._plans(key, kernel, LOW_LATENCY_DISPATCH_INPUTS, outputs, launch_args, shared_bytes, hook)
 
     def combine_plans(self, num_tokens: int, hidden: int, num_topk: int, topk_dtype: torch.dtype, num_experts: int,
-                      num_max: int, with_out: bool, hook: bool, x_row_int4: Optional[int] = None):
+                      num_max: int, with_out: bool, hook: bool, x_row_int4: Optional[int] = None,
+                      overlap: Optional[CombineOverlap] = None):
         """Inputs LOW_LATENCY_COMBINE_INPUTS, scalars LOW_LATENCY_SCALARS; `x_row_int4`: x's row stride in 16-byte
-        vectors (its rows dense unless given: the zero-copy tensor's are wider, see `_rows_in_place`)."""
+        vectors (its rows dense unless given: the zero-copy tensor's are wider, see `_rows_in_place`); `overlap`:
+        NOTE [combine overlap], the sending launch on `overlap.num_sms` blocks."""
         ctx = self.backend.ctx
         x_row_int4 = x_row_int4 or hidden * 2 // 16
         kernel = self._kernel(kernels.low_latency_combine(num_topk, topk_dtype, self.remote != 0))
@@ -276,12 +279,17 @@ class LowLatencyKernels:
                         num_tokens=num_tokens, hidden=hidden, num_experts=num_experts,
                         combined_x=made["combined_x"] if "combined_x" in made else b.inp("out"),
                         rank_mask=b.inp("rank_mask"), wait_costs=b.inp("wait_costs"), local_blocks=self._local_blocks,
-                        x_row_int4=x_row_int4, **self._buffer_args(b, layout, do_send, do_recv, num_max, factor),
+                        x_row_int4=x_row_int4, comp_signal=b.inp("comp_signal"), signal_blocks=signals[0],
+                        block_m=signals[1], signal_threshold=signals[2],
+                        **self._buffer_args(b, layout, do_send, do_recv, num_max, factor),
                         **self.backend._wait_args(), trace=b.scalar("trace"))
 
-        key = ("low_latency_combine", kernel, num_tokens, hidden, num_experts, num_max, with_out, hook, x_row_int4)
+        signals = (0, 1, 0) if overlap is None else (overlap.signal_blocks, overlap.block_m, overlap.threshold)
+        send_grid = None if overlap is None else max(1, min(overlap.num_sms, self._grid()))
+        key = ("low_latency_combine", kernel, num_tokens, hidden, num_experts, num_max, with_out, hook, x_row_int4,
+               signals, send_grid)
         return self._plans(key, kernel, LOW_LATENCY_COMBINE_INPUTS, outputs, launch_args,
-                           self._pair_bits_bytes(num_max, ctx.num_ranks), hook)
+                           self._pair_bits_bytes(num_max, ctx.num_ranks), hook, send_grid)
 
     def combine(self, request: LowLatencyCombineRequest):
         handle = request.handle
@@ -289,25 +297,28 @@ class LowLatencyKernels:
         topk_idx, topk_weights = request.topk_idx.contiguous(), request.topk_weights.contiguous()
         first, second = self.combine_plans(topk_idx.size(0), handle.hidden, topk_idx.size(1), topk_idx.dtype,
                                            handle.num_experts, handle.num_max_dispatch_tokens_per_rank,
-                                           request.out is not None, request.return_recv_hook, x.stride(1) * 2 // 16)
+                                           request.out is not None, request.return_recv_hook, x.stride(1) * 2 // 16,
+                                           request.overlap)
+        comp_signal = None if request.overlap is None else request.overlap.comp_signal
         combined = self.run_combine(first.native, x, topk_idx, topk_weights, handle, request.out, request.rank_mask,
-                                    request.wait_recv_cost_stats)
+                                    request.wait_recv_cost_stats, comp_signal)
         hook = None
         if second is not None:
             half = handle.half if handle.half is not None else self._half_of(handle.src_info)
-            inputs = (x, topk_idx, topk_weights, request.out, request.rank_mask, request.wait_recv_cost_stats)
+            inputs = (x, topk_idx, topk_weights, request.out, request.rank_mask, request.wait_recv_cost_stats,
+                      comp_signal)
             scalars = (self._half_bases_of(handle.num_max_dispatch_tokens_per_rank, handle.hidden,
                                            handle.num_experts, half), self._trace_ptr(1))
             hook = self._receive_hook(second, inputs + ((combined,) if request.out is None else ()), scalars)
         return combined, hook
 
-    def run_combine(self, native, x, topk_idx, topk_weights, handle, out, rank_mask, wait_costs):
+    def run_combine(self, native, x, topk_idx, topk_weights, handle, out, rank_mask, wait_costs, comp_signal=None):
         """Run a combine's first plan on the current stream; -> the combined tensor."""
         half = handle.half if handle.half is not None else self._half_of(handle.src_info)
         scalars = (self._half_bases_of(handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
                                        half), self._trace_ptr(1))
-        made = native.run((x, topk_idx, topk_weights, out, rank_mask, wait_costs), scalars, self.backend._stream(), 0,
-                          0, 0, 0, False, False, 0)
+        made = native.run((x, topk_idx, topk_weights, out, rank_mask, wait_costs, comp_signal), scalars,
+                          self.backend._stream(), 0, 0, 0, 0, False, False, 0)
         return out if out is not None else made[0]
 
     def _half_of(self, src_info: torch.Tensor) -> int:

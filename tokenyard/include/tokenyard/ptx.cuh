@@ -63,6 +63,12 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
     return value;
 }
 
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
 __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* ptr) {
     uint64_t value;
     asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(ptr) : "memory");

@@ -32,6 +32,7 @@ enum Stage : int {
     kStageLowLatencyDispatchSend = 9,
     kStageInternodeSignal = 10,
     kStageInternodeBarrier = 11,
+    kStageLowLatencyCombineOverlap = 12,
 };
 
 enum ErrorKind : int {

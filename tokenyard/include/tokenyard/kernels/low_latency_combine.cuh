@@ -123,112 +123,163 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
     extern __shared__ uint32_t bits[];  // NOTE [pair slots], a row per rank
     const int words = (p.num_max + 31) / 32;
 
-    if (p.do_send) {
-        // This block's destination: the rank whose messages it sends back (NOTE [peer-major blocks]).
-        const PeerBlocks group = peer_blocks(p.num_ranks, p.local_blocks);
-        const int s = next_peer(p.rank, p.num_ranks, group.turn);
-        const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
-        // Lane k's part of item `item`: where choice k of message j went on this rank and its weight word, all
-        // loaded at once, an item ahead of the sums (a warp waits for memory once per item, for the rows).
-        // Items past the last are read too (every slot's words exist) and never used.
-        struct Choice {
-            uint64_t weight;   // (tag << 32) | float bits once it came
-            uint32_t tag;      // the message's: token j of s came here in this half's dispatch if it is its tag
-            int local_expert;  // -1: the choice is not on this rank
-            int position;      // the packed row it went to
-        };
-        const auto choice_of = [&](int item) -> Choice {
-            Choice choice{0, 0, -1, 0};
-            if (item < p.num_max * num_pieces && lane < kNumTopk) {
-                const int j = item / num_pieces;
-                const uint8_t* message = b.message(p.rank, s, j);
-                choice.weight = ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane);
-                choice.tag = static_cast<uint32_t>(*reinterpret_cast<const uint64_t*>(message) >> 32);
-                choice.local_expert = reinterpret_cast<const int16_t*>(message + kHeaderChoices)[lane];
-                choice.position = b.positions(s, j)[lane];
-            }
-            return choice;
-        };
-        // The first item's words and s's message count are asked for before the weights go out, so that
-        // neither waits for the other.
-        const int stride = group.count * num_warps;
-        int item = warp * group.count + group.index;
-        Choice next = choice_of(item);
-        const uint64_t count_word = threadIdx.x == 0 ? ptx::ld_relaxed_sys(b.count(p.rank, s)) : 0;
-        // (1) This rank's weights to s, a thread per token over the group, each token's to its message slot
-        //     (the token index) if it went to s, each tagged with the epoch: no fence and no flag.
-        for (int t = group.index + group.count * static_cast<int>(threadIdx.x); t < p.num_tokens && !masked(s);
-             t += group.count * static_cast<int>(blockDim.x)) {
-            float w[kNumTopk];
-            bool here = false;
-#pragma unroll
-            for (int k = 0; k < kNumTopk; ++k) {
-                const int64_t e = static_cast<int64_t>(p.topk_idx[static_cast<int64_t>(t) * kNumTopk + k]);
-                here |= e >= 0 && e < p.num_experts && e / b.num_local_experts == s;
-                w[k] = p.topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
-            }
-            if (!here)
-                continue;
-            uint64_t* to = b.weights(s, p.rank, t);
-#pragma unroll
-            for (int k = 0; k < kNumTopk; ++k)
-                store_word<Remote>(b, to + k, (static_cast<uint64_t>(tag) << 32) | __float_as_uint(w[k]), s, false);
-        }
-        // (2) The items: (message slot j, piece) of s in the dispatch of this half, as many slots as s had
-        //     tokens (a source masked during that dispatch left an older epoch there: nothing from it).
-        __shared__ int num_items;
-        if (threadIdx.x == 0) {
-            const bool sent = !masked(s) && static_cast<uint32_t>(count_word >> 32) == dispatch_tag;
-            num_items = sent ? static_cast<int>(count_word & 0xffffffffu) * num_pieces : 0;
-        }
-        __syncthreads();
-        trace_mark(p.trace, kTracePrologue);
-        for (; item < num_items; item += stride) {
-            const int j = item / num_pieces, piece = item % num_pieces;
-            const Choice choice = next;
-            next = choice_of(item + stride);
-            if (p.rank_mask != nullptr && ptx::ld_relaxed_sys(p.rank_mask + s) != 0)
-                break;  // masked meanwhile: its rows are absent
-            const int4* row = choice.tag == dispatch_tag && choice.local_expert >= 0
-                                      ? p.x + static_cast<int64_t>(choice.position) * p.x_row_int4
-                                      : nullptr;
-            uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
-            if (rows_from == 0u)
-                continue;  // token j of s did not come here: nothing to send back
-            // The first rows are asked for, then a weight not come yet (its tag is an older call's) is waited
-            // for: at the first items the weights are still on their way, and the rows come meanwhile.
-            RowBatch batch;
-            load_rows<false>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
-            uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
-            bool lost = false;
-            if (row != nullptr && static_cast<uint32_t>(choice.weight >> 32) != tag) {
-                lost = !wait_tag_or_mask<false>(wait, b.weights(p.rank, s, j) + lane, tag, s,
-                                                kStageLowLatencyCombineWeights, p.rank_mask, weight_bits);
-            }
-            if (__any_sync(0xffffffffu, lost))
-                break;  // masked: s gets no signal below; else the timeout recorded withholds every signal
-            const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
-            float acc[kReduceVectors][8] = {};
-            accumulate_rows<false>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4, lane);
-            if constexpr (Remote::kEnabled) {
-                if (b.is_remote(s)) {
-                    store_bf16(b.staged_row(s, j), acc, piece * kReduceInt4, hidden_int4, lane);
-                    __syncwarp();
-                    bool last = false;
-                    if (lane == 0)
-                        last = arrive(b.arrival(s, j), tag, num_pieces);
-                    if (__shfl_sync(0xffffffffu, last, 0))
-                        Remote::put_warp(b.combine_row(s, p.rank, j), b.staged_row(s, j), b.combine_row_bytes, s);
-                    continue;
+    // NOTE [combine overlap]: with comp_signal, row `row` of local expert l is read only once
+    // comp_signal[l * signal_blocks + row / block_m] reaches signal_threshold (the expert GEMM, on another stream,
+    // signals each block of block_m rows it finished); a lane waits for its row's block with acquire at GPU scope,
+    // until the deadline, which records a timeout. The sending launch then has few blocks (num_sms, so that the
+    // GEMM has the rest of the GPU): fewer blocks than ranks take the ranks in rounds, a block a rank at a time.
+    const auto row_ready = [&](int position) -> bool {
+        if (p.comp_signal == nullptr)
+            return true;
+        const int num_slots = p.num_ranks * p.num_max;
+        const int* signal = p.comp_signal + static_cast<int64_t>(position / num_slots) * p.signal_blocks +
+                            (position % num_slots) / p.block_m;
+        uint64_t start = 0;
+        for (int spin = 0;; ++spin) {
+            if (ptx::ld_acquire_gpu(signal) >= p.signal_threshold)
+                return true;
+            if ((spin & 255) == 0) {
+                const uint64_t now = ptx::global_timer_ns();
+                if (start == 0) {
+                    start = now;
+                } else if (now - start > wait.timeout_ns || failed(wait)) {
+                    record_error(wait, kErrorTimeout, p.rank, kStageLowLatencyCombineOverlap,
+                                 static_cast<uint32_t>(ptx::ld_acquire_gpu(signal)),
+                                 static_cast<uint32_t>(p.signal_threshold));
+                    return false;
                 }
             }
-            store_bf16(b.combine_row(s, p.rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
+        }
+    };
+    if (p.do_send) {
+        const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
+        const bool few_blocks = static_cast<int>(gridDim.x) < p.num_ranks;
+        const int num_rounds = few_blocks ? (p.num_ranks + gridDim.x - 1) / gridDim.x : 1;
+        for (int round = 0; round < num_rounds; ++round) {
+            // This block's destination: the rank whose messages it sends back (NOTE [peer-major blocks]).
+            const PeerBlocks group = few_blocks ? PeerBlocks{static_cast<int>(blockIdx.x + round * gridDim.x), 0, 1}
+                                                : peer_blocks(p.num_ranks, p.local_blocks);
+            if (group.turn >= p.num_ranks)
+                break;  // the same for the whole block
+            const int s = next_peer(p.rank, p.num_ranks, group.turn);
+            // Lane k's part of item `item`: where choice k of message j went on this rank and its weight word, all
+            // loaded at once, an item ahead of the sums (a warp waits for memory once per item, for the rows).
+            // Items past the last are read too (every slot's words exist) and never used.
+            struct Choice {
+                uint64_t weight;   // (tag << 32) | float bits once it came
+                uint32_t tag;      // the message's: token j of s came here in this half's dispatch if it is its tag
+                int local_expert;  // -1: the choice is not on this rank
+                int position;      // the packed row it went to
+            };
+            const auto choice_of = [&](int item) -> Choice {
+                Choice choice{0, 0, -1, 0};
+                if (item < p.num_max * num_pieces && lane < kNumTopk) {
+                    const int j = item / num_pieces;
+                    const uint8_t* message = b.message(p.rank, s, j);
+                    choice.weight = ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane);
+                    choice.tag = static_cast<uint32_t>(*reinterpret_cast<const uint64_t*>(message) >> 32);
+                    choice.local_expert = reinterpret_cast<const int16_t*>(message + kHeaderChoices)[lane];
+                    choice.position = b.positions(s, j)[lane];
+                }
+                return choice;
+            };
+            // The first item's words and s's message count are asked for before the weights go out, so that
+            // neither waits for the other.
+            const int stride = group.count * num_warps;
+            int item = warp * group.count + group.index;
+            Choice next = choice_of(item);
+            const uint64_t count_word = threadIdx.x == 0 ? ptx::ld_relaxed_sys(b.count(p.rank, s)) : 0;
+            // (1) This rank's weights to s, a thread per token over the group, each token's to its message slot
+            //     (the token index) if it went to s, each tagged with the epoch: no fence and no flag.
+            for (int t = group.index + group.count * static_cast<int>(threadIdx.x); t < p.num_tokens && !masked(s);
+                 t += group.count * static_cast<int>(blockDim.x)) {
+                float w[kNumTopk];
+                bool here = false;
+#pragma unroll
+                for (int k = 0; k < kNumTopk; ++k) {
+                    const int64_t e = static_cast<int64_t>(p.topk_idx[static_cast<int64_t>(t) * kNumTopk + k]);
+                    here |= e >= 0 && e < p.num_experts && e / b.num_local_experts == s;
+                    w[k] = p.topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
+                }
+                if (!here)
+                    continue;
+                uint64_t* to = b.weights(s, p.rank, t);
+#pragma unroll
+                for (int k = 0; k < kNumTopk; ++k)
+                    store_word<Remote>(b, to + k, (static_cast<uint64_t>(tag) << 32) | __float_as_uint(w[k]), s, false);
+            }
+            // (2) The items: (message slot j, piece) of s in the dispatch of this half, as many slots as s had
+            //     tokens (a source masked during that dispatch left an older epoch there: nothing from it).
+            __shared__ int num_items;
+            if (threadIdx.x == 0) {
+                const bool sent = !masked(s) && static_cast<uint32_t>(count_word >> 32) == dispatch_tag;
+                num_items = sent ? static_cast<int>(count_word & 0xffffffffu) * num_pieces : 0;
+            }
+            __syncthreads();
+            trace_mark(p.trace, kTracePrologue);
+            for (; item < num_items; item += stride) {
+                const int j = item / num_pieces, piece = item % num_pieces;
+                const Choice choice = next;
+                next = choice_of(item + stride);
+                if (p.rank_mask != nullptr && ptx::ld_relaxed_sys(p.rank_mask + s) != 0)
+                    break;  // masked meanwhile: its rows are absent
+                const int4* row = choice.tag == dispatch_tag && choice.local_expert >= 0
+                                          ? p.x + static_cast<int64_t>(choice.position) * p.x_row_int4
+                                          : nullptr;
+                uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
+                if (rows_from == 0u)
+                    continue;  // token j of s did not come here: nothing to send back
+                // The first rows are asked for, then a weight not come yet (its tag is an older call's) is waited
+                // for: at the first items the weights are still on their way, and the rows come meanwhile.
+                if (!__all_sync(0xffffffffu, row == nullptr || row_ready(choice.position)))
+                    break;  // recorded: the call fails (withheld signals below)
+                __syncwarp();  // every lane reads the rows whose signals other lanes acquired
+                // Rows another kernel writes during this one (NOTE [combine overlap]) are not read through the
+                // non-coherent cache.
+                const bool overlapped = p.comp_signal != nullptr;
+                RowBatch batch;
+                if (overlapped)
+                    load_rows<true>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
+                else
+                    load_rows<false>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
+                uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
+                bool lost = false;
+                if (row != nullptr && static_cast<uint32_t>(choice.weight >> 32) != tag) {
+                    lost = !wait_tag_or_mask<false>(wait, b.weights(p.rank, s, j) + lane, tag, s,
+                                                    kStageLowLatencyCombineWeights, p.rank_mask, weight_bits);
+                }
+                if (__any_sync(0xffffffffu, lost))
+                    break;  // masked: s gets no signal below; else the timeout recorded withholds every signal
+                const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
+                float acc[kReduceVectors][8] = {};
+                if (overlapped)
+                    accumulate_rows<true>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4,
+                                          lane);
+                else
+                    accumulate_rows<false>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4,
+                                           lane);
+                if constexpr (Remote::kEnabled) {
+                    if (b.is_remote(s)) {
+                        store_bf16(b.staged_row(s, j), acc, piece * kReduceInt4, hidden_int4, lane);
+                        __syncwarp();
+                        bool last = false;
+                        if (lane == 0)
+                            last = arrive(b.arrival(s, j), tag, num_pieces);
+                        if (__shfl_sync(0xffffffffu, last, 0))
+                            Remote::put_warp(b.combine_row(s, p.rank, j), b.staged_row(s, j), b.combine_row_bytes, s);
+                        continue;
+                    }
+                }
+                store_bf16(b.combine_row(s, p.rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
+            }
+            __syncthreads();  // num_items is the next round's
         }
         // Without a mask, a launch that recorded a failure (a lost weight, a receive timeout in another
-        // block) left rows unwritten: its peers must time out rather than sum them.
+        // block) left rows unwritten: its peers must time out rather than sum them; so does one whose expert
+        // outputs never came (NOTE [combine overlap]), mask or none.
         publish_when_last<Remote>(
                 b, 1, epoch, p.rank_mask, p.trace, [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; },
-                [&] { return p.rank_mask == nullptr && failed(wait); });
+                [&] { return (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait); });
     }
     if (!p.do_recv) {
         trace_mark(p.trace, kTraceEnd);
