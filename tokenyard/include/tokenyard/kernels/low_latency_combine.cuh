@@ -153,12 +153,40 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
     };
     if (p.do_send) {
         const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
-        const bool few_blocks = static_cast<int>(gridDim.x) < p.num_ranks;
+        // Fewer blocks than ranks, or an overlap's few (NOTE [combine overlap]): a block a rank at a time, in
+        // rounds; every weight goes out before any block waits for a peer's, which a peer may send in a later round.
+        const bool few_blocks = static_cast<int>(gridDim.x) < p.num_ranks || p.comp_signal != nullptr;
         const int num_rounds = few_blocks ? (p.num_ranks + gridDim.x - 1) / gridDim.x : 1;
+        // This block's destination in `round`: the rank whose messages it sends back (NOTE [peer-major blocks]).
+        const auto group_of = [&](int round) {
+            return few_blocks ? PeerBlocks{static_cast<int>(blockIdx.x + round * gridDim.x), 0, 1}
+                              : peer_blocks(p.num_ranks, p.local_blocks);
+        };
+        // (1) This rank's weights to s, a thread per token over the group, each token's to its message slot
+        //     (the token index) if it went to s, each tagged with the epoch: no fence and no flag.
+        const auto send_weights = [&](const PeerBlocks& group, int s) {
+            for (int t = group.index + group.count * static_cast<int>(threadIdx.x); t < p.num_tokens && !masked(s);
+                 t += group.count * static_cast<int>(blockDim.x)) {
+                float w[kNumTopk];
+                bool here = false;
+#pragma unroll
+                for (int k = 0; k < kNumTopk; ++k) {
+                    const int64_t e = static_cast<int64_t>(p.topk_idx[static_cast<int64_t>(t) * kNumTopk + k]);
+                    here |= e >= 0 && e < p.num_experts && e / b.num_local_experts == s;
+                    w[k] = p.topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
+                }
+                if (!here)
+                    continue;
+                uint64_t* to = b.weights(s, p.rank, t);
+#pragma unroll
+                for (int k = 0; k < kNumTopk; ++k)
+                    store_word<Remote>(b, to + k, (static_cast<uint64_t>(tag) << 32) | __float_as_uint(w[k]), s, false);
+            }
+        };
+        for (int round = 0; few_blocks && round < num_rounds && group_of(round).turn < p.num_ranks; ++round)
+            send_weights(group_of(round), next_peer(p.rank, p.num_ranks, group_of(round).turn));
         for (int round = 0; round < num_rounds; ++round) {
-            // This block's destination: the rank whose messages it sends back (NOTE [peer-major blocks]).
-            const PeerBlocks group = few_blocks ? PeerBlocks{static_cast<int>(blockIdx.x + round * gridDim.x), 0, 1}
-                                                : peer_blocks(p.num_ranks, p.local_blocks);
+            const PeerBlocks group = group_of(round);
             if (group.turn >= p.num_ranks)
                 break;  // the same for the whole block
             const int s = next_peer(p.rank, p.num_ranks, group.turn);
@@ -189,25 +217,8 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
             int item = warp * group.count + group.index;
             Choice next = choice_of(item);
             const uint64_t count_word = threadIdx.x == 0 ? ptx::ld_relaxed_sys(b.count(p.rank, s)) : 0;
-            // (1) This rank's weights to s, a thread per token over the group, each token's to its message slot
-            //     (the token index) if it went to s, each tagged with the epoch: no fence and no flag.
-            for (int t = group.index + group.count * static_cast<int>(threadIdx.x); t < p.num_tokens && !masked(s);
-                 t += group.count * static_cast<int>(blockDim.x)) {
-                float w[kNumTopk];
-                bool here = false;
-#pragma unroll
-                for (int k = 0; k < kNumTopk; ++k) {
-                    const int64_t e = static_cast<int64_t>(p.topk_idx[static_cast<int64_t>(t) * kNumTopk + k]);
-                    here |= e >= 0 && e < p.num_experts && e / b.num_local_experts == s;
-                    w[k] = p.topk_weights[static_cast<int64_t>(t) * kNumTopk + k];
-                }
-                if (!here)
-                    continue;
-                uint64_t* to = b.weights(s, p.rank, t);
-#pragma unroll
-                for (int k = 0; k < kNumTopk; ++k)
-                    store_word<Remote>(b, to + k, (static_cast<uint64_t>(tag) << 32) | __float_as_uint(w[k]), s, false);
-            }
+            if (!few_blocks)
+                send_weights(group, s);
             // (2) The items: (message slot j, piece) of s in the dispatch of this half, as many slots as s had
             //     tokens (a source masked during that dispatch left an older epoch there: nothing from it).
             __shared__ int num_items;
