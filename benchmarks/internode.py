@@ -105,21 +105,27 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
-    from tokenyard.tools.bench.report import git_commit
     from tokenyard.tools.launch import run_on_ranks
 
     per_rank = run_on_ranks(args.num_ranks, _rank, args, use_cuda=True, timeout_s=500.0)
+    report(args, per_rank, _runs(args.test_logs, torch.cuda.device_count()),
+           "virtual nodes on one host: not a network figure")
+    return 0
+
+
+def report(args, per_rank: list, runs: list, note: str) -> None:
+    """Print a virtual-node benchmark's JSON, and write it to `args.json` if given: the commit, device, date,
+    settings (`args` but for its file arguments), `note`, the test `runs` and each rank's timing."""
+    from tokenyard.tools.bench.report import git_commit
+
     result = {"commit": git_commit(), "device": torch.cuda.get_device_name(0), "num_gpus": torch.cuda.device_count(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "settings": {k: v for k, v in vars(args).items() if k not in ("json", "test_logs")},
-              "note": "virtual nodes on one host: not a network figure",
-              "runs": _runs(args.test_logs, torch.cuda.device_count()),
-              "timing_us_median_per_rank": per_rank}
+              "note": note, "runs": runs, "timing_us_median_per_rank": per_rank}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

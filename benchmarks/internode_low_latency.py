@@ -16,8 +16,6 @@ run under TOKENYARD_RANKS_PER_NODE (`--test_logs`) add the runs (nodes, ranks pe
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import re
 import statistics
@@ -99,7 +97,8 @@ def _runs(logs, num_gpus: int) -> list:
         if layout is None or not found:
             continue
         nodes, per_node = int(layout.group(1)), int(layout.group(2))
-        runs.append({"log": os.path.basename(path), "nodes": nodes, "ranks_per_node": per_node, "num_gpus": min(num_gpus, nodes * per_node),
+        runs.append({"log": os.path.basename(path), "nodes": nodes, "ranks_per_node": per_node,
+                     "num_gpus": min(num_gpus, nodes * per_node),
                      "passed": sum(v == "PASSED" for _, _, v in found),
                      "failed": sum(v == "FAILED" for _, _, v in found),
                      "tests": [f"{test}: {verdict}" for test, _, verdict in found]})
@@ -120,20 +119,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
 
-    from tokenyard.tools.bench.report import git_commit
+    from internode import report  # benchmarks/internode.py, beside this file
     from tokenyard.tools.launch import run_on_ranks
 
     per_rank = run_on_ranks(args.num_ranks, _rank, args, use_cuda=True, timeout_s=500.0)
-    result = {"commit": git_commit(), "device": torch.cuda.get_device_name(0), "num_gpus": torch.cuda.device_count(),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "settings": {k: v for k, v in vars(args).items() if k not in ("json", "test_logs")},
-              "note": "virtual nodes on one host: not a network figure; FP8 dispatch, bf16 combine",
-              "runs": _runs(args.test_logs, torch.cuda.device_count()),
-              "timing_us_median_per_rank": per_rank}
-    print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    report(args, per_rank, _runs(args.test_logs, torch.cuda.device_count()),
+           "virtual nodes on one host: not a network figure; FP8 dispatch, bf16 combine")
     return 0
 
 
