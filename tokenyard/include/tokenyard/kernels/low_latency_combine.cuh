@@ -129,8 +129,6 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
     // until the deadline, which records a timeout. The sending launch then has few blocks (num_sms, so that the
     // GEMM has the rest of the GPU): fewer blocks than ranks take the ranks in rounds, a block a rank at a time.
     const auto row_ready = [&](int position) -> bool {
-        if (p.comp_signal == nullptr)
-            return true;
         const int num_slots = p.num_ranks * p.num_max;
         const int* signal = p.comp_signal + static_cast<int64_t>(position / num_slots) * p.signal_blocks +
                             (position % num_slots) / p.block_m;
@@ -240,14 +238,16 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
                 uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
                 if (rows_from == 0u)
                     continue;  // token j of s did not come here: nothing to send back
+                // NOTE [combine overlap]: the rows' blocks are signalled done first, and the rows, which another
+                // kernel writes during this one, are not read through the non-coherent cache.
+                const bool overlapped = p.comp_signal != nullptr;
+                if (overlapped) {
+                    if (!__all_sync(0xffffffffu, row == nullptr || row_ready(choice.position)))
+                        break;  // recorded: the call fails (withheld signals below)
+                    __syncwarp();  // every lane reads the rows whose signals other lanes acquired
+                }
                 // The first rows are asked for, then a weight not come yet (its tag is an older call's) is waited
                 // for: at the first items the weights are still on their way, and the rows come meanwhile.
-                if (!__all_sync(0xffffffffu, row == nullptr || row_ready(choice.position)))
-                    break;  // recorded: the call fails (withheld signals below)
-                __syncwarp();  // every lane reads the rows whose signals other lanes acquired
-                // Rows another kernel writes during this one (NOTE [combine overlap]) are not read through the
-                // non-coherent cache.
-                const bool overlapped = p.comp_signal != nullptr;
                 RowBatch batch;
                 if (overlapped)
                     load_rows<true>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
