@@ -92,17 +92,8 @@ def _runs(logs, num_gpus: int) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num_ranks", type=int, default=4)
-    parser.add_argument("--ranks_per_node", type=int, default=2)
-    parser.add_argument("--num_tokens", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--num_experts", type=int, default=256)
-    parser.add_argument("--num_topk", type=int, default=8)
+    add_arguments(parser, num_tokens=1024, warmup=3, iters=10)
     parser.add_argument("--rdma_mib", type=int, default=512, help="num_rdma_bytes of the CUDA Buffer, MiB")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--test_logs", nargs="*", default=[])
-    parser.add_argument("--json")
     args = parser.parse_args(argv)
 
     from tokenyard.tools.launch import run_on_ranks
@@ -111,6 +102,21 @@ def main(argv=None) -> int:
     report(args, per_rank, _runs(args.test_logs, torch.cuda.device_count()),
            "virtual nodes on one host: not a network figure")
     return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser, num_tokens: int, warmup: int, iters: int) -> None:
+    """A virtual-node benchmark's arguments: the ranks and their nodes, the problem, the timing, the test logs
+    whose runs the JSON records, and the JSON's path."""
+    parser.add_argument("--num_ranks", type=int, default=4)
+    parser.add_argument("--ranks_per_node", type=int, default=2)
+    parser.add_argument("--num_tokens", type=int, default=num_tokens)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--num_experts", type=int, default=256)
+    parser.add_argument("--num_topk", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--test_logs", nargs="*", default=[])
+    parser.add_argument("--json")
 
 
 def report(args, per_rank: list, runs: list, note: str) -> None:

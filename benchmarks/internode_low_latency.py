@@ -106,21 +106,12 @@ def _runs(logs, num_gpus: int) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num_ranks", type=int, default=4)
-    parser.add_argument("--ranks_per_node", type=int, default=2)
-    parser.add_argument("--num_tokens", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--num_experts", type=int, default=256)
-    parser.add_argument("--num_topk", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--test_logs", nargs="*", default=[])
-    parser.add_argument("--json")
-    args = parser.parse_args(argv)
-
-    from internode import report  # benchmarks/internode.py, beside this file
+    from internode import add_arguments, report  # benchmarks/internode.py, beside this file
     from tokenyard.tools.launch import run_on_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser, num_tokens=128, warmup=5, iters=30)
+    args = parser.parse_args(argv)
 
     per_rank = run_on_ranks(args.num_ranks, _rank, args, use_cuda=True, timeout_s=500.0)
     report(args, per_rank, _runs(args.test_logs, torch.cuda.device_count()),
