@@ -181,8 +181,12 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
                     store_word<Remote>(b, to + k, (static_cast<uint64_t>(tag) << 32) | __float_as_uint(w[k]), s, false);
             }
         };
-        for (int round = 0; few_blocks && round < num_rounds && group_of(round).turn < p.num_ranks; ++round)
-            send_weights(group_of(round), next_peer(p.rank, p.num_ranks, group_of(round).turn));
+        for (int round = 0; few_blocks && round < num_rounds; ++round) {
+            const PeerBlocks group = group_of(round);
+            if (group.turn >= p.num_ranks)
+                break;
+            send_weights(group, next_peer(p.rank, p.num_ranks, group.turn));
+        }
         for (int round = 0; round < num_rounds; ++round) {
             const PeerBlocks group = group_of(round);
             if (group.turn >= p.num_ranks)
