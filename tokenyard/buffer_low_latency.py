@@ -50,6 +50,21 @@ def _combine_overlap(overlap, packed_recv_count, comp_signal, block_m, threshold
     return CombineOverlap(comp_signal, signal_blocks, block_m, threshold, num_sms, packed_recv_count)
 
 
+def _nvfp4_global_scale(x_global_scale, device, check_value: bool) -> None:
+    """NOTE [nvfp4] (semantics/quant.py): one float32 on the Buffer's device, or None for 1; its value is read
+    (a wait for the GPU) only in debug mode."""
+    if x_global_scale is None:
+        return
+    checks.tensor("x_global_scale", x_global_scale, dtypes=(torch.float32,), device=device)
+    if x_global_scale.numel() != 1:
+        raise InvalidInputError(f"x_global_scale must hold one value (the call's global scale), got shape "
+                                f"{tuple(x_global_scale.shape)}")
+    if check_value:
+        value = float(x_global_scale.reshape(()))
+        if not 0.0 < value < float("inf"):
+            raise InvalidInputError(f"x_global_scale must be positive and finite, got {value}")
+
+
 class LowLatencyCalls:
     """Low-latency dispatch/combine, hooks, zero-copy buffers and rank masking; see `Buffer`."""
 
@@ -74,7 +89,8 @@ class LowLatencyCalls:
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False):
+                             return_recv_hook: bool = False, use_nvfp4: bool = False,
+                             x_global_scale: Optional[torch.Tensor] = None):
         """Send each (token, expert) pair to the expert's rank, packed per local expert.
 
         Naive equivalent: local expert l receives, from each rank in order, the tokens that chose it.
@@ -89,14 +105,21 @@ class LowLatencyCalls:
             use_fp8: quantize to e4m3 with per-128-channel float32 scales (H % 128 == 0).
             round_scale, use_ue8m0: power-of-two scales; UE8M0 packs them as int32 (H % 512 == 0).
             return_recv_hook: send only; the returned hook receives.
+            use_nvfp4, x_global_scale: NVFP4 instead (DeepEP's NVFP4 branch, as SGLang and vLLM call it; NOTE
+                [nvfp4] in semantics/quant.py; H % 128 == 0): e2m1 values with an e4m3 scale per 16 channels
+                and the one-element float32 `x_global_scale` (None: 1), read on the GPU (a positive finite
+                value, checked only in debug mode). `use_fp8`, `round_scale` and `use_ue8m0` are then ignored.
         Returns:
-            ``packed_recv_x`` (``(e4m3 [L, R*M, H], scales [L, R*M, H/128])`` or bf16 ``[L, R*M, H]``),
-            ``packed_recv_count`` int32 [L], ``handle``, event, hook.
+            ``packed_recv_x`` (``(e4m3 [L, R*M, H], scales [L, R*M, H/128])`` or bf16 ``[L, R*M, H]``; with
+            NVFP4 ``(uint8 [R*M, H/2, L], float8_e4m3fn [32, 4, ceil(R*M/128), 4, ceil(H/64), L])``, DeepEP's
+            views), ``packed_recv_count`` int32 [L], ``handle``, event, hook.
         Raises:
             InvalidInputError, CapacityError: before any communication.
         """
+        if use_nvfp4:  # the FP8 options mean nothing then
+            use_fp8 = round_scale = use_ue8m0 = False
         args = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, bool(use_nvfp4), x_global_scale)
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
             return ops.low_latency_dispatch(self, *args)
         fast = self._fast if not (async_finish or return_recv_hook or self.check_inputs) else None  # NOTE [fast paths]
@@ -112,7 +135,7 @@ class LowLatencyCalls:
     @devices.runs_where_tensors_are("x")
     def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
-                              use_ue8m0, async_finish, return_recv_hook):
+                              use_ue8m0, use_nvfp4, x_global_scale, async_finish, return_recv_hook):
         backend = self._backend()
         checks.wait_recv_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
                                     num_ranks=self.group_size, device=self.device)
@@ -126,8 +149,13 @@ class LowLatencyCalls:
                                     f"{num_max_dispatch_tokens_per_rank}")
         if hidden % 8 != 0:
             raise InvalidInputError(f"low-latency rows must be a multiple of 16 bytes: hidden % 8 == 0, got {hidden}")
-        if use_fp8 and hidden % 128 != 0:
-            raise InvalidInputError(f"FP8 dispatch needs hidden % 128 == 0, got hidden={hidden}")
+        if (use_fp8 or use_nvfp4) and hidden % 128 != 0:
+            raise InvalidInputError(f"{'NVFP4' if use_nvfp4 else 'FP8'} dispatch needs hidden % 128 == 0, "
+                                    f"got hidden={hidden}")
+        if use_nvfp4:
+            _nvfp4_global_scale(x_global_scale, self.device, self._check_values())
+        elif x_global_scale is not None:
+            raise InvalidInputError("x_global_scale is NVFP4's global scale: pass use_nvfp4=True with it")
         _no_async_with_hook(async_finish, return_recv_hook)
         if use_fp8 and use_ue8m0 and hidden % 512 != 0:
             raise InvalidInputError(f"UE8M0 scales need hidden % 512 == 0, got hidden={hidden}")
@@ -140,19 +168,19 @@ class LowLatencyCalls:
         if backend.wants_call_agreement(True):  # NOTE [call agreement] in collectives.py
             self._exchange.agree("low_latency_dispatch", hidden=hidden, num_topk=topk_idx.size(1),
                                  num_experts=num_experts, num_max=num_max_dispatch_tokens_per_rank,
-                                 use_fp8=int(use_fp8), round_scale=int(round_scale or use_ue8m0),
+                                 cast=2 if use_nvfp4 else int(use_fp8), round_scale=int(round_scale or use_ue8m0),
                                  use_ue8m0=int(use_ue8m0 and use_fp8))
         request = LowLatencyDispatchRequest(
             x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale or use_ue8m0,
             use_ue8m0=use_ue8m0 and use_fp8, cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
             return_recv_hook=return_recv_hook, rank_mask=self._rank_mask,
-            wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
+            wait_recv_cost_stats=dispatch_wait_recv_cost_stats, use_nvfp4=use_nvfp4, x_global_scale=x_global_scale)
         with self._stream_scope(use_comm_stream=async_finish, async_finish=async_finish) as scope:
             result = backend.low_latency_dispatch(request)
         handle = LowLatencyHandle(*result.handle, buffer_id=self._id, num_topk=topk_idx.size(1),
                                   num_tokens=num_tokens, half=result.handle.half, fast_for=self._id)
-        recv_x = (result.packed_recv_x, result.packed_recv_x_scales) if use_fp8 else result.packed_recv_x
+        recv_x = (result.packed_recv_x, result.packed_recv_x_scales) if use_fp8 or use_nvfp4 else result.packed_recv_x
         return recv_x, result.packed_recv_count, handle, scope.event, self._wrap_hook(result.hook)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -209,12 +209,15 @@ def _(buffer_id, x, rank_prefix_matrix, channel_prefix_matrix, recv_channel_pref
 def _low_latency_dispatch(buffer_id: int, x: Tensor, topk_idx: Tensor, num_max_dispatch_tokens_per_rank: int,
                           num_experts: int, cumulative_local_expert_recv_stats: Optional[Tensor],
                           dispatch_wait_recv_cost_stats: Optional[Tensor], use_fp8: bool, round_scale: bool,
-                          use_ue8m0: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns packed_recv_x, its scales ([0] without FP8), packed_recv_count and the handle's two tensors."""
+                          use_ue8m0: bool, use_nvfp4: bool,
+                          x_global_scale: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns packed_recv_x, its scales ([0] without FP8 or NVFP4), packed_recv_count and the handle's two
+    tensors."""
     recv_x, count, handle, _, _ = _buffer(buffer_id).low_latency_dispatch(
         x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-        dispatch_wait_recv_cost_stats, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
-    recv_x, scales = recv_x if use_fp8 else (recv_x, x.new_empty(0, dtype=torch.float32))
+        dispatch_wait_recv_cost_stats, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+        use_nvfp4=use_nvfp4, x_global_scale=x_global_scale)
+    recv_x, scales = recv_x if use_fp8 or use_nvfp4 else (recv_x, x.new_empty(0, dtype=torch.float32))
     outputs = _unaliased((recv_x, scales, count, handle[0], handle[1]),
                          (x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats))
     _remember(handle, outputs[3])
@@ -228,18 +231,24 @@ def _low_latency_shapes(buffer_id, x, num_max, num_experts):
 
 @_low_latency_dispatch.register_fake
 def _(buffer_id, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-      dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0):
+      dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale):
     num_local_experts, num_slots, num_ranks, hidden = _low_latency_shapes(buffer_id, x, num_max_dispatch_tokens_per_rank,
                                                                           num_experts)
+    handle_parts = (x.new_empty(num_local_experts, dtype=torch.int32),
+                    x.new_empty((num_local_experts, num_slots), dtype=torch.int32),
+                    x.new_empty((num_local_experts, num_ranks), dtype=torch.int64))
+    if use_nvfp4:  # DeepEP's permuted views of expert-major tensors (NOTE [nvfp4] in semantics/quant.py)
+        data = x.new_empty((num_local_experts, num_slots, hidden // 2), dtype=torch.uint8)
+        scales = x.new_empty((num_local_experts, -(-num_slots // 128), hidden // 64, 32, 4, 4),
+                             dtype=torch.float8_e4m3fn)
+        return (data.permute(1, 2, 0), scales.permute(3, 4, 1, 5, 2, 0)) + handle_parts
     if use_fp8:  # column-major in the last two axes, as the backends lay them out
         groups, dtype = (hidden // 512, torch.int32) if use_ue8m0 else (hidden // 128, torch.float32)
         scales = x.new_empty((num_local_experts, groups, num_slots), dtype=dtype).transpose(1, 2)
     else:
         scales = x.new_empty(0, dtype=torch.float32)
-    return (x.new_empty((num_local_experts, num_slots, hidden), dtype=torch.float8_e4m3fn if use_fp8 else x.dtype),
-            scales, x.new_empty(num_local_experts, dtype=torch.int32),
-            x.new_empty((num_local_experts, num_slots), dtype=torch.int32),
-            x.new_empty((num_local_experts, num_ranks), dtype=torch.int64))
+    data = x.new_empty((num_local_experts, num_slots, hidden), dtype=torch.float8_e4m3fn if use_fp8 else x.dtype)
+    return (data, scales) + handle_parts
 
 
 @torch.library.custom_op("tokenyard::low_latency_combine", mutates_args=("combine_wait_recv_cost_stats",))
@@ -287,12 +296,12 @@ def dispatch(buffer, x, handle, num_tokens_per_rank, is_token_in_rank, num_token
 
 def low_latency_dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                          cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8: bool,
-                         round_scale: bool, use_ue8m0: bool):
+                         round_scale: bool, use_ue8m0: bool, use_nvfp4: bool, x_global_scale):
     recv_x, scales, count, src_info, layout_range = torch.ops.tokenyard.low_latency_dispatch(
         buffer._id, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-        dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0)
+        dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale)
     handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
-    return (recv_x, scales) if use_fp8 else recv_x, count, handle, EventOverlap(None), _no_hook
+    return (recv_x, scales) if use_fp8 or use_nvfp4 else recv_x, count, handle, EventOverlap(None), _no_hook
 
 
 def low_latency_combine(buffer, x, topk_idx, topk_weights, handle, zero_copy: bool, out,

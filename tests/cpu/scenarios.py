@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import tokenyard
 from tokenyard import Buffer, Config
-from tokenyard.semantics import routing
+from tokenyard.semantics import quant, routing
 from tokenyard.tools.testing import make_rank_inputs
 
 
@@ -213,6 +213,72 @@ def low_latency_round_trip(seed, num_tokens, num_max, hidden, num_experts, num_t
             chosen = (topk_idx[:, k] >= 0).view(-1, 1)
             acc = torch.where(chosen, acc + topk_weights[:, k:k + 1] * x.float(), acc)
         assert_same("weighted sum", combined, acc.to(torch.bfloat16))
+    buffer.destroy()
+    return int(recv_count.sum())
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def decode_deepep_nvfp4(data_view, scales_view, global_scale, rows, hidden):
+    """DeepEP's NVFP4 outputs -> float32 [L, rows, hidden], written from the branch's description of its format
+    rather than from quant.py: data [m, k/2, L] (low nibble first), scales [32, 4, rm, 4, rk, L] whose
+    [l, r, k, a, b, c] entry scales row r*128 + b*32 + a, channels 16 * (4k + c) onwards."""
+    values = torch.tensor(E2M1)
+    data = data_view.permute(2, 0, 1)  # [L, m, k/2]
+    num_experts = data.size(0)
+    nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(num_experts, data.size(1), hidden).long()
+    tiles = scales_view.permute(5, 2, 4, 0, 1, 3).float()  # [L, rm, rk, 32, 4, 4]
+    out = torch.empty(num_experts, rows, hidden)
+    for row in range(rows):
+        r, a, b = row // 128, row % 32, (row % 128) // 32
+        per_block = tiles[:, r, :, a, b, :].reshape(num_experts, -1)[:, :hidden // 16]  # [L, H/16]
+        out[:, row] = values[nibbles[:, row]] * per_block.repeat_interleave(16, dim=1) / global_scale
+    return out
+
+
+def low_latency_nvfp4(seed, num_tokens, num_max, hidden, num_experts, num_topk, with_global_scale,
+                      return_recv_hook=False):
+    """NVFP4 dispatch (NOTE [nvfp4]): DeepEP's views, the oracle's values, DeepEP's decoding near x."""
+    rank, num_ranks = _world()
+    inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, "uniform", "bf16")
+    xs = [(i[0].float() * (1 + 4 * r)).to(torch.bfloat16) for r, i in enumerate(inputs)]  # ranks differ in range
+    x, topk_idx = xs[rank], inputs[rank][1]
+    num_local_experts, num_slots = num_experts // num_ranks, num_ranks * num_max
+    global_scale = None
+    if with_global_scale:  # as DeepEP's test picks it: the smallest over the ranks of 448 * 6 / max|x|
+        global_scale = (torch.tensor(448.0 * 6.0) / x.float().abs().max()).reshape(1)
+        dist.all_reduce(global_scale, op=dist.ReduceOp.MIN)
+    buffer = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(num_max, hidden, num_ranks, num_experts),
+                    low_latency_mode=True, backend="reference")
+    (data, scales), recv_count, handle, _, hook = buffer.low_latency_dispatch(
+        x, topk_idx, num_max, num_experts, use_nvfp4=True, x_global_scale=global_scale,
+        return_recv_hook=return_recv_hook)
+    hook()
+    assert data.dtype == torch.uint8 and data.shape == (num_slots, hidden // 2, num_local_experts)
+    assert scales.dtype == torch.float8_e4m3fn
+    assert scales.shape == (32, 4, -(-num_slots // 128), 4, hidden // 64, num_local_experts)
+    assert data.permute(2, 0, 1).is_contiguous() and scales.permute(5, 2, 4, 0, 1, 3).is_contiguous()
+    oracle = routing.low_latency_dispatch(xs, [i[1] for i in inputs], num_max, num_experts, use_nvfp4=True,
+                                          x_global_scale=global_scale)
+    mine = oracle[rank]
+    assert_same("packed_recv_count", recv_count, mine["packed_recv_count"])
+    assert_same("layout_range", handle.layout_range, mine["layout_range"])
+    valid = mine["src_info"] >= 0
+    assert_same("packed_recv_x", data.permute(2, 0, 1)[valid], mine["packed_recv_x"][valid])
+    linear = quant.unswizzle_nvfp4_scales(scales, num_slots, hidden // 16)
+    assert_same("packed_recv_x_scales", linear[valid].view(torch.uint8),
+                mine["packed_recv_x_scales"][valid].view(torch.uint8))
+    # DeepEP's reading of the outputs lands within one e2m1 step of each received token's block.
+    decoded = decode_deepep_nvfp4(data, scales, 1.0 if global_scale is None else float(global_scale), num_slots,
+                                  hidden)
+    for l in range(num_local_experts):
+        for s, (begin, count) in enumerate((int(v) >> 32, int(v) & 0xFFFFFFFF) for v in handle.layout_range[l]):
+            for slot in range(begin, begin + count):
+                token = xs[s][int(handle.src_info[l, slot])].float()
+                block_max = token.abs().view(-1, 16).amax(-1).repeat_interleave(16)
+                error = (decoded[l, slot] - token).abs()
+                assert bool((error <= block_max / 6 * (1 + 1 / 16) + 1e-30).all()), (l, slot, float(error.max()))
     buffer.destroy()
     return int(recv_count.sum())
 

@@ -17,6 +17,11 @@ def test_power_of_two_and_ue8m0_scales(ranks, seed, round_scale, use_ue8m0):
                  use_ue8m0)
 
 
+@pytest.mark.parametrize("num_ranks,with_global_scale,hook", [(2, True, False), (4, False, True)])
+def test_nvfp4_dispatch_gives_deepeps_layouts_of_the_oracles_values(ranks, seed, num_ranks, with_global_scale, hook):
+    ranks(num_ranks).run(scenarios.low_latency_nvfp4, seed, 12, 40, 256, 4 * num_ranks, 3, with_global_scale, hook)
+
+
 def test_bf16_dispatch_then_identity_combine_is_the_weighted_sum(ranks, seed):
     ranks(4).run(scenarios.low_latency_round_trip, seed, 16, 16, 384, 16, 6, "masked", False)
 

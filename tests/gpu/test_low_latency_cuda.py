@@ -1,6 +1,6 @@
 """CUDA low-latency kernels against the reference backend on the same inputs (device machine only).
 
-Counts, layout ranges and source info exactly; FP8 data and scales bit for bit on the valid slots; combine
+Counts, layout ranges and source info exactly; FP8 and NVFP4 data and scales bit for bit on the valid slots; combine
 within bf16 rounding of the reference backend's, and bit for bit equal to routing.low_latency_combine with
 pre_reduce=True (the kernels' arithmetic: NOTE [low-latency combine]), also with zero_copy and `out=`; the same
 through CUDA-graph replay with fresh inputs each replay. Outputs are poisoned before the kernels write them. Under
@@ -20,14 +20,17 @@ pytestmark = spawn.needs_ranks()
 
 MAX_SM_CLOCK_HZ = 2.5e9  # above the boost clock of every GPU this runs on (H100 and H200: 1.98 GHz)
 CASES = [
-    # (num_tokens, num_max, hidden, num_experts, num_topk, kind, use_fp8, round_scale, use_ue8m0, hook)
-    (128, 128, 7168, 256, 8, "uniform", True, False, False, False),
-    (100, 128, 7168, 256, 8, "masked", True, True, True, True),
-    (64, 64, 4096, 64, 6, "empty_rank", False, False, False, False),
-    (1, 32, 2048, 32, 1, "uniform", True, False, False, True),
-    (32, 48, 1024, 16, 4, "no_tokens", True, True, False, False),
-    (64, 64, 2048, 32, 4, "repeated", True, False, False, False),  # NOTE [repeated experts]
-    (48, 64, 4096, 64, 16, "uniform", False, False, False, True),
+    # (num_tokens, num_max, hidden, num_experts, num_topk, kind, cast, round_scale, use_ue8m0, hook); NVFP4 with
+    # round_scale means with x_global_scale (NOTE [nvfp4]), without it the scale 1
+    (128, 128, 7168, 256, 8, "uniform", "fp8", False, False, False),
+    (100, 128, 7168, 256, 8, "masked", "fp8", True, True, True),
+    (64, 64, 4096, 64, 6, "empty_rank", "bf16", False, False, False),
+    (1, 32, 2048, 32, 1, "uniform", "fp8", False, False, True),
+    (32, 48, 1024, 16, 4, "no_tokens", "fp8", True, False, False),
+    (64, 64, 2048, 32, 4, "repeated", "fp8", False, False, False),  # NOTE [repeated experts]
+    (48, 64, 4096, 64, 16, "uniform", "bf16", False, False, True),
+    (128, 128, 7168, 256, 8, "uniform", "nvfp4", True, False, False),
+    (40, 48, 2048, 32, 5, "masked", "nvfp4", False, False, True),
 ]
 
 
@@ -104,14 +107,17 @@ def _compare(seed, cases):
     import torch.distributed as dist
 
     from tokenyard import Buffer
+    from tokenyard.semantics import quant
     from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     reports = []
-    for case_id, (num_tokens, num_max, hidden, num_experts, num_topk, kind, use_fp8, round_scale, use_ue8m0,
+    for case_id, (num_tokens, num_max, hidden, num_experts, num_topk, kind, cast, round_scale, use_ue8m0,
                   hook) in enumerate(cases):
-        what = f"case {case_id} {kind}/h{hidden}/k{num_topk}/fp8={use_fp8}/ue8m0={use_ue8m0}/hook={hook}"
+        what = f"case {case_id} {kind}/h{hidden}/k{num_topk}/{cast}/ue8m0={use_ue8m0}/hook={hook}"
+        use_fp8, use_nvfp4 = cast == "fp8", cast == "nvfp4"
+        global_scale = None
         size = Buffer.get_low_latency_rdma_size_hint(num_max, hidden, num_ranks, num_experts)
         ref = Buffer(dist.group.WORLD, 0, size, backend="reference")
         cuda = Buffer(dist.group.WORLD, 0, size, backend="cuda", timeout_s=30)
@@ -124,11 +130,15 @@ def _compare(seed, cases):
         def run(buffer, x, topk_idx, weights, stat, replay):
             recv, count, handle, _, receive = buffer.low_latency_dispatch(
                 x, topk_idx, num_max, num_experts, cumulative_local_expert_recv_stats=stat, use_fp8=use_fp8,
-                round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
+                round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook, use_nvfp4=use_nvfp4,
+                x_global_scale=global_scale)
             receive()
             data = recv[0] if use_fp8 else recv
             # Expert outputs: a deterministic function of the received rows, the same on both backends.
-            y = (data.float() * 0.5 + 1.0).to(torch.bfloat16) if not use_fp8 else data.float().to(torch.bfloat16)
+            if use_nvfp4:  # the packed bytes, each twice, as [L, R*M, H]
+                y = (recv[0].permute(2, 0, 1).float() * 0.01).repeat_interleave(2, dim=2).to(torch.bfloat16)
+            else:
+                y = (data.float() * 0.5 + 1.0).to(torch.bfloat16) if not use_fp8 else data.float().to(torch.bfloat16)
             # The second call: the outputs written in place (zero_copy) and the result into a poisoned `out`.
             zero_copy = replay == 1
             out = torch.full((x.size(0), hidden), float("nan"), dtype=torch.bfloat16, device=device) \
@@ -149,6 +159,9 @@ def _compare(seed, cases):
             all_inputs = make_rank_inputs(seed + 17 * case_id + replay, num_ranks, num_tokens, hidden, num_experts,
                                           num_topk, kind, "bf16", device)
             x, topk_idx, weights = all_inputs[rank]
+            if use_nvfp4 and round_scale:  # as DeepEP's test picks it: the ranks' smallest 448 * 6 / max|x|
+                global_scale = (448.0 * 6.0 / x.float().abs().max().clamp_min(1e-4)).reshape(1)
+                dist.all_reduce(global_scale, op=dist.ReduceOp.MIN)
             outs = [run(b, x, topk_idx, weights, s, replay) for b, s in ((ref, stats[0]), (cuda, stats[1]))]
             torch.cuda.synchronize()
             (r_recv, r_count, r_handle, r_comb, r_y), (c_recv, c_count, c_handle, c_comb, _) = outs
@@ -156,7 +169,16 @@ def _compare(seed, cases):
             assert torch.equal(r_handle.layout_range, c_handle.layout_range), f"{what}: layout_range differs"
             valid = _valid_slots(r_handle.layout_range, num_ranks * num_max)
             assert torch.equal(r_handle.src_info[valid], c_handle.src_info[valid]), f"{what}: src_info differs"
-            r_data, c_data = (r_recv[0], c_recv[0]) if use_fp8 else (r_recv, c_recv)
+            r_data, c_data = (r_recv[0], c_recv[0]) if use_fp8 or use_nvfp4 else (r_recv, c_recv)
+            if use_nvfp4:  # DeepEP's views (NOTE [nvfp4]), compared expert-major
+                assert c_data.permute(2, 0, 1).is_contiguous() and c_data.shape == r_data.shape, f"{what}: data view"
+                assert c_recv[1].permute(5, 2, 4, 0, 1, 3).is_contiguous() and c_recv[1].shape == r_recv[1].shape, \
+                    f"{what}: scales view"
+                r_data, c_data = r_data.permute(2, 0, 1), c_data.permute(2, 0, 1)
+                r_scales, c_scales = (quant.unswizzle_nvfp4_scales(t[1], num_ranks * num_max, hidden // 16)
+                                      for t in (r_recv, c_recv))
+                assert torch.equal(r_scales[valid].view(torch.uint8), c_scales[valid].view(torch.uint8)), \
+                    f"{what}: scales: {_differences(r_scales[valid], c_scales[valid])}"
             assert torch.equal(r_data[valid].view(torch.uint8), c_data[valid].view(torch.uint8)), \
                 f"{what}: data: {_differences(r_data[valid], c_data[valid])}"
             if use_fp8:

@@ -47,7 +47,7 @@ CALL_FIELDS = {
                  "with_weights"),
     "cached_dispatch": ("hidden_bytes", "num_scales"),
     "combine": ("hidden", "num_topk", "num_biases"),
-    "low_latency_dispatch": ("hidden", "num_topk", "num_experts", "num_max", "use_fp8", "round_scale", "use_ue8m0"),
+    "low_latency_dispatch": ("hidden", "num_topk", "num_experts", "num_max", "cast", "round_scale", "use_ue8m0"),
     "low_latency_combine": ("hidden", "num_topk", "num_experts", "num_max"),
 }
 SIGNATURE_INTS = 1 + max(len(fields) for fields in CALL_FIELDS.values())  # the operation, then its fields

@@ -414,7 +414,9 @@ class ReferenceBackend(Backend):
         rows_per_rank = self._rows_per_rank(num_max, num_topk, num_local_experts)
 
         # Sender: payload rows [data | scales | local expert, token], placed by (dest, pos).
-        if request.use_fp8:
+        if request.use_nvfp4:
+            data, scales = quant.quantize_nvfp4(x, request.x_global_scale)
+        elif request.use_fp8:
             data, scales = quant.quantize_fp8(x, round_scale=request.round_scale, use_ue8m0=request.use_ue8m0)
         else:
             data, scales = x, None
@@ -443,10 +445,13 @@ class ReferenceBackend(Backend):
 
         # Outputs exist now; the receive step fills them (at once, or when the hook is called).
         num_slots = num_ranks * num_max
-        data_dtype = torch.float8_e4m3fn if request.use_fp8 else x.dtype
-        packed_recv_x = torch.empty(num_local_experts, num_slots, hidden, dtype=data_dtype, device=device)
+        data_dtype, data_width = data.dtype, data.size(1)
+        packed_recv_x = torch.empty(num_local_experts, num_slots, data_width, dtype=data_dtype, device=device)
         packed_recv_x_scales = None
-        if scales is not None:
+        if request.use_nvfp4:  # NOTE [nvfp4]: DeepEP's views of expert-major tensors, filled by `receive`
+            packed_recv_x_scales = quant.swizzle_nvfp4_scales(
+                scales.new_empty(num_local_experts, num_slots, scales.size(1)))
+        elif scales is not None:
             # Column-major in the last two axes, as DeepEP lays them out for TMA.
             packed_recv_x_scales = torch.empty(num_local_experts, scales.size(1), num_slots, dtype=scales.dtype,
                                                device=device).transpose(1, 2)
@@ -473,17 +478,17 @@ class ReferenceBackend(Backend):
                                  torch.full_like(slot, num_local_experts * num_slots))
             flat_target = target.flatten()
             flat_rows = per_source.view(dump, -1)
-            packed_data = torch.zeros(num_local_experts * num_slots + 1, hidden * data.element_size(),
+            packed_data = torch.zeros(num_local_experts * num_slots + 1, data_width * data.element_size(),
                                       dtype=torch.uint8, device=device)
             packed_data[flat_target] = flat_rows[:, spans[0][0]:spans[0][1]]
-            packed_recv_x.copy_(packed_data[:-1].view(data_dtype).view(num_local_experts, num_slots, hidden))
+            packed_recv_x.copy_(packed_data[:-1].view(data_dtype).view(num_local_experts, num_slots, data_width))
             if packed_recv_x_scales is not None:
                 width = scales.size(1)
-                packed_scales = torch.zeros(num_local_experts * num_slots + 1, width * 4, dtype=torch.uint8,
-                                            device=device)
+                packed_scales = torch.zeros(num_local_experts * num_slots + 1, width * scales.element_size(),
+                                            dtype=torch.uint8, device=device)
                 packed_scales[flat_target] = flat_rows[:, spans[1][0]:spans[1][1]]
-                packed_recv_x_scales.copy_(packed_scales[:-1].view(scales.dtype).view(num_local_experts,
-                                                                                      num_slots, width))
+                linear = packed_scales[:-1].view(scales.dtype).view(num_local_experts, num_slots, width)
+                packed_recv_x_scales.copy_(quant.swizzle_nvfp4_scales(linear) if request.use_nvfp4 else linear)
             info = torch.full((num_local_experts * num_slots + 1,), -1, dtype=torch.int32, device=device)
             info[flat_target] = header_rows[..., 1].flatten()
             src_info.copy_(info[:-1].view(num_local_experts, num_slots))
@@ -500,7 +505,8 @@ class ReferenceBackend(Backend):
         if not _capturing(device) and bool(routing.bad_expert_ids(topk_idx, num_experts).any()):
             raise checks.low_latency_bad_ids(self.ctx.rank, num_experts)
         handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk)
-        return LowLatencyDispatchResult(packed_recv_x, packed_recv_x_scales, packed_recv_count, handle, hook)
+        recv_x = quant.nvfp4_data_view(packed_recv_x) if request.use_nvfp4 else packed_recv_x
+        return LowLatencyDispatchResult(recv_x, packed_recv_x_scales, packed_recv_count, handle, hook)
 
     def low_latency_combine(self, request: LowLatencyCombineRequest):
         num_ranks = self.ctx.num_ranks

@@ -114,6 +114,13 @@ class LowLatencyDispatchRequest:
     return_recv_hook: bool
     rank_mask: Optional[torch.Tensor]        # [R] int32, 1 = masked (enable_shrink), or None
     wait_recv_cost_stats: Optional[torch.Tensor] = None  # [R] int64, NOTE [wait costs]: accumulated in place
+    use_nvfp4: bool = False                  # NOTE [nvfp4] in semantics/quant.py; then use_fp8 is False
+    x_global_scale: Optional[torch.Tensor] = None  # one float32, NVFP4's global scale (None: 1)
+
+    @property
+    def cast(self) -> int:
+        """The payload's format as the call signature names it: 0 bf16, 1 FP8, 2 NVFP4."""
+        return 2 if self.use_nvfp4 else int(self.use_fp8)
 
 
 @dataclasses.dataclass

@@ -317,21 +317,25 @@ def internode_combine(recv_xs: Sequence[torch.Tensor], send_heads: Sequence[torc
 
 def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.Tensor],
                          num_max_dispatch_tokens_per_rank: int, num_experts: int, use_fp8: bool = True,
-                         round_scale: bool = False, use_ue8m0: bool = False) -> List[dict]:
+                         round_scale: bool = False, use_ue8m0: bool = False, use_nvfp4: bool = False,
+                         x_global_scale: Optional[torch.Tensor] = None) -> List[dict]:
     """What every rank receives from a low-latency dispatch (slot order: NOTE [recv order]).
 
-    Returns, per rank, ``packed_recv_x [L, R*M, H]`` (e4m3 or bf16), ``packed_recv_x_scales``
-    (``[L, R*M, H/128]`` float32, ``[L, R*M, H/512]`` int32 with UE8M0, or None), ``packed_recv_count [L]``,
+    Returns, per rank, ``packed_recv_x [L, R*M, H]`` (e4m3 or bf16; NVFP4 ``uint8 [L, R*M, H/2]``),
+    ``packed_recv_x_scales`` (``[L, R*M, H/128]`` float32, ``[L, R*M, H/512]`` int32 with UE8M0, NVFP4
+    ``float8_e4m3fn [L, R*M, H/16]``, or None: expert-major, before the views of NOTE [nvfp4]),
+    ``packed_recv_count [L]``,
     ``src_info [L, R*M]`` and ``layout_range [L, R]``. Unused slots hold zeros (data, scales) and -1
     (src_info) here; backends leave them unspecified.
     """
     num_ranks = len(xs)
     num_local_experts = num_experts // num_ranks
     num_slots = num_ranks * num_max_dispatch_tokens_per_rank
-    hidden = xs[0].size(1)
     payloads = []
     for x in xs:
-        if use_fp8:
+        if use_nvfp4:
+            payloads.append(quant.quantize_nvfp4(x, x_global_scale))
+        elif use_fp8:
             payloads.append(quant.quantize_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0))
         else:
             payloads.append((x, None))
@@ -345,10 +349,10 @@ def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.T
                     pairs[e][s].append(t)
     outputs = []
     for r in range(num_ranks):
-        data_dtype = torch.float8_e4m3fn if use_fp8 else xs[0].dtype
-        recv_x = torch.zeros(num_local_experts, num_slots, hidden, dtype=data_dtype)
+        data_like = payloads[0][0]
+        recv_x = torch.zeros(num_local_experts, num_slots, data_like.size(1), dtype=data_like.dtype)
         recv_scales = None
-        if use_fp8:
+        if use_fp8 or use_nvfp4:
             scale_like = payloads[0][1]
             recv_scales = torch.zeros(num_local_experts, num_slots, scale_like.size(1), dtype=scale_like.dtype)
         src_info = torch.full((num_local_experts, num_slots), -1, dtype=torch.int32)

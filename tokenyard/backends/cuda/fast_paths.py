@@ -237,35 +237,38 @@ class FastPaths:
     # -- low-latency mode -----------------------------------------------------------------------------------
 
     def _low_latency_dispatch_key(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
-                                  use_ue8m0):
+                                  use_ue8m0, use_nvfp4, x_global_scale):
         return ("low_latency_dispatch", tensor_key(x), tensor_key(topk_idx), num_max, num_experts, tensor_key(stats),
-                tensor_key(wait_stats), use_fp8, round_scale, use_ue8m0)
+                tensor_key(wait_stats), use_fp8, round_scale, use_ue8m0, use_nvfp4, tensor_key(x_global_scale))
 
     def low_latency_dispatch(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
-                             use_ue8m0):
+                             use_ue8m0, use_nvfp4, x_global_scale):
         kernels = self.backend._low_latency_impl()
         entry = self.lookup(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats,
-                                                                use_fp8, round_scale, use_ue8m0))
+                                                                use_fp8, round_scale, use_ue8m0, use_nvfp4,
+                                                                x_global_scale))
         if entry is None or kernels is None or not self.usable(None):
             return None
         self.backend.check_failures()
         native, recv_x_at, scales_at = entry
         outputs, handle = kernels.run_dispatch(native, x, topk_idx, num_max, num_experts, stats,
-                                               self.buffer._rank_mask, wait_stats, self.buffer._id)
-        recv_x = outputs[recv_x_at] if scales_at is None else (outputs[recv_x_at],
-                                                                outputs[scales_at].transpose(1, 2))
+                                               self.buffer._rank_mask, wait_stats, x_global_scale, self.buffer._id)
+        recv_x = outputs[recv_x_at]
+        if scales_at is not None:
+            recv_x = kernels.packed_views(recv_x, outputs[scales_at], use_nvfp4)
         return recv_x, outputs[recv_x_at + (2 if scales_at is not None else 1)], handle, EventOverlap(None), _no_hook
 
     def learn_low_latency_dispatch(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
-                                   use_ue8m0) -> None:
+                                   use_ue8m0, use_nvfp4, x_global_scale) -> None:
         kernels = self.backend._low_latency_impl()
         if kernels is None:
             return
+        cast = 2 if use_nvfp4 else int(use_fp8)
         first, _ = kernels.dispatch_plans(x.size(0), x.size(1), topk_idx.size(1), topk_idx.dtype, num_experts, num_max,
-                                          use_fp8, use_ue8m0, round_scale, False)
+                                          cast, use_ue8m0, round_scale, False)
         names = first.output_names
         self.record(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8,
-                                                    round_scale, use_ue8m0), (
+                                                    round_scale, use_ue8m0, use_nvfp4, x_global_scale), (
             first.native, names.index("packed_recv_x"),
             names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names else None))
 

@@ -127,15 +127,17 @@ _TRACE = (Param("uint64_t*", "trace"),)  # NOTE [low-latency trace]; nullptr exc
 
 
 @functools.lru_cache(maxsize=None)
-def low_latency_dispatch(num_topk: int, topk_dtype: torch.dtype, use_fp8: bool, use_ue8m0: bool,
+def low_latency_dispatch(num_topk: int, topk_dtype: torch.dtype, cast: int, use_ue8m0: bool,
                          internode: bool = False) -> KernelSpec:
+    """`cast`: 0 bf16, 1 FP8, 2 NVFP4 (LowLatencyDispatchRequest.cast, quant.cuh's Cast)."""
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
         _LOW_LATENCY_INTERNODE if internode else "tokenyard/kernels/low_latency_dispatch.cuh",
         "tokenyard::kernels::low_latency_dispatch",
-        (num_topk, topk_t, "true" if use_fp8 else "false", "true" if use_ue8m0 else "false", _REMOTE[internode]),
+        (num_topk, topk_t, int(cast), "true" if use_ue8m0 else "false", _REMOTE[internode]),
         (Param("const int4*", "x"), Param(f"const {topk_t}*", "topk_idx"), Param("int", "num_tokens"),
          Param("int", "hidden"), Param("int", "num_experts"), Param("int", "round_scale"),
+         Param("const float*", "x_global_scale"),
          Param("uint8_t*", "packed_recv_x"), Param("uint32_t*", "packed_recv_scales"),
          Param("int*", "packed_recv_count"), Param("int*", "src_info"), Param("int64_t*", "layout_range"),
          Param("int*", "cumulative_stats"), Param("int*", "rank_mask"), Param("int64_t*", "wait_costs"))
@@ -284,11 +286,11 @@ def every_kernel():
     yield reduce_expanded(7168 * 2 // 16, 8)
     yield move_weights()
     for num_topk in (1, 8):
-        for use_fp8, use_ue8m0 in ((True, False), (True, True), (False, False)):
-            yield low_latency_dispatch(num_topk, torch.int64, use_fp8, use_ue8m0)
+        for cast, use_ue8m0 in ((1, False), (1, True), (0, False), (2, False)):
+            yield low_latency_dispatch(num_topk, torch.int64, cast, use_ue8m0)
         yield low_latency_combine(num_topk, torch.int64)
     yield transport_check()
     yield internode_dispatch()
     yield internode_combine(7168 * 2 // 16, 8)
-    yield low_latency_dispatch(8, torch.int64, True, False, internode=True)
+    yield low_latency_dispatch(8, torch.int64, 1, False, internode=True)
     yield low_latency_combine(8, torch.int64, internode=True)

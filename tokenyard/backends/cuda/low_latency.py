@@ -27,7 +27,7 @@ _HANDLE_OUTPUTS = ("src_info", "layout_range")  # a dispatch's outputs that its 
 
 _MASK32 = 0xFFFFFFFF
 # The inputs and per-call scalars of the low-latency plans (NOTE [call plans] in plans.py), in run order.
-LOW_LATENCY_DISPATCH_INPUTS = ("x", "topk_idx", "stats", "rank_mask", "wait_costs")
+LOW_LATENCY_DISPATCH_INPUTS = ("x", "topk_idx", "stats", "rank_mask", "wait_costs", "x_global_scale")
 LOW_LATENCY_COMBINE_INPUTS = ("x", "topk_idx", "topk_weights", "out", "rank_mask", "wait_costs", "comp_signal")
 LOW_LATENCY_SCALARS = ("bases", "trace")
 
@@ -173,32 +173,41 @@ class LowLatencyKernels:
         x, topk_idx = request.x, request.topk_idx.contiguous()
         first, second = self.dispatch_plans(x.size(0), x.size(1), topk_idx.size(1), topk_idx.dtype,
                                             request.num_experts, request.num_max_dispatch_tokens_per_rank,
-                                            request.use_fp8, request.use_ue8m0, request.round_scale,
+                                            request.cast, request.use_ue8m0, request.round_scale,
                                             request.return_recv_hook)
         outputs, handle = self.run_dispatch(first.native, x, topk_idx, request.num_max_dispatch_tokens_per_rank,
                                             request.num_experts, request.cumulative_local_expert_recv_stats,
-                                            request.rank_mask, request.wait_recv_cost_stats)
+                                            request.rank_mask, request.wait_recv_cost_stats, request.x_global_scale)
         made = first.named(outputs)
         hook = None
         if second is not None:
             inputs = (x, topk_idx, request.cumulative_local_expert_recv_stats, request.rank_mask,
-                      request.wait_recv_cost_stats) + outputs
+                      request.wait_recv_cost_stats, request.x_global_scale) + outputs
             scalars = (self._half_bases_of(request.num_max_dispatch_tokens_per_rank, x.size(1), request.num_experts,
                                            handle.half), self._trace_ptr(0))
             hook = self._receive_hook(second, inputs, scalars)
-        scales = made.get("packed_recv_x_scales")
-        return LowLatencyDispatchResult(made["packed_recv_x"], None if scales is None else scales.transpose(1, 2),
-                                        made["packed_recv_count"], handle, hook)
+        recv_x, scales = made["packed_recv_x"], made.get("packed_recv_x_scales")
+        if scales is not None:
+            recv_x, scales = self.packed_views(recv_x, scales, request.use_nvfp4)
+        return LowLatencyDispatchResult(recv_x, scales, made["packed_recv_count"], handle, hook)
+
+    @staticmethod
+    def packed_views(recv_x: torch.Tensor, scales: torch.Tensor, use_nvfp4: bool):
+        """The plan's expert-major outputs as DeepEP returns them: FP8 scales column-major in the last two axes;
+        NVFP4 data and scales permuted (NOTE [nvfp4] in semantics/quant.py)."""
+        if use_nvfp4:
+            return recv_x.permute(1, 2, 0), scales.permute(3, 4, 1, 5, 2, 0)
+        return recv_x, scales.transpose(1, 2)
 
     def run_dispatch(self, native, x, topk_idx, num_max: int, num_experts: int, stats, rank_mask, wait_costs,
-                     buffer_id: Optional[int] = None):
+                     x_global_scale=None, buffer_id: Optional[int] = None):
         """Run a dispatch's first plan on the current stream, in the next half of the buffer; -> (outputs,
         handle). The fast path (NOTE [fast paths]) comes here too."""
         self._dispatch_calls = (self._dispatch_calls + 1) & _MASK32
         half = self._dispatch_calls % 2
         scalars = (self._half_bases_of(num_max, x.size(1), num_experts, half), self._trace_ptr(0))
-        outputs = native.run((x, topk_idx, stats, rank_mask, wait_costs), scalars, self.backend._stream(), 0, 0, 0,
-                             0, False, False, 0)
+        outputs = native.run((x, topk_idx, stats, rank_mask, wait_costs, x_global_scale), scalars,
+                             self.backend._stream(), 0, 0, 0, 0, False, False, 0)
         src_info, layout_range = outputs[-2], outputs[-1]
         self._src_info_of_half[half] = src_info.data_ptr()
         handle = LowLatencyHandle(src_info, layout_range, num_max, x.size(1), num_experts, buffer_id=buffer_id,
@@ -220,8 +229,8 @@ class LowLatencyKernels:
         return hook
 
     def dispatch_plans(self, num_tokens: int, hidden: int, num_topk: int, topk_dtype: torch.dtype, num_experts: int,
-                       num_max: int, use_fp8: bool, use_ue8m0: bool, round_scale: bool, hook: bool):
-        """Inputs LOW_LATENCY_DISPATCH_INPUTS, scalars LOW_LATENCY_SCALARS."""
+                       num_max: int, cast: int, use_ue8m0: bool, round_scale: bool, hook: bool):
+        """Inputs LOW_LATENCY_DISPATCH_INPUTS, scalars LOW_LATENCY_SCALARS; `cast` as LowLatencyDispatchRequest's."""
         ctx = self.backend.ctx
         num_local_experts, num_slots = num_experts // ctx.num_ranks, ctx.num_ranks * num_max
         shared_bytes = self._shared_bytes(num_max, num_experts)
@@ -231,10 +240,15 @@ class LowLatencyKernels:
                 f"low-latency dispatch of num_max_dispatch_tokens_per_rank={num_max} with {num_experts} experts on "
                 f"{ctx.num_ranks} ranks needs {shared_bytes} bytes of shared memory per block, more than this GPU's "
                 f"{limit}; use at most {limit // 4 // num_experts * 32} tokens per rank")
-        kernel = self._kernel(kernels.low_latency_dispatch(num_topk, topk_dtype, use_fp8, use_ue8m0, self.remote != 0))
+        kernel = self._kernel(kernels.low_latency_dispatch(num_topk, topk_dtype, cast, use_ue8m0, self.remote != 0))
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
+        use_fp8 = cast == 1
         outputs = {"packed_recv_x": ((num_local_experts, num_slots, hidden),
                                      torch.float8_e4m3fn if use_fp8 else torch.bfloat16)}
+        if cast == 2:  # expert-major; dispatch permutes them into DeepEP's views (NOTE [nvfp4])
+            outputs = {"packed_recv_x": ((num_local_experts, num_slots, hidden // 2), torch.uint8),
+                       "packed_recv_x_scales": ((num_local_experts, -(-num_slots // 128), hidden // 64, 32, 4, 4),
+                                                torch.float8_e4m3fn)}
         if use_fp8:
             # Column-major in the last two axes, as DeepEP lays them out for TMA (dispatch transposes it).
             groups = hidden // 128 // (4 if use_ue8m0 else 1)
@@ -244,12 +258,13 @@ class LowLatencyKernels:
                        src_info=((num_local_experts, num_slots), torch.int32),
                        layout_range=((num_local_experts, ctx.num_ranks), torch.int64))
         factor = tag_factor("low_latency_dispatch", hidden=hidden, num_topk=num_topk, num_experts=num_experts,
-                            num_max=num_max, use_fp8=int(use_fp8), round_scale=int(round_scale),
+                            num_max=num_max, cast=cast, round_scale=int(round_scale),
                             use_ue8m0=int(use_ue8m0))
 
         def launch_args(b, made, do_send, do_recv):
             return dict(x=b.inp("x"), topk_idx=b.inp("topk_idx"), num_tokens=num_tokens, hidden=hidden,
-                        num_experts=num_experts, round_scale=int(round_scale), packed_recv_x=made["packed_recv_x"],
+                        num_experts=num_experts, round_scale=int(round_scale), x_global_scale=b.inp("x_global_scale"),
+                        packed_recv_x=made["packed_recv_x"],
                         packed_recv_scales=made.get("packed_recv_x_scales", 0),
                         packed_recv_count=made["packed_recv_count"], src_info=made["src_info"],
                         layout_range=made["layout_range"], cumulative_stats=b.inp("stats"),

@@ -1,5 +1,5 @@
-// The FP8 cast of the low-latency dispatch, exactly as tokenyard/semantics/quant.py: 128-channel groups, one float32
-// scale each (optionally rounded up to a power of two).
+// The casts of the low-latency dispatch, exactly as tokenyard/semantics/quant.py: FP8 in 128-channel groups, one
+// float32 scale each (optionally rounded up to a power of two); NVFP4 in 16-channel blocks (NOTE [nvfp4]).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +8,9 @@
 #include "types.cuh"
 
 namespace tokenyard {
+
+// A low-latency dispatch's payload (LowLatencyDispatchRequest.cast): bf16 as given, FP8 or NVFP4.
+constexpr int kCastBf16 = 0, kCastFp8 = 1, kCastNvfp4 = 2;
 
 // quant.py's scale rounding: up to a power of two, on the bit pattern.
 __device__ __forceinline__ float round_scale_up_pow2(float scale) {
@@ -41,6 +44,38 @@ __device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) 
     }
     return make_int4(static_cast<int>(packed[0]), static_cast<int>(packed[1]), static_cast<int>(packed[2]),
                      static_cast<int>(packed[3]));
+}
+
+// e2m1 code of v (NOTE [nvfp4]): the nearest of 0, .5, 1, 1.5, 2, 3, 4, 6, ties to the even code, saturating;
+// the sign of v in bit 3.
+__device__ __forceinline__ uint32_t e2m1_code(float v) {
+    const float a = fabsf(v);
+    const uint32_t code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                          (a > 5.0f);
+    return code | ((__float_as_uint(v) >> 31) << 3);
+}
+
+// NVFP4 cast of the one 16-channel block a lane holds, exactly as quant.quantize_nvfp4: the block's e4m3 scale
+// byte in `scale`, its 16 codes two per byte (even channel low) in the returned 8 bytes. `global_scale` is
+// g of NOTE [nvfp4].
+__device__ __forceinline__ uint2 cast_nvfp4_16(const int4 (&raw)[2], float global_scale, uint32_t& scale) {
+    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
+    float v[16], amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        v[i] = __bfloat162float(h[i]);
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    const float wanted = fminf(__fdiv_rn(__fmul_rn(amax, global_scale), 6.0f), 448.0f);
+    const __nv_fp8_storage_t sf = __nv_cvt_float_to_fp8(wanted, __NV_SATFINITE, __NV_E4M3);
+    const float sf_value = __half2float(__half(__nv_cvt_fp8_to_halfraw(sf, __NV_E4M3)));
+    const float inv = sf_value > 0.0f ? __fdiv_rn(global_scale, sf_value) : 0.0f;
+    uint32_t packed[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+        packed[i / 8] |= e2m1_code(__fmul_rn(v[i], inv)) << (4 * (i % 8));
+    scale = sf;
+    return make_uint2(packed[0], packed[1]);
 }
 
 }  // namespace tokenyard

@@ -15,8 +15,8 @@ namespace tokenyard::kernels {
 // 1 + i % (G - 1) on a grid of G): one token keeps 14 warps busy at hidden 7168 instead of one warp walking
 // its row. A warp loads its piece and its token's top-k choices, quantizes
 // the piece once (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with
-// an IEEE division, optionally rounded up to a power of two, q = e4m3(clamp(x / scale))), each lane 16
-// channels, and stores it with 16-byte stores into the message of every rank dest the token goes to: dest's
+// an IEEE division, optionally rounded up to a power of two, q = e4m3(clamp(x / scale)); NVFP4 per 16 channels,
+// NOTE [nvfp4], a lane's channels being one block), each lane 16 channels, and stores it with 16-byte stores into the message of every rank dest the token goes to: dest's
 // region of this rank at slot t, the token index. Piece 0 also writes the header: its tag (tag << 32) | t,
 // and for each choice on dest its local expert. Nothing of that waits for the pair bits, so the data leaves
 // sooner than when the slot was the rank's tokens before t going to dest (a receiver learns from the tag which
@@ -43,9 +43,11 @@ namespace tokenyard::kernels {
 // the two halves run as two launches. Signals carry the epoch of NOTE [low-latency epochs]. To a rank of another
 // node everything goes as NOTE [internode low-latency] says: a message's pieces and its header's slots are counted
 // into the token's arrival word, and whoever completes it puts the message to each of those ranks.
-template <int kNumTopk, typename TopkT, bool kUseFp8, bool kUseUe8m0, typename Remote = NoRemote, typename Params>
+template <int kNumTopk, typename TopkT, int kCast, bool kUseUe8m0, typename Remote = NoRemote, typename Params>
 __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
     static_assert(kNumTopk <= kHeaderMaxTopk, "the message header has room for 16 top-k choices");
+    static_assert(kCast == kCastFp8 || !kUseUe8m0, "UE8M0 packs FP8 scales");
+    constexpr bool kUseFp8 = kCast == kCastFp8, kUseNvfp4 = kCast == kCastNvfp4;
     trace_mark(p.trace, kTraceStart);
     const LowLatencyBuffers b = LowLatencyBuffers::of(p, kNumTopk);
     const int num_local_experts = b.num_local_experts;
@@ -53,13 +55,15 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int num_warps = blockDim.x / kWarpSize;
     const int num_scales = p.hidden / 128;
-    const int data_bytes = kUseFp8 ? p.hidden : p.hidden * 2;
+    // A message's data, then its scales: FP8 a float32 per 128 channels, NVFP4 an e4m3 byte per 16.
+    const int data_bytes = kUseNvfp4 ? p.hidden / 2 : kUseFp8 ? p.hidden : p.hidden * 2;
+    const int scale_bytes = kUseNvfp4 ? p.hidden / 16 : kUseFp8 ? num_scales * 4 : 0;
     const int num_slots = p.num_ranks * p.num_max;
     const uint32_t epoch = launch_epoch(b, 0, p.do_send), tag = b.tag(epoch);  // NOTE [call tags]
     const int send_pieces = (p.hidden + kPieceChannels - 1) / kPieceChannels;
     // NOTE [internode low-latency]: the bytes of a message that a put carries, and the warp that puts them for
     // token t to every rank of `far` (ranks of other nodes), once its pieces and its slots have all arrived.
-    const size_t put_bytes = p.header_bytes + data_bytes + (kUseFp8 ? num_scales * 4 : 0);
+    const size_t put_bytes = p.header_bytes + data_bytes + scale_bytes;
     const auto arrive_and_put = [&](int t, uint32_t far) {
         __syncwarp();
         bool last = false;
@@ -131,6 +135,7 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
         };
         // Loads (the piece and its token's choices) run one item ahead of the stores.
         int item = data_block < 0 ? num_items : warp * data_blocks + data_block;
+        const float global_scale = kUseNvfp4 && p.x_global_scale != nullptr ? *p.x_global_scale : 1.0f;
         int4 raw[2];
         load_piece(raw, p.x, item, num_items, send_pieces, p.hidden, lane);
         int64_t next_e = expert_of(item);
@@ -142,6 +147,19 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
             int4 q = raw[0];
             if constexpr (kUseFp8)  // every lane: the cast's shuffles need the whole warp
                 q = p.round_scale ? cast_fp8_16<true>(raw, scale) : cast_fp8_16<false>(raw, scale);
+            uint2 scales8 = {};  // NVFP4: lane 8g holds the scale bytes of lanes 8g .. 8g+7 (128 channels)
+            if constexpr (kUseNvfp4) {  // an even lane stores its own 8 bytes of codes and its odd neighbour's
+                uint32_t sf = 0u;
+                const uint2 codes = cast_nvfp4_16(raw, global_scale, sf);
+                q = make_int4(static_cast<int>(codes.x), static_cast<int>(codes.y),
+                              static_cast<int>(__shfl_down_sync(0xffffffffu, codes.x, 1)),
+                              static_cast<int>(__shfl_down_sync(0xffffffffu, codes.y, 1)));
+                uint32_t word = sf;
+#pragma unroll
+                for (int i = 1; i < 4; ++i)
+                    word |= __shfl_down_sync(0xffffffffu, sf, i) << (8 * i);
+                scales8 = make_uint2(word, __shfl_down_sync(0xffffffffu, word, 4));
+            }
             const int4 piece_raw[2] = {raw[0], raw[1]};
             const int64_t e = next_e;
             const uint32_t ranks = __reduce_or_sync(0xffffffffu, e >= 0 ? 1u << (e / num_local_experts) : 0u);
@@ -159,6 +177,13 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
                         ptx::st_na_v4(reinterpret_cast<int4*>(data + c), q);
                         if (lane % 8 == 0)
                             reinterpret_cast<float*>(data + p.hidden)[c / 128] = scale;
+                    }
+                } else if constexpr (kUseNvfp4) {
+                    if (c < p.hidden) {
+                        if (lane % 2 == 0)
+                            ptx::st_na_v4(reinterpret_cast<int4*>(data + c / 2), q);
+                        if (lane % 8 == 0)
+                            *reinterpret_cast<uint2*>(data + data_bytes + c / 16) = scales8;
                     }
                 } else {
                     if (c < p.hidden)
@@ -292,12 +317,21 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
         }
         int4 v[kRecvVectors];
         load_batch<kRecvVectors, true>(v, data, piece * kRecvPieceVectors, num_vectors, lane);
-        const int* scales = reinterpret_cast<const int*>(msg + p.header_bytes + p.hidden);
-        // FP8: lane g < 16 has scale group g of the piece; UE8M0: lane w < 4 has word w (groups 4w..4w+3).
+        const int* scales = reinterpret_cast<const int*>(msg + p.header_bytes + data_bytes);
+        // FP8: lane g < 16 has scale group g of the piece; UE8M0: lane w < 4 has word w (groups 4w..4w+3);
+        // NVFP4: lane w has the piece's scale words w and w + 32 (a word: 4 blocks, 64 channels).
         constexpr int kPieceGroups = kRecvPieceVectors / 8;  // 128 channels = 8 vectors of FP8
+        constexpr int kPieceWords = kRecvPieceVectors / 2;   // 64 channels = 2 vectors of NVFP4
         int scale_bits[4] = {};
         int group = 0;
-        if constexpr (kUseFp8) {
+        if constexpr (kUseNvfp4) {
+            group = piece * kPieceWords + lane;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                if (group + 32 * i < p.hidden / 64)
+                    scale_bits[i] = ptx::ld_na_s32(scales + group + 32 * i);
+            }
+        } else if constexpr (kUseFp8) {
             if constexpr (kUseUe8m0) {
                 group = piece * kPieceGroups + 4 * lane;
                 if (lane < kPieceGroups / 4 && group < num_scales) {
@@ -337,6 +371,15 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
                 if (lane < kPieceGroups && group < num_scales)
                     p.packed_recv_scales[(static_cast<int64_t>(to_l) * num_scales + group) * num_slots + to_row] =
                             scale_bits[0];
+            } else if constexpr (kUseNvfp4) {  // the 128 x 4 tiles of NOTE [nvfp4]: [l, row / 128, word, a, b]
+                const int words = p.hidden / 64, tile_rows = (num_slots + 127) / 128;
+                const int64_t tile = static_cast<int64_t>(to_l) * tile_rows + to_row / 128;
+                const int within = (to_row % 32) * 4 + (to_row % 128) / 32;
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    if (group + 32 * i < words)
+                        p.packed_recv_scales[(tile * words + group + 32 * i) * 128 + within] = scale_bits[i];
+                }
             }
         }
     }
