@@ -24,20 +24,31 @@ def _no_async_with_hook(async_finish: bool, return_recv_hook: bool) -> None:
 
 
 def _combine_overlap(overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms, src_signals,
-                     return_recv_hook, num_local_experts: int, num_slots: int, device) -> Optional[CombineOverlap]:
+                     src_signal_expect_value, return_recv_hook, num_local_experts: int, num_slots: int,
+                     layout_range: torch.Tensor, device) -> Optional[CombineOverlap]:
     """The single-batch overlap of SGLang's DeepEP (NOTE [combine overlap] in kernels/low_latency_combine.cuh),
-    checked: None without `overlap`, whose other arguments then mean nothing, as in DeepEP."""
+    checked: None without `overlap`, whose other arguments then mean nothing, as in DeepEP. The Blackwell form
+    (`src_signals`, one signal per local expert: all its rows done once it reaches `src_signal_expect_value`) is
+    the same wait with one block of every row: a power-of-two block_m of at least R*M rows."""
     if not overlap:
         return None
-    if src_signals is not None:
-        raise InvalidInputError("overlap with src_signals (the Blackwell form, which signals per source rank) is not "
-                                "built; give comp_signal, packed_recv_count, block_m and threshold instead")
     if not return_recv_hook:
         raise InvalidInputError("overlap=True sends while the expert GEMM still writes x and receives in the hook: "
                                 "pass return_recv_hook=True, as DeepEP's overlap requires")
+    if src_signals is not None:
+        if comp_signal is not None:
+            raise InvalidInputError("overlap takes comp_signal (a signal per block of block_m rows) or src_signals "
+                                    "(one per local expert), not both")
+        checks.tensor("src_signals", src_signals, dtypes=(torch.int32, torch.uint32), shape=(num_local_experts,),
+                      device=device)
+        comp_signal, threshold = src_signals.view(torch.int32), src_signal_expect_value
+        block_m = 1 << max(0, num_slots - 1).bit_length()
+        # The dispatch's rows per local expert, from its handle (on the GPU: nothing waits for it here).
+        packed_recv_count = (layout_range & 0xFFFFFFFF).sum(1).to(torch.int32)
     for name, value, low in (("block_m", block_m, 1), ("threshold", threshold, 0), ("num_sms", num_sms, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value < 2**31:
-            raise InvalidInputError(f"{name} must be an int in [{low}, 2^31), got {value!r}")
+            shown = "src_signal_expect_value" if name == "threshold" and src_signals is not None else name
+            raise InvalidInputError(f"{shown} must be an int in [{low}, 2^31), got {value!r}")
     if block_m & (block_m - 1):
         raise InvalidInputError(f"block_m must be a power of two (the GEMM's rows per block), got {block_m}")
     signal_blocks = -(-num_slots // block_m)
@@ -214,14 +225,17 @@ class LowLatencyCalls:
                 GEMM on another stream; row r of local expert l is read once ``comp_signal[l * ceil(R*M / block_m)
                 + r // block_m] >= threshold``; packed_recv_count is the dispatch's; the sending half runs on
                 `num_sms` SMs; needs `return_recv_hook`. The result is the plain combine's.
-            src_signals, src_signal_expect_value: the Blackwell form of the overlap; refused (not built).
+            src_signals, src_signal_expect_value: the Blackwell form of the overlap (instead of comp_signal,
+                packed_recv_count, block_m and threshold): ``[L]`` int32 or uint32, the rows of local expert l are
+                read once ``src_signals[l] >= src_signal_expect_value``.
         Returns:
             ``combined_x`` [T, H] bf16, event, hook.
         Raises:
             InvalidInputError, HandleError: before any communication.
         """
-        del use_logfmt, src_signal_expect_value  # see the docstring
-        overlap_args = (overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms, src_signals)
+        del use_logfmt  # see the docstring
+        overlap_args = (overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms, src_signals,
+                        src_signal_expect_value)
         if torch.compiler.is_compiling() and not overlap:  # NOTE [custom ops] in ops.py
             return ops.low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out,
                                            combine_wait_recv_cost_stats)
@@ -239,7 +253,7 @@ class LowLatencyCalls:
 
     @devices.runs_where_tensors_are("x")
     def _low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out,
-                             combine_wait_recv_cost_stats, overlap_args=(False,) + (None,) * 6):
+                             combine_wait_recv_cost_stats, overlap_args=(False,) + (None,) * 7):
         backend = self._backend()
         checks.wait_recv_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
                                     num_ranks=self.group_size, device=self.device)
@@ -266,7 +280,7 @@ class LowLatencyCalls:
         if out is not None:
             checks.tensor("out", out, dtypes=(torch.bfloat16,), shape=(topk_idx.size(0), hidden), device=self.device)
         overlap = _combine_overlap(*overlap_args, return_recv_hook, num_local_experts, self.group_size * num_max,
-                                   self.device)
+                                   handle[1], self.device)
         if backend.wants_call_agreement(True):  # NOTE [call agreement] in collectives.py
             self._exchange.agree("low_latency_combine", hidden=hidden, num_topk=topk_idx.size(1),
                                  num_experts=num_experts, num_max=num_max)

@@ -197,10 +197,12 @@ def _compare(seed, cases):
 
 
 def _graph_replay(seed):
-    """Capture dispatch -> expert -> combine once; replay with fresh inputs; compare with the reference."""
+    """Capture dispatch -> expert -> combine once, then an NVFP4 dispatch; replay with fresh inputs (a fresh global
+    scale too, which the kernels read on the GPU); compare with the reference."""
     import torch.distributed as dist
 
     from tokenyard import Buffer
+    from tokenyard.semantics import quant
     from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
@@ -212,32 +214,42 @@ def _graph_replay(seed):
     cuda.runtime.use_low_latency_kernels = True
     nodes = _check_path(cuda)
 
-    def step(buffer, x, topk_idx, weights, details=False):
+    def step(buffer, x, topk_idx, weights, global_scale, details=False):
         recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts)
         y = recv[0].float().to(torch.bfloat16)
         combined = buffer.low_latency_combine(y, topk_idx, weights, handle)[0]
-        return (combined, y, handle.layout_range) if details else combined
+        nvfp4, _, nvfp4_handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts,
+                                                                    use_nvfp4=True, x_global_scale=global_scale)
+        # expert-major data and linear scales (NOTE [nvfp4]), with the layout_range that says which rows hold tokens
+        nvfp4 = (nvfp4[0].permute(2, 0, 1), quant.unswizzle_nvfp4_scales(nvfp4[1], num_ranks * num_tokens,
+                                                                        hidden // 16), nvfp4_handle.layout_range)
+        return (combined, y, handle.layout_range, nvfp4) if details else (combined, nvfp4)
 
     x, topk_idx, weights = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk,
                                             "uniform", "bf16", device)[rank]
-    static = [x.clone(), topk_idx.clone(), weights.clone()]
+    static = [x.clone(), topk_idx.clone(), weights.clone(), torch.ones(1, device=device)]
     step(cuda, *static)  # warm up: compile and load outside the capture
     torch.cuda.synchronize()
     dist.barrier()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured_out = step(cuda, *static)
+        captured_out, captured_nvfp4 = step(cuda, *static)
     for replay in range(3):
         all_inputs = make_rank_inputs(seed + 1 + replay, num_ranks, num_tokens, hidden, num_experts, num_topk,
                                       "masked" if replay % 2 else "uniform", "bf16", device)
-        fresh = all_inputs[rank]
+        fresh = all_inputs[rank] + (torch.full((1,), 448.0 * 6.0 / (replay + 2), device=device),)
         for target, value in zip(static, fresh):
             target.copy_(value)
         dist.barrier()
         graph.replay()
         torch.cuda.synchronize()
-        want, y, layout_range = step(ref, *fresh, details=True)
+        want, y, layout_range, want_nvfp4 = step(ref, *fresh, details=True)
         torch.cuda.synchronize()
+        assert torch.equal(captured_nvfp4[2], want_nvfp4[2]), f"replay {replay}: NVFP4 layout_range"
+        valid = _valid_slots(want_nvfp4[2], num_ranks * num_tokens)
+        for name, got, wanted in zip(("data", "scales"), captured_nvfp4[:2], want_nvfp4[:2]):
+            assert torch.equal(got[valid].view(torch.uint8), wanted[valid].view(torch.uint8)), \
+                f"replay {replay}: NVFP4 {name}: {_differences(wanted[valid], got[valid])}"
         assert_within_bf16_rounding(captured_out, want, f"replay {replay}: graph output against the reference")
         assert torch.equal(captured_out, _pre_reduced(y, layout_range, all_inputs, num_experts)), \
             f"replay {replay}: graph output differs from the pre-reduced oracle"
@@ -373,8 +385,8 @@ def test_plain_tuple_handles_of_two_micro_batches_and_wait_costs(num_ranks, seed
 def _combine_overlap(seed):
     """SGLang's single-batch overlap (NOTE [combine overlap]): the sending launch on 2 blocks reads each row once
     its block is signalled. Signals set before the call: the pre-reduced oracle bit for bit. Signals set late by a
-    kernel on another stream (after a sleep): the send waits, then the same result. A block never signalled: the
-    call raises CommTimeoutError at low_latency_combine/overlap."""
+    kernel on another stream (after a sleep): the send waits, then the same result, also with the Blackwell form's
+    src_signals. A block never signalled: the call raises CommTimeoutError at low_latency_combine/overlap."""
     import torch.distributed as dist
 
     from tokenyard import Buffer, CommTimeoutError
@@ -399,22 +411,26 @@ def _combine_overlap(seed):
 
     side = torch.cuda.Stream(device)
 
-    def round_trip(comp_signal, late=False):
+    def round_trip(comp_signal, late=False, blackwell=False):
         """One dispatch and overlapped combine; `late`: the "GEMM" on another stream writes the expert outputs
-        (poisoned until then) and then their signals ~50 ms after the combine began waiting."""
+        (poisoned until then) and then their signals ~50 ms after the combine began waiting; `blackwell`: the
+        signals are src_signals, uint32, one per local expert."""
         recv, count, handle, _, _ = cuda.low_latency_dispatch(x, topk_idx, num_tokens, num_experts, use_fp8=False)
         y_final = (recv.float() * 0.5 + 1.0).to(torch.bfloat16)
         y, signal = y_final, comp_signal(count)
         if late:
-            y, signal = torch.full_like(y_final, float("nan")), signals(count, 0)
+            y, signal = torch.full_like(y_final, float("nan")), torch.zeros_like(signal)
             side.wait_stream(torch.cuda.current_stream(device))  # before the combine is launched
             with torch.cuda.stream(side):
                 torch.cuda._sleep(int(50e-3 * 2e9))
                 y.copy_(y_final)
                 signal.copy_(comp_signal(count))
+        if blackwell:
+            kwargs = dict(src_signals=signal.view(torch.uint32), src_signal_expect_value=threshold)
+        else:
+            kwargs = dict(packed_recv_count=count, comp_signal=signal, block_m=block_m, threshold=threshold, num_sms=2)
         combined, _, hook = cuda.low_latency_combine(y, topk_idx, weights, handle, return_recv_hook=True,
-                                                     overlap=True, packed_recv_count=count, comp_signal=signal,
-                                                     block_m=block_m, threshold=threshold, num_sms=2)
+                                                     overlap=True, **kwargs)
         hook()
         torch.cuda.synchronize()
         return combined, y_final, handle.layout_range
@@ -427,6 +443,10 @@ def _combine_overlap(seed):
     waited = time.monotonic() - start
     assert torch.equal(combined, _pre_reduced(y, layout_range, all_inputs, num_experts)), \
         f"rank {rank}: the combine whose expert outputs came late differs from the oracle"
+    combined, y, layout_range = round_trip(lambda count: torch.full_like(count, threshold), late=True,
+                                           blackwell=True)
+    assert torch.equal(combined, _pre_reduced(y, layout_range, all_inputs, num_experts)), \
+        f"rank {rank}: the combine waiting on src_signals differs from the oracle"
     dist.barrier()
 
     # Every rank leaves the last block of its busiest expert below the threshold: each raises.
@@ -445,7 +465,8 @@ def _combine_overlap(seed):
     assert seen is not None and seen.stage == "low_latency_combine/overlap", \
         f"rank {rank}: a block never signalled, yet the combine gave {seen!r}"
     cuda.destroy()
-    return f"overlap: oracle bit for bit, waited {waited * 1e3:.0f} ms for late signals, then {seen.stage}{nodes}"
+    return (f"overlap: oracle bit for bit (comp_signal and src_signals), waited {waited * 1e3:.0f} ms for late "
+            f"signals, then {seen.stage}{nodes}")
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
