@@ -11,6 +11,8 @@ to back (median over `--iters`); the reference backend's calls eagerly. The logs
 run under TOKENYARD_RANKS_PER_NODE (`--test_logs`) add the runs (nodes, ranks per node, GPUs, passed, failed).
 
     python benchmarks/internode_low_latency.py --num_ranks 4 --ranks_per_node 2 --json out.json --test_logs a.log
+
+`--cast` picks the dispatch's payload (FP8 by default; NVFP4 with the global scale 448 * 6 / max|x|).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def _rank(args) -> dict:
     x, topk_idx, weights = make_rank_inputs(7, num_ranks, args.num_tokens, args.hidden, args.num_experts,
                                             args.num_topk, "uniform", "bf16", device)[rank]
     size = Buffer.get_low_latency_rdma_size_hint(args.num_tokens, args.hidden, num_ranks, args.num_experts)
+    global_scale = (448.0 * 6.0 / x.float().abs().max()).reshape(1) if args.cast == "nvfp4" else None
     results = {}
     setups = (("cuda_internode", "cuda", args.ranks_per_node), ("cuda_one_node", "cuda", num_ranks),
               ("reference", "reference", args.ranks_per_node))
@@ -59,10 +62,13 @@ def _rank(args) -> dict:
             results[f"{name}_remote_ranks"] = bin(buffer.runtime._low_latency_kernels.remote).count("1")
 
         def dispatch():
-            return buffer.low_latency_dispatch(x, topk_idx, args.num_tokens, args.num_experts, use_fp8=True)
+            return buffer.low_latency_dispatch(x, topk_idx, args.num_tokens, args.num_experts,
+                                               use_fp8=args.cast == "fp8", use_nvfp4=args.cast == "nvfp4",
+                                               x_global_scale=global_scale)
 
         recv, _, handle, _, _ = dispatch()
-        y = recv[0].float().to(torch.bfloat16)
+        y = torch.randn(args.num_experts // num_ranks, num_ranks * args.num_tokens, args.hidden,
+                        device=device).to(torch.bfloat16)  # expert outputs: the combine's input
 
         def combine():
             return buffer.low_latency_combine(y, topk_idx, weights, handle)
@@ -111,11 +117,12 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser, num_tokens=128, warmup=5, iters=30)
+    parser.add_argument("--cast", choices=("fp8", "nvfp4", "bf16"), default="fp8", help="the dispatch's payload")
     args = parser.parse_args(argv)
 
     per_rank = run_on_ranks(args.num_ranks, _rank, args, use_cuda=True, timeout_s=500.0)
     report(args, per_rank, _runs(args.test_logs, torch.cuda.device_count()),
-           "virtual nodes on one host: not a network figure; FP8 dispatch, bf16 combine")
+           f"virtual nodes on one host: not a network figure; {args.cast} dispatch, bf16 combine")
     return 0
 
 
