@@ -19,17 +19,24 @@ __device__ __forceinline__ float round_scale_up_pow2(float scale) {
     return __uint_as_float(exponent << 23);
 }
 
-// FP8 cast of 16 consecutive channels held by one lane, exactly as quant.py (NOTE [low-latency dispatch]):
-// the 8 lanes of one 128-channel group share its amax, so every lane returns the group's scale too.
-template <bool kRoundScale>
-__device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) {
+// The 16 bf16 channels a lane holds, as float32 in `v`; returns their largest magnitude.
+__device__ __forceinline__ float unpack_16(const int4 (&raw)[2], float (&v)[16]) {
     const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
-    float v[16], amax = 0.0f;
+    float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         v[i] = __bfloat162float(h[i]);
         amax = fmaxf(amax, fabsf(v[i]));
     }
+    return amax;
+}
+
+// FP8 cast of 16 consecutive channels held by one lane, exactly as quant.py (NOTE [low-latency dispatch]):
+// the 8 lanes of one 128-channel group share its amax, so every lane returns the group's scale too.
+template <bool kRoundScale>
+__device__ __forceinline__ int4 cast_fp8_16(const int4 (&raw)[2], float& scale) {
+    float v[16];
+    float amax = unpack_16(raw, v);
 #pragma unroll
     for (int offset = 4; offset > 0; offset >>= 1)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
@@ -59,13 +66,8 @@ __device__ __forceinline__ uint32_t e2m1_code(float v) {
 // byte in `scale`, its 16 codes two per byte (even channel low) in the returned 8 bytes. `global_scale` is
 // g of NOTE [nvfp4].
 __device__ __forceinline__ uint2 cast_nvfp4_16(const int4 (&raw)[2], float global_scale, uint32_t& scale) {
-    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
-    float v[16], amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        v[i] = __bfloat162float(h[i]);
-        amax = fmaxf(amax, fabsf(v[i]));
-    }
+    float v[16];
+    const float amax = unpack_16(raw, v);
     const float wanted = fminf(__fdiv_rn(__fmul_rn(amax, global_scale), 6.0f), 448.0f);
     const __nv_fp8_storage_t sf = __nv_cvt_float_to_fp8(wanted, __NV_SATFINITE, __NV_E4M3);
     const float sf_value = __half2float(__half(__nv_cvt_fp8_to_halfraw(sf, __NV_E4M3)));
