@@ -119,7 +119,8 @@ class LowLatencyCalls:
             use_nvfp4, x_global_scale: NVFP4 instead (DeepEP's NVFP4 branch, as SGLang and vLLM call it; NOTE
                 [nvfp4] in semantics/quant.py; H % 128 == 0): e2m1 values with an e4m3 scale per 16 channels
                 and the one-element float32 `x_global_scale` (None: 1), read on the GPU (a positive finite
-                value, checked only in debug mode). `use_fp8`, `round_scale` and `use_ue8m0` are then ignored.
+                value, checked only in debug mode). `use_fp8`, `round_scale` and `use_ue8m0` are then ignored, and
+                `x_global_scale` is without NVFP4.
         Returns:
             ``packed_recv_x`` (``(e4m3 [L, R*M, H], scales [L, R*M, H/128])`` or bf16 ``[L, R*M, H]``; with
             NVFP4 ``(uint8 [R*M, H/2, L], float8_e4m3fn [32, 4, ceil(R*M/128), 4, ceil(H/64), L])``, DeepEP's
@@ -127,8 +128,10 @@ class LowLatencyCalls:
         Raises:
             InvalidInputError, CapacityError: before any communication.
         """
-        if use_nvfp4:  # the FP8 options mean nothing then
+        if use_nvfp4:  # the FP8 options mean nothing then, and the global scale nothing without NVFP4
             use_fp8 = round_scale = use_ue8m0 = False
+        else:
+            x_global_scale = None
         args = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, bool(use_nvfp4), x_global_scale)
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
@@ -165,8 +168,6 @@ class LowLatencyCalls:
                                     f"got hidden={hidden}")
         if use_nvfp4:
             _nvfp4_global_scale(x_global_scale, self.device, self._check_values())
-        elif x_global_scale is not None:
-            raise InvalidInputError("x_global_scale is NVFP4's global scale: pass use_nvfp4=True with it")
         _no_async_with_hook(async_finish, return_recv_hook)
         if use_fp8 and use_ue8m0 and hidden % 512 != 0:
             raise InvalidInputError(f"UE8M0 scales need hidden % 512 == 0, got hidden={hidden}")

@@ -16,8 +16,9 @@ namespace tokenyard::kernels {
 // its row. A warp loads its piece and its token's top-k choices, quantizes
 // the piece once (FP8 per 128 channels, exactly as quant.py: amax floored at 1e-4, scale = amax / 448 with
 // an IEEE division, optionally rounded up to a power of two, q = e4m3(clamp(x / scale)); NVFP4 per 16 channels,
-// NOTE [nvfp4], a lane's channels being one block), each lane 16 channels, and stores it with 16-byte stores into the message of every rank dest the token goes to: dest's
-// region of this rank at slot t, the token index. Piece 0 also writes the header: its tag (tag << 32) | t,
+// NOTE [nvfp4], a lane's channels being one block), each lane 16 channels, and stores it with 16-byte stores
+// (NVFP4: an even lane's and its neighbour's codes; 8 lanes' scale bytes in one 8-byte store) into the message
+// of every rank dest the token goes to: dest's region of this rank at slot t, the token index. Piece 0 also writes the header: its tag (tag << 32) | t,
 // and for each choice on dest its local expert. Nothing of that waits for the pair bits, so the data leaves
 // sooner than when the slot was the rank's tokens before t going to dest (a receiver learns from the tag which
 // slots hold this call's messages). Block 0 sends no data: meanwhile it builds the pair bits
