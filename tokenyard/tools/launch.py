@@ -35,6 +35,7 @@ import gc
 import os
 import socket
 import traceback
+import types
 import warnings
 import weakref
 from typing import Optional
@@ -102,9 +103,47 @@ def leave_group() -> None:
     dist.destroy_process_group()
     gc.collect()
     if group() is not None:
-        warnings.warn("tokenyard: something still holds the process group after destroy_process_group, so "
-                      "its threads live on and may abort the process at exit (NOTE [gloo threads at exit] in "
-                      "tokenyard/tools/launch.py)", stacklevel=2)
+        warnings.warn(f"tokenyard: something still holds the process group after destroy_process_group "
+                      f"({', '.join(_holders(group()))}), so its threads live on and may abort the process at exit "
+                      f"(NOTE [gloo threads at exit] in tokenyard/tools/launch.py)", stacklevel=2)
+
+
+def _holders(obj) -> list:
+    """What refers to `obj`, named for a reader: a module's global, an object's attribute, a closure's variable, a
+    function's default argument (found among the functions: a tuple of objects the collector does not track is
+    untracked itself), or else the referring object's type. Types are compared directly: an attribute read could
+    run code (a deprecated object's warning, say)."""
+    names = set()
+    for referrer in gc.get_referrers(obj):
+        kind = type(referrer)
+        if kind is types.FrameType:
+            continue
+        name = {types.CellType: "a closure's variable"}.get(kind, kind.__name__)
+        if kind not in (dict, list, tuple, set, types.CellType):
+            name = f"an attribute of a {kind.__qualname__}"
+        for owner in gc.get_referrers(referrer):
+            if issubclass(type(owner), types.ModuleType) and owner.__dict__ is referrer:
+                name = f"a global of {owner.__name__}"
+        names.add(name)
+    for fn in gc.get_objects():  # no comprehension over `obj` here: it would put `obj` in a cell of this frame
+        if type(fn) is not types.FunctionType:
+            continue
+        for value in (fn.__defaults__ or ()) + tuple((fn.__kwdefaults__ or {}).values()):
+            if value is obj:
+                names.add(f"a default argument of {fn.__module__}.{fn.__qualname__}")
+        for cell in fn.__closure__ or ():
+            if _filled(cell) and cell.cell_contents is obj:
+                names.discard("a closure's variable")
+                names.add(f"a variable of {fn.__module__}.{fn.__qualname__}'s closure")
+    return sorted(names) or ["a holder the garbage collector does not see"]
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a variable not yet assigned
+        return False
+    return True
 
 
 def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, num_gpus: Optional[int],
