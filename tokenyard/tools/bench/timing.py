@@ -133,7 +133,8 @@ class Timer:
         torch.cuda.synchronize(self.device)
         self.barrier()
         start_together = torch.ones(1, device=self.device)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # acc_events: one profile, one cycle, so nothing to clear; without it torch warns mid-progress-bar
+        with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
             for _ in range(iters):
                 for step in steps:
                     self._scratch.bitwise_not_()  # evicts L2 and marks the start of a call
