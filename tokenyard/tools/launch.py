@@ -118,8 +118,11 @@ def _holders(obj) -> list:
         kind = type(referrer)
         if kind is types.FrameType:
             continue
-        name = {types.CellType: "a closure's variable"}.get(kind, kind.__name__)
-        if kind not in (dict, list, tuple, set, types.CellType):
+        if kind is types.CellType:
+            name = "a closure's variable"
+        elif kind in (dict, list, tuple, set):
+            name = kind.__name__
+        else:
             name = f"an attribute of a {kind.__qualname__}"
         for owner in gc.get_referrers(referrer):
             if issubclass(type(owner), types.ModuleType) and owner.__dict__ is referrer:
