@@ -84,10 +84,12 @@ def compiled_calls(seed: int, backend: str = "cuda"):
 
 
 def compiled_low_latency(seed: int, backend: str = "cuda"):
-    """A compiled low-latency step (dispatch, expert work, combine; FP8 and bf16) against eager mode."""
+    """A compiled low-latency step (dispatch, expert work, combine; FP8 and bf16) against eager mode, and a compiled
+    NVFP4 dispatch."""
     import torch.distributed as dist
 
     from tokenyard import Buffer, ops
+    from tokenyard.semantics import quant
     from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
@@ -128,8 +130,31 @@ def compiled_low_latency(seed: int, backend: str = "cuda"):
                 assert torch.equal(spawn.bits(g[l, :n]), spawn.bits(w[l, :n])), f"fp8 {use_fp8}: rows of expert {l}"
         assert_within_bf16_rounding(got[2], want[2], f"fp8 {use_fp8}: combined_x")
         assert int(torch.count_nonzero(got[2].float())) > 0, "combined_x is all zeros"
+
+    def nvfp4_step(x, topk_idx, global_scale):  # NOTE [nvfp4]: DeepEP's views, their strides kept by the op
+        (data, scales), count, handle, _, hook = buffer.low_latency_dispatch(
+            x, topk_idx, NUM_TOKENS, NUM_EXPERTS, use_nvfp4=True, x_global_scale=global_scale)
+        hook()
+        return data, scales, count, handle[0]
+
+    x, topk_idx, _ = make_rank_inputs(seed + 20, num_ranks, NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK, "uniform",
+                                      "bf16", device)[rank]
+    global_scale = (448.0 * 6.0 / x.float().abs().max()).reshape(1)
+    graphs = []
+    got = torch.compile(nvfp4_step, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True,
+                        dynamic=False)(x, topk_idx, global_scale)
+    want = nvfp4_step(x, topk_idx, global_scale)
+    assert "tokenyard.low_latency_dispatch" in _traced_ops(graphs), "nvfp4: the dispatch was not traced"
+    assert torch.equal(got[2], want[2]), "nvfp4: packed_recv_count differs"
+    for g, w in zip(got[:2], want[:2]):
+        assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype, "nvfp4: layout of an output"
+    scales = [quant.unswizzle_nvfp4_scales(t[1], num_ranks * NUM_TOKENS, HIDDEN // 16) for t in (got, want)]
+    for l, n in enumerate(want[2].tolist()):
+        assert torch.equal(got[3][l, :n], want[3][l, :n]), f"nvfp4: src_info of expert {l}"
+        assert torch.equal(got[0][:n, :, l], want[0][:n, :, l]), f"nvfp4: data of expert {l}"
+        assert torch.equal(spawn.bits(scales[0][l, :n]), spawn.bits(scales[1][l, :n])), f"nvfp4: scales of {l}"
     buffer.destroy()
-    return f"rank {rank}: two compiled low-latency steps matched eager mode"
+    return f"rank {rank}: three compiled low-latency steps (FP8, bf16, NVFP4) matched eager mode"
 
 
 pytestmark = spawn.needs_ranks()
