@@ -251,6 +251,15 @@ def low_latency_nvfp4(seed, num_tokens, num_max, hidden, num_experts, num_topk, 
         dist.all_reduce(global_scale, op=dist.ReduceOp.MIN)
     buffer = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(num_max, hidden, num_ranks, num_experts),
                     low_latency_mode=True, backend="reference")
+    from tokenyard import InvalidInputError
+
+    for bad, words in ((torch.ones(2), "one value"), (torch.ones(1, dtype=torch.float64), "dtype")):
+        try:  # refused on every rank before anything moves
+            buffer.low_latency_dispatch(x, topk_idx, num_max, num_experts, use_nvfp4=True, x_global_scale=bad)
+        except InvalidInputError as exc:
+            assert words in str(exc), (words, str(exc))
+        else:
+            raise AssertionError(f"x_global_scale {bad} was accepted")
     (data, scales), recv_count, handle, _, hook = buffer.low_latency_dispatch(
         x, topk_idx, num_max, num_experts, use_nvfp4=True, x_global_scale=global_scale,
         return_recv_hook=return_recv_hook)
