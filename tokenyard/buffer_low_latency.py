@@ -62,18 +62,22 @@ def _combine_overlap(overlap, packed_recv_count, comp_signal, block_m, threshold
 
 
 def _nvfp4_global_scale(x_global_scale, device, check_value: bool) -> None:
-    """NOTE [nvfp4] (semantics/quant.py): one float32 on the Buffer's device, or None for 1; its value is read
-    (a wait for the GPU) only in debug mode."""
+    """NOTE [nvfp4] (semantics/quant.py): float32 on the Buffer's device, or None for 1. Its first value is the
+    call's: vLLM passes one per expert, all the same (a token is quantized once, whatever its experts), and
+    DeepEP's kernel reads the first. The values are read (a wait for the GPU) only in debug mode."""
     if x_global_scale is None:
         return
-    checks.tensor("x_global_scale", x_global_scale, dtypes=(torch.float32,), device=device)
-    if x_global_scale.numel() != 1:
-        raise InvalidInputError(f"x_global_scale must hold one value (the call's global scale), got shape "
-                                f"{tuple(x_global_scale.shape)}")
+    checks.tensor("x_global_scale", x_global_scale, dtypes=(torch.float32,), device=device, contiguous=False)
+    if x_global_scale.numel() == 0:
+        raise InvalidInputError("x_global_scale holds no value; give the call's global scale (or None for 1)")
     if check_value:
-        value = float(x_global_scale.reshape(()))
-        if not 0.0 < value < float("inf"):
-            raise InvalidInputError(f"x_global_scale must be positive and finite, got {value}")
+        values = x_global_scale.reshape(-1)
+        first = float(values[0])
+        if not 0.0 < first < float("inf"):
+            raise InvalidInputError(f"x_global_scale must be positive and finite, got {first}")
+        if not bool((values == values[0]).all()):
+            raise InvalidInputError("x_global_scale holds different values; NVFP4 dispatch quantizes a token once "
+                                    "for all its experts, so it takes one global scale (the first value)")
 
 
 class LowLatencyCalls:
@@ -118,8 +122,8 @@ class LowLatencyCalls:
             return_recv_hook: send only; the returned hook receives.
             use_nvfp4, x_global_scale: NVFP4 instead (DeepEP's NVFP4 branch, as SGLang and vLLM call it; NOTE
                 [nvfp4] in semantics/quant.py; H % 128 == 0): e2m1 values with an e4m3 scale per 16 channels
-                and the one-element float32 `x_global_scale` (None: 1), read on the GPU (a positive finite
-                value, checked only in debug mode). `use_fp8`, `round_scale` and `use_ue8m0` are then ignored, and
+                and the global scale `x_global_scale`, float32, its first value read on the GPU (None: 1; vLLM
+                passes one per expert, all the same; positive, finite and all the same: checked in debug mode). `use_fp8`, `round_scale` and `use_ue8m0` are then ignored, and
                 `x_global_scale` is without NVFP4.
         Returns:
             ``packed_recv_x`` (``(e4m3 [L, R*M, H], scales [L, R*M, H/128])`` or bf16 ``[L, R*M, H]``; with

@@ -253,13 +253,18 @@ def low_latency_nvfp4(seed, num_tokens, num_max, hidden, num_experts, num_topk, 
                     low_latency_mode=True, backend="reference")
     from tokenyard import InvalidInputError
 
-    for bad, words in ((torch.ones(2), "one value"), (torch.ones(1, dtype=torch.float64), "dtype")):
+    checked = Buffer(dist.group.WORLD, 0, buffer.num_rdma_bytes, low_latency_mode=True, backend="reference",
+                     check_inputs=True)  # debug mode: the global scale's values are read too
+    for where, bad, words in ((buffer, torch.ones(0), "no value"), (buffer, torch.ones(1, dtype=torch.float64), "dtype"),
+                              (checked, torch.tensor([2.0, 3.0]), "different values"),
+                              (checked, torch.tensor([float("inf")]), "positive and finite")):
         try:  # refused on every rank before anything moves
-            buffer.low_latency_dispatch(x, topk_idx, num_max, num_experts, use_nvfp4=True, x_global_scale=bad)
+            where.low_latency_dispatch(x, topk_idx, num_max, num_experts, use_nvfp4=True, x_global_scale=bad)
         except InvalidInputError as exc:
             assert words in str(exc), (words, str(exc))
         else:
             raise AssertionError(f"x_global_scale {bad} was accepted")
+    checked.destroy()
     (data, scales), recv_count, handle, _, hook = buffer.low_latency_dispatch(
         x, topk_idx, num_max, num_experts, use_nvfp4=True, x_global_scale=global_scale,
         return_recv_hook=return_recv_hook)
@@ -288,6 +293,13 @@ def low_latency_nvfp4(seed, num_tokens, num_max, hidden, num_experts, num_topk, 
                 block_max = token.abs().view(-1, 16).amax(-1).repeat_interleave(16)
                 error = (decoded[l, slot] - token).abs()
                 assert bool((error <= block_max / 6 * (1 + 1 / 16) + 1e-30).all()), (l, slot, float(error.max()))
+    # One global scale per expert, all the same and not even contiguous (as vLLM passes it): the same call.
+    if global_scale is not None:
+        (per_expert, per_expert_scales), *_ = buffer.low_latency_dispatch(
+            x, topk_idx, num_max, num_experts, use_nvfp4=True, x_global_scale=global_scale.expand(num_experts))
+        assert_same("packed_recv_x (per-expert scale)", per_expert.permute(2, 0, 1)[valid], data.permute(2, 0, 1)[valid])
+        assert_same("packed_recv_x_scales (per-expert scale)", per_expert_scales.view(torch.uint8),
+                    scales.view(torch.uint8))
     buffer.destroy()
     return int(recv_count.sum())
 

@@ -162,6 +162,8 @@ def _compare(seed, cases):
             if use_nvfp4 and round_scale:  # as DeepEP's test picks it: the ranks' smallest 448 * 6 / max|x|
                 global_scale = (448.0 * 6.0 / x.float().abs().max().clamp_min(1e-4)).reshape(1)
                 dist.all_reduce(global_scale, op=dist.ReduceOp.MIN)
+                if replay == 1:  # the second call: one per expert, all the same, as vLLM passes it
+                    global_scale = global_scale.expand(num_experts)
             outs = [run(b, x, topk_idx, weights, s, replay) for b, s in ((ref, stats[0]), (cuda, stats[1]))]
             torch.cuda.synchronize()
             (r_recv, r_count, r_handle, r_comb, r_y), (c_recv, c_count, c_handle, c_comb, _) = outs

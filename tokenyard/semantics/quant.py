@@ -20,7 +20,8 @@ The CUDA kernels perform the same float32 operations in the same order with roun
 NOTE [nvfp4]
 NVFP4 (the low-latency dispatch's ``use_nvfp4``, from DeepEP's NVFP4 branch that SGLang and vLLM call) cuts a
 row into blocks of ``NVFP4_BLOCK`` (16) channels and takes one float32 global scale ``g`` for the call
-(``x_global_scale``; 1 when not given; callers pick ``448 * 6 / max|x|`` so that block scales fit e4m3):
+(the first value of ``x_global_scale``, which vLLM gives once per expert, all the same; 1 when not given;
+callers pick ``448 * 6 / max|x|`` so that block scales fit e4m3):
 
     amax  = max_i |x[t, 16*b + i]|                                   (float32, no floor)
     sf    = e4m3(min((amax * g) / 6, 448))                          rounding to nearest even
@@ -161,16 +162,17 @@ def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 
 
 def _global_scale(global_scale, device) -> torch.Tensor:
+    """g of NOTE [nvfp4]: the first value of `global_scale` (callers may pass one per expert, all the same), or 1."""
     if global_scale is None:
         return torch.ones((), dtype=torch.float32, device=device)
-    return global_scale.reshape(()).to(device=device, dtype=torch.float32)
+    return global_scale.reshape(-1)[0].to(device=device, dtype=torch.float32)
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale=None):
     """Quantize ``[T, H]`` (H % 16 == 0) to ``(uint8 [T, H/2], float8_e4m3fn [T, H/16])`` as NOTE [nvfp4].
 
     Naive equivalent: ``sf = e4m3(amax(block) * g / 6)``; ``q = e2m1(x * g / sf)``, two per byte.
-    `global_scale`: a one-element float32 tensor, or None for 1.
+    `global_scale`: a float32 tensor whose first value is g, or None for 1.
     """
     if x.dim() != 2 or x.size(1) % NVFP4_BLOCK != 0:
         raise ValueError(f"expected a [num_tokens, hidden] tensor with hidden % 16 == 0, got {tuple(x.shape)}")
