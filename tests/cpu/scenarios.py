@@ -332,36 +332,37 @@ def low_latency_overlap(seed, num_tokens, hidden, num_experts, num_topk, block_m
     comp_signal = torch.where(done, threshold, 0).to(torch.int32).flatten()
     overlap = dict(overlap=True, packed_recv_count=recv_count, comp_signal=comp_signal, block_m=block_m,
                    threshold=threshold, num_sms=2)
-    combined, _, hook = buffer.low_latency_combine(outputs[rank], topk_idx, topk_weights, handle,
-                                                   return_recv_hook=True, **overlap)
-    hook()
-    assert_same("combine with overlap", combined, want)
+    # The Blackwell form: a uint32 signal per local expert, every row of it done once it reaches the value.
+    blackwell = dict(overlap=True, src_signals=torch.full((num_local_experts,), 5, dtype=torch.uint32),
+                     src_signal_expect_value=5)
 
-    for bad, words in ((dict(return_recv_hook=False), "return_recv_hook"), (dict(block_m=96), "power of two"),
-                       (dict(comp_signal=comp_signal[:1]), "comp_signal"),
-                       (dict(src_signals=torch.zeros(num_local_experts, dtype=torch.int32)), "not both")):
+    def combine(**kwargs):  # the overlapped combine, received through its hook
+        combined, _, hook = buffer.low_latency_combine(outputs[rank], topk_idx, topk_weights, handle,
+                                                       **{"return_recv_hook": True, **kwargs})
+        hook()
+        return combined
+
+    def timeout_of(**kwargs):
         try:
-            buffer.low_latency_combine(outputs[rank], topk_idx, topk_weights, handle,
-                                       **{"return_recv_hook": True, **overlap, **bad})
+            combine(**kwargs)
+        except CommTimeoutError as exc:
+            return exc
+        return None
+
+    assert_same("combine with overlap", combine(**overlap), want)
+    assert_same("combine with overlap (src_signals)", combine(**blackwell), want)
+
+    for bad, words in ((dict(overlap, return_recv_hook=False), "return_recv_hook"),
+                       (dict(overlap, block_m=96), "power of two"),
+                       (dict(overlap, comp_signal=comp_signal[:1]), "comp_signal"),
+                       (dict(overlap, src_signals=torch.zeros(num_local_experts, dtype=torch.int32)), "not both"),
+                       (dict(blackwell, src_signals=torch.zeros(1, dtype=torch.int32)), "src_signals")):
+        try:
+            combine(**bad)
         except InvalidInputError as exc:
             assert words in str(exc), (words, str(exc))
         else:
             raise AssertionError(f"{bad} was accepted")
-
-    # The Blackwell form: a uint32 signal per local expert, every row of it done once it reaches the value.
-    blackwell = dict(overlap=True, src_signals=torch.full((num_local_experts,), 5, dtype=torch.uint32),
-                     src_signal_expect_value=5)
-    combined, _, hook = buffer.low_latency_combine(outputs[rank], topk_idx, topk_weights, handle,
-                                                   return_recv_hook=True, **blackwell)
-    hook()
-    assert_same("combine with overlap (src_signals)", combined, want)
-    try:
-        buffer.low_latency_combine(outputs[rank], topk_idx, topk_weights, handle, return_recv_hook=True,
-                                   **{**blackwell, "src_signals": torch.zeros(1, dtype=torch.int32)})
-    except InvalidInputError as exc:
-        assert "src_signals" in str(exc), str(exc)
-    else:
-        raise AssertionError("src_signals of one signal for several local experts was accepted")
 
     # The last block of each rank's busiest local expert is never signalled done: every rank times out.
     stalled = comp_signal.clone()
@@ -369,27 +370,14 @@ def low_latency_overlap(seed, num_tokens, hidden, num_experts, num_topk, block_m
     waits = bool(recv_count[busiest] > 0)
     if waits:
         stalled[busiest * signal_blocks + int(blocks[busiest]) - 1] = threshold - 1
-    try:
-        combined, _, hook = buffer.low_latency_combine(outputs[rank], topk_idx, topk_weights, handle,
-                                                       return_recv_hook=True, **{**overlap, "comp_signal": stalled})
-        hook()
-        seen = None
-    except CommTimeoutError as exc:
-        seen = exc
+    seen = timeout_of(**dict(overlap, comp_signal=stalled))
     assert waits, "the routing left a rank's local experts empty: the timeout went untested"
     assert seen is not None, "a block never signalled done, yet the combine returned"
     assert seen.stage == "low_latency_combine/overlap", seen
     # The same with src_signals: the busiest local expert's signal stays below the value.
     stalled_experts = blackwell["src_signals"].clone()
     stalled_experts[busiest] = 4
-    try:
-        combined, _, hook = buffer.low_latency_combine(outputs[rank], topk_idx, topk_weights, handle,
-                                                       return_recv_hook=True,
-                                                       **{**blackwell, "src_signals": stalled_experts})
-        hook()
-        seen = None
-    except CommTimeoutError as exc:
-        seen = exc
+    seen = timeout_of(**dict(blackwell, src_signals=stalled_experts))
     assert seen is not None and seen.stage == "low_latency_combine/overlap", seen
     return int(recv_count.sum())
 
