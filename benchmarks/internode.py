@@ -53,18 +53,7 @@ def _rank(args) -> dict:
         y = torch.randn(recv_x[0].size(0), args.hidden, device=device).to(torch.bfloat16)
         calls = {"dispatch": fresh, "cached_dispatch": lambda: buffer.dispatch(x, handle=handle),
                  "combine": lambda: buffer.combine(y, handle, topk_weights=recv_w)}
-        times = {}
-        for call, fn in calls.items():
-            samples = []
-            for _ in range(args.warmup + args.iters):
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(begin.elapsed_time(end) * 1000)
-            times[call] = round(statistics.median(samples[args.warmup:]), 1)
-        results[name] = times
+        results[name] = {call: median_us(fn, args.warmup, args.iters) for call, fn in calls.items()}
         results["rows_received"] = int(recv_x[0].size(0))
         buffer.destroy()
     return results
@@ -102,6 +91,19 @@ def main(argv=None) -> int:
     report(args, per_rank, _runs(args.test_logs, torch.cuda.device_count()),
            "virtual nodes on one host: not a network figure")
     return 0
+
+
+def median_us(fn, warmup: int, iters: int) -> float:
+    """The median time of `fn` (µs), CUDA events around each call, after `warmup` calls."""
+    samples = []
+    for _ in range(warmup + iters):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) * 1000)
+    return round(statistics.median(samples[warmup:]), 1)
 
 
 def add_arguments(parser: argparse.ArgumentParser, num_tokens: int, warmup: int, iters: int) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import sys
 
 import torch
@@ -28,20 +27,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's tokenyard
 
 
-def _median_us(fn, warmup: int, iters: int) -> float:
-    samples = []
-    for _ in range(warmup + iters):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1000)
-    return round(statistics.median(samples[warmup:]), 1)
-
-
 def _rank(args) -> dict:
     import torch.distributed as dist
+    from internode import median_us  # benchmarks/internode.py, beside this file
 
     from tokenyard import Buffer
     from tokenyard.tools.testing import make_rank_inputs
@@ -84,7 +72,7 @@ def _rank(args) -> dict:
                     fn()
             calls = {call: graph.replay for call, graph in graphs.items()}
         dist.barrier()
-        results[name] = {call: _median_us(fn, args.warmup, args.iters) for call, fn in calls.items()}
+        results[name] = {call: median_us(fn, args.warmup, args.iters) for call, fn in calls.items()}
         dist.barrier()
         buffer.destroy()
     return results
