@@ -138,12 +138,30 @@ def test_calls_larger_than_the_region_run_in_rounds_with_the_results_of_one(num_
     assert all(rounds > 1 for report in reports for case in report for rounds in case[2:]), reports
 
 
+def _timeout_recorded(buffer, rank: int, stage_fits, where: str):
+    """After rank 1 skipped its part of a call: rank 1 recorded nothing, every other rank a CommTimeoutError that
+    names itself at a stage `stage_fits` accepts (`where` says which, for the message). -> what was recorded."""
+    from tokenyard import CommTimeoutError
+
+    seen = None
+    try:
+        buffer.runtime.check_failures()
+    except CommTimeoutError as exc:
+        seen = exc
+    if rank == 1:
+        assert seen is None, f"rank 1 skipped its part, yet recorded {seen}"
+    else:
+        assert seen is not None and seen.rank == rank and stage_fits(seen.stage), \
+            f"rank {rank}: expected a timeout {where}, got {seen!r}"
+    return seen
+
+
 def _peer_that_stops(seed, ranks_per_node):
     """Rank 1 skips its combine kernel: the others' kernels wait at the combine's start barrier until their
     deadline and record it; each raises CommTimeoutError naming itself and the stage, a new Buffer then works."""
     import torch.distributed as dist
 
-    from tokenyard import Buffer, CommTimeoutError, Config
+    from tokenyard import Buffer, Config
     from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
@@ -168,16 +186,7 @@ def _peer_that_stops(seed, ranks_per_node):
                                                                                                     **kwargs)
     recv_x, handle, _ = round_trip(failing, seed + 1)
     torch.cuda.synchronize()
-    seen = None
-    try:
-        failing.runtime.check_failures()
-    except CommTimeoutError as exc:
-        seen = exc
-    if rank == 1:
-        assert seen is None, f"rank 1 launched nothing, yet recorded {seen}"
-    else:
-        assert seen is not None and seen.rank == rank and seen.stage == "internode/barrier", \
-            f"rank {rank}: expected a timeout at internode/barrier, got {seen!r}"
+    seen = _timeout_recorded(failing, rank, lambda stage: stage == "internode/barrier", "at internode/barrier")
     failing.destroy()
 
     fresh = Buffer(dist.group.WORLD, nvl_bytes, 32 << 20, backend="cuda", ranks_per_node=ranks_per_node,
@@ -204,7 +213,7 @@ def _low_latency_peer_that_stops(seed, ranks_per_node):
     CommTimeoutError naming itself and a combine stage, and a new Buffer then matches the reference backend."""
     import torch.distributed as dist
 
-    from tokenyard import Buffer, CommTimeoutError
+    from tokenyard import Buffer
     from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
@@ -226,16 +235,8 @@ def _low_latency_peer_that_stops(seed, ranks_per_node):
     dist.barrier()
     call(failing, seed + 1, combine=rank != 1)
     torch.cuda.synchronize()
-    seen = None
-    try:
-        failing.runtime.check_failures()
-    except CommTimeoutError as exc:
-        seen = exc
-    if rank == 1:
-        assert seen is None, f"rank 1 skipped its combine, yet recorded {seen}"
-    else:
-        assert seen is not None and seen.rank == rank and seen.stage.startswith("low_latency_combine/"), \
-            f"rank {rank}: expected a timeout in the low-latency combine, got {seen!r}"
+    seen = _timeout_recorded(failing, rank, lambda stage: stage.startswith("low_latency_combine/"),
+                             "in the low-latency combine")
     failing.destroy()
 
     fresh = Buffer(dist.group.WORLD, 0, size, backend="cuda", ranks_per_node=ranks_per_node, timeout_s=30)
