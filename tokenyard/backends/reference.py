@@ -583,8 +583,8 @@ class ReferenceBackend(Backend):
         needed = torch.arange(overlap.signal_blocks, device=signals.device).view(1, -1) < blocks.view(-1, 1)
         if not wait_until(lambda: bool(((signals >= overlap.threshold) | ~needed).all()), self.ctx.timeout_s):
             raise CommTimeoutError(self.ctx.rank, self.ctx.rank, "low_latency_combine/overlap",
-                                   f"the expert outputs' blocks were not all signalled done (comp_signal below "
-                                   f"threshold={overlap.threshold}) within {self.ctx.timeout_s} s")
+                                   f"the expert outputs' blocks were not all signalled done (comp_signal or "
+                                   f"src_signals below {overlap.threshold}) within {self.ctx.timeout_s} s")
 
     def next_low_latency_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """``[L, R*M, H]`` bf16 with DeepEP's strides: a view of rows workspace.zero_copy_row_elems(H) apart."""

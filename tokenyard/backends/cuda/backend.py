@@ -220,16 +220,14 @@ class CudaBackend(Backend):
                 "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), which caps the SMs a rank sees (NOTE [shared GPUs] in devices.py)")
         self.low_latency_buffer = None
         # NOTE [several hosts]: across hosts only the internode kernels run; each rank maps its host's buffers.
-        hosts = ctx.topology.num_hosts
-        if hosts > 1:
-            missing = self.internode_missing()
-            if missing is not None:
-                raise BackendUnavailableError(f"the group spans {hosts} hosts, where the CUDA backend runs only its "
-                                              f"internode kernels, and here {missing}")
+        hosts, nodes = ctx.topology.num_hosts, ctx.num_ranks // ctx.topology.ranks_per_node
+        missing = self.internode_missing() if hosts > 1 or (ctx.num_rdma_bytes > 0 and nodes > 1) else None
+        if hosts > 1 and missing is not None:
+            raise BackendUnavailableError(f"the group spans {hosts} hosts, where the CUDA backend runs only its "
+                                          f"internode kernels, and here {missing}")
         # NOTE [internode low-latency] (sync.cuh): with ranks on other nodes and NVSHMEM, the low-latency buffer is
         # in its symmetric heap, and ranks of other nodes are reached by puts; else on one host all ranks by IPC.
-        nodes = ctx.num_ranks // ctx.topology.ranks_per_node
-        internode_low_latency = ctx.num_rdma_bytes > 0 and nodes > 1 and self.internode_missing() is None
+        internode_low_latency = ctx.num_rdma_bytes > 0 and nodes > 1 and missing is None
         if internode_low_latency:  # every rank takes the same path: NVSHMEM serves one group per process
             from .transport import Transport
 
@@ -358,7 +356,8 @@ class CudaBackend(Backend):
             else:
                 # NOTE [call tags]: a low-latency peer whose call had another shape signals tags never awaited.
                 if stage_name == "low_latency_combine/overlap":  # NOTE [combine overlap]
-                    cause = ("the expert outputs' blocks were never signalled done (comp_signal below threshold); ")
+                    cause = ("the expert outputs' blocks were never signalled done (comp_signal below threshold, "
+                             "or src_signals below src_signal_expect_value); ")
                 elif stage_name.startswith("low_latency"):
                     cause = ("the peer did not make this call, or made it with another shape (hidden, top-k, experts, "
                              "num_max_dispatch_tokens_per_rank, FP8 flags); ")
