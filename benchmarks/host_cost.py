@@ -10,8 +10,9 @@ defaults (so the default checks run). The calls are those that return without wa
 `combine`, and the low-latency pair (at token counts whose low-latency buffer fits the GPU).
 
 At 4096 tokens it also measures, per call, the call time as DeepEP's harness does (CUDA
-events around each of back-to-back calls) beside the summed time of its kernels (PyTorch profiler), and a
-profile of where the host's time goes (cProfile: each function's own time per call).
+events around each of back-to-back calls) beside the summed time of its kernels (PyTorch profiler), the
+steps of its C++ run beside the Python around them (NOTE [plan profile] in csrc/call_plan.cpp), and a
+profile of the Python (cProfile: each function's own time per call).
 
 DeepSeek-V3 shapes: hidden 7168, top-8 of 256 experts; FP8 dispatch, bf16 combine and low-latency calls.
 ``--cpu`` runs the reference backend on gloo ranks instead (a smoke test of the script, small shapes).
@@ -122,6 +123,7 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
         if num_tokens == profile_tokens:
             extra["call_vs_kernel"] = _call_vs_kernel(ops, iters, gpu, device) if gpu else None
             extra["steps"] = _plan_steps(buffer, topk_idx, num_experts, iters) if gpu else None
+            extra["plan_profile"] = _plan_profile(ops, iters) if gpu else None
             extra["profile"] = {}
             for name, op in ops.items():
                 profiler = cProfile.Profile()
@@ -185,6 +187,39 @@ def _plan_steps(buffer, topk_idx, num_experts: int, iters: int):
             times.append(time.perf_counter() - start)
         torch.cuda.synchronize(device)
         out[name] = round(statistics.median(times) * 1e6, 2)
+    return out
+
+
+def _plan_profile(ops, iters: int):
+    """Per call: its median host time, and the mean time per call of each step of its C++ runs (NOTE [plan
+    profile] in csrc/call_plan.cpp); the rest, `python`, is the call's Python and its crossings into C++."""
+    import torch
+
+    from tokenyard.backends.cuda import plans
+
+    native = plans.module()
+    out = {}
+    for name, op in ops.items():
+        for _ in range(WARMUP):
+            op()
+        torch.cuda.synchronize()
+        native.set_profiling(True)
+        native.take_profile()
+        times = []
+        try:
+            for _ in range(iters):
+                start = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - start)
+            steps = native.take_profile()
+        finally:
+            native.set_profiling(False)
+        torch.cuda.synchronize()
+        runs = steps.pop("runs") / iters
+        steps = {step: round(us * runs, 2) for step, us in steps.items()}
+        call = statistics.median(times) * 1e6
+        out[name] = {"call_us": round(call, 2), "runs_per_call": runs,
+                     "steps_us": {**steps, "python": round(call - sum(steps.values()), 2)}}
     return out
 
 
@@ -273,6 +308,13 @@ def main() -> None:
         print(f"\nthe C++ run's steps, each as a plan of its own (rank 0, µs, median of {args.iters}):")
         for name, us in rank0["steps"].items():
             print(f"  {us:7.2f}  {name}")
+    if rank0.get("plan_profile"):
+        steps = next(iter(rank0["plan_profile"].values()))["steps_us"]
+        print(f"\nat {profile_tokens} tokens, where each call's host time goes (rank 0; the C++ steps' mean µs per call, "
+              "python: the median call's rest):")
+        print(f"  {'call':<22}{'call':>8}" + "".join(f"{step:>10}" for step in steps))
+        for name, entry in rank0["plan_profile"].items():
+            print(f"  {name:<22}{entry['call_us']:8.1f}" + "".join(f"{us:10.2f}" for us in entry["steps_us"].values()))
     for name, rows in (rank0.get("profile") or {}).items():
         print(f"\n=== where the host time goes: {name} at {profile_tokens} tokens (rank 0, cProfile, µs per call) ===")
         print(f"  {'own':>7} {'cumul':>7} {'calls':>6}  function")
@@ -291,7 +333,7 @@ def main() -> None:
                                     "dispatch_dtype": "fp8", "buffer": "defaults (check_inputs as configured)",
                                     "timing": "time.perf_counter around each of back-to-back calls, median"},
                        "calls": calls, "steps": rank0.get("steps"), "first_calls": {"num_calls": EARLY_CALLS, "tokens": early},
-                       "call_vs_kernel": rank0.get("call_vs_kernel"),
+                       "call_vs_kernel": rank0.get("call_vs_kernel"), "plan_profile": rank0.get("plan_profile"),
                        "profile": rank0.get("profile")}, f, indent=1)
 
 

@@ -79,9 +79,9 @@ class _NamedTuple(tuple):
     def __new__(cls, *values, **attributes):
         if len(values) != len(cls._fields):
             raise TypeError(f"{cls.__name__} takes {len(cls._fields)} fields {cls._fields}, got {len(values)}")
-        obj = super().__new__(cls, values)
-        for name, value in attributes.items():
-            object.__setattr__(obj, name, value)
+        obj = tuple.__new__(cls, values)
+        if attributes:  # a handle is made on every fresh dispatch: one update, not a setattr each
+            obj.__dict__.update(attributes)
         return obj
 
     def __getattr__(self, name):

@@ -176,3 +176,59 @@ def test_outputs_in_one_allocation_are_aligned_parts_filled_once(driver):
                                                   0, rows + extra))
     counts_t.fill_(7)
     assert matrix_t.eq(0).all(), "parts overlap"
+
+
+def test_ordered_parts_are_handed_back_permuted_and_orders_must_be_permutations(driver):
+    rng = random.Random()
+    dims = [rng.randrange(1, 6) for _ in range(4)]
+    order = list(range(4))
+    rng.shuffle(order)
+    b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"))
+    whole = b.whole()
+    plain = b.part(whole, "plain", (3,), torch.int32)
+    ordered = b.part(whole, "ordered", dims, torch.float32, order)
+    b.launch(FakeKernel(SPEC, 3), 1, dict(_args(b), src=plain, maybe=ordered))
+    plain_t, ordered_t = b.build().native.run((None, None), [0, 0], 11, 0, 0, 0, 0, False, False, 0)
+    want = torch.empty(dims).permute(*order)
+    assert (ordered_t.shape, ordered_t.stride()) == (want.shape, want.stride())
+    assert ordered_t.permute(*(order.index(d) for d in range(4))).is_contiguous()
+    launch = [c for c in driver.calls if c[0] == "launch"][0]
+    assert launch[6] == bytes(SPEC.args_type(plain_t.data_ptr(), 1, 0, 0, ordered_t.data_ptr(), 0, 2))
+    for bad in ([0, 0, 1, 2], [0, 1, 2], [1, 2, 3, 4]):
+        with pytest.raises(ValueError, match="no permutation"):
+            b.build().native.add_output(dims, torch.float32, -1, 0, True, bad)
+
+
+def test_signatures_tell_apart_what_the_checks_read(extension):
+    """NOTE [call signatures]: equal exactly where dtype, device, sizes, strides and the plain values are."""
+    sign = extension.signature
+    rows, cols = random.randrange(2, 9), random.randrange(2, 9)
+    x = torch.randn(rows, cols)
+    assert sign((1, x, None, True, 7)) == sign((1, torch.randn(rows, cols), None, True, 7))  # values not read
+    others = [(1, x.double(), None, True, 7), (1, x[:-1], None, True, 7), (1, x.t(), None, True, 7),
+              (1, torch.randn(rows, cols + 1)[:, :cols], None, True, 7), (1, x, x, True, 7), (1, x, None, 1, 7),
+              (1, x, None, False, 7), (1, x, None, True, 8), (2, x, None, True, 7), (1, (x, None), None, True, 7),
+              (1, (x,), None, True, 7)]
+    signatures = {sign(args) for args in others} | {sign((1, x, None, True, 7))}
+    assert None not in signatures and len(signatures) == len(others) + 1
+    for unsigned in ([x], 1.5, "x", 1 << 70, object()):  # the full path decides what these mean
+        assert sign((1, x, unsigned)) is None
+
+
+def test_the_profile_counts_runs_only_while_on(extension, driver):
+    b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"))
+    b.output("o", (4,), torch.int32, zero=True)
+    b.launch(FakeKernel(SPEC, 3), 1, _args(b))
+    plan = b.build()
+    extension.set_profiling(True)
+    try:
+        extension.take_profile()
+        for _ in range(3):
+            plan.run_here(11, (None, None), [0, 0])
+        steps = extension.take_profile()
+    finally:
+        extension.set_profiling(False)
+    assert steps["runs"] == 3 and set(steps) == {"runs", "inputs", "outputs", "streams", "fills", "launches", "result"}
+    assert all(v >= 0 for v in steps.values()) and steps["launches"] > 0
+    plan.run_here(11, (None, None), [0, 0])
+    assert extension.take_profile()["runs"] == 0

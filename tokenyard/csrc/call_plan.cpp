@@ -8,8 +8,11 @@
 // header and compiles against any build of PyTorch, the CPU build included.
 #include <ATen/EmptyTensor.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/strides.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -50,6 +53,121 @@ void check(CUresult status, const char* what) {
                                  std::to_string(status));
 }
 
+// A Python object that is a tensor (None costs no isinstance check, which goes through torch.Tensor's metaclass).
+bool is_tensor(PyObject* obj) { return obj != Py_None && THPVariable_Check(obj); }
+
+// NOTE [plan profile]: with profiling on (`set_profiling`), each run adds the time of each of its steps to
+// per-step totals, which `take_profile` returns as means per run and clears (benchmarks/host_cost.py prints
+// them); with it off, a step costs a branch.
+enum Step : int { kInputs, kOutputs, kStreams, kFills, kLaunches, kResult, kNumSteps };
+const char* const kStepNames[kNumSteps] = {"inputs", "outputs", "streams", "fills", "launches", "result"};
+
+struct ProfileTotals {
+    bool on = false;
+    int64_t runs = 0;
+    double ns[kNumSteps] = {};
+};
+
+ProfileTotals& profile_totals() {
+    static ProfileTotals totals;
+    return totals;
+}
+
+class Profile {
+public:
+    Profile() : on_(profile_totals().on), last_(on_ ? now() : 0) {}
+    void step(Step step) {
+        if (on_) {
+            const double t = now();
+            profile_totals().ns[step] += t - last_;
+            last_ = t;
+        }
+    }
+    void done() const { profile_totals().runs += on_; }
+
+private:
+    static double now() {
+        return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
+    bool on_;
+    double last_;
+};
+
+void set_profiling(bool on) { profile_totals().on = on; }
+
+py::dict take_profile() {
+    ProfileTotals& totals = profile_totals();
+    py::dict result;
+    for (int s = 0; s < kNumSteps; ++s) {
+        result[kStepNames[s]] = totals.runs ? totals.ns[s] / totals.runs / 1e3 : 0.0;  // us per run
+        totals.ns[s] = 0;
+    }
+    result["runs"] = totals.runs;
+    totals.runs = 0;
+    return result;
+}
+
+// NOTE [call signatures]: the key of a fast path (NOTE [fast paths] in backends/cuda/fast_paths.py) is what
+// the full path's checks read of a call's arguments, as bytes: of a tensor its dtype, device, sizes and
+// strides; of None, a bool or an int its value; of a tuple its items. Any other object (a list, a float, a
+// tensor without strides) makes no signature: None, and the call takes the full path.
+void append_word(std::string& out, int64_t word) { out.append(reinterpret_cast<const char*>(&word), sizeof word); }
+
+bool append_signature(std::string& out, PyObject* obj) {
+    enum Tag : int64_t { kNone, kFalse, kTrue, kInt, kTensor, kTuple };
+    if (obj == Py_None) {
+        append_word(out, kNone);
+    } else if (PyBool_Check(obj)) {  // before the ints: a bool is one
+        append_word(out, obj == Py_True ? kTrue : kFalse);
+    } else if (PyLong_Check(obj)) {
+        int overflow = 0;
+        const long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+        if (overflow != 0 || (value == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return false;
+        }
+        append_word(out, kInt);
+        append_word(out, value);
+    } else if (PyTuple_Check(obj)) {
+        const Py_ssize_t size = PyTuple_GET_SIZE(obj);
+        append_word(out, kTuple);
+        append_word(out, size);
+        for (Py_ssize_t i = 0; i < size; ++i) {
+            if (!append_signature(out, PyTuple_GET_ITEM(obj, i)))
+                return false;
+        }
+    } else if (THPVariable_Check(obj)) {
+        const at::Tensor& t = THPVariable_Unpack(obj);
+        if (t.layout() != at::kStrided || t.is_nested())
+            return false;
+        try {
+            const auto sizes = t.sizes();
+            const auto strides = t.strides();
+            append_word(out, kTensor);
+            append_word(out, static_cast<int64_t>(t.scalar_type()));
+            append_word(out, static_cast<int64_t>(t.device().type()) << 32 | static_cast<uint8_t>(t.device().index()));
+            append_word(out, static_cast<int64_t>(sizes.size()));
+            for (size_t d = 0; d < sizes.size(); ++d) {
+                append_word(out, sizes[d]);
+                append_word(out, strides[d]);
+            }
+        } catch (const c10::Error&) {  // symbolic sizes (a fake tensor)
+            return false;
+        }
+    } else {
+        return false;
+    }
+    return true;
+}
+
+py::object signature(const py::tuple& items) {
+    std::string out;
+    out.reserve(512);
+    if (!append_signature(out, items.ptr()))
+        return py::none();
+    return py::bytes(out);
+}
+
 // Where a run writes a per-call value into an argument block.
 enum SlotKind : int { kInputPointer = 0, kOutputPointer = 1, kScalar = 2 };
 
@@ -73,6 +191,7 @@ struct Output {
     int fill;  // a byte value every byte is set to on the launch stream before the first launch; -1: none
     int within;  // >= 0: a part of that earlier output (a whole), not allocated
     bool returned;  // false: a whole, bytes enough for its parts (each 16-byte aligned), handed back only as them
+    std::vector<int64_t> order;  // non-empty: handed back as the contiguous tensor of `shape` permuted so
 };
 
 // NOTE [plan allocations]: at::empty costs ~4 us a tensor on the GPU hosts (the dispatcher, a device guard,
@@ -89,12 +208,20 @@ public:
           keys_(c10::computeDispatchKey(std::nullopt, at::kStrided, device)),
           guard_(c10::impl::getDeviceGuardImpl(device.type())) {}
 
-    void add_output(std::vector<int64_t> shape, at::ScalarType dtype, int64_t fill, int64_t within, bool returned) {
+    void add_output(std::vector<int64_t> shape, at::ScalarType dtype, int64_t fill, int64_t within, bool returned,
+                    std::vector<int64_t> order) {
         const bool part_of_a_whole = within >= 0 && within < static_cast<int64_t>(outputs_.size()) &&
                                      !outputs_[within].returned;
         if ((within >= 0 && !part_of_a_whole) || (within >= 0 && !returned))
             throw std::invalid_argument("tokenyard: a plan output is a part of no earlier whole");
-        outputs_.push_back({std::move(shape), dtype, static_cast<int>(fill), static_cast<int>(within), returned});
+        std::vector<int64_t> sorted(order);
+        std::sort(sorted.begin(), sorted.end());
+        for (size_t d = 0; d < sorted.size(); ++d) {
+            if (sorted[d] != static_cast<int64_t>(d) || sorted.size() != shape.size() || !returned)
+                throw std::invalid_argument("tokenyard: a plan output's order is no permutation of its dimensions");
+        }
+        outputs_.push_back({std::move(shape), dtype, static_cast<int>(fill), static_cast<int>(within), returned,
+                            std::move(order)});
         num_returned_ += returned;
     }
 
@@ -123,12 +250,14 @@ public:
         const Driver& d = driver();
         if (d.launch == nullptr)
             throw std::runtime_error("tokenyard: the call plans' driver entry points were not set");
+        Profile profile;
         std::vector<uint64_t> input_ptrs(inputs.size(), 0);
         for (size_t i = 0; i < inputs.size(); ++i) {
-            PyObject* obj = inputs[i].ptr();
-            if (THPVariable_Check(obj))
+            PyObject* obj = PyTuple_GET_ITEM(inputs.ptr(), i);
+            if (is_tensor(obj))
                 input_ptrs[i] = reinterpret_cast<uint64_t>(THPVariable_Unpack(obj).data_ptr());
         }
+        profile.step(kInputs);
         const auto options = at::TensorOptions().device(device_);
         const bool here = device_.is_cpu() || guard_->getDevice() == device_;  // NOTE [plan allocations]
         const size_t n = outputs_.size();
@@ -169,6 +298,19 @@ public:
                 outputs.push_back(at::empty(shapes[i], options.dtype(out.dtype)));
         }
 
+        for (size_t i = 0; i < n; ++i) {
+            const std::vector<int64_t>& order = outputs_[i].order;
+            if (order.empty())
+                continue;
+            const c10::DimVector strides = c10::contiguous_strides(shapes[i]);
+            std::vector<int64_t> sizes_seen(order.size()), strides_seen(order.size());
+            for (size_t d = 0; d < order.size(); ++d) {
+                sizes_seen[d] = shapes[i][order[d]];
+                strides_seen[d] = strides[order[d]];
+            }
+            outputs[i].unsafeGetTensorImpl()->set_sizes_and_strides(sizes_seen, strides_seen);
+        }
+        profile.step(kOutputs);
         void* stream = reinterpret_cast<void*>(comm != 0 ? comm : compute);
         if (comm != 0) {
             void* waited = reinterpret_cast<void*>(wait_event);
@@ -178,12 +320,14 @@ public:
             }
             check(d.wait(stream, waited, 0), "cuStreamWaitEvent");
         }
+        profile.step(kStreams);
         for (size_t i = 0; i < outputs_.size(); ++i) {
             if (outputs_[i].within < 0 && outputs_[i].fill >= 0 && outputs[i].numel() > 0)
                 check(d.memset8(reinterpret_cast<uint64_t>(outputs[i].data_ptr()),
                                 static_cast<unsigned char>(outputs_[i].fill), outputs[i].nbytes(), stream),
                       "cuMemsetD8Async");
         }
+        profile.step(kFills);
         for (Launch& launch : launches_) {
             for (const Slot& slot : launch.slots) {
                 uint64_t value;
@@ -202,6 +346,7 @@ public:
                            nullptr, extra),
                   "cuLaunchKernel");
         }
+        profile.step(kLaunches);
         if (comm != 0 && join) {
             check(d.record(reinterpret_cast<void*>(exit_event), stream), "cuEventRecord");
             check(d.wait(reinterpret_cast<void*>(compute), reinterpret_cast<void*>(exit_event), 0), "cuStreamWaitEvent");
@@ -213,16 +358,19 @@ public:
                     outputs[i].record_stream(on_comm);
             }
             for (size_t i = 0; i < inputs.size(); ++i) {
-                PyObject* obj = inputs[i].ptr();
-                if (THPVariable_Check(obj))
+                PyObject* obj = PyTuple_GET_ITEM(inputs.ptr(), i);
+                if (is_tensor(obj))
                     THPVariable_Unpack(obj).record_stream(on_comm);
             }
         }
+        profile.step(kStreams);
         py::tuple result(num_returned_);
         for (size_t i = 0, r = 0; i < outputs.size(); ++i) {
             if (outputs_[i].returned)
                 result[r++] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outputs[i])));
         }
+        profile.step(kResult);
+        profile.done();
         return result;
     }
 
@@ -241,6 +389,9 @@ private:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     using tokenyard::host::Plan;
     m.def("set_driver", &tokenyard::host::set_driver);
+    m.def("signature", &tokenyard::host::signature);
+    m.def("set_profiling", &tokenyard::host::set_profiling);
+    m.def("take_profile", &tokenyard::host::take_profile);
     py::class_<Plan>(m, "Plan")
         .def(py::init<c10::Device>())
         .def("add_output", &Plan::add_output)

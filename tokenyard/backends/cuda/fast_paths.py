@@ -3,10 +3,10 @@
 NOTE [fast paths]
 The first call of a shape goes through the Buffer's full path: every argument check, the backend's plan
 (NOTE [call plans] in backends/cuda/plans.py), the streams. When it returns, the Buffer records what decided
-it: the metadata of every argument (dtypes, shapes, contiguity, device: all the checks read), the flags,
-the SM count. A later call whose metadata is the same would pass the same checks and build the same plan,
-so it skips both: it makes the same key, finds the plan and runs it, ordering the streams in the same C++
-call (csrc/call_plan.cpp). What the key cannot cover goes the full path every time: value checks (with
+it: the metadata of every argument (dtypes, shapes, strides, device: all the checks read), the flags,
+the SM count, as one signature made in C++ (NOTE [call signatures] in csrc/call_plan.cpp). A later call
+whose signature is the same would pass the same checks and build the same plan, so it skips both: it finds
+the plan and runs it, ordering the streams in the same C++ call. What the key cannot cover goes the full path every time: value checks (with
 `check_inputs`), calls in rounds, handles not made and checked by this Buffer, `allocate_on_comm_stream`,
 another current device, CPU tensors, CUDA-graph capture of the value checks. A call that raises leaves no
 record, so a refusal is always the full path's, with its message.
@@ -35,23 +35,6 @@ _raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_get
 _current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
 
 
-def tensor_key(t):
-    """What the checks read of a tensor argument (None stays None; anything else matches no recorded key, so
-    the full path refuses it with its own message)."""
-    if t is None:
-        return None
-    if not isinstance(t, torch.Tensor):
-        return object()
-    return t.dtype, t.shape, t.is_contiguous(), t.device
-
-
-def scales_key(t):
-    """x_scales may have any strides, and the kernel reads them."""
-    if not isinstance(t, torch.Tensor):
-        return tensor_key(t)
-    return t.dtype, t.shape, t.stride(), t.device
-
-
 def split_x(x):
     """Dispatch's `x` (or combine's `bias`) as a pair; a tuple of another length matches no recorded key."""
     if isinstance(x, tuple):
@@ -68,6 +51,9 @@ def raw_event(previous_event) -> Optional[int]:
     return None if event is None else getattr(event, "cuda_event", None)
 
 
+_LAYOUT, _CACHED, _WORST, _COMBINE, _LOW_LATENCY_DISPATCH, _LOW_LATENCY_COMBINE = range(6)  # a signature's first item
+
+
 class FastPaths:
     """The fast paths of one CUDA-backend Buffer (NOTE [fast paths])."""
 
@@ -75,6 +61,7 @@ class FastPaths:
         from . import plans
         from .backend import DISPATCH_INPUTS
 
+        self.signature = plans.module().signature  # NOTE [call signatures]
         self.unused_dispatch_inputs = (None,) * (len(DISPATCH_INPUTS) - 5)  # a cached dispatch's, after the fifth
         self.buffer = buffer
         self.backend = buffer.runtime
@@ -106,14 +93,9 @@ class FastPaths:
         event = EventOverlap(EventHandle(self.buffer.get_comm_stream())) if async_finish else EventOverlap(None)
         return outputs, event
 
-    def lookup(self, key: tuple):
-        try:
-            return self._entries.get(key)
-        except TypeError:  # an unhashable argument (the full path refuses it)
-            return None
-
-    def record(self, key: tuple, entry) -> None:
-        self._entries[key] = entry
+    def record(self, key: Optional[bytes], entry) -> None:
+        if key is not None:  # an argument without a signature: always the full path
+            self._entries[key] = entry
 
     def usable(self, previous_event) -> bool:
         """Whether a call may take a fast path at all (the per-shape key decides the rest)."""
@@ -125,7 +107,7 @@ class FastPaths:
     # -- normal mode ----------------------------------------------------------------------------------------
 
     def layout(self, topk_idx, num_experts, previous_event, async_finish):
-        entry = self.lookup(("layout", tensor_key(topk_idx), num_experts, async_finish))
+        entry = self._entries.get(self.signature((_LAYOUT, topk_idx, num_experts, async_finish)))
         if entry is None or not self.usable(previous_event):
             return None
         self.backend.check_failures()
@@ -134,17 +116,16 @@ class FastPaths:
 
     def learn_layout(self, topk_idx, num_experts, async_finish) -> None:
         plan = self.backend.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts)
-        self.record(("layout", tensor_key(topk_idx), num_experts, async_finish), plan.native)
+        self.record(self.signature((_LAYOUT, topk_idx, num_experts, async_finish)), plan.native)
 
     def _cached_key(self, x, handle, config, async_finish):
-        data, scales = split_x(x)
-        return ("cached", tensor_key(data), scales_key(scales), handle.num_rows, handle.num_tokens,
-                self.buffer.num_sms if config is None else config.num_sms, async_finish)
+        return self.signature((_CACHED, x, handle[3].size(0), handle[4].size(0),
+                               self.buffer.num_sms if config is None else config.num_sms, async_finish))
 
     def cached_dispatch(self, x, handle, config, previous_event, async_finish):
         if getattr(handle, "fast_for", None) != self.buffer._id:
             return None
-        entry = self.lookup(self._cached_key(x, handle, config, async_finish))
+        entry = self._entries.get(self._cached_key(x, handle, config, async_finish))
         if entry is None or not handle.rounds.fits(entry[3]) or not self.usable(previous_event):
             return None
         self.backend.check_failures()
@@ -167,16 +148,14 @@ class FastPaths:
 
     def _worst_key(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                    async_finish, all_weights):
-        data, scales = split_x(x)
-        return ("worst", tensor_key(data), scales_key(scales), tuple(tensor_key(t) for t in layout),
-                tensor_key(topk_idx), tensor_key(topk_weights), expert_alignment, num_worst_tokens,
-                self.buffer.num_sms if config is None else config.num_sms, async_finish, all_weights)
+        return self.signature((_WORST, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                               self.buffer.num_sms if config is None else config.num_sms, async_finish, all_weights))
 
     def worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                        previous_event, async_finish, all_weights: bool = False):
         """A fresh dispatch with num_worst_tokens (one plan, no CPU wait); `layout` = (num_tokens_per_rank,
         is_token_in_rank, num_tokens_per_expert); `all_weights`: DispatchRequest.all_topk_weights."""
-        entry = self.lookup(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+        entry = self._entries.get(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                                             config, async_finish, all_weights))
         if entry is None or not self.usable(previous_event):
             return None
@@ -209,15 +188,13 @@ class FastPaths:
                                     async_finish, all_weights), (first.native, at, rounds))
 
     def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
-        bias_0, bias_1 = split_x(bias)
-        return ("combine", tensor_key(x), tensor_key(topk_weights), tensor_key(bias_0), tensor_key(bias_1),
-                handle.num_rows, handle.num_tokens, self.buffer.num_sms if config is None else config.num_sms,
-                async_finish)
+        return self.signature((_COMBINE, x, topk_weights, bias, handle[3].size(0), handle[4].size(0),
+                               self.buffer.num_sms if config is None else config.num_sms, async_finish))
 
     def combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish):
         if getattr(handle, "fast_for", None) != self.buffer._id or isinstance(bias, list):
             return None
-        entry = self.lookup(self._combine_key(x, handle, topk_weights, bias, config, async_finish))
+        entry = self._entries.get(self._combine_key(x, handle, topk_weights, bias, config, async_finish))
         if entry is None or not handle.rounds.fits(entry[1]) or not self.usable(previous_event):
             return None
         self.backend.check_failures()
@@ -238,13 +215,13 @@ class FastPaths:
 
     def _low_latency_dispatch_key(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
                                   use_ue8m0, use_nvfp4, x_global_scale):
-        return ("low_latency_dispatch", tensor_key(x), tensor_key(topk_idx), num_max, num_experts, tensor_key(stats),
-                tensor_key(wait_stats), use_fp8, round_scale, use_ue8m0, use_nvfp4, tensor_key(x_global_scale))
+        return self.signature((_LOW_LATENCY_DISPATCH, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8,
+                               round_scale, use_ue8m0, use_nvfp4, x_global_scale))
 
     def low_latency_dispatch(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
                              use_ue8m0, use_nvfp4, x_global_scale):
         kernels = self.backend._low_latency_impl()
-        entry = self.lookup(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats,
+        entry = self._entries.get(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats,
                                                                 use_fp8, round_scale, use_ue8m0, use_nvfp4,
                                                                 x_global_scale))
         if entry is None or kernels is None or not self.usable(None):
@@ -253,10 +230,9 @@ class FastPaths:
         native, recv_x_at, scales_at = entry
         outputs, handle = kernels.run_dispatch(native, x, topk_idx, num_max, num_experts, stats,
                                                self.buffer._rank_mask, wait_stats, x_global_scale, self.buffer._id)
-        recv_x = outputs[recv_x_at]
-        if scales_at is not None:
-            recv_x = kernels.packed_views(recv_x, outputs[scales_at], use_nvfp4)
-        return recv_x, outputs[recv_x_at + (2 if scales_at is not None else 1)], handle, EventOverlap(None), _no_hook
+        if scales_at is None:
+            return outputs[recv_x_at], outputs[recv_x_at + 1], handle, EventOverlap(None), _no_hook
+        return (outputs[recv_x_at], outputs[scales_at]), outputs[scales_at + 1], handle, EventOverlap(None), _no_hook
 
     def learn_low_latency_dispatch(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
                                    use_ue8m0, use_nvfp4, x_global_scale) -> None:
@@ -273,16 +249,15 @@ class FastPaths:
             names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names else None))
 
     def _low_latency_combine_key(self, x, topk_idx, topk_weights, handle, out, wait_stats):
-        return ("low_latency_combine", tensor_key(x), tensor_key(topk_idx), tensor_key(topk_weights),
-                handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, tensor_key(out),
-                tensor_key(wait_stats))
+        return self.signature((_LOW_LATENCY_COMBINE, x, topk_idx, topk_weights, handle[2], handle[3], handle[4], out,
+                               wait_stats))
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats):
         kernels = self.backend._low_latency_impl()
         if (kernels is None or getattr(handle, "fast_for", None) != self.buffer._id or handle.half is None
                 or handle.num_tokens != topk_idx.size(0) or handle.num_topk != topk_idx.size(1)):
             return None
-        entry = self.lookup(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats))
+        entry = self._entries.get(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats))
         if entry is None or not self.usable(None):
             return None
         self.backend.check_failures()

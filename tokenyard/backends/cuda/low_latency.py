@@ -61,6 +61,7 @@ class LowLatencyKernels:
         self._dispatch_calls = 0
         self._src_info_of_half = [None, None]  # data_ptr of each half's latest dispatch's src_info
         self._bases = {}  # half_bytes -> (device array of half 0's base on every rank, the same for half 1)
+        self._half_base_addresses = {}  # (num_max, hidden, num_experts) -> their two addresses
         self.trace = None  # see start_trace
         self._shared_limit = getattr(torch.cuda.get_device_properties(backend.device_index),
                                      "shared_memory_per_block_optin", 227 << 10)  # bytes per block, opted in
@@ -153,11 +154,11 @@ class LowLatencyKernels:
             backend = self.backend
             first = backend._builder(inputs, LOW_LATENCY_SCALARS)
             made, wholes = {}, {}
-            for name, (shape, dtype) in outputs.items():  # NOTE [plan allocations]: the handle's fields apart
+            for name, (shape, dtype, *order) in outputs.items():  # NOTE [plan allocations]: the handle's fields apart
                 kept = name in _HANDLE_OUTPUTS
                 if kept not in wholes:
                     wholes[kept] = first.whole()
-                made[name] = first.part(wholes[kept], name, shape, dtype)
+                made[name] = first.part(wholes[kept], name, shape, dtype, *order)
             first.launch(kernel, send_grid or self._grid(), launch_args(first, made, 1, int(not hook)), shared_bytes)
             if not hook:
                 return first.build(), None
@@ -186,18 +187,8 @@ class LowLatencyKernels:
             scalars = (self._half_bases_of(request.num_max_dispatch_tokens_per_rank, x.size(1), request.num_experts,
                                            handle.half), self._trace_ptr(0))
             hook = self._receive_hook(second, inputs, scalars)
-        recv_x, scales = made["packed_recv_x"], made.get("packed_recv_x_scales")
-        if scales is not None:
-            recv_x, scales = self.packed_views(recv_x, scales, request.use_nvfp4)
-        return LowLatencyDispatchResult(recv_x, scales, made["packed_recv_count"], handle, hook)
-
-    @staticmethod
-    def packed_views(recv_x: torch.Tensor, scales: torch.Tensor, use_nvfp4: bool):
-        """The plan's expert-major outputs as DeepEP returns them: FP8 scales column-major in the last two axes;
-        NVFP4 data and scales permuted (NOTE [nvfp4] in semantics/quant.py)."""
-        if use_nvfp4:
-            return recv_x.permute(1, 2, 0), scales.permute(3, 4, 1, 5, 2, 0)
-        return recv_x, scales.transpose(1, 2)
+        return LowLatencyDispatchResult(made["packed_recv_x"], made.get("packed_recv_x_scales"),
+                                        made["packed_recv_count"], handle, hook)
 
     def run_dispatch(self, native, x, topk_idx, num_max: int, num_experts: int, stats, rank_mask, wait_costs,
                      x_global_scale=None, buffer_id: Optional[int] = None):
@@ -215,8 +206,13 @@ class LowLatencyKernels:
         return outputs, handle
 
     def _half_bases_of(self, num_max: int, hidden: int, num_experts: int, half: int) -> int:
-        layout = workspace.low_latency_layout(num_max, hidden, self.backend.ctx.num_ranks, num_experts)
-        return self._half_bases(layout, half).data_ptr()
+        """The address of `_half_bases` for a call of this shape (asked on every call: kept as two ints)."""
+        key = (num_max, hidden, num_experts)
+        addresses = self._half_base_addresses.get(key)
+        if addresses is None:
+            layout = workspace.low_latency_layout(num_max, hidden, self.backend.ctx.num_ranks, num_experts)
+            addresses = self._half_base_addresses[key] = tuple(self._half_bases(layout, h).data_ptr() for h in (0, 1))
+        return addresses[half]
 
     def _receive_hook(self, plan, inputs: tuple, scalars):
         """A recv hook: launches the receiving plan where the send was launched, as DeepEP's does."""
@@ -243,17 +239,19 @@ class LowLatencyKernels:
         kernel = self._kernel(kernels.low_latency_dispatch(num_topk, topk_dtype, cast, use_ue8m0, self.remote != 0))
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         use_fp8 = cast == 1
+        # name -> (shape, dtype[, order]): with an order, stored expert-major and handed back permuted so
+        # (PlanBuilder.part), as DeepEP's views.
         outputs = {"packed_recv_x": ((num_local_experts, num_slots, hidden),
                                      torch.float8_e4m3fn if use_fp8 else torch.bfloat16)}
-        if cast == 2:  # expert-major; dispatch permutes them into DeepEP's views (NOTE [nvfp4])
-            outputs = {"packed_recv_x": ((num_local_experts, num_slots, hidden // 2), torch.uint8),
+        if cast == 2:  # NOTE [nvfp4]
+            outputs = {"packed_recv_x": ((num_local_experts, num_slots, hidden // 2), torch.uint8, (1, 2, 0)),
                        "packed_recv_x_scales": ((num_local_experts, -(-num_slots // 128), hidden // 64, 32, 4, 4),
-                                                torch.float8_e4m3fn)}
+                                                torch.float8_e4m3fn, (3, 4, 1, 5, 2, 0))}
         if use_fp8:
-            # Column-major in the last two axes, as DeepEP lays them out for TMA (dispatch transposes it).
+            # Column-major in the last two axes, as DeepEP lays them out for TMA.
             groups = hidden // 128 // (4 if use_ue8m0 else 1)
             outputs["packed_recv_x_scales"] = ((num_local_experts, groups, num_slots),
-                                               torch.int32 if use_ue8m0 else torch.float32)
+                                               torch.int32 if use_ue8m0 else torch.float32, (0, 2, 1))
         outputs.update(packed_recv_count=((num_local_experts,), torch.int32),
                        src_info=((num_local_experts, num_slots), torch.int32),
                        layout_range=((num_local_experts, ctx.num_ranks), torch.int64))

@@ -74,7 +74,8 @@ class PlanBuilder:
         self.input_names = tuple(inputs)
         self.scalar_names = tuple(scalars)
         self.poison_outputs = poison_outputs
-        # (name, dims, dtype, fill, within, returned): `within` >= 0 a part of that whole (`whole`, `part`)
+        # (name, dims, dtype, fill, within, returned, order): `within` >= 0 a part of that whole (`whole`, `part`);
+        # `order` non-empty: handed back as the contiguous tensor of `dims` permuted so (`part`)
         self.outputs: List[Tuple[str, Tuple[int, ...], torch.dtype, int, int, bool]] = []
         self.launches = []
 
@@ -91,19 +92,20 @@ class PlanBuilder:
                fill: Optional[int] = None) -> Ref:
         """A tensor the run allocates; a dimension may be a scalar `Ref` (its value at the run). `fill`: a
         byte every byte of it starts as (0xFF: int32 -1), whatever `zero` and poisoning say."""
-        self.outputs.append((name, self._dims(shape), dtype, self._fill(zero) if fill is None else fill, -1, True))
+        self.outputs.append((name, self._dims(shape), dtype, self._fill(zero) if fill is None else fill, -1, True, ()))
         return Ref(_OUTPUT, len(self.outputs) - 1)
 
     def whole(self, zero: bool = False) -> int:
         """An allocation for tensors that live together (NOTE [plan allocations] in csrc/call_plan.cpp): as
         many bytes as its parts need (`part`, each 16-byte aligned), filled once. One allocation and at most
         one fill instead of one each; its memory is free when the last part is."""
-        self.outputs.append((f"whole{len(self.outputs)}", (0,), torch.uint8, self._fill(zero), -1, False))
+        self.outputs.append((f"whole{len(self.outputs)}", (0,), torch.uint8, self._fill(zero), -1, False, ()))
         return len(self.outputs) - 1
 
-    def part(self, whole: int, name: str, shape: Sequence, dtype: torch.dtype) -> Ref:
-        """A tensor the run makes as a part of `whole`; a dimension may be a scalar `Ref`."""
-        self.outputs.append((name, self._dims(shape), dtype, NO_FILL, whole, True))
+    def part(self, whole: int, name: str, shape: Sequence, dtype: torch.dtype, order: Sequence[int] = ()) -> Ref:
+        """A tensor the run makes as a part of `whole`; a dimension may be a scalar `Ref`. With `order`, the
+        caller gets the contiguous tensor of `shape` as `.permute(*order)` would show it (made so in C++)."""
+        self.outputs.append((name, self._dims(shape), dtype, NO_FILL, whole, True, tuple(order)))
         return Ref(_OUTPUT, len(self.outputs) - 1)
 
     def outputs_in_one(self, outputs: Sequence[Tuple[str, Sequence, torch.dtype]], zero: bool = False) -> Tuple[Ref, ...]:
@@ -137,8 +139,8 @@ class PlanBuilder:
 
     def build(self) -> "Plan":
         native = module().Plan(self.device)
-        for _, dims, dtype, fill, within, returned in self.outputs:
-            native.add_output(list(dims), dtype, fill, within, returned)
+        for _, dims, dtype, fill, within, returned, order in self.outputs:
+            native.add_output(list(dims), dtype, fill, within, returned, list(order))
         for launch in self.launches:
             native.add_launch(*launch)
         return Plan(native, tuple(o[0] for o in self.outputs if o[5]), self.input_names, self.scalar_names)
