@@ -137,7 +137,7 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
         sync()
         dist.barrier()
         buffer.destroy()
-        del buffer, ops
+        buffer = ops = None  # freed before the next size's buffer is made
     return {"calls": results, **extra}
 
 

@@ -394,9 +394,12 @@ class CudaBackend(Backend):
         def build():
             num_ranks = self.ctx.num_ranks
             b = self._builder(("topk_idx",))
-            per_rank, per_expert = b.outputs_in_one((("num_tokens_per_rank", (num_ranks,), torch.int32),
-                                                     ("num_tokens_per_expert", (num_experts,), torch.int32)), zero=True)
-            in_rank = b.output("is_token_in_rank", (num_tokens, num_ranks), torch.bool)
+            # NOTE [plan allocations]: one allocation, zeroed for the counters (is_token_in_rank, which the kernel
+            # writes whole, then keeps the counters' few bytes alive as long as a handle holds it).
+            per_rank, per_expert, in_rank = b.outputs_in_one((
+                ("num_tokens_per_rank", (num_ranks,), torch.int32),
+                ("num_tokens_per_expert", (num_experts,), torch.int32),
+                ("is_token_in_rank", (num_tokens, num_ranks), torch.bool)), zero=True)
             if num_tokens > 0:
                 b.launch(self._kernel(kernels.dispatch_layout(num_ranks, topk_dtype)),
                          heuristics.layout_grid(num_tokens, kernels.LAYOUT_THREADS, self.device_sms), dict(

@@ -24,6 +24,7 @@ of a call unless `async_finish`), so no tensor needs `record_stream` on the sync
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -51,6 +52,7 @@ def raw_event(previous_event) -> Optional[int]:
     return None if event is None else getattr(event, "cuda_event", None)
 
 
+_NINE_NONES = (None,) * 9
 _LAYOUT, _CACHED, _WORST, _COMBINE, _LOW_LATENCY_DISPATCH, _LOW_LATENCY_COMBINE = range(6)  # a signature's first item
 
 
@@ -119,8 +121,9 @@ class FastPaths:
         self.record(self.signature((_LAYOUT, topk_idx, num_experts, async_finish)), plan.native)
 
     def _cached_key(self, x, handle, config, async_finish):
-        return self.signature((_CACHED, x, handle[3].size(0), handle[4].size(0),
-                               self.buffer.num_sms if config is None else config.num_sms, async_finish))
+        # The handle's recv_src_idx and is_token_in_rank: its received rows and sent tokens.
+        return self.signature((_CACHED, x, handle[3], handle[4], self.buffer.num_sms if config is None else config.num_sms,
+                               async_finish))
 
     def cached_dispatch(self, x, handle, config, previous_event, async_finish):
         if getattr(handle, "fast_for", None) != self.buffer._id:
@@ -129,10 +132,10 @@ class FastPaths:
         if entry is None or not handle.rounds.fits(entry[3]) or not self.usable(previous_event):
             return None
         self.backend.check_failures()
-        native, recv_x_at, scales_at, _ = entry
+        native, recv_x_at, scales_at, _, num_tokens = entry
         data, scales = split_x(x)
-        inputs = (data, scales, None, None, handle.is_token_in_rank) + self.unused_dispatch_inputs
-        outputs, event = self.run(native, inputs, self.backend.dispatch_scalars(data.size(0)), previous_event,
+        inputs = (data, scales, None, None, handle[4]) + self.unused_dispatch_inputs
+        outputs, event = self.run(native, inputs, self.backend.dispatch_scalars(num_tokens), previous_event,
                                   async_finish)
         recv_x = outputs[recv_x_at] if scales is None else (outputs[recv_x_at], outputs[scales_at])
         return recv_x, None, None, None, None, event
@@ -144,7 +147,7 @@ class FastPaths:
         names = first.output_names
         self.record(self._cached_key(x, handle, config, async_finish), (
             first.native, names.index("recv_x"), names.index("recv_x_scales") if "recv_x_scales" in names else None,
-            round_tokens))
+            round_tokens, handle.num_tokens))
 
     def _worst_key(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                    async_finish, all_weights):
@@ -160,20 +163,18 @@ class FastPaths:
         if entry is None or not self.usable(previous_event):
             return None
         self.backend.check_failures()
-        native, at, rounds = entry
+        native, pick, rounds, num_tokens, num_experts = entry
         data, scales = split_x(x)
         per_rank, in_rank, per_expert = layout
-        inputs = (data, scales, topk_idx, topk_weights, in_rank, per_expert) + (None,) * 9 + \
+        inputs = (data, scales, topk_idx, topk_weights, in_rank, per_expert) + _NINE_NONES + \
             (topk_idx, in_rank, per_rank, per_expert)
-        num_tokens = data.size(0)
         outputs, event = self.run(native, inputs, self.backend.dispatch_scalars(
             num_tokens, None, num_worst_tokens, 0, num_tokens), previous_event, async_finish)
-        self.backend.note_judged(per_expert.size(0))
-        handle = DispatchHandle(*(outputs[i] for i in at["handle"]), in_rank, outputs[at["send_head"]],
-                                buffer_id=self.buffer._id, rounds=rounds, num_recv_tokens=None,
-                                fast_for=self.buffer._id)
-        recv_x = outputs[at["recv_x"]] if scales is None else (outputs[at["recv_x"]], outputs[at["recv_x_scales"]])
-        return recv_x, outputs[at["recv_topk_idx"]], outputs[at["recv_topk_weights"]], [], handle, event
+        self.backend.note_judged(num_experts)
+        prefix, counts, first, src_idx, send_head, recv_x, recv_idx, recv_weights, *recv_scales = pick(outputs)
+        handle = DispatchHandle(prefix, counts, first, src_idx, in_rank, send_head, buffer_id=self.buffer._id,
+                                rounds=rounds, num_recv_tokens=None, fast_for=self.buffer._id)
+        return (recv_x, *recv_scales) if scales is not None else recv_x, recv_idx, recv_weights, [], handle, event
 
     def learn_worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                              async_finish, shape, rounds, all_weights: bool = False) -> None:
@@ -181,14 +182,15 @@ class FastPaths:
         names = first.output_names
         if second is not None or "recv_topk_weights" not in names:
             return
-        at = {name: names.index(name) for name in ("recv_x", "recv_topk_idx", "recv_topk_weights", "send_head")}
-        at["recv_x_scales"] = names.index("recv_x_scales") if "recv_x_scales" in names else None
-        at["handle"] = tuple(names.index(n) for n in ("rank_prefix_matrix", "counts", "source_first", "recv_src_idx"))
+        picked = ("rank_prefix_matrix", "counts", "source_first", "recv_src_idx", "send_head", "recv_x", "recv_topk_idx",
+                  "recv_topk_weights") + (("recv_x_scales",) if "recv_x_scales" in names else ())
+        pick = operator.itemgetter(*(names.index(name) for name in picked))
         self.record(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                    async_finish, all_weights), (first.native, at, rounds))
+                                    async_finish, all_weights), (first.native, pick, rounds, split_x(x)[0].size(0),
+                                                                 layout[2].size(0)))
 
     def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
-        return self.signature((_COMBINE, x, topk_weights, bias, handle[3].size(0), handle[4].size(0),
+        return self.signature((_COMBINE, x, topk_weights, bias, handle[3], handle[4],  # as _cached_key's
                                self.buffer.num_sms if config is None else config.num_sms, async_finish))
 
     def combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish):
@@ -199,7 +201,7 @@ class FastPaths:
             return None
         self.backend.check_failures()
         bias_0, bias_1 = split_x(bias)
-        inputs = (x, topk_weights, bias_0, bias_1, handle.rank_prefix_matrix, None, handle.send_head, None, None)
+        inputs = (x, topk_weights, bias_0, bias_1, handle[0], None, handle[5], None, None)  # DispatchHandle's fields
         outputs, event = self.run(entry[0], inputs, (), previous_event, async_finish)
         return outputs[0], (outputs[1] if topk_weights is not None else None), event
 
@@ -249,13 +251,13 @@ class FastPaths:
             names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names else None))
 
     def _low_latency_combine_key(self, x, topk_idx, topk_weights, handle, out, wait_stats):
+        # The handle's sent tokens and top-k: a learnt entry's equal topk_idx's (else the full path refused).
         return self.signature((_LOW_LATENCY_COMBINE, x, topk_idx, topk_weights, handle[2], handle[3], handle[4], out,
-                               wait_stats))
+                               wait_stats, handle.num_tokens, handle.num_topk))
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats):
         kernels = self.backend._low_latency_impl()
-        if (kernels is None or getattr(handle, "fast_for", None) != self.buffer._id or handle.half is None
-                or handle.num_tokens != topk_idx.size(0) or handle.num_topk != topk_idx.size(1)):
+        if kernels is None or getattr(handle, "fast_for", None) != self.buffer._id:
             return None
         entry = self._entries.get(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats))
         if entry is None or not self.usable(None):
