@@ -394,12 +394,12 @@ class CudaBackend(Backend):
         def build():
             num_ranks = self.ctx.num_ranks
             b = self._builder(("topk_idx",))
-            # NOTE [plan allocations]: one allocation, zeroed for the counters (is_token_in_rank, which the kernel
-            # writes whole, then keeps the counters' few bytes alive as long as a handle holds it).
-            per_rank, per_expert, in_rank = b.outputs_in_one((
-                ("num_tokens_per_rank", (num_ranks,), torch.int32),
-                ("num_tokens_per_expert", (num_experts,), torch.int32),
-                ("is_token_in_rank", (num_tokens, num_ranks), torch.bool)), zero=True)
+            # NOTE [plan allocations]: one allocation, the counters zeroed; is_token_in_rank, which the kernel writes
+            # whole, keeps the counters' few bytes alive as long as a handle holds it.
+            whole = b.whole(zero=True)
+            per_rank = b.part(whole, "num_tokens_per_rank", (num_ranks,), torch.int32)
+            per_expert = b.part(whole, "num_tokens_per_expert", (num_experts,), torch.int32)
+            in_rank = b.part(whole, "is_token_in_rank", (num_tokens, num_ranks), torch.bool, unfilled=True)
             if num_tokens > 0:
                 b.launch(self._kernel(kernels.dispatch_layout(num_ranks, topk_dtype)),
                          heuristics.layout_grid(num_tokens, kernels.LAYOUT_THREADS, self.device_sms), dict(
