@@ -13,6 +13,7 @@
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh shared_bench
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh faults
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh structure_ab
+#   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh host_cost_ab
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -154,6 +155,20 @@ if [ "$what" = host_cost ]; then
     TOKENYARD_CHECK_INPUTS=1 timeout 200 python3 benchmarks/host_cost.py --json "$out/host_cost_checked.json" \
         > "$out/host_cost_checked.log" 2>&1
     grep -v Warn "$out/host_cost_checked.log" | head -14
+fi
+if [ "$what" = host_cost_ab ]; then
+    # Issue 24: benchmarks/host_cost.py in the tree of TOKENYARD_BEFORE (carried as _before/, as structure_ab's)
+    # and in this one, alternately twice, on this machine; benchmarks/host_cost_ab.py merges them.
+    for i in 1 2; do
+        for side in before after; do
+            (cd "$([ $side = before ] && echo _before || echo .)" && \
+                TOKENYARD_COMMIT=$([ $side = before ] && echo "$TOKENYARD_BEFORE" || echo "$TOKENYARD_COMMIT") \
+                timeout 150 python3 benchmarks/host_cost.py --json "$out/host_cost_${side}_$i.json" \
+                > "$out/host_cost_${side}_$i.log" 2>&1; grep -v Warn "$out/host_cost_${side}_$i.log" | head -8)
+        done
+    done
+    python3 benchmarks/host_cost_ab.py --json "$out/host_cost_ab.json" --before "$out"/host_cost_before_*.json \
+        --after "$out"/host_cost_after_*.json
 fi
 if [ "$what" = structure_ab ]; then
     # Issue 22: the README's benchmark (CUDA backend only) at one rank, twice in the tree of TOKENYARD_BEFORE and
