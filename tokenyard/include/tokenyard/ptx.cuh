@@ -85,6 +85,19 @@ __device__ __forceinline__ uint32_t atomic_add_acq_rel_gpu(uint32_t* ptr, uint32
     return old;
 }
 
+// atom.inc wraps: the word becomes 0 where it was >= limit, else it grows by one; -> its value before.
+__device__ __forceinline__ uint32_t atomic_inc_acq_rel_gpu(uint32_t* ptr, uint32_t limit) {
+    uint32_t old;
+    asm volatile("atom.inc.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(limit) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ int ld_relaxed_gpu(const int* ptr) {
+    int value;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+    return value;
+}
+
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // Nanoseconds from the GPU's global timer (coarse, but monotonic and the same on every SM).

@@ -1,19 +1,27 @@
 // get_dispatch_layout: which ranks and experts each token goes to (docs/semantics.md, "Layout").
 #pragma once
 
+#include "../ptx.cuh"
 #include "../sync.cuh"
 
 namespace tokenyard::kernels {
 
-// Grid-stride over tokens; counts gather in shared memory (num_experts + kNumRanks ints, dynamic) and
-// are added to the zeroed outputs once per block. Ids outside [0, num_experts) count nowhere; one outside
-// [-1, num_experts) sets kLayoutBadIds in `verdict` for the next fresh dispatch to judge (NOTE [input
-// verdict] in tokenyard/checks.py).
+// NOTE [layout without a fill]: grid-stride over tokens; each block gathers its counts in shared memory
+// (num_experts + kNumRanks ints, dynamic). A block writes them to its row of `partials`, then takes a number
+// from `ticket`; the block that takes the last one sums every row into the outputs. So the outputs need no
+// zeroing before the launch (a fill is a driver call of its own on the host: benchmarks/results/host_cost.md).
+// `ticket` wraps back to 0 as the last block takes its number, ready for the next launch; `ticket` and
+// `partials` belong to the Buffer (CudaBackend.layout_scratch), whose calls run one at a time on the GPU
+// (NOTE [joined stream] in buffer.py). One block writes its counts straight to the outputs.
+// Ids outside [0, num_experts) count nowhere; one outside [-1, num_experts) sets kLayoutBadIds in `verdict`
+// for the next fresh dispatch to judge (NOTE [input verdict] in tokenyard/checks.py).
 template <int kNumRanks, typename TopkT, typename Params>
 __device__ __forceinline__ void dispatch_layout(const Params& p) {
     static_assert(kNumRanks <= 32, "a rank mask is one 32-bit word");
     extern __shared__ int counts[];  // [num_experts] then [kNumRanks]
-    for (int i = threadIdx.x; i < p.num_experts + kNumRanks; i += blockDim.x)
+    __shared__ bool sums_rows;
+    const int num_counts = p.num_experts + kNumRanks;
+    for (int i = threadIdx.x; i < num_counts; i += blockDim.x)
         counts[i] = 0;
     __syncthreads();
     const int num_local_experts = p.num_experts / kNumRanks;
@@ -39,10 +47,31 @@ __device__ __forceinline__ void dispatch_layout(const Params& p) {
     if (bad)
         atomicOr(p.verdict, kLayoutBadIds);
     __syncthreads();
-    for (int i = threadIdx.x; i < p.num_experts + kNumRanks; i += blockDim.x) {
-        if (counts[i] != 0)
-            atomicAdd(i < p.num_experts ? p.num_tokens_per_expert + i : p.num_tokens_per_rank + (i - p.num_experts),
-                      counts[i]);
+    const auto write = [&](int i, int total) {
+        if (i < p.num_experts)
+            p.num_tokens_per_expert[i] = total;
+        else
+            p.num_tokens_per_rank[i - p.num_experts] = total;
+    };
+    if (gridDim.x == 1) {
+        for (int i = threadIdx.x; i < num_counts; i += blockDim.x)
+            write(i, counts[i]);
+        return;
+    }
+    int* row = p.partials + static_cast<int64_t>(blockIdx.x) * num_counts;
+    for (int i = threadIdx.x; i < num_counts; i += blockDim.x)
+        row[i] = counts[i];
+    __syncthreads();  // the block's rows before its number (the release below covers them)
+    if (threadIdx.x == 0)
+        sums_rows = ptx::atomic_inc_acq_rel_gpu(p.ticket, gridDim.x - 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!sums_rows)
+        return;
+    for (int i = threadIdx.x; i < num_counts; i += blockDim.x) {
+        int total = 0;
+        for (int b = 0; b < static_cast<int>(gridDim.x); ++b)
+            total += ptx::ld_relaxed_gpu(p.partials + static_cast<int64_t>(b) * num_counts + i);
+        write(i, total);
     }
 }
 
