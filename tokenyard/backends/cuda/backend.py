@@ -252,7 +252,7 @@ class CudaBackend(Backend):
         # [layout's kLayoutBadIds, the last judged dispatch's mask of bad ranks] (NOTE [input verdict] in checks.py)
         self.verdict = torch.zeros(2, dtype=torch.int32, device=ctx.device)
         self._verdict_experts: Optional[int] = None  # num_experts of the last fresh dispatch, for messages
-        self._layout_scratch = {}  # num_experts -> the layout kernel's ticket and rows (`layout_scratch`)
+        self._layout_scratch = {}  # num_experts -> the layout kernel's ticket and totals (`layout_scratch`)
         self.host_record_ptr = runtime.host_alloc_mapped(_RECORD_INTS * 4)
         self.host_record = runtime.int32_view(self.host_record_ptr, _RECORD_INTS)
         self._signatures = {}  # signature tuple -> its ints on the device (NOTE [call signatures], `_signature`)
@@ -409,19 +409,19 @@ class CudaBackend(Backend):
                              topk_idx=b.inp("topk_idx"), num_tokens=num_tokens, num_topk=num_topk,
                              num_experts=num_experts, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
                              is_token_in_rank=in_rank, verdict=self.verdict.data_ptr(),
-                             partials=scratch.data_ptr() + 16, ticket=scratch.data_ptr()),
+                             totals=scratch.data_ptr() + 16, ticket=scratch.data_ptr()),
                          shared_bytes=(num_experts + num_ranks) * 4)
             return b.build()
 
         return self.plan(("layout", topk_dtype, num_tokens, num_topk, num_experts), build)
 
     def layout_scratch(self, num_experts: int) -> torch.Tensor:
-        """The layout kernel's ticket (int32 0) and, from byte 16, a row of counts per block, for calls of
-        `num_experts` (NOTE [layout without a fill]); made zeroed at the first such call and kept, as plans
-        hold its address."""
+        """The layout kernel's ticket (int32 0) and, from byte 16, its num_experts + num_ranks running totals,
+        for calls of `num_experts` (NOTE [layout without a fill]); made zeroed at the first such call and
+        kept, as plans hold its address."""
         scratch = self._layout_scratch.get(num_experts)
         if scratch is None:
-            ints = 4 + self.device_sms * (num_experts + self.ctx.num_ranks)
+            ints = 4 + num_experts + self.ctx.num_ranks
             scratch = self._layout_scratch[num_experts] = torch.zeros(ints, dtype=torch.int32, device=self.ctx.device)
         return scratch
 

@@ -42,7 +42,7 @@ def dispatch_layout(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
         "tokenyard/kernels/dispatch_layout.cuh", "tokenyard::kernels::dispatch_layout", (num_ranks, topk_t),
         (Param(f"const {topk_t}*", "topk_idx"), Param("int", "num_tokens"), Param("int", "num_topk"),
          Param("int", "num_experts"), Param("int*", "num_tokens_per_rank"), Param("int*", "num_tokens_per_expert"),
-         Param("bool*", "is_token_in_rank"), Param("int*", "verdict"), Param("int*", "partials"),
+         Param("bool*", "is_token_in_rank"), Param("int*", "verdict"), Param("int*", "totals"),
          Param("uint32_t*", "ticket")),
         LAYOUT_THREADS, name="tokenyard::normal::layout")
 

@@ -7,19 +7,20 @@
 namespace tokenyard::kernels {
 
 // NOTE [layout without a fill]: grid-stride over tokens; each block gathers its counts in shared memory
-// (num_experts + kNumRanks ints, dynamic). A block writes them to its row of `partials`, then takes a number
-// from `ticket`; the block that takes the last one sums every row into the outputs. So the outputs need no
-// zeroing before the launch (a fill is a driver call of its own on the host: benchmarks/results/host_cost.md).
-// `ticket` wraps back to 0 as the last block takes its number, ready for the next launch; `ticket` and
-// `partials` belong to the Buffer (CudaBackend.layout_scratch), whose calls run one at a time on the GPU
-// (NOTE [joined stream] in buffer.py). One block writes its counts straight to the outputs.
+// (num_experts + kNumRanks ints, dynamic) and adds them to the Buffer's `totals`, then takes a number from
+// `ticket`; the block that takes the last one copies the totals to the outputs and zeroes them. So the
+// outputs need no fill before the launch (a fill is a driver call of its own on the host:
+// benchmarks/results/host_cost.md), and `ticket` (which wraps back to 0 as the last block takes its number) and
+// `totals` are ready for the next launch. They belong to the Buffer (CudaBackend.layout_scratch), whose calls
+// run one at a time on the GPU (NOTE [joined stream] in buffer.py). One block writes its counts straight to
+// the outputs.
 // Ids outside [0, num_experts) count nowhere; one outside [-1, num_experts) sets kLayoutBadIds in `verdict`
 // for the next fresh dispatch to judge (NOTE [input verdict] in tokenyard/checks.py).
 template <int kNumRanks, typename TopkT, typename Params>
 __device__ __forceinline__ void dispatch_layout(const Params& p) {
     static_assert(kNumRanks <= 32, "a rank mask is one 32-bit word");
     extern __shared__ int counts[];  // [num_experts] then [kNumRanks]
-    __shared__ bool sums_rows;
+    __shared__ bool takes_totals;
     const int num_counts = p.num_experts + kNumRanks;
     for (int i = threadIdx.x; i < num_counts; i += blockDim.x)
         counts[i] = 0;
@@ -58,20 +59,19 @@ __device__ __forceinline__ void dispatch_layout(const Params& p) {
             write(i, counts[i]);
         return;
     }
-    int* row = p.partials + static_cast<int64_t>(blockIdx.x) * num_counts;
-    for (int i = threadIdx.x; i < num_counts; i += blockDim.x)
-        row[i] = counts[i];
-    __syncthreads();  // the block's rows before its number (the release below covers them)
+    for (int i = threadIdx.x; i < num_counts; i += blockDim.x) {
+        if (counts[i] != 0)
+            atomicAdd(p.totals + i, counts[i]);
+    }
+    __syncthreads();  // the block's additions before its number (the release below covers them)
     if (threadIdx.x == 0)
-        sums_rows = ptx::atomic_inc_acq_rel_gpu(p.ticket, gridDim.x - 1) == gridDim.x - 1;
+        takes_totals = ptx::atomic_inc_acq_rel_gpu(p.ticket, gridDim.x - 1) == gridDim.x - 1;
     __syncthreads();
-    if (!sums_rows)
+    if (!takes_totals)
         return;
     for (int i = threadIdx.x; i < num_counts; i += blockDim.x) {
-        int total = 0;
-        for (int b = 0; b < static_cast<int>(gridDim.x); ++b)
-            total += ptx::ld_relaxed_gpu(p.partials + static_cast<int64_t>(b) * num_counts + i);
-        write(i, total);
+        write(i, ptx::ld_relaxed_gpu(p.totals + i));
+        p.totals[i] = 0;
     }
 }
 
