@@ -232,24 +232,3 @@ def test_the_profile_counts_runs_only_while_on(extension, driver):
     assert all(v >= 0 for v in steps.values()) and steps["launches"] > 0
     plan.run_here(11, (None, None), [0, 0])
     assert extension.take_profile()["runs"] == 0
-
-
-@pytest.mark.parametrize("poison", [False, True])
-def test_a_wholes_fill_ends_before_its_unfilled_parts(driver, poison):
-    rng = random.Random()
-    counters, rows = rng.randrange(1, 40), rng.randrange(1, 300)
-    b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"), poison_outputs=poison)
-    whole = b.whole(zero=True)
-    counts = b.part(whole, "counts", (counters,), torch.int32)
-    flags = b.part(whole, "flags", (rows, 3), torch.bool, unfilled=True)
-    b.launch(FakeKernel(SPEC, 3), 1, dict(_args(b), src=counts, maybe=flags))
-    counts_t, flags_t = b.build().native.run((None, None), [0, 0], 11, 0, 0, 0, 0, False, False, 0)
-    memsets = [c for c in driver.calls if c[0] == "memset"]
-    assert counts_t.eq(0).all()
-    if poison:  # made apart and poisoned, so a kernel that skips some of it shows
-        assert flags_t.untyped_storage().data_ptr() != counts_t.untyped_storage().data_ptr()
-        assert flags_t.view(torch.uint8).eq(plans.POISON).all()
-        assert sorted(c[1:3] for c in memsets) == sorted([(0, (counters * 4 + 15) // 16 * 16), (plans.POISON, rows * 3)])
-    else:
-        assert flags_t.untyped_storage().data_ptr() == counts_t.untyped_storage().data_ptr()
-        assert [c[1:3] for c in memsets] == [(0, (counters * 4 + 15) // 16 * 16)]  # the counters' bytes only

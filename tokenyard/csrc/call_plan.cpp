@@ -168,8 +168,6 @@ py::object signature(const py::tuple& items) {
     return py::bytes(out);
 }
 
-constexpr int kUnfilled = -2;  // Output::fill of a part its whole's fill leaves as it is
-
 // Where a run writes a per-call value into an argument block.
 enum SlotKind : int { kInputPointer = 0, kOutputPointer = 1, kScalar = 2 };
 
@@ -190,8 +188,7 @@ struct Launch {
 struct Output {
     std::vector<int64_t> shape;  // a negative entry d: the run's scalar -d - 1
     at::ScalarType dtype;
-    int fill;  // a byte value every byte is set to on the launch stream before the first launch; -1: none. A
-               // whole's fill ends with its last part that is not kUnfilled (which parts ask to be, given last).
+    int fill;  // a byte value every byte is set to on the launch stream before the first launch; -1: none
     int within;  // >= 0: a part of that earlier output (a whole), not allocated
     bool returned;  // false: a whole, bytes enough for its parts (each 16-byte aligned), handed back only as them
     std::vector<int64_t> order;  // non-empty: handed back as the contiguous tensor of `shape` permuted so
@@ -265,8 +262,7 @@ public:
         const bool here = device_.is_cpu() || guard_->getDevice() == device_;  // NOTE [plan allocations]
         const size_t n = outputs_.size();
         std::vector<std::vector<int64_t>> shapes(n);
-        // A whole's bytes and the bytes its fill covers; a part's byte offset in its whole.
-        std::vector<int64_t> bytes(n, 0), fill_bytes(n, 0), offsets(n, 0);
+        std::vector<int64_t> bytes(n, 0), offsets(n, 0);  // a whole's bytes; a part's byte offset in its whole
         for (size_t i = 0; i < n; ++i) {
             const Output& out = outputs_[i];
             shapes[i] = out.shape;
@@ -278,8 +274,6 @@ public:
             if (out.within >= 0) {
                 offsets[i] = bytes[out.within];
                 bytes[out.within] += (numel * static_cast<int64_t>(c10::elementSize(out.dtype)) + 15) / 16 * 16;
-                if (out.fill != kUnfilled)
-                    fill_bytes[out.within] = bytes[out.within];
             }
         }
         std::vector<at::Tensor> outputs;
@@ -328,11 +322,9 @@ public:
         }
         profile.step(kStreams);
         for (size_t i = 0; i < outputs_.size(); ++i) {
-            // A small fill goes into the stream's commands, a large one is a kernel of the driver's (~2 us more).
-            const int64_t filled = outputs_[i].returned ? static_cast<int64_t>(outputs[i].nbytes()) : fill_bytes[i];
-            if (outputs_[i].within < 0 && outputs_[i].fill >= 0 && filled > 0)
+            if (outputs_[i].within < 0 && outputs_[i].fill >= 0 && outputs[i].numel() > 0)
                 check(d.memset8(reinterpret_cast<uint64_t>(outputs[i].data_ptr()),
-                                static_cast<unsigned char>(outputs_[i].fill), filled, stream),
+                                static_cast<unsigned char>(outputs_[i].fill), outputs[i].nbytes(), stream),
                       "cuMemsetD8Async");
         }
         profile.step(kFills);

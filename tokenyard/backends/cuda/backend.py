@@ -398,10 +398,10 @@ class CudaBackend(Backend):
             # NOTE [plan allocations]: one allocation; is_token_in_rank keeps the counters' few bytes alive as long
             # as a handle holds it. The kernel writes every byte (NOTE [layout without a fill]); without
             # tokens, no kernel runs and the counters are zeroed.
-            whole = b.whole(zero=num_tokens == 0)
-            per_rank = b.part(whole, "num_tokens_per_rank", (num_ranks,), torch.int32)
-            per_expert = b.part(whole, "num_tokens_per_expert", (num_experts,), torch.int32)
-            in_rank = b.part(whole, "is_token_in_rank", (num_tokens, num_ranks), torch.bool, unfilled=True)
+            per_rank, per_expert, in_rank = b.outputs_in_one((
+                ("num_tokens_per_rank", (num_ranks,), torch.int32),
+                ("num_tokens_per_expert", (num_experts,), torch.int32),
+                ("is_token_in_rank", (num_tokens, num_ranks), torch.bool)), zero=num_tokens == 0)
             if num_tokens > 0:
                 scratch = self.layout_scratch(num_experts)
                 b.launch(self._kernel(kernels.dispatch_layout(num_ranks, topk_dtype)),

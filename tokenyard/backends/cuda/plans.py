@@ -27,7 +27,7 @@ from ...jit.driver import Kernel, check, libcuda
 from ...jit.host import call_plans
 
 _INPUT, _OUTPUT, _SCALAR = 0, 1, 2
-NO_FILL, UNFILLED, POISON = -1, -2, 0xAB  # UNFILLED: a part its whole's fill skips (csrc/call_plan.cpp)
+NO_FILL, POISON = -1, 0xAB
 _EVENT_DISABLE_TIMING = 0x2
 
 
@@ -102,18 +102,10 @@ class PlanBuilder:
         self.outputs.append((f"whole{len(self.outputs)}", (0,), torch.uint8, self._fill(zero), -1, False, ()))
         return len(self.outputs) - 1
 
-    def part(self, whole: int, name: str, shape: Sequence, dtype: torch.dtype, order: Sequence[int] = (),
-             unfilled: bool = False) -> Ref:
+    def part(self, whole: int, name: str, shape: Sequence, dtype: torch.dtype, order: Sequence[int] = ()) -> Ref:
         """A tensor the run makes as a part of `whole`; a dimension may be a scalar `Ref`. With `order`, the
-        caller gets the contiguous tensor of `shape` as `.permute(*order)` would show it (made so in C++).
-        `unfilled` (for parts the kernels write whole, given after the parts to fill): the whole's fill ends
-        before it, which keeps a fill small (a large one costs the driver a kernel launch). Poisoning plans make
-        an unfilled part a poisoned tensor of its own, so a kernel that leaves some of it unwritten shows."""
-        if unfilled and self.poison_outputs:
-            assert not order, "an unfilled part is made apart when poisoning, without an order"
-            return self.output(name, shape, dtype)
-        self.outputs.append((name, self._dims(shape), dtype, UNFILLED if unfilled else NO_FILL, whole, True,
-                             tuple(order)))
+        caller gets the contiguous tensor of `shape` as `.permute(*order)` would show it (made so in C++)."""
+        self.outputs.append((name, self._dims(shape), dtype, NO_FILL, whole, True, tuple(order)))
         return Ref(_OUTPUT, len(self.outputs) - 1)
 
     def outputs_in_one(self, outputs: Sequence[Tuple[str, Sequence, torch.dtype]], zero: bool = False) -> Tuple[Ref, ...]:
