@@ -6,10 +6,10 @@ The first call of a shape goes through the Buffer's full path: every argument ch
 it: the metadata of every argument (dtypes, shapes, strides, device: all the checks read), the flags,
 the SM count, as one signature made in C++ (NOTE [call signatures] in csrc/call_plan.cpp). A later call
 whose signature is the same would pass the same checks and build the same plan, so it skips both: it finds
-the plan and runs it, ordering the streams in the same C++ call. What the key cannot cover goes the full path every time: value checks (with
-`check_inputs`), calls in rounds, handles not made and checked by this Buffer, `allocate_on_comm_stream`,
-another current device, CPU tensors, CUDA-graph capture of the value checks. A call that raises leaves no
-record, so a refusal is always the full path's, with its message.
+the plan and runs it, ordering the streams in the same C++ call. What the key cannot cover goes the full
+path every time: value checks (with `check_inputs`), calls in rounds, handles not made and checked by this
+Buffer, `allocate_on_comm_stream`, another current device, CPU tensors, CUDA-graph capture of the value
+checks. A call that raises leaves no record, so a refusal is always the full path's, with its message.
 
 Keys hold per-rank shapes, so in one call some ranks may take a fast path and others the full path: the two
 must then communicate alike. The full path's only host collectives are those of rounds (`rounds.derive`), so
@@ -122,8 +122,8 @@ class FastPaths:
 
     def _cached_key(self, x, handle, config, async_finish):
         # The handle's recv_src_idx and is_token_in_rank: its received rows and sent tokens.
-        return self.signature((_CACHED, x, handle[3], handle[4], self.buffer.num_sms if config is None else config.num_sms,
-                               async_finish))
+        num_sms = self.buffer.num_sms if config is None else config.num_sms
+        return self.signature((_CACHED, x, handle[3], handle[4], num_sms, async_finish))
 
     def cached_dispatch(self, x, handle, config, previous_event, async_finish):
         if getattr(handle, "fast_for", None) != self.buffer._id:
@@ -182,8 +182,8 @@ class FastPaths:
         names = first.output_names
         if second is not None or "recv_topk_weights" not in names:
             return
-        picked = ("rank_prefix_matrix", "counts", "source_first", "recv_src_idx", "send_head", "recv_x", "recv_topk_idx",
-                  "recv_topk_weights") + (("recv_x_scales",) if "recv_x_scales" in names else ())
+        picked = ("rank_prefix_matrix", "counts", "source_first", "recv_src_idx", "send_head", "recv_x",
+                  "recv_topk_idx", "recv_topk_weights") + (("recv_x_scales",) if "recv_x_scales" in names else ())
         pick = operator.itemgetter(*(names.index(name) for name in picked))
         self.record(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                                     async_finish, all_weights), (first.native, pick, rounds, split_x(x)[0].size(0),
