@@ -403,27 +403,27 @@ class CudaBackend(Backend):
                 ("num_tokens_per_expert", (num_experts,), torch.int32),
                 ("is_token_in_rank", (num_tokens, num_ranks), torch.bool)), zero=num_tokens == 0)
             if num_tokens > 0:
-                scratch = self.layout_scratch(num_experts)
+                ticket, totals = self.layout_scratch(num_experts)
                 b.launch(self._kernel(kernels.dispatch_layout(num_ranks, topk_dtype)),
                          heuristics.layout_grid(num_tokens, kernels.LAYOUT_THREADS, self.device_sms), dict(
                              topk_idx=b.inp("topk_idx"), num_tokens=num_tokens, num_topk=num_topk,
                              num_experts=num_experts, num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
                              is_token_in_rank=in_rank, verdict=self.verdict.data_ptr(),
-                             totals=scratch.data_ptr() + 16, ticket=scratch.data_ptr()),
+                             totals=totals, ticket=ticket),
                          shared_bytes=(num_experts + num_ranks) * 4)
             return b.build()
 
         return self.plan(("layout", topk_dtype, num_tokens, num_topk, num_experts), build)
 
-    def layout_scratch(self, num_experts: int) -> torch.Tensor:
-        """The layout kernel's ticket (int32 0) and, from byte 16, its num_experts + num_ranks running totals,
-        for calls of `num_experts` (NOTE [layout without a fill]); made zeroed at the first such call and
-        kept, as plans hold its address."""
+    def layout_scratch(self, num_experts: int) -> Tuple[int, int]:
+        """-> the addresses of the layout kernel's ticket and of its num_experts + num_ranks running totals, for
+        calls of `num_experts` (NOTE [layout without a fill]): one zeroed tensor, the ticket in its first 16
+        bytes, made at the first such call and kept, as plans hold the addresses."""
         scratch = self._layout_scratch.get(num_experts)
         if scratch is None:
             ints = 4 + num_experts + self.ctx.num_ranks
             scratch = self._layout_scratch[num_experts] = torch.zeros(ints, dtype=torch.int32, device=self.ctx.device)
-        return scratch
+        return scratch.data_ptr(), scratch.data_ptr() + 16
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         self.check_failures()
