@@ -61,6 +61,23 @@ stop_mps() {
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$out/mps_control.log" 2>/dev/null || true
 }
 
+in_tree() {
+    # in_tree before|after CMD...: CMD in that side's tree of an A/B, recording its commit. The earlier tree
+    # (TOKENYARD_BEFORE's) travels ignored, as _before/ (carry it): git archive "$TOKENYARD_BEFORE" | tar x -C _before.
+    local side=$1
+    shift
+    ( if [ "$side" = before ]; then cd _before || exit 1; export TOKENYARD_COMMIT="$TOKENYARD_BEFORE"; fi; "$@" )
+}
+structure_bench() {  # structure_bench SIDE RUN, in_tree's CMD: trees older than item 8's layout name it tokenyard.bench
+    local module=tokenyard.bench
+    [ -d tokenyard/tools/bench ] && module=tokenyard.tools.bench
+    timeout 240 python3 -m $module --quiet --backends cuda --json "$out/ab_$1_$2.json" 2>&1 | tail -3
+}
+host_cost_run() {  # host_cost_run SIDE RUN, in_tree's CMD
+    timeout 150 python3 benchmarks/host_cost.py --json "$out/host_cost_$1_$2.json" > "$out/host_cost_$1_$2.log" 2>&1
+    grep -v Warn "$out/host_cost_$1_$2.log" | head -8
+}
+
 if [ "$what" = shared_bench ]; then
     # The benchmark with ranks sharing the GPUs: times only, labelled shared, no bandwidth.
     start_mps
@@ -157,14 +174,11 @@ if [ "$what" = host_cost ]; then
     grep -v Warn "$out/host_cost_checked.log" | head -14
 fi
 if [ "$what" = host_cost_ab ]; then
-    # Issue 24: benchmarks/host_cost.py in the tree of TOKENYARD_BEFORE (carried as _before/, as structure_ab's)
-    # and in this one, alternately twice, on this machine; benchmarks/host_cost_ab.py merges them.
+    # Issue 24: benchmarks/host_cost.py in the tree of TOKENYARD_BEFORE and in this one (in_tree), alternately
+    # twice, on this machine; benchmarks/host_cost_ab.py merges them.
     for i in 1 2; do
         for side in before after; do
-            (cd "$([ $side = before ] && echo _before || echo .)" && \
-                TOKENYARD_COMMIT=$([ $side = before ] && echo "$TOKENYARD_BEFORE" || echo "$TOKENYARD_COMMIT") \
-                timeout 150 python3 benchmarks/host_cost.py --json "$out/host_cost_${side}_$i.json" \
-                > "$out/host_cost_${side}_$i.log" 2>&1; grep -v Warn "$out/host_cost_${side}_$i.log" | head -8)
+            in_tree $side host_cost_run $side $i
         done
     done
     python3 benchmarks/host_cost_ab.py --json "$out/host_cost_ab.json" --before "$out"/host_cost_before_*.json \
@@ -172,15 +186,10 @@ if [ "$what" = host_cost_ab ]; then
 fi
 if [ "$what" = structure_ab ]; then
     # Issue 22: the README's benchmark (CUDA backend only) at one rank, twice in the tree of TOKENYARD_BEFORE and
-    # twice in this one, on this machine; benchmarks/structure_ab.py merges them into structure_ab.json. The
-    # earlier tree travels ignored, as _before/ (carry it): git archive "$TOKENYARD_BEFORE" | tar x -C _before. Trees
-    # older than the layout of item 8 name the benchmark tokenyard.bench.
+    # twice in this one (in_tree), on this machine; benchmarks/structure_ab.py merges them into structure_ab.json.
     for side in before after; do
         for i in 1 2; do
-            (cd "$([ $side = before ] && echo _before || echo .)" && \
-                module=$([ -d tokenyard/tools/bench ] && echo tokenyard.tools.bench || echo tokenyard.bench) && \
-                TOKENYARD_COMMIT=$([ $side = before ] && echo "$TOKENYARD_BEFORE" || echo "$TOKENYARD_COMMIT") \
-                timeout 240 python3 -m $module --quiet --backends cuda --json "$out/ab_${side}_$i.json" 2>&1 | tail -3)
+            in_tree $side structure_bench $side $i
         done
     done
     python3 benchmarks/structure_ab.py --before-commit "$TOKENYARD_BEFORE" --after-commit "$TOKENYARD_COMMIT" \
