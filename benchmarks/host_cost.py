@@ -9,8 +9,9 @@ defaults (so the default checks run). The calls are those that return without wa
 `layout` (get_dispatch_layout), `dispatch_cached` (a handle given), `dispatch_worst` (num_worst_tokens),
 `combine`, and the low-latency pair (at token counts whose low-latency buffer fits the GPU).
 
-At 4096 tokens it also measures, per call, the call time as DeepEP's harness does (CUDA
-events around each of back-to-back calls) beside the summed time of its kernels (PyTorch profiler), the
+At 4096 tokens it also measures, per call, the call time back to back (CUDA events around each of
+back-to-back calls: made before the loop, and as DeepEP's harness makes them, `_events_around`) beside the
+summed time of its kernels (PyTorch profiler), the
 steps of its C++ run beside the Python around them (NOTE [plan profile] in csrc/call_plan.cpp), and a
 profile of the Python (cProfile: each function's own time per call).
 
@@ -164,17 +165,20 @@ def _plan_steps(buffer, topk_idx, num_experts: int, iters: int):
     empty, one, six, six_in_one = plan_of(0), plan_of(1), plan_of(6), plan_of(6, in_one=True)
     layout = buffer.runtime.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts).native
     compute = torch.cuda.current_stream(device).cuda_stream
+    comm = buffer.get_comm_stream()
     here = (compute, 0, 0, 0, 0, False, False, 0)
-    switch = (compute, fast.comm, 0, fast.enter_event, fast.exit_event, True, False, fast.comm_id)
+    switch = (compute, comm.cuda_stream, 0, plans.new_event(), plans.new_event(), True, False, comm.stream_id)
     steps = {
         "crossing (a plan of nothing)": lambda: empty.run((), [], *here),
         "one allocation": lambda: one.run((), [], *here),
         "six allocations": lambda: six.run((), [], *here),
         "six outputs in one allocation": lambda: six_in_one.run((), [], *here),
         "stream switch and back (a plan of nothing)": lambda: empty.run((), [], *switch),
-        "layout plan (3 outputs in 2 allocations, a fill, a launch)": lambda: layout.run((topk_idx,), [], *here),
+        "layout plan (its outputs in one allocation, a launch)": lambda: layout.run((topk_idx,), [], *here),
         "layout plan with the stream switch": lambda: layout.run((topk_idx,), [], *switch),
     }
+    if hasattr(fast, "calls"):  # NOTE [fast calls] (an A/B's earlier tree may predate them)
+        steps["a fast call's lookup, nothing recorded"] = lambda: fast.calls.run((-1,), (), compute, None, False, 0)
     out = {}
     for name, step in steps.items():
         for _ in range(WARMUP):
@@ -223,24 +227,46 @@ def _plan_profile(ops, iters: int):
     return out
 
 
+def _events_around(op, iters: int, device, made_ahead: bool) -> float:
+    """The median time between CUDA events recorded before and after each of `iters` back-to-back calls (µs).
+
+    `made_ahead`: the events exist before the loop and are recorded on the stream, given, so the interval holds
+    the call and one record. Otherwise as DeepEP's harness (its `bench`): the Event objects are made before the
+    loop, but each CUDA event at its first record, which also looks the current stream up; the interval then
+    also holds the end event's making."""
+    import torch
+
+    stream = torch.cuda.current_stream(device)
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    if made_ahead:
+        for start, end in pairs:
+            start.record(stream)
+            end.record(stream)
+    torch.cuda.synchronize(device)
+    for start, end in pairs:
+        if made_ahead:
+            start.record(stream)
+            op()
+            end.record(stream)
+        else:
+            start.record()
+            op()
+            end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+
+
 def _call_vs_kernel(ops, iters: int, gpu: bool, device):
-    """Per call: the median CUDA-event time around each of back-to-back calls, the median summed time of
-    its kernels, and each kernel's mean time per call (µs; other kernels than tokenyard's too)."""
+    """Per call: the median CUDA-event time around each of back-to-back calls (events made ahead, and as
+    DeepEP's harness makes them: `_events_around`), the median summed time of its kernels, and each kernel's
+    mean time per call (µs; other kernels than tokenyard's too)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     out = {}
     for name, op in ops.items():
-        pairs = []
-        torch.cuda.synchronize(device)
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            op()
-            end.record()
-            pairs.append((start, end))
-        torch.cuda.synchronize(device)
-        call_us = statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+        call_us = _events_around(op, iters, device, made_ahead=True)
+        call_us_lazy = _events_around(op, iters, device, made_ahead=False)
         marker = torch.empty(1, device=device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
@@ -257,7 +283,7 @@ def _call_vs_kernel(ops, iters: int, gpu: bool, device):
             if per_call and event.name.startswith("tokenyard::"):
                 per_call[-1] += event.time_range.elapsed_us()
         kernel_us = statistics.median(per_call) if len(per_call) == iters else None
-        out[name] = {"call_us": call_us, "kernel_us": kernel_us,
+        out[name] = {"call_us": call_us, "call_us_deepep_harness": call_us_lazy, "kernel_us": kernel_us,
                      "kernels": {k: round(v, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}}
     return out
 
@@ -298,10 +324,12 @@ def main() -> None:
                                         for t in token_counts))
     rank0 = per_rank[0]
     if rank0.get("call_vs_kernel"):
-        print(f"\nat {profile_tokens} tokens, back to back (rank 0): call time (CUDA events) vs kernel time, µs")
+        print(f"\nat {profile_tokens} tokens, back to back (rank 0): call time (CUDA events made ahead; as DeepEP's "
+              "harness makes them) vs kernel time, µs")
         for name, entry in rank0["call_vs_kernel"].items():
-            kernel = entry["kernel_us"]
-            print(f"  {name:<22} call {entry['call_us']:9.1f}   kernels "
+            kernel, deepep = entry["kernel_us"], entry.get("call_us_deepep_harness")
+            deepep = "-" if deepep is None else format(deepep, ".1f")
+            print(f"  {name:<22} call {entry['call_us']:9.1f}; {deepep:>7}   kernels "
                   f"{'-' if kernel is None else format(kernel, '9.1f')}   "
                   + ", ".join(f"{k} {v:.1f}" for k, v in entry.get("kernels", {}).items()))
     if rank0.get("steps"):

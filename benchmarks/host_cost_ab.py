@@ -24,8 +24,8 @@ def merge(paths):
             if all(v is not None for v in values):
                 calls[name][tokens] = {"runs": [round(v, 2) for v in values],
                                        "median": round(statistics.median(values), 2)}
-    call_vs_kernel = [{name: {"call_us": round(v["call_us"], 2), "kernel_us": round(v["kernel_us"] or 0, 2)}
-                       for name, v in (run.get("call_vs_kernel") or {}).items()} for run in runs]
+    call_vs_kernel = [{name: {key: round(v[key] or 0, 2) for key in ("call_us", "call_us_deepep_harness", "kernel_us")
+                              if key in v} for name, v in (run.get("call_vs_kernel") or {}).items()} for run in runs]
     return {"commit": runs[0]["commit"], "device": runs[0]["device"], "date": runs[0]["date"],
             "num_ranks": runs[0]["num_ranks"], "settings": runs[0]["settings"], "calls": calls,
             "call_vs_kernel_4096": call_vs_kernel, "steps": [run.get("steps") for run in runs]}

@@ -176,7 +176,6 @@ class Buffer(LowLatencyCalls):
         self._internode = self._normal_mode_sees_nodes and self.topology.num_nodes > 1
         self._normal_runtime = self._normal_mode_runtime(backend or settings.backend, context)
         self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
-        self._joined_stream = self._ran_on = None  # NOTE [joined stream]
         self._fast = None  # NOTE [fast paths]
         self._last_rounds = self._last_round_tokens = 0  # the last normal call's, for the fast paths to learn
         self._learnable_shape = None  # the CUDA backend's DispatchShape of the last cached or worst-case dispatch
@@ -405,13 +404,14 @@ class Buffer(LowLatencyCalls):
         NOTE [joined stream]
         A synchronous call (no `async_finish`, no `previous_event`, outputs on the caller's stream) ends with
         the caller's stream waiting for the comm stream, so its kernels could as well have run on the
-        caller's stream itself: nothing else can run between them. `_joined_stream` is the caller's stream
-        (its raw handle) that has waited for everything this Buffer put on the comm stream, None after an
-        asynchronous call; a synchronous call on that stream runs its kernels there directly, saving the
-        four driver calls (two event records, two waits) that cross to the comm stream and back. The fast
-        paths (fast_paths.py) follow the same rule. `_ran_on` is the stream that last ran kernels so; the
-        next call that uses the comm stream makes it wait for that stream first (`_comm_catches_up`), unless
-        it waits for it anyway, so the Buffer's kernels stay in one order whatever streams the calls use.
+        caller's stream itself: nothing else can run between them. The *joined* stream is the caller's
+        stream that has waited for everything this Buffer put on the comm stream, none after an asynchronous
+        call; a synchronous call on that stream runs its kernels there directly, saving the four driver calls
+        (two event records, two waits) that cross to the comm stream and back. The stream that last ran
+        kernels so is noted; the next call that uses the comm stream makes it wait for that stream first,
+        unless it waits for it anyway, so the Buffer's kernels stay in one order whatever streams the calls
+        use. A CUDA-backend Buffer keeps this state in C++, where its fast paths read it too (`runs_straight`,
+        `catch_up`, NOTE [fast calls] in csrc/call_plan.cpp); other Buffers always cross.
         """
         scope = _Scope()
         if self._comm_stream is None or not use_comm_stream:
@@ -424,11 +424,14 @@ class Buffer(LowLatencyCalls):
         waited = previous_event.event if previous_event is not None else None
         waits_for_event = waited is not None and waited.event is not None
         caller_device = torch._C._cuda_getDevice()  # set_stream also makes the stream's device current
-        if not allocate_on_comm_stream and caller_device == device_index and \
-                self._runs_straight(compute.cuda_stream, waits_for_event, async_finish):
+        order = self._fast.calls if self._fast is not None else None
+        if order is not None and not allocate_on_comm_stream and caller_device == device_index and \
+                order.runs_straight(compute.cuda_stream, waits_for_event, async_finish):
             yield scope  # tensors made here are the caller's stream's already: scope.owner stays None
             return
-        self._comm_catches_up(compute.cuda_stream, waits_for_compute=not waits_for_event)
+        behind = -1 if order is None else order.catch_up(compute.cuda_stream, not waits_for_event)
+        if behind >= 0:
+            self._comm_stream.wait_stream(torch.cuda.ExternalStream(behind, device=self.device))
         if waits_for_event:
             self._comm_stream.wait_event(waited.event)
         else:
@@ -442,26 +445,11 @@ class Buffer(LowLatencyCalls):
                 torch.cuda.set_device(caller_device)
         if async_finish:
             scope.event = EventOverlap(EventHandle(self._comm_stream))
-            self._joined_stream = None
         else:
             compute.wait_stream(self._comm_stream)
-            self._joined_stream = compute.cuda_stream
+        if order is not None:
+            order.set_joined(-1 if async_finish else compute.cuda_stream)
         scope.owner = None if allocate_on_comm_stream else compute
-
-    def _runs_straight(self, compute: int, waits_for_event: bool, async_finish: bool) -> bool:
-        """NOTE [joined stream]: whether a call on the caller's stream `compute` runs its kernels there (noted
-        in `_ran_on` when it does)."""
-        if async_finish or waits_for_event or self._joined_stream != compute:
-            return False
-        self._ran_on = compute
-        return True
-
-    def _comm_catches_up(self, compute: int, waits_for_compute: bool) -> None:
-        """Before work goes to the comm stream: it waits for the kernels run straight on a caller's stream
-        (NOTE [joined stream]), unless it waits for `compute` anyway and that was the stream."""
-        ran_on, self._ran_on = self._ran_on, None
-        if ran_on is not None and not (waits_for_compute and ran_on == compute):
-            self._comm_stream.wait_stream(torch.cuda.ExternalStream(ran_on, device=self.device))
 
     @staticmethod
     def _hand_over(stream, tensors) -> None:

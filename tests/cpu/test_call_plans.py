@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import random
+import types
+import weakref
 
 import pytest
 import torch
@@ -232,3 +234,108 @@ def test_the_profile_counts_runs_only_while_on(extension, driver):
     assert all(v >= 0 for v in steps.values()) and steps["launches"] > 0
     plan.run_here(11, (None, None), [0, 0])
     assert extension.take_profile()["runs"] == 0
+
+
+class _Recorder:
+    """A backend stand-in whose check_failures raises what the record says (NOTE [fast calls])."""
+
+    def __init__(self):
+        self.record = (ctypes.c_int32 * 8)()
+
+    def check_failures(self):
+        if self.record[0]:
+            raise RuntimeError(f"kernel failure {self.record[0]}")
+
+
+class _Event:
+    """EventOverlap -> EventHandle -> torch.cuda.Event, as `previous_event` nests them."""
+
+    def __init__(self, raw):
+        self.event = None if raw is None else types.SimpleNamespace(event=types.SimpleNamespace(cuda_event=raw))
+
+
+def _calls(extension, recorder, comm=22, comm_id=5, enter=33, exit=44):
+    calls = extension.Calls(torch.device("cpu"), ctypes.addressof(recorder.record),
+                            weakref.WeakMethod(recorder.check_failures))
+    calls.set_streams(comm, comm_id, enter, exit)
+    return calls
+
+
+def _seq_plan(kernel):
+    b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"))
+    b.launch(kernel, 1, _args(b))
+    return b.build()
+
+
+def test_fast_calls_run_what_they_recorded_with_new_tickets_and_ordered_streams(driver, extension):
+    rng = random.Random()
+    recorder = _Recorder()
+    calls = _calls(extension, recorder)
+    handle = rng.randrange(1, 1 << 40)
+    plan = _seq_plan(FakeKernel(SPEC, handle))
+    src = torch.randint(0, 100, (rng.randrange(2, 50),), dtype=torch.int32)
+    extra = object()
+    rows = rng.randrange(1, 9)
+    assert calls.learn((0, src, rows), plan.native, extra, [-1, rows], True, 64)
+    assert not calls.learn((0, [src]), plan.native, extra, [], False, 0)  # a list has no signature
+
+    def seqs():
+        return [int.from_bytes(c[6][SPEC.args_type.seq.offset:SPEC.args_type.seq.offset + 4], "little")
+                for c in driver.calls if c[0] == "launch"]
+
+    # Another shape, rounds that do not fit, an unreadable event: nothing recorded runs, nothing is launched.
+    assert calls.run((0, src[1:], rows), (src, None), 11, None, False, 0) is None
+    assert calls.run((0, src, rows), (src, None), 11, None, False, 65) is None
+    assert calls.run((0, src, rows), (src, None), 11, _Event(None), False, 0) is None
+    assert driver.calls == [] and calls.hits == 0
+
+    first = calls.next_ticket()  # the full path's ticket: the recorded call's runs take the next ones
+    got_extra, outputs = calls.run((0, src, rows), (src, None), 11, None, False, 64)
+    assert got_extra is extra and outputs == () and calls.hits == 1
+    assert [c[:3] for c in driver.calls] == [("record", 33, 11), ("wait", 22, 33), ("launch", handle, 1),
+                                              ("record", 44, 22), ("wait", 11, 44)]
+    assert driver.calls[2][5] == 22  # on the comm stream, the compute stream joined after it
+    driver.calls.clear()
+    calls.run((0, src, rows), (src, None), 11, None, False, 0)  # the joined stream: straight there
+    assert [c[0] for c in driver.calls] == ["launch"] and driver.calls[0][5] == 11 and calls.ran_on == 11
+    driver.calls.clear()
+    # Another stream, after an event, asynchronous: the comm stream first catches up with the stream that ran
+    # straight, and nothing is joined after.
+    calls.run((0, src, rows), (None, None), 12, _Event(77), True, 0)
+    assert [c[:3] for c in driver.calls] == [("record", 33, 11), ("wait", 22, 33), ("wait", 22, 77),
+                                              ("launch", handle, 1)]
+    assert calls.ran_on == -1 and not calls.runs_straight(12, False, False)
+    assert seqs() == [first + 3]
+    assert calls.next_ticket() == first + 4
+
+    recorder.record[0] = 7  # a kernel recorded a failure: the run raises it
+    with pytest.raises(RuntimeError, match="kernel failure 7"):
+        calls.run((0, src, rows), (src, None), 11, None, False, 0)
+
+
+def test_fast_calls_stream_order_is_the_full_paths_too(extension):
+    recorder = _Recorder()
+    calls = _calls(extension, recorder)
+    assert not calls.runs_straight(0, False, False)  # nothing joined yet (0 is the legacy default stream)
+    calls.set_joined(0)
+    assert not calls.runs_straight(0, True, False) and not calls.runs_straight(0, False, True)
+    assert calls.runs_straight(0, False, False) and calls.ran_on == 0
+    assert calls.catch_up(0, True) == -1  # waits for that very stream anyway
+    calls.set_joined(0)
+    assert calls.runs_straight(0, False, False)
+    assert calls.catch_up(9, True) == 0 and calls.catch_up(9, True) == -1  # once
+
+
+def test_fast_calls_without_a_backend_fall_back(driver, extension):
+    recorder = _Recorder()
+    calls = _calls(extension, recorder)
+    plan = _seq_plan(FakeKernel(SPEC, 5))
+    calls.learn((1,), plan.native, "extra", [0, 0], False, 0)
+    assert calls.take((1,)) == "extra" and calls.take((2,)) is None
+    recorder.record[0] = 3
+    with pytest.raises(RuntimeError, match="kernel failure 3"):
+        calls.take((1,))
+    record = recorder.record
+    del recorder  # the backend is gone: a recorded failure sends the call to the full path, which raises
+    assert calls.take((1,)) is None and calls.run((1,), (None, None), 11, None, False, 0) is None
+    assert record[0] == 3 and driver.calls == []

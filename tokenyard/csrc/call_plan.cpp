@@ -16,6 +16,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace tokenyard::host {
@@ -384,9 +385,173 @@ private:
     std::vector<Launch> launches_;
 };
 
+// NOTE [fast calls]: the C++ half of a Buffer's fast paths (NOTE [fast paths] in backends/cuda/fast_paths.py),
+// one per CUDA backend. It keeps the recorded calls by signature (NOTE [call signatures]), the order of the
+// Buffer's streams (NOTE [joined stream] in buffer.py), the dispatches' tickets and the count of fast calls, so
+// a call whose shape was seen before crosses from Python once: the lookup, the checks that decide whether a
+// fast path may run (the current device, a readable `previous_event`, no failure recorded), the stream choice
+// and the plan's run. A stream handle of -1 is none: 0 is the legacy default stream.
+class Calls {
+public:
+    Calls(c10::Device device, int64_t host_record, py::object check_failures)
+        : device_(device),
+          guard_(c10::impl::getDeviceGuardImpl(device.type())),
+          host_record_(reinterpret_cast<const volatile int32_t*>(host_record)),
+          check_failures_(std::move(check_failures)) {}
+
+    // The Buffer's comm stream (its raw handle and PyTorch's id) and two events for crossing to it and back.
+    void set_streams(int64_t comm, int64_t comm_id, int64_t enter_event, int64_t exit_event) {
+        comm_ = comm;
+        comm_id_ = comm_id;
+        enter_event_ = enter_event;
+        exit_event_ = exit_event;
+    }
+
+    // Records a call: `extra` comes back with each run's outputs; `scalars` are the run's per-call values, the
+    // first replaced by a new ticket where `ticketed`; a run needs a handle whose rounds fit `round_tokens`.
+    bool learn(const py::tuple& key_items, py::object plan, py::object extra, std::vector<int64_t> scalars,
+               bool ticketed, int64_t round_tokens) {
+        std::string key;
+        if (!signature_of(key_items, key))
+            return false;  // an argument without a signature: always the full path
+        Plan* native = plan.cast<Plan*>();
+        entries_[std::move(key)] = {std::move(plan), native, std::move(extra), std::move(scalars), ticketed,
+                                    round_tokens};
+        return true;
+    }
+
+    // A recorded call's run, on the stream NOTE [joined stream] picks for it: -> (extra, outputs), or None
+    // where the full path must run (nothing recorded, rounds that do not fit, not `ready`, an unreadable
+    // `previous_event`). `compute`: the caller's current stream on the Buffer's device.
+    py::object run(const py::tuple& key_items, const py::tuple& inputs, int64_t compute, py::handle previous_event,
+                   bool async_finish, int64_t max_round_tokens) {
+        std::string key;
+        if (!signature_of(key_items, key))
+            return py::none();
+        const auto found = entries_.find(key);
+        if (found == entries_.end() || found->second.round_tokens < max_round_tokens)
+            return py::none();
+        int64_t waited = 0;
+        if (!previous_event.is_none() && !read_event(previous_event, waited))
+            return py::none();
+        if (!ready())
+            return py::none();
+        Entry& entry = found->second;
+        std::vector<int64_t> scalars = entry.scalars;
+        if (entry.ticketed)
+            scalars.at(0) = next_ticket();
+        py::tuple outputs;
+        if (runs_straight(compute, waited != 0, async_finish)) {
+            outputs = entry.native->run(inputs, scalars, compute, 0, 0, 0, 0, false, false, 0);
+        } else {
+            const int64_t behind = catch_up(compute, waited == 0);
+            if (behind >= 0) {
+                const Driver& d = driver();
+                void* event = reinterpret_cast<void*>(enter_event_);  // a wait takes the event's state when made
+                check(d.record(event, reinterpret_cast<void*>(behind)), "cuEventRecord");
+                check(d.wait(reinterpret_cast<void*>(comm_), event, 0), "cuStreamWaitEvent");
+            }
+            outputs = entry.native->run(inputs, scalars, compute, comm_, waited, enter_event_, exit_event_,
+                                        !async_finish, async_finish, comm_id_);
+            joined_ = async_finish ? -1 : compute;
+        }
+        return py::make_tuple(entry.extra, std::move(outputs));
+    }
+
+    // A recorded call that runs in Python (the low-latency calls): its `extra` where it may run now (`ready`),
+    // else None.
+    py::object take(const py::tuple& key_items) {
+        std::string key;
+        if (!signature_of(key_items, key))
+            return py::none();
+        const auto found = entries_.find(key);
+        if (found == entries_.end() || !ready())
+            return py::none();
+        return found->second.extra;
+    }
+
+    // Whether a fast path may run now (counted in `hits`): the Buffer's device is the current one and no kernel
+    // recorded a failure (where one did, the full path raises it).
+    bool ready() {
+        if (host_record_[0] != 0) {
+            py::object method = check_failures_();  // a weak method: the backend, if it still lives, raises
+            if (!method.is_none())
+                method();
+            return false;
+        }
+        if (!device_.is_cpu() && guard_->getDevice() != device_)
+            return false;
+        ++hits_;
+        return true;
+    }
+
+    int64_t next_ticket() {
+        tickets_ = (tickets_ + 1) & 0xffffffffLL;
+        return tickets_;
+    }
+
+    // NOTE [joined stream]: whether a call on `compute` runs its kernels there (noted in `ran_on` when it does).
+    bool runs_straight(int64_t compute, bool waits_for_event, bool async_finish) {
+        if (async_finish || waits_for_event || joined_ != compute)
+            return false;
+        ran_on_ = compute;
+        return true;
+    }
+
+    // Before work goes to the comm stream: the stream it must wait for first (-1: none), the one that ran kernels
+    // straight, unless the work waits for `compute` anyway and that was the stream.
+    int64_t catch_up(int64_t compute, bool waits_for_compute) {
+        const int64_t ran_on = ran_on_;
+        ran_on_ = -1;
+        return ran_on < 0 || (waits_for_compute && ran_on == compute) ? -1 : ran_on;
+    }
+
+    void set_joined(int64_t compute) { joined_ = compute; }
+    int64_t ran_on() const { return ran_on_; }
+    int64_t hits() const { return hits_; }
+
+private:
+    struct Entry {
+        py::object plan;  // holds `native`
+        Plan* native;
+        py::object extra;
+        std::vector<int64_t> scalars;
+        bool ticketed;
+        int64_t round_tokens;
+    };
+
+    static bool signature_of(const py::tuple& items, std::string& out) {
+        out.reserve(512);
+        return append_signature(out, items.ptr());
+    }
+
+    // A DeepEP-style `previous_event` (EventOverlap -> EventHandle -> torch.cuda.Event): its CUDA event, 0 if
+    // never recorded; false where there is none to read.
+    static bool read_event(py::handle previous_event, int64_t& event) {
+        py::object handle = previous_event.attr("event");
+        if (handle.is_none())
+            return false;
+        py::object cuda_event = handle.attr("event");
+        if (cuda_event.is_none() || !py::hasattr(cuda_event, "cuda_event"))
+            return false;
+        event = cuda_event.attr("cuda_event").cast<int64_t>();
+        return true;
+    }
+
+    c10::Device device_;
+    const c10::impl::DeviceGuardImplInterface* guard_;
+    const volatile int32_t* host_record_;  // the kernels' failure record, host-mapped
+    py::object check_failures_;
+    int64_t comm_ = 0, comm_id_ = 0, enter_event_ = 0, exit_event_ = 0;
+    int64_t joined_ = -1, ran_on_ = -1;
+    int64_t tickets_ = 0, hits_ = 0;
+    std::unordered_map<std::string, Entry> entries_;
+};
+
 }  // namespace tokenyard::host
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    using tokenyard::host::Calls;
     using tokenyard::host::Plan;
     m.def("set_driver", &tokenyard::host::set_driver);
     m.def("signature", &tokenyard::host::signature);
@@ -398,4 +563,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("add_launch", &Plan::add_launch)
         .def("num_outputs", &Plan::num_outputs)
         .def("run", &Plan::run);
+    py::class_<Calls>(m, "Calls")
+        .def(py::init<c10::Device, int64_t, py::object>())
+        .def("set_streams", &Calls::set_streams)
+        .def("learn", &Calls::learn)
+        .def("run", &Calls::run)
+        .def("take", &Calls::take)
+        .def("next_ticket", &Calls::next_ticket)
+        .def("runs_straight", &Calls::runs_straight)
+        .def("catch_up", &Calls::catch_up)
+        .def("set_joined", &Calls::set_joined)
+        .def_property_readonly("ran_on", &Calls::ran_on)
+        .def_property_readonly("hits", &Calls::hits);
 }

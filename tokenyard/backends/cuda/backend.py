@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -262,7 +263,8 @@ class CudaBackend(Backend):
         # The rank's CallCounter words (sync.cuh), zero on every rank as the buffers are.
         self.call_counts = torch.zeros(headers.enum("sync.cuh", "CallCounter")["kNumCallCounters"],
                                        dtype=torch.int64, device=ctx.device)
-        self._tickets = 0
+        # NOTE [fast calls]: recorded calls, the dispatches' tickets and the order of the Buffer's streams
+        self.calls = plans.module().Calls(ctx.device, self.host_record_ptr, weakref.WeakMethod(self.check_failures))
         self._failure: Optional[TokenyardError] = None
         self._kernels = {}  # id(spec) -> (spec, Kernel), see _kernel
         self._plans = plans.PlanCache()
@@ -584,11 +586,11 @@ class CudaBackend(Backend):
                                expert_alignment=m.expert_alignment, with_weights=int(m.with_weights))
 
     def dispatch_scalars(self, num_tokens: int, call_num_tokens: Optional[int] = None, num_worst: int = 0,
-                         token_base: int = 0, check_tokens: int = 0) -> list:
-        """A dispatch's per-call values, DISPATCH_SCALARS (with a new ticket)."""
-        self._tickets = (self._tickets + 1) & _MASK32
-        return [self._tickets, num_tokens if call_num_tokens is None else call_num_tokens, num_worst, token_base, 0,
-                check_tokens]
+                         token_base: int = 0, check_tokens: int = 0, ticket: Optional[int] = None) -> list:
+        """A dispatch's per-call values, DISPATCH_SCALARS, with a new ticket (or `ticket`: a recorded call's
+        placeholder, which each of its runs replaces with a new one, NOTE [fast calls])."""
+        return [self.calls.next_ticket() if ticket is None else ticket,
+                num_tokens if call_num_tokens is None else call_num_tokens, num_worst, token_base, 0, check_tokens]
 
     def note_judged(self, num_experts: int) -> None:
         """A dispatch whose values the notify kernel judges: its expert count names the range in the message

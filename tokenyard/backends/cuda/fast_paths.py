@@ -1,4 +1,5 @@
-"""The calls of a CUDA-backend Buffer whose shape was seen before: one lookup, then one C++ run.
+"""The calls of a CUDA-backend Buffer whose shape was seen before: one crossing to C++ that looks the call up and
+runs it (NOTE [fast calls] in csrc/call_plan.cpp).
 
 NOTE [fast paths]
 The first call of a shape goes through the Buffer's full path: every argument check, the backend's plan
@@ -25,7 +26,6 @@ of a call unless `async_finish`), so no tensor needs `record_stream` on the sync
 from __future__ import annotations
 
 import operator
-from typing import Optional
 
 import torch
 
@@ -33,7 +33,6 @@ from ...event import EventHandle, EventOverlap
 from ...handle import DispatchHandle
 
 _raw_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
-_current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
 
 
 def split_x(x):
@@ -43,138 +42,105 @@ def split_x(x):
     return x, None
 
 
-def raw_event(previous_event) -> Optional[int]:
-    """The CUDA event a DeepEP-style `previous_event` holds, 0 for none, None if it cannot be read."""
-    if previous_event is None:
-        return 0
-    handle = previous_event.event
-    event = None if handle is None else handle.event
-    return None if event is None else getattr(event, "cuda_event", None)
-
-
 _NINE_NONES = (None,) * 9
 _LAYOUT, _CACHED, _WORST, _COMBINE, _LOW_LATENCY_DISPATCH, _LOW_LATENCY_COMBINE = range(6)  # a signature's first item
 
 
 class FastPaths:
-    """The fast paths of one CUDA-backend Buffer (NOTE [fast paths])."""
+    """The fast paths of one CUDA-backend Buffer (NOTE [fast paths]); their C++ half is the backend's `calls`
+    (NOTE [fast calls] in csrc/call_plan.cpp), which also keeps the order of the Buffer's streams."""
 
     def __init__(self, buffer):
         from . import plans
         from .backend import DISPATCH_INPUTS
 
-        self.signature = plans.module().signature  # NOTE [call signatures]
         self.unused_dispatch_inputs = (None,) * (len(DISPATCH_INPUTS) - 5)  # a cached dispatch's, after the fifth
         self.buffer = buffer
         self.backend = buffer.runtime
         self.device_index = buffer.device.index
-        comm = buffer.get_comm_stream()
-        self.comm = comm.cuda_stream
-        self.comm_id = comm.stream_id
-        self.enter_event, self.exit_event = plans.new_event(), plans.new_event()
-        self._entries = {}
-        self.hits = 0  # calls that took a fast path (read by tests)
+        self.comm_stream = buffer.get_comm_stream()
+        self.calls = self.backend.calls
+        self.calls.set_streams(self.comm_stream.cuda_stream, self.comm_stream.stream_id, plans.new_event(),
+                               plans.new_event())
 
-    # -- running ------------------------------------------------------------------------------------------
+    @property
+    def hits(self) -> int:
+        """Calls that took a fast path (read by tests)."""
+        return self.calls.hits
 
-    def run(self, native, inputs: tuple, scalars, previous_event, async_finish: bool, use_comm_stream: bool = True):
-        """One run of a plan on the communication stream, as the full path's stream scope orders it; ->
-        (outputs, event)."""
-        waited = raw_event(previous_event)
-        compute = _raw_stream(self.device_index)
-        if not use_comm_stream:
-            return native.run(inputs, scalars, compute, 0, 0, 0, 0, False, False, 0), EventOverlap(None)
-        buffer = self.buffer
-        if buffer._runs_straight(compute, bool(waited), async_finish):  # NOTE [joined stream] in buffer.py
-            return native.run(inputs, scalars, compute, 0, 0, 0, 0, False, False, 0), EventOverlap(None)
-        if buffer._ran_on is not None:
-            buffer._comm_catches_up(compute, waits_for_compute=not waited)
-        outputs = native.run(inputs, scalars, compute, self.comm, waited, self.enter_event, self.exit_event,
-                             not async_finish, async_finish, self.comm_id)
-        buffer._joined_stream = None if async_finish else compute
-        event = EventOverlap(EventHandle(self.buffer.get_comm_stream())) if async_finish else EventOverlap(None)
-        return outputs, event
+    # Each call below is one `self.calls.run` (NOTE [fast calls]): -> (the extra it recorded, outputs), or None.
 
-    def record(self, key: Optional[bytes], entry) -> None:
-        if key is not None:  # an argument without a signature: always the full path
-            self._entries[key] = entry
-
-    def usable(self, previous_event) -> bool:
-        """Whether a call may take a fast path at all (the per-shape key decides the rest)."""
-        usable = (self.buffer.runtime is self.backend and _current_device() == self.device_index
-                  and raw_event(previous_event) is not None)
-        self.hits += usable
-        return usable
+    def _async_event(self) -> EventOverlap:
+        """An asynchronous call's event, as the full path's stream scope makes it."""
+        return EventOverlap(EventHandle(self.comm_stream))
 
     # -- normal mode ----------------------------------------------------------------------------------------
 
     def layout(self, topk_idx, num_experts, previous_event, async_finish):
-        entry = self._entries.get(self.signature((_LAYOUT, topk_idx, num_experts, async_finish)))
-        if entry is None or not self.usable(previous_event):
+        ran = self.calls.run((_LAYOUT, topk_idx, num_experts, async_finish), (topk_idx,),
+                             _raw_stream(self.device_index), previous_event, async_finish, 0)
+        if ran is None:
             return None
-        self.backend.check_failures()
-        (per_rank, per_expert, in_rank), event = self.run(entry, (topk_idx,), (), previous_event, async_finish)
-        return per_rank, None, per_expert, in_rank, event
+        per_rank, per_expert, in_rank = ran[1]
+        return per_rank, None, per_expert, in_rank, self._async_event() if async_finish else EventOverlap(None)
 
     def learn_layout(self, topk_idx, num_experts, async_finish) -> None:
         plan = self.backend.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts)
-        self.record(self.signature((_LAYOUT, topk_idx, num_experts, async_finish)), plan.native)
+        self.calls.learn((_LAYOUT, topk_idx, num_experts, async_finish), plan.native, None, [], False, 0)
 
     def _cached_key(self, x, handle, config, async_finish):
         # The handle's recv_src_idx and is_token_in_rank: its received rows and sent tokens.
         num_sms = self.buffer.num_sms if config is None else config.num_sms
-        return self.signature((_CACHED, x, handle[3], handle[4], num_sms, async_finish))
+        return _CACHED, x, handle[3], handle[4], num_sms, async_finish
 
     def cached_dispatch(self, x, handle, config, previous_event, async_finish):
         if getattr(handle, "fast_for", None) != self.buffer._id:
             return None
-        entry = self._entries.get(self._cached_key(x, handle, config, async_finish))
-        if entry is None or not handle.rounds.fits(entry[3]) or not self.usable(previous_event):
-            return None
-        self.backend.check_failures()
-        native, recv_x_at, scales_at, _, num_tokens = entry
         data, scales = split_x(x)
-        inputs = (data, scales, None, None, handle[4]) + self.unused_dispatch_inputs
-        outputs, event = self.run(native, inputs, self.backend.dispatch_scalars(num_tokens), previous_event,
-                                  async_finish)
+        ran = self.calls.run(self._cached_key(x, handle, config, async_finish),
+                             (data, scales, None, None, handle[4]) + self.unused_dispatch_inputs,
+                             _raw_stream(self.device_index), previous_event, async_finish,
+                             handle.rounds.max_round_tokens)
+        if ran is None:
+            return None
+        (recv_x_at, scales_at), outputs = ran
         recv_x = outputs[recv_x_at] if scales is None else (outputs[recv_x_at], outputs[scales_at])
-        return recv_x, None, None, None, None, event
+        return recv_x, None, None, None, None, self._async_event() if async_finish else EventOverlap(None)
 
     def learn_cached_dispatch(self, x, handle, config, async_finish, shape, round_tokens: int) -> None:
         first, second = self.backend.dispatch_plans(shape)
         if second is not None:
             return
         names = first.output_names
-        self.record(self._cached_key(x, handle, config, async_finish), (
-            first.native, names.index("recv_x"), names.index("recv_x_scales") if "recv_x_scales" in names else None,
-            round_tokens, handle.num_tokens))
+        self.calls.learn(self._cached_key(x, handle, config, async_finish), first.native,
+                         (names.index("recv_x"), names.index("recv_x_scales") if "recv_x_scales" in names else None),
+                         self.backend.dispatch_scalars(handle.num_tokens, ticket=0), True, round_tokens)
 
     def _worst_key(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                    async_finish, all_weights):
-        return self.signature((_WORST, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                               self.buffer.num_sms if config is None else config.num_sms, async_finish, all_weights))
+        return (_WORST, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                self.buffer.num_sms if config is None else config.num_sms, async_finish, all_weights)
 
     def worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                        previous_event, async_finish, all_weights: bool = False):
         """A fresh dispatch with num_worst_tokens (one plan, no CPU wait); `layout` = (num_tokens_per_rank,
         is_token_in_rank, num_tokens_per_expert); `all_weights`: DispatchRequest.all_topk_weights."""
-        entry = self._entries.get(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                                            config, async_finish, all_weights))
-        if entry is None or not self.usable(previous_event):
-            return None
-        self.backend.check_failures()
-        native, pick, rounds, num_tokens, num_experts = entry
         data, scales = split_x(x)
         per_rank, in_rank, per_expert = layout
-        inputs = (data, scales, topk_idx, topk_weights, in_rank, per_expert) + _NINE_NONES + \
-            (topk_idx, in_rank, per_rank, per_expert)
-        outputs, event = self.run(native, inputs, self.backend.dispatch_scalars(
-            num_tokens, None, num_worst_tokens, 0, num_tokens), previous_event, async_finish)
+        ran = self.calls.run(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                                             config, async_finish, all_weights),
+                             (data, scales, topk_idx, topk_weights, in_rank, per_expert) + _NINE_NONES +
+                             (topk_idx, in_rank, per_rank, per_expert), _raw_stream(self.device_index), previous_event,
+                             async_finish, 0)
+        if ran is None:
+            return None
+        (pick, rounds, num_experts), outputs = ran
         self.backend.note_judged(num_experts)
         prefix, counts, first, src_idx, send_head, recv_x, recv_idx, recv_weights, *recv_scales = pick(outputs)
         handle = DispatchHandle(prefix, counts, first, src_idx, in_rank, send_head, buffer_id=self.buffer._id,
                                 rounds=rounds, num_recv_tokens=None, fast_for=self.buffer._id)
-        return (recv_x, *recv_scales) if scales is not None else recv_x, recv_idx, recv_weights, [], handle, event
+        return ((recv_x, *recv_scales) if scales is not None else recv_x, recv_idx, recv_weights, [], handle,
+                self._async_event() if async_finish else EventOverlap(None))
 
     def learn_worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                              async_finish, shape, rounds, all_weights: bool = False) -> None:
@@ -185,24 +151,28 @@ class FastPaths:
         picked = ("rank_prefix_matrix", "counts", "source_first", "recv_src_idx", "send_head", "recv_x",
                   "recv_topk_idx", "recv_topk_weights") + (("recv_x_scales",) if "recv_x_scales" in names else ())
         pick = operator.itemgetter(*(names.index(name) for name in picked))
-        self.record(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
-                                    async_finish, all_weights), (first.native, pick, rounds, split_x(x)[0].size(0),
-                                                                 layout[2].size(0)))
+        num_tokens = split_x(x)[0].size(0)
+        self.calls.learn(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                         async_finish, all_weights), first.native, (pick, rounds, layout[2].size(0)),
+                         self.backend.dispatch_scalars(num_tokens, None, num_worst_tokens, 0, num_tokens, ticket=0),
+                         True, 0)
 
     def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
-        return self.signature((_COMBINE, x, topk_weights, bias, handle[3], handle[4],  # as _cached_key's
-                               self.buffer.num_sms if config is None else config.num_sms, async_finish))
+        return (_COMBINE, x, topk_weights, bias, handle[3], handle[4],  # as _cached_key's
+                self.buffer.num_sms if config is None else config.num_sms, async_finish)
 
     def combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish):
         if getattr(handle, "fast_for", None) != self.buffer._id or isinstance(bias, list):
             return None
-        entry = self._entries.get(self._combine_key(x, handle, topk_weights, bias, config, async_finish))
-        if entry is None or not handle.rounds.fits(entry[1]) or not self.usable(previous_event):
-            return None
-        self.backend.check_failures()
         bias_0, bias_1 = split_x(bias)
-        inputs = (x, topk_weights, bias_0, bias_1, handle[0], None, handle[5], None, None)  # DispatchHandle's fields
-        outputs, event = self.run(entry[0], inputs, (), previous_event, async_finish)
+        ran = self.calls.run(self._combine_key(x, handle, topk_weights, bias, config, async_finish),
+                             (x, topk_weights, bias_0, bias_1, handle[0], None, handle[5], None, None),  # handle fields
+                             _raw_stream(self.device_index), previous_event, async_finish,
+                             handle.rounds.max_round_tokens)
+        if ran is None:
+            return None
+        outputs = ran[1]
+        event = self._async_event() if async_finish else EventOverlap(None)
         return outputs[0], (outputs[1] if topk_weights is not None else None), event
 
     def learn_combine(self, x, handle, topk_weights, bias, config, async_finish, round_tokens: int) -> None:
@@ -211,24 +181,24 @@ class FastPaths:
         plan = self.backend.combine_plan(handle.num_tokens, x.size(1), 0 if topk_weights is None else
                                          topk_weights.size(1), (bias_0 is not None) + (bias_1 is not None), num_sms,
                                          False)
-        self.record(self._combine_key(x, handle, topk_weights, bias, config, async_finish), (plan.native, round_tokens))
+        self.calls.learn(self._combine_key(x, handle, topk_weights, bias, config, async_finish), plan.native, None, [],
+                         False, round_tokens)
 
     # -- low-latency mode -----------------------------------------------------------------------------------
 
     def _low_latency_dispatch_key(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
                                   use_ue8m0, use_nvfp4, x_global_scale):
-        return self.signature((_LOW_LATENCY_DISPATCH, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8,
-                               round_scale, use_ue8m0, use_nvfp4, x_global_scale))
+        return (_LOW_LATENCY_DISPATCH, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
+                use_ue8m0, use_nvfp4, x_global_scale)
 
     def low_latency_dispatch(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
                              use_ue8m0, use_nvfp4, x_global_scale):
         kernels = self.backend._low_latency_impl()
-        entry = self._entries.get(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats,
-                                                                use_fp8, round_scale, use_ue8m0, use_nvfp4,
-                                                                x_global_scale))
-        if entry is None or kernels is None or not self.usable(None):
+        entry = None if kernels is None else self.calls.take(self._low_latency_dispatch_key(
+            x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale, use_ue8m0, use_nvfp4,
+            x_global_scale))
+        if entry is None:
             return None
-        self.backend.check_failures()
         native, recv_x_at, scales_at = entry
         outputs, handle = kernels.run_dispatch(native, x, topk_idx, num_max, num_experts, stats,
                                                self.buffer._rank_mask, wait_stats, x_global_scale, self.buffer._id)
@@ -245,24 +215,24 @@ class FastPaths:
         first, _ = kernels.dispatch_plans(x.size(0), x.size(1), topk_idx.size(1), topk_idx.dtype, num_experts, num_max,
                                           cast, use_ue8m0, round_scale, False)
         names = first.output_names
-        self.record(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8,
-                                                    round_scale, use_ue8m0, use_nvfp4, x_global_scale), (
-            first.native, names.index("packed_recv_x"),
-            names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names else None))
+        self.calls.learn(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8,
+                                                         round_scale, use_ue8m0, use_nvfp4, x_global_scale),
+                         first.native, (first.native, names.index("packed_recv_x"),
+                                        names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names
+                                        else None), [], False, 0)
 
     def _low_latency_combine_key(self, x, topk_idx, topk_weights, handle, out, wait_stats):
         # The handle's sent tokens and top-k: a learnt entry's equal topk_idx's (else the full path refused).
-        return self.signature((_LOW_LATENCY_COMBINE, x, topk_idx, topk_weights, handle[2], handle[3], handle[4], out,
-                               wait_stats, handle.num_tokens, handle.num_topk))
+        return (_LOW_LATENCY_COMBINE, x, topk_idx, topk_weights, handle[2], handle[3], handle[4], out, wait_stats,
+                handle.num_tokens, handle.num_topk)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats):
         kernels = self.backend._low_latency_impl()
         if kernels is None or getattr(handle, "fast_for", None) != self.buffer._id:
             return None
-        entry = self._entries.get(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats))
-        if entry is None or not self.usable(None):
+        entry = self.calls.take(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats))
+        if entry is None:
             return None
-        self.backend.check_failures()
         combined = kernels.run_combine(entry, x, topk_idx, topk_weights, handle, out, self.buffer._rank_mask,
                                        wait_stats)
         return combined, EventOverlap(None), _no_hook
@@ -274,8 +244,8 @@ class FastPaths:
         first, _ = kernels.combine_plans(topk_idx.size(0), handle.hidden, topk_idx.size(1), topk_idx.dtype,
                                          handle.num_experts, handle.num_max_dispatch_tokens_per_rank, out is not None,
                                          False)
-        self.record(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats),
-                    first.native)
+        self.calls.learn(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats),
+                         first.native, first.native, [], False, 0)
 
 
 def _no_hook() -> None:
