@@ -77,7 +77,7 @@ def _across_streams(buffer, inputs):
             for call in (lambda: buffer.dispatch(x, handle=handle)[0],
                          lambda: buffer.combine(expert_out, handle, topk_weights=recv_w)[:2]):
                 results.append(call())
-                straight += buffer._fast.calls.ran_on >= 0
+                straight += buffer._fast is not None and buffer._fast.calls.ran_on >= 0  # a CUDA-backend Buffer
     for stream in streams:
         main.wait_stream(stream)
     return results, straight
