@@ -1,10 +1,10 @@
 """The host's cost of each call: what the CPU spends before a call returns, at several token counts.
 
-    python benchmarks/host_cost.py [--num_ranks N] [--tokens 128,512,4096,8192] [--iters 200]
+    python benchmarks/host_cost.py [--num_ranks N] [--tokens 128,512,4096,8192] [--iters 200] [--rounds 5]
                                    [--json OUT.json] [--cpu]
 
-Per call and token count (tokens per rank), the median of `--iters` back-to-back calls timed with
-``time.perf_counter`` after 20 warm-ups, with no synchronisation in the loop, on a Buffer made with the
+Per call and token count (tokens per rank), the median of `--rounds` rounds of `--iters` back-to-back calls
+timed with ``time.perf_counter`` after 20 warm-ups, with no synchronisation in the loop, on a Buffer made with the
 defaults (so the default checks run). The calls are those that return without waiting for the GPU:
 `layout` (get_dispatch_layout), `dispatch_cached` (a handle given), `dispatch_worst` (num_worst_tokens),
 `combine`, and the low-latency pair (at token counts whose low-latency buffer fits the GPU).
@@ -41,6 +41,10 @@ PROFILE_TOKENS = 4096
 # GPU time. The median of the first EARLY_CALLS timed calls (after the warm-ups) is reported beside the
 # median of all, to tell the two apart.
 EARLY_CALLS = 50
+# NOTE [rounds of calls]: the lent hosts' speed drifts over seconds (a plan of nothing took 1.1-2.5 µs to cross
+# from Python in one call; benchmarks/results/host_cost.md). Each size times its calls in `--rounds` rounds, one
+# call after another within a round, so that a slow phase falls on every call alike; a figure is the median of
+# all the round's samples, and `rounds` in the JSON keeps each round's median.
 LOW_LATENCY_MEMORY_SHARE = 0.4  # of the GPU's memory, at most, for the low-latency buffer and its outputs
 
 
@@ -55,7 +59,7 @@ def _own_time_rows(profiler: cProfile.Profile, num_calls: int, top: int = 14):
     return [[w, round(c, 2), round(o, 2), round(t, 2)] for w, c, o, t in rows[:top]]
 
 
-def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
+def rank_main(token_counts, profile_tokens: int, iters: int, rounds: int, gpu: bool):
     import torch
     import torch.distributed as dist
 
@@ -73,7 +77,8 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
 
     results = {name: {} for name in CALLS}
     early = {name: {} for name in CALLS}  # NOTE [launch queue]
-    extra = {"early": early}
+    by_round = {name: {} for name in CALLS}  # NOTE [rounds of calls]
+    extra = {"early": early, "rounds": by_round}
     for num_tokens in token_counts:
         ll_bytes = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
         with_low_latency = 3 * ll_bytes <= LOW_LATENCY_MEMORY_SHARE * memory * (num_ranks if not gpu else 1)
@@ -104,25 +109,29 @@ def rank_main(token_counts, profile_tokens: int, iters: int, gpu: bool):
                                  device=device).to(torch.bfloat16)
             ops["low_latency_dispatch"] = lambda: buffer.low_latency_dispatch(ll_x, ll_idx, num_tokens, num_experts)
             ops["low_latency_combine"] = lambda: buffer.low_latency_combine(ll_out, ll_idx, ll_w, ll_handle)
+        times = {name: [] for name in ops}
+        for round_index in range(rounds):  # NOTE [rounds of calls]
+            for name, op in ops.items():
+                if round_index == 0:
+                    for _ in range(WARMUP):
+                        op()
+                sync()
+                dist.barrier()
+                for _ in range(iters):
+                    start = time.perf_counter()
+                    op()
+                    times[name].append(time.perf_counter() - start)
+                sync()
         for name in CALLS:
             if name not in ops:
                 results[name][str(num_tokens)] = early[name][str(num_tokens)] = None  # the buffer would not fit
                 continue
-            op = ops[name]
-            for _ in range(WARMUP):
-                op()
-            sync()
-            dist.barrier()
-            times = []
-            for _ in range(iters):
-                start = time.perf_counter()
-                op()
-                times.append(time.perf_counter() - start)
-            sync()
-            results[name][str(num_tokens)] = statistics.median(times) * 1e6
-            early[name][str(num_tokens)] = statistics.median(times[:EARLY_CALLS]) * 1e6
+            results[name][str(num_tokens)] = statistics.median(times[name]) * 1e6
+            early[name][str(num_tokens)] = statistics.median(times[name][:EARLY_CALLS]) * 1e6
+            by_round[name][str(num_tokens)] = [round(statistics.median(times[name][r * iters:(r + 1) * iters]) * 1e6, 2)
+                                               for r in range(rounds)]
         if num_tokens == profile_tokens:
-            extra["call_vs_kernel"] = _call_vs_kernel(ops, iters, gpu, device) if gpu else None
+            extra["call_vs_kernel"] = _call_vs_kernel(ops, iters, rounds, device) if gpu else None
             extra["steps"] = _plan_steps(buffer, topk_idx, num_experts, iters) if gpu else None
             extra["plan_profile"] = _plan_profile(ops, iters) if gpu else None
             extra["profile"] = {}
@@ -227,8 +236,8 @@ def _plan_profile(ops, iters: int):
     return out
 
 
-def _events_around(op, iters: int, device, made_ahead: bool) -> float:
-    """The median time between CUDA events recorded before and after each of `iters` back-to-back calls (µs).
+def _events_around(op, iters: int, device, made_ahead: bool) -> list:
+    """The times between CUDA events recorded before and after each of `iters` back-to-back calls (µs).
 
     `made_ahead`: the events exist before the loop and are recorded on the stream, given, so the interval holds
     the call and one record. Otherwise as DeepEP's harness (its `bench`): the Event objects are made before the
@@ -253,20 +262,24 @@ def _events_around(op, iters: int, device, made_ahead: bool) -> float:
             op()
             end.record()
     torch.cuda.synchronize(device)
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+    return [s.elapsed_time(e) * 1e3 for s, e in pairs]
 
 
-def _call_vs_kernel(ops, iters: int, gpu: bool, device):
+def _call_vs_kernel(ops, iters: int, rounds: int, device):
     """Per call: the median CUDA-event time around each of back-to-back calls (events made ahead, and as
-    DeepEP's harness makes them: `_events_around`), the median summed time of its kernels, and each kernel's
-    mean time per call (µs; other kernels than tokenyard's too)."""
+    DeepEP's harness makes them: `_events_around`; over `rounds` rounds, NOTE [rounds of calls]), the median
+    summed time of its kernels, and each kernel's mean time per call (µs; other kernels than tokenyard's too)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    ahead, lazy = {name: [] for name in ops}, {name: [] for name in ops}
+    for _ in range(rounds):
+        for name, op in ops.items():
+            ahead[name] += _events_around(op, iters, device, made_ahead=True)
+            lazy[name] += _events_around(op, iters, device, made_ahead=False)
     out = {}
     for name, op in ops.items():
-        call_us = _events_around(op, iters, device, made_ahead=True)
-        call_us_lazy = _events_around(op, iters, device, made_ahead=False)
+        call_us, call_us_lazy = statistics.median(ahead[name]), statistics.median(lazy[name])
         marker = torch.empty(1, device=device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
@@ -293,6 +306,7 @@ def main() -> None:
     parser.add_argument("--num_ranks", type=int, default=None, help="default: one per GPU (one on CPU: 2)")
     parser.add_argument("--tokens", default="128,512,4096,8192")
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=5, help="NOTE [rounds of calls]")
     parser.add_argument("--json", default=None)
     parser.add_argument("--cpu", action="store_true")
     args = parser.parse_args()
@@ -305,12 +319,14 @@ def main() -> None:
     num_ranks = args.num_ranks or (2 if args.cpu else max(1, torch.cuda.device_count()))
     from tokenyard.tools.launch import run_on_ranks
 
-    per_rank = run_on_ranks(num_ranks, rank_main, token_counts, profile_tokens, args.iters, not args.cpu, use_cuda=not args.cpu)
+    per_rank = run_on_ranks(num_ranks, rank_main, token_counts, profile_tokens, args.iters, args.rounds,
+                            not args.cpu, use_cuda=not args.cpu)
     calls = {name: {"tokens": {t: (max(r["calls"][name][t] for r in per_rank)
                                    if per_rank[0]["calls"][name][t] is not None else None)
                                for t in per_rank[0]["calls"][name]}}
              for name in CALLS}
-    print(f"host time per call, µs (median of {args.iters} back-to-back calls, the slowest of {num_ranks} ranks):")
+    print(f"host time per call, µs (median of {args.rounds} rounds of {args.iters} back-to-back calls, the slowest of "
+          f"{num_ranks} ranks):")
     print(f"  {'call':<22}" + "".join(f"{t:>10}" for t in map(str, token_counts)))
     for name in CALLS:
         cells = calls[name]["tokens"]
@@ -356,11 +372,14 @@ def main() -> None:
             json.dump({"commit": os.environ.get("TOKENYARD_COMMIT") or git_commit(), "device": device,
                        "date": datetime.date.today().isoformat(), "num_ranks": num_ranks,
                        "backend": "reference (gloo)" if args.cpu else "cuda",
-                       "settings": {"iters": args.iters, "warmup": WARMUP, "hidden": 7168 if not args.cpu else 512,
+                       "settings": {"iters": args.iters, "rounds": args.rounds, "warmup": WARMUP,
+                                    "hidden": 7168 if not args.cpu else 512,
                                     "num_experts": 256 if not args.cpu else 16, "num_topk": 8 if not args.cpu else 4,
                                     "dispatch_dtype": "fp8", "buffer": "defaults (check_inputs as configured)",
-                                    "timing": "time.perf_counter around each of back-to-back calls, median"},
-                       "calls": calls, "steps": rank0.get("steps"), "first_calls": {"num_calls": EARLY_CALLS, "tokens": early},
+                                    "timing": "time.perf_counter around each of back-to-back calls, median over the "
+                                              "rounds (NOTE [rounds of calls])"},
+                       "calls": calls, "rounds_rank0": rank0.get("rounds"), "steps": rank0.get("steps"),
+                       "first_calls": {"num_calls": EARLY_CALLS, "tokens": early},
                        "call_vs_kernel": rank0.get("call_vs_kernel"), "plan_profile": rank0.get("plan_profile"),
                        "profile": rank0.get("profile")}, f, indent=1)
 

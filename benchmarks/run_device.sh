@@ -174,10 +174,11 @@ if [ "$what" = host_cost ]; then
     grep -v Warn "$out/host_cost_checked.log" | head -14
 fi
 if [ "$what" = host_cost_ab ]; then
-    # Issue 24: benchmarks/host_cost.py in the tree of TOKENYARD_BEFORE and in this one (in_tree), alternately
-    # twice, on this machine; benchmarks/host_cost_ab.py merges them. Both sides run this tree's harness.
+    # Issue 24: benchmarks/host_cost.py in the tree of TOKENYARD_BEFORE and in this one (in_tree), alternately,
+    # TOKENYARD_AB_RUNS times (default 2), on this machine; benchmarks/host_cost_ab.py merges them. Both sides run
+    # this tree's harness.
     cp benchmarks/host_cost.py _before/benchmarks/host_cost.py
-    for i in 1 2; do
+    for i in $(seq "${TOKENYARD_AB_RUNS:-2}"); do
         for side in before after; do
             in_tree $side host_cost_run $side $i
         done

@@ -142,12 +142,12 @@ class LowLatencyCalls:
             return ops.low_latency_dispatch(self, *args)
         fast = self._fast if not (async_finish or return_recv_hook or self.check_inputs) else None  # NOTE [fast paths]
         if fast is not None:
-            result = fast.low_latency_dispatch(*args)
+            result = fast.low_latency_dispatch(args)
             if result is not None:
                 return result
         result = self._low_latency_dispatch(*args, async_finish, return_recv_hook)
         if fast is not None and x.device == self.device and topk_idx.is_contiguous():
-            fast.learn_low_latency_dispatch(*args)
+            fast.learn_low_latency_dispatch(args)
         return result
 
     @devices.runs_where_tensors_are("x")

@@ -186,40 +186,35 @@ class FastPaths:
 
     # -- low-latency mode -----------------------------------------------------------------------------------
 
-    def _low_latency_dispatch_key(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
-                                  use_ue8m0, use_nvfp4, x_global_scale):
-        return (_LOW_LATENCY_DISPATCH, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
-                use_ue8m0, use_nvfp4, x_global_scale)
+    # A low-latency dispatch's key is its arguments as Buffer.low_latency_dispatch gathers them: x, topk_idx,
+    # num_max_dispatch_tokens_per_rank, num_experts, the two stats tensors, the four cast flags, x_global_scale.
 
-    def low_latency_dispatch(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
-                             use_ue8m0, use_nvfp4, x_global_scale):
+    def low_latency_dispatch(self, args: tuple):
         kernels = self.backend._low_latency_impl()
-        entry = None if kernels is None else self.calls.take(self._low_latency_dispatch_key(
-            x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale, use_ue8m0, use_nvfp4,
-            x_global_scale))
+        entry = None if kernels is None else self.calls.take((_LOW_LATENCY_DISPATCH, args))
         if entry is None:
             return None
         native, recv_x_at, scales_at = entry
+        x, topk_idx, num_max, num_experts, stats, wait_stats, *_, x_global_scale = args
         outputs, handle = kernels.run_dispatch(native, x, topk_idx, num_max, num_experts, stats,
                                                self.buffer._rank_mask, wait_stats, x_global_scale, self.buffer._id)
         if scales_at is None:
             return outputs[recv_x_at], outputs[recv_x_at + 1], handle, EventOverlap(None), _no_hook
         return (outputs[recv_x_at], outputs[scales_at]), outputs[scales_at + 1], handle, EventOverlap(None), _no_hook
 
-    def learn_low_latency_dispatch(self, x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8, round_scale,
-                                   use_ue8m0, use_nvfp4, x_global_scale) -> None:
+    def learn_low_latency_dispatch(self, args: tuple) -> None:
         kernels = self.backend._low_latency_impl()
         if kernels is None:
             return
+        x, topk_idx, num_max, num_experts, _, _, use_fp8, round_scale, use_ue8m0, use_nvfp4, _ = args
         cast = 2 if use_nvfp4 else int(use_fp8)
         first, _ = kernels.dispatch_plans(x.size(0), x.size(1), topk_idx.size(1), topk_idx.dtype, num_experts, num_max,
                                           cast, use_ue8m0, round_scale, False)
         names = first.output_names
-        self.calls.learn(self._low_latency_dispatch_key(x, topk_idx, num_max, num_experts, stats, wait_stats, use_fp8,
-                                                         round_scale, use_ue8m0, use_nvfp4, x_global_scale),
-                         first.native, (first.native, names.index("packed_recv_x"),
-                                        names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names
-                                        else None), [], False, 0)
+        self.calls.learn((_LOW_LATENCY_DISPATCH, args), first.native,
+                         (first.native, names.index("packed_recv_x"),
+                          names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names else None),
+                         [], False, 0)
 
     def _low_latency_combine_key(self, x, topk_idx, topk_weights, handle, out, wait_stats):
         # The handle's sent tokens and top-k: a learnt entry's equal topk_idx's (else the full path refused).
