@@ -58,6 +58,7 @@ rank 3 only, and its send_nvl_head row for it is [-1, row on 3].
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -76,6 +77,11 @@ class _NamedTuple(tuple):
 
     _fields: tuple = ()
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for index, name in enumerate(cls._fields):  # a field read by name costs what one by position does
+            setattr(cls, name, property(operator.itemgetter(index), doc=f"field {index} of the tuple"))
+
     def __new__(cls, *values, **attributes):
         if len(values) != len(cls._fields):
             raise TypeError(f"{cls.__name__} takes {len(cls._fields)} fields {cls._fields}, got {len(values)}")
@@ -83,11 +89,6 @@ class _NamedTuple(tuple):
         if attributes:  # a handle is made on every fresh dispatch: one update, not a setattr each
             obj.__dict__.update(attributes)
         return obj
-
-    def __getattr__(self, name):
-        if name in type(self)._fields:
-            return self[type(self)._fields.index(name)]
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __reduce__(self):
         """copy, deepcopy and pickle keep the fields and the attributes (tuple's own reduce would pass the

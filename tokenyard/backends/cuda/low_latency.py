@@ -194,15 +194,16 @@ class LowLatencyKernels:
                      x_global_scale=None, buffer_id: Optional[int] = None):
         """Run a dispatch's first plan on the current stream, in the next half of the buffer; -> (outputs,
         handle). The fast path (NOTE [fast paths]) comes here too."""
-        self._dispatch_calls = (self._dispatch_calls + 1) & _MASK32
-        half = self._dispatch_calls % 2
-        scalars = (self._half_bases_of(num_max, x.size(1), num_experts, half), self._trace_ptr(0))
+        self._dispatch_calls = calls = (self._dispatch_calls + 1) & _MASK32
+        half = calls % 2
+        num_tokens, hidden = x.shape
+        scalars = (self._half_bases_of(num_max, hidden, num_experts, half), self._trace_ptr(0))
         outputs = native.run((x, topk_idx, stats, rank_mask, wait_costs, x_global_scale), scalars,
                              self.backend._stream(), 0, 0, 0, 0, False, False, 0)
         src_info, layout_range = outputs[-2], outputs[-1]
         self._src_info_of_half[half] = src_info.data_ptr()
-        handle = LowLatencyHandle(src_info, layout_range, num_max, x.size(1), num_experts, buffer_id=buffer_id,
-                                  num_topk=topk_idx.size(1), num_tokens=x.size(0), half=half, fast_for=buffer_id)
+        handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, buffer_id=buffer_id,
+                                  num_topk=topk_idx.shape[1], num_tokens=num_tokens, half=half, fast_for=buffer_id)
         return outputs, handle
 
     def _half_bases_of(self, num_max: int, hidden: int, num_experts: int, half: int) -> int:
