@@ -276,8 +276,8 @@ def test_fast_calls_run_what_they_recorded_with_new_tickets_and_ordered_streams(
     src = torch.randint(0, 100, (rng.randrange(2, 50),), dtype=torch.int32)
     extra = object()
     rows = rng.randrange(1, 9)
-    assert calls.learn((0, src, rows), plan.native, extra, [-1, rows], True, 64)
-    assert not calls.learn((0, [src]), plan.native, extra, [], False, 0)  # a list has no signature
+    assert calls.learn((0, src, rows), plan.native, extra, [-1, rows], True, 64, [])
+    assert not calls.learn((0, [src]), plan.native, extra, [], False, 0, [])  # a list has no signature
 
     def seqs():
         return [int.from_bytes(c[6][SPEC.args_type.seq.offset:SPEC.args_type.seq.offset + 4], "little")
@@ -290,8 +290,8 @@ def test_fast_calls_run_what_they_recorded_with_new_tickets_and_ordered_streams(
     assert driver.calls == [] and calls.hits == 0
 
     first = calls.next_ticket()  # the full path's ticket: the recorded call's runs take the next ones
-    got_extra, outputs = calls.run((0, src, rows), (src, None), 11, None, False, 64)
-    assert got_extra is extra and outputs == () and calls.hits == 1
+    got_extra, outputs, half = calls.run((0, src, rows), (src, None), 11, None, False, 64)
+    assert got_extra is extra and outputs == () and half == 0 and calls.hits == 1
     assert [c[:3] for c in driver.calls] == [("record", 33, 11), ("wait", 22, 33), ("launch", handle, 1),
                                               ("record", 44, 22), ("wait", 11, 44)]
     assert driver.calls[2][5] == 22  # on the comm stream, the compute stream joined after it
@@ -330,7 +330,7 @@ def test_fast_calls_without_a_backend_fall_back(driver, extension):
     recorder = _Recorder()
     calls = _calls(extension, recorder)
     plan = _seq_plan(FakeKernel(SPEC, 5))
-    calls.learn((1,), plan.native, "extra", [0, 0], False, 0)
+    calls.learn((1,), plan.native, "extra", [0, 0], False, 0, [])
     assert calls.take((1,)) == "extra" and calls.take((2,)) is None
     recorder.record[0] = 3
     with pytest.raises(RuntimeError, match="kernel failure 3"):
@@ -339,3 +339,29 @@ def test_fast_calls_without_a_backend_fall_back(driver, extension):
     del recorder  # the backend is gone: a recorded failure sends the call to the full path, which raises
     assert calls.take((1,)) is None and calls.run((1,), (None, None), 11, None, False, 0) is None
     assert record[0] == 3 and driver.calls == []
+
+
+def test_fast_low_latency_dispatches_alternate_halves_with_the_full_path(driver, extension):
+    """A recorded low-latency dispatch takes the next half of the buffer, counted with the full path's, on the
+    caller's stream, outside the Buffer's stream order (NOTE [fast calls])."""
+    rng = random.Random()
+    recorder = _Recorder()  # kept alive: the calls read its record
+    calls = _calls(extension, recorder)
+    plan = _seq_plan(FakeKernel(SPEC, 5))
+    bases = [rng.randrange(1, 1 << 32), rng.randrange(1, 1 << 32)]
+    with pytest.raises(ValueError, match="two halves"):
+        calls.learn((2,), plan.native, None, [], False, 0, [[bases[0], 0]])
+    assert calls.learn((2,), plan.native, "ll", [], False, 0, [[bases[0], 0], [bases[1], 0]])
+    calls.set_joined(11)
+    seen = []
+    for expected_half in (1, 0, 1):
+        extra, _, half = calls.run((2,), (None, None), 11, None, False, 0)
+        seen.append(int.from_bytes(driver.calls[-1][6][SPEC.args_type.seq.offset:][:4], "little"))
+        assert (extra, half) == ("ll", expected_half)
+    assert seen == [bases[1], bases[0], bases[1]]
+    assert all(c[0] == "launch" and c[5] == 11 for c in driver.calls) and calls.ran_on == -1
+    assert calls.next_low_latency_half() == 0 and calls.latest_low_latency_half() == 0  # the full path's turn
+    calls.reset_low_latency_halves()
+    assert calls.latest_low_latency_half() == 0 and calls.run((2,), (None, None), 11, None, False, 0)[2] == 1
+    calls.forget()
+    assert calls.run((2,), (None, None), 11, None, False, 0) is None

@@ -409,20 +409,28 @@ public:
 
     // Records a call: `extra` comes back with each run's outputs; `scalars` are the run's per-call values, the
     // first replaced by a new ticket where `ticketed`; a run needs a handle whose rounds fit `round_tokens`.
+    // `scalars_by_half` (a low-latency dispatch): a set for each half of the low-latency buffer, the run taking
+    // the next half (`next_low_latency_half`) on the caller's stream, outside the Buffer's stream order.
     bool learn(const py::tuple& key_items, py::object plan, py::object extra, std::vector<int64_t> scalars,
-               bool ticketed, int64_t round_tokens) {
+               bool ticketed, int64_t round_tokens, std::vector<std::vector<int64_t>> scalars_by_half) {
         std::string key;
         if (!signature_of(key_items, key))
             return false;  // an argument without a signature: always the full path
+        if (!scalars_by_half.empty() && scalars_by_half.size() != 2)
+            throw std::invalid_argument("tokenyard: a low-latency call has a set of scalars for each of two halves");
         Plan* native = plan.cast<Plan*>();
         entries_[std::move(key)] = {std::move(plan), native, std::move(extra), std::move(scalars), ticketed,
-                                    round_tokens};
+                                    round_tokens, std::move(scalars_by_half)};
         return true;
     }
 
-    // A recorded call's run, on the stream NOTE [joined stream] picks for it: -> (extra, outputs), or None
-    // where the full path must run (nothing recorded, rounds that do not fit, not `ready`, an unreadable
-    // `previous_event`). `compute`: the caller's current stream on the Buffer's device.
+    // Forgets every recorded call (their scalars went stale: the low-latency trace started).
+    void forget() { entries_.clear(); }
+
+    // A recorded call's run, on the stream NOTE [joined stream] picks for it: -> (extra, outputs, the half of
+    // a low-latency dispatch or 0), or None where the full path must run (nothing recorded, rounds that do not
+    // fit, not `ready`, an unreadable `previous_event`). `compute`: the caller's current stream on the Buffer's
+    // device.
     py::object run(const py::tuple& key_items, const py::tuple& inputs, int64_t compute, py::handle previous_event,
                    bool async_finish, int64_t max_round_tokens) {
         std::string key;
@@ -437,6 +445,12 @@ public:
         if (!ready())
             return py::none();
         Entry& entry = found->second;
+        if (!entry.scalars_by_half.empty()) {
+            const int64_t half = next_low_latency_half();
+            py::tuple outputs = entry.native->run(inputs, entry.scalars_by_half[half], compute, 0, 0, 0, 0, false,
+                                                  false, 0);
+            return py::make_tuple(entry.extra, std::move(outputs), half);
+        }
         std::vector<int64_t> scalars = entry.scalars;
         if (entry.ticketed)
             scalars.at(0) = next_ticket();
@@ -455,7 +469,7 @@ public:
                                         !async_finish, async_finish, comm_id_);
             joined_ = async_finish ? -1 : compute;
         }
-        return py::make_tuple(entry.extra, std::move(outputs));
+        return py::make_tuple(entry.extra, std::move(outputs), 0);
     }
 
     // A recorded call that runs in Python (the low-latency calls): its `extra` where it may run now (`ready`),
@@ -490,6 +504,15 @@ public:
         return tickets_;
     }
 
+    // The half of the low-latency buffer the next dispatch uses; they alternate, from half 1 after a reset
+    // (LowLatencyKernels.clean, which every rank makes together).
+    int64_t next_low_latency_half() {
+        low_latency_calls_ = (low_latency_calls_ + 1) & 0xffffffffLL;
+        return low_latency_calls_ % 2;
+    }
+    int64_t latest_low_latency_half() const { return low_latency_calls_ % 2; }
+    void reset_low_latency_halves() { low_latency_calls_ = 0; }
+
     // NOTE [joined stream]: whether a call on `compute` runs its kernels there (noted in `ran_on` when it does).
     bool runs_straight(int64_t compute, bool waits_for_event, bool async_finish) {
         if (async_finish || waits_for_event || joined_ != compute)
@@ -518,6 +541,7 @@ private:
         std::vector<int64_t> scalars;
         bool ticketed;
         int64_t round_tokens;
+        std::vector<std::vector<int64_t>> scalars_by_half;
     };
 
     static bool signature_of(const py::tuple& items, std::string& out) {
@@ -544,7 +568,7 @@ private:
     py::object check_failures_;
     int64_t comm_ = 0, comm_id_ = 0, enter_event_ = 0, exit_event_ = 0;
     int64_t joined_ = -1, ran_on_ = -1;
-    int64_t tickets_ = 0, hits_ = 0;
+    int64_t tickets_ = 0, hits_ = 0, low_latency_calls_ = 0;
     std::unordered_map<std::string, Entry> entries_;
 };
 
@@ -569,7 +593,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("learn", &Calls::learn)
         .def("run", &Calls::run)
         .def("take", &Calls::take)
+        .def("forget", &Calls::forget)
         .def("next_ticket", &Calls::next_ticket)
+        .def("next_low_latency_half", &Calls::next_low_latency_half)
+        .def("latest_low_latency_half", &Calls::latest_low_latency_half)
+        .def("reset_low_latency_halves", &Calls::reset_low_latency_halves)
         .def("runs_straight", &Calls::runs_straight)
         .def("catch_up", &Calls::catch_up)
         .def("set_joined", &Calls::set_joined)

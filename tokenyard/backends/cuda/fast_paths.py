@@ -86,7 +86,7 @@ class FastPaths:
 
     def learn_layout(self, topk_idx, num_experts, async_finish) -> None:
         plan = self.backend.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts)
-        self.calls.learn((_LAYOUT, topk_idx, num_experts, async_finish), plan.native, None, [], False, 0)
+        self.calls.learn((_LAYOUT, topk_idx, num_experts, async_finish), plan.native, None, [], False, 0, [])
 
     def _cached_key(self, x, handle, config, async_finish):
         # The handle's recv_src_idx and is_token_in_rank: its received rows and sent tokens.
@@ -103,7 +103,7 @@ class FastPaths:
                              handle.rounds.max_round_tokens)
         if ran is None:
             return None
-        (recv_x_at, scales_at), outputs = ran
+        (recv_x_at, scales_at), outputs, _ = ran
         recv_x = outputs[recv_x_at] if scales is None else (outputs[recv_x_at], outputs[scales_at])
         return recv_x, None, None, None, None, self._async_event() if async_finish else EventOverlap(None)
 
@@ -114,7 +114,7 @@ class FastPaths:
         names = first.output_names
         self.calls.learn(self._cached_key(x, handle, config, async_finish), first.native,
                          (names.index("recv_x"), names.index("recv_x_scales") if "recv_x_scales" in names else None),
-                         self.backend.dispatch_scalars(handle.num_tokens, ticket=0), True, round_tokens)
+                         self.backend.dispatch_scalars(handle.num_tokens, ticket=0), True, round_tokens, [])
 
     def _worst_key(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                    async_finish, all_weights):
@@ -134,7 +134,7 @@ class FastPaths:
                              async_finish, 0)
         if ran is None:
             return None
-        (pick, rounds, num_experts), outputs = ran
+        (pick, rounds, num_experts), outputs, _ = ran
         self.backend.note_judged(num_experts)
         prefix, counts, first, src_idx, send_head, recv_x, recv_idx, recv_weights, *recv_scales = pick(outputs)
         handle = DispatchHandle(prefix, counts, first, src_idx, in_rank, send_head, buffer_id=self.buffer._id,
@@ -155,7 +155,7 @@ class FastPaths:
         self.calls.learn(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                                          async_finish, all_weights), first.native, (pick, rounds, layout[2].size(0)),
                          self.backend.dispatch_scalars(num_tokens, None, num_worst_tokens, 0, num_tokens, ticket=0),
-                         True, 0)
+                         True, 0, [])
 
     def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
         return (_COMBINE, x, topk_weights, bias, handle[3], handle[4],  # as _cached_key's
@@ -182,7 +182,7 @@ class FastPaths:
                                          topk_weights.size(1), (bias_0 is not None) + (bias_1 is not None), num_sms,
                                          False)
         self.calls.learn(self._combine_key(x, handle, topk_weights, bias, config, async_finish), plan.native, None, [],
-                         False, round_tokens)
+                         False, round_tokens, [])
 
     # -- low-latency mode -----------------------------------------------------------------------------------
 
@@ -191,13 +191,16 @@ class FastPaths:
 
     def low_latency_dispatch(self, args: tuple):
         kernels = self.backend._low_latency_impl()
-        entry = None if kernels is None else self.calls.take((_LOW_LATENCY_DISPATCH, args))
-        if entry is None:
+        if kernels is None:
             return None
-        native, recv_x_at, scales_at = entry
         x, topk_idx, num_max, num_experts, stats, wait_stats, *_, x_global_scale = args
-        outputs, handle = kernels.run_dispatch(native, x, topk_idx, num_max, num_experts, stats,
-                                               self.buffer._rank_mask, wait_stats, x_global_scale, self.buffer._id)
+        ran = self.calls.run((_LOW_LATENCY_DISPATCH, args),
+                             (x, topk_idx, stats, self.buffer._rank_mask, wait_stats, x_global_scale),
+                             _raw_stream(self.device_index), None, False, 0)
+        if ran is None:
+            return None
+        (recv_x_at, scales_at), outputs, half = ran
+        handle = kernels.dispatched(outputs, half, x, topk_idx, num_max, num_experts, self.buffer._id)
         if scales_at is None:
             return outputs[recv_x_at], outputs[recv_x_at + 1], handle, EventOverlap(None), _no_hook
         return (outputs[recv_x_at], outputs[scales_at]), outputs[scales_at + 1], handle, EventOverlap(None), _no_hook
@@ -212,9 +215,9 @@ class FastPaths:
                                           cast, use_ue8m0, round_scale, False)
         names = first.output_names
         self.calls.learn((_LOW_LATENCY_DISPATCH, args), first.native,
-                         (first.native, names.index("packed_recv_x"),
-                          names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names else None),
-                         [], False, 0)
+                         (names.index("packed_recv_x"),
+                          names.index("packed_recv_x_scales") if "packed_recv_x_scales" in names else None), [], False,
+                         0, [kernels.dispatch_scalars(num_max, x.size(1), num_experts, half) for half in (0, 1)])
 
     def _low_latency_combine_key(self, x, topk_idx, topk_weights, handle, out, wait_stats):
         # The handle's sent tokens and top-k: a learnt entry's equal topk_idx's (else the full path refused).
@@ -240,7 +243,7 @@ class FastPaths:
                                          handle.num_experts, handle.num_max_dispatch_tokens_per_rank, out is not None,
                                          False)
         self.calls.learn(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats),
-                         first.native, first.native, [], False, 0)
+                         first.native, first.native, [], False, 0, [])
 
 
 def _no_hook() -> None:

@@ -58,7 +58,6 @@ class LowLatencyKernels:
         # are the NVSHMEM units (NOTE [internode low-latency] in include/tokenyard/sync.cuh).
         self.buffer = buffer
         self.remote = getattr(buffer, "remote", 0)
-        self._dispatch_calls = 0
         self._src_info_of_half = [None, None]  # data_ptr of each half's latest dispatch's src_info
         self._bases = {}  # half_bytes -> (device array of half 0's base on every rank, the same for half 1)
         self._half_base_addresses = {}  # (num_max, hidden, num_experts) -> their two addresses
@@ -71,6 +70,7 @@ class LowLatencyKernels:
         trace point into the returned int64 tensor ``[2 (dispatch, combine), grid, 8]``; a diagnostic
         (benchmarks/ll_phases.py), never on in production."""
         self.trace = torch.zeros(2, self._grid(), 8, dtype=torch.int64, device=self.backend.ctx.device)
+        self.backend.calls.forget()  # recorded calls hold the trace's address (NOTE [fast calls])
         return self.trace
 
     def clean(self, num_max: int, hidden: int, num_experts: int) -> None:
@@ -92,7 +92,7 @@ class LowLatencyKernels:
             for offset, num_bytes in words:
                 begin = half * layout.half_bytes + offset
                 local[begin:begin + num_bytes].zero_()
-        self._dispatch_calls = 0
+        self.backend.calls.reset_low_latency_halves()
         self._src_info_of_half = [None, None]
         torch.cuda.synchronize(ctx.device)
         ctx.all_gather_object(None)  # no rank sends before every rank is clean
@@ -184,9 +184,8 @@ class LowLatencyKernels:
         if second is not None:
             inputs = (x, topk_idx, request.cumulative_local_expert_recv_stats, request.rank_mask,
                       request.wait_recv_cost_stats, request.x_global_scale) + outputs
-            scalars = (self._half_bases_of(request.num_max_dispatch_tokens_per_rank, x.size(1), request.num_experts,
-                                           handle.half), self._trace_ptr(0))
-            hook = self._receive_hook(second, inputs, scalars)
+            hook = self._receive_hook(second, inputs, self.dispatch_scalars(
+                request.num_max_dispatch_tokens_per_rank, x.size(1), request.num_experts, handle.half))
         return LowLatencyDispatchResult(made["packed_recv_x"], made.get("packed_recv_x_scales"),
                                         made["packed_recv_count"], handle, hook)
 
@@ -194,17 +193,24 @@ class LowLatencyKernels:
                      x_global_scale=None, buffer_id: Optional[int] = None):
         """Run a dispatch's first plan on the current stream, in the next half of the buffer; -> (outputs,
         handle). The fast path (NOTE [fast paths]) comes here too."""
-        self._dispatch_calls = calls = (self._dispatch_calls + 1) & _MASK32
-        half = calls % 2
-        num_tokens, hidden = x.shape
-        scalars = (self._half_bases_of(num_max, hidden, num_experts, half), self._trace_ptr(0))
-        outputs = native.run((x, topk_idx, stats, rank_mask, wait_costs, x_global_scale), scalars,
-                             self.backend._stream(), 0, 0, 0, 0, False, False, 0)
-        src_info, layout_range = outputs[-2], outputs[-1]
+        half = self.backend.calls.next_low_latency_half()
+        outputs = native.run((x, topk_idx, stats, rank_mask, wait_costs, x_global_scale),
+                             self.dispatch_scalars(num_max, x.size(1), num_experts, half), self.backend._stream(), 0,
+                             0, 0, 0, False, False, 0)
+        return outputs, self.dispatched(outputs, half, x, topk_idx, num_max, num_experts, buffer_id)
+
+    def dispatch_scalars(self, num_max: int, hidden: int, num_experts: int, half: int) -> list:
+        """A dispatch's LOW_LATENCY_SCALARS in `half` of the buffer."""
+        return [self._half_bases_of(num_max, hidden, num_experts, half), self._trace_ptr(0)]
+
+    def dispatched(self, outputs: tuple, half: int, x, topk_idx, num_max: int, num_experts: int,
+                   buffer_id: Optional[int]) -> LowLatencyHandle:
+        """The handle of a dispatch that ran in `half` (the fast path's too, NOTE [fast calls])."""
+        src_info = outputs[-2]
         self._src_info_of_half[half] = src_info.data_ptr()
-        handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, buffer_id=buffer_id,
-                                  num_topk=topk_idx.shape[1], num_tokens=num_tokens, half=half, fast_for=buffer_id)
-        return outputs, handle
+        num_tokens, hidden = x.shape
+        return LowLatencyHandle(src_info, outputs[-1], num_max, hidden, num_experts, buffer_id=buffer_id,
+                                num_topk=topk_idx.shape[1], num_tokens=num_tokens, half=half, fast_for=buffer_id)
 
     def _half_bases_of(self, num_max: int, hidden: int, num_experts: int, half: int) -> int:
         """The address of `_half_bases` for a call of this shape (asked on every call: kept as two ints)."""
@@ -343,7 +349,7 @@ class LowLatencyKernels:
         looked at first: its src_info is alive, so no freed tensor of the other half can share its address);
         a src_info that is neither (a copy) is taken as the latest dispatch's, the half DeepEP's combine
         would use."""
-        latest = self._dispatch_calls % 2
+        latest = self.backend.calls.latest_low_latency_half()
         for half in (latest, 1 - latest):
             if self._src_info_of_half[half] == src_info.data_ptr():
                 return half
