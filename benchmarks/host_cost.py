@@ -1,13 +1,14 @@
 """The host's cost of each call: what the CPU spends before a call returns, at several token counts.
 
-    python benchmarks/host_cost.py [--num_ranks N] [--tokens 128,512,4096,8192] [--iters 200] [--rounds 5]
+    python benchmarks/host_cost.py [--num_ranks N] [--tokens 128,512,4096,8192] [--iters 200] [--rounds 3]
                                    [--json OUT.json] [--cpu]
 
-Per call and token count (tokens per rank), the median of `--rounds` rounds of `--iters` back-to-back calls
-timed with ``time.perf_counter`` after 20 warm-ups, with no synchronisation in the loop, on a Buffer made with the
-defaults (so the default checks run). The calls are those that return without waiting for the GPU:
-`layout` (get_dispatch_layout), `dispatch_cached` (a handle given), `dispatch_worst` (num_worst_tokens),
-`combine`, and the low-latency pair (at token counts whose low-latency buffer fits the GPU).
+Per call and token count (tokens per rank), the median of twice `--rounds` rounds of `--iters` back-to-back
+calls (NOTE [rounds of calls]) timed with ``time.perf_counter`` after 20 warm-ups, with no synchronisation in
+the loop, on a Buffer made with the defaults (so the default checks run). The calls are those that return
+without waiting for the GPU: `layout` (get_dispatch_layout), `dispatch_cached` (a handle given),
+`dispatch_worst` (num_worst_tokens), `combine`, and the low-latency pair (at token counts whose low-latency
+buffer fits the GPU).
 
 At 4096 tokens it also measures, per call, the call time back to back (CUDA events around each of
 back-to-back calls: made before the loop, and as DeepEP's harness makes them, `_events_around`) beside the
@@ -43,8 +44,9 @@ PROFILE_TOKENS = 4096
 EARLY_CALLS = 50
 # NOTE [rounds of calls]: the lent hosts' speed drifts over seconds (a plan of nothing took 1.1-2.5 µs to cross
 # from Python in one call; benchmarks/results/host_cost.md). Each size times its calls in `--rounds` rounds, one
-# call after another within a round, so that a slow phase falls on every call alike; a figure is the median of
-# all the round's samples, and `rounds` in the JSON keeps each round's median.
+# call after another within a round, so that a slow phase falls on every call alike; the sizes are visited up,
+# then down again, so that a drift over the run does not pass for a cost that grows with the token count. A
+# figure is the median of all of its samples; `rounds` in the JSON keeps each round's median, in the order run.
 LOW_LATENCY_MEMORY_SHARE = 0.4  # of the GPU's memory, at most, for the low-latency buffer and its outputs
 
 
@@ -79,7 +81,9 @@ def rank_main(token_counts, profile_tokens: int, iters: int, rounds: int, gpu: b
     early = {name: {} for name in CALLS}  # NOTE [launch queue]
     by_round = {name: {} for name in CALLS}  # NOTE [rounds of calls]
     extra = {"early": early, "rounds": by_round}
-    for num_tokens in token_counts:
+    times = {name: {num_tokens: [] for num_tokens in token_counts} for name in CALLS}
+    profiled = False
+    for num_tokens in token_counts + token_counts[::-1]:  # NOTE [rounds of calls]: up, then down
         ll_bytes = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
         with_low_latency = 3 * ll_bytes <= LOW_LATENCY_MEMORY_SHARE * memory * (num_ranks if not gpu else 1)
         num_nvl_bytes = Config(num_max_tokens_per_rank=num_tokens).get_nvl_buffer_size_hint(hidden * 2, num_ranks)
@@ -109,7 +113,6 @@ def rank_main(token_counts, profile_tokens: int, iters: int, rounds: int, gpu: b
                                  device=device).to(torch.bfloat16)
             ops["low_latency_dispatch"] = lambda: buffer.low_latency_dispatch(ll_x, ll_idx, num_tokens, num_experts)
             ops["low_latency_combine"] = lambda: buffer.low_latency_combine(ll_out, ll_idx, ll_w, ll_handle)
-        times = {name: [] for name in ops}
         for round_index in range(rounds):  # NOTE [rounds of calls]
             for name, op in ops.items():
                 if round_index == 0:
@@ -117,20 +120,14 @@ def rank_main(token_counts, profile_tokens: int, iters: int, rounds: int, gpu: b
                         op()
                 sync()
                 dist.barrier()
+                samples = times[name][num_tokens]
                 for _ in range(iters):
                     start = time.perf_counter()
                     op()
-                    times[name].append(time.perf_counter() - start)
+                    samples.append(time.perf_counter() - start)
                 sync()
-        for name in CALLS:
-            if name not in ops:
-                results[name][str(num_tokens)] = early[name][str(num_tokens)] = None  # the buffer would not fit
-                continue
-            results[name][str(num_tokens)] = statistics.median(times[name]) * 1e6
-            early[name][str(num_tokens)] = statistics.median(times[name][:EARLY_CALLS]) * 1e6
-            by_round[name][str(num_tokens)] = [round(statistics.median(times[name][r * iters:(r + 1) * iters]) * 1e6, 2)
-                                               for r in range(rounds)]
-        if num_tokens == profile_tokens:
+        if num_tokens == profile_tokens and not profiled:
+            profiled = True
             extra["call_vs_kernel"] = _call_vs_kernel(ops, iters, rounds, device) if gpu else None
             extra["steps"] = _plan_steps(buffer, topk_idx, num_experts, iters) if gpu else None
             extra["plan_profile"] = _plan_profile(ops, iters) if gpu else None
@@ -148,6 +145,15 @@ def rank_main(token_counts, profile_tokens: int, iters: int, rounds: int, gpu: b
         dist.barrier()
         buffer.destroy()
         buffer = ops = None  # freed before the next size's buffer is made
+    for name in CALLS:
+        for num_tokens, samples in times[name].items():
+            if not samples:
+                results[name][str(num_tokens)] = early[name][str(num_tokens)] = None  # the buffer would not fit
+                continue
+            results[name][str(num_tokens)] = statistics.median(samples) * 1e6
+            early[name][str(num_tokens)] = statistics.median(samples[:EARLY_CALLS]) * 1e6
+            by_round[name][str(num_tokens)] = [round(statistics.median(samples[r:r + iters]) * 1e6, 2)
+                                               for r in range(0, len(samples), iters)]
     return {"calls": results, **extra}
 
 
@@ -306,7 +312,7 @@ def main() -> None:
     parser.add_argument("--num_ranks", type=int, default=None, help="default: one per GPU (one on CPU: 2)")
     parser.add_argument("--tokens", default="128,512,4096,8192")
     parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=5, help="NOTE [rounds of calls]")
+    parser.add_argument("--rounds", type=int, default=3, help="per size and pass (NOTE [rounds of calls])")
     parser.add_argument("--json", default=None)
     parser.add_argument("--cpu", action="store_true")
     args = parser.parse_args()
@@ -325,8 +331,8 @@ def main() -> None:
                                    if per_rank[0]["calls"][name][t] is not None else None)
                                for t in per_rank[0]["calls"][name]}}
              for name in CALLS}
-    print(f"host time per call, µs (median of {args.rounds} rounds of {args.iters} back-to-back calls, the slowest of "
-          f"{num_ranks} ranks):")
+    print(f"host time per call, µs (median of {2 * args.rounds} rounds of {args.iters} back-to-back calls, "
+          f"{args.rounds} as the sizes go up and {args.rounds} as they come down; the slowest of {num_ranks} ranks):")
     print(f"  {'call':<22}" + "".join(f"{t:>10}" for t in map(str, token_counts)))
     for name in CALLS:
         cells = calls[name]["tokens"]
