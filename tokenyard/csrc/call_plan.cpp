@@ -387,10 +387,11 @@ private:
 
 // NOTE [fast calls]: the C++ half of a Buffer's fast paths (NOTE [fast paths] in backends/cuda/fast_paths.py),
 // one per CUDA backend. It keeps the recorded calls by signature (NOTE [call signatures]), the order of the
-// Buffer's streams (NOTE [joined stream] in buffer.py), the dispatches' tickets and the count of fast calls, so
-// a call whose shape was seen before crosses from Python once: the lookup, the checks that decide whether a
-// fast path may run (the current device, a readable `previous_event`, no failure recorded), the stream choice
-// and the plan's run. A stream handle of -1 is none: 0 is the legacy default stream.
+// Buffer's streams (NOTE [joined stream] in buffer.py), the dispatches' tickets, the turns of the low-latency
+// buffer's halves and the count of fast calls, so a call whose shape was seen before crosses from Python once:
+// the lookup, the checks that decide whether a fast path may run (the current device, a readable
+// `previous_event`, no failure recorded), the stream choice and the plan's run. A stream handle of -1 is none:
+// 0 is the legacy default stream.
 class Calls {
 public:
     Calls(c10::Device device, int64_t host_record, py::object check_failures)
@@ -472,8 +473,8 @@ public:
         return py::make_tuple(entry.extra, std::move(outputs), 0);
     }
 
-    // A recorded call that runs in Python (the low-latency calls): its `extra` where it may run now (`ready`),
-    // else None.
+    // A recorded call that Python runs itself (the low-latency combine): its `extra` where it may run now
+    // (`ready`), else None.
     py::object take(const py::tuple& key_items) {
         std::string key;
         if (!signature_of(key_items, key))

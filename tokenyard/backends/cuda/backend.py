@@ -263,7 +263,7 @@ class CudaBackend(Backend):
         # The rank's CallCounter words (sync.cuh), zero on every rank as the buffers are.
         self.call_counts = torch.zeros(headers.enum("sync.cuh", "CallCounter")["kNumCallCounters"],
                                        dtype=torch.int64, device=ctx.device)
-        # NOTE [fast calls]: recorded calls, the dispatches' tickets and the order of the Buffer's streams
+        # NOTE [fast calls]: recorded calls, the dispatches' tickets, the low-latency halves, the streams' order
         self.calls = plans.module().Calls(ctx.device, self.host_record_ptr, weakref.WeakMethod(self.check_failures))
         self._failure: Optional[TokenyardError] = None
         self._kernels = {}  # id(spec) -> (spec, Kernel), see _kernel

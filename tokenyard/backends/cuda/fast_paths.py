@@ -68,7 +68,8 @@ class FastPaths:
         """Calls that took a fast path (read by tests)."""
         return self.calls.hits
 
-    # Each call below is one `self.calls.run` (NOTE [fast calls]): -> (the extra it recorded, outputs), or None.
+    # Each call below is one `self.calls.run` (NOTE [fast calls]): -> (the extra it recorded, outputs, a low-latency
+    # dispatch's half), or None.
 
     def _async_event(self) -> EventOverlap:
         """An asynchronous call's event, as the full path's stream scope makes it."""

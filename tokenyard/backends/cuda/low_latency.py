@@ -25,7 +25,6 @@ from . import heuristics, kernels, plans
 
 _HANDLE_OUTPUTS = ("src_info", "layout_range")  # a dispatch's outputs that its handle keeps
 
-_MASK32 = 0xFFFFFFFF
 # The inputs and per-call scalars of the low-latency plans (NOTE [call plans] in plans.py), in run order.
 LOW_LATENCY_DISPATCH_INPUTS = ("x", "topk_idx", "stats", "rank_mask", "wait_costs", "x_global_scale")
 LOW_LATENCY_COMBINE_INPUTS = ("x", "topk_idx", "topk_weights", "out", "rank_mask", "wait_costs", "comp_signal")
@@ -192,7 +191,7 @@ class LowLatencyKernels:
     def run_dispatch(self, native, x, topk_idx, num_max: int, num_experts: int, stats, rank_mask, wait_costs,
                      x_global_scale=None, buffer_id: Optional[int] = None):
         """Run a dispatch's first plan on the current stream, in the next half of the buffer; -> (outputs,
-        handle). The fast path (NOTE [fast paths]) comes here too."""
+        handle)."""
         half = self.backend.calls.next_low_latency_half()
         outputs = native.run((x, topk_idx, stats, rank_mask, wait_costs, x_global_scale),
                              self.dispatch_scalars(num_max, x.size(1), num_experts, half), self.backend._stream(), 0,
