@@ -452,9 +452,9 @@ public:
                                                   false, 0);
             return py::make_tuple(entry.extra, std::move(outputs), half);
         }
-        std::vector<int64_t> scalars = entry.scalars;
         if (entry.ticketed)
-            scalars.at(0) = next_ticket();
+            entry.scalars.at(0) = next_ticket();  // the entry's own copy: runs hold the GIL, one at a time
+        const std::vector<int64_t>& scalars = entry.scalars;
         py::tuple outputs;
         if (runs_straight(compute, waited != 0, async_finish)) {
             outputs = entry.native->run(inputs, scalars, compute, 0, 0, 0, 0, false, false, 0);
