@@ -42,8 +42,8 @@ PROFILE_TOKENS = 4096
 # GPU time. The median of the first EARLY_CALLS timed calls (after the warm-ups) is reported beside the
 # median of all, to tell the two apart.
 EARLY_CALLS = 50
-# NOTE [rounds of calls]: the lent hosts' speed drifts over seconds (a plan of nothing took 1.1-2.5 µs to cross
-# from Python in one call; benchmarks/results/host_cost.md). Each size times its calls in `--rounds` rounds, one
+# NOTE [rounds of calls]: the lent hosts' speed drifts over seconds, even within one call (the crossing from
+# Python in benchmarks/results/host_cost.md). Each size times its calls in `--rounds` rounds, one
 # call after another within a round, so that a slow phase falls on every call alike; the sizes are visited up,
 # then down again, so that a drift over the run does not pass for a cost that grows with the token count. A
 # figure is the median of all of its samples; `rounds` in the JSON keeps each round's median, in the order run.
