@@ -90,6 +90,14 @@ class _NamedTuple(tuple):
             obj.__dict__.update(attributes)
         return obj
 
+    @classmethod
+    def of(cls, values: tuple, attributes: dict):
+        """`cls(*values, **attributes)` at less than half its cost, for the handles the calls make: `values` are
+        as many as the fields (not checked) and `attributes`, a dict of the caller's own, becomes the handle's."""
+        obj = tuple.__new__(cls, values)
+        obj.__dict__ = attributes
+        return obj
+
     def __reduce__(self):
         """copy, deepcopy and pickle keep the fields and the attributes (tuple's own reduce would pass the
         fields to __new__ as one argument)."""

@@ -62,13 +62,21 @@ def _dispatch(buffer, x, topk_idx, weights, num_experts=NUM_EXPERTS, num_worst_t
                            num_worst_tokens=num_worst_tokens)
 
 
+def _rdma_bytes(num_ranks) -> int:
+    """Every scenario's `num_rdma_bytes`: enough for its low-latency calls, and where the group spans (virtual)
+    nodes, for the internode kernels' region too, which normal mode needs there (NOTE [internode region])."""
+    from tokenyard import Buffer
+
+    return Buffer.get_low_latency_rdma_size_hint(32, 2 * HIDDEN, num_ranks, NUM_EXPERTS)
+
+
 def correct_call(group, seed, backend="reference") -> bool:
     """A dispatch on a new Buffer of `group`, against the oracle; raises where it differs."""
     from tokenyard import Buffer
     from tokenyard.semantics import routing
 
     inputs = _inputs(seed, group.size(), backend=backend)
-    buffer = Buffer(group, 1 << 22, 0, backend=backend, timeout_s=TIMEOUT_S)
+    buffer = Buffer(group, 1 << 22, _rdma_bytes(group.size()), backend=backend, timeout_s=TIMEOUT_S)
     recv_x = _dispatch(buffer, *inputs[group.rank()])[0]
     want = routing.dispatch([i[0] for i in inputs], [None] * len(inputs), [i[1] for i in inputs],
                             [i[2] for i in inputs], NUM_EXPERTS)[group.rank()]["recv_x"]
@@ -87,8 +95,7 @@ def mismatch(seed, what, backend="reference") -> dict:
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     odd = rank == 0
-    buffer = Buffer(dist.group.WORLD, 1 << 22, Buffer.get_low_latency_rdma_size_hint(32, 256, num_ranks, NUM_EXPERTS),
-                    backend=backend, timeout_s=TIMEOUT_S)
+    buffer = Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=TIMEOUT_S)
     start, error = time.monotonic(), None
     try:
         if what == "hidden":
@@ -137,8 +144,7 @@ def late_peer(seed, what, backend="reference") -> dict:
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     combine = what == "late_to_low_latency_combine"
-    num_rdma_bytes = Buffer.get_low_latency_rdma_size_hint(32, HIDDEN, num_ranks, NUM_EXPERTS) if combine else 0
-    buffer = Buffer(dist.group.WORLD, 1 << 22, num_rdma_bytes, backend=backend, timeout_s=TIMEOUT_S)
+    buffer = Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=TIMEOUT_S)
     x, topk_idx, weights = _inputs(seed, num_ranks, backend=backend)[rank]
     if combine:
         recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 32, NUM_EXPERTS, use_fp8=False)

@@ -91,13 +91,18 @@ def test_handles_survive_copy_deepcopy_and_pickle():
 
     fields = [torch.arange(3) + i for i in range(6)]
     handle = tokenyard.DispatchHandle(*fields, buffer_id=3, num_recv_tokens=7)
+    made = tokenyard.DispatchHandle.of(tuple(fields), {"buffer_id": 3, "num_recv_tokens": 7})  # the calls' way
     low = tokenyard.LowLatencyHandle(fields[0], fields[1], 128, 7168, 256, buffer_id=3, num_topk=8, half=1)
-    for copied in (copy.copy(handle), copy.deepcopy(handle), pickle.loads(pickle.dumps(handle))):
+    low_made = tokenyard.LowLatencyHandle.of((fields[0], fields[1], 128, 7168, 256),
+                                             {"buffer_id": 3, "num_topk": 8, "half": 1})
+    for copied in (copy.copy(handle), copy.deepcopy(handle), pickle.loads(pickle.dumps(handle)), made,
+                   pickle.loads(pickle.dumps(made))):
         assert type(copied) is tokenyard.DispatchHandle and (copied.buffer_id, copied.num_recv_tokens) == (3, 7)
-        assert all(torch.equal(a, b) for a, b in zip(copied, fields))
-    for copied in (copy.copy(low), copy.deepcopy(low), pickle.loads(pickle.dumps(low))):
+        assert all(torch.equal(a, b) for a, b in zip(copied, fields)) and copied.rounds is None
+    for copied in (copy.copy(low), copy.deepcopy(low), pickle.loads(pickle.dumps(low)), low_made,
+                   copy.deepcopy(low_made)):
         assert type(copied) is tokenyard.LowLatencyHandle and (copied.num_topk, copied.half) == (8, 1)
-        assert tuple(copied)[2:] == (128, 7168, 256)
+        assert tuple(copied)[2:] == (128, 7168, 256) and copied.hidden == 7168 and copied.num_tokens is None
 
 
 def test_config_takes_deepeps_positional_arguments_and_gives_hints():

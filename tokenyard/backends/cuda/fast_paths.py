@@ -138,8 +138,10 @@ class FastPaths:
         (pick, rounds, num_experts), outputs, _ = ran
         self.backend.note_judged(num_experts)
         prefix, counts, first, src_idx, send_head, recv_x, recv_idx, recv_weights, *recv_scales = pick(outputs)
-        handle = DispatchHandle(prefix, counts, first, src_idx, in_rank, send_head, buffer_id=self.buffer._id,
-                                rounds=rounds, num_recv_tokens=None, fast_for=self.buffer._id)
+        buffer_id = self.buffer._id
+        handle = DispatchHandle.of((prefix, counts, first, src_idx, in_rank, send_head),
+                                   {"buffer_id": buffer_id, "rounds": rounds, "num_recv_tokens": None,
+                                    "fast_for": buffer_id})
         return ((recv_x, *recv_scales) if scales is not None else recv_x, recv_idx, recv_weights, [], handle,
                 self._async_event() if async_finish else EventOverlap(None))
 

@@ -208,8 +208,9 @@ class LowLatencyKernels:
         src_info = outputs[-2]
         self._src_info_of_half[half] = src_info.data_ptr()
         num_tokens, hidden = x.shape
-        return LowLatencyHandle(src_info, outputs[-1], num_max, hidden, num_experts, buffer_id=buffer_id,
-                                num_topk=topk_idx.shape[1], num_tokens=num_tokens, half=half, fast_for=buffer_id)
+        return LowLatencyHandle.of((src_info, outputs[-1], num_max, hidden, num_experts),
+                                   {"buffer_id": buffer_id, "num_topk": topk_idx.shape[1], "num_tokens": num_tokens,
+                                    "half": half, "fast_for": buffer_id})
 
     def _half_bases_of(self, num_max: int, hidden: int, num_experts: int, half: int) -> int:
         """The address of `_half_bases` for a call of this shape (asked on every call: kept as two ints)."""
