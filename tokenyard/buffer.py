@@ -175,6 +175,8 @@ class Buffer(LowLatencyCalls):
         # NOTE [internode normal mode] in backends/__init__.py
         self._internode = self._normal_mode_sees_nodes and self.topology.num_nodes > 1
         self._normal_runtime = self._normal_mode_runtime(backend or settings.backend, context)
+        if self._internode and self._normal_runtime is not None:
+            self._normal_runtime.start_internode()
         self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._fast = None  # NOTE [fast paths]
         self._last_rounds = self._last_round_tokens = 0  # the last normal call's, for the fast paths to learn
@@ -648,7 +650,7 @@ class Buffer(LowLatencyCalls):
         self._refuse_capture(backend, "dispatch", cpu_wait=handle is None and not num_worst_tokens)
         check_values = self._check_values()
 
-        if backend.wants_call_agreement(False):  # NOTE [call agreement]
+        if backend.wants_call_agreement(False) or self._internode:  # NOTE [call agreement]
             if handle is None:
                 self._exchange.agree("dispatch", hidden_bytes=x.size(1) * x.element_size(),
                                      num_scales=0 if x_scales is None else x_scales.size(1), num_topk=num_topk,
@@ -752,7 +754,7 @@ class Buffer(LowLatencyCalls):
                                           "combine")
         config = config if config is not None else self.get_combine_config(self.group_size)
         self._refuse_capture(backend, "combine")
-        if backend.wants_call_agreement(False):  # NOTE [call agreement]
+        if backend.wants_call_agreement(False) or self._internode:  # NOTE [call agreement]
             self._exchange.agree("combine", hidden=x.size(1), num_topk=num_topk,
                                  num_biases=(bias_0 is not None) + (bias_1 is not None))
         request = CombineRequest(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,

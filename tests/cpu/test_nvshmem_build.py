@@ -48,3 +48,24 @@ def test_a_process_whose_nvshmem_serves_one_group_refuses_another_before_any_col
     monkeypatch.setattr(transport, "_started", started)
     assert transport.Transport.refusal((0, 1, 2, 3)) is None
     assert "one world per process" in transport.Transport.refusal((4, 5, 6, 7))
+
+
+def test_a_process_that_abandoned_nvshmem_refuses_to_start_it_again_before_any_collective(monkeypatch):
+    """NOTE [NVSHMEM stop]: after a lost peer, NVSHMEM's world in this process still counts it, so a Buffer of the same
+    group (or another) is refused at once, without waiting for a collective that the lost rank cannot join."""
+    from tokenyard.backends.cuda import transport
+    from tokenyard.errors import BackendUnavailableError
+
+    started = transport.Transport.__new__(transport.Transport)
+    started.ranks, started.users = (0, 1, 2, 3), 1
+    monkeypatch.setattr(transport, "_started", started)
+    started.abandon()
+
+    def no_collective(_):
+        raise AssertionError("a refused start made a collective")
+
+    for ranks in ((0, 1, 2, 3), (0, 2, 3)):
+        assert "cannot start again" in transport.Transport.refusal(ranks)
+        with pytest.raises(BackendUnavailableError, match="cannot start again"):
+            transport.Transport.start(0, len(ranks), no_collective, ranks, 1 << 20, False)
+    assert started.users == 1

@@ -144,6 +144,10 @@ class Backend(abc.ABC):
                                  num_experts: int) -> None:
         """Reset low-latency signalling state; nothing to do where there is none."""
 
+    def start_internode(self) -> None:
+        """Make what internode normal-mode calls need, with the Buffer (NOTE [internode start] in
+        backends/cuda/backend.py); nothing where there is nothing to make."""
+
     def destroy(self, together: bool = True) -> None:
         """Release resources; the backend is unusable afterwards. `together`: every rank of the group makes
         this call at this point (Buffer.destroy), so shared memory can be released in step."""

@@ -26,6 +26,9 @@ identical calls pairs its next call with the others' skipped one, and only the l
 partner, times out. Under CUDA-graph capture the header is not exchanged (reading it would sync the host).
 The CUDA backend's kernels carry the same signature, without the call number, in their own first exchange
 (NOTE [call signatures] in include/tokenyard/layout.cuh); both name the disagreement with `mismatch_error`.
+Its internode kernels do not: each rank sizes the rows it moves from its own call, so ranks that disagree
+would read and write past each other's rows. Their calls begin with a host count exchange anyway, so a Buffer
+whose normal mode spans nodes agrees on each normal-mode call as the reference backend does.
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ class Collectives:
         self._nccl_group = None
         self._stream = None  # CUDA: max_int's own stream
         self._calls = 0  # calls agreed on (NOTE [call agreement])
+        self.peer_lost = False  # a collective failed because a peer's connection closed (NOTE [NVSHMEM stop])
         self.op = "call"  # the operation under way: the first part of every stage a timeout names
 
     def _device_group(self) -> dist.ProcessGroup:
@@ -188,6 +192,7 @@ class Collectives:
             # "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port. This is typically ...":
             # gloo's own words, without its source location and advice.
             said = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            self.peer_lost = True
             raise PeerLostError(self.rank, f"{self.op}/{what}", said.split(". ")[0]) from exc
 
     def agree(self, op: str, **fields: int) -> None:

@@ -858,8 +858,18 @@ class CudaBackend(Backend):
             return f"nodes of {self.ctx.topology.ranks_per_node} ranks, more than the kernels' {most}"
         return None
 
+    def start_internode(self) -> None:
+        """NOTE [internode start]
+        NVSHMEM's start and its allocations are collective and wait without a deadline. A Buffer whose normal
+        mode spans nodes therefore makes its internode kernels' region while it is made, a step every rank
+        joins, rather than at its first call, where a rank late to the call would hold the others past their
+        deadline (or, gone, forever). A Buffer without num_rdma_bytes makes none: its calls raise
+        CapacityError."""
+        if self.ctx.num_rdma_bytes > 0:
+            self._internode_kernels()
+
     def _internode_kernels(self):
-        """The internode kernels, NVSHMEM started for the group at the first internode call (collective)."""
+        """The internode kernels, NVSHMEM started for the group (collective; NOTE [internode start])."""
         if self._internode is None:
             from .internode import InternodeKernels
 
@@ -898,11 +908,13 @@ class CudaBackend(Backend):
 
     def destroy(self, together: bool = True) -> None:
         torch.cuda.synchronize(self.device_index)
-        if self._internode is not None and together:  # NVSHMEM's frees and stop are collective
-            self._internode.close()
-            self._internode.transport.close()
-        if self.heap_buffer is not None and together:
-            self.heap_buffer.free()
+        # NVSHMEM's frees and stop are collective, without a deadline (NOTE [NVSHMEM stop] in transport.py).
+        nvshmem_together = together and not getattr(self.ctx.collectives, "peer_lost", False)
+        for user in (self._internode, self.heap_buffer):
+            if user is not None and nvshmem_together:
+                user.free()
+            elif user is not None and together:
+                user.transport.abandon()
         self._internode = self.heap_buffer = None
         held = [b for b in (self.normal, self.low_latency_buffer) if b is not None]
         self.normal = self.low_latency_buffer = None

@@ -73,9 +73,11 @@ class InternodeKernels:
                                           f"(peer addresses {node_peers})")
         self.node_regions = torch.tensor(node_peers, dtype=torch.int64, device=device)
 
-    def close(self) -> None:
+    def free(self) -> None:
+        """Free the region and the signals and give back this use of the transport (collective)."""
         self.transport.free(self.signals)
         self.transport.free(self.region)
+        self.transport.close()
 
     def _bytes(self, offset: int, num_bytes: int) -> torch.Tensor:
         """Bytes of this rank's region as a uint8 tensor (no copy)."""

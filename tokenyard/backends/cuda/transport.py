@@ -14,6 +14,13 @@ MPS shares sum to at most 100%) and NVSHMEM_DISABLE_CUDA_VMM=1 (the heap made wh
 grown as asked, NVSHMEM refused a 1.9 GB allocation in a 4 GB heap at 4 PEs on one H100, which one PE alone made;
 benchmarks/results/internode_low_latency.md). Symmetric allocations are collective: every rank of the group makes
 the same ones in the same order.
+
+NOTE [NVSHMEM stop]
+NVSHMEM's frees and its stop are collective too, and wait for every PE without a deadline: with a peer's process
+gone they would never return. A Buffer that saw a peer's connection close (`Collectives.peer_lost`) therefore
+leaves its symmetric memory to the process's end instead (`abandon`), and NVSHMEM is not started again in that
+process: its world still counts the lost PE. Ranks that saw nothing of the loss free as usual, and wait as they
+would for any collective the lost rank cannot join.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ def _round_up(value: int, align: int) -> int:
 
 def _other_world(global_ranks: tuple) -> Optional[str]:
     """Why NVSHMEM, as started in this process, cannot serve the group of `global_ranks` (under _lock)."""
+    if _started is not None and _started.abandoned:
+        return ("NVSHMEM was left running in this process after a peer of its group was lost (NOTE [NVSHMEM stop]); "
+                "it cannot start again here")
     if _started is not None and _started.ranks != tuple(global_ranks):
         return (f"NVSHMEM is started in this process for ranks {_started.ranks}; it has one world per process, so it "
                 f"cannot serve ranks {tuple(global_ranks)} too")
@@ -47,6 +57,8 @@ def _other_world(global_ranks: tuple) -> Optional[str]:
 
 class Transport:
     """NVSHMEM started for one group in this process."""
+
+    abandoned = False  # NOTE [NVSHMEM stop]
 
     def __init__(self, shim: ctypes.CDLL, ranks: tuple):
         self.shim, self.ranks = shim, ranks
@@ -75,8 +87,9 @@ class Transport:
         global _started
         with _lock:
             if _started is not None:
-                if _started.ranks != tuple(global_ranks):
-                    raise BackendUnavailableError(_other_world(global_ranks))
+                refused = _other_world(global_ranks)
+                if refused is not None:
+                    raise BackendUnavailableError(refused)
                 _started.users += 1
                 return _started
             if nvshmem.find() is None:
@@ -119,6 +132,10 @@ class Transport:
             if self.users == 0 and _started is self:
                 self.shim.tokenyard_nvshmem_finalize()
                 _started = None
+
+    def abandon(self) -> None:
+        """NOTE [NVSHMEM stop]: a peer of the group is gone; no collective of NVSHMEM runs in this process again."""
+        self.abandoned = True
 
     def alloc(self, num_bytes: int) -> int:
         """Zeroed symmetric memory (collective: every rank makes the same allocations in the same order)."""
