@@ -36,6 +36,10 @@ KILLED = ("killed", "killed_in_its_call")  # rank 1 ends by SIGKILL
 # client of that GPU (each survivor's next CUDA call fails with an illegal address, and its process must
 # end), whatever the library (benchmarks/results/faults.md).
 NOT_UNDER_MPS = ("killed_in_its_call",)
+# Nor, where the ranks form several (virtual) nodes, so that NVSHMEM holds their memory, a rank killed at all: the
+# survivors did not answer, and the next processes found the GPU unavailable (benchmarks/results/faults.md). Ranks
+# on GPUs of their own run it.
+NOT_UNDER_MPS_ON_NODES = ("killed",)
 
 
 def _device(backend):
