@@ -453,6 +453,11 @@ class Buffer(LowLatencyCalls):
             order.set_joined(-1 if async_finish else compute.cuda_stream)
         scope.owner = None if allocate_on_comm_stream else compute
 
+    def _agrees_on_normal_calls(self, backend) -> bool:
+        """NOTE [call agreement]: whether normal-mode calls agree first: where the backend's collectives need it, and
+        on several nodes, whose internode kernels size rows from each rank's own call."""
+        return backend.wants_call_agreement(False) or self._internode
+
     @staticmethod
     def _hand_over(stream, tensors) -> None:
         """Mark `tensors` (tensors, Nones, or tuples of them such as FP8 data with scales) as used by `stream`."""
@@ -650,7 +655,7 @@ class Buffer(LowLatencyCalls):
         self._refuse_capture(backend, "dispatch", cpu_wait=handle is None and not num_worst_tokens)
         check_values = self._check_values()
 
-        if backend.wants_call_agreement(False) or self._internode:  # NOTE [call agreement]
+        if self._agrees_on_normal_calls(backend):  # NOTE [call agreement]
             if handle is None:
                 self._exchange.agree("dispatch", hidden_bytes=x.size(1) * x.element_size(),
                                      num_scales=0 if x_scales is None else x_scales.size(1), num_topk=num_topk,
@@ -754,7 +759,7 @@ class Buffer(LowLatencyCalls):
                                           "combine")
         config = config if config is not None else self.get_combine_config(self.group_size)
         self._refuse_capture(backend, "combine")
-        if backend.wants_call_agreement(False) or self._internode:  # NOTE [call agreement]
+        if self._agrees_on_normal_calls(backend):  # NOTE [call agreement]
             self._exchange.agree("combine", hidden=x.size(1), num_topk=num_topk,
                                  num_biases=(bias_0 is not None) + (bias_1 is not None))
         request = CombineRequest(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,

@@ -434,18 +434,15 @@ public:
     // device.
     py::object run(const py::tuple& key_items, const py::tuple& inputs, int64_t compute, py::handle previous_event,
                    bool async_finish, int64_t max_round_tokens) {
-        std::string key;
-        if (!signature_of(key_items, key))
-            return py::none();
-        const auto found = entries_.find(key);
-        if (found == entries_.end() || found->second.round_tokens < max_round_tokens)
+        Entry* found = find(key_items);
+        if (found == nullptr || found->round_tokens < max_round_tokens)
             return py::none();
         int64_t waited = 0;
         if (!previous_event.is_none() && !read_event(previous_event, waited))
             return py::none();
         if (!ready())
             return py::none();
-        Entry& entry = found->second;
+        Entry& entry = *found;
         if (!entry.scalars_by_half.empty()) {
             const int64_t half = next_low_latency_half();
             py::tuple outputs = entry.native->run(inputs, entry.scalars_by_half[half], compute, 0, 0, 0, 0, false,
@@ -476,13 +473,10 @@ public:
     // A recorded call that Python runs itself (the low-latency combine): its `extra` where it may run now
     // (`ready`), else None.
     py::object take(const py::tuple& key_items) {
-        std::string key;
-        if (!signature_of(key_items, key))
+        Entry* found = find(key_items);
+        if (found == nullptr || !ready())
             return py::none();
-        const auto found = entries_.find(key);
-        if (found == entries_.end() || !ready())
-            return py::none();
-        return found->second.extra;
+        return found->extra;
     }
 
     // Whether a fast path may run now (counted in `hits`): the Buffer's device is the current one and no kernel
@@ -548,6 +542,15 @@ private:
     static bool signature_of(const py::tuple& items, std::string& out) {
         out.reserve(512);
         return append_signature(out, items.ptr());
+    }
+
+    // The recorded call of this signature, or nullptr (nothing recorded, or an argument without a signature).
+    Entry* find(const py::tuple& key_items) {
+        std::string key;
+        if (!signature_of(key_items, key))
+            return nullptr;
+        const auto found = entries_.find(key);
+        return found == entries_.end() ? nullptr : &found->second;
     }
 
     // A DeepEP-style `previous_event` (EventOverlap -> EventHandle -> torch.cuda.Event): its CUDA event, 0 if

@@ -71,9 +71,13 @@ class FastPaths:
     # Each call below is one `self.calls.run` (NOTE [fast calls]): -> (the extra it recorded, outputs, a low-latency
     # dispatch's half), or None.
 
-    def _async_event(self) -> EventOverlap:
-        """An asynchronous call's event, as the full path's stream scope makes it."""
-        return EventOverlap(EventHandle(self.comm_stream))
+    def _event(self, async_finish: bool) -> EventOverlap:
+        """A normal-mode call's event, as the full path's stream scope makes it."""
+        return EventOverlap(EventHandle(self.comm_stream)) if async_finish else EventOverlap(None)
+
+    def _num_sms(self, config) -> int:
+        """The SM count a call's `config` names, or the Buffer's."""
+        return self.buffer.num_sms if config is None else config.num_sms
 
     # -- normal mode ----------------------------------------------------------------------------------------
 
@@ -83,7 +87,7 @@ class FastPaths:
         if ran is None:
             return None
         per_rank, per_expert, in_rank = ran[1]
-        return per_rank, None, per_expert, in_rank, self._async_event() if async_finish else EventOverlap(None)
+        return per_rank, None, per_expert, in_rank, self._event(async_finish)
 
     def learn_layout(self, topk_idx, num_experts, async_finish) -> None:
         plan = self.backend.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts)
@@ -91,8 +95,7 @@ class FastPaths:
 
     def _cached_key(self, x, handle, config, async_finish):
         # The handle's recv_src_idx and is_token_in_rank: its received rows and sent tokens.
-        num_sms = self.buffer.num_sms if config is None else config.num_sms
-        return _CACHED, x, handle[3], handle[4], num_sms, async_finish
+        return _CACHED, x, handle[3], handle[4], self._num_sms(config), async_finish
 
     def cached_dispatch(self, x, handle, config, previous_event, async_finish):
         if getattr(handle, "fast_for", None) != self.buffer._id:
@@ -106,7 +109,7 @@ class FastPaths:
             return None
         (recv_x_at, scales_at), outputs, _ = ran
         recv_x = outputs[recv_x_at] if scales is None else (outputs[recv_x_at], outputs[scales_at])
-        return recv_x, None, None, None, None, self._async_event() if async_finish else EventOverlap(None)
+        return recv_x, None, None, None, None, self._event(async_finish)
 
     def learn_cached_dispatch(self, x, handle, config, async_finish, shape, round_tokens: int) -> None:
         first, second = self.backend.dispatch_plans(shape)
@@ -120,7 +123,7 @@ class FastPaths:
     def _worst_key(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                    async_finish, all_weights):
         return (_WORST, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                self.buffer.num_sms if config is None else config.num_sms, async_finish, all_weights)
+                self._num_sms(config), async_finish, all_weights)
 
     def worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                        previous_event, async_finish, all_weights: bool = False):
@@ -143,7 +146,7 @@ class FastPaths:
                                    {"buffer_id": buffer_id, "rounds": rounds, "num_recv_tokens": None,
                                     "fast_for": buffer_id})
         return ((recv_x, *recv_scales) if scales is not None else recv_x, recv_idx, recv_weights, [], handle,
-                self._async_event() if async_finish else EventOverlap(None))
+                self._event(async_finish))
 
     def learn_worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                              async_finish, shape, rounds, all_weights: bool = False) -> None:
@@ -162,7 +165,7 @@ class FastPaths:
 
     def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
         return (_COMBINE, x, topk_weights, bias, handle[3], handle[4],  # as _cached_key's
-                self.buffer.num_sms if config is None else config.num_sms, async_finish)
+                self._num_sms(config), async_finish)
 
     def combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish):
         if getattr(handle, "fast_for", None) != self.buffer._id or isinstance(bias, list):
@@ -175,11 +178,10 @@ class FastPaths:
         if ran is None:
             return None
         outputs = ran[1]
-        event = self._async_event() if async_finish else EventOverlap(None)
-        return outputs[0], (outputs[1] if topk_weights is not None else None), event
+        return outputs[0], (outputs[1] if topk_weights is not None else None), self._event(async_finish)
 
     def learn_combine(self, x, handle, topk_weights, bias, config, async_finish, round_tokens: int) -> None:
-        num_sms = self.buffer.num_sms if config is None else config.num_sms
+        num_sms = self._num_sms(config)
         bias_0, bias_1 = split_x(bias)
         plan = self.backend.combine_plan(handle.num_tokens, x.size(1), 0 if topk_weights is None else
                                          topk_weights.size(1), (bias_0 is not None) + (bias_1 is not None), num_sms,
