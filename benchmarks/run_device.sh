@@ -14,6 +14,7 @@
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh faults
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh structure_ab
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh host_cost_ab
+#   TOKENYARD_COMMIT=<hash> [TOKENYARD_BEFORE=<hash>] bash benchmarks/run_device.sh stream_stress
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -185,6 +186,20 @@ if [ "$what" = host_cost_ab ]; then
     done
     python3 benchmarks/host_cost_ab.py --json "$out/host_cost_ab.json" --before "$out"/host_cost_before_*.json \
         --after "$out"/host_cost_after_*.json
+fi
+if [ "$what" = stream_stress ]; then
+    # Issue 56: benchmarks/stream_stress.py in the tree of TOKENYARD_BEFORE (with this tree's run copied in) and in
+    # this one, TOKENYARD_STRESS_SEEDS seeds (default 2) at each of TOKENYARD_STRESS_RANKS (default 2 4).
+    stress_run() {  # stress_run SIDE, in_tree's CMD
+        timeout "${TOKENYARD_STRESS_TIMEOUT_S:-200}" python3 benchmarks/stream_stress.py \
+            --ranks ${TOKENYARD_STRESS_RANKS:-2 4} --seeds "${TOKENYARD_STRESS_SEEDS:-2}" \
+            --json "$out/stream_stress_$1.json" 2>&1 | grep -v Warn | tee "$out/stream_stress_$1.log" | tail -8
+    }
+    if [ -n "${TOKENYARD_BEFORE:-}" ]; then
+        cp tests/gpu/stream_stress.py _before/tests/gpu/ && cp benchmarks/stream_stress.py _before/benchmarks/
+        in_tree before stress_run before
+    fi
+    in_tree after stress_run after
 fi
 if [ "$what" = structure_ab ]; then
     # Issue 22: the README's benchmark (CUDA backend only) at one rank, twice in the tree of TOKENYARD_BEFORE and

@@ -386,22 +386,38 @@ class Buffer(LowLatencyCalls):
                                     "(ElasticBuffer: do_cpu_sync=False): without it the CPU waits for the "
                                     "received counts, which a capture never computes")
 
-    def _check_values(self) -> bool:
-        if not self.check_inputs:
+    def _check_values(self, previous_event: Optional[EventOverlap] = None) -> bool:
+        """Whether the debug mode's host checks read the inputs' values (NOTE [input verdict] in checks.py). They
+        read them on the caller's stream, so where the inputs are ready only at `previous_event` (made on
+        another stream, NOTE [stream contract]) the host first waits for that event."""
+        if not self.check_inputs or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return False
-        return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        if previous_event is not None and previous_event.event is not None:
+            previous_event.event.synchronize()
+        return True
 
     @contextlib.contextmanager
     def _stream_scope(self, *, use_comm_stream: bool, previous_event: Optional[EventOverlap] = None,
                       async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """Run the body on the communication stream, as DeepEP's kernels run.
+        """Run the body on the communication stream, as DeepEP's kernels run (NOTE [stream contract]).
 
         The comm stream first waits for `previous_event` (or the current stream). Afterwards, with
         `async_finish` the scope's event is recorded for the caller; otherwise the current stream waits
-        for the comm stream. Tensors made in the body belong to the current stream (`scope.owner`)
-        unless `allocate_on_comm_stream`. Without CUDA, or with `use_comm_stream` False, the body runs
+        for the comm stream. Tensors made in the body are handed to the caller's stream (`scope.owner`),
+        whichever stream's pool they came from. Without CUDA, or with `use_comm_stream` False, the body runs
         where it is; so does a synchronous call on a stream that already waited for all of the comm
         stream's work (NOTE [joined stream]).
+
+        NOTE [stream contract]
+        docs/semantics.md ("Streams and events") states it for users; this scope is where it is kept. Every
+        piece of a call's device work, the torch operations around the kernels included (a `.contiguous()`
+        copy, ElasticBuffer's expanded layout), runs inside one scope, after the comm stream waited for
+        `previous_event`: the inputs are ready at that event, which may come from a stream the caller's never
+        waited for, so no work of the call may run on the caller's stream before the scope. Outputs are
+        marked as used by the caller's stream (`record_stream`) even with `allocate_on_comm_stream`, where
+        DeepEP marks them only in an asynchronous call: otherwise an output the caller frees while its stream
+        still reads it goes back to the comm stream's pool, and a later call that waits only for a
+        `previous_event` recorded before those reads could write into it.
 
         NOTE [joined stream]
         A synchronous call (no `async_finish`, no `previous_event`, outputs on the caller's stream) ends with
@@ -451,7 +467,7 @@ class Buffer(LowLatencyCalls):
             compute.wait_stream(self._comm_stream)
         if order is not None:
             order.set_joined(-1 if async_finish else compute.cuda_stream)
-        scope.owner = None if allocate_on_comm_stream else compute
+        scope.owner = compute
 
     def _agrees_on_normal_calls(self, backend) -> bool:
         """NOTE [call agreement]: whether normal-mode calls agree first: where the backend's collectives need it, and
@@ -507,7 +523,7 @@ class Buffer(LowLatencyCalls):
         backend = self._normal_backend()
         num_experts = checks.num_experts(num_experts, self.group_size)
         checks.topk_idx(topk_idx, num_tokens=None, device=self.device)
-        if self._check_values():
+        if self._check_values(previous_event):
             checks.topk_values(topk_idx, num_experts)
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
@@ -643,7 +659,7 @@ class Buffer(LowLatencyCalls):
                 num_topk = topk_idx.size(1)
                 if topk_weights is not None:
                     checks.topk_weights(topk_weights, like=topk_idx, device=self.device)
-            if self._check_values():  # the debug mode's host checks (NOTE [input verdict] in checks.py)
+            if self._check_values(previous_event):  # the debug mode's host checks (NOTE [input verdict])
                 if topk_idx is not None:
                     checks.topk_values(topk_idx, num_experts)
                 checks.layout_agrees(topk_idx, num_experts, num_tokens_per_rank, is_token_in_rank,
@@ -748,7 +764,6 @@ class Buffer(LowLatencyCalls):
         if topk_weights is not None:
             checks.tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(handle.num_rows, None),
                           device=self.device, contiguous=False)
-            topk_weights = topk_weights.contiguous()  # any strides: an autograd gradient may be expanded
         bias_0, bias_1 = self._unpack_bias(bias)
         for name, b in (("bias", bias_0), ("bias[1]", bias_1)):
             if b is not None:
@@ -762,10 +777,12 @@ class Buffer(LowLatencyCalls):
         if self._agrees_on_normal_calls(backend):  # NOTE [call agreement]
             self._exchange.agree("combine", hidden=x.size(1), num_topk=num_topk,
                                  num_biases=(bias_0 is not None) + (bias_1 is not None))
-        request = CombineRequest(x=x, handle=handle, topk_weights=topk_weights, bias_0=bias_0, bias_1=bias_1,
-                                 config=config)
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
+            # any strides (an autograd gradient may be expanded): copied inside the scope, after the event
+            weights = None if topk_weights is None else topk_weights.contiguous()
+            request = CombineRequest(x=x, handle=handle, topk_weights=weights, bias_0=bias_0, bias_1=bias_1,
+                                     config=config)
             if self._internode:  # whole calls (NOTE [internode stages] in backends/internode.py)
                 combined_x, combined_topk_weights = backend.internode_combine(request)
                 num_rounds = 1

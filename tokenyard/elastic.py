@@ -228,7 +228,7 @@ class ElasticBuffer:
             num_max_tokens_per_rank: the most tokens a rank sends (default: the constructor's).
             expert_alignment: each local expert's count rounds up to this multiple (default 1).
             num_sms: SMs for the CUDA kernels (0: `get_theoretical_num_sms`). num_qps: ignored.
-            previous_event: the call waits for it. previous_event_before_epilogue: waited for before the call.
+            previous_event: the call waits for it. previous_event_before_epilogue: waited for too, before the call.
             async_with_compute_stream: the call runs on the communication stream without holding up the
                 current stream; the returned event says when its outputs are ready (wait for it before using
                 them: `event.current_stream_wait()`), as V1's `async_finish` (NOTE [elastic streams]).
@@ -248,53 +248,59 @@ class ElasticBuffer:
             weights), the `EPHandle`, an `EventOverlap`.
         """
         del num_qps
-        if previous_event_before_epilogue is not None:
-            previous_event_before_epilogue.current_stream_wait()
         if do_zero_padding and not do_expand:
             raise InvalidInputError("do_zero_padding zeroes the expanded layout's padding: it needs do_expand")
-        with self._scope(previous_event, async_with_compute_stream, allocate_on_comm_stream) as (scope, previous):
+        with self._scope(previous_event, previous_event_before_epilogue, async_with_compute_stream,
+                         allocate_on_comm_stream) as scope:
             if handle is not None:
                 result = self._cached_dispatch(x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
-                                               expert_alignment, num_sms, previous, allocate_on_comm_stream, handle,
-                                               do_cpu_sync, do_expand, do_zero_padding, use_tma_aligned_col_major_sf)
+                                               expert_alignment, num_sms, handle, do_cpu_sync, do_expand,
+                                               do_zero_padding, use_tma_aligned_col_major_sf)
             else:
                 result = self._fresh_dispatch(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
-                                              num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, previous,
-                                              allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand,
-                                              do_zero_padding, use_tma_aligned_col_major_sf)
+                                              num_experts, num_max_tokens_per_rank, expert_alignment, num_sms,
+                                              do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
+                                              use_tma_aligned_col_major_sf)
         return result + (self._finish(scope, result, (x, topk_idx, topk_weights, cumulative_local_expert_recv_stats),
                                       async_with_compute_stream),)
 
     @contextlib.contextmanager
-    def _scope(self, previous_event, async_with_compute_stream: bool, allocate_on_comm_stream: bool):
+    def _scope(self, previous_event, previous_event_before_epilogue, async_with_compute_stream: bool,
+               allocate_on_comm_stream: bool):
         """NOTE [elastic streams]
-        With async_with_compute_stream, the whole call (its V1 calls and the torch work around them, the
-        expanded layout included) runs on the Buffer's communication stream, after `previous_event` (else
-        after the current stream's work so far): the caller's stream goes on at once, and the call's event
-        says when the outputs are ready. Its outputs and the handle's tensors are handed to the caller's
-        stream, and the inputs to the communication stream, as V1's `async_finish` does, so that neither
-        stream's allocator reuses memory the other still reads. Without it the V1 calls order the streams
-        themselves, each joining the caller's stream at its end."""
-        if not async_with_compute_stream:
-            yield None, _overlap(previous_event)
-            return
+        A V2 call is one stream scope of its Buffer (NOTE [stream contract] in buffer.py): the whole call, its
+        V1 calls and the torch work around them (the expanded layout, the weights' rows, the handle's copy of
+        topk_idx) included, runs on the communication stream after `previous_event` (else after the current
+        stream's work so far), so no part of it reads an input before the event says it is ready. The V1 calls
+        inside take no event of their own: they follow what came before them in the scope. Without
+        async_with_compute_stream the caller's stream then waits for the scope, as after a V1 call (a call on
+        the joined stream runs there straight, NOTE [joined stream]); with it the caller's stream goes on at
+        once and the call's event says when the outputs are ready. `previous_event_before_epilogue` is waited
+        for at the scope's start, on the stream the call runs on. Outputs and the handle's tensors are
+        handed to the caller's stream, and, with async_with_compute_stream, the inputs to the communication
+        stream, as V1's `async_finish` does, so that neither stream's allocator reuses memory the other still
+        reads."""
         with self.buffer._stream_scope(use_comm_stream=True, previous_event=_overlap(previous_event),
-                                       async_finish=True, allocate_on_comm_stream=allocate_on_comm_stream) as scope:
-            yield scope, None
+                                       async_finish=async_with_compute_stream,
+                                       allocate_on_comm_stream=allocate_on_comm_stream) as scope:
+            if previous_event_before_epilogue is not None:
+                previous_event_before_epilogue.current_stream_wait()
+            yield scope
 
     def _finish(self, scope, outputs: tuple, inputs: tuple, async_with_compute_stream: bool) -> EventOverlap:
         """The call's event (NOTE [elastic streams]), after handing its tensors to the streams that use them."""
-        if scope is None or scope.event.event is None:
-            return EventOverlap(EventHandle()) if async_with_compute_stream else EventOverlap(None)
         # A handle's fields: its tensors, and the V1 handle (a tuple) with its own.
         made = [v for t in outputs for v in (vars(t).values() if isinstance(t, EPHandle) else (t,))]
         self.buffer._hand_over(scope.owner, made)
+        if not async_with_compute_stream:
+            return EventOverlap(None)
+        if scope.event.event is None:  # no communication stream (a CPU Buffer): nothing to wait for
+            return EventOverlap(EventHandle())
         self.buffer._hand_over(self.buffer._comm_stream, inputs)
         return scope.event
 
     def _fresh_dispatch(self, x, topk_idx, topk_weights, stats, num_experts, num_max, expert_alignment, num_sms,
-                        previous_event, allocate_on_comm_stream, do_handle_copy, do_cpu_sync, do_expand,
-                        do_zero_padding, col_major_sf):
+                        do_handle_copy, do_cpu_sync, do_expand, do_zero_padding, col_major_sf):
         if topk_idx is None or num_experts is None:
             raise InvalidInputError("a dispatch without a handle needs topk_idx and num_experts")
         num_max = self.num_max_tokens_per_rank if num_max is None else num_max
@@ -313,16 +319,14 @@ class ElasticBuffer:
         num_sms = num_sms or self.get_theoretical_num_sms(num_experts, topk_idx.size(1))
         config = self._config(num_sms)
         buffer = self.buffer
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(
-            topk_idx, num_experts, previous_event=_overlap(previous_event),
-            allocate_on_comm_stream=allocate_on_comm_stream)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         num_worst = 0 if do_cpu_sync else self.num_ranks * num_max
         weights = topk_weights  # num_worst_tokens wants some: zeros where the caller has none
         if weights is None and not do_cpu_sync:
             weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
         recv_x, recv_topk_idx, recv_weights, per_expert_list, v1, _ = buffer._dispatch_call(
             x, None, per_rank, in_rank, per_expert, topk_idx, weights, expert_alignment, num_worst, config, None,
-            False, allocate_on_comm_stream, all_topk_weights=True)
+            False, False, all_topk_weights=True)
         if topk_weights is None:
             recv_weights = None
         num_rows = recv_topk_idx.size(0)
@@ -351,9 +355,8 @@ class ElasticBuffer:
             return self._expanded(recv_x, recv_weights, handle, do_zero_padding, col_major_sf) + (handle,)
         return (self._laid_out(recv_x, col_major_sf), recv_topk_idx, recv_weights, handle)
 
-    def _cached_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max, expert_alignment, num_sms,
-                         previous_event, allocate_on_comm_stream, handle, do_cpu_sync, do_expand, do_zero_padding,
-                         col_major_sf):
+    def _cached_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max, expert_alignment, num_sms, handle,
+                         do_cpu_sync, do_expand, do_zero_padding, col_major_sf):
         if not isinstance(handle, EPHandle) or handle.dispatch_handle is None:
             raise HandleError("handle must be the EPHandle of an ElasticBuffer.dispatch")
         if handle.buffer_id != id(self):
@@ -370,8 +373,7 @@ class ElasticBuffer:
         if do_expand != handle.do_expand:
             raise InvalidInputError(f"do_expand = {do_expand}, but the handle's dispatch had {handle.do_expand}")
         config = self._config(num_sms or handle.num_sms)
-        recv_x = self.buffer.dispatch(x, handle.dispatch_handle, config=config, previous_event=_overlap(previous_event),
-                                      allocate_on_comm_stream=allocate_on_comm_stream)[0]
+        recv_x = self.buffer.dispatch(x, handle.dispatch_handle, config=config)[0]
         recv_weights = self._send_weights(topk_weights, handle.dispatch_handle, config)
         if do_expand:
             return self._expanded(recv_x, recv_weights, handle, do_zero_padding, col_major_sf) + (handle,)
@@ -436,8 +438,6 @@ class ElasticBuffer:
         del num_qps
         if not isinstance(handle, EPHandle) or handle.dispatch_handle is None:
             raise HandleError("handle must be the EPHandle of an ElasticBuffer.dispatch")
-        if previous_event_before_epilogue is not None:
-            previous_event_before_epilogue.current_stream_wait()
         rows = handle.num_expanded_tokens if handle.do_expand else handle.dispatch_handle.num_rows
         if x.dim() != 2 or x.size(0) != rows:
             made = "expanded" if handle.do_expand else "received"
@@ -445,7 +445,8 @@ class ElasticBuffer:
         if handle.do_expand and topk_weights is not None and topk_weights.shape != (rows,):
             raise InvalidInputError(f"expanded topk_weights must be [{rows}], got {list(topk_weights.shape)}")
         inputs = (x, topk_weights) + (bias if isinstance(bias, tuple) else (bias,))
-        with self._scope(previous_event, async_with_compute_stream, allocate_on_comm_stream) as (scope, previous):
+        with self._scope(previous_event, previous_event_before_epilogue, async_with_compute_stream,
+                         allocate_on_comm_stream) as scope:
             if handle.do_expand:
                 weights = None if topk_weights is None else self.buffer._backend().gather_weights(topk_weights,
                                                                                                   handle.row_of)
@@ -454,7 +455,6 @@ class ElasticBuffer:
                 weights = None if topk_weights is None else expanded.local_weights(topk_weights,
                                                                                    handle.recv_topk_idx)
             combined_x, combined_weights, _ = self.buffer.combine(
-                x, handle.dispatch_handle, weights, bias, self._config(num_sms or handle.num_sms),
-                previous_event=previous, allocate_on_comm_stream=allocate_on_comm_stream)
+                x, handle.dispatch_handle, weights, bias, self._config(num_sms or handle.num_sms))
         return combined_x, combined_weights, self._finish(scope, (combined_x, combined_weights), inputs,
                                                           async_with_compute_stream)
