@@ -78,6 +78,64 @@ def _rdma_bytes(num_ranks) -> int:
     return Buffer.get_low_latency_rdma_size_hint(32, 2 * HIDDEN, num_ranks, NUM_EXPERTS)
 
 
+def warm_kernels(seed, backend, shapes) -> None:
+    """On the CUDA backend, every rank loads the kernels of every call in `shapes` before the timed part of a
+    scenario, on Buffers of its own: a rank's first call of a shape compiles its kernels (seconds for the NVSHMEM
+    units of virtual nodes, NOTE [NVSHMEM units]) unless the cache holds them, and a detection time must not count
+    a compile. `shapes`: (kind, settings) with kind "normal" (a dispatch and its combine; settings: hidden,
+    num_experts, num_worst_tokens) or "low_latency" (a dispatch and its combine; settings: hidden, num_max)."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer
+
+    if backend != "cuda":
+        return
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    for kind, settings in shapes:
+        hidden, num_experts = settings.get("hidden", HIDDEN), settings.get("num_experts", NUM_EXPERTS)
+        buffer = Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=60)
+        x, topk_idx, weights = _inputs(seed, num_ranks, hidden=hidden, num_experts=num_experts, backend=backend)[rank]
+        if kind == "normal":
+            recv_x, _, _, _, handle, _ = _dispatch(buffer, x, topk_idx, weights, num_experts,
+                                                   settings.get("num_worst_tokens", 0))
+            buffer.combine(recv_x, handle)
+        else:
+            recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, settings.get("num_max", 32),
+                                                                  num_experts, use_fp8=False)
+            buffer.low_latency_combine(recv_x, topk_idx, weights, handle)
+        torch.cuda.synchronize()
+        buffer.destroy()
+
+
+# The shapes each scenario's ranks call (warm_kernels).
+SHAPES = {"hidden": [("normal", {}), ("normal", {"hidden": 256})],
+          "num_experts": [("normal", {}), ("normal", {"num_experts": 2 * NUM_EXPERTS})],
+          "num_worst_tokens": [("normal", {"num_worst_tokens": 2}), ("normal", {"num_worst_tokens": 64})],
+          "low_latency_hidden": [("low_latency", {}), ("low_latency", {"hidden": 256})],
+          "low_latency_num_max": [("low_latency", {}), ("low_latency", {"num_max": 16})],
+          "skipped_dispatch": [("normal", {})],
+          "late_to_low_latency_combine": [("low_latency", {})]}
+
+
+def survivors_group(survivors):
+    """The group the ranks alive after a fault make for their next calls. An NCCL default group bound to a device
+    (`init_process_group(device_id=...)`, as torchrun programs and tokenyard's launcher make it) makes every new
+    group by splitting its communicator, a collective of all of its ranks that a lost rank fails (ncclRemoteError,
+    docs/semantics.md "Errors"); there the survivors make a new default group among themselves instead, over the
+    old one's store. Elsewhere, a group of the survivors."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if len(survivors) == world.size() or dist.get_backend() != "nccl" or world.bound_device_id is None:
+        return dist.new_group(survivors, use_local_synchronization=True)
+    store, device = dist.distributed_c10d._get_default_store(), world.bound_device_id
+    rank = survivors.index(dist.get_rank())
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", store=dist.PrefixStore("survivors", store), rank=rank,
+                            world_size=len(survivors), device_id=device)
+    return dist.group.WORLD
+
+
 def correct_call(group, seed, backend="reference") -> bool:
     """A dispatch on a new Buffer of `group`, against the oracle; raises where it differs."""
     from tokenyard import Buffer
@@ -106,6 +164,7 @@ def mismatch(seed, what, backend="reference") -> dict:
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     odd = rank == 0
+    warm_kernels(seed, backend, SHAPES[what])
     buffer = Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=TIMEOUT_S)
     start, error = time.monotonic(), None
     try:
@@ -156,6 +215,7 @@ def late_peer(seed, what, backend="reference") -> dict:
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     combine = what == "late_to_low_latency_combine"
+    warm_kernels(seed, backend, SHAPES.get(what, [("normal", {})]))
     buffer = Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=TIMEOUT_S)
     x, topk_idx, weights = _inputs(seed, num_ranks, backend=backend)[rank]
     if combine:
@@ -179,7 +239,7 @@ def late_peer(seed, what, backend="reference") -> dict:
     # The old group holds unfinished collectives (or a dead rank): the survivors make a new one, which waits
     # for a late rank's call to end, so no rank frees its buffer while a peer's kernels may still write to it.
     survivors = [r for r in range(num_ranks) if not (what in KILLED and r == 1)]
-    group = dist.new_group(survivors, use_local_synchronization=True)
+    group = survivors_group(survivors)
     buffer.destroy()
     return {"error": error, "detected_s": detected_s, "recovered": correct_call(group, seed + 1, backend)}
 

@@ -33,14 +33,22 @@ def test_ranks_that_make_different_calls_all_raise_before_any_data_moves(what, s
     print(scenarios.expect_mismatch(seen, what, "cuda"))
 
 
+def skip_reason(what: str, num_ranks: int):
+    """Why the late-rank scenario `what` does not run at `num_ranks` ranks here, or None."""
+    if what in scenarios.NOT_UNDER_MPS and spawn.shares_gpu(num_ranks):
+        return "under MPS a client killed inside a kernel is a fatal fault for every client of the GPU"
+    if what in scenarios.NOT_UNDER_MPS_ON_NODES and spawn.shares_gpu(num_ranks) and _on_nodes(num_ranks):
+        return "under MPS a client killed while NVSHMEM holds its memory leaves the GPU unusable"
+    if what in scenarios.LATE_TO_HOST_EXCHANGES and _on_nodes(num_ranks) and not spawn.shares_gpu(num_ranks):
+        return "the internode calls' host exchanges go over NCCL here, which only the group's timeout bounds"
+    return None
+
+
 @pytest.mark.parametrize("what", scenarios.LATE)
 def test_a_late_or_killed_rank_makes_the_others_raise_then_the_survivors_work_on(what, seed):
-    if what in scenarios.NOT_UNDER_MPS and spawn.shares_gpu(COUNTS[0]):
-        pytest.skip("under MPS a client killed inside a kernel is a fatal fault for every client of the GPU")
-    if what in scenarios.NOT_UNDER_MPS_ON_NODES and spawn.shares_gpu(COUNTS[0]) and _on_nodes(COUNTS[0]):
-        pytest.skip("under MPS a client killed while NVSHMEM holds its memory leaves the GPU unusable")
-    if what in scenarios.LATE_TO_HOST_EXCHANGES and _on_nodes(COUNTS[0]) and not spawn.shares_gpu(COUNTS[0]):
-        pytest.skip("the internode calls' host exchanges go over NCCL here, which only the group's timeout bounds")
+    reason = skip_reason(what, COUNTS[0])
+    if reason:
+        pytest.skip(reason)
     seen = scenarios.run(COUNTS[0], scenarios.late_peer, seed, what, "cuda")
     scenarios.expect_late(seen, what)
     print(seen[0]["error"])

@@ -150,7 +150,7 @@ def meet(ctx: GroupContext) -> None:
     try:
         ctx.collectives.op = "destroy"
         ctx.collectives.barrier("meeting", max(ctx.timeout_s, MEETING_FLOOR_S))
-    except (TokenyardError, RuntimeError):
+    except (TokenyardError, RuntimeError, ValueError):  # ValueError: the group was destroyed first
         pass
 
 
