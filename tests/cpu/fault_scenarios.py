@@ -110,7 +110,7 @@ def warm_kernels(seed, backend, shapes) -> None:
 # The shapes each scenario's ranks call (warm_kernels).
 SHAPES = {"hidden": [("normal", {}), ("normal", {"hidden": 256})],
           "num_experts": [("normal", {}), ("normal", {"num_experts": 2 * NUM_EXPERTS})],
-          "num_worst_tokens": [("normal", {"num_worst_tokens": 2}), ("normal", {"num_worst_tokens": 64})],
+          "num_worst_tokens": [("normal", {"num_worst_tokens": 64})],  # rank 0's 2 holds too few rows to run
           "low_latency_hidden": [("low_latency", {}), ("low_latency", {"hidden": 256})],
           "low_latency_num_max": [("low_latency", {}), ("low_latency", {"num_max": 16})],
           "skipped_dispatch": [("normal", {})],
