@@ -28,16 +28,18 @@ def _assert_positive_op(entry, name):
     assert entry["num_sms"] is None, f"{name}: only the CUDA backend has an SM count"
 
 
-def test_bench_command_on_two_gloo_ranks_writes_table_json_and_png(tmp_path):
+def test_bench_command_on_two_gloo_ranks_writes_summary_json_and_png(tmp_path, capsys):
     json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
     done = _run_bench("--num_ranks", "2", "--num_tokens", "16", "--hidden_size", "256", "--num_experts", "8",
                       "--num_topk", "2", "--iters", "2", "--warmup", "1", "--json", str(json_path),
                       "--plot", str(png_path), "--quiet")
     assert done.returncode == 0, f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    assert "reference" in done.stdout and "dispatch_cached_back_to_back" in done.stdout, done.stdout
-    assert "remote_gbps" in done.stdout and "nvlink_gbps" not in done.stdout and "num_sms" not in done.stdout, \
-        "a CPU run's table speaks of remote bytes, not of NVLink or SMs"
-    assert "v2_expand_combine" in done.stdout, "DeepEP V2's calls have rows of their own"
+    printed = done.stdout.splitlines()
+    assert len(printed) <= 30, f"the default output is {len(printed)} lines, more than a screen:\n{done.stdout}"
+    for operation in ("layout", "dispatch, cached handle", "V2 combine", "low-latency combine"):
+        assert operation in done.stdout, f"the summary has no row for {operation}:\n{done.stdout}"
+    assert "say nothing about GPUs" in done.stdout and "gloo" in done.stdout, "a CPU run says what its times are"
+    assert "NVLink" not in done.stdout and "SMs" not in done.stdout, "a CPU run speaks of CPU ranks, not of GPUs"
 
     doc = json.loads(json_path.read_text())
     for key in ("commit", "device", "date", "settings", "num_ranks", "num_tokens", "hidden", "num_topk",
@@ -62,6 +64,19 @@ def test_bench_command_on_two_gloo_ranks_writes_table_json_and_png(tmp_path):
     assert low_latency["dispatch_us"] > 0 and low_latency["combine_us"] > 0
     assert low_latency["dispatch_graph_us"] is None and low_latency["combine_graph_us"] is None
     assert low_latency["graph_error"], "a missing graph time must say why"
+
+    # Every measured row stays in the JSON, and --verbose prints each of them.
+    from tokenyard.tools.bench import report
+
+    measured = {(who, op) for who, op, _ in report.results(doc)}
+    wanted = {("gloo all_to_all", op) for op in ("dispatch", "combine", "dispatch_back_to_back",
+                                                   "combine_back_to_back")}
+    wanted |= {("reference", op) for op in report.OPS if not op.endswith(report.KERNEL_SUFFIX)}
+    wanted |= {("reference", f"low_latency {op}") for op in ("dispatch", "combine")}
+    assert wanted <= measured, f"rows missing from the JSON: {sorted(wanted - measured)}"
+    report.print_table(doc, verbose=True)
+    verbose = capsys.readouterr().out
+    assert all(op in verbose for op in ("dispatch_cached_back_to_back", "v2_expand_combine", "layout_back_to_back"))
 
     png = png_path.read_bytes()
     assert len(png) > 1000 and png.startswith(b"\x89PNG"), "the plot is not a PNG"

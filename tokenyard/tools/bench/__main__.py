@@ -31,7 +31,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m tokenyard.
         if settings.plot:
             plot.require_matplotlib()
         doc = report.build(settings, launch.run_ranks(settings), commit=report.git_commit(), date=date)
-        report.print_table(doc)
+        report.print_table(doc, settings.verbose)
         if settings.json:
             report.write_json(doc, settings.json)
             print(f"wrote {settings.json}")

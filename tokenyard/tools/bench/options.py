@@ -64,6 +64,7 @@ class BenchSettings:
     quiet: bool
     gpu: bool
     bind: bool = False  # each rank binds to its GPU's NUMA node, cores and NIC (tokenyard.tools.affinity)
+    verbose: bool = False  # print every measured row too (report.table), not only the summary
 
     def runs(self, part: str) -> bool:
         """Whether this run measures `part` (``normal``, ``low_latency`` or ``compare_sm``)."""
@@ -95,10 +96,26 @@ def _name_list(text: str) -> Tuple[str, ...]:
     return names
 
 
+COLUMNS_HELP = """what it prints: one row per operation (NOTE [summary table] in tokenyard/tools/bench/report.py):
+  operation      layout, dispatch (layout and dispatch), a dispatch with a cached handle, combine, DeepEP V2's
+                 dispatch and combine (ElasticBuffer), the low-latency dispatch and combine
+  kernel us      GPU time of the operation's kernels, as DeepEP reports it (low latency: CUDA-graph replays)
+  call us        one call in a run of calls back to back, host work included, as DeepEP's harness times them
+                 (low latency: one call after a barrier)
+  all-to-all us  the baseline moving the same bytes: NCCL's all_to_all_single kernel (CPU: gloo's calls)
+  limit us       the time the copy limit (the fastest way found to write to every peer) needs for those bytes
+  % of limit     the kernel's NVLink rate as a share of the copy limit's
+  SMs            the SMs the normal-mode kernels ran on (--num_sms)
+then one line that sums the run up. On CPU ranks only the call and all-to-all times print: they check that
+everything runs and say nothing about GPUs. --verbose adds every measured row (each backend, the expanded V2
+calls, every timing way, bandwidths); --json keeps them all."""
+
+
 def build_parser(prog: str = "python -m tokenyard.tools.bench") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Time tokenyard's dispatch and combine on every backend against an all-to-all baseline.")
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Time tokenyard's dispatch and combine on every backend against an all-to-all baseline.",
+        epilog=COLUMNS_HELP)
 
     def add(name: str, **kwargs) -> None:
         spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
@@ -124,6 +141,8 @@ def build_parser(prog: str = "python -m tokenyard.tools.bench") -> argparse.Argu
     add("json", metavar="PATH", help="write the results as JSON")
     add("plot", metavar="PATH.png", help="draw bandwidth per op and backend (needs matplotlib)")
     add("quiet", action="store_true", help="no progress bar")
+    add("verbose", action="store_true", help="also print every measured row: each backend, API, timing way and SM "
+                                             "count (the JSON always holds them all)")
     add("model", action="store_true", help="print predicted internode times for a cluster instead, from a "
                                            "documented model (`--model --help` lists its arguments)")
     add("bind", action="store_true", help="bind each rank to the cores, NUMA memory and RDMA NIC of its GPU "
@@ -153,7 +172,7 @@ def resolve(args: argparse.Namespace, num_gpus: int) -> BenchSettings:
         sm_counts=tuple(args.sm_counts), num_sms=args.num_sms, dtype=args.dtype, backends=args.backends, iters=pick("iters"),
         warmup=pick("warmup"), seed=secrets.randbelow(2**31) if args.seed is None else args.seed,
         timeout_s=args.timeout_s, json=args.json, plot=args.plot, quiet=args.quiet, gpu=gpu,
-        bind=args.bind)
+        bind=args.bind, verbose=args.verbose)
     check(settings, num_gpus)
     return settings
 

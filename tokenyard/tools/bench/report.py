@@ -206,9 +206,12 @@ def _cells(who: str, op: str, values: dict, columns: Tuple[str, ...] = COLUMNS) 
 
 
 def _notes(doc: dict) -> List[str]:
-    notes = [f"{doc['device']}; hidden {doc['hidden']}, {doc['num_tokens']} tokens per rank "
-             f"({doc['num_tokens_low_latency']} low-latency), {doc['num_experts']} experts, top-{doc['num_topk']}, "
-             f"{doc['dtype']} dispatch, seed {doc['settings']['seed']}",
+    mode = doc["settings"].get("mode", "all")
+    tokens = {"normal": f"{doc['num_tokens']} tokens per rank", "compare_sm": f"{doc['num_tokens']} tokens per rank",
+              "low_latency": f"{doc['num_tokens_low_latency']} tokens per rank (low latency)"}.get(
+        mode, f"{doc['num_tokens']} tokens per rank ({doc['num_tokens_low_latency']} in low latency)")
+    notes = [f"{doc['device']}; hidden {doc['hidden']}, {tokens}, {doc['num_experts']} experts, "
+             f"top-{doc['num_topk']}, {doc['dtype']} dispatch, seed {doc['settings']['seed']}",
              "copy limit: " + ("not measured" if doc["copy_limit_gbps"] is None
                                else f"{doc['copy_limit_gbps']:.1f} GB/s")]
     if "shared by" in doc["device"]:
@@ -237,22 +240,157 @@ def table(doc: dict) -> str:
     return "\n".join(_notes(doc)[:1] + body + _notes(doc)[1:])
 
 
-def print_table(doc: dict) -> None:
-    """Print `table`, through rich where it is installed."""
+# The summary's rows (NOTE [summary table]): (label, the op's key, its all-to-all baseline's op); "ll_" keys are
+# the low-latency entry's.
+SUMMARY_ROWS = (("layout", "layout", None), ("dispatch", "dispatch", "dispatch"),
+                ("dispatch, cached handle", "dispatch_cached", "dispatch"), ("combine", "combine", "combine"),
+                ("V2 dispatch", "v2_dispatch", "dispatch"), ("V2 combine", "v2_combine", "combine"),
+                ("low-latency dispatch", "ll_dispatch", None), ("low-latency combine", "ll_combine", None))
+SUMMARY_COLUMNS = ("operation", "kernel us", "call us", "all-to-all us", "limit us", "% of limit", "SMs")
+CPU_SUMMARY_COLUMNS = ("operation", "call us", "all-to-all us")
+
+
+def main_key(doc: dict) -> Optional[str]:
+    """The backend the summary shows: the CUDA backend's where it ran, else the reference backend's."""
+    keys = backend_keys(doc)
+    return "tokenyard" if "tokenyard" in keys else keys[0] if keys else None
+
+
+def _timed(entry: Optional[dict]) -> Optional[float]:
+    return None if entry is None else entry["us"]
+
+
+def summary(doc: dict) -> List[dict]:
+    """NOTE [summary table]
+    One row per operation of `main_key`'s backend, like against like: ``kernel_us`` (the GPU time of its kernels,
+    as DeepEP reports it; a low-latency call's CUDA-graph replay), ``call_us`` (a call in a run of calls back to
+    back, as DeepEP's harness times them; a low-latency call: one eager call after a barrier), ``all_to_all_us``
+    (the baseline moving the same bytes: NCCL's all_to_all_single kernel on GPUs, gloo's call back to back on
+    CPU), ``limit_us`` (the time the copy limit needs for the operation's NVLink bytes), ``percent`` (of that
+    limit's rate the kernel reaches) and ``num_sms``. Missing figures are None: a layout moves no rows, the
+    low-latency calls have no all-to-all baseline, and CPU runs have neither kernels nor a copy limit."""
+    key = main_key(doc)
+    if key is None:
+        return []
+    entry, nccl, limit = doc[key], doc["nccl"], doc["copy_limit_gbps"]
+    rows = []
+    for label, op, baseline in SUMMARY_ROWS:
+        if op.startswith("ll_"):
+            ll, name = entry["low_latency"], op[3:]
+            kernel = ll.get(f"{name}_graph_kernel_us")
+            kernel_gbps, call, num_sms = ll.get(f"{name}_graph_kernel_nvlink_gbps"), ll.get(f"{name}_us"), None
+        else:
+            kernel_entry = entry.get(op + KERNEL_SUFFIX)
+            kernel, call = _timed(kernel_entry), _timed(entry.get(op + BACK_TO_BACK_SUFFIX))
+            kernel_gbps = None if kernel_entry is None else kernel_entry["nvlink_gbps"]
+            num_sms = (entry.get(op) or {}).get("num_sms")
+        if kernel is None and call is None:
+            continue
+        all_to_all = None
+        if baseline is not None:
+            all_to_all = _timed(nccl.get(baseline + (KERNEL_SUFFIX if _on_gpus(doc) else BACK_TO_BACK_SUFFIX)))
+        limit_us = percent = None
+        if limit and kernel and kernel_gbps:  # a layout moves no bytes: no limit
+            limit_us, percent = kernel * kernel_gbps / limit, 100 * kernel_gbps / limit
+        rows.append({"operation": label, "op": op, "kernel_us": kernel, "call_us": call,
+                     "all_to_all_us": all_to_all, "limit_us": limit_us, "percent": percent, "num_sms": num_sms})
+    return rows
+
+
+def verdict(doc: dict) -> str:
+    """One line that sums the run up: each normal-mode kernel against NCCL and the copy limit (GPU), or what a CPU
+    run is good for."""
+    rows = {row["op"]: row for row in summary(doc)}
+    if not _on_gpus(doc):
+        return ("CPU ranks over gloo: these times check that everything runs; they say nothing about GPUs, where the "
+                "figures that matter come from")
+    parts = []
+    for op, name in (("dispatch_cached", "cached dispatch"), ("dispatch", "dispatch"), ("combine", "combine")):
+        row = rows.get(op)
+        if row is None or row["kernel_us"] is None:
+            continue
+        part = name
+        if row["all_to_all_us"]:
+            part += f" {row['all_to_all_us'] / row['kernel_us']:.2f}x NCCL's speed"
+        if row["percent"] is not None:
+            part += f", {row['percent'] / 100:.2f}x the copy limit"
+        parts.append(part)
+    sms = next((row["num_sms"] for row in rows.values() if row["num_sms"]), None)
+    ll = [rows[op]["kernel_us"] for op in ("ll_dispatch", "ll_combine") if op in rows and rows[op]["kernel_us"]]
+    line = "; ".join(parts) + (f" at {sms} SMs" if sms and parts else "")
+    if len(ll) == 2:
+        line += f"{'; ' if line else ''}low-latency kernels {ll[0]:.1f} / {ll[1]:.1f} us"
+    return line or "no kernel times (ranks share GPUs, or only the reference backend ran)"
+
+
+def summary_table(doc: dict) -> Tuple[Tuple[str, ...], List[List[str]]]:
+    """The summary's columns and cells (NOTE [summary table])."""
+    columns = SUMMARY_COLUMNS if _on_gpus(doc) else CPU_SUMMARY_COLUMNS
+
+    def number(v, digits=1):
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    cells = []
+    for row in summary(doc):
+        every = [row["operation"], number(row["kernel_us"]), number(row["call_us"]), number(row["all_to_all_us"]),
+                 number(row["limit_us"]), number(row["percent"], 0), "-" if not row["num_sms"] else str(row["num_sms"])]
+        cells.append(every if _on_gpus(doc) else [every[0], every[2], every[3]])
+    return columns, cells
+
+
+def _summary_notes(doc: dict) -> List[str]:
+    key = main_key(doc)
+    who = {"tokenyard": "tokenyard's CUDA kernels", "reference": "the reference backend (plain PyTorch)"}.get(key, key)
+    if _on_gpus(doc):
+        limit = ("not measured" if doc["copy_limit_gbps"] is None else
+                 f"{doc['copy_limit_gbps']:.0f} GB/s per GPU, the fastest way found to write to every peer")
+        lines = [f"rows: {who}; kernel = GPU time of its kernels; call = calls back to back (low latency: one call); "
+                 f"all-to-all = NCCL all_to_all_single of the same bytes; copy limit: {limit}"]
+    else:
+        lines = [f"rows: {who} on {doc['num_ranks']} CPU ranks over gloo; call = calls back to back (low latency: "
+                 "one call); all-to-all = gloo's all_to_all_single of the same bytes between ranks"]
+    if "shared by" in doc["device"]:
+        lines.append("ranks share GPUs (MPS): times only, no bandwidth, no NCCL baseline")
+    if key and doc[key]["low_latency"]["graph_error"] and _on_gpus(doc):
+        lines.append(f"{key}: no CUDA-graph times ({doc[key]['low_latency']['graph_error']})")
+    return lines
+
+
+def print_table(doc: dict, verbose: bool = False) -> None:
+    """Print the summary (NOTE [summary table]) and its verdict; with `verbose`, every row first (`table`). Through
+    rich where it is installed."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(table(doc), flush=True)
+        Console = None  # noqa: N806 - plain text below
+    columns, cells = summary_table(doc)
+    header, notes = _notes(doc)[0], _summary_notes(doc)
+    if Console is None:
+        if verbose:
+            print(table(doc), flush=True)
+        widths = [max(len(c) for c in column) for column in zip(columns, *cells)]
+        for line in [columns] + cells:
+            print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+        print("\n".join([header, verdict(doc)] + notes), flush=True)
         return
-    notes = _notes(doc)
-    rich_table, columns = Table(), _columns(doc)
-    for i, column in enumerate(columns):
-        rich_table.add_column(column, justify="left" if i < 2 else "right", no_wrap=True)
-    for row in results(doc):
-        rich_table.add_row(*_cells(*row, columns))
     console = Console() if sys.stdout.isatty() else Console(width=200)  # a pipe would get 80 columns
-    console.print(notes[0], markup=False, highlight=False)
+    if verbose:
+        every, every_columns = Table(title="every measured row"), _columns(doc)
+        for i, column in enumerate(every_columns):
+            every.add_column(column, justify="left" if i < 2 else "right", no_wrap=True)
+        for row in results(doc):
+            every.add_row(*_cells(*row, every_columns))
+        console.print(every)
+        for note in _notes(doc)[1:]:
+            console.print(note, markup=False, highlight=False)
+    console.print(header, markup=False, highlight=False)
+    rich_table = Table()
+    for i, column in enumerate(columns):
+        rich_table.add_column(column, justify="left" if i == 0 else "right", no_wrap=True)
+    for line in cells:
+        rich_table.add_row(*line)
     console.print(rich_table)
-    for note in notes[1:]:
+    console.print(verdict(doc), markup=False, highlight=False)
+    for note in notes:
         console.print(note, markup=False, highlight=False)

@@ -30,7 +30,7 @@ from ..testing import make_rank_inputs
 from . import BenchError, bandwidth, timing
 from .options import BenchSettings
 
-NORMAL_OPS = ("dispatch", "dispatch_cached", "combine")
+NORMAL_OPS = ("layout", "dispatch", "dispatch_cached", "combine")  # dispatch: the layout's call and the dispatch
 # DeepEP V2's calls (ElasticBuffer), rows as received and expanded per local expert (aligned to EXPAND_ALIGNMENT).
 ELASTIC_OPS = ("v2_dispatch", "v2_dispatch_cached", "v2_combine",
                "v2_expand_dispatch", "v2_expand_dispatch_cached", "v2_expand_combine")
@@ -155,13 +155,14 @@ def measure_normal(ctx: RankContext, buffer: Buffer, problem: Problem) -> Dict[s
 
     recv_x, _, _, _, handle, _ = full_dispatch()
     expert_output = _as_bf16(recv_x)
-    steps = [full_dispatch, lambda: buffer.dispatch(p.x, handle=handle), lambda: buffer.combine(expert_output, handle)]
+    steps = [lambda: buffer.get_dispatch_layout(p.topk_idx, s.num_experts), full_dispatch,
+             lambda: buffer.dispatch(p.x, handle=handle), lambda: buffer.combine(expert_output, handle)]
     times = ctx.medians(steps)
     row = bandwidth.row_bytes(s.hidden_size, fp8=s.dtype == "fp8")
     dispatch_bytes = bandwidth.normal_dispatch_bytes(p.counts, ctx.rank, row)
     combine_bytes = bandwidth.normal_combine_bytes(p.counts, ctx.rank, s.hidden_size)
-    samples = dict(zip(NORMAL_OPS, [(times[0], *dispatch_bytes), (times[1], *dispatch_bytes),
-                                    (times[2], *combine_bytes)]))
+    samples = dict(zip(NORMAL_OPS, [(times[0], 0.0, 0.0), (times[1], *dispatch_bytes), (times[2], *dispatch_bytes),
+                                    (times[3], *combine_bytes)]))
     return with_other_times(ctx, samples, steps, TOKENYARD_KERNELS if buffer.backend == "cuda" else None)
 
 
