@@ -165,8 +165,16 @@ def test_inputs_deepep_accepts_in_normal_mode_are_accepted(ranks, seed):
     ranks(2).run(compat_scenarios.normal_leniencies, seed)
 
 
+def test_one_column_ue8m0_scales_at_hidden_512_are_accepted(ranks, seed):
+    """SGLang's FP8 dispatch with UE8M0 scales (int32, column-major, packed) of one column (issue 47)."""
+    from . import compat_scenarios
+
+    ranks(4).run(compat_scenarios.one_column_scales, seed)
+
+
 def test_inputs_deepep_accepts_in_low_latency_mode_are_accepted(ranks, seed):
     """use_logfmt (with zero_copy too), [R] int64 wait-cost stats, DeepEP's runtime queries."""
     from . import compat_scenarios
 
     ranks(2).run(compat_scenarios.low_latency_leniencies, seed)
+

@@ -38,7 +38,7 @@ import torch
 from .. import checks
 from ..handle import DispatchHandle, InternodeHandle
 from ..semantics import routing
-from .reference import _as_bytes, _from_bytes, _pack, flat_handle
+from .reference import _from_bytes, _pack, byte_rows, flat_handle
 from .requests import CombineRequest, DispatchRequest, DispatchResult
 
 
@@ -219,7 +219,7 @@ def combine(backend, request: CombineRequest, kernels=None):
                                request.config.num_sms, handle.recv_src_meta[:num_recv],
                                group_counts(backend, handle)[2], backend._all_gather)
     device, hidden = x.device, x.size(1)
-    columns = [_as_bytes(x)] + ([] if weights is None else [_as_bytes(weights)])
+    columns = [byte_rows(x)] + ([] if weights is None else [byte_rows(weights)])
     rows, spans = _pack(columns)
 
     # Stage 2 backwards: the rows of sources (n', l) go back to forwarder (n, l), in the order it sent them.
@@ -280,7 +280,7 @@ def _summed(back: torch.Tensor, spans, forwarded_to: torch.Tensor, dtype: torch.
             acc_w[forwarded] = acc_w[forwarded] + _from_bytes(back[begin:end], *spans[1], torch.float32,
                                                               weights.size(1))
         begin = end
-    columns = [_as_bytes(acc.to(dtype))] + ([] if acc_w is None else [_as_bytes(acc_w)])
+    columns = [byte_rows(acc.to(dtype))] + ([] if acc_w is None else [byte_rows(acc_w)])
     return _pack(columns)[0]
 
 

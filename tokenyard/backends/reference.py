@@ -28,13 +28,22 @@ from .requests import (CombineRequest, DispatchRequest, DispatchResult, LowLaten
                        LowLatencyDispatchRequest, LowLatencyDispatchResult, Placement)
 
 
-def _as_bytes(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """[T, ...] tensor -> [T, bytes] uint8 view (copying only if not contiguous)."""
+def byte_rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[T, ...] tensor -> [T, bytes] uint8 view (copying only if not contiguous).
+
+    A contiguous tensor may still have a last stride other than 1 where that axis has one element (strides of
+    size-1 axes do not count for contiguity): SGLang's UE8M0 scales at hidden 512, one int32 column
+    column-major, are [T, 1] with strides (1, T rounded up to 4). Viewed as bytes, those rows are the same
+    memory with the strides of a row-major tensor.
+    """
     if t is None:
         return None
     t = t.contiguous()
     width = math.prod(t.shape[1:])
-    return t.view(t.size(0), width).view(torch.uint8)
+    rows = t.view(t.size(0), width)
+    if rows.stride(1) != 1:  # one column (or an empty axis): its stride does not count, its rows are adjacent
+        rows = rows.as_strided(rows.shape, (width, 1))
+    return rows.view(torch.uint8)
 
 
 def _from_bytes(rows: torch.Tensor, begin: int, end: int, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -176,10 +185,10 @@ class ReferenceBackend(Backend):
         `received` reads back."""
         x = request.x
         src_idx = torch.arange(x.size(0), dtype=torch.int32, device=x.device).view(-1, 1)
-        columns = [_as_bytes(x), _as_bytes(src_idx), _as_bytes(request.x_scales)]
+        columns = [byte_rows(x), byte_rows(src_idx), byte_rows(request.x_scales)]
         if request.handle is None and request.topk_idx is not None:
-            columns += [_as_bytes(request.topk_idx), _as_bytes(request.topk_weights)]
-        columns.append(_as_bytes(extra))
+            columns += [byte_rows(request.topk_idx), byte_rows(request.topk_weights)]
+        columns.append(byte_rows(extra))
         return _pack([c for c in columns if c is not None])
 
     def received(self, request: DispatchRequest, recv: torch.Tensor, spans, per_expert: Optional[list]):
@@ -275,9 +284,9 @@ class ReferenceBackend(Backend):
         back_counts = torch.diff(rank_prefix_matrix[:, rank], prepend=rank_prefix_matrix[:1, rank] * 0).tolist()
         num_valid = sum(back_counts)
         dest_rows = [(send_head[:, r] >= 0).nonzero().flatten() for r in range(num_ranks)]
-        columns = [_as_bytes(request.x[:num_valid])]
+        columns = [byte_rows(request.x[:num_valid])]
         if request.topk_weights is not None:
-            columns.append(_as_bytes(request.topk_weights[:num_valid]))
+            columns.append(byte_rows(request.topk_weights[:num_valid]))
         rows, spans = _pack(columns)
         returned = rows.new_empty(sum(int(d.numel()) for d in dest_rows), rows.size(1))
         self._all_to_all(returned, rows, [int(d.numel()) for d in dest_rows], back_counts)
@@ -423,10 +432,10 @@ class ReferenceBackend(Backend):
         sorted_expert, pair_of_sorted, dest, pos = self._pair_order(topk_idx, num_experts, request.rank_mask)
         token_of_sorted = pair_of_sorted // num_topk
         header = torch.stack([sorted_expert % num_local_experts, token_of_sorted], dim=1).to(torch.int32)
-        columns = [_as_bytes(data)[token_of_sorted]]
+        columns = [byte_rows(data)[token_of_sorted]]
         if scales is not None:
-            columns.append(_as_bytes(scales)[token_of_sorted])
-        columns.append(_as_bytes(header))
+            columns.append(byte_rows(scales)[token_of_sorted])
+        columns.append(byte_rows(header))
         rows, spans = _pack(columns)
         dump = num_ranks * rows_per_rank
         where = torch.where(dest < num_ranks, dest * rows_per_rank + pos, torch.full_like(pos, dump))
