@@ -321,7 +321,7 @@ class Buffer(LowLatencyCalls):
             dtype: of the dispatched data (bf16, or FP8 e4m3 / int8 with float32 scales).
             num_scales: scales per token (default hidden / 128 for 1-byte dtypes, else none).
         """
-        element_size = torch.empty((), dtype=dtype).element_size()
+        element_size = dtype.itemsize
         if num_scales is None:
             num_scales = hidden // 128 if element_size == 1 else 0
         dispatch_row = workspace.normal_dispatch_row_bytes(hidden * element_size, num_scales * 4, num_topk)
@@ -351,7 +351,7 @@ class Buffer(LowLatencyCalls):
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """This rank's raw buffer from byte `offset`, viewed as `dtype` (and as `size` where given)."""
         raw = self._backend().local_buffer(use_rdma_buffer)
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         if offset < 0 or offset % element != 0 or offset > raw.numel():
             raise InvalidInputError(f"offset {offset} is outside the buffer or not a multiple of {element}")
         usable = (raw.numel() - offset) // element * element

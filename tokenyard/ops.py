@@ -135,8 +135,8 @@ def _dispatch(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], num_tokens_
     if recv_topk_idx is None:
         recv_topk_idx, recv_topk_weights = _no_rows(rows, x, torch.int64), _no_rows(rows, x, torch.float32)
     outputs = _unaliased((recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
-                          torch.tensor(per_expert, dtype=torch.int64), handle[0], handle[1], handle[2], handle[3],
-                          handle[5]),
+                          torch.tensor(per_expert, dtype=torch.int64, device="cpu"), handle[0], handle[1],
+                          handle[2], handle[3], handle[5]),
                          (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                           num_tokens_per_expert))
     _remember(handle, outputs[8])
@@ -154,7 +154,7 @@ def _(buffer_id, x, x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_
     return [*_fake_rows_and_scales(rows, x, x_scales),
             x.new_empty((rows, num_topk), dtype=torch.int64),
             x.new_empty((rows, num_topk), dtype=torch.float32),
-            torch.empty(0 if num_worst_tokens else num_local_experts, dtype=torch.int64),
+            torch.empty(0 if num_worst_tokens else num_local_experts, dtype=torch.int64, device="cpu"),
             x.new_empty((num_ranks, num_ranks), **int32), x.new_empty((num_ranks, 1), **int32),
             x.new_empty((num_ranks, 1), **int32), x.new_empty(rows, **int32),
             x.new_empty((x.size(0), num_ranks), **int32)]

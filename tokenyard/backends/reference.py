@@ -398,7 +398,7 @@ class ReferenceBackend(Backend):
         num_local_experts = num_experts // num_ranks
         num_topk = topk_idx.size(1)
         valid = (topk_idx >= 0) & (topk_idx < num_experts) & \
-            (self._first_choice(topk_idx) == torch.arange(num_topk, device=topk_idx.device))
+            (self._first_choice(topk_idx) == torch.arange(num_topk, dtype=torch.int64, device=topk_idx.device))
         if rank_mask is not None:
             owner = topk_idx.clamp(0, num_experts - 1) // num_local_experts
             valid = valid & (rank_mask[owner] == 0)
@@ -407,7 +407,7 @@ class ReferenceBackend(Backend):
         dest = sorted_expert // num_local_experts
         boundaries = torch.arange(num_ranks + 1, device=topk_idx.device, dtype=sorted_expert.dtype) * num_local_experts
         dest_first = torch.searchsorted(sorted_expert, boundaries)
-        pos = torch.arange(experts.numel(), device=topk_idx.device) - dest_first[dest]
+        pos = torch.arange(experts.numel(), dtype=torch.int64, device=topk_idx.device) - dest_first[dest]
         return sorted_expert, pair_of_sorted, dest, pos
 
     @staticmethod
@@ -478,10 +478,10 @@ class ReferenceBackend(Backend):
             begin = _exclusive_cumsum(counts, 0)                  # [s, l] first slot of s in l
             header_rows = _from_bytes(per_source.view(dump, -1), *spans[-1], torch.int32, 2).view(
                 num_ranks, rows_per_rank, 2)
-            row = torch.arange(rows_per_rank, device=device).view(1, -1)
+            row = torch.arange(rows_per_rank, dtype=torch.int64, device=device).view(1, -1)
             valid = row < counts.sum(1, keepdim=True)
             local_expert = header_rows[..., 0].long().clamp(0, num_local_experts - 1)
-            source = torch.arange(num_ranks, device=device).view(-1, 1).expand_as(local_expert)
+            source = torch.arange(num_ranks, dtype=torch.int64, device=device).view(-1, 1).expand_as(local_expert)
             slot = begin[source, local_expert] + row - first_row[source, local_expert]
             target = torch.where(valid, local_expert * num_slots + slot,
                                  torch.full_like(slot, num_local_experts * num_slots))
@@ -534,11 +534,11 @@ class ReferenceBackend(Backend):
         layout = handle.layout_range.t()                        # [s, l]
         counts, begin = layout & 0xFFFFFFFF, layout >> 32
         last_row = counts.cumsum(1)                             # [s, l] end row of l in s's block
-        row = torch.arange(rows_per_rank, device=device).view(1, -1).expand(num_ranks, -1)
+        row = torch.arange(rows_per_rank, dtype=torch.int64, device=device).view(1, -1).expand(num_ranks, -1)
         local_expert = torch.searchsorted(last_row.contiguous(), row.contiguous(), right=True)
         valid = local_expert < num_local_experts
         local_expert = local_expert.clamp_max(num_local_experts - 1)
-        source = torch.arange(num_ranks, device=device).view(-1, 1).expand_as(row)
+        source = torch.arange(num_ranks, dtype=torch.int64, device=device).view(-1, 1).expand_as(row)
         slot = begin[source, local_expert] + row - (last_row - counts)[source, local_expert]
         index = torch.where(valid, local_expert * num_slots + slot, torch.zeros_like(slot))
         send = x.reshape(num_local_experts * num_slots, hidden)[index.flatten()]
@@ -589,7 +589,8 @@ class ReferenceBackend(Backend):
         counts = overlap.packed_recv_count.long()
         blocks = (counts + overlap.block_m - 1) // overlap.block_m
         signals = overlap.comp_signal[:counts.numel() * overlap.signal_blocks].view(-1, overlap.signal_blocks)
-        needed = torch.arange(overlap.signal_blocks, device=signals.device).view(1, -1) < blocks.view(-1, 1)
+        block = torch.arange(overlap.signal_blocks, dtype=torch.int64, device=signals.device)
+        needed = block.view(1, -1) < blocks.view(-1, 1)
         if not wait_until(lambda: bool(((signals >= overlap.threshold) | ~needed).all()), self.ctx.timeout_s):
             raise CommTimeoutError(self.ctx.rank, self.ctx.rank, "low_latency_combine/overlap",
                                    f"the expert outputs' blocks were not all signalled done (comp_signal or "
