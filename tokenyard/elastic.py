@@ -330,7 +330,8 @@ class ElasticBuffer:
             num_expanded = sum(per_expert_list)
         else:
             num_expanded = expanded.worst_expanded_rows(num_rows, topk_idx.size(1), num_local, expert_alignment)
-        psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx]  # a view: the layout kernel reads it strided
+        # The handle's field, contiguous as DeepEP's: vLLM's kernels read it as plain memory.
+        psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx].contiguous()
         counts, ends, row_of, source_row, metadata = buffer._backend().expanded_layout(
             recv_topk_idx, v1.recv_src_idx, psum_per_rank, num_local, expert_alignment, num_max,
             num_expanded if do_expand else None)

@@ -178,3 +178,10 @@ def test_inputs_deepep_accepts_in_low_latency_mode_are_accepted(ranks, seed):
 
     ranks(2).run(compat_scenarios.low_latency_leniencies, seed)
 
+
+def test_every_tensor_of_every_return_and_handle_is_contiguous_where_deepeps_is(ranks, seed):
+    """vLLM's kernels read handle tensors as plain memory (`psum_num_recv_tokens_per_scaleup_rank` of an EPHandle):
+    normal, low-latency, ElasticBuffer and internode returns and handles (tests/cpu/api_scenarios.py)."""
+    from . import api_scenarios
+
+    ranks(4).run(api_scenarios.handles_and_returns_are_contiguous, seed)
