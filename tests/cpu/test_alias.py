@@ -1,29 +1,54 @@
-"""`python -m tokenyard.compat.alias`, in fresh virtual environments (system packages visible for torch): after
-`install`, `import deep_ep` gives tokenyard, as Megatron-LM, SGLang and vLLM look for it; beside a real DeepEP
-it refuses and writes nothing; `uninstall` removes what it wrote."""
+"""`python -m tokenyard.compat.alias`, in fresh virtual environments that see this interpreter's packages (torch):
+after `install`, `import deep_ep` gives tokenyard, as Megatron-LM, SGLang and vLLM look for it; beside a real
+DeepEP it refuses and writes nothing; `uninstall` removes what it wrote."""
 
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _site_folders() -> list:
+    """This interpreter's site-packages (a virtual environment's, where it runs in one, and the user's), which a
+    nested `venv --system-site-packages` would not see: that sees the base interpreter's only."""
+    folders = list(site.getsitepackages()) + [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    if site.ENABLE_USER_SITE:
+        folders.append(site.getusersitepackages())
+    return [f for f in dict.fromkeys(folders) if os.path.isdir(f)]
+
+
+def _env(**overrides) -> dict:
+    """The environment of a command in the test's virtual environment: without PYTHONPATH, which would put a
+    source tree (this checkout, say) before the installed copy the tests are about."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(overrides)
+    return env
+
+
 def _venv(path) -> str:
-    """A virtual environment at `path` with tokenyard installed from this checkout; -> its python."""
+    """A virtual environment at `path` with tokenyard installed from this checkout, seeing this interpreter's
+    packages (a .pth file of its site-packages, after the environment's own); -> its python."""
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True)
     python = os.path.join(str(path), "bin", "python")
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True, env=_env()).stdout.strip()
+    with open(os.path.join(purelib, "test_alias_outer_site.pth"), "w") as f:
+        f.write("".join(folder + "\n" for folder in _site_folders()))
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", ROOT],
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, env=_env())
     return python
 
 
 def _run(python, *args, cwd, env=None):
-    return subprocess.run([python, *args], capture_output=True, text=True, cwd=cwd, timeout=300, env=env)
+    return subprocess.run([python, *args], capture_output=True, text=True, cwd=cwd, timeout=300,
+                          env=_env() if env is None else env)
 
 
 @pytest.fixture(scope="module")
@@ -84,5 +109,5 @@ def test_an_installed_copy_names_the_commit_it_was_built_from(venv):
     if head.returncode != 0:
         pytest.skip("not run from a git checkout")
     found = _run(python, "-c", "from tokenyard.tools.bench.report import git_commit; print(git_commit())",
-                 cwd=cwd, env={k: v for k, v in os.environ.items() if k != "TOKENYARD_COMMIT"})
+                 cwd=cwd, env={k: v for k, v in _env().items() if k != "TOKENYARD_COMMIT"})
     assert found.returncode == 0 and found.stdout.strip() == head.stdout.strip(), found
