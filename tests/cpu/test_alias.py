@@ -1,6 +1,6 @@
 """`python -m tokenyard.compat.alias`, in fresh virtual environments that see this interpreter's packages (torch):
 after `install`, `import deep_ep` gives tokenyard, as Megatron-LM, SGLang and vLLM look for it; beside a real
-DeepEP it refuses and writes nothing; `uninstall` removes what it wrote."""
+DeepEP it refuses and writes nothing; `uninstall` removes what it wrote; `--target` makes the folder it names."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import sys
 import sysconfig
 
 import pytest
+
+from tokenyard.compat import alias
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -111,3 +113,13 @@ def test_an_installed_copy_names_the_commit_it_was_built_from(venv):
     found = _run(python, "-c", "from tokenyard.tools.bench.report import git_commit; print(git_commit())",
                  cwd=cwd, env={k: v for k, v in _env().items() if k != "TOKENYARD_COMMIT"})
     assert found.returncode == 0 and found.stdout.strip() == head.stdout.strip(), found
+
+
+def test_install_with_a_target_makes_the_folder(tmp_path):
+    """`install --target DIR` where DIR does not exist yet (issue 47): made, the alias written there; `uninstall`
+    removes the alias and leaves the folder."""
+    target = tmp_path / "not" / "yet"
+    assert alias.main(["install", "--target", str(target)]) == 0
+    assert (target / "deep_ep" / alias.MARKER).is_file()
+    assert alias.main(["uninstall", "--target", str(target)]) == 0
+    assert target.is_dir() and not (target / "deep_ep").exists()

@@ -92,7 +92,8 @@ def real_deep_ep(target: str) -> Optional[str]:
 
 
 def install(target: Optional[str] = None) -> str:
-    """Write the alias package into `target` (default: site-packages). Raises Refused beside a real DeepEP."""
+    """Write the alias package into `target` (default: site-packages; made where missing). Raises Refused beside a
+    real DeepEP."""
     target = target or default_target()
     found = real_deep_ep(target)
     if found is not None:
@@ -101,6 +102,7 @@ def install(target: Optional[str] = None) -> str:
     from .. import __version__
 
     folder = os.path.join(target, "deep_ep")
+    os.makedirs(target, exist_ok=True)  # a --target that does not exist yet
     staging = tempfile.mkdtemp(prefix=".deep_ep-", dir=target)
     try:
         for name, text in FILES.items():
@@ -131,7 +133,8 @@ def uninstall(target: Optional[str] = None) -> Optional[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tokenyard.compat.alias", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("install", "uninstall", "status"))
-    parser.add_argument("--target", help="the site-packages folder to write into (default: this interpreter's)")
+    parser.add_argument("--target", help="the folder to write into, made where missing (default: this "
+                        "interpreter's site-packages)")
     args = parser.parse_args(argv)
     target = args.target or default_target()
     try:
