@@ -6,11 +6,11 @@ import tokenyard
 import tokenyard.compat.deep_ep as deep_ep
 from tokenyard.compat.deep_ep.utils import EventHandle, EventOverlap
 
-# DeepEP V1 Buffer's parameters, in DeepEP's order (from its buffer.py).
+# DeepEP's Buffer's parameters, in DeepEP's order (DeepEP main's deep_ep/buffers/legacy.py, whose constructor
+# dropped V1's use_fabric).
 DEEPEP_SIGNATURES = {
     "__init__": ["group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
-                 "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric", "explicitly_destroy",
-                 "enable_shrink", "comm"],
+                 "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "explicitly_destroy", "enable_shrink", "comm"],
     "get_dispatch_layout": ["topk_idx", "num_experts", "previous_event", "async_finish", "allocate_on_comm_stream"],
     "dispatch": ["x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
                  "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
@@ -51,6 +51,11 @@ def test_every_deepep_method_takes_deepeps_arguments_in_deepeps_order():
     for name, params in {**DEEPEP_SIGNATURES, **DEEPEP_STATICS}.items():
         ours = _positional(getattr(deep_ep.Buffer, name))
         assert ours[:len(params)] == params, f"Buffer.{name}: {ours} does not start with DeepEP's {params}"
+
+
+def test_use_fabric_is_still_taken_by_keyword():
+    parameter = inspect.signature(deep_ep.Buffer).parameters["use_fabric"]
+    assert parameter.kind == parameter.KEYWORD_ONLY and parameter.default is False
 
 
 def test_statics_are_static_and_class_attribute_num_sms_exists():
