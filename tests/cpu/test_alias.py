@@ -73,6 +73,13 @@ def test_after_install_import_deep_ep_gives_tokenyard_and_uninstall_removes_it(v
              "from deep_ep import Buffer, Config, EventOverlap\n"
              "assert Buffer is tokenyard.Buffer and deep_ep.buffer is c.buffer and deep_ep.utils is c.utils\n"
              "assert deep_ep.AutoTuner is tokenyard.AutoTuner\n"
+             # DeepEP main's layout, one module under both names
+             "import deep_ep.buffers.legacy, deep_ep.buffers.elastic, deep_ep.utils.event, deep_ep.utils.envs\n"
+             "from deep_ep.buffers.elastic import ElasticBuffer, EPHandle\n"
+             "from deep_ep.utils.envs import get_physical_domain_size\n"
+             "assert deep_ep.buffers.legacy is c.buffers.legacy and deep_ep.utils.event is c.utils.event\n"
+             "assert ElasticBuffer is tokenyard.ElasticBuffer and deep_ep.buffers.legacy.Buffer is tokenyard.Buffer\n"
+             "assert get_physical_domain_size is c.get_physical_domain_size\n"
              "print(deep_ep.TOKENYARD_ALIAS, tokenyard.__file__)")
     found = _run(python, "-c", check, cwd=cwd)
     assert found.returncode == 0, found.stderr

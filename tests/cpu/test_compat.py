@@ -141,6 +141,29 @@ def test_event_overlap_is_a_context_manager_without_cuda():
     event.current_stream_wait()
 
 
+def test_deepep_mains_module_layout_imports():
+    """DeepEP main's deep_ep.buffers.legacy / .elastic and deep_ep.utils.event / .envs, as code imports them."""
+    import importlib
+
+    from tokenyard.compat.deep_ep.buffers import elastic, legacy
+    from tokenyard.compat.deep_ep.utils import envs, event
+
+    assert legacy.Buffer is tokenyard.Buffer and legacy.Config is tokenyard.Config
+    assert elastic.ElasticBuffer is tokenyard.ElasticBuffer and elastic.EPHandle is tokenyard.EPHandle
+    assert event.EventOverlap is EventOverlap and event.EventHandle is EventHandle
+    assert envs.get_physical_domain_size is deep_ep.get_physical_domain_size
+    assert envs.get_logical_domain_size is deep_ep.get_logical_domain_size
+    assert deep_ep.utils.check_nvlink_connections is envs.check_nvlink_connections
+    for name in deep_ep.SUBMODULES:
+        assert importlib.import_module(f"tokenyard.compat.deep_ep.{name}") is not None
+    try:
+        envs.init_dist
+    except AttributeError as exc:
+        assert "does not offer" in str(exc)
+    else:
+        raise AssertionError("deep_ep.utils.envs.init_dist answered")
+
+
 def test_handles_unpack_as_deepeps_tuples():
     import torch
 
