@@ -141,6 +141,60 @@ def test_event_overlap_is_a_context_manager_without_cuda():
     event.current_stream_wait()
 
 
+class _Recorded:
+    """An event handle that records its waits."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def current_stream_wait(self):
+        self.log.append("wait")
+
+
+def test_event_overlap_has_deepep_v2s_release_handle_call_and_hook_after_wait():
+    log = []
+    event = EventOverlap(_Recorded(log))
+    event.register_hook_after_wait(lambda: log.append("hook"))
+    try:
+        event.register_hook_after_wait(lambda: None)
+    except tokenyard.InvalidInputError:
+        pass
+    else:
+        raise AssertionError("a second hook was accepted")
+    event.current_stream_wait()
+    event.current_stream_wait(release_handle=True)
+    assert log == ["wait", "hook", "wait"] and event.event is None, log  # the hook once, after the wait
+    log.clear()
+    event = EventOverlap(_Recorded(log))
+    assert event(release_handle=True) is event
+    with event(release_handle=True):
+        assert log == []
+    assert log == ["wait"] and event.event is None
+    with EventOverlap(_Recorded(log)) as kept:
+        pass
+    assert kept.event is not None, "without release_handle the event stays"
+    hooked = EventOverlap(None)  # no event to wait for (a call without async_finish, CPU): the hook still runs
+    hooked.register_hook_after_wait(lambda: log.append("hook"))
+    with hooked:
+        pass
+    assert log[-1] == "hook"
+
+
+def test_elastic_buffer_has_deepep_v2s_statics_and_refuses_what_it_does_not_offer():
+    statics = {"get_engram_storage_size_hint": (1024, 7168, 128), "get_pp_buffer_size_hint": (1 << 20, 2),
+               "get_agrs_num_max_session_bytes": (None, (8, 7168), None), "get_agrs_buffer_size_hint": (None, 1 << 20)}
+    for name, args in statics.items():
+        assert isinstance(inspect.getattr_static(deep_ep.ElasticBuffer, name), staticmethod), name
+        try:
+            getattr(deep_ep.ElasticBuffer, name)(*args)
+        except tokenyard.InvalidInputError as exc:
+            assert name in str(exc) and "does not offer" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{name} was answered")
+    defaults = inspect.signature(deep_ep.ElasticBuffer.get_theoretical_num_sms).parameters
+    assert (defaults["sm_read_gbs"].default, defaults["sm_write_gbs"].default) == (200, 50)  # DeepEP V2's
+
+
 def test_deepep_mains_module_layout_imports():
     """DeepEP main's deep_ep.buffers.legacy / .elastic and deep_ep.utils.event / .envs, as code imports them."""
     import importlib
