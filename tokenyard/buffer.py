@@ -64,7 +64,7 @@ class Buffer(LowLatencyCalls):
     Naive equivalent: `dispatch` is an all-to-all that sends each token to every rank holding one of
     its top-k experts; `combine` is the reverse all-to-all followed by a sum per token.
 
-    Arguments (DeepEP's, in DeepEP's order):
+    Arguments (DeepEP's, in the order of DeepEP main's legacy Buffer, which dropped V1's `use_fabric`):
         group: the EP process group (any `torch.distributed` group; a subgroup is fine).
         num_nvl_bytes: normal-mode buffer size per rank, the memory budget of `dispatch` and `combine`
             (see `Config.get_nvl_buffer_size_hint`); capped by TOKENYARD_NVL_BUFFER_BYTES where that is set
@@ -73,11 +73,14 @@ class Buffer(LowLatencyCalls):
             the one-shot results (NOTE [rounds] in rounds.py; `normal_round_plan` reports the sizes).
         num_rdma_bytes: low-latency buffer size per rank (see `get_low_latency_rdma_size_hint`).
         low_latency_mode: accepted; low-latency calls work on any Buffer with enough `num_rdma_bytes`.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: RDMA/fabric
-            settings of DeepEP; accepted and ignored (every rank is reached over NVLink).
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: RDMA settings of DeepEP; accepted and
+            ignored (every rank is reached over NVLink).
         explicitly_destroy: accepted; `destroy()` works either way, and the destructor frees what is left.
         enable_shrink: allow rank masking in low-latency mode (`low_latency_update_mask_buffer` ...).
         comm: an mpi4py communicator used where `group` is None (CUDA backend only).
+    Keyword only:
+        use_fabric: DeepEP V1's fabric setting (its eighth positional parameter there, dropped by DeepEP main);
+            accepted and ignored.
     tokenyard's own, keyword only:
         backend: "auto" (CUDA where it works, else reference), "reference" or "cuda"; default from
             TOKENYARD_BACKEND.
@@ -114,8 +117,8 @@ class Buffer(LowLatencyCalls):
     def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm=None, *, backend: Optional[str] = None, timeout_s: Optional[float] = None,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
+                 use_fabric: bool = False, backend: Optional[str] = None, timeout_s: Optional[float] = None,
                  check_inputs: Optional[bool] = None, per_round_tokens: Optional[int] = None,
                  ranks_per_node: Optional[int] = None, device: Optional[Union[str, torch.device]] = None) -> None:
         del num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric  # see docstring
@@ -321,7 +324,7 @@ class Buffer(LowLatencyCalls):
             dtype: of the dispatched data (bf16, or FP8 e4m3 / int8 with float32 scales).
             num_scales: scales per token (default hidden / 128 for 1-byte dtypes, else none).
         """
-        element_size = torch.empty((), dtype=dtype).element_size()
+        element_size = dtype.itemsize
         if num_scales is None:
             num_scales = hidden // 128 if element_size == 1 else 0
         dispatch_row = workspace.normal_dispatch_row_bytes(hidden * element_size, num_scales * 4, num_topk)
@@ -351,7 +354,7 @@ class Buffer(LowLatencyCalls):
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """This rank's raw buffer from byte `offset`, viewed as `dtype` (and as `size` where given)."""
         raw = self._backend().local_buffer(use_rdma_buffer)
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         if offset < 0 or offset % element != 0 or offset > raw.numel():
             raise InvalidInputError(f"offset {offset} is outside the buffer or not a multiple of {element}")
         usable = (raw.numel() - offset) // element * element

@@ -128,7 +128,7 @@ class LowLatencyCalls:
         Returns:
             ``packed_recv_x`` (``(e4m3 [L, R*M, H], scales [L, R*M, H/128])`` or bf16 ``[L, R*M, H]``; with
             NVFP4 ``(uint8 [R*M, H/2, L], float8_e4m3fn [32, 4, ceil(R*M/128), 4, ceil(H/64), L])``, DeepEP's
-            views), ``packed_recv_count`` int32 [L], ``handle``, event, hook.
+            views), ``packed_recv_count`` int32 [L], ``handle``, event, hook (None without `return_recv_hook`).
         Raises:
             InvalidInputError, CapacityError: before any communication.
         """
@@ -139,7 +139,7 @@ class LowLatencyCalls:
         args = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
                 dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, bool(use_nvfp4), x_global_scale)
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
-            return ops.low_latency_dispatch(self, *args)
+            return ops.low_latency_dispatch(self, *args, return_recv_hook)
         fast = self._fast if not (async_finish or return_recv_hook or self.check_inputs) else None  # NOTE [fast paths]
         if fast is not None:
             result = fast.low_latency_dispatch(args)
@@ -234,7 +234,7 @@ class LowLatencyCalls:
                 packed_recv_count, block_m and threshold): ``[L]`` int32 or uint32, the rows of local expert l are
                 read once ``src_signals[l] >= src_signal_expect_value``.
         Returns:
-            ``combined_x`` [T, H] bf16, event, hook.
+            ``combined_x`` [T, H] bf16, event, hook (None without `return_recv_hook`).
         Raises:
             InvalidInputError, HandleError: before any communication.
         """
@@ -243,7 +243,7 @@ class LowLatencyCalls:
                         src_signal_expect_value)
         if torch.compiler.is_compiling() and not overlap:  # NOTE [custom ops] in ops.py
             return ops.low_latency_combine(self, x, topk_idx, topk_weights, handle, zero_copy, out,
-                                           combine_wait_recv_cost_stats)
+                                           combine_wait_recv_cost_stats, return_recv_hook)
         fast = self._fast if not (async_finish or return_recv_hook or zero_copy or overlap) else None  # [fast paths]
         args = (x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
         if fast is not None:
@@ -298,10 +298,11 @@ class LowLatencyCalls:
         return combined_x, scope.event, self._wrap_hook(hook)
 
     @staticmethod
-    def _wrap_hook(hook: Optional[Callable[[], None]]) -> Callable[[], None]:
-        """DeepEP always returns a callable; without `return_recv_hook` it does nothing."""
+    def _wrap_hook(hook: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+        """The receive hook, called at most once; None without `return_recv_hook`, as DeepEP returns (clients
+        assert it)."""
         if hook is None:
-            return lambda: None
+            return None
         done = []
 
         def receive() -> None:

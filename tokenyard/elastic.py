@@ -75,6 +75,11 @@ class EPHandle:
         self.buffer_id: Optional[int] = None
 
 
+def _not_offered(name: str) -> InvalidInputError:
+    return InvalidInputError(f"ElasticBuffer.{name} is DeepEP V2's Engram, pipeline-parallel or all-gather/reduce-"
+                             "scatter API, which tokenyard does not offer (docs/semantics.md, \"ElasticBuffer\")")
+
+
 class _OneNodeBuffer(Buffer):
     """NOTE [elastic nodes]
     ElasticBuffer's `Buffer` runs normal mode as one node whatever nodes its group has (real hosts, or virtual
@@ -95,13 +100,19 @@ class ElasticBuffer:
         num_cpu_bytes: host memory for Engram, which tokenyard does not offer: must be 0.
         num_max_tokens_per_rank: the most tokens a rank dispatches in one call (the default of `dispatch`).
         hidden, num_topk, use_fp8_dispatch: the problem the size hint makes room for.
-        deterministic: accepted; tokenyard's rows are always in one order (by source rank, then token).
+        deterministic: accepted, and kept as the attribute: tokenyard's calls are deterministic either way
+            (docs/semantics.md "ElasticBuffer"): rows in order of source rank, then token (V2's deterministic
+            order), every sum in a fixed order, so the same inputs give the same bits.
         allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_allocated_qps:
-            RDMA and SM-policy settings of DeepEP; accepted and ignored (every rank is reached over NVLink).
+            RDMA and SM-policy settings of DeepEP; accepted, kept as attributes, and not read (every rank is
+            reached over NVLink; combine reduces once per token, in a fixed order).
         num_cpu_timeout_secs: accepted; host waits use `num_gpu_timeout_secs` as every wait's deadline.
         num_gpu_timeout_secs: the deadline of every wait for a peer (`Buffer`'s timeout_s).
         explicitly_destroy: accepted; `destroy()` works either way.
     tokenyard's own, keyword only: backend, check_inputs, per_round_tokens, device (as for `Buffer`).
+
+    Attributes: DeepEP V2's (group, rank_idx, num_ranks, num_bytes, num_max_tokens_per_rank, the settings above,
+    the domain sizes and indices, `runtime`), and `buffer`, the `Buffer` that runs the calls.
     """
 
     def __init__(self, group: dist.ProcessGroup, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
@@ -111,7 +122,7 @@ class ElasticBuffer:
                  num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
                  *, backend: Optional[str] = None, check_inputs: Optional[bool] = None,
                  per_round_tokens: Optional[int] = None, device: Optional[Union[str, torch.device]] = None) -> None:
-        del allow_multiple_reduction, prefer_overlap_with_compute, sl_idx, num_cpu_timeout_secs  # see docstring
+        del sl_idx, num_cpu_timeout_secs  # see docstring
         if num_cpu_bytes:
             raise InvalidInputError("num_cpu_bytes is Engram's host memory, which tokenyard does not offer: pass 0")
         if num_bytes is None:
@@ -127,6 +138,8 @@ class ElasticBuffer:
         self.rank_idx, self.num_ranks = self.buffer.rank, self.buffer.group_size
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.allow_hybrid_mode, self.explicitly_destroy = allow_hybrid_mode, explicitly_destroy
+        self.allow_multiple_reduction, self.prefer_overlap_with_compute = allow_multiple_reduction, \
+            prefer_overlap_with_compute
         self.num_allocated_qps = num_allocated_qps
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
@@ -135,6 +148,12 @@ class ElasticBuffer:
     @property
     def backend(self) -> str:
         return self.buffer.backend
+
+    @property
+    def runtime(self):
+        """DeepEP V2's runtime attribute: the backend that runs the calls (`Buffer.runtime`, which answers DeepEP's
+        runtime queries), None after `destroy()`, as DeepEP's."""
+        return self.buffer.runtime
 
     @staticmethod
     def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int, num_topk: int = 0,
@@ -145,6 +164,43 @@ class ElasticBuffer:
         del num_topk, use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction
         config = Config(num_max_tokens_per_rank=num_max_tokens_per_rank)
         return config.get_nvl_buffer_size_hint(hidden * 2, group.size())
+
+    @staticmethod
+    def get_engram_storage_size_hint(num_entries: int, hidden: int, num_max_tokens_per_rank: int,
+                                     dtype: torch.dtype = torch.bfloat16):
+        """DeepEP V2's Engram storage size: refused, as Engram is not offered (docs/semantics.md "ElasticBuffer").
+
+        Raises:
+            InvalidInputError: naming the call.
+        """
+        raise _not_offered("get_engram_storage_size_hint")
+
+    @staticmethod
+    def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
+        """DeepEP V2's pipeline-parallel buffer size: refused, as its `pp_*` calls are not offered.
+
+        Raises:
+            InvalidInputError: naming the call.
+        """
+        raise _not_offered("get_pp_buffer_size_hint")
+
+    @staticmethod
+    def get_agrs_num_max_session_bytes(group: dist.ProcessGroup, shapes, dtype: torch.dtype) -> int:
+        """DeepEP V2's all-gather/reduce-scatter session size: refused, as its `agrs_*` calls are not offered.
+
+        Raises:
+            InvalidInputError: naming the call.
+        """
+        raise _not_offered("get_agrs_num_max_session_bytes")
+
+    @staticmethod
+    def get_agrs_buffer_size_hint(group: dist.ProcessGroup, num_max_session_bytes: int) -> int:
+        """DeepEP V2's all-gather/reduce-scatter buffer size: refused, as its `agrs_*` calls are not offered.
+
+        Raises:
+            InvalidInputError: naming the call.
+        """
+        raise _not_offered("get_agrs_buffer_size_hint")
 
     def destroy(self) -> None:
         self.buffer.destroy()
@@ -173,16 +229,18 @@ class ElasticBuffer:
         return self.num_scaleout_ranks, self.num_scaleup_ranks
 
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0, rdma_gbs: float = 0,
-                                nvlink_gbs: float = 0, sm_read_gbs: float = 0, sm_write_gbs: float = 0) -> int:
-        """SMs a call uses when given 0: the fewest at which the normal-mode kernels fill NVLink (NOTE [SM model]
-        in tokenyard/backends/cuda/heuristics.py), at this group's size.
+                                nvlink_gbs: float = 0, sm_read_gbs: float = 200, sm_write_gbs: float = 50) -> int:
+        """The fewest SMs at which the normal-mode kernels of this group's size fill NVLink (NOTE [SM model] in
+        tokenyard/backends/cuda/heuristics.py), at the rates given.
 
         Arguments:
-            nvlink_gbs: what NVLink carries out of a GPU; sm_write_gbs: what one sending SM writes to the peers;
-                sm_read_gbs: what one receiving SM copies out of the buffer. 0 takes our kernels' figures
-                (DeepEP V2's defaults, 50 and 200, describe its own kernels).
+            nvlink_gbs: what NVLink carries out of a GPU (0: our figure, heuristics.NVLINK_GBS, as DeepEP's 0 asks
+                for the machine's). sm_read_gbs: what one receiving SM copies out of the buffer; sm_write_gbs: what
+                one sending SM writes to the peers; DeepEP V2's defaults, 200 and 50 (0: our kernels' figures).
             num_experts, num_topk: accepted (the rates above do not depend on them). num_scaleout_topk,
                 rdma_gbs: ignored (one NVLink domain).
+        A call given ``num_sms=0`` takes the model at our kernels' own rates (`_default_num_sms`: 22 SMs at 4 and 8
+        ranks, 24 at 2), which DeepEP's defaults (a sending SM's 50 GB/s, ours measure 40) would undercount.
         """
         del num_experts, num_topk, num_scaleout_topk, rdma_gbs
         from .backends.cuda import heuristics
@@ -190,6 +248,10 @@ class ElasticBuffer:
         return heuristics.theoretical_num_sms(self.num_ranks, nvlink_gbs or heuristics.NVLINK_GBS,
                                               sm_write_gbs or heuristics.SM_WRITE_GBS,
                                               sm_read_gbs or heuristics.SM_READ_GBS)
+
+    def _default_num_sms(self) -> int:
+        """The SMs of a call given ``num_sms=0``: NOTE [SM model] at our kernels' measured rates."""
+        return self.get_theoretical_num_sms(0, 0, sm_read_gbs=0, sm_write_gbs=0)
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """Queue pairs: none (no RDMA path); accepted for DeepEP's callers."""
@@ -199,9 +261,7 @@ class ElasticBuffer:
     def __getattr__(self, name: str):
         if name.startswith(("engram_", "pp_", "agrs_")) or name in ("all_gather", "create_agrs_session",
                                                                        "destroy_agrs_session"):
-            raise InvalidInputError(f"ElasticBuffer.{name} is DeepEP V2's Engram, pipeline-parallel or "
-                                    "all-gather/reduce-scatter API, which tokenyard does not offer "
-                                    "(docs/semantics.md, \"ElasticBuffer\")")
+            raise _not_offered(name)
         raise AttributeError(f"'ElasticBuffer' object has no attribute {name!r}")
 
     # -- dispatch ----------------------------------------------------------------------------------------------
@@ -227,7 +287,8 @@ class ElasticBuffer:
             num_experts: required without a handle.
             num_max_tokens_per_rank: the most tokens a rank sends (default: the constructor's).
             expert_alignment: each local expert's count rounds up to this multiple (default 1).
-            num_sms: SMs for the CUDA kernels (0: `get_theoretical_num_sms`). num_qps: ignored.
+            num_sms: SMs for the CUDA kernels (0: NOTE [SM model] at our kernels' rates, `_default_num_sms`).
+            num_qps: ignored.
             previous_event: the call waits for it. previous_event_before_epilogue: waited for too, before the call.
             async_with_compute_stream: the call runs on the communication stream without holding up the
                 current stream; the returned event says when its outputs are ready (wait for it before using
@@ -316,7 +377,7 @@ class ElasticBuffer:
         if stats is not None and (stats.dtype != torch.int32 or stats.shape != (num_local,)):
             raise InvalidInputError(f"cumulative_local_expert_recv_stats must be int32 [{num_local}], got "
                                     f"{stats.dtype} {list(stats.shape)}")
-        num_sms = num_sms or self.get_theoretical_num_sms(num_experts, topk_idx.size(1))
+        num_sms = num_sms or self._default_num_sms()
         config = self._config(num_sms)
         buffer = self.buffer
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
@@ -334,7 +395,8 @@ class ElasticBuffer:
             num_expanded = sum(per_expert_list)
         else:
             num_expanded = expanded.worst_expanded_rows(num_rows, topk_idx.size(1), num_local, expert_alignment)
-        psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx]  # a view: the layout kernel reads it strided
+        # The handle's field, contiguous as DeepEP's: vLLM's kernels read it as plain memory.
+        psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx].contiguous()
         counts, ends, row_of, source_row, metadata = buffer._backend().expanded_layout(
             recv_topk_idx, v1.recv_src_idx, psum_per_rank, num_local, expert_alignment, num_max,
             num_expanded if do_expand else None)

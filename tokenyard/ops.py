@@ -18,15 +18,15 @@ outputs that are parts of one allocation (NOTE [plan allocations] in csrc/call_p
 small copies per call, in compiled code only.
 
 Inside a compiled region the calls run on the current stream: `previous_event`, `async_finish` and
-`allocate_on_comm_stream` are ignored, and the returned event is an empty `EventOverlap` (the work is
-already ordered before whatever the stream runs next); `return_recv_hook` too (the call receives at once and
-the hook does nothing), a low-latency combine's `out` is filled by a copy, and with `zero_copy` the buffer it
-reads is named as the op's input. The statistics tensors a low-latency call adds to are declared mutated.
-`num_recv_tokens_per_expert_list` is a Python list read from a tensor (one graph break where it is used;
-empty with `num_worst_tokens`, as in DeepEP). Handles are DeepEP's plain tuples; the Buffer finds the rest of
-what it knew about its own handle (its rounds, its fast path) by the identity of the tensor the op returned
-as its key (`recv_src_idx`, or a low-latency handle's `src_info`), so calls with a traced handle cost what
-they cost in eager mode.
+`allocate_on_comm_stream` are ignored, and the returned event is an empty `EventOverlap` (the work is already
+ordered before whatever the stream runs next); `return_recv_hook` too (the call receives at once: the hook it asks
+for does nothing; without it the hook is None, as in eager calls and DeepEP), a low-latency combine's `out` is
+filled by a copy, and with `zero_copy` the buffer it reads is named as the op's input. The statistics tensors a
+low-latency call adds to are declared mutated. `num_recv_tokens_per_expert_list` is a Python list read from a
+tensor (one graph break where it is used; empty with `num_worst_tokens`, as in DeepEP). Handles are DeepEP's plain
+tuples; the Buffer finds the rest of what it knew about its own handle (its rounds, its fast path) by the identity
+of the tensor the op returned as its key (`recv_src_idx`, or a low-latency handle's `src_info`), so calls with a
+traced handle cost what they cost in eager mode.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def _dispatch(buffer_id: int, x: Tensor, x_scales: Optional[Tensor], num_tokens_
     if recv_topk_idx is None:
         recv_topk_idx, recv_topk_weights = _no_rows(rows, x, torch.int64), _no_rows(rows, x, torch.float32)
     outputs = _unaliased((recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
-                          torch.tensor(per_expert, dtype=torch.int64), handle[0], handle[1], handle[2], handle[3],
-                          handle[5]),
+                          torch.tensor(per_expert, dtype=torch.int64, device="cpu"), handle[0], handle[1],
+                          handle[2], handle[3], handle[5]),
                          (x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                           num_tokens_per_expert))
     _remember(handle, outputs[8])
@@ -154,7 +154,7 @@ def _(buffer_id, x, x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_
     return [*_fake_rows_and_scales(rows, x, x_scales),
             x.new_empty((rows, num_topk), dtype=torch.int64),
             x.new_empty((rows, num_topk), dtype=torch.float32),
-            torch.empty(0 if num_worst_tokens else num_local_experts, dtype=torch.int64),
+            torch.empty(0 if num_worst_tokens else num_local_experts, dtype=torch.int64, device="cpu"),
             x.new_empty((num_ranks, num_ranks), **int32), x.new_empty((num_ranks, 1), **int32),
             x.new_empty((num_ranks, 1), **int32), x.new_empty(rows, **int32),
             x.new_empty((x.size(0), num_ranks), **int32)]
@@ -296,16 +296,18 @@ def dispatch(buffer, x, handle, num_tokens_per_rank, is_token_in_rank, num_token
 
 def low_latency_dispatch(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                          cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8: bool,
-                         round_scale: bool, use_ue8m0: bool, use_nvfp4: bool, x_global_scale):
+                         round_scale: bool, use_ue8m0: bool, use_nvfp4: bool, x_global_scale,
+                         return_recv_hook: bool = False):
     recv_x, scales, count, src_info, layout_range = torch.ops.tokenyard.low_latency_dispatch(
         buffer._id, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
         dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, use_nvfp4, x_global_scale)
     handle = (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
-    return (recv_x, scales) if use_fp8 or use_nvfp4 else recv_x, count, handle, EventOverlap(None), _no_hook
+    return ((recv_x, scales) if use_fp8 or use_nvfp4 else recv_x, count, handle, EventOverlap(None),
+            _no_hook if return_recv_hook else None)
 
 
 def low_latency_combine(buffer, x, topk_idx, topk_weights, handle, zero_copy: bool, out,
-                        combine_wait_recv_cost_stats):
+                        combine_wait_recv_cost_stats, return_recv_hook: bool = False):
     if zero_copy:  # what the combine reads, named as its input so that the trace orders the caller's writes first
         x = buffer.get_next_low_latency_combine_buffer(handle)
     combined = torch.ops.tokenyard.low_latency_combine(buffer._id, x, topk_idx, topk_weights, handle[0], handle[1],
@@ -314,11 +316,11 @@ def low_latency_combine(buffer, x, topk_idx, topk_weights, handle, zero_copy: bo
     if out is not None:
         out.copy_(combined)
         combined = out
-    return combined, EventOverlap(None), _no_hook
+    return combined, EventOverlap(None), _no_hook if return_recv_hook else None
 
 
 def _no_hook() -> None:
-    """The hook returned without `return_recv_hook`: nothing to receive."""
+    """The hook a traced call returns for `return_recv_hook`: the op received already."""
 
 
 def combine(buffer, x: Tensor, handle, topk_weights: Optional[Tensor], bias):

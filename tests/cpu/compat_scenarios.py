@@ -85,3 +85,41 @@ def low_latency_leniencies(seed, num_tokens=6, num_max=8, hidden=256, num_expert
     assert runtime.get_root_rdma_rank(True) == rank and runtime.get_root_rdma_rank(False) == 0
     assert runtime.get_local_device_id() == 0
     buffer.destroy()
+
+
+def one_column_scales(seed, num_tokens=10, hidden=512, num_experts=16, num_topk=4):
+    """SGLang's FP8 scales at hidden 512: the four UE8M0 exponents of a token packed in one int32, column-major with
+    the token axis padded to 4, so the one column has stride 12 (a [T, 1] tensor is contiguous whatever that stride).
+    Dispatched on one node, on 2 virtual nodes and by ElasticBuffer, they arrive as the same scales written row by
+    row would."""
+    from tokenyard import ElasticBuffer
+
+    rank, num_ranks = _world()
+    x, topk_idx, weights = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk)[rank]
+    data = quantize_fp8(x)[0]
+    exponents = torch.randint(100, 140, (num_tokens, 4), dtype=torch.int32,
+                              generator=torch.Generator(device="cpu").manual_seed(seed + rank))
+    packed = (exponents << torch.tensor([0, 8, 16, 24], dtype=torch.int32)).sum(1, dtype=torch.int32)
+    storage = torch.zeros(1, (num_tokens + 3) // 4 * 4, dtype=torch.int32)
+    storage[0, :num_tokens] = packed
+    column_major = storage[:, :num_tokens].t()
+    assert column_major.shape == (num_tokens, 1) and column_major.stride() == (1, 12)
+    row_major = packed.view(-1, 1).contiguous()
+    for per_node in (None, num_ranks // 2):
+        buffer = normal_buffer(num_tokens, hidden * 2, ranks_per_node=per_node)
+        layout = _layout(buffer, topk_idx, num_experts)
+        (got, got_scales), *_, handle, _ = buffer.dispatch((data, column_major), topk_idx=topk_idx,
+                                                           topk_weights=weights, **layout)
+        (want, want_scales), *_ = buffer.dispatch((data, row_major), topk_idx=topk_idx, topk_weights=weights,
+                                                  **layout)
+        assert_same(f"data, ranks_per_node {per_node}", got, want)
+        assert_same(f"one-column scales, ranks_per_node {per_node}", got_scales, want_scales)
+        assert_same(f"cached, ranks_per_node {per_node}", buffer.dispatch((data, column_major), handle=handle)[0][1],
+                    want_scales)
+        buffer.destroy()
+    elastic = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=num_tokens, hidden=hidden, backend="reference")
+    for do_expand in (False, True):
+        got = elastic.dispatch((data, column_major), topk_idx, weights, num_experts=num_experts, do_expand=do_expand)
+        want = elastic.dispatch((data, row_major), topk_idx, weights, num_experts=num_experts, do_expand=do_expand)
+        assert_same(f"ElasticBuffer scales, do_expand {do_expand}", got[0][1], want[0][1])
+    elastic.destroy()

@@ -176,19 +176,57 @@ def refusals(seed):
 
 
 def queries(seed):
-    """The runtime queries: one NVLink domain of the whole group, and NOTE [SM model]'s count for it."""
+    """The runtime queries: one NVLink domain of the whole group, and NOTE [SM model]'s count for it, at DeepEP V2's
+    default rates where asked, at our kernels' where a call is given num_sms=0; DeepEP V2's attributes."""
     from tokenyard.backends.cuda import heuristics
 
     del seed
-    _, num_ranks = _world()
-    buffer = tokenyard.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=8, hidden=128, backend="reference")
+    rank, num_ranks = _world()
+    buffer = tokenyard.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=8, hidden=128, backend="reference",
+                                     allow_multiple_reduction=False, prefer_overlap_with_compute=False)
     assert buffer.get_physical_domain_size() == buffer.get_logical_domain_size() == (1, num_ranks)
     model = heuristics.theoretical_num_sms(num_ranks)
-    assert buffer.get_theoretical_num_sms(4 * num_ranks, 2) == model
+    assert buffer.get_theoretical_num_sms(4 * num_ranks, 2) == heuristics.theoretical_num_sms(
+        num_ranks, sm_read_gbs=200, sm_write_gbs=50)
+    assert buffer.get_theoretical_num_sms(4 * num_ranks, 2, sm_read_gbs=0, sm_write_gbs=0) == model
     assert buffer.get_theoretical_num_sms(4 * num_ranks, 2, sm_write_gbs=10) > model
+    assert buffer._default_num_sms() == model
+    x, topk_idx, weights = make_rank_inputs(1, num_ranks, 8, 128, 4 * num_ranks, 2)[rank]
+    assert buffer.dispatch(x, topk_idx, weights, num_experts=4 * num_ranks)[3].num_sms == model
     assert buffer.get_theoretical_num_qps(model) == 0
+    assert (buffer.allow_multiple_reduction, buffer.prefer_overlap_with_compute) == (False, False)
+    assert buffer.runtime is buffer.buffer.runtime and buffer.runtime.is_available()
     buffer.destroy()
+    assert buffer.runtime is None, "DeepEP's runtime is None after destroy()"
     return model
+
+
+def deterministic(seed):
+    """Whatever `deterministic` says (docs/semantics.md "ElasticBuffer"): the same inputs give the same bits, call
+    after call and with either setting: rows in order of source rank, then token, and sums in a fixed order."""
+    rank, num_ranks = _world()
+    num_experts = 4 * num_ranks
+    x, topk_idx, weights = make_rank_inputs(seed, num_ranks, 12, 256, num_experts, 4, "skewed")[rank]
+    results = {}  # (deterministic, do_expand, call) -> the outputs
+    for flag in (True, False):
+        buffer = tokenyard.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=12, hidden=256, num_topk=4,
+                                         deterministic=flag, backend="reference")
+        assert buffer.deterministic is flag
+        for do_expand in (False, True):
+            for call in range(2):
+                recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(x, topk_idx, weights, num_experts=num_experts,
+                                                                      expert_alignment=4, do_expand=do_expand)
+                y = torch.randn(recv_x.shape, generator=torch.Generator().manual_seed(seed + rank)).to(
+                    torch.bfloat16)
+                combined, combined_w, _ = buffer.combine(y, handle, recv_w)
+                results[flag, do_expand, call] = (recv_x, recv_idx, recv_w, handle.recv_src_metadata, combined,
+                                                  combined_w)
+        buffer.destroy()
+    for key, outputs in results.items():
+        for i, (got, want) in enumerate(zip(outputs, results[True, key[1], 0])):
+            assert (got is None and want is None) or torch.equal(_bits(got), _bits(want)), \
+                f"deterministic={key[0]}, do_expand={key[1]}, call {key[2]}: output {i} differs from the first call's"
+    return len(results)
 
 
 def round_trip_on_virtual_nodes(seed, ranks_per_node):

@@ -163,7 +163,9 @@ def low_latency_round_trip(seed, num_tokens, num_max, hidden, num_experts, num_t
     recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
         x, topk_idx, num_max, num_experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
         round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=return_recv_hook)
-    hook()
+    assert (hook is None) != return_recv_hook, "a hook exactly where return_recv_hook asks for one, as DeepEP"
+    if return_recv_hook:
+        hook()
     oracle = routing.low_latency_dispatch([i[0] for i in inputs], [i[1] for i in inputs], num_max, num_experts,
                                           use_fp8, round_scale or use_ue8m0, use_ue8m0)
     mine = oracle[rank]
@@ -197,7 +199,9 @@ def low_latency_round_trip(seed, num_tokens, num_max, hidden, num_experts, num_t
     out = torch.full((topk_idx.size(0), hidden), float("nan"), dtype=torch.bfloat16) if use_out else None
     combined, event, hook = buffer.low_latency_combine(mine_out, topk_idx, topk_weights, handle, zero_copy=zero_copy,
                                                        return_recv_hook=return_recv_hook, out=out)
-    hook()
+    assert (hook is None) != return_recv_hook, "a hook exactly where return_recv_hook asks for one, as DeepEP"
+    if return_recv_hook:
+        hook()
     if use_out:
         assert combined is out
     want = routing.low_latency_combine(outputs, [i[1] for i in inputs], [i[2] for i in inputs],
@@ -268,7 +272,8 @@ def low_latency_nvfp4(seed, num_tokens, num_max, hidden, num_experts, num_topk, 
     (data, scales), recv_count, handle, _, hook = buffer.low_latency_dispatch(
         x, topk_idx, num_max, num_experts, use_nvfp4=True, x_global_scale=global_scale,
         return_recv_hook=return_recv_hook)
-    hook()
+    if return_recv_hook:
+        hook()
     assert data.dtype == torch.uint8 and data.shape == (num_slots, hidden // 2, num_local_experts)
     assert scales.dtype == torch.float8_e4m3fn
     assert scales.shape == (32, 4, -(-num_slots // 128), 4, hidden // 64, num_local_experts)

@@ -6,11 +6,11 @@ import tokenyard
 import tokenyard.compat.deep_ep as deep_ep
 from tokenyard.compat.deep_ep.utils import EventHandle, EventOverlap
 
-# DeepEP V1 Buffer's parameters, in DeepEP's order (from its buffer.py).
+# DeepEP's Buffer's parameters, in DeepEP's order (DeepEP main's deep_ep/buffers/legacy.py, whose constructor
+# dropped V1's use_fabric).
 DEEPEP_SIGNATURES = {
     "__init__": ["group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
-                 "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "use_fabric", "explicitly_destroy",
-                 "enable_shrink", "comm"],
+                 "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "explicitly_destroy", "enable_shrink", "comm"],
     "get_dispatch_layout": ["topk_idx", "num_experts", "previous_event", "async_finish", "allocate_on_comm_stream"],
     "dispatch": ["x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
                  "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
@@ -51,6 +51,11 @@ def test_every_deepep_method_takes_deepeps_arguments_in_deepeps_order():
     for name, params in {**DEEPEP_SIGNATURES, **DEEPEP_STATICS}.items():
         ours = _positional(getattr(deep_ep.Buffer, name))
         assert ours[:len(params)] == params, f"Buffer.{name}: {ours} does not start with DeepEP's {params}"
+
+
+def test_use_fabric_is_still_taken_by_keyword():
+    parameter = inspect.signature(deep_ep.Buffer).parameters["use_fabric"]
+    assert parameter.kind == parameter.KEYWORD_ONLY and parameter.default is False
 
 
 def test_statics_are_static_and_class_attribute_num_sms_exists():
@@ -136,6 +141,83 @@ def test_event_overlap_is_a_context_manager_without_cuda():
     event.current_stream_wait()
 
 
+class _Recorded:
+    """An event handle that records its waits."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def current_stream_wait(self):
+        self.log.append("wait")
+
+
+def test_event_overlap_has_deepep_v2s_release_handle_call_and_hook_after_wait():
+    log = []
+    event = EventOverlap(_Recorded(log))
+    event.register_hook_after_wait(lambda: log.append("hook"))
+    try:
+        event.register_hook_after_wait(lambda: None)
+    except tokenyard.InvalidInputError:
+        pass
+    else:
+        raise AssertionError("a second hook was accepted")
+    event.current_stream_wait()
+    event.current_stream_wait(release_handle=True)
+    assert log == ["wait", "hook", "wait"] and event.event is None, log  # the hook once, after the wait
+    log.clear()
+    event = EventOverlap(_Recorded(log))
+    assert event(release_handle=True) is event
+    with event(release_handle=True):
+        assert log == []
+    assert log == ["wait"] and event.event is None
+    with EventOverlap(_Recorded(log)) as kept:
+        pass
+    assert kept.event is not None, "without release_handle the event stays"
+    hooked = EventOverlap(None)  # no event to wait for (a call without async_finish, CPU): the hook still runs
+    hooked.register_hook_after_wait(lambda: log.append("hook"))
+    with hooked:
+        pass
+    assert log[-1] == "hook"
+
+
+def test_elastic_buffer_has_deepep_v2s_statics_and_refuses_what_it_does_not_offer():
+    statics = {"get_engram_storage_size_hint": (1024, 7168, 128), "get_pp_buffer_size_hint": (1 << 20, 2),
+               "get_agrs_num_max_session_bytes": (None, (8, 7168), None), "get_agrs_buffer_size_hint": (None, 1 << 20)}
+    for name, args in statics.items():
+        assert isinstance(inspect.getattr_static(deep_ep.ElasticBuffer, name), staticmethod), name
+        try:
+            getattr(deep_ep.ElasticBuffer, name)(*args)
+        except tokenyard.InvalidInputError as exc:
+            assert name in str(exc) and "does not offer" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{name} was answered")
+    defaults = inspect.signature(deep_ep.ElasticBuffer.get_theoretical_num_sms).parameters
+    assert (defaults["sm_read_gbs"].default, defaults["sm_write_gbs"].default) == (200, 50)  # DeepEP V2's
+
+
+def test_deepep_mains_module_layout_imports():
+    """DeepEP main's deep_ep.buffers.legacy / .elastic and deep_ep.utils.event / .envs, as code imports them."""
+    import importlib
+
+    from tokenyard.compat.deep_ep.buffers import elastic, legacy
+    from tokenyard.compat.deep_ep.utils import envs, event
+
+    assert legacy.Buffer is tokenyard.Buffer and legacy.Config is tokenyard.Config
+    assert elastic.ElasticBuffer is tokenyard.ElasticBuffer and elastic.EPHandle is tokenyard.EPHandle
+    assert event.EventOverlap is EventOverlap and event.EventHandle is EventHandle
+    assert envs.get_physical_domain_size is deep_ep.get_physical_domain_size
+    assert envs.get_logical_domain_size is deep_ep.get_logical_domain_size
+    assert deep_ep.utils.check_nvlink_connections is envs.check_nvlink_connections
+    for name in deep_ep.SUBMODULES:
+        assert importlib.import_module(f"tokenyard.compat.deep_ep.{name}") is not None
+    try:
+        envs.init_dist
+    except AttributeError as exc:
+        assert "does not offer" in str(exc)
+    else:
+        raise AssertionError("deep_ep.utils.envs.init_dist answered")
+
+
 def test_handles_unpack_as_deepeps_tuples():
     import torch
 
@@ -165,8 +247,23 @@ def test_inputs_deepep_accepts_in_normal_mode_are_accepted(ranks, seed):
     ranks(2).run(compat_scenarios.normal_leniencies, seed)
 
 
+def test_one_column_ue8m0_scales_at_hidden_512_are_accepted(ranks, seed):
+    """SGLang's FP8 dispatch with UE8M0 scales (int32, column-major, packed) of one column (issue 47)."""
+    from . import compat_scenarios
+
+    ranks(4).run(compat_scenarios.one_column_scales, seed)
+
+
 def test_inputs_deepep_accepts_in_low_latency_mode_are_accepted(ranks, seed):
     """use_logfmt (with zero_copy too), [R] int64 wait-cost stats, DeepEP's runtime queries."""
     from . import compat_scenarios
 
     ranks(2).run(compat_scenarios.low_latency_leniencies, seed)
+
+
+def test_every_tensor_of_every_return_and_handle_is_contiguous_where_deepeps_is(ranks, seed):
+    """vLLM's kernels read handle tensors as plain memory (`psum_num_recv_tokens_per_scaleup_rank` of an EPHandle):
+    normal, low-latency, ElasticBuffer and internode returns and handles (tests/cpu/api_scenarios.py)."""
+    from . import api_scenarios
+
+    ranks(4).run(api_scenarios.handles_and_returns_are_contiguous, seed)

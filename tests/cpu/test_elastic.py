@@ -37,5 +37,9 @@ def test_runtime_queries(ranks, seed):
     ranks(4).run(scenarios.queries, seed)
 
 
+def test_the_same_inputs_give_the_same_bits_whatever_deterministic_says(ranks, seed):
+    ranks(2).run(scenarios.deterministic, seed)
+
+
 def test_virtual_nodes_leave_elastic_buffer_one_node(ranks, seed):
     ranks(4).run(scenarios.round_trip_on_virtual_nodes, seed, 2)

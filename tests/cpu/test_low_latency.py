@@ -31,6 +31,11 @@ def test_repeated_expert_takes_one_slot_and_combines_to_the_weighted_sum(ranks, 
     ranks(4).run(scenarios.low_latency_round_trip, seed, 16, 16, 384, 16, 6, "repeated", False)
 
 
+def test_without_return_recv_hook_the_hook_is_none_as_deepeps(ranks, seed):
+    """DeepEP returns None as the hook without `return_recv_hook`, and clients assert it (issue 47)."""
+    ranks(2).run(scenarios.low_latency_round_trip, seed, 8, 8, 256, 8, 3, "uniform", True, False, False, False)
+
+
 def test_hooks_zero_copy_and_out(ranks, seed):
     ranks(2).run(scenarios.low_latency_round_trip, seed, 8, 8, 256, 8, 3, "uniform", True, False, False,
                  True, True, True)

@@ -101,7 +101,7 @@ def compiled_low_latency(seed: int, backend: str = "cuda"):
     def step(x, topk_idx, topk_weights, use_fp8):
         recv_x, count, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, NUM_TOKENS, NUM_EXPERTS,
                                                                      use_fp8=use_fp8)
-        hook()
+        assert hook is None  # no return_recv_hook: no hook, as DeepEP
         data = (recv_x[0].float() * recv_x[1].repeat_interleave(128, dim=2)) if use_fp8 else recv_x.float()
         expert_out = (data * 0.5 - 1.0).to(torch.bfloat16)
         combined = buffer.low_latency_combine(expert_out, topk_idx, topk_weights, handle)[0]
@@ -134,7 +134,7 @@ def compiled_low_latency(seed: int, backend: str = "cuda"):
     def nvfp4_step(x, topk_idx, global_scale):  # NOTE [nvfp4]: DeepEP's views, their strides kept by the op
         (data, scales), count, handle, _, hook = buffer.low_latency_dispatch(
             x, topk_idx, NUM_TOKENS, NUM_EXPERTS, use_nvfp4=True, x_global_scale=global_scale)
-        hook()
+        assert hook is None
         return data, scales, count, handle[0]
 
     x, topk_idx, _ = make_rank_inputs(seed + 20, num_ranks, NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK, "uniform",

@@ -208,7 +208,7 @@ class Collectives:
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if self.group is None or capturing:
             return
-        mine = torch.tensor([self._calls] + signature(op, **fields), dtype=torch.int64)
+        mine = torch.tensor([self._calls] + signature(op, **fields), dtype=torch.int64, device="cpu")
         headers = self.all_gather(mine if self.device.type == "cpu" or self.mode == "host" else mine.to(self.device),
                                   "agree").tolist()
         if any(h != headers[0] for h in headers):
@@ -224,7 +224,7 @@ class Collectives:
         if not self._bounded():
             return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self._device_group(),
                                           async_op=async_op)
-        landed = torch.empty(out.shape, dtype=out.dtype) if staged else out
+        landed = torch.empty(out.shape, dtype=out.dtype, device="cpu") if staged else out
         work = dist.all_to_all_single(landed, inp.cpu() if staged else inp, out_splits, in_splits, group=self.group,
                                       async_op=True)
         if staged:  # the copy back needs the data: finished here
@@ -265,7 +265,7 @@ class Collectives:
         if self.group is None:
             return max(self._all_gather_object(int(value)))
         if self._bounded():
-            t = torch.full((1,), value, dtype=torch.int64)
+            t = torch.full((1,), value, dtype=torch.int64, device="cpu")
             self._finish(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what, timeout_s)
             return int(t[0])
         group = self._device_group()
@@ -274,7 +274,7 @@ class Collectives:
         with torch.cuda.stream(self._stream):
             t = torch.full((1,), value, dtype=torch.int64, device=self.device)  # no host-to-device copy
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            host = torch.empty(1, dtype=torch.int64, device="cpu", pin_memory=True)
             host.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record()

@@ -38,7 +38,7 @@ import torch
 from .. import checks
 from ..handle import DispatchHandle, InternodeHandle
 from ..semantics import routing
-from .reference import _as_bytes, _from_bytes, _pack, flat_handle
+from .reference import _from_bytes, _pack, byte_rows, flat_handle
 from .requests import CombineRequest, DispatchRequest, DispatchResult
 
 
@@ -97,7 +97,8 @@ def _source_order(nodes: _Nodes, from_rank: torch.Tensor) -> torch.Tensor:
     """Stage 2's receive order -> the final one (NOTE [internode stages]): the permutation that sorts rows
     received from forwarders l = 0, 1, ... (each holding sources (0, l), (1, l), ...) by source rank.
     from_rank: ``[R]`` rows this rank receives from each source rank."""
-    sources = torch.arange(nodes.num_ranks, device=from_rank.device).view(nodes.num_nodes, nodes.per_node).t()
+    sources = torch.arange(nodes.num_ranks, dtype=torch.int64, device=from_rank.device)
+    sources = sources.view(nodes.num_nodes, nodes.per_node).t()
     sources = sources.flatten()
     source_of_row = torch.repeat_interleave(sources, from_rank.long()[sources])
     return torch.sort(source_of_row, stable=True).indices
@@ -159,7 +160,8 @@ def dispatch(backend, request: DispatchRequest, kernels=None) -> DispatchResult:
 
     # The handle (NOTE [internode handle]).
     from_rank = counts[:, rank]
-    source_rank = torch.repeat_interleave(torch.arange(nodes.num_ranks, device=in_rank.device), from_rank.long())
+    ranks = torch.arange(nodes.num_ranks, dtype=torch.int64, device=in_rank.device)
+    source_rank = torch.repeat_interleave(ranks, from_rank.long())
     source_rank = torch.cat([source_rank, source_rank.new_full((recv_src_idx.numel() - source_rank.numel(),), -1)])
     recv_src_meta = torch.stack([source_rank.to(torch.int32), recv_src_idx], dim=1)
     # send_rdma_head: forwarder (m, l) holds the rows of sources (n', l), n' < n, before this rank's.
@@ -170,7 +172,8 @@ def dispatch(backend, request: DispatchRequest, kernels=None) -> DispatchResult:
     rows_before = counts.cumsum(0) - counts                                   # [s, q]: rows on q before source s
     block = counts[nodes.local::per_node, nodes.node * per_node:(nodes.node + 1) * per_node]  # [n', j]
     block_before = block.cumsum(0) - block
-    source_node = torch.repeat_interleave(torch.arange(nodes.num_nodes, device=in_rank.device), from_node.long())
+    node_ids = torch.arange(nodes.num_nodes, dtype=torch.int64, device=in_rank.device)
+    source_node = torch.repeat_interleave(node_ids, from_node.long())
     forwarded_source = source_node * per_node + nodes.local
     nvl_first = rows_before[forwarded_source, nodes.node * per_node:(nodes.node + 1) * per_node] - \
         block_before[source_node]
@@ -219,7 +222,7 @@ def combine(backend, request: CombineRequest, kernels=None):
                                request.config.num_sms, handle.recv_src_meta[:num_recv],
                                group_counts(backend, handle)[2], backend._all_gather)
     device, hidden = x.device, x.size(1)
-    columns = [_as_bytes(x)] + ([] if weights is None else [_as_bytes(weights)])
+    columns = [byte_rows(x)] + ([] if weights is None else [byte_rows(weights)])
     rows, spans = _pack(columns)
 
     # Stage 2 backwards: the rows of sources (n', l) go back to forwarder (n, l), in the order it sent them.
@@ -229,7 +232,7 @@ def combine(backend, request: CombineRequest, kernels=None):
     blocks = []
     for local in range(nodes.per_node):
         sources = range(local, nodes.num_ranks, nodes.per_node)
-        index = [torch.arange(int(first[s]), int(recv_total[s]), device=device) for s in sources]
+        index = [torch.arange(int(first[s]), int(recv_total[s]), dtype=torch.int64, device=device) for s in sources]
         blocks.append((nodes.in_node(local), torch.cat(index)))
     forwarded_to = handle.send_nvl_head >= 0
     back = _send(backend, nodes, rows, blocks, nodes.splits([nodes.in_node(j) for j in range(nodes.per_node)],
@@ -240,7 +243,8 @@ def combine(backend, request: CombineRequest, kernels=None):
     from_node = handle.recv_rdma_channel_prefix_matrix[:, 0].long()
     node_first = from_node.cumsum(0) - from_node
     peers = [nodes.forwarder(m) for m in range(nodes.num_nodes)]
-    blocks = [(peer, torch.arange(int(node_first[m]), int(node_first[m] + from_node[m]), device=device))
+    blocks = [(peer, torch.arange(int(node_first[m]), int(node_first[m] + from_node[m]), dtype=torch.int64,
+                                      device=device))
               for m, peer in enumerate(peers)]
     sent_to_node = handle.send_rdma_head >= 0
     partials = _send(backend, nodes, partial, blocks, nodes.splits(peers, sent_to_node.sum(0).tolist()))
@@ -280,7 +284,7 @@ def _summed(back: torch.Tensor, spans, forwarded_to: torch.Tensor, dtype: torch.
             acc_w[forwarded] = acc_w[forwarded] + _from_bytes(back[begin:end], *spans[1], torch.float32,
                                                               weights.size(1))
         begin = end
-    columns = [_as_bytes(acc.to(dtype))] + ([] if acc_w is None else [_as_bytes(acc_w)])
+    columns = [byte_rows(acc.to(dtype))] + ([] if acc_w is None else [byte_rows(acc_w)])
     return _pack(columns)[0]
 
 

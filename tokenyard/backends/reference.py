@@ -28,13 +28,22 @@ from .requests import (CombineRequest, DispatchRequest, DispatchResult, LowLaten
                        LowLatencyDispatchRequest, LowLatencyDispatchResult, Placement)
 
 
-def _as_bytes(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """[T, ...] tensor -> [T, bytes] uint8 view (copying only if not contiguous)."""
+def byte_rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[T, ...] tensor -> [T, bytes] uint8 view (copying only if not contiguous).
+
+    A contiguous tensor may still have a last stride other than 1 where that axis has one element (strides of
+    size-1 axes do not count for contiguity): SGLang's UE8M0 scales at hidden 512, one int32 column
+    column-major, are [T, 1] with strides (1, T rounded up to 4). Viewed as bytes, those rows are the same
+    memory with the strides of a row-major tensor.
+    """
     if t is None:
         return None
     t = t.contiguous()
     width = math.prod(t.shape[1:])
-    return t.view(t.size(0), width).view(torch.uint8)
+    rows = t.view(t.size(0), width)
+    if rows.stride(1) != 1:  # one column (or an empty axis): its stride does not count, its rows are adjacent
+        rows = rows.as_strided(rows.shape, (width, 1))
+    return rows.view(torch.uint8)
 
 
 def _from_bytes(rows: torch.Tensor, begin: int, end: int, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -176,10 +185,10 @@ class ReferenceBackend(Backend):
         `received` reads back."""
         x = request.x
         src_idx = torch.arange(x.size(0), dtype=torch.int32, device=x.device).view(-1, 1)
-        columns = [_as_bytes(x), _as_bytes(src_idx), _as_bytes(request.x_scales)]
+        columns = [byte_rows(x), byte_rows(src_idx), byte_rows(request.x_scales)]
         if request.handle is None and request.topk_idx is not None:
-            columns += [_as_bytes(request.topk_idx), _as_bytes(request.topk_weights)]
-        columns.append(_as_bytes(extra))
+            columns += [byte_rows(request.topk_idx), byte_rows(request.topk_weights)]
+        columns.append(byte_rows(extra))
         return _pack([c for c in columns if c is not None])
 
     def received(self, request: DispatchRequest, recv: torch.Tensor, spans, per_expert: Optional[list]):
@@ -275,9 +284,9 @@ class ReferenceBackend(Backend):
         back_counts = torch.diff(rank_prefix_matrix[:, rank], prepend=rank_prefix_matrix[:1, rank] * 0).tolist()
         num_valid = sum(back_counts)
         dest_rows = [(send_head[:, r] >= 0).nonzero().flatten() for r in range(num_ranks)]
-        columns = [_as_bytes(request.x[:num_valid])]
+        columns = [byte_rows(request.x[:num_valid])]
         if request.topk_weights is not None:
-            columns.append(_as_bytes(request.topk_weights[:num_valid]))
+            columns.append(byte_rows(request.topk_weights[:num_valid]))
         rows, spans = _pack(columns)
         returned = rows.new_empty(sum(int(d.numel()) for d in dest_rows), rows.size(1))
         self._all_to_all(returned, rows, [int(d.numel()) for d in dest_rows], back_counts)
@@ -389,7 +398,7 @@ class ReferenceBackend(Backend):
         num_local_experts = num_experts // num_ranks
         num_topk = topk_idx.size(1)
         valid = (topk_idx >= 0) & (topk_idx < num_experts) & \
-            (self._first_choice(topk_idx) == torch.arange(num_topk, device=topk_idx.device))
+            (self._first_choice(topk_idx) == torch.arange(num_topk, dtype=torch.int64, device=topk_idx.device))
         if rank_mask is not None:
             owner = topk_idx.clamp(0, num_experts - 1) // num_local_experts
             valid = valid & (rank_mask[owner] == 0)
@@ -398,7 +407,7 @@ class ReferenceBackend(Backend):
         dest = sorted_expert // num_local_experts
         boundaries = torch.arange(num_ranks + 1, device=topk_idx.device, dtype=sorted_expert.dtype) * num_local_experts
         dest_first = torch.searchsorted(sorted_expert, boundaries)
-        pos = torch.arange(experts.numel(), device=topk_idx.device) - dest_first[dest]
+        pos = torch.arange(experts.numel(), dtype=torch.int64, device=topk_idx.device) - dest_first[dest]
         return sorted_expert, pair_of_sorted, dest, pos
 
     @staticmethod
@@ -423,10 +432,10 @@ class ReferenceBackend(Backend):
         sorted_expert, pair_of_sorted, dest, pos = self._pair_order(topk_idx, num_experts, request.rank_mask)
         token_of_sorted = pair_of_sorted // num_topk
         header = torch.stack([sorted_expert % num_local_experts, token_of_sorted], dim=1).to(torch.int32)
-        columns = [_as_bytes(data)[token_of_sorted]]
+        columns = [byte_rows(data)[token_of_sorted]]
         if scales is not None:
-            columns.append(_as_bytes(scales)[token_of_sorted])
-        columns.append(_as_bytes(header))
+            columns.append(byte_rows(scales)[token_of_sorted])
+        columns.append(byte_rows(header))
         rows, spans = _pack(columns)
         dump = num_ranks * rows_per_rank
         where = torch.where(dest < num_ranks, dest * rows_per_rank + pos, torch.full_like(pos, dump))
@@ -469,10 +478,10 @@ class ReferenceBackend(Backend):
             begin = _exclusive_cumsum(counts, 0)                  # [s, l] first slot of s in l
             header_rows = _from_bytes(per_source.view(dump, -1), *spans[-1], torch.int32, 2).view(
                 num_ranks, rows_per_rank, 2)
-            row = torch.arange(rows_per_rank, device=device).view(1, -1)
+            row = torch.arange(rows_per_rank, dtype=torch.int64, device=device).view(1, -1)
             valid = row < counts.sum(1, keepdim=True)
             local_expert = header_rows[..., 0].long().clamp(0, num_local_experts - 1)
-            source = torch.arange(num_ranks, device=device).view(-1, 1).expand_as(local_expert)
+            source = torch.arange(num_ranks, dtype=torch.int64, device=device).view(-1, 1).expand_as(local_expert)
             slot = begin[source, local_expert] + row - first_row[source, local_expert]
             target = torch.where(valid, local_expert * num_slots + slot,
                                  torch.full_like(slot, num_local_experts * num_slots))
@@ -525,11 +534,11 @@ class ReferenceBackend(Backend):
         layout = handle.layout_range.t()                        # [s, l]
         counts, begin = layout & 0xFFFFFFFF, layout >> 32
         last_row = counts.cumsum(1)                             # [s, l] end row of l in s's block
-        row = torch.arange(rows_per_rank, device=device).view(1, -1).expand(num_ranks, -1)
+        row = torch.arange(rows_per_rank, dtype=torch.int64, device=device).view(1, -1).expand(num_ranks, -1)
         local_expert = torch.searchsorted(last_row.contiguous(), row.contiguous(), right=True)
         valid = local_expert < num_local_experts
         local_expert = local_expert.clamp_max(num_local_experts - 1)
-        source = torch.arange(num_ranks, device=device).view(-1, 1).expand_as(row)
+        source = torch.arange(num_ranks, dtype=torch.int64, device=device).view(-1, 1).expand_as(row)
         slot = begin[source, local_expert] + row - (last_row - counts)[source, local_expert]
         index = torch.where(valid, local_expert * num_slots + slot, torch.zeros_like(slot))
         send = x.reshape(num_local_experts * num_slots, hidden)[index.flatten()]
@@ -580,7 +589,8 @@ class ReferenceBackend(Backend):
         counts = overlap.packed_recv_count.long()
         blocks = (counts + overlap.block_m - 1) // overlap.block_m
         signals = overlap.comp_signal[:counts.numel() * overlap.signal_blocks].view(-1, overlap.signal_blocks)
-        needed = torch.arange(overlap.signal_blocks, device=signals.device).view(1, -1) < blocks.view(-1, 1)
+        block = torch.arange(overlap.signal_blocks, dtype=torch.int64, device=signals.device)
+        needed = block.view(1, -1) < blocks.view(-1, 1)
         if not wait_until(lambda: bool(((signals >= overlap.threshold) | ~needed).all()), self.ctx.timeout_s):
             raise CommTimeoutError(self.ctx.rank, self.ctx.rank, "low_latency_combine/overlap",
                                    f"the expert outputs' blocks were not all signalled done (comp_signal or "

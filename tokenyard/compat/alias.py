@@ -2,8 +2,9 @@
 
 Megatron-LM, SGLang and vLLM look for DeepEP by its module name (``import deep_ep``, ``find_spec("deep_ep")``).
 `install` writes a small package ``deep_ep`` into this interpreter's site-packages (or ``--target``) whose
-modules are tokenyard's compatibility modules: ``deep_ep.Buffer`` is ``tokenyard.Buffer``, ``deep_ep.buffer``
-and ``deep_ep.utils`` are ``tokenyard.compat.deep_ep``'s, and ``python -m deep_ep.benchmark`` runs tokenyard's
+modules are tokenyard's compatibility modules: ``deep_ep.Buffer`` is ``tokenyard.Buffer``, ``deep_ep.buffer``,
+``deep_ep.utils`` and the rest of DeepEP's layout (``deep_ep.buffers.legacy``, ``deep_ep.utils.envs``, ...) are
+``tokenyard.compat.deep_ep``'s modules (its `SUBMODULES`), and ``python -m deep_ep.benchmark`` runs tokenyard's
 benchmark. It is opt-in and reversible (`uninstall` removes exactly what `install` wrote, recognised by its
 marker file), and it refuses, naming what it found, wherever a real DeepEP is installed: a ``deep_ep``
 importable from anywhere else, or a distribution that ships ``deep_ep/__init__.py``. tokenyard never shadows
@@ -29,22 +30,21 @@ MARKER = "TOKENYARD_ALIAS"
 # The alias package: every module hands over to tokenyard's own.
 _INIT = '''"""DeepEP's module name, served by tokenyard (`python -m tokenyard.compat.alias uninstall` removes it)."""
 
+import sys
+
 from tokenyard.compat import deep_ep as _tokenyard
 from tokenyard.compat.deep_ep import (Buffer, Config, ElasticBuffer, EPHandle, EventHandle,  # noqa: F401
-                                      EventOverlap, __version__, buffer, get_logical_domain_size,
+                                      EventOverlap, __version__, buffer, buffers, get_logical_domain_size,
                                       get_physical_domain_size, topk_idx_t, utils)
+
+# deep_ep.<name> is tokenyard.compat.deep_ep.<name>, one module under both names: `import deep_ep.buffers.legacy`
+# finds it here, after this package's import, before looking for a file.
+for _name in _tokenyard.SUBMODULES:
+    sys.modules[f"{__name__}.{_name}"] = sys.modules[f"{_tokenyard.__name__}.{_name}"]
 
 TOKENYARD_ALIAS = True
 __all__ = _tokenyard.__all__
 __getattr__ = _tokenyard.__getattr__  # AutoTuner and Benchmark load when first named
-'''
-_SUBMODULE = '''"""deep_ep.{name}: tokenyard.compat.deep_ep.{name} (an alias written by tokenyard.compat.alias)."""
-
-import sys
-
-from tokenyard.compat.deep_ep import {name} as _module
-
-sys.modules[__name__] = _module
 '''
 _BENCHMARK = '''"""python -m deep_ep.benchmark: tokenyard's benchmark (an alias written by tokenyard.compat.alias)."""
 
@@ -55,8 +55,7 @@ from tokenyard.tools.bench.__main__ import main
 if __name__ == "__main__":
     sys.exit(main(prog="python -m deep_ep.benchmark"))
 '''
-FILES = {"__init__.py": _INIT, "buffer.py": _SUBMODULE.format(name="buffer"),
-         "utils.py": _SUBMODULE.format(name="utils"), "benchmark.py": _BENCHMARK}
+FILES = {"__init__.py": _INIT, "benchmark.py": _BENCHMARK}
 
 
 class Refused(Exception):
@@ -92,7 +91,8 @@ def real_deep_ep(target: str) -> Optional[str]:
 
 
 def install(target: Optional[str] = None) -> str:
-    """Write the alias package into `target` (default: site-packages). Raises Refused beside a real DeepEP."""
+    """Write the alias package into `target` (default: site-packages; made where missing). Raises Refused beside a
+    real DeepEP."""
     target = target or default_target()
     found = real_deep_ep(target)
     if found is not None:
@@ -101,6 +101,7 @@ def install(target: Optional[str] = None) -> str:
     from .. import __version__
 
     folder = os.path.join(target, "deep_ep")
+    os.makedirs(target, exist_ok=True)  # a --target that does not exist yet
     staging = tempfile.mkdtemp(prefix=".deep_ep-", dir=target)
     try:
         for name, text in FILES.items():
@@ -131,7 +132,8 @@ def uninstall(target: Optional[str] = None) -> Optional[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tokenyard.compat.alias", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("install", "uninstall", "status"))
-    parser.add_argument("--target", help="the site-packages folder to write into (default: this interpreter's)")
+    parser.add_argument("--target", help="the folder to write into, made where missing (default: this "
+                        "interpreter's site-packages)")
     args = parser.parse_args(argv)
     target = args.target or default_target()
     try:

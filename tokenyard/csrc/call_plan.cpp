@@ -205,7 +205,7 @@ class Plan {
 public:
     explicit Plan(c10::Device device)
         : device_(device),
-          allocator_(at::empty({0}, at::TensorOptions().device(device)).storage().allocator()),
+          allocator_(at::empty({0}, at::TensorOptions().device(device).dtype(at::kByte)).storage().allocator()),
           keys_(c10::computeDispatchKey(std::nullopt, at::kStrided, device)),
           guard_(c10::impl::getDeviceGuardImpl(device.type())) {}
 

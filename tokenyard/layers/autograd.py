@@ -27,6 +27,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..backends.reference import byte_rows
 from ..buffer import Buffer
 from ..errors import InvalidInputError
 
@@ -62,7 +63,7 @@ def _dispatch_cached(buffer: Buffer, handle, tensors: Sequence[torch.Tensor], nu
         received = [buffer.dispatch(tensors[0], handle=handle)[0]]
     else:
         num_tokens = tensors[0].size(0)
-        columns = [t.reshape(num_tokens, math.prod(t.shape[1:])).view(torch.uint8) for t in tensors]
+        columns = [byte_rows(t) for t in tensors]
         pad = -sum(widths) % _ROW_ALIGN_BYTES
         if pad:
             columns.append(torch.zeros(num_tokens, pad, dtype=torch.uint8, device=tensors[0].device))

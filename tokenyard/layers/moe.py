@@ -62,7 +62,7 @@ def make_buffer(group: dist.ProcessGroup, hidden_size: int, num_max_tokens_per_r
     Raises:
         BackendUnavailableError: as `Buffer`.
     """
-    hidden_bytes = hidden_size * max(torch.empty((), dtype=dtype).element_size(), 2)
+    hidden_bytes = hidden_size * max(dtype.itemsize, 2)
     config = Config(num_max_tokens_per_rank=max(int(num_max_tokens_per_rank), 1))
     return Buffer(group, config.get_nvl_buffer_size_hint(hidden_bytes, group.size()), 0, backend=backend)
 
@@ -112,7 +112,8 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))
         nn.init.normal_(self.weight, std=hidden_size ** -0.5)
         if scoring == "sigmoid":
-            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32,
+                                                                     device=device))
         else:
             self.e_score_correction_bias = None
 

@@ -58,12 +58,12 @@ def expand_rows(recv_topk_idx: torch.Tensor, num_local_experts: int,
     # The rank of pair (j, k) within its expert: pairs sorted by (expert, j); a row holds an expert at most once.
     valid = recv_topk_idx >= 0
     experts = torch.where(valid, recv_topk_idx, num_local_experts).long()
-    rows = torch.arange(num_rows, device=device).unsqueeze(1).expand(num_rows, num_topk)
+    rows = torch.arange(num_rows, dtype=torch.int64, device=device).unsqueeze(1).expand(num_rows, num_topk)
     key = (experts * max(num_rows, 1) + rows).flatten()
     order = torch.argsort(key)
     sorted_experts = experts.flatten()[order]
     first_of_expert = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts]), 0)
-    rank_in_expert = torch.arange(order.numel(), device=device) - first_of_expert[sorted_experts]
+    rank_in_expert = torch.arange(order.numel(), dtype=torch.int64, device=device) - first_of_expert[sorted_experts]
     starts_ext = torch.cat([starts, torch.zeros(1, dtype=torch.long, device=device)])
     row_sorted = torch.where(sorted_experts < num_local_experts, starts_ext[sorted_experts] + rank_in_expert, -1)
     row_of = torch.empty_like(row_sorted)
@@ -76,7 +76,7 @@ def _pair_of(row_of: torch.Tensor, num_expanded: int) -> torch.Tensor:
     num_pairs = row_of.numel()
     pair_of = torch.full((num_expanded + 1,), num_pairs, dtype=torch.long, device=row_of.device)
     where = torch.where(row_of >= 0, row_of, num_expanded).flatten().long()  # one spare row takes the rest
-    pair_of.scatter_(0, where, torch.arange(num_pairs, device=row_of.device))
+    pair_of.scatter_(0, where, torch.arange(num_pairs, dtype=torch.int64, device=row_of.device))
     return pair_of[:num_expanded]
 
 

@@ -119,7 +119,7 @@ def placed_rows(rank_prefix_matrix: torch.Tensor, rank: int, recv_first: torch.T
     Example: 2 sources sending 2 and 1 rows, recv_first [5, 9] -> rows [5, 6, 9].
     """
     inclusive = rank_prefix_matrix[:, rank].long()
-    row = torch.arange(num_rows, device=inclusive.device)
+    row = torch.arange(num_rows, dtype=torch.int64, device=inclusive.device)
     source = torch.searchsorted(inclusive, row, right=True)  # R on padding rows
     valid = source < inclusive.numel()
     source = source.clamp_max(inclusive.numel() - 1)
@@ -180,11 +180,11 @@ def dispatch(xs: Sequence[torch.Tensor], x_scales: Sequence[Optional[torch.Tenso
         })
     for s in range(num_ranks):
         is_token_in_rank = layouts[s][2]
-        send_head = torch.full(is_token_in_rank.shape, -1, dtype=torch.int32)
+        send_head = torch.full(is_token_in_rank.shape, -1, dtype=torch.int32, device=is_token_in_rank.device)
         for r in range(num_ranks):
             rows = is_token_in_rank[:, r].nonzero().flatten()
             first = int(rank_prefix_matrix[s - 1, r]) if s > 0 else 0
-            send_head[rows, r] = first + torch.arange(rows.numel(), dtype=torch.int32)
+            send_head[rows, r] = first + torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
         outputs[s]["is_token_in_rank"] = is_token_in_rank
         outputs[s]["send_head"] = send_head
     return outputs
@@ -221,9 +221,11 @@ def internode_handles(is_token_in_ranks: Sequence[torch.Tensor], ranks_per_node:
     num_ranks, per_node = len(is_token_in_ranks), ranks_per_node
     num_nodes = num_ranks // per_node
     in_rank = [t.tolist() for t in is_token_in_ranks]
+    device = is_token_in_ranks[0].device
     # forwarded[f]: the (source rank, token) pairs forwarder f receives, in stage-1 order.
     forwarded = [[] for _ in range(num_ranks)]
-    send_rdma_head = [torch.full((len(in_rank[s]), num_nodes), -1, dtype=torch.int32) for s in range(num_ranks)]
+    send_rdma_head = [torch.full((len(in_rank[s]), num_nodes), -1, dtype=torch.int32, device=device)
+                      for s in range(num_ranks)]
     for f in range(num_ranks):
         node, local = divmod(f, per_node)
         for source_node in range(num_nodes):
@@ -245,7 +247,7 @@ def internode_handles(is_token_in_ranks: Sequence[torch.Tensor], ranks_per_node:
         from_rank = [sum(s == source for s, _ in received[r]) for source in range(num_ranks)]
         first_row = [sum(from_rank[:source]) for source in range(num_ranks)]
         meta = [[s, t] for s, t in received[r]] + [[-1, -1]] * max(0, num_worst_tokens - len(received[r]))
-        send_nvl_head = torch.full((len(forwarded[r]), per_node), -1, dtype=torch.int32)
+        send_nvl_head = torch.full((len(forwarded[r]), per_node), -1, dtype=torch.int32, device=device)
         for i, (s, t) in enumerate(forwarded[r]):
             for j in range(per_node):
                 q = node * per_node + j
@@ -253,17 +255,19 @@ def internode_handles(is_token_in_ranks: Sequence[torch.Tensor], ranks_per_node:
                     send_nvl_head[i, j] = row_on[q][(s, t)]
 
         def column(values):
-            return torch.tensor(values, dtype=torch.int32).view(-1, 1)
+            return torch.tensor(values, dtype=torch.int32, device=device).view(-1, 1)
 
         outputs.append({
             "is_token_in_rank": is_token_in_ranks[r],
             "rdma_channel_prefix_matrix": column(to_node),
             "gbl_channel_prefix_matrix": column(to_rank),
             "recv_rdma_channel_prefix_matrix": column(from_node),
-            "recv_rdma_rank_prefix_sum": torch.tensor(from_node, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            "recv_rdma_rank_prefix_sum": torch.tensor(from_node, dtype=torch.int32, device=device).cumsum(
+                0, dtype=torch.int32),
             "recv_gbl_channel_prefix_matrix": column(first_row),
-            "recv_gbl_rank_prefix_sum": torch.tensor(from_rank, dtype=torch.int32).cumsum(0, dtype=torch.int32),
-            "recv_src_meta": torch.tensor(meta, dtype=torch.int32).view(-1, 2),
+            "recv_gbl_rank_prefix_sum": torch.tensor(from_rank, dtype=torch.int32, device=device).cumsum(
+                0, dtype=torch.int32),
+            "recv_src_meta": torch.tensor(meta, dtype=torch.int32, device=device).view(-1, 2),
             "send_rdma_head": send_rdma_head[r],
             "send_nvl_head": send_nvl_head,
         })
@@ -282,19 +286,19 @@ def internode_combine(recv_xs: Sequence[torch.Tensor], send_heads: Sequence[torc
     throughout, per node partial sums then their sum over m. With one rank per node this is `combine`.
     """
     num_ranks = len(recv_xs)
-    hidden = recv_xs[0].size(1)
+    hidden, device = recv_xs[0].size(1), recv_xs[0].device
     out_x, out_w = [], []
     for s in range(num_ranks):
         send_head = send_heads[s]
         num_tokens = send_head.size(0)
-        acc = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+        acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
         for bias in (biases[s] if biases is not None else ()):
             acc = acc + bias.float()
         acc_w = None
         if recv_topk_weights is not None:
-            acc_w = torch.zeros(num_tokens, recv_topk_weights[0].size(1), dtype=torch.float32)
+            acc_w = torch.zeros(num_tokens, recv_topk_weights[0].size(1), dtype=torch.float32, device=device)
         for begin in range(0, num_ranks, ranks_per_node):
-            partial = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+            partial = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
             partial_w = None if acc_w is None else torch.zeros_like(acc_w)
             for q in range(begin, begin + ranks_per_node):
                 rows = (send_head[:, q] >= 0).nonzero().flatten()
@@ -350,19 +354,22 @@ def low_latency_dispatch(xs: Sequence[torch.Tensor], topk_idxs: Sequence[torch.T
     outputs = []
     for r in range(num_ranks):
         data_like = payloads[0][0]
-        recv_x = torch.zeros(num_local_experts, num_slots, data_like.size(1), dtype=data_like.dtype)
+        device = data_like.device
+        recv_x = torch.zeros(num_local_experts, num_slots, data_like.size(1), dtype=data_like.dtype,
+                             device=device)
         recv_scales = None
         if use_fp8 or use_nvfp4:
             scale_like = payloads[0][1]
-            recv_scales = torch.zeros(num_local_experts, num_slots, scale_like.size(1), dtype=scale_like.dtype)
-        src_info = torch.full((num_local_experts, num_slots), -1, dtype=torch.int32)
-        layout_range = torch.zeros(num_local_experts, num_ranks, dtype=torch.int64)
-        count = torch.zeros(num_local_experts, dtype=torch.int32)
+            recv_scales = torch.zeros(num_local_experts, num_slots, scale_like.size(1), dtype=scale_like.dtype,
+                                      device=device)
+        src_info = torch.full((num_local_experts, num_slots), -1, dtype=torch.int32, device=device)
+        layout_range = torch.zeros(num_local_experts, num_ranks, dtype=torch.int64, device=device)
+        count = torch.zeros(num_local_experts, dtype=torch.int32, device=device)
         for l in range(num_local_experts):
             slot = 0
             for s in range(num_ranks):
                 tokens = pairs[r * num_local_experts + l][s]
-                rows = torch.tensor(tokens, dtype=torch.long)
+                rows = torch.tensor(tokens, dtype=torch.long, device=device)
                 recv_x[l, slot:slot + len(tokens)] = payloads[s][0][rows]
                 if recv_scales is not None:
                     recv_scales[l, slot:slot + len(tokens)] = payloads[s][1][rows]
@@ -395,8 +402,8 @@ def low_latency_combine(expert_outputs: Sequence[torch.Tensor], topk_idxs: Seque
     for s in range(num_ranks):
         topk_idx, weights = topk_idxs[s], topk_weights[s]
         num_tokens, num_topk = topk_idx.shape
-        hidden = expert_outputs[0].size(2)
-        out = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+        hidden, device = expert_outputs[0].size(2), expert_outputs[0].device
+        out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=device)
         seen = {}  # expert -> pairs of rank s seen so far, in (t, k) order
         slot_of = {}
         for t in range(num_tokens):
@@ -420,8 +427,9 @@ def low_latency_combine(expert_outputs: Sequence[torch.Tensor], topk_idxs: Seque
                     r, l, slot = slot_of[(t, k)]
                     owner = r if pre_reduce else 0
                     term = weights[t, k].float() * expert_outputs[r][l, slot].float()
-                    partials[owner] = partials.get(owner, torch.zeros(hidden, dtype=torch.float32)) + term
-            acc = torch.zeros(hidden, dtype=torch.float32)
+                    zero = torch.zeros(hidden, dtype=torch.float32, device=device)
+                    partials[owner] = partials.get(owner, zero) + term
+            acc = torch.zeros(hidden, dtype=torch.float32, device=device)
             for owner in sorted(partials):
                 acc = acc + (partials[owner].to(torch.bfloat16).float() if pre_reduce else partials[owner])
             out[t] = acc

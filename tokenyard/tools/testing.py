@@ -26,15 +26,17 @@ def make_topk_idx(num_tokens: int, num_experts: int, num_topk: int, num_ranks: i
     if kind == "no_tokens" and rank == 1:
         num_tokens = 0
     num_local_experts = num_experts // num_ranks
-    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    scores = torch.rand(num_tokens, num_experts, generator=generator, dtype=torch.float32, device=generator.device)
     if kind == "skewed":
-        scores[:, :num_local_experts] += 0.75 * (torch.rand(num_tokens, 1, generator=generator) < 0.75)
+        heavy = torch.rand(num_tokens, 1, generator=generator, dtype=torch.float32, device=generator.device) < 0.75
+        scores[:, :num_local_experts] += 0.75 * heavy.to(torch.float32)
     if kind == "empty_rank":
         scores[:, num_experts - num_local_experts:] = -1.0
     num_topk = min(num_topk, num_experts - (num_local_experts if kind == "empty_rank" else 0))
     topk_idx = scores.topk(num_topk, dim=1).indices
     if kind == "masked":
-        topk_idx[torch.rand(topk_idx.shape, generator=generator) < 0.25] = -1
+        dropped = torch.rand(topk_idx.shape, generator=generator, dtype=torch.float32, device=generator.device)
+        topk_idx[dropped < 0.25] = -1
         topk_idx[::5] = -1
     if kind == "repeated" and num_topk > 1:
         topk_idx[::3, -1] = topk_idx[::3, 0]
@@ -42,13 +44,14 @@ def make_topk_idx(num_tokens: int, num_experts: int, num_topk: int, num_ranks: i
 
 
 def make_topk_weights(topk_idx: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    weights = torch.rand(topk_idx.shape, generator=generator) + 0.1
+    weights = torch.rand(topk_idx.shape, generator=generator, dtype=torch.float32, device=generator.device) + 0.1
     return torch.where(topk_idx >= 0, weights, torch.zeros_like(weights)).to(torch.float32)
 
 
 def make_x(num_tokens: int, hidden: int, dtype: str, generator: torch.Generator):
     """``dtype`` is ``bf16`` (a tensor), ``fp8`` or ``int8`` (a ``(data, scales)`` tuple)."""
-    x = (torch.randn(num_tokens, hidden, generator=generator) * 2).to(torch.bfloat16)
+    x = torch.randn(num_tokens, hidden, generator=generator, dtype=torch.float32, device=generator.device)
+    x = (x * 2).to(torch.bfloat16)
     if dtype == "bf16":
         return x
     if dtype == "fp8":
@@ -63,7 +66,7 @@ def make_rank_inputs(seed: int, num_ranks: int, num_tokens: int, hidden: int, nu
     """Every rank's ``(x, topk_idx, topk_weights)``, the same on every rank for one seed."""
     inputs = []
     for rank in range(num_ranks):
-        generator = torch.Generator().manual_seed(seed * 1009 + rank)
+        generator = torch.Generator(device="cpu").manual_seed(seed * 1009 + rank)
         topk_idx = make_topk_idx(num_tokens, num_experts, num_topk, num_ranks, kind, generator, rank)
         weights = make_topk_weights(topk_idx, generator)
         x = make_x(topk_idx.size(0), hidden, dtype, generator)

@@ -126,7 +126,7 @@ class SymmetricBuffer:
                       for r, h in enumerate(handles)]
         self.rank = ctx.rank
         self.bases_tensor = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
-        self.tensor = torch.as_tensor(_CudaArray(self.local, num_bytes), device=ctx.device)
+        self.tensor = torch.as_tensor(_CudaArray(self.local, num_bytes), dtype=torch.uint8, device=ctx.device)
 
     def unmap_peers(self) -> None:
         for r, base in enumerate(self.bases):

@@ -207,8 +207,8 @@ class FastPaths:
         (recv_x_at, scales_at), outputs, half = ran
         handle = kernels.dispatched(outputs, half, x, topk_idx, num_max, num_experts, self.buffer._id)
         if scales_at is None:
-            return outputs[recv_x_at], outputs[recv_x_at + 1], handle, EventOverlap(None), _no_hook
-        return (outputs[recv_x_at], outputs[scales_at]), outputs[scales_at + 1], handle, EventOverlap(None), _no_hook
+            return outputs[recv_x_at], outputs[recv_x_at + 1], handle, EventOverlap(None), None
+        return (outputs[recv_x_at], outputs[scales_at]), outputs[scales_at + 1], handle, EventOverlap(None), None
 
     def learn_low_latency_dispatch(self, args: tuple) -> None:
         kernels = self.backend._low_latency_impl()
@@ -238,7 +238,7 @@ class FastPaths:
             return None
         combined = kernels.run_combine(entry, x, topk_idx, topk_weights, handle, out, self.buffer._rank_mask,
                                        wait_stats)
-        return combined, EventOverlap(None), _no_hook
+        return combined, EventOverlap(None), None  # no hook without return_recv_hook, as DeepEP
 
     def learn_low_latency_combine(self, x, topk_idx, topk_weights, handle, out, wait_stats) -> None:
         kernels = self.backend._low_latency_impl()
@@ -249,7 +249,3 @@ class FastPaths:
                                          False)
         self.calls.learn(self._low_latency_combine_key(x, topk_idx, topk_weights, handle, out, wait_stats),
                          first.native, first.native, [], False, 0, [])
-
-
-def _no_hook() -> None:
-    """DeepEP returns a callable hook even without `return_recv_hook`."""

@@ -85,7 +85,8 @@ class InternodeKernels:
 
         if num_bytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.backend.ctx.device)
-        return torch.as_tensor(_CudaArray(self.region + offset, num_bytes), device=self.backend.ctx.device)
+        return torch.as_tensor(_CudaArray(self.region + offset, num_bytes), dtype=torch.uint8,
+                               device=self.backend.ctx.device)
 
     def _launch(self, spec, num_sms: int, **args) -> None:
         """A grid of `num_sms` blocks (Config.num_sms, the same on every rank: every wait counts signals from
@@ -247,8 +248,8 @@ class InternodeKernels:
             raise _capacity_error("combine", max(num_nodes * most, num_recv + num_fwd) * row_bytes, self.region_bytes)
         # send_rdma_pos[t, m]: token t's row among this rank's tokens for node m (its partial's row there), or -1.
         send_rdma_pos = routing.landing_rows(to_node, torch.zeros(1, dtype=torch.int32, device=device)).contiguous()
-        fwd_row_begin = torch.tensor([0] + list(forwarded_per_node), dtype=torch.int64).cumsum(0).to(torch.int32)
-        fwd_row_begin, send_nvl_head = fwd_row_begin.to(device), send_nvl_head.to(torch.int32).contiguous()
+        fwd_row_begin = torch.tensor([0] + list(forwarded_per_node), dtype=torch.int64, device=device).cumsum(0)
+        fwd_row_begin, send_nvl_head = fwd_row_begin.to(torch.int32), send_nvl_head.to(torch.int32).contiguous()
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=device)
         out_weights = None if topk_weights is None else torch.empty(num_tokens, num_topk, dtype=torch.float32,
                                                                     device=device)
@@ -280,8 +281,9 @@ def _source_major(rows: torch.Tensor) -> torch.Tensor:
     for r in range(num_rounds):
         for s in range(num_sources):
             first[s][r], at = at, at + rows[s][r]
-    parts = [torch.arange(first[s][r], first[s][r] + rows[s][r]) for s in range(num_sources) for r in range(num_rounds)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    parts = [torch.arange(first[s][r], first[s][r] + rows[s][r], dtype=torch.int64, device="cpu")
+             for s in range(num_sources) for r in range(num_rounds)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device="cpu")
 
 
 def round_counts(is_token_in_rank: torch.Tensor, per_node: int, per_round: int, num_rounds: int):
@@ -308,16 +310,16 @@ def combine_round_rows(table: torch.Tensor, r: int, per_round: int, rank: int, p
     whole = rows.sum(1)
     sources = [k * per_node + local for k in range(num_nodes)]
     forwarded = table[sources, :, num_ranks + node]                  # [k, r]: rows forwarded from node k
-    first = torch.tensor([0] + list(forwarded_per_node)).cumsum(0)
+    first = torch.tensor([0] + list(forwarded_per_node), dtype=torch.int64, device="cpu").cumsum(0)
     tokens = tokens.long()
     mine = ((tokens >= r * per_round) & (tokens < (r + 1) * per_round)).nonzero().flatten()
-    picked = torch.cat([torch.arange(int(first[k] + forwarded[k, :r].sum()), int(first[k] + forwarded[k, :r + 1].sum()))
-                        for k in range(num_nodes)])
+    picked = torch.cat([torch.arange(int(first[k] + forwarded[k, :r].sum()), int(first[k] + forwarded[k, :r + 1].sum()),
+                                     dtype=torch.int64, device="cpu") for k in range(num_nodes)])
     # On rank q, source s's rows start at (sources before s) in the whole call and at (sources before s, this
     # round) in the round's order; s's rows of earlier rounds come first among its own.
     shift = (rows[:, r, :].cumsum(0) - rows[:, r, :]) - (whole.cumsum(0) - whole) - (rows[:, :r, :].sum(1))
     shift = shift[sources][:, node * per_node:(node + 1) * per_node]
-    source_of = torch.repeat_interleave(torch.arange(num_nodes), forwarded[:, r])
+    source_of = torch.repeat_interleave(torch.arange(num_nodes, dtype=torch.int64, device="cpu"), forwarded[:, r])
     head = send_nvl_head[picked].long()
     head = torch.where(head >= 0, head + shift[source_of], -1).to(torch.int32)
     return mine, picked, head, forwarded[:, r].tolist()

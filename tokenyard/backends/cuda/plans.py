@@ -54,7 +54,9 @@ def device_constant(values: Sequence[int], dtype: torch.dtype, device: torch.dev
     """`values` as a tensor on `device`, for a plan to pass by address, copied on the current stream from
     pinned memory, so that a call that makes one never waits for the GPU (a copy from pageable memory waits
     for the stream's earlier work)."""
-    host = torch.tensor(values, dtype=dtype).pin_memory()  # held by PyTorch's allocator until the copy ends
+    # On the CPU whatever torch.set_default_device says: only CPU tensors pin. Held by PyTorch's allocator until the
+    # copy ends.
+    host = torch.tensor(values, dtype=dtype, device="cpu").pin_memory()
     return host.to(device, non_blocking=True)
 
 

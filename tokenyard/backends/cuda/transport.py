@@ -188,7 +188,7 @@ class HeapBuffer:
                                           "through NVSHMEM")
         self.remote = sum(1 << r for r in range(transport.num_ranks) if r not in here)
         self.bases = [peers[r] if r in here else self.ptr for r in range(transport.num_ranks)]
-        self.tensor = torch.as_tensor(_CudaArray(self.ptr, num_bytes), device=device)
+        self.tensor = torch.as_tensor(_CudaArray(self.ptr, num_bytes), dtype=torch.uint8, device=device)
 
     def free(self) -> None:
         self.transport.free(self.ptr)

@@ -262,7 +262,7 @@ def measure_low_latency(ctx: RankContext, buffer: Buffer, problem: Problem):
     s, p = ctx.settings, problem
     num_max, use_fp8 = s.num_tokens_low_latency, s.dtype == "fp8"
     num_local_experts = s.num_experts // ctx.num_ranks
-    expert_output = torch.randn(num_local_experts, ctx.num_ranks * num_max, s.hidden_size,
+    expert_output = torch.randn(num_local_experts, ctx.num_ranks * num_max, s.hidden_size, dtype=torch.float32,
                                 device=ctx.device).to(torch.bfloat16)
     latest = {}
 

@@ -132,7 +132,7 @@ class Timer:
 
         torch.cuda.synchronize(self.device)
         self.barrier()
-        start_together = torch.ones(1, device=self.device)
+        start_together = torch.ones(1, dtype=torch.float32, device=self.device)
         # acc_events: one profile, one cycle, so nothing to clear; without it torch warns mid-progress-bar
         with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
             for _ in range(iters):

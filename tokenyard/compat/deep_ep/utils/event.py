@@ -1,0 +1,5 @@
+"""DeepEP's ``deep_ep.utils.event``: `EventOverlap` and `EventHandle`."""
+
+from ....event import EventHandle, EventOverlap
+
+__all__ = ["EventHandle", "EventOverlap"]
