@@ -1,6 +1,6 @@
 """Bounded buffers: dispatch and combine of growing token counts through a fixed `num_nvl_bytes` budget.
 
-    python benchmarks/bounded.py [--json benchmarks/results/bounded.json] [--num_tokens 4096,8192,16384,32768]
+    python benchmarks/bounded.py [--json OUT.json] [--num_tokens 4096,8192,16384,32768]
                                  [--budget_bytes 1073741824]
 
 One rank per GPU (4 by default), hidden 7168, top-8 of 256 experts, FP8 dispatch and bf16 combine: each

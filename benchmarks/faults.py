@@ -1,11 +1,11 @@
-"""benchmarks/results/faults.json: how each fault of tests/cpu/fault_scenarios.py was detected (issue 23).
+"""How each fault of tests/cpu/fault_scenarios.py was detected (issue 23).
 
 Per scenario and backend: the ranks, the longest time a rank other than the one at fault took from the start
 of its call to its error (`detected_s`), rank 0's error, and whether every surviving rank then completed a
 correct call. The reference backend on CPU gloo ranks; where there is a GPU, the CUDA backend too, its ranks
 on GPUs of their own or sharing one (under MPS: benchmarks/run_device.sh faults starts the daemon).
 
-    python benchmarks/faults.py --json benchmarks/results/faults.json [--backend reference cuda] [--cuda_ranks 4]
+    python benchmarks/faults.py --json OUT.json [--backend reference cuda] [--cuda_ranks 4]
 
 `--gpus_json` records the CUDA backend's run in the form of benchmarks/results/faults_gpus.json (issue 48): one
 run per layout of nodes (TOKENYARD_RANKS_PER_NODE for virtual nodes) and GPUs, replacing that layout's run in the

@@ -1,5 +1,6 @@
-"""benchmarks/results/host_cost_ab.json from runs of benchmarks/host_cost.py in two trees, alternately, on one
-machine (`bash benchmarks/run_device.sh host_cost_ab`): the lent machines' host speed differs between calls
+"""One JSON (an A/B of benchmarks/results/host_cost.md) from runs of benchmarks/host_cost.py in two trees,
+alternately, on one machine (`bash benchmarks/run_device.sh host_cost_ab`): the lent machines' host speed differs
+between calls
 (host_cost.md), so before and after are compared only within one call.
 
     python benchmarks/host_cost_ab.py --json OUT.json --before B1.json [B2.json ...] --after A1.json [A2.json ...]

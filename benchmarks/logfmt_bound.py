@@ -16,7 +16,7 @@ torch.exp2, so single values may round to the neighbouring level, which the boun
 value: levels a ratio r = 2^step apart, rounded at their linear midpoint, err at most (r - 1) / (r + 1) of the
 value, r <= 2^(32/510), i.e. 2.17%, plus zero for values below amax * 2^-32.
 
-    python benchmarks/logfmt_bound.py --json benchmarks/results/logfmt_bound.json
+    python benchmarks/logfmt_bound.py --json OUT.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Low-latency figures in the form of benchmarks/results/low_latency.json (issue 4's keys), in one call.
+"""Low-latency figures in the form of benchmarks/results/low_latency.json's key `low_latency` (issue 4's keys), in one call.
 
     python benchmarks/low_latency.py --json OUT.json [--tokens 1,32,64,128,256] [--num_ranks 4]
 

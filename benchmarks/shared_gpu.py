@@ -1,11 +1,11 @@
-"""benchmarks/results/shared_gpu.json from the logs of `benchmarks/run_device.sh shared` (the GPU tests at
-several rank counts on the GPUs there are, ranks sharing GPUs under MPS).
+"""A JSON (a run of benchmarks/results/shared_gpu.md) from the logs of `benchmarks/run_device.sh shared` (the
+GPU tests at several rank counts on the GPUs there are, ranks sharing GPUs under MPS).
 
 Each log starts with the header run_device.sh writes (device, num_gpus, num_ranks, commit, date, pytest
 args) and ends with pytest's summary line. Runs already in the JSON stay unless a log of the same rank
 count and pytest arguments replaces them; a log whose run was cut off (no summary) is refused.
 
-    python benchmarks/shared_gpu.py --json benchmarks/results/shared_gpu.json LOG [LOG ...]
+    python benchmarks/shared_gpu.py --json OUT.json LOG [LOG ...]
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Issue 22's A/B: the README's benchmark at the same settings in the tree before the structural change and in
-this one, on the same machine, merged into one JSON (benchmarks/results/structure_ab.json).
+this one, on the same machine, merged into one JSON (as in benchmarks/results/structure_ab.json).
 
     bash benchmarks/run_device.sh structure_ab    # runs the benchmark in both trees, then this
     python3 benchmarks/structure_ab.py --before-commit C0 --after-commit C1 --json OUT \

@@ -303,8 +303,8 @@ class Buffer(LowLatencyCalls):
     def get_dispatch_config(num_ranks: int) -> Config:
         """The default dispatch `Config` for `num_ranks` ranks (any count works). One for every count: its chunk
         sizes mean nothing here (each source writes a region of its own, docs/semantics.md), which leaves the
-        SM count, `Buffer.num_sms`; the one sweep so far, on 4 H200s, gained nothing past 24 SMs
-        (benchmarks/results/compare_sm.json); other counts are not swept yet."""
+        SM count, `Buffer.num_sms`: 24, past which the SM sweep gained nothing (benchmarks/results/sm_model.md,
+        which also says which rank counts it covers)."""
         del num_ranks
         return Config(Buffer.num_sms, 6, 256, 6, 128)
 

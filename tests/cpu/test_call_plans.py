@@ -4,6 +4,8 @@ CPU tensors and a recording stand-in for the CUDA driver, so what it would launc
 from __future__ import annotations
 
 import ctypes
+import glob
+import os
 import random
 import types
 import weakref
@@ -12,8 +14,9 @@ import pytest
 import torch
 
 from tokenyard.backends.cuda import plans
+from tokenyard import env
 from tokenyard.jit import KernelSpec, Param
-from tokenyard.jit.host import call_plans
+from tokenyard.jit.host import build_key, call_plans
 
 _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7), ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_void_p)
@@ -71,7 +74,12 @@ def _args(b):
 
 
 @pytest.fixture(scope="module")
-def extension():
+def extension(request):
+    folder = os.path.join(env.settings().cache_dir, "host", build_key())
+    if not glob.glob(os.path.join(folder, "*.so")):  # a first build takes tens of seconds: say so as it starts
+        with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            print(f"\nbuilding the C++ host extension once, into {folder} (about half a minute on 2 cores)",
+                  flush=True)
     return call_plans()
 
 

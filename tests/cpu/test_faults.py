@@ -15,6 +15,7 @@ def test_ranks_that_make_different_calls_all_raise_before_any_data_moves(what, s
     print(scenarios.expect_mismatch(seen, what))
 
 
+@pytest.mark.slow  # each waits out a deadline, then starts a group for the survivors
 @pytest.mark.parametrize("what", scenarios.LATE)
 def test_a_late_or_killed_rank_makes_the_others_raise_then_the_survivors_work_on(what, seed):
     seen = scenarios.run(scenarios.NUM_RANKS, scenarios.late_peer, seed, what)

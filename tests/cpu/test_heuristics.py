@@ -91,12 +91,12 @@ def test_the_sm_model_gives_the_fewest_even_sms_whose_split_fills_nvlink():
 
 
 def test_the_sm_model_sits_at_the_knee_of_the_committed_sweep():
-    """benchmarks/results/compare_sm.json (4 H200s): the measured count below the model's has not filled NVLink
+    """benchmarks/results/sm_model.json (4 H200s): the measured count below the model's has not filled NVLink
     (under 95% of the best kernel bandwidth), the first at or above it has (within 5%)."""
     import json
     import pathlib
 
-    sweep = json.loads((pathlib.Path(__file__).parents[2] / "benchmarks/results/compare_sm.json").read_text())
+    sweep = json.loads((pathlib.Path(__file__).parents[2] / "benchmarks/results/sm_model.json").read_text())
     model = heuristics.theoretical_num_sms(sweep["num_ranks"])
     rows = sorted(sweep["compare_sm"]["tokenyard"], key=lambda row: row["num_sms"])
     for kernel in ("dispatch_kernel", "dispatch_cached_kernel", "combine_kernel"):

@@ -18,6 +18,7 @@ def _fail_on_rank_0_while_the_others_hang():
     return "unreachable"
 
 
+@pytest.mark.slow  # waits out the failure's grace
 def test_a_failed_rank_ends_the_run_within_the_grace_and_names_the_cause_first():
     start = time.monotonic()
     with pytest.raises(launch.RanksFailed) as failed:

@@ -1,6 +1,7 @@
 """Megatron-LM's own DeepEP code (megatron-core's `fused_a2a.fused_dispatch` / `fused_combine`) through the
 `deep_ep` alias (tokenyard.compat.alias), forward and backward, on 2 and 4 gloo ranks, with `async_finish` and
-`allocate_on_comm_stream` both ways, against the oracle (routing.py) and exact gradients.
+`allocate_on_comm_stream` both ways, against the oracle (routing.py) and exact gradients. The ranks import
+Megatron once and run every pair of flags in turn (a start of ranks costs more than the steps).
 
 The expert doubles its rows, so with loss = sum(out * g) + sum(recv_probs): out[t] = 2 * n_t * x[t] for a token
 that reached n_t ranks; x.grad[t] = bf16(2 * n_t * bf16(g[t])) (one float32 sum over the ranks, one rounding);
@@ -21,11 +22,12 @@ pytest.importorskip("megatron.core", reason="megatron-core is in the test extra:
 HIDDEN, NUM_EXPERTS, NUM_TOPK, NUM_TOKENS = 256, 16, 4, 24
 
 
-def _megatron_step(alias_dir, seed, async_finish, allocate_on_comm_stream):
+FLAGS = [(False, False), (True, True), (True, False)]  # (async_finish, allocate_on_comm_stream)
+
+
+def _megatron_steps(alias_dir, seed, flags):
     import importlib
     import warnings
-
-    import torch.distributed as dist
 
     sys.path.insert(0, alias_dir)
     with warnings.catch_warnings():
@@ -34,11 +36,16 @@ def _megatron_step(alias_dir, seed, async_finish, allocate_on_comm_stream):
     # Megatron looks for deep_ep when fused_a2a is first imported, which importing this test module (its
     # importorskip) did before the alias was on the path: import it again, as a fresh process would.
     fused_a2a = importlib.reload(fused_a2a)
+    assert fused_a2a.HAVE_DEEP_EP, "megatron did not find deep_ep"
+    return [_megatron_step(fused_a2a, seed, *pair) for pair in flags]
+
+
+def _megatron_step(fused_a2a, seed, async_finish, allocate_on_comm_stream):
+    import torch.distributed as dist
 
     from tokenyard.semantics import routing
     from tokenyard.tools.testing import make_rank_inputs
 
-    assert fused_a2a.HAVE_DEEP_EP, "megatron did not find deep_ep"
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     inputs = make_rank_inputs(seed, num_ranks, NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK)
     x, topk_idx, probs = (t.clone() for t in inputs[rank])
@@ -71,10 +78,7 @@ def alias_dir(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4])
-@pytest.mark.parametrize("async_finish,allocate_on_comm_stream", [(False, False), (True, True), (True, False)])
-def test_megatron_fused_dispatch_and_combine_through_the_alias_forward_and_backward(
-        alias_dir, num_ranks, async_finish, allocate_on_comm_stream, seed):
-    rows = run_on_ranks(num_ranks, _megatron_step, alias_dir, seed, async_finish, allocate_on_comm_stream,
-                        use_cuda=False, timeout_s=180)
-    print(f"{num_ranks} ranks: rows received {rows}")
+@pytest.mark.parametrize("num_ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_megatron_fused_dispatch_and_combine_through_the_alias_forward_and_backward(alias_dir, num_ranks, seed):
+    rows = run_on_ranks(num_ranks, _megatron_steps, alias_dir, seed, FLAGS, use_cuda=False, timeout_s=180)
+    print(f"{num_ranks} ranks, (async_finish, allocate_on_comm_stream) {FLAGS}: rows received {rows}")

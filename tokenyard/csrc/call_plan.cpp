@@ -195,8 +195,8 @@ struct Output {
     std::vector<int64_t> order;  // non-empty: handed back as the contiguous tensor of `shape` permuted so
 };
 
-// NOTE [plan allocations]: at::empty costs ~4 us a tensor on the GPU hosts (the dispatcher, a device guard,
-// then the caching allocator; benchmarks/results/host_cost.md), and a view by view()/narrow() ~2 us. A run
+// NOTE [plan allocations]: at::empty is among the dearest steps of a call's host time (the dispatcher, a device
+// guard, then the caching allocator), and a view by view()/narrow() costs too (benchmarks/results/host_cost.md). A run
 // allocates through the allocator that made a tensor of this device (the caching allocator on a GPU, on the
 // current stream, as at::empty) with the same helper at::empty ends in, when this device is the current one
 // (else it takes at::empty's way); and outputs that live together are parts of one allocation (a whole),

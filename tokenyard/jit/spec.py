@@ -1,4 +1,4 @@
-"""What one JIT unit is: one #include plus one instantiation (STYLE.md habit 5)."""
+"""What one JIT unit is: one #include plus one instantiation, all logic in the headers."""
 
 from __future__ import annotations
 

@@ -15,14 +15,13 @@ which works between processes of one GPU as between GPUs. Its kernels wait for t
 those must run at the same time, which needs MPS on a shared GPU (NOTE [MPS] in backends/cuda/backend.py).
 Every co-located rank's grid must also be resident at once, so a rank's grids fill at most `sm_budget`
 SMs: three quarters of the SMs the process sees, divided by the ranks of its GPU. Without an MPS share
-(what tokenyard's launchers leave) each rank sees the whole GPU: 4 ranks on an H100 (132 SMs) fill 24
+(what tokenyard's launchers leave) each rank sees the whole GPU: 4 ranks on a GPU of 132 SMs fill 24
 each. An MPS share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) only caps what a client may use and reserves
-nothing, so clients' kernels may land on the same SMs: low-latency grids of a whole 50% share (66 of 132
-SMs, 2 ranks) or of 28 of a 25% share's 32 SMs (4 ranks) never all became resident, while the shares
-divided by the ranks did (benchmarks/results/mps_residency.md). The whole GPU divided by the ranks was
-not enough either: 8 normal-mode grids of 16 blocks, each block holding a whole SM's registers (128 of
-132 SMs), now and then left one rank's grid waiting for the others' to time out, and the quarter kept
-free ended it (benchmarks/results/moe_8_ranks_shared.md).
+nothing, so clients' kernels may land on the same SMs: grids that fill whole shares, or most of them, are
+not all resident, while the shares divided by the ranks are; so the launchers set no share
+(benchmarks/results/mps_residency.md). The whole GPU divided by the ranks is not enough either: grids whose
+blocks hold a whole SM's registers each can leave one rank's grid waiting for the others' until a timeout,
+hence the quarter kept free (benchmarks/results/moe_8_ranks_shared.md).
 
 NOTE [virtual hosts]
 Code for groups over several hosts is tested on one: TOKENYARD_VIRTUAL_HOSTS=n makes each block of n consecutive

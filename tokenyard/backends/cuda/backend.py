@@ -167,11 +167,12 @@ class CudaBackend(Backend):
 
     name = "cuda"
     # `backend="auto"` picks this backend only once its GPU tests have passed on the device machine
-    # (tests/gpu/test_normal_cuda.py: bit for bit against the reference backend on 2 and 4 H200s).
+    # (tests/gpu/test_normal_cuda.py: bit for bit against the reference backend; benchmarks/results/ep8.md and
+    # shared_gpu.md record where they ran).
     VALIDATED = True
     # The low-latency kernels serve low-latency calls once their GPU tests have passed
     # (tests/gpu/test_low_latency_cuda.py: dispatch bit for bit against the reference, combine bit for bit
-    # against its pre-reduced arithmetic, graph replays, a masked rank; 2 and 4 H200s).
+    # against its pre-reduced arithmetic, graph replays, a masked rank; benchmarks/results/low_latency.md).
     # TOKENYARD_LOW_LATENCY_KERNELS=off hands the calls to the reference implementation over the same group.
     LOW_LATENCY_KERNELS_VALIDATED = True
     # NOTE [normal-mode call numbers] in include/tokenyard/sync.cuh; tests/gpu/test_graph_capture.py.

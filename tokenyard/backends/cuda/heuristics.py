@@ -1,4 +1,4 @@
-"""Launch configurations: pure functions of the problem, testable on CPU (STYLE.md habit 7)."""
+"""Launch configurations: pure functions of the problem, testable on CPU."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
     return DataGrid(blocks, min(senders, blocks - 1))
 
 
-# Shares of sending blocks at 24 SMs, the fastest the benchmark found per rank count (2, 4 and 8 H200s:
-# benchmarks/results/send_share/README.md).
+# Shares of sending blocks at 24 SMs: per rank count, the fastest of the shares swept
+# (benchmarks/results/send_share.md).
 DISPATCH_SEND_SHARE_BY_RANKS = {2: 2 / 3}
 DISPATCH_SEND_SHARE = 3 / 8   # any other number of ranks
 COMBINE_SEND_SHARE_BY_RANKS = {2: 1 / 3, 8: 1 / 2}
@@ -43,7 +43,7 @@ def combine_send_share(num_ranks: int) -> float:
 
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS), and
 # the same for the last DISPATCH_CHUNK_TOKENS of its range (NOTE [tail pieces] in kernels/dispatch.cuh): the
-# smallest pieces that were faster (benchmarks/results/send_share/README.md).
+# smallest pieces that were faster (benchmarks/results/send_share.md).
 DISPATCH_CHUNK_TOKENS = 8
 DISPATCH_TAIL_TOKENS = 2
 
@@ -54,7 +54,7 @@ def dispatch_tail_tokens() -> int:
 
 # Whether a token's row for its own rank skips the buffer: dispatch senders write it into the outputs,
 # combine reducers read it from the expert output (NOTE [dispatch roles], NOTE [combine roles]). On: the cached
-# dispatch was faster so and the combine no slower (benchmarks/results/send_share/README.md).
+# dispatch was faster so and the combine no slower (benchmarks/results/send_share.md).
 DISPATCH_OWN_ROWS_DIRECT = True
 COMBINE_OWN_ROWS_DIRECT = True
 

@@ -10,8 +10,8 @@ has: NVSHMEM_DISABLE_NVLS=1 (NVLink multicast stays off: it can take a host's GP
 NVSHMEM_SYMMETRIC_SIZE to what the users ask for, rounded up, where it is unset (NVSHMEM's default reserves a
 gigabyte or more of every GPU's memory for the symmetric heap); and where ranks share a GPU under MPS,
 NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 (NVSHMEM otherwise refuses several PEs per GPU unless their
-MPS shares sum to at most 100%) and NVSHMEM_DISABLE_CUDA_VMM=1 (the heap made whole at the start: with its heap
-grown as asked, NVSHMEM refused a 1.9 GB allocation in a 4 GB heap at 4 PEs on one H100, which one PE alone made;
+MPS shares sum to at most 100%) and NVSHMEM_DISABLE_CUDA_VMM=1 (the heap made whole at the start: a heap grown
+as asked refused, with several PEs on one GPU, allocations that fit it and that one PE alone made;
 benchmarks/results/internode_low_latency.md). Symmetric allocations are collective: every rank of the group makes
 the same ones in the same order.
 

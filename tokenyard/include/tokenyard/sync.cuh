@@ -324,7 +324,7 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
 // One thread per block polls each signal word, and the block's other threads learn from shared memory.
 // When every warp polled the words it needed (thousands of pollers on four words of one L2 sector), the
 // combine saw its rows' signals microseconds later than with one poller per block
-// (benchmarks/results/low_latency_decisions.md).
+// (benchmarks/results/low_latency.md, "decisions").
 template <bool kAcquire>
 __device__ __forceinline__ bool wait_tag_or_mask(const WaitContext& wait, const uint64_t* word, uint32_t tag,
                                                  int peer, int stage, int* rank_mask, uint32_t& value) {

@@ -291,8 +291,13 @@ def calibration_nodes(args: argparse.Namespace, efficiency_given: bool) -> Optio
     return ep // args.gpus_per_node
 
 
+DESCRIPTION = ("Predict the internode normal-mode dispatch and combine times of a cluster from a model (nothing is "
+               "measured): the NIC, NVLink and the rows each stage carries, with one efficiency calibrated on a "
+               "published figure. --mode low_latency predicts the low-latency calls instead.")
+
+
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser, add = model_parser(f"{prog} --model", __doc__.splitlines()[0])
+    parser, add = model_parser(f"{prog} --model", DESCRIPTION)
     add("mode", choices=MODEL_MODES, default="normal",
         help="normal (default) or low_latency (`--model --mode low_latency --help` lists its arguments)")
     add("nodes", type=int, default=4, help="nodes (default 4)")

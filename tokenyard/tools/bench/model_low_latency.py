@@ -234,8 +234,13 @@ def nic_bytes_by_choice(published: PublishedLowLatency, ep: int, efficiency: flo
     return out
 
 
+DESCRIPTION = ("Predict the internode low-latency dispatch and combine times per call from a model (nothing is "
+               "measured): the messages each GPU puts on the NIC and NVLink, with one efficiency calibrated on a "
+               "published time.")
+
+
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser, add = model.model_parser(f"{prog} --model --mode low_latency", __doc__.splitlines()[0])
+    parser, add = model.model_parser(f"{prog} --model --mode low_latency", DESCRIPTION)
     add("mode", choices=model.MODEL_MODES, default="low_latency", help="low_latency here (normal: the other model)")
     add("nodes", type=int, default=4, help="nodes (default 4)")
     add("gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")

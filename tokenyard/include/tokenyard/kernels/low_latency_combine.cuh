@@ -100,7 +100,7 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // (the dispatch wrote it) and weights(s, j) their weights, all read an item ahead; the warp asks for the
 // item's first rows, then waits for a weight only while its tag is older (the first items' weights are
 // still on their way, and loading the rows meanwhile made the combine faster:
-// benchmarks/results/low_latency_decisions.md), sums weight * row over those choices in k order (float32, as
+// benchmarks/results/low_latency.md, "decisions"), sums weight * row over those choices in k order (float32, as
 // routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last
 // block to finish publishes (tag << 32) | 1 to every source. Reduce (do_recv): one thread per block
 // waits for each rank's flag (NOTE [block waits]); the items are (token t, piece); lane dest finds whether

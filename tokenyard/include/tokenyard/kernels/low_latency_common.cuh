@@ -12,14 +12,14 @@ namespace tokenyard::kernels {
 // A sending warp takes the ranks in turn from the next one: rank r writes first to r + 1, then r + 2, ...,
 // itself last. Were every rank to start with rank 0, all of them would write into rank 0's NVLink ports at
 // once while the other ranks' stood idle, then into rank 1's. In turn, every rank is written by one source
-// at a time, and the sends end on every rank at about the same time (benchmarks/results/low_latency_decisions.md).
+// at a time, and the sends end on every rank at about the same time (benchmarks/results/low_latency.md, "decisions").
 __device__ __forceinline__ int next_peer(int rank, int num_ranks, int turn) {
     return (rank + 1 + turn) % num_ranks;
 }
 
 // NOTE [peer-major blocks]
 // With every SM writing, a GPU sends more to its peers when each block writes to one peer only than when
-// every block writes to every peer (benchmarks/results/low_latency_decisions.md). So the combine's senders
+// every block writes to every peer (benchmarks/results/low_latency.md, "decisions"). So the combine's senders
 // split the grid into one group of blocks per destination: the last `local_blocks` blocks write to this
 // rank itself (the last turn of NOTE [destination order]), the others to the peers in turn, block b to turn
 // b % (R - 1). The host picks `local_blocks` (heuristics.low_latency_local_blocks: local writes need no

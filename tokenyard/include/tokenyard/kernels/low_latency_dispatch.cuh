@@ -26,7 +26,7 @@ namespace tokenyard::kernels {
 // word (tag << 32) | count that needs no fence (a release of their own waited behind the data), and writes,
 // a thread per pair, the pair's slot among this rank's rows of its expert into the header. So the counts
 // travel while the data is still going out, and the data blocks go from their last store straight to the
-// done counter (benchmarks/results/low_latency_decisions.md). The last block to finish publishes to each rank dest
+// done counter (benchmarks/results/low_latency.md, "decisions"). The last block to finish publishes to each rank dest
 // (tag << 32) | this rank's number of tokens (NOTE [cumulative release]).
 // Receive (do_recv): every block waits for every source's expert counts (under a rank mask block 0 waits
 // and the others follow its verdicts: NOTE [one verdict]) and numbers the packed rows

@@ -2,8 +2,8 @@
 // Every rank writes the same `num_int4` vectors of `src` into the buffer of every other rank at once.
 //
 // NOTE [copy patterns]
-// Our kernels write to peers at ~250 GB/s per GPU where the machine is said to allow ~350, so the way the
-// writes are issued is under test (benchmarks/copy_patterns.py):
+// Our kernels wrote to peers below what the machine is said to allow, so the way the writes are issued is under
+// test (benchmarks/copy_patterns.py; the figures: benchmarks/results/low_latency.md, NOTE [peer-major blocks]):
 //   kCopyInterleaved (0): every block copies a slice of `src` to every peer, a batch of 16-byte stores
 //       per peer in turn, as the dispatch senders do;
 //   kCopyPeerMajor (1): the blocks are split between the peers, each block writing only to its peer, so
@@ -12,8 +12,8 @@
 //       TMA bulk copies (cp.async.bulk, sm_90), two stages per warp so loads overlap the sends.
 //   kCopyPull (3), kCopyPullPeerMajor (4): the other way round, as kCopyInterleaved and kCopyPeerMajor:
 //       every rank reads from each peer's buffer the slice that peer would have written to it (loads over
-//       NVLink) and stores it into its own buffer; the figure is then ingress per GPU. On 4 H200s with every
-//       SM they read 242-268 GB/s where the push patterns write 258-305 (copy_patterns_pull.json).
+//       NVLink) and stores it into its own buffer; the figure is then ingress per GPU. Pulling moved the bytes
+//       no faster than pushing, so the kernels push (benchmarks/results/low_latency.md).
 #pragma once
 
 #include <tokenyard/copy.cuh>
