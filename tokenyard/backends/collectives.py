@@ -39,7 +39,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import CommTimeoutError, InvalidInputError, PeerLostError, RankMismatchError
+from ..errors import CollectiveRefusedError, CommTimeoutError, InvalidInputError, PeerLostError, RankMismatchError
 from .waiting import wait_until
 
 MODES = ("direct", "nccl", "host")
@@ -115,16 +115,50 @@ def describe_header(header: List[int]) -> str:
     return f"call {header[0]}: {describe_signature(header[1:])}"
 
 
-def mismatch_error(calls: List[List[int]], describe: Callable[[List[int]], str]) -> RankMismatchError:
+def mismatch_error(calls: List[List[int]], describe: Callable[[List[int]], str], *, rank: int = -1,
+                   stage: str = "") -> RankMismatchError:
     """The error every rank raises alike where the ranks' `calls` (headers or signatures, by rank) differ:
-    the ranks grouped by the call they made, each call `describe`d."""
+    the ranks grouped by the call they made, each call `describe`d; `rank` and `stage` say who raises it where."""
     groups = {}
     for r, call in enumerate(calls):
         groups.setdefault(tuple(call), []).append(r)
     detail = "; ".join(f"ranks {ranks} make {describe(list(call))}" for call, ranks in groups.items())
     return RankMismatchError(f"the ranks make different calls: {detail}. A rank skipped or added a call, or passed "
                              "other shapes; every rank must make the same calls in the same order (destroy this "
-                             "Buffer and make a new one on every rank after fixing the caller)", list(groups.values()))
+                             "Buffer and make a new one on every rank after fixing the caller)",
+                             list(groups.values()), rank=rank, stage=stage)
+
+
+# gloo's words where the connection to a peer failed (its process died, or the link broke): raised by its transport
+# ("[.../gloo/transport/tcp/pair.cc:534] Connection closed by peer [addr]:port", "Read error ...: Connection reset
+# by peer"). Anything else it raises at a wait is its own or torch's check of this rank's part of the collective
+# ("Split sizes doesn't match total dim 0 size", "[enforce fail at .../gloo/alltoallv.cc:138]
+# inLengthPerRank[myRank] == outLengthPerRank[myRank]"), made before this rank sent anything.
+_CONNECTION_FAILED = re.compile(r"gloo/transport/|connection|closed|reset by peer|broken pipe|read error|write error|"
+                                r"timed out|timeout", re.IGNORECASE)
+
+
+def finish(work, rank: int, stage: str, timeout_s: float) -> None:
+    """Wait for a gloo collective's `work` until `timeout_s`, and say how it failed, if it did.
+
+    Raises:
+        CommTimeoutError: a peer did not join within `timeout_s` (the group still holds the collective).
+        PeerLostError: a peer's connection failed (gloo's transport said so).
+        CollectiveRefusedError: gloo or torch refused this rank's part (a check of its sizes, say).
+    """
+    if not wait_until(work.is_completed, timeout_s):
+        raise CommTimeoutError(rank, -1, stage,
+                               f"a peer did not join within {timeout_s:g} s. The group still holds this "
+                               "unfinished collective: make a new group, and a new Buffer on it, for the next call")
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        text = str(exc).strip()
+        # gloo's own words, without its source location and advice.
+        said = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else "").split(". ")[0].rstrip(".")
+        if _CONNECTION_FAILED.search(text):
+            raise PeerLostError(rank, stage, said) from exc
+        raise CollectiveRefusedError(rank, stage, said) from exc
 
 
 class Collectives:
@@ -179,21 +213,12 @@ class Collectives:
         return self.group is not None and (self.device.type == "cpu" or self.mode == "host")
 
     def _finish(self, work, what: str, timeout_s: Optional[float] = None) -> None:
-        """Wait for a gloo collective until `timeout_s` (the Buffer's if None); its own error, if it failed,
-        comes from `wait()`."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if not wait_until(work.is_completed, timeout_s):
-            raise CommTimeoutError(self.rank, -1, f"{self.op}/{what}",
-                                   f"a peer did not join within {timeout_s:g} s. The group still holds this "
-                                   "unfinished collective: make a new group, and a new Buffer on it, for the next call")
+        """Wait for a gloo collective until `timeout_s` (the Buffer's if None), as `finish`."""
         try:
-            work.wait()
-        except RuntimeError as exc:  # gloo: a peer's connection closed (its process died) or timed out
-            # "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port. This is typically ...":
-            # gloo's own words, without its source location and advice.
-            said = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            finish(work, self.rank, f"{self.op}/{what}", self.timeout_s if timeout_s is None else timeout_s)
+        except PeerLostError:
             self.peer_lost = True
-            raise PeerLostError(self.rank, f"{self.op}/{what}", said.split(". ")[0]) from exc
+            raise
 
     def agree(self, op: str, **fields: int) -> None:
         """NOTE [call agreement]: check that every rank makes this call, `op` with `fields` (CALL_FIELDS[op]),
@@ -212,7 +237,7 @@ class Collectives:
         headers = self.all_gather(mine if self.device.type == "cpu" or self.mode == "host" else mine.to(self.device),
                                   "agree").tolist()
         if any(h != headers[0] for h in headers):
-            raise mismatch_error(headers, describe_header)
+            raise mismatch_error(headers, describe_header, rank=self.rank, stage=f"{op}/agree")
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]] = None,
                           in_splits: Optional[List[int]] = None, async_op: bool = False):
