@@ -1,9 +1,10 @@
 """Bad values in one rank's dispatch inputs, with no host check (NOTE [input verdict] in tokenyard/checks.py):
 every rank raises the same InvalidInputError naming that rank, none hangs, and the Buffer goes on serving
 good calls, which match the oracle bit for bit. A dispatch with num_worst_tokens does not wait for the counts:
-on the CUDA backend every rank raises at its next call; a low-latency dispatch has no count exchange: the rank
-with bad ids raises (at its next call on the CUDA backend). The same function runs on the reference backend
-over CPU ranks (tests/cpu/test_input_verdict.py).
+on the CUDA backend every rank raises at its next call. A low-latency dispatch has no count exchange: on the
+reference backend its call header carries the verdict, so every rank raises (-5 as well as an id past the end);
+on the CUDA backend the rank with bad ids raises at its next call. The same function runs on the reference
+backend over CPU ranks (tests/cpu/test_input_verdict.py).
 """
 
 from __future__ import annotations
@@ -101,24 +102,37 @@ def judge_inputs(seed: int, backend: str = "cuda"):
     combined, _, _ = buffer.combine(recv_x, handle)
     assert combined.shape == x.shape and bool(torch.isfinite(combined.float()).all())
 
-    # 5. Low latency: the rank with a bad id raises, at once (reference) or at its next call (CUDA).
-    ll_ids = topk_idx.clone()
-    ll_ids[token, 2] = NUM_EXPERTS
-    low = f"rank {bad_rank}: the topk_idx of low_latency_dispatch holds expert ids outside [-1, {NUM_EXPERTS})"
-    try:
-        buffer.low_latency_dispatch(x, mine_or(ll_ids, topk_idx), NUM_TOKENS, NUM_EXPERTS, use_fp8=False)
-        raised = None
-    except Exception as exc:  # noqa: BLE001 - checked below
-        raised = exc
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-    if raised is None and rank == bad_rank:
-        _raises(lambda: buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS), low)
-    elif rank == bad_rank:
-        assert low in str(raised), str(raised)
+    # 5. Low latency, an id past the end and one below -1. The reference backend judges the ids with the call's
+    # header (NOTE [call agreement]): every rank raises before any data moves, and the Buffer serves the next
+    # call. The CUDA backend has no exchange before rows move: the rank with a bad id raises at its next call.
+    if backend == "reference":
+        for value in (NUM_EXPERTS, -5):
+            ll_ids = topk_idx.clone()
+            ll_ids[token, 2] = value
+            _raises(lambda: buffer.low_latency_dispatch(x, mine_or(ll_ids, topk_idx), NUM_TOKENS, NUM_EXPERTS,
+                                                        use_fp8=False),
+                    f"low_latency_dispatch refused on every rank: {named}", f"outside [-1, {NUM_EXPERTS})")
+        _, count, _, _, _ = buffer.low_latency_dispatch(x, topk_idx, NUM_TOKENS, NUM_EXPERTS, use_fp8=False)
+        want = routing.low_latency_dispatch([e[0] for e in every], [e[1] for e in every], NUM_TOKENS, NUM_EXPERTS,
+                                            use_fp8=False)[rank]
+        assert torch.equal(count, want["packed_recv_count"]), "the low-latency call after the refusals differs"
     else:
-        assert raised is None, f"rank {rank} raised for rank {bad_rank}'s ids: {raised}"
+        ll_ids = topk_idx.clone()
+        ll_ids[token, 2] = NUM_EXPERTS
+        low = f"rank {bad_rank}: the topk_idx of low_latency_dispatch holds expert ids outside [-1, {NUM_EXPERTS})"
+        try:
+            buffer.low_latency_dispatch(x, mine_or(ll_ids, topk_idx), NUM_TOKENS, NUM_EXPERTS, use_fp8=False)
+            raised = None
+        except Exception as exc:  # noqa: BLE001 - checked below
+            raised = exc
+        torch.cuda.synchronize()
+        dist.barrier()
+        if raised is None and rank == bad_rank:
+            _raises(lambda: buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS), low)
+        elif rank == bad_rank:
+            assert low in str(raised), str(raised)
+        else:
+            assert raised is None, f"rank {rank} raised for rank {bad_rank}'s ids: {raised}"
     dist.barrier()
     buffer.destroy()
 

@@ -16,11 +16,14 @@ wait polls against the Buffer's `timeout_s` and raises CommTimeoutError; NCCL's 
 bounded by the process group's own timeout.
 
 NOTE [call agreement]
-Before a call of the reference backend moves any data, every rank sends the others a header of
-1 + SIGNATURE_INTS ints in one all-gather of fixed size: the call's number on this Buffer, the operation, and the
-operation's shape signature (CALL_FIELDS). Ranks that disagree (another shape, another operation, a call
-skipped before one of another kind) all read the same headers and all raise RankMismatchError naming who
-made which call, and the group stays usable: every transfer so far had the same size on every rank.
+Before a call of the reference backend moves any data, every rank sends the others a header of HEADER_INTS
+ints in one all-gather of fixed size: the call's number on this Buffer, the operation, the operation's shape
+signature (CALL_FIELDS), and last the rank's verdict on its call's values, where the call has no count exchange
+to carry one (a low-latency dispatch's expert ids, NOTE [input verdict] in checks.py; else 0). Ranks whose
+headers but for the verdict differ (another shape, another operation, a call skipped before one of another
+kind) all read the same headers and all raise RankMismatchError naming who made which call, and the group stays
+usable: every transfer so far had the same size on every rank. Where the calls agree and some verdict is bad,
+every rank raises the same InvalidInputError, and no data moves.
 Calls of one operation and shape are told apart only by their order: a rank that skips one of a run of
 identical calls pairs its next call with the others' skipped one, and only the last call, left without a
 partner, times out. Under CUDA-graph capture the header is not exchanged (reading it would sync the host).
@@ -54,6 +57,7 @@ CALL_FIELDS = {
     "low_latency_combine": ("hidden", "num_topk", "num_experts", "num_max"),
 }
 SIGNATURE_INTS = 1 + max(len(fields) for fields in CALL_FIELDS.values())  # the operation, then its fields
+HEADER_INTS = 1 + SIGNATURE_INTS + 1  # the call's number, its signature, the rank's verdict (not compared)
 
 
 def signature(op: str, **fields: int) -> List[int]:
@@ -220,9 +224,11 @@ class Collectives:
             self.peer_lost = True
             raise
 
-    def agree(self, op: str, **fields: int) -> None:
+    def agree(self, op: str, verdict: Optional[Callable[[], torch.Tensor]] = None, **fields: int) -> List[int]:
         """NOTE [call agreement]: check that every rank makes this call, `op` with `fields` (CALL_FIELDS[op]),
-        before any data moves.
+        before any data moves; -> every rank's verdict, by rank: what `verdict()` gave on it (an int tensor of one
+        value, its NOTE [input verdict] bits on its call's values, computed only where the header is exchanged;
+        0 without), all 0 where no header was exchanged.
 
         Raises:
             RankMismatchError: on every rank alike, where some rank's call differs.
@@ -232,12 +238,16 @@ class Collectives:
         self._calls += 1
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if self.group is None or capturing:
-            return
-        mine = torch.tensor([self._calls] + signature(op, **fields), dtype=torch.int64)
-        headers = self.all_gather(mine if self.device.type == "cpu" or self.mode == "host" else mine.to(self.device),
-                                  "agree").tolist()
-        if any(h != headers[0] for h in headers):
-            raise mismatch_error(headers, describe_header, rank=self.rank, stage=f"{op}/agree")
+            return [0] * self.num_ranks
+        on_host = self.device.type == "cpu" or self.mode == "host"
+        mine = torch.tensor([self._calls] + signature(op, **fields) + [0], dtype=torch.int64,
+                            device="cpu" if on_host else self.device)
+        if verdict is not None:  # no host sync here: the all-gather's reading below is the one
+            mine[-1:] = verdict().reshape(1).to(mine.device, torch.int64)
+        headers = self.all_gather(mine, "agree").tolist()
+        if any(h[:-1] != headers[0][:-1] for h in headers):
+            raise mismatch_error([h[:-1] for h in headers], describe_header, rank=self.rank, stage=f"{op}/agree")
+        return [h[-1] for h in headers]
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]] = None,
                           in_splits: Optional[List[int]] = None, async_op: bool = False):
