@@ -22,11 +22,21 @@ signature (CALL_FIELDS), and last the rank's verdict on its call's values, where
 to carry one (a low-latency dispatch's expert ids, NOTE [input verdict] in checks.py; else 0). Ranks whose
 headers but for the verdict differ (another shape, another operation, a call skipped before one of another
 kind) all read the same headers and all raise RankMismatchError naming who made which call, and the group stays
-usable: every transfer so far had the same size on every rank. Where the calls agree and some verdict is bad,
-every rank raises the same InvalidInputError, and no data moves.
+usable: every transfer so far had the same size on every rank. Such a call takes back its number, so that a
+Buffer whose call met another exchange (a Buffer being made, below) goes on numbering as its peers' do. Where
+the calls agree and some verdict is bad, every rank raises the same InvalidInputError, and no data moves.
 Calls of one operation and shape are told apart only by their order: a rank that skips one of a run of
 identical calls pairs its next call with the others' skipped one, and only the last call, left without a
 partner, times out. Under CUDA-graph capture the header is not exchanged (reading it would sync the host).
+Making a Buffer begins with the same header (`agree_on_buffer`: call 0, operation "Buffer", the settings its
+ranks must share), sent where a Buffer's headers go, before the constructor's own exchanges of objects, whose
+sizes differ from rank to rank: so a rank that makes a Buffer while its peers make another call (or a Buffer
+with other settings) meets a header of the same size, and every rank raises RankMismatchError, where a
+constructor's object exchange would have met another collective's data, which gloo answers by aborting the
+process. The header goes over the group as a Buffer's calls send theirs (CUDA tensors over an NCCL group, else
+CPU tensors), so it meets them, except where those go over the private NCCL group of NOTE [device collectives];
+nor does it meet the CUDA backend's one-node calls, which exchange nothing on the host. Where it meets nothing,
+the constructor's wait ends at `timeout_s` over gloo, and only at the group's own timeout over NCCL.
 The CUDA backend's kernels carry the same signature, without the call number, in their own first exchange
 (NOTE [call signatures] in include/tokenyard/layout.cuh); both name the disagreement with `mismatch_error`.
 Its internode kernels do not: each rank sizes the rows it moves from its own call, so ranks that disagree
@@ -55,6 +65,8 @@ CALL_FIELDS = {
     "combine": ("hidden", "num_topk", "num_biases"),
     "low_latency_dispatch": ("hidden", "num_topk", "num_experts", "num_max", "cast", "round_scale", "use_ue8m0"),
     "low_latency_combine": ("hidden", "num_topk", "num_experts", "num_max"),
+    # A Buffer being made (agree_on_buffer): the settings that plan its calls; 0 for None.
+    "Buffer": ("nvl_bytes_held", "num_rdma_bytes", "per_round_tokens", "ranks_per_node", "enable_shrink"),
 }
 SIGNATURE_INTS = 1 + max(len(fields) for fields in CALL_FIELDS.values())  # the operation, then its fields
 HEADER_INTS = 1 + SIGNATURE_INTS + 1  # the call's number, its signature, the rank's verdict (not compared)
@@ -115,7 +127,10 @@ def describe_signature(values: List[int]) -> str:
 
 
 def describe_header(header: List[int]) -> str:
-    """``call 5: dispatch(hidden_bytes=256, ...)`` for one rank's header (NOTE [call agreement])."""
+    """``call 5: dispatch(hidden_bytes=256, ...)`` for one rank's header without its verdict (NOTE [call
+    agreement]); ``a new Buffer(...)`` for a Buffer being made."""
+    if header[1] == list(CALL_FIELDS).index("Buffer"):
+        return f"a new {describe_signature(header[1:])}"
     return f"call {header[0]}: {describe_signature(header[1:])}"
 
 
@@ -128,8 +143,8 @@ def mismatch_error(calls: List[List[int]], describe: Callable[[List[int]], str],
         groups.setdefault(tuple(call), []).append(r)
     detail = "; ".join(f"ranks {ranks} make {describe(list(call))}" for call, ranks in groups.items())
     return RankMismatchError(f"the ranks make different calls: {detail}. A rank skipped or added a call, or passed "
-                             "other shapes; every rank must make the same calls in the same order (destroy this "
-                             "Buffer and make a new one on every rank after fixing the caller)",
+                             "other shapes or settings; every rank must make the same calls in the same order "
+                             "(destroy this Buffer and make a new one on every rank after fixing the caller)",
                              list(groups.values()), rank=rank, stage=stage)
 
 
@@ -163,6 +178,32 @@ def finish(work, rank: int, stage: str, timeout_s: float) -> None:
         if _CONNECTION_FAILED.search(text):
             raise PeerLostError(rank, stage, said) from exc
         raise CollectiveRefusedError(rank, stage, said) from exc
+
+
+def agree_on_buffer(group: Optional[dist.ProcessGroup], rank: int, device: torch.device, timeout_s: float,
+                    **fields: int) -> None:
+    """NOTE [call agreement]: check, before a Buffer's first exchange of objects, that every rank of `group` is
+    making a Buffer with the same `fields` (CALL_FIELDS["Buffer"]), with a header of the size every call's has.
+
+    Raises:
+        RankMismatchError: on every rank alike, where some rank makes another Buffer or another call.
+        CommTimeoutError: a peer made no exchange within `timeout_s` (over gloo).
+    """
+    if group is None:  # an mpi4py comm: its exchanges are of objects, which it sizes itself
+        return
+    mine = torch.tensor([0] + signature("Buffer", **fields) + [0], dtype=torch.int64)
+    stage = "Buffer/agree"
+    # Where a Buffer's calls send their headers (Collectives.agree): over the group, CUDA tensors where it is NCCL's.
+    if device.type == "cpu" or "nccl" not in str(dist.get_backend(group)).lower():
+        pieces = [torch.empty_like(mine) for _ in range(group.size())]
+        finish(dist.all_gather(pieces, mine, group=group, async_op=True), rank, stage, timeout_s)
+    else:  # bounded by the group's own timeout, as the constructor's exchanges of objects are
+        mine = mine.to(device)
+        pieces = [torch.empty_like(mine) for _ in range(group.size())]
+        dist.all_gather(pieces, mine, group=group)
+    headers = [p.tolist()[:-1] for p in pieces]
+    if any(h != headers[0] for h in headers):
+        raise mismatch_error(headers, describe_header, rank=rank, stage=stage)
 
 
 class Collectives:
@@ -246,6 +287,7 @@ class Collectives:
             mine[-1:] = verdict().reshape(1).to(mine.device, torch.int64)
         headers = self.all_gather(mine, "agree").tolist()
         if any(h[:-1] != headers[0][:-1] for h in headers):
+            self._calls -= 1  # no rank made this call: NOTE [call agreement]
             raise mismatch_error([h[:-1] for h in headers], describe_header, rank=self.rank, stage=f"{op}/agree")
         return [h[-1] for h in headers]
 
