@@ -498,7 +498,11 @@ class Buffer(LowLatencyCalls):
             each of N > 1 nodes; None on one node),
             ``num_tokens_per_expert`` int32 [E], ``is_token_in_rank`` bool [T, R], event.
         Raises:
-            InvalidInputError: bad dtype/shape/device, ids outside [-1, E), E not divisible by R.
+            InvalidInputError: bad dtype/shape/device, E not divisible by R; ids outside [-1, E) only with
+                `check_inputs` (a host sync). By default this call reads no id on the host, so it raises nothing
+                for them: it counts such an id nowhere (as -1), and the next fresh dispatch on this Buffer is
+                refused on every rank, naming this rank, with no row moved (NOTE [input verdict] in checks.py;
+                a dispatch given `topk_idx` judges the ids it is given instead).
         """
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
             self._refuse_internode_compile("get_dispatch_layout")

@@ -75,9 +75,12 @@ def num_experts(value: int, num_ranks: int) -> int:
 # for the counts on the host: its kernels skip the rows and the error is recorded, to be raised by the next
 # call on every rank (the CUDA backend; that Buffer is done). LAYOUT_BAD_IDS is what get_dispatch_layout,
 # which has no exchange, leaves for the next fresh dispatch without topk_idx (which could not see the ids
-# itself). A low-latency dispatch has no count exchange: the reference backend sends its verdict on the ids with
-# the call's header (NOTE [call agreement] in collectives.py), so every rank refuses alike before any data moves;
-# the CUDA backend's kernels send none of a bad id's pairs and the rank that gave it raises
+# itself). The layout could raise only by reading its ids on the host (a device sync), and only on its own rank,
+# whose peers would then wait at their dispatch until timeout_s and leave the group holding it; so it counts such
+# an id nowhere, and the next fresh dispatch refuses on every rank, the Buffer staying usable (one given topk_idx
+# judges the ids themselves). A low-latency dispatch has no count exchange: the reference backend sends its verdict on
+# the ids with the call's header (NOTE [call agreement] in collectives.py), so every rank refuses alike before
+# any data moves; the CUDA backend's kernels send none of a bad id's pairs and the rank that gave it raises
 # (`low_latency_bad_ids`). The bits are mirrored in include/tokenyard/sync.cuh (Verdict).
 BAD_EXPERT_ID = 1
 PER_RANK_DISAGREES = 2

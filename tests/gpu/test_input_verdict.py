@@ -3,8 +3,9 @@ every rank raises the same InvalidInputError naming that rank, none hangs, and t
 good calls, which match the oracle bit for bit. A dispatch with num_worst_tokens does not wait for the counts:
 on the CUDA backend every rank raises at its next call. A low-latency dispatch has no count exchange: on the
 reference backend its call header carries the verdict, so every rank raises (-5 as well as an id past the end);
-on the CUDA backend the rank with bad ids raises at its next call. The same function runs on the reference
-backend over CPU ranks (tests/cpu/test_input_verdict.py).
+on the CUDA backend the rank with bad ids raises at its next call. A layout of bad ids raises nothing and counts
+them nowhere; the next fresh dispatch refuses. The same function runs on the reference backend over CPU ranks
+(tests/cpu/test_input_verdict.py).
 """
 
 from __future__ import annotations
@@ -84,10 +85,15 @@ def judge_inputs(seed: int, backend: str = "cuda"):
     plus_one = dict(layout, num_tokens_per_rank=per_rank + 1)
     _raises(lambda: buffer.dispatch(x, **mine_or(plus_one, layout)), named,
             "num_tokens_per_rank disagrees with is_token_in_rank")
-    # 3. A layout of bad ids, dispatched without topk_idx: the layout counted the id nowhere.
+    # 3. A layout of bad ids, dispatched without topk_idx: the layout raises nothing and counts the id nowhere
+    # (as -1), and the next fresh dispatch refuses on every rank.
     ids = topk_idx.clone()
     ids[token, 0] = NUM_EXPERTS + 5
     bad_layout = buffer.get_dispatch_layout(mine_or(ids, topk_idx), NUM_EXPERTS)
+    counted = routing.dispatch_layout(torch.where(ids == NUM_EXPERTS + 5, -1, ids) if rank == bad_rank else topk_idx,
+                                      NUM_EXPERTS, num_ranks)
+    assert all(torch.equal(got, want.to(got.device)) for got, want in zip(
+        (bad_layout[0], bad_layout[2], bad_layout[3]), counted)), "the layout counted the bad id somewhere"
     _raises(lambda: buffer.dispatch(x, num_tokens_per_rank=bad_layout[0], num_tokens_per_expert=bad_layout[2],
                                     is_token_in_rank=bad_layout[3]), named, "get_dispatch_layout was given")
 
