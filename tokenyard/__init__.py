@@ -10,8 +10,8 @@ import torch
 from .buffer import Buffer
 from .config import Config
 from .elastic import ElasticBuffer, EPHandle
-from .errors import (BackendUnavailableError, CapacityError, CommTimeoutError, HandleError, InvalidInputError,
-                     PeerLostError, RankMismatchError, TokenyardError)
+from .errors import (BackendUnavailableError, CapacityError, CollectiveRefusedError, CommError, CommTimeoutError,
+                     HandleError, InvalidInputError, PeerLostError, RankMismatchError, TokenyardError)
 from .event import EventHandle, EventOverlap
 from .handle import DispatchHandle, InternodeHandle, LowLatencyHandle
 from .semantics import quant, routing
@@ -25,8 +25,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Buffer", "ElasticBuffer", "EPHandle", "Config", "EventHandle", "EventOverlap", "DispatchHandle",
     "InternodeHandle", "LowLatencyHandle", "topk_idx_t",
-    "TokenyardError", "InvalidInputError", "CapacityError", "HandleError", "CommTimeoutError", "RankMismatchError",
-    "PeerLostError",
+    "TokenyardError", "InvalidInputError", "CapacityError", "HandleError", "CommError", "CommTimeoutError",
+    "RankMismatchError", "PeerLostError", "CollectiveRefusedError",
     "BackendUnavailableError", "quantize_fp8", "dequantize_fp8", "quantize_int8", "dequantize_int8",
     "quant", "routing", "AutoTuner", "Benchmark",
 ]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import checks, env, ops
 from .backends import create_backend, internode, make_reference, normal_mode_backend
 from .backends.base import GroupContext
-from .backends.collectives import Collectives, choose_mode
+from .backends.collectives import Collectives, agree_on_buffer, choose_mode
 from .backends.requests import CombineRequest, DispatchRequest, LayoutCheck
 from .buffer_low_latency import LowLatencyCalls
 from .config import Config
@@ -39,6 +39,14 @@ class _Scope:
     def __init__(self):
         self.event = EventOverlap(None)
         self.owner = None
+
+
+def _as_field(value) -> int:
+    """An optional int setting in a header (NOTE [call agreement]): 0 for None, -1 for what is no int (which a
+    later check refuses)."""
+    if value is None:
+        return 0
+    return value if type(value) is int else -1
 
 
 def _chosen_device(device: Optional[Union[str, torch.device]]) -> torch.device:
@@ -157,11 +165,16 @@ class Buffer(LowLatencyCalls):
         self.timeout_s = checks.timeout_s(timeout_s if timeout_s is not None else settings.timeout_s)
         self.check_inputs = settings.check_inputs if check_inputs is None else bool(check_inputs)
         self.device = _chosen_device(device)
+        if ranks_per_node is None and settings.ranks_per_node:
+            ranks_per_node = settings.ranks_per_node
+        # NOTE [call agreement] in collectives.py: the first exchange has the size of a call's header
+        agree_on_buffer(group, self.rank, self.device, self.timeout_s, nvl_bytes_held=self.nvl_bytes_held,
+                        num_rdma_bytes=num_rdma_bytes, per_round_tokens=per_round_tokens or 0,
+                        ranks_per_node=_as_field(ranks_per_node),
+                        enable_shrink=int(bool(enable_shrink)))
         self._id = next(_buffer_ids)
         ops.register(self)
         self._twin: Optional["Buffer"] = None
-        if ranks_per_node is None and settings.ranks_per_node:
-            ranks_per_node = settings.ranks_per_node
         self.ranks_per_node = ranks_per_node
         self.topology = devices.gather_topology(self.rank, all_gather_object, self.device, ranks_per_node)
         mode = "direct" if group is None else choose_mode(str(dist.get_backend(group)), self.device.type,
@@ -504,7 +517,11 @@ class Buffer(LowLatencyCalls):
             each of N > 1 nodes; None on one node),
             ``num_tokens_per_expert`` int32 [E], ``is_token_in_rank`` bool [T, R], event.
         Raises:
-            InvalidInputError: bad dtype/shape/device, ids outside [-1, E), E not divisible by R.
+            InvalidInputError: bad dtype/shape/device, E not divisible by R; ids outside [-1, E) only with
+                `check_inputs` (a host sync). By default this call reads no id on the host, so it raises nothing
+                for them: it counts such an id nowhere (as -1), and the next fresh dispatch on this Buffer is
+                refused on every rank, naming this rank, with no row moved (NOTE [input verdict] in checks.py;
+                a dispatch given `topk_idx` judges the ids it is given instead).
         """
         if torch.compiler.is_compiling():  # NOTE [custom ops] in ops.py
             self._refuse_internode_compile("get_dispatch_layout")

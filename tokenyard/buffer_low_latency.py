@@ -14,6 +14,7 @@ from .backends.requests import CombineOverlap, LowLatencyCombineRequest, LowLate
 from .errors import InvalidInputError
 from .handle import LowLatencyHandle
 from .plan import devices, workspace
+from .semantics import routing
 
 
 def _no_async_with_hook(async_finish: bool, return_recv_hook: bool) -> None:
@@ -182,10 +183,15 @@ class LowLatencyCalls:
         if self._check_values():
             checks.topk_values(topk_idx, num_experts)
         if backend.wants_call_agreement(True):  # NOTE [call agreement] in collectives.py
-            self._exchange.agree("low_latency_dispatch", hidden=hidden, num_topk=topk_idx.size(1),
-                                 num_experts=num_experts, num_max=num_max_dispatch_tokens_per_rank,
-                                 cast=2 if use_nvfp4 else int(use_fp8), round_scale=int(round_scale or use_ue8m0),
-                                 use_ue8m0=int(use_ue8m0 and use_fp8))
+            # NOTE [input verdict] in checks.py: the ids are judged with the header, so every rank refuses alike.
+            verdicts = self._exchange.agree(
+                "low_latency_dispatch", lambda: routing.bad_expert_ids(topk_idx, num_experts).any().int(),
+                hidden=hidden, num_topk=topk_idx.size(1), num_experts=num_experts,
+                num_max=num_max_dispatch_tokens_per_rank, cast=2 if use_nvfp4 else int(use_fp8),
+                round_scale=int(round_scale or use_ue8m0), use_ue8m0=int(use_ue8m0 and use_fp8))
+            if any(verdicts):
+                raise checks.verdict_error([r for r, v in enumerate(verdicts) if v], checks.BAD_EXPERT_ID,
+                                           num_experts, op="low_latency_dispatch")
         request = LowLatencyDispatchRequest(
             x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale or use_ue8m0,

@@ -75,7 +75,13 @@ def num_experts(value: int, num_ranks: int) -> int:
 # for the counts on the host: its kernels skip the rows and the error is recorded, to be raised by the next
 # call on every rank (the CUDA backend; that Buffer is done). LAYOUT_BAD_IDS is what get_dispatch_layout,
 # which has no exchange, leaves for the next fresh dispatch without topk_idx (which could not see the ids
-# itself). The bits are mirrored in include/tokenyard/sync.cuh (Verdict).
+# itself). The layout could raise only by reading its ids on the host (a device sync), and only on its own rank,
+# whose peers would then wait at their dispatch until timeout_s and leave the group holding it; so it counts such
+# an id nowhere, and the next fresh dispatch refuses on every rank, the Buffer staying usable (one given topk_idx
+# judges the ids themselves). A low-latency dispatch has no count exchange: the reference backend sends its verdict on
+# the ids with the call's header (NOTE [call agreement] in collectives.py), so every rank refuses alike before
+# any data moves; the CUDA backend's kernels send none of a bad id's pairs and the rank that gave it raises
+# (`low_latency_bad_ids`). The bits are mirrored in include/tokenyard/sync.cuh (Verdict).
 BAD_EXPERT_ID = 1
 PER_RANK_DISAGREES = 2
 PER_EXPERT_DISAGREES = 4
@@ -96,11 +102,12 @@ def _verdict_text(kinds: int, num_experts: Optional[int]) -> str:
     return "; ".join(what) + hint
 
 
-def verdict_error(bad_ranks: Sequence[int], kinds: int, num_experts: Optional[int]) -> InvalidInputError:
-    """The error every rank raises for a fresh dispatch in which `bad_ranks` gave values with the `kinds`
-    bits of NOTE [input verdict]."""
+def verdict_error(bad_ranks: Sequence[int], kinds: int, num_experts: Optional[int],
+                  op: str = "dispatch") -> InvalidInputError:
+    """The error every rank raises for a call (`op`: a fresh dispatch, or the reference backend's low-latency
+    dispatch) in which `bad_ranks` gave values with the `kinds` bits of NOTE [input verdict]."""
     ranks = ", ".join(str(r) for r in bad_ranks)
-    return InvalidInputError(f"dispatch refused on every rank: rank{'s' if len(bad_ranks) > 1 else ''} {ranks} "
+    return InvalidInputError(f"{op} refused on every rank: rank{'s' if len(bad_ranks) > 1 else ''} {ranks} "
                              f"gave bad values: {_verdict_text(kinds, num_experts)}")
 
 
@@ -121,8 +128,9 @@ def layout_agrees(topk_idx: Optional[torch.Tensor], num_experts: int, num_tokens
 
 
 def low_latency_bad_ids(rank: int, num_experts, seen: Optional[int] = None) -> InvalidInputError:
-    """A low-latency dispatch has no count exchange that could refuse it on every rank: the rank whose
-    topk_idx holds ids outside [-1, E) sends none of those pairs and raises this itself (NOTE [input verdict])."""
+    """The CUDA backend's low-latency dispatch has no exchange that could refuse it on every rank before rows
+    move: the rank whose topk_idx holds ids outside [-1, E) sends none of those pairs and raises this itself, at
+    its next call (NOTE [input verdict])."""
     value = "" if seen is None else f" (such as {seen})"
     return InvalidInputError(f"rank {rank}: the topk_idx of low_latency_dispatch holds expert ids outside "
                              f"[-1, {num_experts}){value}; those pairs were not sent")

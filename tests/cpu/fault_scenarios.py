@@ -1,6 +1,6 @@
 """Faults with real peers, as rank functions for `tokenyard.tools.launch.run_on_ranks` (each scenario in processes of
-its own, so that a group left broken reaches nothing else): ranks that make different calls, skip one, sleep
-past the deadline or die. Each rank returns what it saw, ``{"error", "detected_s", "recovered"}``: the error
+its own, so that a group left broken reaches nothing else): ranks that make different calls, skip one, make a
+Buffer alone, sleep past the deadline or die. Each rank returns what it saw, ``{"error", "detected_s", "recovered"}``: the error
 it raised (None for the rank at fault where it raised nothing), how long after its call began, and whether
 it then completed a correct call (on the same Buffer where no data moved, else on a new Buffer, on a new
 group where the old one holds unfinished work).
@@ -26,6 +26,9 @@ NUM_RANKS = 3
 HIDDEN, NUM_EXPERTS, NUM_TOPK, NUM_TOKENS = 128, 12, 2, 16
 MISMATCHES = ("hidden", "num_experts", "num_worst_tokens", "low_latency_hidden", "low_latency_num_max",
               "skipped_dispatch")
+BUFFER_MISMATCHES = ("buffer_beside_a_dispatch", "buffer_with_other_settings")
+# On the CUDA backend a one-node dispatch exchanges nothing on the host, so nothing meets a Buffer's header there.
+CUDA_BUFFER_MISMATCHES = ("buffer_with_other_settings",)
 # On the CUDA backend, normal-mode calls compare shapes in their kernels (NOTE [call signatures] in
 # include/tokenyard/layout.cuh): RankMismatchError. Low-latency calls (NOTE [call tags] in
 # include/tokenyard/sync.cuh) and a skipped call wait for signals that never come: CommTimeoutError.
@@ -136,20 +139,27 @@ def survivors_group(survivors):
     return dist.group.WORLD
 
 
+def _dispatches_correctly(buffer, seed, backend="reference") -> bool:
+    """A dispatch on `buffer`, against the oracle; raises where it differs."""
+    from tokenyard.semantics import routing
+
+    inputs = _inputs(seed, buffer.group_size, backend=backend)
+    recv_x = _dispatch(buffer, *inputs[buffer.rank])[0]
+    want = routing.dispatch([i[0] for i in inputs], [None] * len(inputs), [i[1] for i in inputs],
+                            [i[2] for i in inputs], NUM_EXPERTS)[buffer.rank]["recv_x"]
+    assert torch.equal(recv_x, want), "the call after the fault returned wrong rows"
+    return True
+
+
 def correct_call(group, seed, backend="reference") -> bool:
     """A dispatch on a new Buffer of `group`, against the oracle; raises where it differs."""
     from tokenyard import Buffer
-    from tokenyard.semantics import routing
 
-    inputs = _inputs(seed, group.size(), backend=backend)
     per_node = int(os.environ.get("TOKENYARD_RANKS_PER_NODE", "0"))
     whole_nodes = per_node == 0 or group.size() % per_node == 0  # survivors of virtual nodes may be no whole node
     buffer = Buffer(group, 1 << 22, _rdma_bytes(group.size()), backend=backend, timeout_s=TIMEOUT_S,
                     ranks_per_node=None if whole_nodes else group.size())
-    recv_x = _dispatch(buffer, *inputs[group.rank()])[0]
-    want = routing.dispatch([i[0] for i in inputs], [None] * len(inputs), [i[1] for i in inputs],
-                            [i[2] for i in inputs], NUM_EXPERTS)[group.rank()]["recv_x"]
-    assert torch.equal(recv_x, want), "the call after the fault returned wrong rows"
+    _dispatches_correctly(buffer, seed, backend)
     buffer.destroy()
     return True
 
@@ -203,6 +213,51 @@ def mismatch(seed, what, backend="reference") -> dict:
             "recovered": correct_call(dist.group.WORLD, seed + 2, backend)}
 
 
+def buffer_mismatch(seed, what, backend="reference") -> dict:
+    """Rank 0 makes a Buffer while the others make a dispatch on the Buffer every rank made before
+    ("buffer_beside_a_dispatch"), or every rank makes one and rank 0's holds fewer bytes
+    ("buffer_with_other_settings"), one of BUFFER_MISMATCHES. A Buffer's first exchange is a call's header (NOTE
+    [call agreement] in collectives.py), so every rank must raise RankMismatchError naming rank 0's Buffer before
+    any data moves, where gloo used to abort rank 0; then the Buffer made before serves a correct call, and so
+    does a new one. On the CUDA backend, CUDA_BUFFER_MISMATCHES only."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, TokenyardError
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    buffer = Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=TIMEOUT_S)
+    start, error = time.monotonic(), None
+    try:
+        if what == "buffer_beside_a_dispatch":
+            if rank == 0:
+                Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=TIMEOUT_S)
+            else:
+                _dispatch(buffer, *_inputs(seed, num_ranks, backend=backend)[rank])
+        elif what == "buffer_with_other_settings":
+            Buffer(dist.group.WORLD, 1 << (21 if rank == 0 else 22), _rdma_bytes(num_ranks), backend=backend,
+                   timeout_s=TIMEOUT_S)
+        else:
+            raise ValueError(f"unknown mismatch {what!r}")
+    except TokenyardError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    detected_s = time.monotonic() - start
+    recovered = _dispatches_correctly(buffer, seed + 1, backend)
+    buffer.destroy()
+    return {"error": error, "detected_s": detected_s,
+            "recovered": recovered and correct_call(dist.group.WORLD, seed + 2, backend)}
+
+
+def expect_buffer_mismatch(seen) -> str:
+    """Assert what every rank of `buffer_mismatch` must have seen; -> rank 0's error: the same RankMismatchError
+    naming rank 0's new Buffer on every rank, within LIMIT_S, and a correct call afterwards."""
+    errors = [s["error"] for s in seen.values()]
+    assert all(e is not None and e.startswith("RankMismatchError") and "ranks [0] make a new Buffer(" in e
+               for e in errors), errors
+    assert len(set(errors)) == 1, f"the ranks raised different errors: {errors}"
+    assert all(s["detected_s"] < LIMIT_S and s["recovered"] for s in seen.values()), seen
+    return errors[0]
+
+
 def late_peer(seed, what, backend="reference") -> dict:
     """Rank 1 (`what`, one of LATE) sleeps past the deadline or is killed before its dispatch, is killed
     inside its dispatch (which the others begin a second later: its first exchange is under way), or sleeps
@@ -245,9 +300,9 @@ def late_peer(seed, what, backend="reference") -> dict:
 
 
 def run(num_ranks, fn, seed, what, backend="reference") -> dict:
-    """Every rank's view of scenario `what` of `fn` (`mismatch` or `late_peer`), ``{rank: dict}``, in processes of
-    its own. In KILLED, rank 1 must end by SIGKILL (noticed by its end, not a deadline) and is left out; any
-    other rank that fails raises RanksFailed."""
+    """Every rank's view of scenario `what` of `fn` (`mismatch`, `buffer_mismatch` or `late_peer`), ``{rank:
+    dict}``, in processes of its own. In KILLED, rank 1 must end by SIGKILL (noticed by its end, not a deadline)
+    and is left out; any other rank that fails raises RanksFailed."""
     from tokenyard.tools.launch import RanksFailed, run_on_ranks
 
     try:

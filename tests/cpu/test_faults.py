@@ -15,6 +15,12 @@ def test_ranks_that_make_different_calls_all_raise_before_any_data_moves(what, s
     print(scenarios.expect_mismatch(seen, what))
 
 
+@pytest.mark.parametrize("what", scenarios.BUFFER_MISMATCHES)
+def test_a_rank_that_makes_a_buffer_alone_makes_every_rank_raise_and_none_abort(what, seed):
+    seen = scenarios.run(scenarios.NUM_RANKS, scenarios.buffer_mismatch, seed, what)
+    print(scenarios.expect_buffer_mismatch(seen))
+
+
 @pytest.mark.slow  # each waits out a deadline, then starts a group for the survivors
 @pytest.mark.parametrize("what", scenarios.LATE)
 def test_a_late_or_killed_rank_makes_the_others_raise_then_the_survivors_work_on(what, seed):

@@ -1,7 +1,7 @@
 """Faults on the CUDA backend, with real peers (tests/cpu/fault_scenarios.py; each scenario in processes of its
 own, the ranks on GPUs of their own or sharing one under MPS), device machine only: ranks whose normal-mode
 calls disagree all raise RankMismatchError before any row moves (NOTE [call signatures] in
-include/tokenyard/layout.cuh); low-latency calls that disagree (NOTE [call tags] in sync.cuh),
+include/tokenyard/layout.cuh), as do ranks that make Buffers of other settings (NOTE [call agreement]); low-latency calls that disagree (NOTE [call tags] in sync.cuh),
 a skipped call, a late rank and a killed one make the others raise CommTimeoutError within timeout_s + 2 s,
 and a rank late to a low-latency combine raises too rather than sum rows its peers never sent; no surviving
 process dies of a signal, and the survivors complete a correct call on a new Buffer afterwards."""
@@ -42,6 +42,12 @@ def skip_reason(what: str, num_ranks: int):
     if what in scenarios.LATE_TO_HOST_EXCHANGES and _on_nodes(num_ranks) and not spawn.shares_gpu(num_ranks):
         return "the internode calls' host exchanges go over NCCL here, which only the group's timeout bounds"
     return None
+
+
+@pytest.mark.parametrize("what", scenarios.CUDA_BUFFER_MISMATCHES)
+def test_ranks_that_make_buffers_of_other_settings_all_raise(what, seed):
+    seen = scenarios.run(COUNTS[0], scenarios.buffer_mismatch, seed, what, "cuda")
+    print(scenarios.expect_buffer_mismatch(seen))
 
 
 @pytest.mark.parametrize("what", scenarios.LATE)

@@ -1,9 +1,11 @@
 """Bad values in one rank's dispatch inputs, with no host check (NOTE [input verdict] in tokenyard/checks.py):
 every rank raises the same InvalidInputError naming that rank, none hangs, and the Buffer goes on serving
 good calls, which match the oracle bit for bit. A dispatch with num_worst_tokens does not wait for the counts:
-on the CUDA backend every rank raises at its next call; a low-latency dispatch has no count exchange: the rank
-with bad ids raises (at its next call on the CUDA backend). The same function runs on the reference backend
-over CPU ranks (tests/cpu/test_input_verdict.py).
+on the CUDA backend every rank raises at its next call. A low-latency dispatch has no count exchange: on the
+reference backend its call header carries the verdict, so every rank raises (-5 as well as an id past the end);
+on the CUDA backend the rank with bad ids raises at its next call. A layout of bad ids raises nothing and counts
+them nowhere; the next fresh dispatch refuses. The same function runs on the reference backend over CPU ranks
+(tests/cpu/test_input_verdict.py).
 """
 
 from __future__ import annotations
@@ -83,10 +85,15 @@ def judge_inputs(seed: int, backend: str = "cuda"):
     plus_one = dict(layout, num_tokens_per_rank=per_rank + 1)
     _raises(lambda: buffer.dispatch(x, **mine_or(plus_one, layout)), named,
             "num_tokens_per_rank disagrees with is_token_in_rank")
-    # 3. A layout of bad ids, dispatched without topk_idx: the layout counted the id nowhere.
+    # 3. A layout of bad ids, dispatched without topk_idx: the layout raises nothing and counts the id nowhere
+    # (as -1), and the next fresh dispatch refuses on every rank.
     ids = topk_idx.clone()
     ids[token, 0] = NUM_EXPERTS + 5
     bad_layout = buffer.get_dispatch_layout(mine_or(ids, topk_idx), NUM_EXPERTS)
+    counted = routing.dispatch_layout(torch.where(ids == NUM_EXPERTS + 5, -1, ids) if rank == bad_rank else topk_idx,
+                                      NUM_EXPERTS, num_ranks)
+    assert all(torch.equal(got, want.to(got.device)) for got, want in zip(
+        (bad_layout[0], bad_layout[2], bad_layout[3]), counted)), "the layout counted the bad id somewhere"
     _raises(lambda: buffer.dispatch(x, num_tokens_per_rank=bad_layout[0], num_tokens_per_expert=bad_layout[2],
                                     is_token_in_rank=bad_layout[3]), named, "get_dispatch_layout was given")
 
@@ -101,24 +108,37 @@ def judge_inputs(seed: int, backend: str = "cuda"):
     combined, _, _ = buffer.combine(recv_x, handle)
     assert combined.shape == x.shape and bool(torch.isfinite(combined.float()).all())
 
-    # 5. Low latency: the rank with a bad id raises, at once (reference) or at its next call (CUDA).
-    ll_ids = topk_idx.clone()
-    ll_ids[token, 2] = NUM_EXPERTS
-    low = f"rank {bad_rank}: the topk_idx of low_latency_dispatch holds expert ids outside [-1, {NUM_EXPERTS})"
-    try:
-        buffer.low_latency_dispatch(x, mine_or(ll_ids, topk_idx), NUM_TOKENS, NUM_EXPERTS, use_fp8=False)
-        raised = None
-    except Exception as exc:  # noqa: BLE001 - checked below
-        raised = exc
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-    if raised is None and rank == bad_rank:
-        _raises(lambda: buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS), low)
-    elif rank == bad_rank:
-        assert low in str(raised), str(raised)
+    # 5. Low latency, an id past the end and one below -1. The reference backend judges the ids with the call's
+    # header (NOTE [call agreement]): every rank raises before any data moves, and the Buffer serves the next
+    # call. The CUDA backend has no exchange before rows move: the rank with a bad id raises at its next call.
+    if backend == "reference":
+        for value in (NUM_EXPERTS, -5):
+            ll_ids = topk_idx.clone()
+            ll_ids[token, 2] = value
+            _raises(lambda: buffer.low_latency_dispatch(x, mine_or(ll_ids, topk_idx), NUM_TOKENS, NUM_EXPERTS,
+                                                        use_fp8=False),
+                    f"low_latency_dispatch refused on every rank: {named}", f"outside [-1, {NUM_EXPERTS})")
+        _, count, _, _, _ = buffer.low_latency_dispatch(x, topk_idx, NUM_TOKENS, NUM_EXPERTS, use_fp8=False)
+        want = routing.low_latency_dispatch([e[0] for e in every], [e[1] for e in every], NUM_TOKENS, NUM_EXPERTS,
+                                            use_fp8=False)[rank]
+        assert torch.equal(count, want["packed_recv_count"]), "the low-latency call after the refusals differs"
     else:
-        assert raised is None, f"rank {rank} raised for rank {bad_rank}'s ids: {raised}"
+        ll_ids = topk_idx.clone()
+        ll_ids[token, 2] = NUM_EXPERTS
+        low = f"rank {bad_rank}: the topk_idx of low_latency_dispatch holds expert ids outside [-1, {NUM_EXPERTS})"
+        try:
+            buffer.low_latency_dispatch(x, mine_or(ll_ids, topk_idx), NUM_TOKENS, NUM_EXPERTS, use_fp8=False)
+            raised = None
+        except Exception as exc:  # noqa: BLE001 - checked below
+            raised = exc
+        torch.cuda.synchronize()
+        dist.barrier()
+        if raised is None and rank == bad_rank:
+            _raises(lambda: buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS), low)
+        elif rank == bad_rank:
+            assert low in str(raised), str(raised)
+        else:
+            assert raised is None, f"rank {rank} raised for rank {bad_rank}'s ids: {raised}"
     dist.barrier()
     buffer.destroy()
 

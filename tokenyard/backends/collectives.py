@@ -16,14 +16,27 @@ wait polls against the Buffer's `timeout_s` and raises CommTimeoutError; NCCL's 
 bounded by the process group's own timeout.
 
 NOTE [call agreement]
-Before a call of the reference backend moves any data, every rank sends the others a header of
-1 + SIGNATURE_INTS ints in one all-gather of fixed size: the call's number on this Buffer, the operation, and the
-operation's shape signature (CALL_FIELDS). Ranks that disagree (another shape, another operation, a call
-skipped before one of another kind) all read the same headers and all raise RankMismatchError naming who
-made which call, and the group stays usable: every transfer so far had the same size on every rank.
+Before a call of the reference backend moves any data, every rank sends the others a header of HEADER_INTS
+ints in one all-gather of fixed size: the call's number on this Buffer, the operation, the operation's shape
+signature (CALL_FIELDS), and last the rank's verdict on its call's values, where the call has no count exchange
+to carry one (a low-latency dispatch's expert ids, NOTE [input verdict] in checks.py; else 0). Ranks whose
+headers but for the verdict differ (another shape, another operation, a call skipped before one of another
+kind) all read the same headers and all raise RankMismatchError naming who made which call, and the group stays
+usable: every transfer so far had the same size on every rank. Such a call takes back its number, so that a
+Buffer whose call met another exchange (a Buffer being made, below) goes on numbering as its peers' do. Where
+the calls agree and some verdict is bad, every rank raises the same InvalidInputError, and no data moves.
 Calls of one operation and shape are told apart only by their order: a rank that skips one of a run of
 identical calls pairs its next call with the others' skipped one, and only the last call, left without a
 partner, times out. Under CUDA-graph capture the header is not exchanged (reading it would sync the host).
+Making a Buffer begins with the same header (`agree_on_buffer`: call 0, operation "Buffer", the settings its
+ranks must share), sent where a Buffer's headers go, before the constructor's own exchanges of objects, whose
+sizes differ from rank to rank: so a rank that makes a Buffer while its peers make another call (or a Buffer
+with other settings) meets a header of the same size, and every rank raises RankMismatchError, where a
+constructor's object exchange would have met another collective's data, which gloo answers by aborting the
+process. The header goes over the group as a Buffer's calls send theirs (CUDA tensors over an NCCL group, else
+CPU tensors), so it meets them, except where those go over the private NCCL group of NOTE [device collectives];
+nor does it meet the CUDA backend's one-node calls, which exchange nothing on the host. Where it meets nothing,
+the constructor's wait ends at `timeout_s` over gloo, and only at the group's own timeout over NCCL.
 The CUDA backend's kernels carry the same signature, without the call number, in their own first exchange
 (NOTE [call signatures] in include/tokenyard/layout.cuh); both name the disagreement with `mismatch_error`.
 Its internode kernels do not: each rank sizes the rows it moves from its own call, so ranks that disagree
@@ -39,7 +52,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import CommTimeoutError, InvalidInputError, PeerLostError, RankMismatchError
+from ..errors import CollectiveRefusedError, CommTimeoutError, InvalidInputError, PeerLostError, RankMismatchError
 from .waiting import wait_until
 
 MODES = ("direct", "nccl", "host")
@@ -52,8 +65,11 @@ CALL_FIELDS = {
     "combine": ("hidden", "num_topk", "num_biases"),
     "low_latency_dispatch": ("hidden", "num_topk", "num_experts", "num_max", "cast", "round_scale", "use_ue8m0"),
     "low_latency_combine": ("hidden", "num_topk", "num_experts", "num_max"),
+    # A Buffer being made (agree_on_buffer): the settings that plan its calls; 0 for None.
+    "Buffer": ("nvl_bytes_held", "num_rdma_bytes", "per_round_tokens", "ranks_per_node", "enable_shrink"),
 }
 SIGNATURE_INTS = 1 + max(len(fields) for fields in CALL_FIELDS.values())  # the operation, then its fields
+HEADER_INTS = 1 + SIGNATURE_INTS + 1  # the call's number, its signature, the rank's verdict (not compared)
 
 
 def signature(op: str, **fields: int) -> List[int]:
@@ -111,20 +127,83 @@ def describe_signature(values: List[int]) -> str:
 
 
 def describe_header(header: List[int]) -> str:
-    """``call 5: dispatch(hidden_bytes=256, ...)`` for one rank's header (NOTE [call agreement])."""
+    """``call 5: dispatch(hidden_bytes=256, ...)`` for one rank's header without its verdict (NOTE [call
+    agreement]); ``a new Buffer(...)`` for a Buffer being made."""
+    if header[1] == list(CALL_FIELDS).index("Buffer"):
+        return f"a new {describe_signature(header[1:])}"
     return f"call {header[0]}: {describe_signature(header[1:])}"
 
 
-def mismatch_error(calls: List[List[int]], describe: Callable[[List[int]], str]) -> RankMismatchError:
+def mismatch_error(calls: List[List[int]], describe: Callable[[List[int]], str], *, rank: int = -1,
+                   stage: str = "") -> RankMismatchError:
     """The error every rank raises alike where the ranks' `calls` (headers or signatures, by rank) differ:
-    the ranks grouped by the call they made, each call `describe`d."""
+    the ranks grouped by the call they made, each call `describe`d; `rank` and `stage` say who raises it where."""
     groups = {}
     for r, call in enumerate(calls):
         groups.setdefault(tuple(call), []).append(r)
     detail = "; ".join(f"ranks {ranks} make {describe(list(call))}" for call, ranks in groups.items())
     return RankMismatchError(f"the ranks make different calls: {detail}. A rank skipped or added a call, or passed "
-                             "other shapes; every rank must make the same calls in the same order (destroy this "
-                             "Buffer and make a new one on every rank after fixing the caller)", list(groups.values()))
+                             "other shapes or settings; every rank must make the same calls in the same order "
+                             "(destroy this Buffer and make a new one on every rank after fixing the caller)",
+                             list(groups.values()), rank=rank, stage=stage)
+
+
+# gloo's words where the connection to a peer failed (its process died, or the link broke): raised by its transport
+# ("[.../gloo/transport/tcp/pair.cc:534] Connection closed by peer [addr]:port", "Read error ...: Connection reset
+# by peer"). Anything else it raises at a wait is its own or torch's check of this rank's part of the collective
+# ("Split sizes doesn't match total dim 0 size", "[enforce fail at .../gloo/alltoallv.cc:138]
+# inLengthPerRank[myRank] == outLengthPerRank[myRank]"), made before this rank sent anything.
+_CONNECTION_FAILED = re.compile(r"gloo/transport/|connection|closed|reset by peer|broken pipe|read error|write error|"
+                                r"timed out|timeout", re.IGNORECASE)
+
+
+def finish(work, rank: int, stage: str, timeout_s: float) -> None:
+    """Wait for a gloo collective's `work` until `timeout_s`, and say how it failed, if it did.
+
+    Raises:
+        CommTimeoutError: a peer did not join within `timeout_s` (the group still holds the collective).
+        PeerLostError: a peer's connection failed (gloo's transport said so).
+        CollectiveRefusedError: gloo or torch refused this rank's part (a check of its sizes, say).
+    """
+    if not wait_until(work.is_completed, timeout_s):
+        raise CommTimeoutError(rank, -1, stage,
+                               f"a peer did not join within {timeout_s:g} s. The group still holds this "
+                               "unfinished collective: make a new group, and a new Buffer on it, for the next call")
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        text = str(exc).strip()
+        # gloo's own words, without its source location and advice.
+        said = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else "").split(". ")[0].rstrip(".")
+        if _CONNECTION_FAILED.search(text):
+            raise PeerLostError(rank, stage, said) from exc
+        raise CollectiveRefusedError(rank, stage, said) from exc
+
+
+def agree_on_buffer(group: Optional[dist.ProcessGroup], rank: int, device: torch.device, timeout_s: float,
+                    **fields: int) -> None:
+    """NOTE [call agreement]: check, before a Buffer's first exchange of objects, that every rank of `group` is
+    making a Buffer with the same `fields` (CALL_FIELDS["Buffer"]), with a header of the size every call's has.
+
+    Raises:
+        RankMismatchError: on every rank alike, where some rank makes another Buffer or another call.
+        CommTimeoutError: a peer made no exchange within `timeout_s` (over gloo).
+    """
+    if group is None:  # an mpi4py comm: its exchanges are of objects, which it sizes itself
+        return
+    mine = torch.tensor([0] + signature("Buffer", **fields) + [0], dtype=torch.int64)
+    stage = "Buffer/agree"
+    # Where a Buffer's calls send their headers (Collectives.agree): over the group, CUDA tensors where it is NCCL's.
+    if device.type == "cpu" or "nccl" not in str(dist.get_backend(group)).lower():
+        pieces = [torch.empty_like(mine) for _ in range(group.size())]
+        finish(dist.all_gather(pieces, mine, group=group, async_op=True), rank, stage, timeout_s)
+    else:  # bounded by the group's own timeout, as the constructor's exchanges of objects are
+        mine = mine.to(device)
+        pieces = [torch.empty_like(mine) for _ in range(group.size())]
+        dist.all_gather(pieces, mine, group=group)
+    headers = [p.tolist()[:-1] for p in pieces]
+    if any(h != headers[0] for h in headers):
+        raise mismatch_error(headers, describe_header, rank=rank, stage=stage)
 
 
 class Collectives:
@@ -179,25 +258,18 @@ class Collectives:
         return self.group is not None and (self.device.type == "cpu" or self.mode == "host")
 
     def _finish(self, work, what: str, timeout_s: Optional[float] = None) -> None:
-        """Wait for a gloo collective until `timeout_s` (the Buffer's if None); its own error, if it failed,
-        comes from `wait()`."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if not wait_until(work.is_completed, timeout_s):
-            raise CommTimeoutError(self.rank, -1, f"{self.op}/{what}",
-                                   f"a peer did not join within {timeout_s:g} s. The group still holds this "
-                                   "unfinished collective: make a new group, and a new Buffer on it, for the next call")
+        """Wait for a gloo collective until `timeout_s` (the Buffer's if None), as `finish`."""
         try:
-            work.wait()
-        except RuntimeError as exc:  # gloo: a peer's connection closed (its process died) or timed out
-            # "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [addr]:port. This is typically ...":
-            # gloo's own words, without its source location and advice.
-            said = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+            finish(work, self.rank, f"{self.op}/{what}", self.timeout_s if timeout_s is None else timeout_s)
+        except PeerLostError:
             self.peer_lost = True
-            raise PeerLostError(self.rank, f"{self.op}/{what}", said.split(". ")[0]) from exc
+            raise
 
-    def agree(self, op: str, **fields: int) -> None:
+    def agree(self, op: str, verdict: Optional[Callable[[], torch.Tensor]] = None, **fields: int) -> List[int]:
         """NOTE [call agreement]: check that every rank makes this call, `op` with `fields` (CALL_FIELDS[op]),
-        before any data moves.
+        before any data moves; -> every rank's verdict, by rank: what `verdict()` gave on it (an int tensor of one
+        value, its NOTE [input verdict] bits on its call's values, computed only where the header is exchanged;
+        0 without), all 0 where no header was exchanged.
 
         Raises:
             RankMismatchError: on every rank alike, where some rank's call differs.
@@ -207,12 +279,17 @@ class Collectives:
         self._calls += 1
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if self.group is None or capturing:
-            return
-        mine = torch.tensor([self._calls] + signature(op, **fields), dtype=torch.int64, device="cpu")
-        headers = self.all_gather(mine if self.device.type == "cpu" or self.mode == "host" else mine.to(self.device),
-                                  "agree").tolist()
-        if any(h != headers[0] for h in headers):
-            raise mismatch_error(headers, describe_header)
+            return [0] * self.num_ranks
+        on_host = self.device.type == "cpu" or self.mode == "host"
+        mine = torch.tensor([self._calls] + signature(op, **fields) + [0], dtype=torch.int64,
+                            device="cpu" if on_host else self.device)
+        if verdict is not None:  # no host sync here: the all-gather's reading below is the one
+            mine[-1:] = verdict().reshape(1).to(mine.device, torch.int64)
+        headers = self.all_gather(mine, "agree").tolist()
+        if any(h[:-1] != headers[0][:-1] for h in headers):
+            self._calls -= 1  # no rank made this call: NOTE [call agreement]
+            raise mismatch_error([h[:-1] for h in headers], describe_header, rank=self.rank, stage=f"{op}/agree")
+        return [h[-1] for h in headers]
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]] = None,
                           in_splits: Optional[List[int]] = None, async_op: bool = False):

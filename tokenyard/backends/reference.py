@@ -66,11 +66,6 @@ def _as_index_target(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
-def _capturing(device: torch.device) -> bool:
-    """A CUDA graph is being captured on the current stream (no host read may happen then)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.cumsum(dim) - t
 
@@ -511,8 +506,6 @@ class ReferenceBackend(Backend):
             hook = receive
         else:
             receive()
-        if not _capturing(device) and bool(routing.bad_expert_ids(topk_idx, num_experts).any()):
-            raise checks.low_latency_bad_ids(self.ctx.rank, num_experts)
         handle = LowLatencyHandle(src_info, layout_range, num_max, hidden, num_experts, num_topk=num_topk)
         recv_x = quant.nvfp4_data_view(packed_recv_x) if request.use_nvfp4 else packed_recv_x
         return LowLatencyDispatchResult(recv_x, packed_recv_x_scales, packed_recv_count, handle, hook)

@@ -351,7 +351,8 @@ class CudaBackend(Backend):
                 at = _RECORD_SIGNATURES_AT
                 rows = [[int(self.host_record[at + r * _MAX_SIGNATURE_INTS + i]) for i in range(ints)]
                         for r in range(self.ctx.num_ranks)]
-                self._failure = collectives.mismatch_error(rows, collectives.describe_signature)
+                self._failure = collectives.mismatch_error(rows, collectives.describe_signature, rank=rank,
+                                                           stage=stage_name)
             elif kind == _ERRORS["kErrorMismatch"]:
                 self._failure = InvalidInputError(
                     f"rank {peer} dispatched with {seen} sending warps and rank {rank} with {expected}: every rank "
