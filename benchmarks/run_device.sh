@@ -15,6 +15,7 @@
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh structure_ab
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh host_cost_ab
 #   TOKENYARD_COMMIT=<hash> [TOKENYARD_BEFORE=<hash>] bash benchmarks/run_device.sh stream_stress
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [compat|sanitizer|main_bench|faults_gpus]
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -200,6 +201,39 @@ if [ "$what" = stream_stress ]; then
         in_tree before stress_run before
     fi
     in_tree after stress_run after
+fi
+if [ "$what" = compat ]; then
+    # Issue 47: DeepEP programs' habits (torch's default device and dtype, hooks, contiguity, profiler names) at 4
+    # ranks on the GPUs there are, then at 2 virtual nodes x 2; logs compat_4ranks.log and compat_2x2.log.
+    TOKENYARD_TEST_NUM_RANKS=4 timeout "${TOKENYARD_COMPAT_TIMEOUT_S:-240}" python3 -m pytest -v -p no:cacheprovider \
+        tests/gpu/test_torch_defaults_cuda.py tests/gpu/test_profiler_names.py tests/gpu/test_elastic_cuda.py \
+        tests/gpu/test_low_latency_cuda.py tests/gpu/test_fast_paths.py tests/gpu/test_compile.py 2>&1 \
+        | tee "$out/compat_4ranks.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -30
+    TOKENYARD_RANKS_PER_NODE=2 TOKENYARD_TEST_NUM_RANKS=4 timeout 150 python3 -m pytest -v -p no:cacheprovider \
+        tests/gpu/test_torch_defaults_cuda.py tests/gpu/test_profiler_names.py 2>&1 \
+        | tee "$out/compat_2x2.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -12
+fi
+if [ "$what" = sanitizer ]; then
+    # Issue 56: PyTorch's CUDA sanitizer (CSAN) over the stream-heavy GPU tests at 2 ranks (sanitizer.log). It sees
+    # torch's own kernels and stream waits only: the kernels and waits tokenyard makes through the driver are
+    # invisible to it (benchmarks/results/stream_stress.md).
+    TORCH_CUDA_SANITIZER=1 TOKENYARD_TEST_NUM_RANKS=2 timeout "${TOKENYARD_SANITIZER_TIMEOUT_S:-90}" python3 -m pytest \
+        -v -p no:cacheprovider tests/gpu/test_elastic_cuda.py tests/gpu/test_normal_cuda.py 2>&1 \
+        | tee "$out/sanitizer.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|CSAN|race" | tail -20
+fi
+if [ "$what" = main_bench ]; then
+    # Issue 55: the README's main command as a user runs it on the GPUs there are (bench_main.txt, .json, .png).
+    timeout 300 python3 -m tokenyard.tools.bench --quiet --json "$out/bench_main.json" --plot "$out/bench_main.png" \
+        2>&1 | grep -v Warn | tee "$out/bench_main.txt"
+fi
+if [ "$what" = faults_gpus ]; then
+    # Issue 48: every fault scenario on the CUDA backend, one rank per GPU over NCCL, on one node and on 2 virtual
+    # nodes x 2, into faults_gpus.json (benchmarks/faults.py --gpus_json; a copy of the record is updated in place).
+    cp benchmarks/results/faults_gpus.json "$out/faults_gpus.json" 2>/dev/null || true
+    for per_node in ${TOKENYARD_FAULT_NODES:-0 2}; do
+        TOKENYARD_RANKS_PER_NODE=$per_node timeout 270 python3 benchmarks/faults.py --cuda_ranks 4 \
+            --gpus_json "$out/faults_gpus.json" 2>&1 | grep -v Warn | tee -a "$out/faults_gpus.log" | cut -c1-160
+    done
 fi
 if [ "$what" = structure_ab ]; then
     # Issue 22: the README's benchmark (CUDA backend only) at one rank, twice in the tree of TOKENYARD_BEFORE and

@@ -191,7 +191,7 @@ def agree_on_buffer(group: Optional[dist.ProcessGroup], rank: int, device: torch
     """
     if group is None:  # an mpi4py comm: its exchanges are of objects, which it sizes itself
         return
-    mine = torch.tensor([0] + signature("Buffer", **fields) + [0], dtype=torch.int64)
+    mine = torch.tensor([0] + signature("Buffer", **fields) + [0], dtype=torch.int64, device="cpu")
     stage = "Buffer/agree"
     # Where a Buffer's calls send their headers (Collectives.agree): over the group, CUDA tensors where it is NCCL's.
     if device.type == "cpu" or "nccl" not in str(dist.get_backend(group)).lower():
