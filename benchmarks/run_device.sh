@@ -15,7 +15,7 @@
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh structure_ab
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh host_cost_ab
 #   TOKENYARD_COMMIT=<hash> [TOKENYARD_BEFORE=<hash>] bash benchmarks/run_device.sh stream_stress
-#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [compat|sanitizer|main_bench|faults_gpus]
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [compat [pytest args]|sanitizer|main_bench|faults_gpus]
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -204,14 +204,13 @@ if [ "$what" = stream_stress ]; then
 fi
 if [ "$what" = compat ]; then
     # Issue 47: DeepEP programs' habits (torch's default device and dtype, hooks, contiguity, profiler names) at 4
-    # ranks on the GPUs there are, then at 2 virtual nodes x 2; logs compat_4ranks.log and compat_2x2.log.
+    # ranks on the GPUs there are (compat_4ranks.log); the defaults and profiler tests hold their own Buffers of 2
+    # virtual nodes x 2 (ranks_per_node), so the internode cases run in the same call. Extra arguments go to pytest.
+    shift
     TOKENYARD_TEST_NUM_RANKS=4 timeout "${TOKENYARD_COMPAT_TIMEOUT_S:-240}" python3 -m pytest -v -p no:cacheprovider \
         tests/gpu/test_torch_defaults_cuda.py tests/gpu/test_profiler_names.py tests/gpu/test_elastic_cuda.py \
-        tests/gpu/test_low_latency_cuda.py tests/gpu/test_fast_paths.py tests/gpu/test_compile.py 2>&1 \
+        tests/gpu/test_low_latency_cuda.py tests/gpu/test_fast_paths.py tests/gpu/test_compile.py "$@" 2>&1 \
         | tee "$out/compat_4ranks.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -30
-    TOKENYARD_RANKS_PER_NODE=2 TOKENYARD_TEST_NUM_RANKS=4 timeout 150 python3 -m pytest -v -p no:cacheprovider \
-        tests/gpu/test_torch_defaults_cuda.py tests/gpu/test_profiler_names.py 2>&1 \
-        | tee "$out/compat_2x2.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -12
 fi
 if [ "$what" = sanitizer ]; then
     # Issue 56: PyTorch's CUDA sanitizer (CSAN) over the stream-heavy GPU tests at 2 ranks (sanitizer.log). It sees

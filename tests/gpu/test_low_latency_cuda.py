@@ -54,7 +54,7 @@ def _differences(want: torch.Tensor, got: torch.Tensor) -> str:
 
 
 class _FilledSlots:
-    """One rank's expert outputs ``[L, R*M, H]`` as the oracle reads them (``[l, slot]`` and ``size(2)``), holding
+    """One rank's expert outputs ``[L, R*M, H]`` as the oracle reads them (``[l, slot]``, ``size(2)``, ``device``), holding
     only the slots its dispatch filled: a few MB where the whole tensor is hundreds, so every rank can gather
     every rank's over any group."""
 
@@ -63,6 +63,7 @@ class _FilledSlots:
         self.rows = y[valid].cpu()
         self.row_of = (valid.flatten().cumsum(0) - 1).view(valid.shape).cpu()
         self.hidden = y.size(2)
+        self.device = self.rows.device  # where the oracle makes its sums
 
     def size(self, dim: int) -> int:
         assert dim == 2, "the oracle asks for the hidden size only"
