@@ -42,7 +42,8 @@ def _bars(ax, doc: dict, rows: list, title: str) -> None:
     if limits:
         ax.scatter([x for x, _ in limits], [v for _, v in limits], marker="_", s=900, linewidths=3, color="red",
                    zorder=3, label="copy limit: time for the same NVLink bytes")
-    ax.set_ylim(0, 1.3 * max([r[timed] for r in rows] + [r["all_to_all_us"] or 0 for r in rows]))
+    ax.set_ylim(0, 1.3 * max([r[timed] for r in rows] + [r["all_to_all_us"] or 0 for r in rows] +
+                             [v for _, v in limits]))
     ax.set_xlim(-0.6, len(rows) - 0.4)
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, fontsize=FONT)

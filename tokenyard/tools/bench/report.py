@@ -391,6 +391,5 @@ def print_table(doc: dict, verbose: bool = False) -> None:
     for line in cells:
         rich_table.add_row(*line)
     console.print(rich_table)
-    console.print(verdict(doc), markup=False, highlight=False)
-    for note in notes:
-        console.print(note, markup=False, highlight=False)
+    for line in [verdict(doc)] + notes:  # whole lines: a log keeps them as printed
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
