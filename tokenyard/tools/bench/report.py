@@ -370,9 +370,10 @@ def print_table(doc: dict, verbose: bool = False) -> None:
         if verbose:
             print(table(doc), flush=True)
         widths = [max(len(c) for c in column) for column in zip(columns, *cells)]
+        print(header)
         for line in [columns] + cells:
             print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
-        print("\n".join([header, verdict(doc)] + notes), flush=True)
+        print("\n".join([verdict(doc)] + notes), flush=True)
         return
     console = Console() if sys.stdout.isatty() else Console(width=200)  # a pipe would get 80 columns
     if verbose:
