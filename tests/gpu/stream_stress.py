@@ -31,7 +31,7 @@ from tokenyard import EventHandle, EventOverlap
 
 HIDDEN, NUM_TOPK, EXPERTS_PER_RANK = 2048, 6, 8
 MAX_TOKENS, LOW_LATENCY_MAX_TOKENS = 256, 64
-SLEEP_CYCLES = 200_000  # about 100 us at the H100's clock: long against a launch, short against a call
+SLEEP_CYCLES = 200_000  # GPU clock cycles: far longer than a launch, far shorter than a call
 
 
 def _flat(values):

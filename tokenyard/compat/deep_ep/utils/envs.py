@@ -11,7 +11,7 @@ from ....errors import BackendUnavailableError
 
 __all__ = ["get_physical_domain_size", "get_logical_domain_size", "check_nvlink_connections"]
 
-# The names of DeepEP's envs module that tokenyard does not offer (DeepEP main dd758ca).
+# The names of DeepEP main's envs module (the version issue 47 compared against) that tokenyard does not offer.
 _NOT_OFFERED = ("init_seed", "get_local_seed", "get_global_seed", "dist_print", "init_dist", "check_torch_deterministic",
                 "get_nvlink_gbs", "check_fast_rdma_atomic_support", "get_rdma_gbs")
 
