@@ -29,6 +29,8 @@ import torch
 
 from tokenyard import EventHandle, EventOverlap
 
+from .spawn import assert_same
+
 HIDDEN, NUM_TOPK, EXPERTS_PER_RANK = 2048, 6, 8
 MAX_TOKENS, LOW_LATENCY_MAX_TOKENS = 256, 64
 SLEEP_CYCLES = 200_000  # GPU clock cycles: far longer than a launch, far shorter than a call
@@ -125,15 +127,9 @@ class _Streams:
         return failures
 
 
-def _bits(t):
-    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
-
-
 def _equal(what):
     def check(copies):
-        got, want = copies
-        assert got is not None and got.shape == want.shape and torch.equal(_bits(got), _bits(want)), \
-            f"{what} differs"
+        assert_same(what, *copies)
     return check
 
 

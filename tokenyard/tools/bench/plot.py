@@ -10,7 +10,7 @@ as horizontal lines.
 from __future__ import annotations
 
 from . import BenchError
-from .report import KERNEL_SUFFIX, _on_gpus, main_key, summary
+from .report import KERNEL_SUFFIX, on_gpus, main_key, summary
 
 FONT = 10
 
@@ -24,7 +24,7 @@ def require_matplotlib() -> None:
 
 
 def _bars(ax, doc: dict, rows: list, title: str) -> None:
-    gpu = _on_gpus(doc)
+    gpu = on_gpus(doc)
     timed = "kernel_us" if gpu else "call_us"
     rows = [r for r in rows if r[timed] is not None]
     labels = [r["operation"].replace("low-latency ", "").replace(", cached handle", "\n(cached)") for r in rows]
@@ -66,7 +66,7 @@ def _sweep(ax, doc: dict) -> None:
     if doc["copy_limit_gbps"] is not None:
         ax.axhline(doc["copy_limit_gbps"], color="red", label="copy limit")
     ax.set_xlabel("SMs (Buffer.set_num_sms)", fontsize=FONT)
-    ax.set_ylabel("NVLink GB/s per GPU (kernel time)" if _on_gpus(doc) else "GB/s between ranks", fontsize=FONT)
+    ax.set_ylabel("NVLink GB/s per GPU (kernel time)" if on_gpus(doc) else "GB/s between ranks", fontsize=FONT)
     ax.set_title("normal mode against the SM count", fontsize=FONT + 1)
     ax.legend(fontsize=FONT - 1)
 
@@ -94,7 +94,7 @@ def plot(doc: dict, path: str) -> None:
             _bars(ax, doc, normal, f"normal mode, {doc['num_tokens']} tokens per rank")
         else:
             _bars(ax, doc, low_latency, f"low latency, {doc['num_tokens_low_latency']} tokens per rank")
-    where = doc["device"] if _on_gpus(doc) else f"{doc['device']}: CPU times, not GPU figures"
+    where = doc["device"] if on_gpus(doc) else f"{doc['device']}: CPU times, not GPU figures"
     fig.suptitle(f"tokenyard.tools.bench on {where}; hidden {doc['hidden']}, {doc['num_experts']} experts, "
                  f"top-{doc['num_topk']}, {doc['dtype']} dispatch", fontsize=FONT + 1)
     fig.tight_layout()

@@ -188,12 +188,13 @@ COLUMNS = ("backend", "op", "us", "nvlink_gbps", "logical_gbps", "num_sms")
 CPU_COLUMNS = ("backend", "op", "us", "remote_gbps", "logical_gbps")  # the same figures, in words for CPU ranks
 
 
-def _on_gpus(doc: dict) -> bool:
+def on_gpus(doc: dict) -> bool:
+    """Whether `doc` was measured on GPUs (else on CPU ranks, whose rows speak of CPU figures)."""
     return doc.get("settings", {}).get("gpu", True)
 
 
 def _columns(doc: dict) -> Tuple[str, ...]:
-    return COLUMNS if _on_gpus(doc) else CPU_COLUMNS
+    return COLUMNS if on_gpus(doc) else CPU_COLUMNS
 
 
 def _cells(who: str, op: str, values: dict, columns: Tuple[str, ...] = COLUMNS) -> List[str]:
@@ -216,7 +217,7 @@ def _notes(doc: dict) -> List[str]:
                                else f"{doc['copy_limit_gbps']:.1f} GB/s")]
     if "shared by" in doc["device"]:
         notes.append("ranks share GPUs (MPS): times only, no bandwidth, no NCCL baseline")
-    if not _on_gpus(doc):
+    if not on_gpus(doc):
         notes.append("CPU ranks: remote_gbps counts the bytes sent to other ranks"
                      + ("; the reference backend ignores SM counts, so the '@ N SMs' rows time the same calls"
                         if doc.get("compare_sm") else ""))
@@ -288,7 +289,7 @@ def summary(doc: dict) -> List[dict]:
             continue
         all_to_all = None
         if baseline is not None:
-            all_to_all = _timed(nccl.get(baseline + (KERNEL_SUFFIX if _on_gpus(doc) else BACK_TO_BACK_SUFFIX)))
+            all_to_all = _timed(nccl.get(baseline + (KERNEL_SUFFIX if on_gpus(doc) else BACK_TO_BACK_SUFFIX)))
         limit_us = percent = None
         if limit and kernel and kernel_gbps:  # a layout moves no bytes: no limit
             limit_us, percent = kernel * kernel_gbps / limit, 100 * kernel_gbps / limit
@@ -301,7 +302,7 @@ def verdict(doc: dict) -> str:
     """One line that sums the run up: each normal-mode kernel against NCCL and the copy limit (GPU), or what a CPU
     run is good for."""
     rows = {row["op"]: row for row in summary(doc)}
-    if not _on_gpus(doc):
+    if not on_gpus(doc):
         return ("CPU ranks over gloo: these times check that everything runs; they say nothing about GPUs, where the "
                 "figures that matter come from")
     parts = []
@@ -325,7 +326,7 @@ def verdict(doc: dict) -> str:
 
 def summary_table(doc: dict) -> Tuple[Tuple[str, ...], List[List[str]]]:
     """The summary's columns and cells (NOTE [summary table])."""
-    columns = SUMMARY_COLUMNS if _on_gpus(doc) else CPU_SUMMARY_COLUMNS
+    columns = SUMMARY_COLUMNS if on_gpus(doc) else CPU_SUMMARY_COLUMNS
 
     def number(v, digits=1):
         return "-" if v is None else f"{v:.{digits}f}"
@@ -334,14 +335,14 @@ def summary_table(doc: dict) -> Tuple[Tuple[str, ...], List[List[str]]]:
     for row in summary(doc):
         every = [row["operation"], number(row["kernel_us"]), number(row["call_us"]), number(row["all_to_all_us"]),
                  number(row["limit_us"]), number(row["percent"], 0), "-" if not row["num_sms"] else str(row["num_sms"])]
-        cells.append(every if _on_gpus(doc) else [every[0], every[2], every[3]])
+        cells.append(every if on_gpus(doc) else [every[0], every[2], every[3]])
     return columns, cells
 
 
 def _summary_notes(doc: dict) -> List[str]:
     key = main_key(doc)
     who = {"tokenyard": "tokenyard's CUDA kernels", "reference": "the reference backend (plain PyTorch)"}.get(key, key)
-    if _on_gpus(doc):
+    if on_gpus(doc):
         limit = ("not measured" if doc["copy_limit_gbps"] is None else
                  f"{doc['copy_limit_gbps']:.0f} GB/s per GPU, the fastest way found to write to every peer")
         lines = [f"rows: {who}; kernel = GPU time of its kernels; call = calls back to back (low latency: one call); "
@@ -351,7 +352,7 @@ def _summary_notes(doc: dict) -> List[str]:
                  "one call); all-to-all = gloo's all_to_all_single of the same bytes between ranks"]
     if "shared by" in doc["device"]:
         lines.append("ranks share GPUs (MPS): times only, no bandwidth, no NCCL baseline")
-    if key and doc[key]["low_latency"]["graph_error"] and _on_gpus(doc):
+    if key and doc[key]["low_latency"]["graph_error"] and on_gpus(doc):
         lines.append(f"{key}: no CUDA-graph times ({doc[key]['low_latency']['graph_error']})")
     return lines
 
