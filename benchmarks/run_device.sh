@@ -15,7 +15,7 @@
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh structure_ab
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh host_cost_ab
 #   TOKENYARD_COMMIT=<hash> [TOKENYARD_BEFORE=<hash>] bash benchmarks/run_device.sh stream_stress
-#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [compat [pytest args]|sanitizer|main_bench|faults_gpus]
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [compat [pytest args]|sanitizer|main_bench|faults_gpus|ll_hooks]
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -252,5 +252,20 @@ if [ "$what" = one_gpu ]; then
     [ "$num_gpus" -eq 1 ] && TOKENYARD_TEST_NUM_RANKS=2 timeout 120 python3 -m pytest -v tests/gpu/test_process_groups.py \
         -k mps -p no:cacheprovider 2>&1 | tee "$out/gpu_tests_without_mps.log" | grep -E "PASSED|FAILED|passed|failed|Error"
     timeout 150 python3 -m tokenyard.tools.bench --quiet --json "$out/bench_one_gpu.json" 2>&1 | tail -16
+fi
+if [ "$what" = ll_hooks ]; then
+    # Issue 51: the low-latency GPU tests at TOKENYARD_TEST_NUM_RANKS (default 4), then the kernels timed DeepEP's
+    # way per rank (benchmarks/ll_kineto.py: ll_kineto.json, and ll_kineto_before.json in TOKENYARD_BEFORE's tree
+    # where given), then the CUDA-graph replays beside the reference backend over NCCL at 128 tokens (low_latency.json).
+    TOKENYARD_TEST_NUM_RANKS=${TOKENYARD_TEST_NUM_RANKS:-4} timeout "${TOKENYARD_LL_TESTS_TIMEOUT_S:-300}" \
+        python3 -m pytest -v tests/gpu/test_low_latency_cuda.py -p no:cacheprovider 2>&1 | tee "$out/ll_tests.log" \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|^E " | cut -c1-300 | tail -30
+    timeout 150 python3 benchmarks/ll_kineto.py --json "$out/ll_kineto.json" 2>&1 | grep -v Warn | tail -6
+    if [ -n "${TOKENYARD_BEFORE:-}" ]; then
+        cp benchmarks/ll_kineto.py _before/benchmarks/
+        in_tree before timeout 150 python3 benchmarks/ll_kineto.py --json "$out/ll_kineto_before.json" 2>&1 \
+            | grep -v Warn | tail -6
+    fi
+    timeout 200 python3 benchmarks/low_latency.py --tokens 128 --json "$out/low_latency.json" 2>&1 | tail -4
 fi
 tar czf "$out/jit_cache.tgz" "${TOKENYARD_CACHE_DIR#$PWD/}" 2>/dev/null || true

@@ -64,7 +64,8 @@ def test_low_latency_layout_fits_in_half_the_hint_without_overlaps(args):
                       (layout.combine_flags, num_ranks * 8), (layout.state, workspace.LOW_LATENCY_STATE_BYTES),
                       (layout.staged_messages, num_messages * layout.dispatch_message_bytes),
                       (layout.staged_rows, num_messages * hidden * 2),
-                      (layout.arrivals, (num_ranks + 1) * num_max * 8)])
+                      (layout.arrivals, (num_ranks + 1) * num_max * 8),
+                      (layout.combine_deferred, (num_ranks + num_messages * -(-hidden // 512)) * 4)])
     for (begin, size), (next_begin, _) in zip(regions, regions[1:]):
         assert begin + size <= next_begin
     assert regions[-1][0] + regions[-1][1] <= layout.half_bytes

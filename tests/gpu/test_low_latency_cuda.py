@@ -482,6 +482,85 @@ def test_combine_overlap_reads_rows_once_signalled(num_ranks, seed):
         print(line)
 
 
+# A late rank's delay, and what the others' send launches must stay under (a send that waited would take the delay).
+LATE_S = 0.05
+SEND_BOUND_S = 0.01
+
+
+def _late_rank(seed):
+    """Issue 51 (NOTE [deferred rows]): with return_recv_hook, a rank that comes LATE_S late to its combine's send
+    (then, another round, to its dispatch's) lengthens no other rank's send: each stays under SEND_BOUND_S, measured
+    with events around the send. The late rank's data still arrives: every rank's dispatch equals routing's and its
+    combine the pre-reduced oracle bit for bit, outputs poisoned."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer
+    from tokenyard.semantics import routing
+    from tokenyard.tools.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_tokens, hidden, num_experts, num_topk = 128, 7168, 32 * num_ranks, 8
+    size = Buffer.get_low_latency_rdma_size_hint(num_tokens, hidden, num_ranks, num_experts)
+    cuda = Buffer(dist.group.WORLD, 0, size, backend="cuda", timeout_s=10)
+    cuda.runtime.use_low_latency_kernels = True
+    cuda.runtime.poison_outputs = True
+    nodes = _check_path(cuda)
+
+    def timed_send(late: bool, call):
+        """call() launched at once, or after LATE_S of GPU sleep on the late rank; -> (its outputs, events around
+        it)."""
+        if late:
+            torch.cuda._sleep(int(LATE_S * MAX_SM_CLOCK_HZ))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        outputs = call()
+        end.record()
+        return outputs, start, end
+
+    lines = []
+    for round_id, (late_rank, late_stage) in enumerate([(num_ranks - 1, "combine"), (0, "dispatch"), (None, None)]):
+        all_inputs = make_rank_inputs(seed + round_id, num_ranks, num_tokens, hidden, num_experts, num_topk, "uniform",
+                                      "bf16", device)
+        x, topk_idx, weights = all_inputs[rank]
+        torch.cuda.synchronize()
+        dist.barrier()
+        (recv, count, handle, _, receive), d_start, d_end = timed_send(
+            rank == late_rank and late_stage == "dispatch",
+            lambda: cuda.low_latency_dispatch(x, topk_idx, num_tokens, num_experts, use_fp8=False,
+                                              return_recv_hook=True))
+        receive()
+        y = (recv.float() * 0.5 + 1.0).to(torch.bfloat16)
+        (combined, _, receive), c_start, c_end = timed_send(
+            rank == late_rank and late_stage == "combine",
+            lambda: cuda.low_latency_combine(y, topk_idx, weights, handle, return_recv_hook=True))
+        receive()
+        torch.cuda.synchronize()
+        cuda.runtime.check_failures()
+        sends = {"dispatch": d_start.elapsed_time(d_end) / 1e3, "combine": c_start.elapsed_time(c_end) / 1e3}
+        what = f"rank {rank}, round {round_id} (rank {late_rank} late to its {late_stage})"
+        if late_rank is not None and rank != late_rank:
+            assert sends[late_stage] < SEND_BOUND_S, \
+                f"{what}: the {late_stage} send took {sends[late_stage] * 1e3:.2f} ms: it waited for the late rank"
+        oracle = routing.low_latency_dispatch([i[0].cpu() for i in all_inputs], [i[1].cpu() for i in all_inputs],
+                                              num_tokens, num_experts, use_fp8=False)[rank]
+        assert torch.equal(count.cpu(), oracle["packed_recv_count"]), f"{what}: packed_recv_count differs"
+        valid = _valid_slots(handle.layout_range, num_ranks * num_tokens).cpu()
+        assert torch.equal(recv.cpu()[valid], oracle["packed_recv_x"][valid]), f"{what}: dispatched rows differ"
+        want = _pre_reduced(y, handle.layout_range, all_inputs, num_experts)
+        assert torch.equal(combined, want), \
+            f"{what}: combine differs from the pre-reduced oracle: {_differences(want, combined)}"
+        lines.append(f"round {round_id}: sends {sends['dispatch'] * 1e6:.0f} / {sends['combine'] * 1e6:.0f} us")
+    cuda.destroy()
+    return f"rank {rank}: " + "; ".join(lines) + nodes
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts())
+def test_a_late_rank_lengthens_no_other_ranks_send(num_ranks, seed):
+    for line in spawn.run(num_ranks, _late_rank, seed):
+        print(line)
+
+
 def _masked_rank(seed):
     """With enable_shrink, a rank that stops answering is masked and the others keep serving; once every rank has
     cleaned the buffer and unmasked it (low_latency_update_mask_buffer), it serves again."""

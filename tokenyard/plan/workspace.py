@@ -56,6 +56,10 @@ LOW_LATENCY_MAX_TOPK = headers.constant("kernels/low_latency_common.cuh", "kHead
 LOW_LATENCY_MESSAGE_HEADER_BYTES = (headers.constant("kernels/low_latency_common.cuh", "kHeaderChoices")
                                     + 2 * 2 * LOW_LATENCY_MAX_TOPK)
 # Counters, epochs and tags, then block 0's verdicts [stages][a warp of ranks] uint64 (layout.cuh).
+# A low-latency combine's item is a piece of kReduceVectors 16-byte vectors per lane of a row
+# (kernels/low_latency_combine.cuh).
+LOW_LATENCY_REDUCE_INT4 = (headers.constant("kernels/low_latency_combine.cuh", "kReduceVectors")
+                           * headers.constant("types.cuh", "kWarpSize"))
 LOW_LATENCY_STATE_BYTES = (headers.constant("layout.cuh", "kVerdictsAt")
                            + headers.enum("layout.cuh", "VerdictStage")["kNumVerdictStages"]
                            * headers.constant("types.cuh", "kWarpSize") * 8)
@@ -154,6 +158,11 @@ def low_latency_combine_message_bytes(hidden: int) -> int:
     return align(hidden * 2)
 
 
+def low_latency_combine_pieces(hidden: int) -> int:
+    """The pieces a combine's row is reduced in, an item each (NOTE [low-latency combine])."""
+    return -(-(hidden * 2 // 16) // LOW_LATENCY_REDUCE_INT4)
+
+
 def zero_copy_row_elems(hidden: int) -> int:
     """The row stride, in bf16 elements, of `get_next_low_latency_combine_buffer`'s tensor: DeepEP's combine message,
     the row and a bf16 pair of LogFMT bounds per 128 channels, so that the view has DeepEP's strides."""
@@ -210,6 +219,9 @@ class LowLatencyLayout:
                     in kernels/low_latency_common.cuh); unused within a node
     arrivals        [R + 1][M] uint64 ``(tag << 32) | pieces``: the pieces of each staged row (r < R) and message
                     (R) written so far
+    combine_deferred [R] uint32, then [R][M][pieces] uint32, this rank's own: the tag of the combine whose
+                    sending launch left rows for rank r to the receiving launch, and the tag on each item
+                    (message slot j, piece) of r's it left (NOTE [deferred rows] in kernels/low_latency_combine.cuh)
     A tag is the call's epoch times the odd factor of its shape signature (NOTE [call tags]).
     """
 
@@ -225,6 +237,7 @@ class LowLatencyLayout:
     staged_messages: int
     staged_rows: int
     arrivals: int
+    combine_deferred: int
     state: int
 
 
@@ -241,7 +254,8 @@ def low_latency_region_bytes(num_max: int, hidden: int, num_ranks: int, num_expe
             "combine_flags": num_ranks * 8,
             "staged_messages": num_messages * low_latency_dispatch_message_bytes(hidden),
             "staged_rows": num_messages * low_latency_combine_message_bytes(hidden),
-            "arrivals": (num_ranks + 1) * num_max * 8}
+            "arrivals": (num_ranks + 1) * num_max * 8,
+            "combine_deferred": (num_ranks + num_messages * low_latency_combine_pieces(hidden)) * 4}
 
 
 def _low_latency_regions(num_max: int, hidden: int, num_ranks: int, num_experts: int):

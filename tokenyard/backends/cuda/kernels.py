@@ -119,7 +119,8 @@ _LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "ra
                         Param("int64_t", "combine_recv"), Param("int64_t", "combine_flags"), Param("int64_t", "state"),
                         Param("uint32_t", "tag_factor"), Param("int", "do_send"), Param("int", "do_recv"),
                         Param("uint32_t", "remote_ranks"), Param("int64_t", "staged_messages"),
-                        Param("int64_t", "staged_rows"), Param("int64_t", "arrivals"))
+                        Param("int64_t", "staged_rows"), Param("int64_t", "arrivals"),
+                        Param("int64_t", "combine_deferred"))
 # NOTE [internode low-latency] (sync.cuh): with ranks on other nodes the same kernels, given the transport, in an
 # NVSHMEM unit.
 _LOW_LATENCY_INTERNODE = "tokenyard/kernels/low_latency_internode.cuh"

@@ -119,6 +119,7 @@ struct LowLatencyBuffers {
     int64_t staged_messages;
     int64_t staged_rows;
     int64_t arrivals;
+    int64_t combine_deferred;
 
     // The view a low-latency kernel's parameters describe (kernels.py, _LOW_LATENCY_BUFFERS).
     template <typename Params>
@@ -127,7 +128,7 @@ struct LowLatencyBuffers {
                 p.dispatch_recv, p.message_bytes, p.header_bytes, p.dispatch_positions, p.dispatch_counts,
                 p.dispatch_expert_counts, p.combine_weights, p.combine_recv, static_cast<int64_t>(p.hidden) * 2,
                 p.combine_flags, p.state, p.tag_factor, p.remote_ranks, p.staged_messages, p.staged_rows,
-                p.arrivals};
+                p.arrivals, p.combine_deferred};
     }
 
     __device__ __forceinline__ bool is_remote(int r) const { return (remote >> r) & 1u; }
@@ -174,6 +175,16 @@ struct LowLatencyBuffers {
     __device__ __forceinline__ int4* combine_row(int owner, int from, int slot) const {
         return reinterpret_cast<int4*>(peer_bases[owner] + combine_recv +
                                        (static_cast<int64_t>(from) * num_max + slot) * combine_row_bytes);
+    }
+    // NOTE [deferred rows] (kernels/low_latency_combine.cuh), this rank's own words: the tag of the latest combine
+    // whose sending launch left rows for rank `owner` to its receiving launch, then one word per item (message
+    // slot j, piece) of `owner`'s: the tag while that item is left.
+    __device__ __forceinline__ uint32_t* deferred_peer(int owner) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[rank] + combine_deferred) + owner;
+    }
+    __device__ __forceinline__ uint32_t* deferred_item(int owner, int item, int num_pieces) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[rank] + combine_deferred) + num_ranks +
+               static_cast<int64_t>(owner) * num_max * num_pieces + item;
     }
     __device__ __forceinline__ uint64_t* combine_flag(int owner, int source) const {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_flags) + source;

@@ -228,8 +228,10 @@ __device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int 
 // The end of a sending launch: once the block's sends are issued and it has reported done, the last
 // block stores to every unmasked rank r its signal (tag << 32) | value with release (NOTE
 // [cumulative release]), then the launch's epoch for the next launch (NOTE [low-latency epochs]).
-// `withhold` (read by the last block, after every block's done): send no signal, so that the peers time out
-// rather than read what this launch left unwritten; the epoch still advances.
+// `withhold` (called by every thread of the last block, after every block's done): the mask of the ranks that get
+// no signal: every rank (~0u) so that the peers time out rather than read what this launch left unwritten, or
+// those whose signal a later launch sends (NOTE [deferred rows] in kernels/low_latency_combine.cuh); the epoch
+// still advances.
 struct Signal {
     uint64_t* word;
     uint32_t value;
@@ -296,9 +298,9 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
     trace_mark(trace, kTraceCounted);
     if (!last)
         return;
-    const bool silent = withhold();
-    for (int r = threadIdx.x; r < b.num_ranks && !silent; r += blockDim.x) {
-        if (rank_mask != nullptr && rank_mask[r] != 0)
+    const uint32_t held = withhold();
+    for (int r = threadIdx.x; r < b.num_ranks; r += blockDim.x) {
+        if ((held >> r) & 1u || (rank_mask != nullptr && rank_mask[r] != 0))
             continue;
         const Signal signal = signal_of(r);
         store_word<Remote>(b, signal.word, (static_cast<uint64_t>(b.tag(epoch)) << 32) | signal.value, r, true);

@@ -97,18 +97,32 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // (2) The items are (message slot j from s in this half's dispatch, piece of kReduceInt4 columns); a slot
 // whose header's tag is of another dispatch (the token did not come here) contributes nothing. The
 // message's header names the token's choices on this rank, positions(s, j) the packed row each went to
-// (the dispatch wrote it) and weights(s, j) their weights, all read an item ahead; the warp asks for the
-// item's first rows, then waits for a weight only while its tag is older (the first items' weights are
-// still on their way, and loading the rows meanwhile made the combine faster:
-// benchmarks/results/low_latency.md, "decisions"), sums weight * row over those choices in k order (float32, as
-// routing.py) and writes bf16 into s's combine region at (this rank, j). (3) The last
-// block to finish publishes (tag << 32) | 1 to every source. Reduce (do_recv): one thread per block
+// (the dispatch wrote it) and weights(s, j) their weights, all read an item ahead; an item a weight of
+// which has not come (its tag is an older call's) is left for later (NOTE [deferred rows]); the warp asks for the
+// item's rows, sums weight * row over those choices in k order (float32, as routing.py) and writes bf16 into s's
+// combine region at (this rank, j). (3) The last block to finish publishes (tag << 32) | 1 to every source
+// (but those whose items a hook's send left). Reduce (do_recv): one thread per block
 // waits for each rank's flag (NOTE [block waits]); the items are (token t, piece); lane dest finds whether
 // the token went to rank dest (NOTE [pair slots], rank rows) and points at dest's row t; the warp sums the
 // rows in rank order in float32 and writes bf16. The result is routing.low_latency_combine(...,
 // pre_reduce=True) bit for bit: within bf16 rounding of one sum. To a rank of another node (NOTE [internode
 // low-latency]) each weight goes as a signal of its own, and a partial sum's pieces are counted into its arrival
 // word, the warp that completes it putting the row.
+//
+// NOTE [deferred rows]
+// A peer's weights come only when that peer's own combine sends them, and with a recv hook (SGLang's two-batch
+// overlap, vLLM's DBO) the peers' sends may start a matmul apart: a send that waited for a late peer's weights
+// held its SMs until that peer came (issue 51). So no send waits for a peer. An item of peer s whose weights
+// have not all come is left: its word among this rank's deferred words takes the tag, and so does s's; the
+// warp takes its next item. When its items are done the warp takes its left ones again: a launch that also
+// receives now waits for their weights (it cannot end before every peer sent its weights anyway); a hook's
+// send takes those whose weights came meanwhile and leaves the rest. The last block withholds the flag of each
+// peer with an item still left (publish_when_last's mask); the receiving launch first reduces every item left,
+// waiting for its weights (the late peer's send, which never waits, is sending them), its last block flags
+// those peers, and then it receives. So a late peer lengthens this rank's receive by the items it left, never
+// a send, and the rows are the same bytes, written by another launch. Items of this rank itself (its weights
+// come from this launch's other blocks) and of another node's ranks (a row is counted into one put, NOTE
+// [internode low-latency]) are never left.
 template <int kNumTopk, typename TopkT, typename Remote = NoRemote, typename Params>
 __device__ __forceinline__ void low_latency_combine(const Params& p) {
     trace_mark(p.trace, kTraceStart);
@@ -148,6 +162,103 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
                 }
             }
         }
+    };
+    // Lane k's part of item `item` of rank s: where choice k of message j went on this rank and its weight word,
+    // all loaded at once, an item ahead of the sums (a warp waits for memory once per item, for the rows). Items
+    // past the last are read too (every slot's words exist) and never used.
+    struct Choice {
+        uint64_t weight;   // (tag << 32) | float bits once it came
+        uint32_t tag;      // the message's: token j of s came here in this half's dispatch if it is its tag
+        int local_expert;  // -1: the choice is not on this rank
+        int position;      // the packed row it went to
+    };
+    const auto choice_of = [&](int s, int item) -> Choice {
+        Choice choice{0, 0, -1, 0};
+        if (item < p.num_max * num_pieces && lane < kNumTopk) {
+            const int j = item / num_pieces;
+            const uint8_t* message = b.message(p.rank, s, j);
+            choice.weight = ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane);
+            choice.tag = static_cast<uint32_t>(*reinterpret_cast<const uint64_t*>(message) >> 32);
+            choice.local_expert = reinterpret_cast<const int16_t*>(message + kHeaderChoices)[lane];
+            choice.position = b.positions(s, j)[lane];
+        }
+        return choice;
+    };
+    // The items of s in the dispatch of this half: (message slot j, piece), as many slots as s had tokens (a
+    // source masked during that dispatch left an older epoch there: nothing from it). One thread reads.
+    const auto items_of = [&](int s, uint64_t count_word, uint32_t dispatch_tag) {
+        const bool sent = !masked(s) && static_cast<uint32_t>(count_word >> 32) == dispatch_tag;
+        return sent ? static_cast<int>(count_word & 0xffffffffu) * num_pieces : 0;
+    };
+    // The warp's item `item` of rank s: the weighted sum of its rows here, written into s's combine region at
+    // (this rank, j). With `may_leave` an item a weight of which has not come is left (NOTE [deferred rows]).
+    enum : int { kItemDone = 0, kItemLeft = 1, kItemStop = 2 };  // kItemStop: s masked meanwhile, or recorded
+    const auto reduce_item = [&](int s, int item, const Choice& choice, uint32_t dispatch_tag, bool may_leave) {
+        const int j = item / num_pieces, piece = item % num_pieces;
+        if (p.rank_mask != nullptr && ptx::ld_relaxed_sys(p.rank_mask + s) != 0)
+            return kItemStop;  // masked meanwhile: its rows are absent
+        const int4* row = choice.tag == dispatch_tag && choice.local_expert >= 0
+                                  ? p.x + static_cast<int64_t>(choice.position) * p.x_row_int4
+                                  : nullptr;
+        uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
+        if (rows_from == 0u)
+            return kItemDone;  // token j of s did not come here: nothing to send back
+        const bool weighed = row == nullptr || static_cast<uint32_t>(choice.weight >> 32) == tag;
+        if (may_leave && !__all_sync(0xffffffffu, weighed)) {
+            if (lane == 0) {
+                ptx::st_relaxed_sys(b.deferred_item(s, item, num_pieces), tag);
+                ptx::st_relaxed_sys(b.deferred_peer(s), tag);
+            }
+            return kItemLeft;
+        }
+        // NOTE [combine overlap]: the rows' blocks are signalled done first, and the rows, which another
+        // kernel writes during this one, are not read through the non-coherent cache.
+        const bool overlapped = p.comp_signal != nullptr;
+        if (overlapped) {
+            if (!__all_sync(0xffffffffu, row == nullptr || row_ready(choice.position)))
+                return kItemStop;  // recorded: the call fails (withheld signals)
+            __syncwarp();  // every lane reads the rows whose signals other lanes acquired
+        }
+        // The first rows are asked for, then a weight not come yet (its tag is an older call's) is waited
+        // for: at the first items the weights are still on their way, and the rows come meanwhile.
+        RowBatch batch;
+        if (overlapped)
+            load_rows<true>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
+        else
+            load_rows<false>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
+        uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
+        bool lost = false;
+        if (!weighed) {
+            lost = !wait_tag_or_mask<false>(wait, b.weights(p.rank, s, j) + lane, tag, s,
+                                            kStageLowLatencyCombineWeights, p.rank_mask, weight_bits);
+        }
+        if (__any_sync(0xffffffffu, lost))
+            return kItemStop;  // masked: s gets no signal; else the timeout recorded withholds every signal
+        const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
+        float acc[kReduceVectors][8] = {};
+        if (overlapped)
+            accumulate_rows<true>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4, lane);
+        else
+            accumulate_rows<false>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4, lane);
+        if constexpr (Remote::kEnabled) {
+            if (b.is_remote(s)) {
+                store_bf16(b.staged_row(s, j), acc, piece * kReduceInt4, hidden_int4, lane);
+                __syncwarp();
+                bool last = false;
+                if (lane == 0)
+                    last = arrive(b.arrival(s, j), tag, num_pieces);
+                if (__shfl_sync(0xffffffffu, last, 0))
+                    Remote::put_warp(b.combine_row(s, p.rank, j), b.staged_row(s, j), b.combine_row_bytes, s);
+                return kItemDone;
+            }
+        }
+        store_bf16(b.combine_row(s, p.rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
+        return kItemDone;
+    };
+    // Whether the warp's item `item` of s was left (lane 0 reads, every lane learns).
+    const auto was_left = [&](int s, int item) {
+        const uint32_t mark = lane == 0 ? ptx::ld_relaxed_sys(b.deferred_item(s, item, num_pieces)) : 0u;
+        return __shfl_sync(0xffffffffu, mark, 0) == tag;
     };
     if (p.do_send) {
         const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
@@ -192,113 +303,104 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
             if (group.turn >= p.num_ranks)
                 break;  // the same for the whole block
             const int s = next_peer(p.rank, p.num_ranks, group.turn);
-            // Lane k's part of item `item`: where choice k of message j went on this rank and its weight word, all
-            // loaded at once, an item ahead of the sums (a warp waits for memory once per item, for the rows).
-            // Items past the last are read too (every slot's words exist) and never used.
-            struct Choice {
-                uint64_t weight;   // (tag << 32) | float bits once it came
-                uint32_t tag;      // the message's: token j of s came here in this half's dispatch if it is its tag
-                int local_expert;  // -1: the choice is not on this rank
-                int position;      // the packed row it went to
-            };
-            const auto choice_of = [&](int item) -> Choice {
-                Choice choice{0, 0, -1, 0};
-                if (item < p.num_max * num_pieces && lane < kNumTopk) {
-                    const int j = item / num_pieces;
-                    const uint8_t* message = b.message(p.rank, s, j);
-                    choice.weight = ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane);
-                    choice.tag = static_cast<uint32_t>(*reinterpret_cast<const uint64_t*>(message) >> 32);
-                    choice.local_expert = reinterpret_cast<const int16_t*>(message + kHeaderChoices)[lane];
-                    choice.position = b.positions(s, j)[lane];
-                }
-                return choice;
-            };
+            // Rows are left (NOTE [deferred rows]) only for a peer of this node: this rank's own weights are on
+            // their way from this launch's other blocks, and a row to another node is counted into its put.
+            const bool may_leave = s != p.rank && !b.is_remote(s);
             // The first item's words and s's message count are asked for before the weights go out, so that
             // neither waits for the other.
-            const int stride = group.count * num_warps;
-            int item = warp * group.count + group.index;
-            Choice next = choice_of(item);
+            const int stride = group.count * num_warps, first = warp * group.count + group.index;
+            Choice next = choice_of(s, first);
             const uint64_t count_word = threadIdx.x == 0 ? ptx::ld_relaxed_sys(b.count(p.rank, s)) : 0;
             if (!few_blocks)
                 send_weights(group, s);
-            // (2) The items: (message slot j, piece) of s in the dispatch of this half, as many slots as s had
-            //     tokens (a source masked during that dispatch left an older epoch there: nothing from it).
+            // (2) The items of s.
             __shared__ int num_items;
-            if (threadIdx.x == 0) {
-                const bool sent = !masked(s) && static_cast<uint32_t>(count_word >> 32) == dispatch_tag;
-                num_items = sent ? static_cast<int>(count_word & 0xffffffffu) * num_pieces : 0;
-            }
+            if (threadIdx.x == 0)
+                num_items = items_of(s, count_word, dispatch_tag);
             __syncthreads();
             trace_mark(p.trace, kTracePrologue);
-            for (; item < num_items; item += stride) {
-                const int j = item / num_pieces, piece = item % num_pieces;
+            bool left = false, stopped = false;
+            for (int item = first; item < num_items; item += stride) {
                 const Choice choice = next;
-                next = choice_of(item + stride);
-                if (p.rank_mask != nullptr && ptx::ld_relaxed_sys(p.rank_mask + s) != 0)
-                    break;  // masked meanwhile: its rows are absent
-                const int4* row = choice.tag == dispatch_tag && choice.local_expert >= 0
-                                          ? p.x + static_cast<int64_t>(choice.position) * p.x_row_int4
-                                          : nullptr;
-                uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
-                if (rows_from == 0u)
-                    continue;  // token j of s did not come here: nothing to send back
-                // NOTE [combine overlap]: the rows' blocks are signalled done first, and the rows, which another
-                // kernel writes during this one, are not read through the non-coherent cache.
-                const bool overlapped = p.comp_signal != nullptr;
-                if (overlapped) {
-                    if (!__all_sync(0xffffffffu, row == nullptr || row_ready(choice.position)))
-                        break;  // recorded: the call fails (withheld signals below)
-                    __syncwarp();  // every lane reads the rows whose signals other lanes acquired
-                }
-                // The first rows are asked for, then a weight not come yet (its tag is an older call's) is waited
-                // for: at the first items the weights are still on their way, and the rows come meanwhile.
-                RowBatch batch;
-                if (overlapped)
-                    load_rows<true>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
-                else
-                    load_rows<false>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
-                uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
-                bool lost = false;
-                if (row != nullptr && static_cast<uint32_t>(choice.weight >> 32) != tag) {
-                    lost = !wait_tag_or_mask<false>(wait, b.weights(p.rank, s, j) + lane, tag, s,
-                                                    kStageLowLatencyCombineWeights, p.rank_mask, weight_bits);
-                }
-                if (__any_sync(0xffffffffu, lost))
-                    break;  // masked: s gets no signal below; else the timeout recorded withholds every signal
-                const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
-                float acc[kReduceVectors][8] = {};
-                if (overlapped)
-                    accumulate_rows<true>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4,
-                                          lane);
-                else
-                    accumulate_rows<false>(acc, batch, true, rows_from, row, weight, piece * kReduceInt4, hidden_int4,
-                                           lane);
-                if constexpr (Remote::kEnabled) {
-                    if (b.is_remote(s)) {
-                        store_bf16(b.staged_row(s, j), acc, piece * kReduceInt4, hidden_int4, lane);
-                        __syncwarp();
-                        bool last = false;
-                        if (lane == 0)
-                            last = arrive(b.arrival(s, j), tag, num_pieces);
-                        if (__shfl_sync(0xffffffffu, last, 0))
-                            Remote::put_warp(b.combine_row(s, p.rank, j), b.staged_row(s, j), b.combine_row_bytes, s);
-                        continue;
-                    }
-                }
-                store_bf16(b.combine_row(s, p.rank, j), acc, piece * kReduceInt4, hidden_int4, lane);
+                next = choice_of(s, item + stride);
+                const int done = reduce_item(s, item, choice, dispatch_tag, may_leave);
+                stopped = done == kItemStop;
+                if (stopped)
+                    break;
+                left |= done == kItemLeft;
+            }
+            // The items left, once more: a launch that also receives waits for their weights now; a hook's send
+            // takes those whose weights came meanwhile and leaves the rest to its receiving launch.
+            for (int item = first; left && !stopped && item < num_items; item += stride) {
+                if (!was_left(s, item))
+                    continue;
+                const int done = reduce_item(s, item, choice_of(s, item), dispatch_tag, !p.do_recv);
+                if (done == kItemStop)
+                    break;
+                if (done == kItemDone && lane == 0)
+                    ptx::st_relaxed_sys(b.deferred_item(s, item, num_pieces), 0u);
             }
             __syncthreads();  // num_items is the next round's
         }
+        // The peers whose items this launch left (NOTE [deferred rows]), read by the whole last block: their flags
+        // wait for the receiving launch. A peer whose left items all went in the second pass is forgotten.
+        const auto peers_left = [&] {
+            uint32_t peers = 0;
+            for (int s = 0; s < p.num_ranks && !p.do_recv; ++s) {
+                if (ptx::ld_relaxed_sys(b.deferred_peer(s)) != tag)
+                    continue;
+                bool any = false;
+                for (int i = threadIdx.x; i < p.num_max * num_pieces; i += blockDim.x)
+                    any |= ptx::ld_relaxed_sys(b.deferred_item(s, i, num_pieces)) == tag;
+                if (__syncthreads_or(any))
+                    peers |= 1u << s;
+                else if (threadIdx.x == 0)
+                    ptx::st_relaxed_sys(b.deferred_peer(s), 0u);
+            }
+            return peers;
+        };
         // Without a mask, a launch that recorded a failure (a lost weight, a receive timeout in another
         // block) left rows unwritten: its peers must time out rather than sum them; so does one whose expert
         // outputs never came (NOTE [combine overlap]), mask or none.
-        publish_when_last<Remote>(
-                b, 1, epoch, p.rank_mask, p.trace, [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; },
-                [&] { return (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait); });
+        publish_when_last<Remote>(b, 1, epoch, p.rank_mask, p.trace,
+                                  [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; }, [&] {
+                                      const uint32_t left = peers_left();
+                                      return (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait)
+                                                     ? ~0u
+                                                     : left;
+                                  });
     }
     if (!p.do_recv) {
         trace_mark(p.trace, kTraceEnd);
         return;
+    }
+
+    if (!p.do_send) {
+        // NOTE [deferred rows]: the items the sending launch left go first, then their peers' flags.
+        uint32_t left = 0;
+        for (int s = 0; s < p.num_ranks; ++s)
+            left |= ptx::ld_relaxed_sys(b.deferred_peer(s)) == tag ? 1u << s : 0u;
+        if (left != 0u) {
+            const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
+            const int stride = static_cast<int>(gridDim.x) * num_warps;
+            for (uint32_t peers = left; peers != 0u; peers &= peers - 1u) {
+                const int s = __ffs(peers) - 1;
+                const int num_items = items_of(s, ptx::ld_relaxed_sys(b.count(p.rank, s)), dispatch_tag);
+                for (int item = warp * gridDim.x + blockIdx.x; item < num_items; item += stride) {
+                    if (was_left(s, item) &&
+                        reduce_item(s, item, choice_of(s, item), dispatch_tag, false) == kItemStop)
+                        break;
+                }
+            }
+            if (last_block_done(b, 1)) {  // NOTE [cumulative release]
+                const bool silent = (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait);
+                for (int r = threadIdx.x; r < p.num_ranks && !silent; r += blockDim.x) {
+                    if ((left >> r) & 1u && !masked(r))
+                        store_word<Remote>(b, b.combine_flag(r, p.rank), (static_cast<uint64_t>(tag) << 32) | 1u, r,
+                                           true);
+                }
+            }
+        }
     }
 
     const int64_t recv_start = clock64();  // NOTE [wait costs]

@@ -209,7 +209,7 @@ __device__ __forceinline__ void low_latency_dispatch(const Params& p) {
         // The message slots: this rank's tokens.
         publish_when_last<Remote>(b, 0, epoch, p.rank_mask, p.trace, [&](int dest) {
             return Signal{b.count(dest, p.rank), static_cast<uint32_t>(p.num_tokens)};
-        }, [] { return false; });  // a bad id's token goes nowhere; the other tokens still arrive
+        }, [] { return 0u; });  // a bad id's token goes nowhere; the other tokens still arrive
     }
     if (!p.do_recv) {
         trace_mark(p.trace, kTraceEnd);
