@@ -27,13 +27,13 @@ HIDDEN, NUM_EXPERTS, NUM_TOPK = 7168, 256, 8
 MATMUL = 8192  # DeepEP's large_gemm_with_hook: float32 [8192, 8192] @ [8192, 8192]
 
 
-def _kernel_times(prof, word: str) -> list:
-    """The GPU times (us) of the trace's kernels whose names contain "::word", in launch order."""
+def _kernel_times(prof, words) -> dict:
+    """{word: the GPU times (us) of the trace's kernels whose names contain "::word", in launch order}."""
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         prof.export_chrome_trace(trace.name)
         events = json.load(open(trace.name))["traceEvents"]
-    kernels = [e for e in events if e.get("cat") == "kernel" and f"::{word}" in e.get("name", "")]
-    return [float(e["dur"]) for e in sorted(kernels, key=lambda e: e["ts"])]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return {word: [float(e["dur"]) for e in kernels if f"::{word}" in e.get("name", "")] for word in words}
 
 
 def _summary(times: list) -> dict:
@@ -82,8 +82,7 @@ def _measure(num_tokens: int, iters: int) -> dict:
                 dist.all_reduce(one)
                 call(hook)
             torch.cuda.synchronize()
-        for word in ("dispatch", "combine"):
-            times = _kernel_times(prof, word)
+        for word, times in _kernel_times(prof, ("dispatch", "combine")).items():
             assert len(times) == iters * (2 if hook else 1), f"{len(times)} '::{word}' kernels in the trace"
             if hook:
                 result[f"{word}_send"], result[f"{word}_recv"] = _summary(times[0::2]), _summary(times[1::2])

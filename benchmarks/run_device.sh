@@ -265,7 +265,9 @@ if [ "$what" = ll_hooks ]; then
         cp benchmarks/ll_kineto.py _before/benchmarks/
         in_tree before timeout 150 python3 benchmarks/ll_kineto.py --json "$out/ll_kineto_before.json" 2>&1 \
             | grep -v Warn | tail -6
+        in_tree before timeout 200 python3 benchmarks/low_latency.py --tokens 128 --json "$out/low_latency_before.json" \
+            2>&1 | tail -2
     fi
-    timeout 200 python3 benchmarks/low_latency.py --tokens 128 --json "$out/low_latency.json" 2>&1 | tail -4
+    timeout 200 python3 benchmarks/low_latency.py --tokens 128 --json "$out/low_latency.json" 2>&1 | tail -2
 fi
 tar czf "$out/jit_cache.tgz" "${TOKENYARD_CACHE_DIR#$PWD/}" 2>/dev/null || true

@@ -112,17 +112,19 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // NOTE [deferred rows]
 // A peer's weights come only when that peer's own combine sends them, and with a recv hook (SGLang's two-batch
 // overlap, vLLM's DBO) the peers' sends may start a matmul apart: a send that waited for a late peer's weights
-// held its SMs until that peer came (issue 51). So no send waits for a peer. An item of peer s whose weights
-// have not all come is left: its word among this rank's deferred words takes the tag, and so does s's; the
-// warp takes its next item. When its items are done the warp takes its left ones again: a launch that also
-// receives now waits for their weights (it cannot end before every peer sent its weights anyway); a hook's
-// send takes those whose weights came meanwhile and leaves the rest. The last block withholds the flag of each
-// peer with an item still left (publish_when_last's mask); the receiving launch first reduces every item left,
-// waiting for its weights (the late peer's send, which never waits, is sending them), its last block flags
-// those peers, and then it receives. So a late peer lengthens this rank's receive by the items it left, never
-// a send, and the rows are the same bytes, written by another launch. Items of this rank itself (its weights
-// come from this launch's other blocks) and of another node's ranks (a row is counted into one put, NOTE
-// [internode low-latency]) are never left.
+// held its SMs until that peer came (issue 51). So a hook's send (a launch that sends only) waits for no peer:
+// an item of peer s whose weights have not all come is left, its word among this rank's deferred words taking
+// the tag, and the warp takes its next item. When its items are done the warp takes its left ones again, in
+// order, until one whose weights have still not come (s is late): that one and the rest stay left, and s's
+// word takes the tag. The last block withholds the flag of every peer so marked (publish_when_last's mask).
+// The receiving launch first reduces every item left, one index over all such peers' items so that they go
+// out together, waiting for their weights (the late peer's send, which waits for nothing, is sending them);
+// its last block flags those peers, and then it receives. A late peer lengthens this rank's receive by the
+// items it left, never a send, and the rows are the same bytes, written by another launch. A launch that sends
+// and receives leaves nothing (it cannot end before every peer's weights came anyway, and waiting in place
+// with the rows asked for first is the faster order: benchmarks/results/low_latency.md); nor are items of this
+// rank itself (its weights come from this launch's other blocks) or of another node's ranks (a row is counted
+// into one put, NOTE [internode low-latency]) ever left.
 template <int kNumTopk, typename TopkT, typename Remote = NoRemote, typename Params>
 __device__ __forceinline__ void low_latency_combine(const Params& p) {
     trace_mark(p.trace, kTraceStart);
@@ -205,10 +207,8 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
             return kItemDone;  // token j of s did not come here: nothing to send back
         const bool weighed = row == nullptr || static_cast<uint32_t>(choice.weight >> 32) == tag;
         if (may_leave && !__all_sync(0xffffffffu, weighed)) {
-            if (lane == 0) {
+            if (lane == 0)
                 ptx::st_relaxed_sys(b.deferred_item(s, item, num_pieces), tag);
-                ptx::st_relaxed_sys(b.deferred_peer(s), tag);
-            }
             return kItemLeft;
         }
         // NOTE [combine overlap]: the rows' blocks are signalled done first, and the rows, which another
@@ -260,6 +260,13 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
         const uint32_t mark = lane == 0 ? ptx::ld_relaxed_sys(b.deferred_item(s, item, num_pieces)) : 0u;
         return __shfl_sync(0xffffffffu, mark, 0) == tag;
     };
+    // The peers whose items a hook's send left (NOTE [deferred rows]): a bit each.
+    const auto peers_left = [&] {
+        uint32_t peers = 0;
+        for (int s = 0; s < p.num_ranks; ++s)
+            peers |= ptx::ld_relaxed_sys(b.deferred_peer(s)) == tag ? 1u << s : 0u;
+        return peers;
+    };
     if (p.do_send) {
         const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
         // Fewer blocks than ranks, or an overlap's few (NOTE [combine overlap]): a block a rank at a time, in
@@ -303,9 +310,10 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
             if (group.turn >= p.num_ranks)
                 break;  // the same for the whole block
             const int s = next_peer(p.rank, p.num_ranks, group.turn);
-            // Rows are left (NOTE [deferred rows]) only for a peer of this node: this rank's own weights are on
-            // their way from this launch's other blocks, and a row to another node is counted into its put.
-            const bool may_leave = s != p.rank && !b.is_remote(s);
+            // Items are left (NOTE [deferred rows]) by a hook's send only, and only for a peer of this node: this
+            // rank's own weights are on their way from this launch's other blocks, and a row to another node is
+            // counted into its put.
+            const bool may_leave = !p.do_recv && s != p.rank && !b.is_remote(s);
             // The first item's words and s's message count are asked for before the weights go out, so that
             // neither waits for the other.
             const int stride = group.count * num_warps, first = warp * group.count + group.index;
@@ -319,55 +327,49 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
                 num_items = items_of(s, count_word, dispatch_tag);
             __syncthreads();
             trace_mark(p.trace, kTracePrologue);
-            bool left = false, stopped = false;
-            for (int item = first; item < num_items; item += stride) {
+            // The warp's n-th item is first + n * stride; bit n of left_bits: it was left (left_far: one past
+            // the 32nd, whose words tell).
+            uint32_t left_bits = 0u;
+            bool left_far = false, stopped = false;
+            for (int item = first, n = 0; item < num_items; item += stride, ++n) {
                 const Choice choice = next;
                 next = choice_of(s, item + stride);
                 const int done = reduce_item(s, item, choice, dispatch_tag, may_leave);
                 stopped = done == kItemStop;
                 if (stopped)
                     break;
-                left |= done == kItemLeft;
+                if (done == kItemLeft && n < kWarpSize)
+                    left_bits |= 1u << n;
+                left_far |= done == kItemLeft && n >= kWarpSize;
             }
-            // The items left, once more: a launch that also receives waits for their weights now; a hook's send
-            // takes those whose weights came meanwhile and leaves the rest to its receiving launch.
-            for (int item = first; left && !stopped && item < num_items; item += stride) {
-                if (!was_left(s, item))
+            // The items left, once more, in order, until one whose weights have still not come: s is late, and
+            // that item and the rest stay left for the receiving launch, whose flag to s then waits for them.
+            bool still_left = false;
+            for (int item = first, n = 0; (left_bits != 0u || left_far) && !stopped && item < num_items;
+                 item += stride, ++n) {
+                if (n < kWarpSize ? ((left_bits >> n) & 1u) == 0u : !was_left(s, item))
                     continue;
-                const int done = reduce_item(s, item, choice_of(s, item), dispatch_tag, !p.do_recv);
-                if (done == kItemStop)
+                const int done = reduce_item(s, item, choice_of(s, item), dispatch_tag, true);
+                stopped = done == kItemStop;
+                still_left = done == kItemLeft;
+                if (done != kItemDone)
                     break;
-                if (done == kItemDone && lane == 0)
+                if (lane == 0)
                     ptx::st_relaxed_sys(b.deferred_item(s, item, num_pieces), 0u);
+                left_bits &= ~(n < kWarpSize ? 1u << n : 0u);
             }
+            if (still_left && lane == 0)
+                ptx::st_relaxed_sys(b.deferred_peer(s), tag);
             __syncthreads();  // num_items is the next round's
         }
-        // The peers whose items this launch left (NOTE [deferred rows]), read by the whole last block: their flags
-        // wait for the receiving launch. A peer whose left items all went in the second pass is forgotten.
-        const auto peers_left = [&] {
-            uint32_t peers = 0;
-            for (int s = 0; s < p.num_ranks && !p.do_recv; ++s) {
-                if (ptx::ld_relaxed_sys(b.deferred_peer(s)) != tag)
-                    continue;
-                bool any = false;
-                for (int i = threadIdx.x; i < p.num_max * num_pieces; i += blockDim.x)
-                    any |= ptx::ld_relaxed_sys(b.deferred_item(s, i, num_pieces)) == tag;
-                if (__syncthreads_or(any))
-                    peers |= 1u << s;
-                else if (threadIdx.x == 0)
-                    ptx::st_relaxed_sys(b.deferred_peer(s), 0u);
-            }
-            return peers;
-        };
         // Without a mask, a launch that recorded a failure (a lost weight, a receive timeout in another
         // block) left rows unwritten: its peers must time out rather than sum them; so does one whose expert
         // outputs never came (NOTE [combine overlap]), mask or none.
         publish_when_last<Remote>(b, 1, epoch, p.rank_mask, p.trace,
                                   [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; }, [&] {
-                                      const uint32_t left = peers_left();
                                       return (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait)
                                                      ? ~0u
-                                                     : left;
+                                                     : peers_left();  // their flags wait for the receiving launch
                                   });
     }
     if (!p.do_recv) {
@@ -377,20 +379,40 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
 
     if (!p.do_send) {
         // NOTE [deferred rows]: the items the sending launch left go first, then their peers' flags.
-        uint32_t left = 0;
-        for (int s = 0; s < p.num_ranks; ++s)
-            left |= ptx::ld_relaxed_sys(b.deferred_peer(s)) == tag ? 1u << s : 0u;
+        const uint32_t left = peers_left();
         if (left != 0u) {
             const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
-            const int stride = static_cast<int>(gridDim.x) * num_warps;
-            for (uint32_t peers = left; peers != 0u; peers &= peers - 1u) {
-                const int s = __ffs(peers) - 1;
-                const int num_items = items_of(s, ptx::ld_relaxed_sys(b.count(p.rank, s)), dispatch_tag);
-                for (int item = warp * gridDim.x + blockIdx.x; item < num_items; item += stride) {
-                    if (was_left(s, item) &&
-                        reduce_item(s, item, choice_of(s, item), dispatch_tag, false) == kItemStop)
-                        break;
+            // One index over the items of every peer left (in rank order), so that a warp has about one item and
+            // the peers' rows go out together; lane r holds peer r's count.
+            const int lane_items = lane < p.num_ranks && (left >> lane) & 1u
+                                           ? items_of(lane, ptx::ld_relaxed_sys(b.count(p.rank, lane)), dispatch_tag)
+                                           : 0;
+            const auto locate = [&](int i, int& item) {  // -> the peer of index i and its item there, or -1
+                for (int r = 0; r < p.num_ranks; ++r) {
+                    const int count = __shfl_sync(0xffffffffu, lane_items, r);
+                    if (i < count) {
+                        item = i;
+                        return r;
+                    }
+                    i -= count;
                 }
+                return -1;
+            };
+            const auto choice_at = [&](int s, int item) { return s >= 0 ? choice_of(s, item) : Choice{0, 0, -1, 0}; };
+            const int stride = static_cast<int>(gridDim.x) * num_warps;
+            int i = warp * gridDim.x + blockIdx.x, item = 0;
+            int s = locate(i, item);
+            Choice choice = choice_at(s, item);
+            while (s >= 0) {  // the next index's words are asked for before this one's rows
+                int next_item = 0;
+                const int next_s = locate(i + stride, next_item);
+                const Choice next = choice_at(next_s, next_item);
+                if (was_left(s, item) && reduce_item(s, item, choice, dispatch_tag, false) == kItemStop)
+                    break;
+                i += stride;
+                s = next_s;
+                item = next_item;
+                choice = next;
             }
             if (last_block_done(b, 1)) {  // NOTE [cumulative release]
                 const bool silent = (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait);
