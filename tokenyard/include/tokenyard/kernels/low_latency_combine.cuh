@@ -11,6 +11,8 @@ namespace tokenyard::kernels {
 constexpr int kReduceVectors = 2;
 constexpr int kReduceInt4 = kReduceVectors * kWarpSize;
 constexpr int kReduceBatch = 4;  // rows whose loads are in flight together
+// NOTE [deferred rows]: how long after a hook's send began it waits for weights on their way.
+constexpr uint64_t kWeightPatienceNs = 4000;
 
 // Up to kReduceBatch rows of one reduce item, their loads issued together: lane from[u] offered row u.
 struct RowBatch {
@@ -112,9 +114,11 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // NOTE [deferred rows]
 // A peer's weights come only when that peer's own combine sends them, and with a recv hook (SGLang's two-batch
 // overlap, vLLM's DBO) the peers' sends may start a matmul apart: a send that waited for a late peer's weights
-// held its SMs until that peer came (issue 51). So a hook's send (a launch that sends only) waits for no peer:
-// an item of peer s whose weights have not all come is left, its word among this rank's deferred words taking
-// the tag, and the warp takes its next item. When its items are done the warp takes its left ones again, in
+// held its SMs until that peer came (issue 51). So a hook's send (a launch that sends only) waits for no late
+// peer: up to kWeightPatienceNs after it began it waits for weights, as a launch that also receives does (a
+// peer that began about when this rank did is sending them: its weights go out in its first microseconds), and
+// from then on an item of peer s whose weights have not all come is left, its word among this rank's deferred
+// words taking the tag, and the warp takes its next item. When its items are done the warp takes its left ones again, in
 // order, until one whose weights have still not come (s is late): that one and the rest stay left, and s's
 // word takes the tag. The last block withholds the flag of every peer so marked (publish_when_last's mask).
 // The receiving launch first reduces every item left, one index over all such peers' items so that they go
@@ -135,6 +139,7 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
     const int hidden_int4 = p.hidden * 2 / 16;
     const int num_pieces = (hidden_int4 + kReduceInt4 - 1) / kReduceInt4;
     const uint32_t epoch = launch_epoch(b, 1, p.do_send), tag = b.tag(epoch);  // NOTE [call tags]
+    const uint64_t patience_end = ptx::global_timer_ns() + kWeightPatienceNs;  // NOTE [deferred rows]
     const auto masked = [&](int r) { return p.rank_mask != nullptr && p.rank_mask[r] != 0; };
     extern __shared__ uint32_t bits[];  // NOTE [pair slots], a row per rank
     const int words = (p.num_max + 31) / 32;
@@ -205,12 +210,15 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
         uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
         if (rows_from == 0u)
             return kItemDone;  // token j of s did not come here: nothing to send back
-        const bool weighed = row == nullptr || static_cast<uint32_t>(choice.weight >> 32) == tag;
-        if (may_leave && !__all_sync(0xffffffffu, weighed)) {
+        bool weighed = row == nullptr || static_cast<uint32_t>(choice.weight >> 32) == tag;
+        // Past the patience a missing weight leaves the item at once; before it, the rows are asked for first.
+        const auto leave = [&] {
             if (lane == 0)
                 ptx::st_relaxed_sys(b.deferred_item(s, item, num_pieces), tag);
             return kItemLeft;
-        }
+        };
+        if (may_leave && !__all_sync(0xffffffffu, weighed) && ptx::global_timer_ns() >= patience_end)
+            return leave();
         // NOTE [combine overlap]: the rows' blocks are signalled done first, and the rows, which another
         // kernel writes during this one, are not read through the non-coherent cache.
         const bool overlapped = p.comp_signal != nullptr;
@@ -227,6 +235,15 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
         else
             load_rows<false>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
         uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
+        if (may_leave) {
+            while (!weighed && ptx::global_timer_ns() < patience_end) {
+                const uint64_t word = ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane);
+                weighed = static_cast<uint32_t>(word >> 32) == tag;
+                weight_bits = static_cast<uint32_t>(word & 0xffffffffu);
+            }
+            if (!__all_sync(0xffffffffu, weighed))
+                return leave();
+        }
         bool lost = false;
         if (!weighed) {
             lost = !wait_tag_or_mask<false>(wait, b.weights(p.rank, s, j) + lane, tag, s,
@@ -260,12 +277,9 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
         const uint32_t mark = lane == 0 ? ptx::ld_relaxed_sys(b.deferred_item(s, item, num_pieces)) : 0u;
         return __shfl_sync(0xffffffffu, mark, 0) == tag;
     };
-    // The peers whose items a hook's send left (NOTE [deferred rows]): a bit each.
+    // The peers whose items a hook's send left (NOTE [deferred rows]): a bit each, a lane per peer.
     const auto peers_left = [&] {
-        uint32_t peers = 0;
-        for (int s = 0; s < p.num_ranks; ++s)
-            peers |= ptx::ld_relaxed_sys(b.deferred_peer(s)) == tag ? 1u << s : 0u;
-        return peers;
+        return __ballot_sync(0xffffffffu, lane < p.num_ranks && ptx::ld_relaxed_sys(b.deferred_peer(lane)) == tag);
     };
     if (p.do_send) {
         const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
@@ -369,7 +383,7 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
                                   [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; }, [&] {
                                       return (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait)
                                                      ? ~0u
-                                                     : peers_left();  // their flags wait for the receiving launch
+                                                     : p.do_recv ? 0u : peers_left();  // wait for the receive
                                   });
     }
     if (!p.do_recv) {
