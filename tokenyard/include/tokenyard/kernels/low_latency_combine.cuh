@@ -129,8 +129,9 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // with the rows asked for first is the faster order: benchmarks/results/low_latency.md); nor are items of this
 // rank itself (its weights come from this launch's other blocks) or of another node's ranks (a row is counted
 // into one put, NOTE [internode low-latency]) ever left.
-template <int kNumTopk, typename TopkT, typename Remote = NoRemote, typename Params>
-__device__ __forceinline__ void low_latency_combine(const Params& p) {
+// kHookSend: the launch sends only, the send of a recv hook (NOTE [deferred rows]).
+template <bool kHookSend, int kNumTopk, typename TopkT, typename Remote, typename Params>
+__device__ __forceinline__ void combine_launch(const Params& p) {
     trace_mark(p.trace, kTraceStart);
     const LowLatencyBuffers b = LowLatencyBuffers::of(p, kNumTopk);
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -139,7 +140,7 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
     const int hidden_int4 = p.hidden * 2 / 16;
     const int num_pieces = (hidden_int4 + kReduceInt4 - 1) / kReduceInt4;
     const uint32_t epoch = launch_epoch(b, 1, p.do_send), tag = b.tag(epoch);  // NOTE [call tags]
-    const uint64_t patience_end = ptx::global_timer_ns() + kWeightPatienceNs;  // NOTE [deferred rows]
+    const uint64_t patience_end = kHookSend ? ptx::global_timer_ns() + kWeightPatienceNs : 0;  // NOTE [deferred rows]
     const auto masked = [&](int r) { return p.rank_mask != nullptr && p.rank_mask[r] != 0; };
     extern __shared__ uint32_t bits[];  // NOTE [pair slots], a row per rank
     const int words = (p.num_max + 31) / 32;
@@ -327,7 +328,7 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
             // Items are left (NOTE [deferred rows]) by a hook's send only, and only for a peer of this node: this
             // rank's own weights are on their way from this launch's other blocks, and a row to another node is
             // counted into its put.
-            const bool may_leave = !p.do_recv && s != p.rank && !b.is_remote(s);
+            const bool may_leave = kHookSend && s != p.rank && !b.is_remote(s);
             // The first item's words and s's message count are asked for before the weights go out, so that
             // neither waits for the other.
             const int stride = group.count * num_warps, first = warp * group.count + group.index;
@@ -359,8 +360,8 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
             // The items left, once more, in order, until one whose weights have still not come: s is late, and
             // that item and the rest stay left for the receiving launch, whose flag to s then waits for them.
             bool still_left = false;
-            for (int item = first, n = 0; (left_bits != 0u || left_far) && !stopped && item < num_items;
-                 item += stride, ++n) {
+            const bool retry = kHookSend && (left_bits != 0u || left_far) && !stopped;
+            for (int item = first, n = 0; retry && item < num_items; item += stride, ++n) {
                 if (n < kWarpSize ? ((left_bits >> n) & 1u) == 0u : !was_left(s, item))
                     continue;
                 const int done = reduce_item(s, item, choice_of(s, item), dispatch_tag, true);
@@ -383,7 +384,7 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
                                   [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; }, [&] {
                                       return (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait)
                                                      ? ~0u
-                                                     : p.do_recv ? 0u : peers_left();  // wait for the receive
+                                                     : kHookSend ? peers_left() : 0u;  // wait for the receive
                                   });
     }
     if (!p.do_recv) {
@@ -481,6 +482,15 @@ __device__ __forceinline__ void low_latency_combine(const Params& p) {
         store_bf16(p.combined_x + static_cast<int64_t>(t) * hidden_int4, acc, piece * kReduceInt4, hidden_int4, lane);
     }
     trace_mark(p.trace, kTraceEnd);
+}
+
+// A hook's send is compiled apart, so that leaving items costs the other launches nothing.
+template <int kNumTopk, typename TopkT, typename Remote = NoRemote, typename Params>
+__device__ __forceinline__ void low_latency_combine(const Params& p) {
+    if (p.do_send && !p.do_recv)
+        combine_launch<true, kNumTopk, TopkT, Remote>(p);
+    else
+        combine_launch<false, kNumTopk, TopkT, Remote>(p);
 }
 
 }  // namespace tokenyard::kernels
