@@ -112,23 +112,22 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // word, the warp that completes it putting the row.
 //
 // NOTE [deferred rows]
-// A peer's weights come only when that peer's own combine sends them, and with a recv hook (SGLang's two-batch
-// overlap, vLLM's DBO) the peers' sends may start a matmul apart: a send that waited for a late peer's weights
-// held its SMs until that peer came (issue 51). So a hook's send (a launch that sends only) waits for no late
-// peer: up to kWeightPatienceNs after it began it waits for weights, as a launch that also receives does (a
-// peer that began about when this rank did is sending them: its weights go out in its first microseconds), and
-// from then on an item of peer s whose weights have not all come is left, its word among this rank's deferred
-// words taking the tag, and the warp takes its next item. When its items are done the warp takes its left ones again, in
-// order, until one whose weights have still not come (s is late): that one and the rest stay left, and s's
-// word takes the tag. The last block withholds the flag of every peer so marked (publish_when_last's mask).
-// The receiving launch first reduces every item left, one index over all such peers' items so that they go
-// out together, waiting for their weights (the late peer's send, which waits for nothing, is sending them);
-// its last block flags those peers, and then it receives. A late peer lengthens this rank's receive by the
-// items it left, never a send, and the rows are the same bytes, written by another launch. A launch that sends
-// and receives leaves nothing (it cannot end before every peer's weights came anyway, and waiting in place
-// with the rows asked for first is the faster order: benchmarks/results/low_latency.md); nor are items of this
-// rank itself (its weights come from this launch's other blocks) or of another node's ranks (a row is counted
-// into one put, NOTE [internode low-latency]) ever left.
+// A peer's weights come only when that peer's own combine sends them, and with a recv hook (SGLang's two-batch overlap,
+// vLLM's DBO) the peers' sends may start a matmul apart: a send that waited for a late peer's weights held its SMs
+// until that peer came (issue 51). So a hook's send (a launch that sends only) waits for no late peer: up to
+// kWeightPatienceNs after it began it waits for weights, as a launch that also receives does (a peer that began about
+// when this rank did is sending them: its weights go out in its first microseconds), and from then on an item of peer s
+// whose weights have not all come is left, its word among this rank's deferred words taking the tag, and the warp takes
+// its next item. When its items are done the warp takes its left ones again, in order, until one whose weights have
+// still not come (s is late): that one and the rest stay left, and s's word takes the tag. The last block withholds the
+// flag of every peer so marked (publish_when_last's mask). The receiving launch first reduces every item left, one
+// index over all such peers' items so that they go out together, waiting for their weights (the late peer's send, which
+// waits for nothing, is sending them); its last block flags those peers, and then it receives. A late peer lengthens
+// this rank's receive by the items it left, never a send, and the rows are the same bytes, written by another launch. A
+// launch that sends and receives leaves nothing (it cannot end before every peer's weights came anyway, and waiting in
+// place with the rows asked for first is the faster order: benchmarks/results/low_latency.md); nor are items of this
+// rank itself (its weights come from this launch's other blocks) or of another node's ranks (a row is counted into one
+// put, NOTE [internode low-latency]) ever left.
 // kHookSend: the launch sends only, the send of a recv hook (NOTE [deferred rows]).
 template <bool kHookSend, int kNumTopk, typename TopkT, typename Remote, typename Params>
 __device__ __forceinline__ void combine_launch(const Params& p) {
