@@ -5,7 +5,7 @@
 
 One rank per GPU (4 by default), hidden 7168, top-8 of 256 experts, FP8 dispatch and bf16 combine: each
 token count runs on a Buffer of `--budget_bytes` (calls that need more run in rounds, NOTE [rounds] in
-tokenyard/plan/rounds.py), and 4096 tokens also run on a Buffer sized by the hint (the unbounded path). Without
+tokenyard/rounds.py), and 4096 tokens also run on a Buffer sized by the hint (the unbounded path). Without
 GPUs it runs a small problem on gloo ranks through the reference backend (a check that it works, not a
 measurement).
 

@@ -4,7 +4,7 @@ combine on rank 0, from the PyTorch profiler (CUPTI), with every kernel's start,
     python benchmarks/profile_rounds.py [--num_ranks 2] [--num_tokens 32768] [--budget_bytes 536870912]
 
 DeepSeek-V3 shapes (hidden 7168, top-8 of 256, FP8 dispatch, bf16 combine) at 24 SMs on a Buffer of
-`--budget_bytes`, so the calls run in rounds (NOTE [rounds] in tokenyard/plan/rounds.py). A diagnostic: the
+`--budget_bytes`, so the calls run in rounds (NOTE [rounds] in tokenyard/rounds.py). A diagnostic: the
 figures that count are benchmarks/bounded.py's.
 """
 

@@ -18,14 +18,9 @@ import torch.distributed as dist
 from .buffer import Buffer
 from .errors import InvalidInputError
 from .plan import devices
+from .tools.launch import group_or_world
 
 DEFAULT_SM_COUNTS = (8, 16, 24, 32, 40, 48)
-
-
-def _group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    if not dist.is_initialized():
-        raise InvalidInputError("torch.distributed is not initialized: call dist.init_process_group first")
-    return group if group is not None else dist.group.WORLD
 
 
 class Benchmark:
@@ -47,7 +42,7 @@ class Benchmark:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, backends: Optional[Sequence[str]] = None,
                  iters: Optional[int] = None, warmup: Optional[int] = None, seed: Optional[int] = None,
                  quiet: bool = False) -> None:
-        self.group = _group(group)
+        self.group = group_or_world(group)
         self.backends = None if backends is None else tuple(backends)
         self.iters, self.warmup, self.seed, self.quiet = iters, warmup, seed, quiet
 

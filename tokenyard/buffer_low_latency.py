@@ -14,7 +14,6 @@ from .backends.requests import CombineOverlap, LowLatencyCombineRequest, LowLate
 from .errors import InvalidInputError
 from .handle import LowLatencyHandle
 from .plan import devices, workspace
-from .semantics import routing
 
 
 def _no_async_with_hook(async_finish: bool, return_recv_hook: bool) -> None:
@@ -185,7 +184,7 @@ class LowLatencyCalls:
         if backend.wants_call_agreement(True):  # NOTE [call agreement] in collectives.py
             # NOTE [input verdict] in checks.py: the ids are judged with the header, so every rank refuses alike.
             verdicts = self._exchange.agree(
-                "low_latency_dispatch", lambda: routing.bad_expert_ids(topk_idx, num_experts).any().int(),
+                "low_latency_dispatch", lambda: checks.bad_expert_ids(topk_idx, num_experts).any().int(),
                 hidden=hidden, num_topk=topk_idx.size(1), num_experts=num_experts,
                 num_max=num_max_dispatch_tokens_per_rank, cast=2 if use_nvfp4 else int(use_fp8),
                 round_scale=int(round_scale or use_ue8m0), use_ue8m0=int(use_ue8m0 and use_fp8))

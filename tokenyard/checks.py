@@ -12,7 +12,8 @@ import torch
 
 from .errors import CapacityError, HandleError, InvalidInputError
 from .handle import InternodeHandle, LowLatencyHandle, as_low_latency_handle, as_normal_handle
-from .plan import workspace
+from .plan import headers, workspace
+from .semantics import routing
 
 TOPK_DTYPES = (torch.int64, torch.int32)
 SCALE_DTYPES = (torch.float32, torch.int32)
@@ -81,12 +82,37 @@ def num_experts(value: int, num_ranks: int) -> int:
 # judges the ids themselves). A low-latency dispatch has no count exchange: the reference backend sends its verdict on
 # the ids with the call's header (NOTE [call agreement] in collectives.py), so every rank refuses alike before
 # any data moves; the CUDA backend's kernels send none of a bad id's pairs and the rank that gave it raises
-# (`low_latency_bad_ids`). The bits are mirrored in include/tokenyard/sync.cuh (Verdict).
-BAD_EXPERT_ID = 1
-PER_RANK_DISAGREES = 2
-PER_EXPERT_DISAGREES = 4
-IN_RANK_DISAGREES = 8
-LAYOUT_BAD_IDS = 16
+# (`low_latency_bad_ids`). The bits are include/tokenyard/sync.cuh's (Verdict), which the kernels set.
+_VERDICT = headers.enum("sync.cuh", "Verdict")
+BAD_EXPERT_ID = _VERDICT["kBadExpertId"]
+PER_RANK_DISAGREES = _VERDICT["kPerRankDisagrees"]
+PER_EXPERT_DISAGREES = _VERDICT["kPerExpertDisagrees"]
+IN_RANK_DISAGREES = _VERDICT["kInRankDisagrees"]
+LAYOUT_BAD_IDS = _VERDICT["kLayoutBadIds"]
+
+
+def bad_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Where `topk_idx` holds an id outside [-1, num_experts) (bool, its shape)."""
+    return (topk_idx < -1) | (topk_idx >= num_experts)
+
+
+def layout_verdict(topk_idx: Optional[torch.Tensor], num_experts: int, num_tokens_per_rank: torch.Tensor,
+                   is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """Per rank. The NOTE [input verdict] bits of a fresh dispatch's inputs, as an int32 0-D tensor
+    on their device (no host sync): ids outside [-1, E), and layout tensors unlike `dispatch_layout` of the
+    ids in range. Without `topk_idx`, only `num_tokens_per_rank` against `is_token_in_rank`."""
+    num_ranks = is_token_in_rank.size(1)
+    tests = [(PER_RANK_DISAGREES, (is_token_in_rank.sum(0, dtype=torch.int32) != num_tokens_per_rank).any())]
+    if topk_idx is not None:
+        bad = bad_expert_ids(topk_idx, num_experts)
+        _, per_expert, in_rank = routing.dispatch_layout(torch.where(bad, -1, topk_idx), num_experts, num_ranks)
+        tests += [(BAD_EXPERT_ID, bad.any()),
+                  (PER_EXPERT_DISAGREES, (per_expert != num_tokens_per_expert).any()),
+                  (IN_RANK_DISAGREES, (in_rank != is_token_in_rank).any())]
+    verdict = torch.zeros((), dtype=torch.int32, device=is_token_in_rank.device)
+    for bit, failed in tests:
+        verdict = verdict | failed.int() * bit
+    return verdict
 
 
 def _verdict_text(kinds: int, num_experts: Optional[int]) -> str:
@@ -120,8 +146,6 @@ def layout_agrees(topk_idx: Optional[torch.Tensor], num_experts: int, num_tokens
                   is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> None:
     """The debug mode's host check of a dispatch's layout tensors: the judgement of NOTE [input verdict], read
     on the host (a device sync) and refused on this rank before any communication."""
-    from .semantics.routing import layout_verdict
-
     kinds = int(layout_verdict(topk_idx, num_experts, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
     if kinds:
         _fail(_verdict_text(kinds, num_experts))
@@ -164,8 +188,6 @@ def topk_values(t: torch.Tensor, num_experts: int) -> None:
         return
     low, high = (int(v) for v in torch.aminmax(t))
     if low < -1 or high >= num_experts:
-        from .semantics.routing import bad_expert_ids
-
         bad = t[bad_expert_ids(t, num_experts)].flatten()[0].item()
         _fail(f"topk_idx holds expert id {bad}, outside [-1, {num_experts})")
 

@@ -121,7 +121,7 @@ class DispatchHandle(_NamedTuple):
     Attributes beyond the six fields:
         buffer_id: identity of the `Buffer` that made it (None for a handle built from a plain tuple).
         num_recv_tokens: rows actually received, or None where unknown on the host (`num_worst_tokens`).
-        rounds: the `tokenyard.plan.rounds.Rounds` the dispatch ran in (NOTE [rounds]), with each round's own
+        rounds: the `tokenyard.rounds.Rounds` the dispatch ran in (NOTE [rounds]), with each round's own
             handle, so combine and cached dispatch replay them; None for a handle built from a plain tuple.
     """
 

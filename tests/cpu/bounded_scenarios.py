@@ -1,5 +1,5 @@
 """Rank functions for the bounded-buffer tests (tests/cpu/test_bounded.py): a call in rounds against the
-same call in one round, bit for bit (NOTE [rounds] in tokenyard/plan/rounds.py).
+same call in one round, bit for bit (NOTE [rounds] in tokenyard/rounds.py).
 
 Every function builds all ranks' inputs from one seed, with a token count of its own per rank, runs the
 calls on a Buffer sized for one round (`one_shot`) and on one that must use rounds (`bounded`), and
@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from tokenyard import Buffer, CapacityError, Config, InvalidInputError, env
-from tokenyard.plan import rounds, workspace
+from tokenyard import rounds
+from tokenyard.plan import workspace
 from tokenyard.tools.testing import make_topk_idx, make_topk_weights, make_x
 
 from .scenarios import assert_same

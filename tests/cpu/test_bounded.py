@@ -83,7 +83,7 @@ def test_a_fresh_dispatch_agrees_on_rounds_only_after_its_count_exchange():
     from tokenyard.backends.requests import DispatchRequest
     from tokenyard.config import Config
     from tokenyard.errors import CommTimeoutError
-    from tokenyard.plan import rounds
+    from tokenyard import rounds
 
     num_tokens, num_ranks = 6, 2
     topk_idx = torch.randint(0, 4, (num_tokens, 2))

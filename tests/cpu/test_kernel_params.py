@@ -53,17 +53,20 @@ def _read_fields(text: str) -> set:
 _HELPERS = (("LowLatencyBuffers::of(p", "tokenyard/layout.cuh",
              "static __device__ __forceinline__ LowLatencyBuffers of(", "}"),
             ("internode_launch(p)", "tokenyard/kernels/internode.cuh",
-             "__device__ __forceinline__ InternodeLaunch internode_launch(", "\n}"))
+             "__device__ __forceinline__ InternodeLaunch internode_launch(", "\n}"),
+            ("TopkT, Remote>(p)", "tokenyard/kernels/low_latency_combine.cuh",
+             "__device__ __forceinline__ void combine_launch(", "\n}"))
 
 
 def _helper_fields(text: str) -> set:
-    """Fields read by helpers that take the whole struct (`_HELPERS`)."""
+    """Fields read by helpers that take the whole struct (`_HELPERS`), and by the helpers they call."""
     fields = set()
     for call, header, definition, end in _HELPERS:
         if call in text:
             source = _read(INCLUDE_DIR, header)
             start = source.index(definition)
-            fields |= _read_fields(source[start:source.index(end, start)])
+            body = source[start:source.index(end, start)]
+            fields |= _read_fields(body) | _helper_fields(body)
     return fields
 
 

@@ -1,5 +1,5 @@
 """Bounded buffers on the CUDA backend: calls in rounds against the reference backend's one-shot calls on
-the same inputs (device machine only; NOTE [rounds] in tokenyard/plan/rounds.py).
+the same inputs (device machine only; NOTE [rounds] in tokenyard/rounds.py).
 
 Dispatch must match bit for bit (data, scales, indices, weights, counts, order, every handle field); combine
 too, since each token is summed in one round in the same order. Ranks have very different token counts,

@@ -106,7 +106,7 @@ class ReferenceBackend(Backend):
     # -- normal mode ----------------------------------------------------------------------------------
 
     def get_dispatch_layout(self, topk_idx, num_experts):
-        bad = routing.bad_expert_ids(topk_idx, num_experts)  # counted nowhere, judged by the next fresh dispatch
+        bad = checks.bad_expert_ids(topk_idx, num_experts)  # counted nowhere, judged by the next fresh dispatch
         seen = bad.any()
         self._layout_bad_ids = seen if self._layout_bad_ids is None else self._layout_bad_ids | seen
         return routing.dispatch_layout(torch.where(bad, -1, topk_idx), num_experts, self.ctx.num_ranks)
@@ -117,7 +117,7 @@ class ReferenceBackend(Backend):
         check = request.check
         if check is None:
             return torch.zeros(1, dtype=torch.int32, device=request.x.device)
-        verdict = routing.layout_verdict(check.topk_idx, request.num_experts, check.num_tokens_per_rank,
+        verdict = checks.layout_verdict(check.topk_idx, request.num_experts, check.num_tokens_per_rank,
                                          check.is_token_in_rank, check.num_tokens_per_expert)
         if check.topk_idx is None and self._layout_bad_ids is not None:
             verdict = verdict | self._layout_bad_ids.int() * checks.LAYOUT_BAD_IDS

@@ -68,32 +68,6 @@ def landing_rows(selected: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     return torch.where(selected, position + first.to(torch.int32), -1).to(torch.int32)
 
 
-def bad_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Where `topk_idx` holds an id outside [-1, num_experts) (bool, its shape)."""
-    return (topk_idx < -1) | (topk_idx >= num_experts)
-
-
-def layout_verdict(topk_idx: Optional[torch.Tensor], num_experts: int, num_tokens_per_rank: torch.Tensor,
-                   is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """Per rank. The NOTE [input verdict] bits (checks.py) of a fresh dispatch's inputs, as an int32 0-D tensor
-    on their device (no host sync): ids outside [-1, E), and layout tensors unlike `dispatch_layout` of the
-    ids in range. Without `topk_idx`, only `num_tokens_per_rank` against `is_token_in_rank`."""
-    from .. import checks
-
-    num_ranks = is_token_in_rank.size(1)
-    tests = [(checks.PER_RANK_DISAGREES, (is_token_in_rank.sum(0, dtype=torch.int32) != num_tokens_per_rank).any())]
-    if topk_idx is not None:
-        bad = bad_expert_ids(topk_idx, num_experts)
-        _, per_expert, in_rank = dispatch_layout(torch.where(bad, -1, topk_idx), num_experts, num_ranks)
-        tests += [(checks.BAD_EXPERT_ID, bad.any()),
-                  (checks.PER_EXPERT_DISAGREES, (per_expert != num_tokens_per_expert).any()),
-                  (checks.IN_RANK_DISAGREES, (in_rank != is_token_in_rank).any())]
-    verdict = torch.zeros((), dtype=torch.int32, device=is_token_in_rank.device)
-    for bit, failed in tests:
-        verdict = verdict | failed.int() * bit
-    return verdict
-
-
 def to_local_topk(topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor], rank: int,
                   num_local_experts: int, all_weights: bool = False):
     """Per rank. Global expert ids -> this rank's local ids, -1 for experts elsewhere; their weights 0 (kept

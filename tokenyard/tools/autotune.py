@@ -41,6 +41,7 @@ from ..buffer import Buffer
 from ..config import Config
 from ..errors import InvalidInputError, TokenyardError
 from ..plan import devices
+from . import launch
 
 PROFILE_FORMAT = "tokenyard-profile/1"
 DEFAULT_TOLERANCE = 0.05
@@ -81,9 +82,7 @@ class AutoTuner:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, backend: Optional[str] = None,
                  iters: Optional[int] = None, warmup: Optional[int] = None, tolerance: float = DEFAULT_TOLERANCE,
                  profile_dir: Optional[str] = None, seed: Optional[int] = None, quiet: bool = False) -> None:
-        from ..benchmark import _group
-
-        self.group = _group(group)
+        self.group = launch.group_or_world(group)
         self.backend = backend or env.settings().backend
         self.iters, self.warmup, self.tolerance, self.seed, self.quiet = iters, warmup, tolerance, seed, quiet
         self.profile_dir = pathlib.Path(profile_dir or env.settings().profile_dir).expanduser()

@@ -51,6 +51,17 @@ def disable_nvlink_multicast() -> None:
         os.environ.setdefault(name, value)
 
 
+def group_or_world(group):
+    """`group`, or the world where None; InvalidInputError where torch.distributed is not initialized."""
+    import torch.distributed as dist
+
+    from ..errors import InvalidInputError
+
+    if not dist.is_initialized():
+        raise InvalidInputError("torch.distributed is not initialized: call dist.init_process_group first")
+    return group if group is not None else dist.group.WORLD
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:

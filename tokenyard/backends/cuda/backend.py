@@ -92,14 +92,6 @@ class DispatchShape:
     all_weights: bool                  # every slot's weight arrives (DispatchRequest.all_topk_weights)
 
 
-class _CudaArray:
-    """Lets torch view raw device memory without owning it."""
-
-    def __init__(self, ptr: int, num_bytes: int):
-        self.__cuda_array_interface__ = {"shape": (num_bytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
-
-
 class SymmetricBuffer:
     """`num_bytes` of device memory on every rank, each rank's mapped into every process by CUDA IPC.
 
@@ -126,7 +118,7 @@ class SymmetricBuffer:
                       for r, h in enumerate(handles)]
         self.rank = ctx.rank
         self.bases_tensor = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
-        self.tensor = torch.as_tensor(_CudaArray(self.local, num_bytes), dtype=torch.uint8, device=ctx.device)
+        self.tensor = runtime.byte_view(self.local, num_bytes, ctx.device)
 
     def unmap_peers(self) -> None:
         for r, base in enumerate(self.bases):

@@ -33,7 +33,7 @@ import torch
 
 from ...errors import BackendUnavailableError, CapacityError
 from ...semantics import routing
-from . import kernels
+from . import kernels, runtime
 
 _ALIGN = 16
 
@@ -81,12 +81,9 @@ class InternodeKernels:
 
     def _bytes(self, offset: int, num_bytes: int) -> torch.Tensor:
         """Bytes of this rank's region as a uint8 tensor (no copy)."""
-        from .backend import _CudaArray
-
         if num_bytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.backend.ctx.device)
-        return torch.as_tensor(_CudaArray(self.region + offset, num_bytes), dtype=torch.uint8,
-                               device=self.backend.ctx.device)
+        return runtime.byte_view(self.region + offset, num_bytes, self.backend.ctx.device)
 
     def _launch(self, spec, num_sms: int, **args) -> None:
         """A grid of `num_sms` blocks (Config.num_sms, the same on every rank: every wait counts signals from

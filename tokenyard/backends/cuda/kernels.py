@@ -1,7 +1,7 @@
 """The CUDA backend's kernels: each one's header, template arguments and parameter list, written once.
 
 The parameter lists must match the device functions in tokenyard/include/tokenyard/kernels/*.cuh; the
-compiler checks that whenever a unit is built (CI builds every kernel, see ci_compile.py).
+compiler checks that whenever a unit is built (CI builds every kernel, see tokenyard/tools/ci_compile.py).
 """
 
 from __future__ import annotations

@@ -14,6 +14,17 @@ _HOST_ALLOC_PORTABLE_MAPPED = 0x01 | 0x02
 _IPC_LAZY_ENABLE_PEER_ACCESS = 0x01
 
 
+def byte_view(ptr: int, num_bytes: int, device):
+    """A uint8 tensor over `num_bytes` of raw device memory at `ptr`, which it does not own."""
+    import torch
+
+    class _Array:
+        __cuda_array_interface__ = {"shape": (num_bytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                    "strides": None}
+
+    return torch.as_tensor(_Array(), dtype=torch.uint8, device=device)
+
+
 class RuntimeError_(RuntimeError):
     pass
 

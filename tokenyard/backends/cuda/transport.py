@@ -172,9 +172,7 @@ class HeapBuffer:
     node. Holds one use of the transport. Allocation and free are collective."""
 
     def __init__(self, transport: Transport, num_bytes: int, device, ranks_per_node: int):
-        import torch
-
-        from .backend import _CudaArray
+        from .runtime import byte_view
 
         self.transport = transport
         self.ptr = transport.alloc(num_bytes)
@@ -188,7 +186,7 @@ class HeapBuffer:
                                           "through NVSHMEM")
         self.remote = sum(1 << r for r in range(transport.num_ranks) if r not in here)
         self.bases = [peers[r] if r in here else self.ptr for r in range(transport.num_ranks)]
-        self.tensor = torch.as_tensor(_CudaArray(self.ptr, num_bytes), dtype=torch.uint8, device=device)
+        self.tensor = byte_view(self.ptr, num_bytes, device)
 
     def free(self) -> None:
         self.transport.free(self.ptr)

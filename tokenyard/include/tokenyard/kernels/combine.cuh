@@ -42,7 +42,7 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // 0, 1, ... in float32, as the semantics fix the order. With `local_direct`, the rows this rank returns to
 // itself never enter the buffer: the senders skip that source and the reducers read those rows, and their
 // weights, from `x` and `topk_weights`.
-// In a placed round (NOTE [placed rounds] in tokenyard/plan/rounds.py), `x` and `topk_weights` are the whole call's and
+// In a placed round (NOTE [placed rounds] in tokenyard/rounds.py), `x` and `topk_weights` are the whole call's and
 // the round's rows from source s start at row recv_first[s] of them (else rank_prefix_matrix gives it);
 // send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,

@@ -24,7 +24,7 @@ namespace tokenyard::kernels {
 // (heuristics.DISPATCH_OWN_ROWS_DIRECT, measured faster).
 //
 // A round of a call in rounds writes straight into the whole call's receive tensors (NOTE [placed rounds] in
-// tokenyard/plan/rounds.py): `recv_first[s]` is the output row of the round's first row from source s (else
+// tokenyard/rounds.py): `recv_first[s]` is the output row of the round's first row from source s (else
 // rank_prefix_matrix gives it, one-shot), `src_idx_base` the round's first token (added to recv_src_idx),
 // and `num_worst_tokens` the rows the whole call's tensors hold. The caller has filled the padding rows, so
 // the kernel writes none; a row past the tensors is dropped and recorded as an overflow error, as one-shot.

@@ -71,13 +71,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import checks
-from ..backends.collectives import Collectives
-from ..backends.requests import CombineRequest, DispatchRequest, DispatchResult, Placement, WholeCall
-from ..errors import InvalidInputError
-from ..handle import DispatchHandle
-from ..semantics import routing
-from . import workspace
+from . import checks
+from .backends.collectives import Collectives
+from .backends.requests import CombineRequest, DispatchRequest, DispatchResult, Placement, WholeCall
+from .errors import InvalidInputError
+from .handle import DispatchHandle
+from .plan import workspace
+from .semantics import routing
 
 
 def _ceil_div(a: int, b: int) -> int:

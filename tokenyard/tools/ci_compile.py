@@ -1,7 +1,7 @@
 """Compile every CUDA kernel for one architecture (CI runs this without a GPU); the NVSHMEM units where NVSHMEM is
 installed (the internode extra), with nvcc and nvlink whatever the compiler chosen.
 
-    python -m tokenyard.backends.cuda.ci_compile --arch sm_90
+    python -m tokenyard.tools.ci_compile --arch sm_90
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import argparse
 import sys
 import time
 
-from ...jit import compiler as compilers
-from ...jit import nvshmem
-from ...tools.bench import copy_limit
-from . import kernels
+from ..backends.cuda import kernels
+from ..jit import compiler as compilers
+from ..jit import nvshmem
+from .bench import copy_limit
 
 
 def main(argv=None) -> int:
