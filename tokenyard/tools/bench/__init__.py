@@ -12,8 +12,8 @@ and a plot on request). The pieces, in the order a run uses them:
     copy_limit.py the physical copy limit, with a kernel of its own (include/tokenyard_bench/copy_limit.cuh)
     report.py     the table and the JSON document;  plot.py: the chart
 
-``--model`` measures nothing: model.py predicts internode normal-mode calls, model_low_latency.py (``--model --mode
-low_latency``) the low-latency ones, each calibrated on a published figure.
+``--model`` measures nothing: model/normal.py predicts internode normal-mode calls, model/low_latency.py (``--model
+--mode low_latency``) the low-latency ones, each calibrated on a published figure (model/__init__.py picks one).
 """
 
 

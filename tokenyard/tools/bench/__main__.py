@@ -15,7 +15,7 @@ from . import BenchError, launch, options, plot, report
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m tokenyard.tools.bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--model" in argv:  # predictions for a cluster: no ranks, no GPU (tokenyard/tools/bench/model.py)
+    if "--model" in argv:  # predictions for a cluster: no ranks, no GPU (tokenyard/tools/bench/model/)
         from . import model
 
         return model.main([a for a in argv if a != "--model"], prog)

@@ -1,7 +1,7 @@
 """``python -m tokenyard.tools.bench --model``: predicted internode normal-mode times for a cluster (issue 25), from
 the model below, before any internode kernel runs. Nothing is measured here: every figure follows from the
 arguments, one efficiency calibrated on a published figure, and the assumptions they name. ``--mode low_latency``
-predicts the low-latency calls instead (NOTE [low-latency model] in model_low_latency.py); normal is the default.
+predicts the low-latency calls instead (NOTE [low-latency model] in low_latency.py); normal is the default.
 
 NOTE [internode model]
 DeepEP's internode normal mode: a token crosses the network at most once per remote node that holds one of its
@@ -52,18 +52,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import sys
 from typing import Dict, Optional, Sequence, Tuple
 
-from ...backends.cuda.heuristics import NVLINK_GBS
-from ...plan import workspace
+from ....backends.cuda.heuristics import NVLINK_GBS
+from ....plan import workspace
+from .common import (DEEPEP_NVLINK_GBS, MODEL_MODES, OPS, calibration_nodes, calibration_type, model_parser, reach,
+                     write_json)
 
 OVERHEAD_US = 20.0
-MODEL_MODES = ("normal", "low_latency")  # --mode, as the benchmark spells its modes
 ROW_FORMATS = ("deepep", "tokenyard")
-OPS = ("dispatch", "combine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +90,9 @@ class Published:
 
 PUBLISHED = {
     # DeepEP README, "Normal kernels with NVLink and RDMA forwarding" (shared/seeds/003_834bd8067d025687.txt);
-    # NVLink at the 153 GB/s its intranode dispatch reaches on the same H800s.
-    "deepep": Published("deepep", "DeepEP README", "H800, CX7 InfiniBand 400 Gb/s per GPU", 400.0, 153.0,
-                        {16: (43.0, 43.0), 32: (44.0, 47.0), 64: (46.0, 45.0)}, calibrate_ep=32),
+    # NVLink at the 153 GB/s its intranode dispatch reaches on the same H800s (common.DEEPEP_NVLINK_GBS).
+    "deepep": Published("deepep", "DeepEP README", "H800, CX7 InfiniBand 400 Gb/s per GPU", 400.0,
+                        DEEPEP_NVLINK_GBS, {16: (43.0, 43.0), 32: (44.0, 47.0), 64: (46.0, 45.0)}, calibrate_ep=32),
     # UCCL-EP README, "Normal kernels with NVLink and RDMA forwarding" (shared/seeds/004_74529b3c5f312808.txt);
     # NVLink at our H200 copy limit (heuristics.NVLINK_GBS). 256 experts do not divide over 24 ranks and the README
     # names no other count, so EP24 assumes 288 (12 per rank).
@@ -102,31 +100,6 @@ PUBLISHED = {
                       {16: (50.0, 18.0), 24: (53.0, 26.0), 32: (54.0, 43.0)}, calibrate_ep=16,
                       num_experts={24: 288}),
 }
-
-
-def hit_probability(num_experts: int, experts_there: float, num_topk: int) -> float:
-    """The chance that a place holding `experts_there` of `num_experts` experts holds one of a token's `num_topk`
-    distinct, uniformly drawn experts: 1 - C(E - e, k) / C(E, k) (e need not be whole: a mean)."""
-    if num_topk > num_experts:
-        raise ValueError(f"top-{num_topk} of {num_experts} experts")
-    missed = 1.0
-    for i in range(num_topk):  # C(E - e, k) / C(E, k) as a product, for a fractional e too
-        missed *= max(0.0, (num_experts - experts_there - i) / (num_experts - i))
-    return 1.0 - missed
-
-
-def reach(num_nodes: int, gpus_per_node: int, num_experts: int, num_topk: int,
-          topk_groups: Optional[int] = None) -> dict:
-    """NOTE [internode model]: the nodes and ranks a token reaches in expectation."""
-    if num_experts % (num_nodes * gpus_per_node):
-        raise ValueError(f"{num_experts} experts do not divide over {num_nodes} x {gpus_per_node} ranks")
-    groups = num_nodes if topk_groups is None else min(topk_groups, num_nodes)
-    experts = num_experts * groups // num_nodes  # the experts a token draws from
-    per_node, per_rank = num_experts // num_nodes, num_experts // (num_nodes * gpus_per_node)
-    nodes = groups * hit_probability(experts, per_node, num_topk)
-    ranks = groups * gpus_per_node * hit_probability(experts, per_rank, num_topk)
-    return {"nodes": nodes, "remote_nodes": nodes * (num_nodes - 1) / num_nodes, "ranks": ranks,
-            "remote_ranks": ranks * (num_nodes - 1) / num_nodes, "ranks_per_node": ranks / nodes}
 
 
 def _align(num_bytes: float, alignment: int) -> int:
@@ -246,51 +219,6 @@ def nic_bytes_by_choice(published: Published, ep: int) -> dict:
     return out
 
 
-def calibration_type(unit: str):
-    """The argparse type of `--calibrate EP,<unit>[,dispatch|combine]` (both models): -> (ep, value, op)."""
-    def parse(text: str) -> Tuple[int, float, str]:
-        parts = text.split(",")
-        try:
-            ep, value, op = int(parts[0]), float(parts[1]), (parts[2] if len(parts) > 2 else "dispatch")
-        except (IndexError, ValueError):
-            raise argparse.ArgumentTypeError(f"{text!r}: EP,{unit} or EP,{unit},dispatch|combine") from None
-        if len(parts) > 3 or op not in OPS:
-            raise argparse.ArgumentTypeError(f"{text!r}: EP,{unit} or EP,{unit},dispatch|combine")
-        return ep, value, op
-
-    return parse
-
-
-def model_parser(prog: str, description: str):
-    """A model's argument parser and its `add(name, ...)`, which also accepts the name spelt with dashes."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-
-    def add(name: str, **kwargs) -> None:
-        spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-        parser.add_argument(*spellings, dest=name, **kwargs)
-
-    return parser, add
-
-
-def calibration_nodes(args: argparse.Namespace, efficiency_given: bool) -> Optional[int]:
-    """The checks both models make of their calibration arguments; -> the nodes of `--calibrate`'s EP, if given.
-
-    Raises:
-        ValueError: --calibrate_on without --published, --published with an efficiency of its own, an EP that
-            is not whole nodes.
-    """
-    if args.calibrate_on is not None and not args.published:
-        raise ValueError("--calibrate_on names a point of a --published table")
-    if args.published and (args.calibrate or efficiency_given):
-        raise ValueError("--published fits its own efficiency: name its point with --calibrate_on EP")
-    if not args.calibrate:
-        return None
-    ep = args.calibrate[0]
-    if ep % args.gpus_per_node:
-        raise ValueError(f"EP{ep} is not whole nodes of {args.gpus_per_node} GPUs")
-    return ep // args.gpus_per_node
-
-
 DESCRIPTION = ("Predict the internode normal-mode dispatch and combine times of a cluster from a model (nothing is "
                "measured): the NIC, NVLink and the rows each stage carries, with one efficiency calibrated on a "
                "published figure. --mode low_latency predicts the low-latency calls instead.")
@@ -329,7 +257,7 @@ def _print_published(args, prog: str) -> dict:
     published = PUBLISHED[args.published]
     result = compare(published, args.calibrate_on, overhead_us=args.overhead_us)
     fit = result["calibrated_on"]
-    print(f"predicted, not measured (NOTE [internode model] in tokenyard/tools/bench/model.py) beside "
+    print(f"predicted, not measured (NOTE [internode model] in tokenyard/tools/bench/model/normal.py) beside "
           f"{published.source}: {published.hardware}, {published.num_tokens} tokens, hidden {published.hidden}, "
           f"top-{published.num_topk} in top-{published.topk_groups} node groups, FP8 dispatch, BF16 combine, "
           f"NVLink {published.nvlink_gbs:g} GB/s, {args.overhead_us:g} µs per call")
@@ -363,28 +291,7 @@ def _print_published(args, prog: str) -> dict:
     return result
 
 
-def _mode(argv: Sequence[str], prog: str) -> str:
-    """The --mode of a --model command line, before the mode's own parser reads the rest."""
-    parser = argparse.ArgumentParser(prog=f"{prog} --model", add_help=False)
-    parser.add_argument("--mode", choices=MODEL_MODES, default="normal")
-    return parser.parse_known_args(argv)[0].mode
-
-
-def write_json(path: str, args: argparse.Namespace, result: dict) -> None:
-    """A prediction as JSON, with the commit and date it was made at and every setting."""
-    from .report import git_commit
-
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    with open(path, "w") as f:
-        json.dump({"predicted": True, "commit": git_commit(), "date": date, "settings": vars(args), **result}, f,
-                  indent=1)
-
-
 def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> int:
-    if _mode(argv, prog) == "low_latency":
-        from . import model_low_latency
-
-        return model_low_latency.main(argv, prog)
     args = build_parser(prog).parse_args(argv)
     setting = dict(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps,
                    nvlink_gbs=args.nvlink_gbs, num_tokens=args.num_tokens, hidden=args.hidden_size,
@@ -417,10 +324,10 @@ def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> 
 
 def _print_cluster(args, result: dict, fitted: str) -> None:
     where = result["reach"]
-    print(f"predicted, not measured (NOTE [internode model] in tokenyard/tools/bench/model.py): {args.nodes} nodes x "
-          f"{args.gpus_per_node} GPUs, NIC {args.nic_gbps:g} Gb/s, RDMA stage at {result['rdma_efficiency']:.4f} of "
-          f"it ({fitted}), NVLink {args.nvlink_gbs:g} GB/s, {args.num_tokens} tokens, hidden {args.hidden_size}, "
-          f"top-{args.num_topk} of {args.num_experts}"
+    print(f"predicted, not measured (NOTE [internode model] in tokenyard/tools/bench/model/normal.py): "
+          f"{args.nodes} nodes x {args.gpus_per_node} GPUs, NIC {args.nic_gbps:g} Gb/s, RDMA stage at "
+          f"{result['rdma_efficiency']:.4f} of it ({fitted}), NVLink {args.nvlink_gbs:g} GB/s, {args.num_tokens} "
+          f"tokens, hidden {args.hidden_size}, top-{args.num_topk} of {args.num_experts}"
           f"{'' if args.topk_groups is None else f' in {args.topk_groups} node groups'}, {args.dtype} dispatch, "
           f"{args.row_format} rows, {args.overhead_us:g} µs per call")
     print(f"a token reaches {where['nodes']:.2f} nodes ({where['remote_nodes']:.2f} remote) and "

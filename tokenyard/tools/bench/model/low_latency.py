@@ -39,7 +39,7 @@ ranks), T tokens per rank and top-k routing with the k experts of a token distin
   include/tokenyard/kernels/): one per (token, destination rank), its header (LOW_LATENCY_MESSAGE_HEADER_BYTES in
   tokenyard/plan/workspace.py) naming the token's choices there, then DeepEP's data and scales; the combine sends
   each source one pre-reduced bf16 row per (token, rank), after k 8-byte weight words. A token reaches R p_rank
-  ranks (`model.reach`) instead of k experts, fewer when experts of one rank are chosen together.
+  ranks (`common.reach`) instead of k experts, fewer when experts of one rank are chosen together.
 """
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ import dataclasses
 import sys
 from typing import Dict, Optional, Sequence, Tuple
 
-from ...backends.cuda.heuristics import NVLINK_GBS
-from ...plan import workspace
-from . import model
+from ....backends.cuda.heuristics import NVLINK_GBS
+from ....plan import workspace
+from .common import (DEEPEP_NVLINK_GBS, MODEL_MODES, OPS, calibration_nodes, calibration_type, model_parser, reach,
+                     write_json)
 
 OVERHEAD_US = 5.0
 MESSAGE_FORMATS = ("deepep", "tokenyard")
 ROUTES = ("rdma", "nvlink")
-OPS = model.OPS
 DEEPEP_HEADER_BYTES = 16  # internode_ll.cu's dispatch message: an int4 holding the source token index
 WEIGHT_WORD_BYTES = 8  # our combine's (tag << 32) | float32 weight words, k per (token, rank)
 TEST_EXPERTS = 288  # DeepEP's and UCCL-EP's low-latency tests' default; 256 where 288 does not divide over EP
@@ -91,7 +91,7 @@ PUBLISHED = {
     "deepep": PublishedLowLatency(
         "deepep", "DeepEP README", "H800, CX7 InfiniBand 400 Gb/s per GPU", 400.0,
         {8: (163.0, 318.0), 16: (173.0, 329.0), 32: (182.0, 350.0), 64: (186.0, 353.0), 128: (192.0, 369.0),
-         256: (194.0, 360.0)}, calibrate_ep=32, nvlink_gbs=model.PUBLISHED["deepep"].nvlink_gbs),
+         256: (194.0, 360.0)}, calibrate_ep=32, nvlink_gbs=DEEPEP_NVLINK_GBS),
     # UCCL-EP README, "Low-latency kernels with pure RDMA" (shared/seeds/004_74529b3c5f312808.txt).
     "uccl": PublishedLowLatency(
         "uccl", "UCCL-EP README", "H200, EFA 400 Gb/s per GPU", 400.0,
@@ -119,7 +119,7 @@ def messages_per_token(num_nodes: int, gpus_per_node: int, num_experts: int, num
     if message_format == "deepep":
         return float(num_topk)
     if message_format == "tokenyard":
-        return model.reach(num_nodes, gpus_per_node, num_experts, num_topk)["ranks"]
+        return reach(num_nodes, gpus_per_node, num_experts, num_topk)["ranks"]
     raise ValueError(f"message format {message_format!r}: one of {MESSAGE_FORMATS}")
 
 
@@ -240,8 +240,8 @@ DESCRIPTION = ("Predict the internode low-latency dispatch and combine times per
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser, add = model.model_parser(f"{prog} --model --mode low_latency", DESCRIPTION)
-    add("mode", choices=model.MODEL_MODES, default="low_latency", help="low_latency here (normal: the other model)")
+    parser, add = model_parser(f"{prog} --model --mode low_latency", DESCRIPTION)
+    add("mode", choices=MODEL_MODES, default="low_latency", help="low_latency here (normal: the other model)")
     add("nodes", type=int, default=4, help="nodes (default 4)")
     add("gpus_per_node", type=int, default=8, help="GPUs per node (default 8)")
     add("nic_gbps", type=float, default=400.0, help="each GPU's NIC, Gb/s (default 400)")
@@ -258,7 +258,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="rdma: every other rank through the NIC (pure RDMA); nvlink: same-node peers over NVLink (default rdma)")
     add("efficiency", type=float,
         help="the NIC's achieved share of its line rate (default: calibrated on DeepEP's EP32 dispatch)")
-    add("calibrate", type=model.calibration_type("US"), metavar="EP,US[,OP]",
+    add("calibrate", type=calibration_type("US"), metavar="EP,US[,OP]",
         help="fit the efficiency to a call of US µs at EP ranks (EP / gpus_per_node nodes) in the setting the other "
              "arguments give, for OP dispatch (default) or combine")
     add("published", choices=sorted(PUBLISHED),
@@ -277,7 +277,7 @@ def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> 
                    nvlink_gbs=args.nvlink_gbs, num_tokens=args.num_tokens, hidden=args.hidden_size,
                    num_topk=args.num_topk, num_experts=args.num_experts, dtype=args.dtype)
     try:
-        nodes = model.calibration_nodes(args, args.efficiency is not None)
+        nodes = calibration_nodes(args, args.efficiency is not None)
         if args.published:
             result = _print_published(args)
         else:
@@ -297,12 +297,12 @@ def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> 
         print(f"{prog} --model --mode low_latency: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        model.write_json(args.json, args, result)
+        write_json(args.json, args, result)
     return 0
 
 
 def _print_cluster(args, result: dict, fitted: str) -> None:
-    print(f"predicted, not measured (NOTE [low-latency model] in tokenyard/tools/bench/model_low_latency.py): "
+    print(f"predicted, not measured (NOTE [low-latency model] in tokenyard/tools/bench/model/low_latency.py): "
           f"{args.nodes} nodes x {args.gpus_per_node} GPUs, NIC {args.nic_gbps:g} Gb/s at {result['efficiency']:.4f} "
           f"of it ({fitted}), {args.num_tokens} tokens, hidden {args.hidden_size}, top-{args.num_topk} of "
           f"{args.num_experts}, {args.dtype} dispatch, {args.message_format} messages, route {args.route}, "
@@ -319,7 +319,7 @@ def _print_published(args) -> dict:
     published = PUBLISHED[args.published]
     result = compare(published, args.calibrate_on, overhead_us=args.overhead_us)
     fit = result["calibrated_on"]
-    print(f"predicted, not measured (NOTE [low-latency model] in tokenyard/tools/bench/model_low_latency.py) beside "
+    print(f"predicted, not measured (NOTE [low-latency model] in tokenyard/tools/bench/model/low_latency.py) beside "
           f"{published.source}: {published.hardware}, {published.num_tokens} tokens, hidden {published.hidden}, "
           f"top-{published.num_topk}, FP8 dispatch, BF16 combine, pure RDMA, t0 {args.overhead_us:g} µs")
     print(f"efficiency {result['efficiency']:.4f} of {published.nic_gbps:g} Gb/s, fitted on EP{fit['ep']} dispatch "
