@@ -50,7 +50,7 @@ the rows forwarded; so do we. The ten fields are all the reference backend's int
 plain 10-tuple is accepted too. The handle also carries, as the attribute `flat` (not unpacked), the
 `DispatchHandle` a one-node dispatch of the same tokens makes, so a Buffer that sees the group as one node
 takes the handle as well; a plain 10-tuple has none, which such a Buffer derives (`backends.internode.
-flat_handle`, one all-gather).
+flat_handle_of`, one all-gather).
 Example: 2 nodes x 2 ranks; rank 1 (node 0, local 1) sends token 0 (experts on ranks 1 and 3) to
 forwarders 1 (itself) and 3, so send_rdma_head[0] = [row on 1, row on 3]; forwarder 3 sends it on to
 rank 3 only, and its send_nvl_head row for it is [-1, row on 3].

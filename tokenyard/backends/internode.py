@@ -38,8 +38,8 @@ import torch
 from .. import checks
 from ..handle import DispatchHandle, InternodeHandle
 from ..semantics import routing
-from .reference import _from_bytes, _pack, byte_rows, flat_handle
 from .requests import CombineRequest, DispatchRequest, DispatchResult
+from .rows import byte_rows, flat_handle, from_bytes, pack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +223,7 @@ def combine(backend, request: CombineRequest, kernels=None):
                                group_counts(backend, handle)[2], backend._all_gather)
     device, hidden = x.device, x.size(1)
     columns = [byte_rows(x)] + ([] if weights is None else [byte_rows(weights)])
-    rows, spans = _pack(columns)
+    rows, spans = pack(columns)
 
     # Stage 2 backwards: the rows of sources (n', l) go back to forwarder (n, l), in the order it sent them.
     recv_total = handle.recv_gbl_rank_prefix_sum.long()
@@ -259,9 +259,9 @@ def combine(backend, request: CombineRequest, kernels=None):
     for m in range(nodes.num_nodes):
         tokens = _selected(sent_to_node, m)
         end = begin + tokens.numel()
-        acc[tokens] = acc[tokens] + _from_bytes(partials[begin:end], *spans[0], x.dtype, hidden).float()
+        acc[tokens] = acc[tokens] + from_bytes(partials[begin:end], *spans[0], x.dtype, hidden).float()
         if acc_w is not None:
-            acc_w[tokens] = acc_w[tokens] + _from_bytes(partials[begin:end], *spans[1], torch.float32, weights.size(1))
+            acc_w[tokens] = acc_w[tokens] + from_bytes(partials[begin:end], *spans[1], torch.float32, weights.size(1))
         begin = end
     return acc.to(x.dtype), acc_w
 
@@ -279,13 +279,13 @@ def _summed(back: torch.Tensor, spans, forwarded_to: torch.Tensor, dtype: torch.
     for j in range(forwarded_to.size(1)):
         forwarded = _selected(forwarded_to, j)
         end = begin + forwarded.numel()
-        acc[forwarded] = acc[forwarded] + _from_bytes(back[begin:end], *spans[0], dtype, hidden).float()
+        acc[forwarded] = acc[forwarded] + from_bytes(back[begin:end], *spans[0], dtype, hidden).float()
         if acc_w is not None:
-            acc_w[forwarded] = acc_w[forwarded] + _from_bytes(back[begin:end], *spans[1], torch.float32,
-                                                              weights.size(1))
+            acc_w[forwarded] = acc_w[forwarded] + from_bytes(back[begin:end], *spans[1], torch.float32,
+                                                             weights.size(1))
         begin = end
     columns = [byte_rows(acc.to(dtype))] + ([] if acc_w is None else [byte_rows(acc_w)])
-    return _pack(columns)[0]
+    return pack(columns)[0]
 
 
 def group_counts(backend, handle: InternodeHandle):

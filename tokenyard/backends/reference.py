@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import operator
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -23,62 +22,15 @@ from ..handle import DispatchHandle, LowLatencyHandle
 from ..plan import workspace
 from ..semantics import quant, routing
 from .base import Backend, GroupContext
+from .rows import byte_rows, exclusive_cumsum, flat_handle, from_bytes, pack
 from .waiting import wait_until
 from .requests import (CombineRequest, DispatchRequest, DispatchResult, LowLatencyCombineRequest,
                        LowLatencyDispatchRequest, LowLatencyDispatchResult, Placement)
 
 
-def byte_rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """[T, ...] tensor -> [T, bytes] uint8 view (copying only if not contiguous).
-
-    A contiguous tensor may still have a last stride other than 1 where that axis has one element (strides of
-    size-1 axes do not count for contiguity): SGLang's UE8M0 scales at hidden 512, one int32 column
-    column-major, are [T, 1] with strides (1, T rounded up to 4). Viewed as bytes, those rows are the same
-    memory with the strides of a row-major tensor.
-    """
-    if t is None:
-        return None
-    t = t.contiguous()
-    width = math.prod(t.shape[1:])
-    rows = t.view(t.size(0), width)
-    if rows.stride(1) != 1:  # one column (or an empty axis): its stride does not count, its rows are adjacent
-        rows = rows.as_strided(rows.shape, (width, 1))
-    return rows.view(torch.uint8)
-
-
-def _from_bytes(rows: torch.Tensor, begin: int, end: int, dtype: torch.dtype, width: int) -> torch.Tensor:
-    """Columns [begin, end) of byte rows, reinterpreted as `width` elements of `dtype` per row."""
-    column = rows.new_empty(rows.size(0), end - begin).copy_(rows[:, begin:end])
-    return column.view(dtype).view(rows.size(0), width)
-
-
-def _pack(columns: List[torch.Tensor]):
-    """Concatenate byte columns; return the rows and each column's (begin, end)."""
-    spans, begin = [], 0
-    for c in columns:
-        spans.append((begin, begin + c.size(1)))
-        begin += c.size(1)
-    return torch.cat(columns, dim=1), spans
-
-
 def _as_index_target(t: torch.Tensor) -> torch.Tensor:
     """A view index_copy_ accepts: FP8 has no index kernels, so 1-byte dtypes move as uint8."""
     return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
-
-
-def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
-    return t.cumsum(dim) - t
-
-
-def flat_handle(counts: torch.Tensor, rank: int, recv_src_idx: torch.Tensor,
-                is_token_in_rank: torch.Tensor) -> DispatchHandle:
-    """The one-node `DispatchHandle` (NOTE [handle contents]) from ``counts [R, R]`` (tokens rank s sends to
-    rank r, the same on every rank) and this rank's own fields."""
-    rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
-    recv_first = _exclusive_cumsum(counts[:, rank], 0)
-    send_head = routing.landing_rows(is_token_in_rank, rank_prefix_matrix[rank] - counts[rank])
-    return DispatchHandle(rank_prefix_matrix, counts[rank].view(-1, 1).to(torch.int32).clone(),
-                          recv_first.view(-1, 1).to(torch.int32), recv_src_idx, is_token_in_rank, send_head)
 
 
 class ReferenceBackend(Backend):
@@ -184,7 +136,7 @@ class ReferenceBackend(Backend):
         if request.handle is None and request.topk_idx is not None:
             columns += [byte_rows(request.topk_idx), byte_rows(request.topk_weights)]
         columns.append(byte_rows(extra))
-        return _pack([c for c in columns if c is not None])
+        return pack([c for c in columns if c is not None])
 
     def received(self, request: DispatchRequest, recv: torch.Tensor, spans, per_expert: Optional[list]):
         """The outputs from the received `payload` rows, in receive order, padded to num_worst_tokens
@@ -199,21 +151,21 @@ class ReferenceBackend(Backend):
             return torch.cat([t, t.new_full((pad,) + tuple(t.shape[1:]), fill)])
 
         spans = iter(spans)
-        recv_x = padded(_from_bytes(recv, *next(spans), x.dtype, x.size(1)), 0)
-        recv_src_idx = padded(_from_bytes(recv, *next(spans), torch.int32, 1).flatten(), -1)
+        recv_x = padded(from_bytes(recv, *next(spans), x.dtype, x.size(1)), 0)
+        recv_src_idx = padded(from_bytes(recv, *next(spans), torch.int32, 1).flatten(), -1)
         recv_x_scales = None
         if request.x_scales is not None:
             s = request.x_scales
-            recv_x_scales = padded(_from_bytes(recv, *next(spans), s.dtype, s.size(1)), 0)
+            recv_x_scales = padded(from_bytes(recv, *next(spans), s.dtype, s.size(1)), 0)
         recv_topk_idx = recv_topk_weights = per_expert_list = None
         if request.handle is None:
             per_expert_list = [] if request.num_worst_tokens else routing.align_counts(per_expert,
                                                                                       request.expert_alignment)
             if request.topk_idx is not None:
                 topk_idx, topk_weights = request.topk_idx, request.topk_weights
-                recv_topk_idx = _from_bytes(recv, *next(spans), topk_idx.dtype, topk_idx.size(1))
+                recv_topk_idx = from_bytes(recv, *next(spans), topk_idx.dtype, topk_idx.size(1))
                 if topk_weights is not None:
-                    recv_topk_weights = _from_bytes(recv, *next(spans), topk_weights.dtype, topk_weights.size(1))
+                    recv_topk_weights = from_bytes(recv, *next(spans), topk_weights.dtype, topk_weights.size(1))
                 recv_topk_idx, recv_topk_weights = routing.to_local_topk(
                     recv_topk_idx, recv_topk_weights, self.ctx.rank, request.num_experts // self.ctx.num_ranks,
                     request.all_topk_weights)
@@ -282,14 +234,14 @@ class ReferenceBackend(Backend):
         columns = [byte_rows(request.x[:num_valid])]
         if request.topk_weights is not None:
             columns.append(byte_rows(request.topk_weights[:num_valid]))
-        rows, spans = _pack(columns)
+        rows, spans = pack(columns)
         returned = rows.new_empty(sum(int(d.numel()) for d in dest_rows), rows.size(1))
         self._all_to_all(returned, rows, [int(d.numel()) for d in dest_rows], back_counts)
 
-        values = _from_bytes(returned, *spans[0], request.x.dtype, hidden)
+        values = from_bytes(returned, *spans[0], request.x.dtype, hidden)
         weights = None
         if request.topk_weights is not None:
-            weights = _from_bytes(returned, *spans[1], torch.float32, request.topk_weights.size(1))
+            weights = from_bytes(returned, *spans[1], torch.float32, request.topk_weights.size(1))
         acc = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=request.x.device)
         for bias in (request.bias_0, request.bias_1):
             if bias is not None:
@@ -431,7 +383,7 @@ class ReferenceBackend(Backend):
         if scales is not None:
             columns.append(byte_rows(scales)[token_of_sorted])
         columns.append(byte_rows(header))
-        rows, spans = _pack(columns)
+        rows, spans = pack(columns)
         dump = num_ranks * rows_per_rank
         where = torch.where(dest < num_ranks, dest * rows_per_rank + pos, torch.full_like(pos, dump))
         send = rows.new_zeros(dump + 1, rows.size(1))
@@ -469,9 +421,9 @@ class ReferenceBackend(Backend):
             per_source = recv.view(num_ranks, rows_per_rank, -1)
             # counts[s, l]: pairs source s sent to local expert l, in (l, t, k) order within its block.
             counts = recv_counts.long()
-            first_row = _exclusive_cumsum(counts, 1)             # [s, l] first row of l in s's block
-            begin = _exclusive_cumsum(counts, 0)                  # [s, l] first slot of s in l
-            header_rows = _from_bytes(per_source.view(dump, -1), *spans[-1], torch.int32, 2).view(
+            first_row = exclusive_cumsum(counts, 1)             # [s, l] first row of l in s's block
+            begin = exclusive_cumsum(counts, 0)                  # [s, l] first slot of s in l
+            header_rows = from_bytes(per_source.view(dump, -1), *spans[-1], torch.int32, 2).view(
                 num_ranks, rows_per_rank, 2)
             row = torch.arange(rows_per_rank, dtype=torch.int64, device=device).view(1, -1)
             valid = row < counts.sum(1, keepdim=True)

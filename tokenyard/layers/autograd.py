@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..backends.reference import byte_rows
+from ..backends.rows import byte_rows
 from ..buffer import Buffer
 from ..errors import InvalidInputError
 
