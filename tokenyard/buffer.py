@@ -254,7 +254,7 @@ class Buffer(NormalCalls, LowLatencyCalls):
 
     def destroy(self) -> None:
         """Release the buffers; later calls raise. Safe to call twice. Every rank calls it, as DeepEP's (NOTE
-        [symmetric lifetime] in backends/cuda/backend.py: the ranks meet, bounded by timeout_s but never less
+        [symmetric lifetime] in backends/cuda/memory.py: the ranks meet, bounded by timeout_s but never less
         than a few seconds)."""
         self._destroy(together=True)
 

@@ -1,5 +1,5 @@
 """Bounded collectives over gloo (tokenyard/backends/collectives.py): a wait given up on leaves its collective posted,
-so ranks that post the same collectives stay in step (NOTE [symmetric lifetime] in backends/cuda/backend.py); a
+so ranks that post the same collectives stay in step (NOTE [symmetric lifetime] in backends/cuda/memory.py); a
 collective that fails says whether a peer was lost or gloo refused this rank's part, naming rank, peer and stage."""
 
 from __future__ import annotations

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from tokenyard.backends.cuda import backend
+from tokenyard.backends.cuda import failures
 from tokenyard.plan import headers, workspace
 
 
 def test_every_stage_a_kernel_can_record_has_a_name_in_errors():
     stages = headers.enum("sync.cuh", "Stage")
-    assert set(stages) == set(backend._STAGE_NAMES), "a Stage of sync.cuh without a name here, or a name too many"
-    assert len(set(stages.values())) == len(stages) and len(set(backend._STAGE_NAMES.values())) == len(stages)
+    assert set(stages) == set(failures.STAGE_NAMES), "a Stage of sync.cuh without a name here, or a name too many"
+    assert len(set(stages.values())) == len(stages) and len(set(failures.STAGE_NAMES.values())) == len(stages)
 
 
 def test_the_buffers_python_lays_out_leave_room_for_what_the_kernels_write_there():
     signatures_end = (headers.constant("layout.cuh", "kSignaturesOffset")
-                      + 4 * backend._MAX_RANKS * backend._MAX_SIGNATURE_INTS * 4)
+                      + 4 * failures.MAX_RANKS * failures.MAX_SIGNATURE_INTS * 4)
     assert signatures_end <= workspace.NOTIFY_DATA_OFFSET < workspace.NORMAL_HEADER_BYTES
     counters_end = 8 * 4  # done counters, epochs and tags: LowLatencyBuffers in layout.cuh
     assert headers.constant("layout.cuh", "kVerdictsAt") >= counters_end

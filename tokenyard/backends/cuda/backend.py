@@ -8,16 +8,13 @@ GPUs under MPS (NOTE [MPS]).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import weakref
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ... import checks, env
-from ...errors import BackendUnavailableError, CapacityError, CommTimeoutError, InvalidInputError, TokenyardError
+from ...errors import BackendUnavailableError, CommTimeoutError, InvalidInputError, TokenyardError
 from ...handle import DispatchHandle
 from ...jit import load
 from ...plan import headers, workspace
@@ -25,30 +22,14 @@ from .. import collectives
 from ..base import Backend, GroupContext
 from ..requests import CombineRequest, DispatchRequest, DispatchResult
 from ..waiting import wait_until
-from . import heuristics, kernels, plans, runtime
+from . import failures, heuristics, kernels, plans, runtime
+from .expand import ExpandCalls
+from .internode import InternodeCalls
+from .memory import SymmetricBuffer, meet
 
 HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: the ticket, three counts, the verdict (two), per-local-expert counts
 _HOST_EXPERTS_AT = 6
-# NOTE [error record] in include/tokenyard/sync.cuh: the kinds of error and the stages, numbered there; the
-# stages' names in errors, here.
-_ERRORS = headers.enum("sync.cuh", "ErrorKind")
-_STAGE_NAMES = {"kStageBarrier": "combine/barrier", "kStageNotify": "dispatch/notify",
-                "kStageDispatchRecv": "dispatch/receive", "kStageCombineRecv": "combine/receive",
-                "kStageLowLatencyDispatchRecv": "low_latency_dispatch/receive",
-                "kStageLowLatencyCombineRecv": "low_latency_combine/receive",
-                "kStageLowLatencyCombineWeights": "low_latency_combine/weights",
-                "kStageLowLatencyDispatchCounts": "low_latency_dispatch/expert_counts",
-                "kStageLowLatencyDispatchSend": "low_latency_dispatch/send",
-                "kStageInternodeSignal": "internode/signal", "kStageInternodeBarrier": "internode/barrier",
-                "kStageLowLatencyCombineOverlap": "low_latency_combine/overlap"}
-_STAGES = {value: _STAGE_NAMES[member] for member, value in headers.enum("sync.cuh", "Stage").items()}
 _MASK32 = 0xFFFFFFFF
-# From kRecordSignaturesAt, the table of every rank's signature: kMaxRanks rows of kMaxSignatureInts.
-_RECORD_SIGNATURES_AT = headers.constant("sync.cuh", "kRecordSignaturesAt")
-_MAX_RANKS = headers.constant("layout.cuh", "kMaxRanks")
-_INTERNODE_HEAP_SLACK = 64 << 20  # NVSHMEM's heap beyond the internode region: its signals and NVSHMEM's own
-_MAX_SIGNATURE_INTS = headers.constant("layout.cuh", "kMaxSignatureInts")
-_RECORD_INTS = _RECORD_SIGNATURES_AT + _MAX_RANKS * _MAX_SIGNATURE_INTS
 
 # The inputs and per-call scalars of every dispatch plan (NOTE [call plans]), in the order a run passes them.
 DISPATCH_INPUTS = ("x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "num_tokens_per_expert",
@@ -64,89 +45,7 @@ COMBINE_INPUTS = ("x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix",
                   "combined_x", "combined_topk_weights")
 
 
-@dataclasses.dataclass(frozen=True)
-class DispatchShape:
-    """Everything that decides a dispatch's plans (CudaBackend.dispatch_shape)."""
-
-    num_tokens: int
-    hidden: int
-    dtype: torch.dtype
-    element_size: int
-    num_scales: int
-    scale_dtype: Optional[torch.dtype]
-    scale_strides: Tuple[int, int]
-    num_topk: int
-    topk_dtype: torch.dtype
-    with_weights: bool
-    num_experts: int
-    expert_alignment: int
-    num_rows: Optional[int]            # known before the count exchange: a handle's, or num_worst_tokens
-    cached: bool
-    num_sms: int
-    round_0: bool                      # round 0 of a call in rounds (its placement makes no tensors)
-    placed_rows: Optional[int]         # a later round: the whole call's tensors' rows
-    placed_by_notify: bool             # the count exchange places the round (recv_first and cursor given)
-    whole_call: bool                   # round 0: the whole call's counts are exchanged too
-    judged: bool                       # the count exchange judges the whole call's values (request.check)
-    judged_topk: bool                  # ... with its topk_idx
-    all_weights: bool                  # every slot's weight arrives (DispatchRequest.all_topk_weights)
-
-
-class SymmetricBuffer:
-    """`num_bytes` of device memory on every rank, each rank's mapped into every process by CUDA IPC.
-
-    NOTE [symmetric lifetime]
-    A rank zeroes its memory before its IPC handle leaves the process: cudaMemset runs on the legacy stream,
-    behind whatever the process queued before, and a peer may write as soon as it holds the handle. A rank
-    frees its memory only once no rank maps it (CUDA leaves a cudaFree before every importer's
-    cudaIpcCloseMemHandle undefined): at the Buffer's destroy each rank waits for its own kernels, closes its
-    mappings of the peers' memory, meets the others once (`meet`), then frees its own. Every rank that calls
-    destroy posts that one meeting, met or not, so the group's collectives stay in step for the next Buffer.
-    A meeting that fails (a peer gone, or later than its deadline) releases the memory regardless.
-    """
-
-    def __init__(self, ctx: GroupContext, num_bytes: int, peers: Optional[Sequence[int]] = None):
-        """`peers`: the ranks whose memory this rank maps (default all; the others' bases are 0: ranks of other
-        hosts, whose memory CUDA IPC cannot reach)."""
-        self.num_bytes = num_bytes
-        self.local = runtime.malloc(max(num_bytes, 16))
-        runtime.memset(self.local, 0, max(num_bytes, 16))
-        torch.cuda.synchronize(ctx.device)
-        handles = ctx.all_gather_object(runtime.ipc_handle(self.local))
-        mapped = set(range(ctx.num_ranks) if peers is None else peers)
-        self.bases = [self.local if r == ctx.rank else runtime.ipc_open(h) if r in mapped else 0
-                      for r, h in enumerate(handles)]
-        self.rank = ctx.rank
-        self.bases_tensor = torch.tensor(self.bases, dtype=torch.int64, device=ctx.device)
-        self.tensor = runtime.byte_view(self.local, num_bytes, ctx.device)
-
-    def unmap_peers(self) -> None:
-        for r, base in enumerate(self.bases):
-            if r != self.rank and base:
-                runtime.ipc_close(base)
-        self.bases = [self.local]
-
-    def free(self) -> None:
-        runtime.free(self.local)
-        self.bases = []
-
-
-# The destroy meeting's deadline is timeout_s, but no less than this: ranks reach destroy with the host's
-# skew (seconds), which a deadline set for the kernels' waits (microseconds where a low-latency decoder
-# masks late peers) does not bound.
-MEETING_FLOOR_S = 5.0
-
-
-def meet(ctx: GroupContext) -> None:
-    """A bounded barrier of the group (NOTE [symmetric lifetime]); a rank that does not come is not waited for."""
-    try:
-        ctx.collectives.op = "destroy"
-        ctx.collectives.barrier("meeting", max(ctx.timeout_s, MEETING_FLOOR_S))
-    except (TokenyardError, RuntimeError, ValueError):  # ValueError: the group was destroyed first
-        pass
-
-
-class CudaBackend(Backend):
+class CudaBackend(ExpandCalls, InternodeCalls, Backend):
     """NOTE [several hosts]
     CUDA IPC maps memory only between processes of one host. On a group over several hosts (real ones, or
     virtual: NOTE [virtual hosts] in devices.py) the CUDA backend therefore runs only what needs no such
@@ -188,7 +87,7 @@ class CudaBackend(Backend):
 
     def __init__(self, ctx: GroupContext):
         super().__init__(ctx)
-        if ctx.num_ranks > _MAX_RANKS:
+        if ctx.num_ranks > failures.MAX_RANKS:
             raise BackendUnavailableError("the CUDA backend handles up to 32 ranks (one NVLink domain)")
         # NOTE [MPS]: ranks that share a GPU wait in their kernels for each other's kernels, which run at the
         # same time only where MPS serves the GPU; without it they would take turns (time slices of
@@ -247,8 +146,8 @@ class CudaBackend(Backend):
         self.verdict = torch.zeros(2, dtype=torch.int32, device=ctx.device)
         self._verdict_experts: Optional[int] = None  # num_experts of the last fresh dispatch, for messages
         self._layout_scratch = {}  # num_experts -> the layout kernel's ticket and totals (`layout_scratch`)
-        self.host_record_ptr = runtime.host_alloc_mapped(_RECORD_INTS * 4)
-        self.host_record = runtime.int32_view(self.host_record_ptr, _RECORD_INTS)
+        self.host_record_ptr = runtime.host_alloc_mapped(failures.RECORD_INTS * 4)
+        self.host_record = runtime.int32_view(self.host_record_ptr, failures.RECORD_INTS)
         self._signatures = {}  # signature tuple -> its ints on the device (NOTE [call signatures], `_signature`)
         self.host_counts_ptr = runtime.host_alloc_mapped(HOST_COUNTS_INTS * 4)
         self.host_counts = runtime.int32_view(self.host_counts_ptr, HOST_COUNTS_INTS)
@@ -321,51 +220,8 @@ class CudaBackend(Backend):
     def check_failures(self) -> None:
         """Raise the error a kernel recorded (a timeout, an overflow); once failed, always failed."""
         if self._failure is None and self.host_record[0] != 0:
-            kind, rank, peer, stage, seen, expected = (self.host_record[i] for i in range(6))
-            stage_name = _STAGES.get(stage, f"stage {stage}")
-            if kind == _ERRORS["kErrorOverflow"]:
-                self._failure = InvalidInputError(
-                    f"rank {rank} received at least {seen} rows at {stage_name}, more than "
-                    f"num_worst_tokens={expected}; "
-                    "rows past it were dropped")
-            elif kind == _ERRORS["kErrorBadValues"]:
-                mask = expected & _MASK32
-                error = checks.verdict_error(checks.ranks_in(mask, self.ctx.num_ranks), seen, self._verdict_experts)
-                self._failure = InvalidInputError(f"{error} (a dispatch with num_worst_tokens, which does not wait "
-                                                  "for the counts, moved no rows; destroy this Buffer and make a new "
-                                                  "one)")
-            elif kind == _ERRORS["kErrorBadLowLatencyIds"]:
-                self._failure = InvalidInputError(f"{checks.low_latency_bad_ids(rank, expected, seen)}; destroy "
-                                                  "this Buffer and make a new one")
-            elif kind == _ERRORS["kErrorCallMismatch"]:
-                # NOTE [call signatures]: every rank's signature, copied from the table
-                ints = collectives.SIGNATURE_INTS
-                at = _RECORD_SIGNATURES_AT
-                rows = [[int(self.host_record[at + r * _MAX_SIGNATURE_INTS + i]) for i in range(ints)]
-                        for r in range(self.ctx.num_ranks)]
-                self._failure = collectives.mismatch_error(rows, collectives.describe_signature, rank=rank,
-                                                           stage=stage_name)
-            elif kind == _ERRORS["kErrorMismatch"]:
-                self._failure = InvalidInputError(
-                    f"rank {peer} dispatched with {seen} sending warps and rank {rank} with {expected}: every rank "
-                    "must use the same number of SMs (Buffer.set_num_sms, Config.num_sms); destroy this Buffer "
-                    "and make a new one")
-            else:
-                # NOTE [call tags]: a low-latency peer whose call had another shape signals tags never awaited.
-                if stage_name == "low_latency_combine/overlap":  # NOTE [combine overlap]
-                    cause = ("the expert outputs' blocks were never signalled done (comp_signal below threshold, "
-                             "or src_signals below src_signal_expect_value); ")
-                elif stage_name.startswith("low_latency"):
-                    cause = ("the peer did not make this call, or made it with another shape (hidden, top-k, experts, "
-                             "num_max_dispatch_tokens_per_rank, FP8 flags); ")
-                elif stage_name.startswith("internode"):  # signal counts (NOTE [internode kernels])
-                    cause = ("a rank did not launch this call's kernel, or launched it with another grid; "
-                             "the flag counts signals of every call so far; ")
-                else:
-                    cause = self._normal_state()
-                self._failure = CommTimeoutError(rank, peer, stage_name,
-                                                 f"flag was {seen & _MASK32}, expected {expected & _MASK32}; {cause}"
-                                                 "destroy this Buffer and make a new one")
+            self._failure = failures.failure_of(self.host_record, self.ctx.num_ranks, self._verdict_experts,
+                                                self._normal_state)
         if self._failure is not None:
             raise self._failure
 
@@ -426,37 +282,17 @@ class CudaBackend(Backend):
         plan = self.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts)
         return plan.run_here(self._stream(), (topk_idx,))
 
-    def dispatch_shape(self, request: DispatchRequest) -> DispatchShape:
-        """What decides a dispatch's plans, from the request's metadata (no value read)."""
-        x, scales, placement = request.x, request.x_scales, request.placement
-        cached = request.handle is not None
-        topk_idx = None if cached else request.topk_idx
-        outputs = None if placement is None else placement.outputs
-        return DispatchShape(
-            num_tokens=x.size(0), hidden=x.size(1), dtype=x.dtype, element_size=x.element_size(),
-            num_scales=0 if scales is None else scales.size(1), scale_dtype=None if scales is None else scales.dtype,
-            scale_strides=(0, 0) if scales is None else (scales.stride(0), scales.stride(1)),
-            num_topk=0 if topk_idx is None else topk_idx.size(1),
-            topk_dtype=torch.int64 if topk_idx is None else topk_idx.dtype,
-            with_weights=not cached and request.topk_weights is not None,
-            num_experts=self.ctx.num_ranks if cached else request.num_experts,
-            expert_alignment=request.expert_alignment,
-            num_rows=request.handle.num_rows if cached else (request.num_worst_tokens or None),
-            cached=cached, num_sms=request.config.num_sms,
-            round_0=placement is not None and outputs is None, placed_rows=None if outputs is None else outputs[0].size(0),
-            placed_by_notify=placement is not None and placement.cursor is not None,
-            whole_call=request.call is not None, judged=request.check is not None,
-            judged_topk=request.check is not None and request.check.topk_idx is not None,
-            all_weights=request.all_topk_weights)
+    def dispatch_shape(self, request: DispatchRequest) -> plans.DispatchShape:
+        return plans.DispatchShape.of(request, self.ctx.num_ranks)
 
-    def dispatch_plans(self, shape: DispatchShape) -> Tuple[plans.Plan, Optional[plans.Plan]]:
+    def dispatch_plans(self, shape: plans.DispatchShape) -> Tuple[plans.Plan, Optional[plans.Plan]]:
         """The plans of a dispatch of `shape` (inputs DISPATCH_INPUTS, scalars DISPATCH_SCALARS): the count
         exchange, with the data launch where the outputs' rows are known; and where the CPU must wait for the
         counts first, a second plan that makes the outputs (rows: the scalar num_rows) and launches the data
         kernel."""
         return self.plan(("dispatch", shape), lambda: self._build_dispatch_plans(shape))
 
-    def _build_dispatch_plans(self, m: DispatchShape):
+    def _build_dispatch_plans(self, m: plans.DispatchShape):
         num_ranks, rank = self.ctx.num_ranks, self.ctx.rank
         if m.num_topk > kernels.NORMAL_MAX_TOPK:
             raise InvalidInputError(f"the CUDA backend handles top-k up to {kernels.NORMAL_MAX_TOPK}, got {m.num_topk}")
@@ -570,7 +406,7 @@ class CudaBackend(Backend):
         launch(second, make_outputs(second, second.scalar("num_rows")), False)
         return first_plan, second.build()
 
-    def _dispatch_signature(self, m: DispatchShape) -> int:
+    def _dispatch_signature(self, m: plans.DispatchShape) -> int:
         """A dispatch's signature, as the front-end agrees on it for the reference backend (buffer.py)."""
         hidden_bytes = m.hidden * m.element_size
         if m.cached:
@@ -716,189 +552,12 @@ class CudaBackend(Backend):
         return self._low_latency.next_low_latency_combine_buffer(num_max_dispatch_tokens_per_rank, hidden,
                                                                  num_experts)
 
-    # -- DeepEP V2's expanded layout (tokenyard/semantics/expand.py) ------------------------------------------
-    # Each runs as a plan (NOTE [call plans]) whose row counts are scalars, so a dispatch with the CPU sync,
-    # whose counts change at every call, reuses it too; the kernels stride over their rows, so the grids are
-    # sized for the most rows there can be.
-
-    def _strided_grid(self, most_items: int, per_block: int = kernels.EXPAND_THREADS // 32) -> int:
-        """Blocks for up to `most_items` (a warp each by default), at most four per SM."""
-        return max(1, min(-(-most_items // per_block), self.device_sms * 4))
-
-    def expanded_layout(self, recv_topk_idx, recv_src_idx, psum_per_rank, num_local, alignment, num_max,
-                        num_expanded):
-        usable = recv_topk_idx.is_contiguous() and recv_src_idx.is_contiguous() and recv_src_idx.dtype == torch.int32
-        if recv_topk_idx.device.type != "cuda" or psum_per_rank.dtype != torch.int32 or not usable:
-            return super().expanded_layout(recv_topk_idx, recv_src_idx, psum_per_rank, num_local, alignment, num_max,
-                                           num_expanded)
-        num_rows, num_topk = recv_topk_idx.shape
-        num_ranks, expanded = psum_per_rank.numel(), num_expanded is not None
-        topk_dtype, stride = recv_topk_idx.dtype, psum_per_rank.stride(0)
-
-        def build():
-            i32 = torch.int32
-            b = self._builder(("recv_topk_idx", "recv_src_idx", "psum_per_rank"), ("num_rows", "num_expanded"))
-            rows = b.scalar("num_rows")
-            counts = b.output("counts", (num_local,), i32, zero=True)
-            row_of = b.output("row_of", (rows, num_topk), i32)
-            metadata = b.output("metadata", (rows, num_topk + 2), i32)
-            b.launch(self._kernel(kernels.expand_count(num_topk, topk_dtype)),
-                     self._strided_grid(num_ranks * num_max, per_block=kernels.EXPAND_THREADS), dict(
-                         recv_topk_idx=b.inp("recv_topk_idx"), recv_src_idx=b.inp("recv_src_idx"),
-                         psum_per_rank=b.inp("psum_per_rank"), psum_stride=stride, num_ranks=num_ranks,
-                         num_rows=rows, num_local=num_local, num_max=num_max, counts=counts, row_of=row_of,
-                         metadata=metadata), shared_bytes=num_local * 4)
-            if expanded:
-                ends = b.output("ends", (num_local,), i32)
-                source_row = b.output("source_row", (b.scalar("num_expanded"),), i32, fill=0xFF)  # -1: padding
-                b.launch(self._kernel(kernels.expand_place(num_topk, topk_dtype)), num_local, dict(
-                    recv_topk_idx=b.inp("recv_topk_idx"), num_rows=rows, alignment=alignment, counts=counts,
-                    ends=ends, row_of=row_of, metadata=metadata, source_row=source_row))
-            return b.build()
-
-        plan = self.plan(("expanded_layout", num_topk, topk_dtype, num_ranks, stride, num_local, alignment, num_max,
-                          expanded), build)
-        made = plan.named(plan.run_here(self._stream(), (recv_topk_idx, recv_src_idx, psum_per_rank),
-                                        (num_rows, num_expanded or 0)))
-        return made["counts"], made.get("ends"), made["row_of"] if expanded else None, made.get("source_row"), \
-            made["metadata"]
-
-    def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
-        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # also where no row was received
-        if rows.device.type != "cuda" or rows.dim() == 1 or row_bytes % 16 or not rows.is_contiguous() or \
-                source_row.dtype != torch.int32 or not source_row.is_contiguous():
-            return super().gather_rows(rows, source_row, zero_fill)
-        tail = tuple(rows.shape[1:])
-
-        def build():
-            b = self._builder(("rows", "source_row"), ("num_expanded",))
-            m = b.scalar("num_expanded")
-            out = b.output("out", (m,) + tail, rows.dtype)
-            b.launch(self._kernel(kernels.expand_rows(row_bytes // 16)), self._strided_grid(1 << 30), dict(
-                rows=b.inp("rows"), source_row=b.inp("source_row"), num_expanded=m, zero_fill=int(zero_fill),
-                out=out))
-            return b.build()
-
-        plan = self.plan(("gather_rows", tail, rows.dtype, zero_fill), build)
-        return plan.run_here(self._stream(), (rows, source_row), (source_row.numel(),))[0]
-
-    def reduce_expanded(self, x: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or x.size(1) % 8 or not x.is_contiguous() or \
-                row_of.dtype != torch.int32 or not row_of.is_contiguous():
-            return super().reduce_expanded(x, row_of)
-        num_rows, num_topk = row_of.shape
-        hidden = x.size(1)
-
-        def build():
-            b = self._builder(("x", "row_of"), ("num_rows",))
-            n = b.scalar("num_rows")
-            out = b.output("out", (n, hidden), torch.bfloat16)
-            b.launch(self._kernel(kernels.reduce_expanded(hidden // 8, num_topk)), self._strided_grid(1 << 30),
-                     dict(x=b.inp("x"), row_of=b.inp("row_of"), num_rows=n, out=out))
-            return b.build()
-
-        plan = self.plan(("reduce_expanded", hidden, num_topk), build)
-        return plan.run_here(self._stream(), (x, row_of), (num_rows,))[0]
-
-    def _move_weights(self, row_of: torch.Tensor, given: torch.Tensor, out_rows: int, to_expanded: bool,
-                      zero_fill: bool) -> torch.Tensor:
-        """move_weights as a plan: `given` the pairs' weights ([N, K]) to an expanded [out_rows], or the
-        expanded weights to the pairs' [N, K]."""
-        num_topk = row_of.size(1)
-
-        def build():
-            b = self._builder(("row_of", "given"), ("num_pairs", "out_rows"))
-            shape = (b.scalar("out_rows"),) if to_expanded else (b.scalar("out_rows"), num_topk)
-            out = b.output("out", shape, torch.float32, zero=to_expanded and zero_fill)
-            pairs, expanded = (b.inp("given"), out) if to_expanded else (out, b.inp("given"))
-            b.launch(self._kernel(kernels.move_weights()), self._strided_grid(1 << 30, kernels.EXPAND_THREADS),
-                     dict(row_of=b.inp("row_of"), num_pairs=b.scalar("num_pairs"), to_expanded=int(to_expanded),
-                          pairs=pairs, expanded=expanded))
-            return b.build()
-
-        plan = self.plan(("move_weights", num_topk, to_expanded, zero_fill), build)
-        return plan.run_here(self._stream(), (row_of, given), (row_of.numel(), out_rows))[0]
-
-    def expand_weights(self, topk_weights, row_of, num_expanded, zero_fill):
-        if topk_weights.device.type != "cuda" or row_of.dtype != torch.int32 or not row_of.is_contiguous():
-            return super().expand_weights(topk_weights, row_of, num_expanded, zero_fill)
-        return self._move_weights(row_of, topk_weights.float().contiguous(), num_expanded, True, zero_fill)
-
-    def gather_weights(self, topk_weights, row_of):
-        if topk_weights.device.type != "cuda" or row_of.dtype != torch.int32 or not row_of.is_contiguous():
-            return super().gather_weights(topk_weights, row_of)
-        return self._move_weights(row_of, topk_weights.float().contiguous(), row_of.size(0), False, False)
-
     def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
         if use_rdma_buffer:
             if self._low_latency_kernels is not None:
                 return self._low_latency_kernels.buffer.tensor
             return self._low_latency.local_buffer(True)
         return self.normal.tensor
-
-    # -- internode normal mode (NOTE [internode kernels] in kernels/internode.cuh) ---------------------------
-
-    def internode_missing(self) -> Optional[str]:
-        """None where this rank can run the internode kernels, else what it lacks (NOTE [NVSHMEM units])."""
-        from ...jit import compiler as compilers
-        from ...jit import nvshmem
-
-        if nvshmem.find() is None:
-            return nvshmem.missing_reason()
-        if compilers.nvcc_path() is None:
-            return "no nvcc, which links the kernels that call NVSHMEM"
-        most = headers.constant("kernels/internode.cuh", "kMaxRanksPerNode")
-        if self.ctx.topology.ranks_per_node > most:
-            return f"nodes of {self.ctx.topology.ranks_per_node} ranks, more than the kernels' {most}"
-        return None
-
-    def start_internode(self) -> None:
-        """NOTE [internode start]
-        NVSHMEM's start and its allocations are collective and wait without a deadline. A Buffer whose normal
-        mode spans nodes therefore makes its internode kernels' region while it is made, a step every rank
-        joins, rather than at its first call, where a rank late to the call would hold the others past their
-        deadline (or, gone, forever). A Buffer without num_rdma_bytes makes none: its calls raise
-        CapacityError."""
-        if self.ctx.num_rdma_bytes > 0:
-            self._internode_kernels()
-
-    def _internode_kernels(self):
-        """The internode kernels, NVSHMEM started for the group (collective; NOTE [internode start])."""
-        if self._internode is None:
-            from .internode import InternodeKernels
-
-            ctx = self.ctx
-            if ctx.num_rdma_bytes <= 0:
-                raise CapacityError("internode normal mode on the CUDA backend keeps its rows in num_rdma_bytes "
-                                    "of NVSHMEM memory (NOTE [internode region]); this Buffer has none",
-                                    required_bytes=0, available_bytes=0, which="num_rdma_bytes")
-            self._internode = InternodeKernels(self, self._transport(), ctx.num_rdma_bytes,
-                                               ctx.topology.ranks_per_node)
-        return self._internode
-
-    def _group_ranks(self) -> tuple:
-        ctx = self.ctx
-        return tuple(dist.get_process_group_ranks(ctx.group)) if ctx.group is not None else tuple(range(ctx.num_ranks))
-
-    def _transport(self):
-        """NVSHMEM started for the group, or a use more of it (collective at the start), its heap room for the
-        low-latency buffer and the internode kernels' region, num_rdma_bytes each."""
-        from .transport import Transport
-
-        ctx = self.ctx
-        return Transport.start(ctx.rank, ctx.num_ranks, ctx.all_gather_object, self._group_ranks(),
-                               heap_bytes=2 * ctx.num_rdma_bytes + _INTERNODE_HEAP_SLACK,
-                               shares_gpu=ctx.topology.shares_gpu)
-
-    def internode_dispatch(self, request: DispatchRequest) -> DispatchResult:
-        from .. import internode
-
-        return internode.dispatch(self._low_latency, request, self._internode_kernels())
-
-    def internode_combine(self, request: CombineRequest):
-        from .. import internode
-
-        return internode.combine(self._low_latency, request, self._internode_kernels())
 
     def destroy(self, together: bool = True) -> None:
         torch.cuda.synchronize(self.device_index)
@@ -914,7 +573,7 @@ class CudaBackend(Backend):
         self.normal = self.low_latency_buffer = None
         for buffer in held:
             buffer.unmap_peers()
-        if held and together:  # NOTE [symmetric lifetime]
+        if held and together:  # NOTE [symmetric lifetime] in memory.py
             meet(self.ctx)
         for buffer in held:
             buffer.free()

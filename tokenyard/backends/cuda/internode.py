@@ -30,9 +30,12 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ...errors import BackendUnavailableError, CapacityError
+from ...plan import headers
 from ...semantics import routing
+from ..requests import CombineRequest, DispatchRequest, DispatchResult
 from . import kernels, runtime
 
 _ALIGN = 16
@@ -320,3 +323,74 @@ def combine_round_rows(table: torch.Tensor, r: int, per_round: int, rank: int, p
     head = send_nvl_head[picked].long()
     head = torch.where(head >= 0, head + shift[source_of], -1).to(torch.int32)
     return mine, picked, head, forwarded[:, r].tolist()
+
+
+# NVSHMEM's heap beyond the internode region: its signals and NVSHMEM's own
+INTERNODE_HEAP_SLACK = 64 << 20
+
+
+class InternodeCalls:
+    """Internode normal mode (NOTE [internode kernels] in kernels/internode.cuh), the part of the CUDA backend that
+    starts NVSHMEM and the kernels: a mixin `CudaBackend` inherits."""
+
+    def internode_missing(self) -> Optional[str]:
+        """None where this rank can run the internode kernels, else what it lacks (NOTE [NVSHMEM units])."""
+        from ...jit import compiler as compilers
+        from ...jit import nvshmem
+
+        if nvshmem.find() is None:
+            return nvshmem.missing_reason()
+        if compilers.nvcc_path() is None:
+            return "no nvcc, which links the kernels that call NVSHMEM"
+        most = headers.constant("kernels/internode.cuh", "kMaxRanksPerNode")
+        if self.ctx.topology.ranks_per_node > most:
+            return f"nodes of {self.ctx.topology.ranks_per_node} ranks, more than the kernels' {most}"
+        return None
+
+    def start_internode(self) -> None:
+        """NOTE [internode start]
+        NVSHMEM's start and its allocations are collective and wait without a deadline. A Buffer whose normal
+        mode spans nodes therefore makes its internode kernels' region while it is made, a step every rank
+        joins, rather than at its first call, where a rank late to the call would hold the others past their
+        deadline (or, gone, forever). A Buffer without num_rdma_bytes makes none: its calls raise
+        CapacityError."""
+        if self.ctx.num_rdma_bytes > 0:
+            self._internode_kernels()
+
+    def _internode_kernels(self):
+        """The internode kernels, NVSHMEM started for the group (collective; NOTE [internode start])."""
+        if self._internode is None:
+            from .internode import InternodeKernels
+
+            ctx = self.ctx
+            if ctx.num_rdma_bytes <= 0:
+                raise CapacityError("internode normal mode on the CUDA backend keeps its rows in num_rdma_bytes "
+                                    "of NVSHMEM memory (NOTE [internode region]); this Buffer has none",
+                                    required_bytes=0, available_bytes=0, which="num_rdma_bytes")
+            self._internode = InternodeKernels(self, self._transport(), ctx.num_rdma_bytes,
+                                               ctx.topology.ranks_per_node)
+        return self._internode
+
+    def _group_ranks(self) -> tuple:
+        ctx = self.ctx
+        return tuple(dist.get_process_group_ranks(ctx.group)) if ctx.group is not None else tuple(range(ctx.num_ranks))
+
+    def _transport(self):
+        """NVSHMEM started for the group, or a use more of it (collective at the start), its heap room for the
+        low-latency buffer and the internode kernels' region, num_rdma_bytes each."""
+        from .transport import Transport
+
+        ctx = self.ctx
+        return Transport.start(ctx.rank, ctx.num_ranks, ctx.all_gather_object, self._group_ranks(),
+                               heap_bytes=2 * ctx.num_rdma_bytes + INTERNODE_HEAP_SLACK,
+                               shares_gpu=ctx.topology.shares_gpu)
+
+    def internode_dispatch(self, request: DispatchRequest) -> DispatchResult:
+        from .. import internode
+
+        return internode.dispatch(self._low_latency, request, self._internode_kernels())
+
+    def internode_combine(self, request: CombineRequest):
+        from .. import internode
+
+        return internode.combine(self._low_latency, request, self._internode_kernels())

@@ -180,3 +180,57 @@ class PlanCache:
                 self._plans.clear()
             plan = self._plans[key] = build()
         return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchShape:
+    """Everything that decides a dispatch's plans (`of`)."""
+
+    num_tokens: int
+    hidden: int
+    dtype: torch.dtype
+    element_size: int
+    num_scales: int
+    scale_dtype: Optional[torch.dtype]
+    scale_strides: Tuple[int, int]
+    num_topk: int
+    topk_dtype: torch.dtype
+    with_weights: bool
+    num_experts: int
+    expert_alignment: int
+    num_rows: Optional[int]            # known before the count exchange: a handle's, or num_worst_tokens
+    cached: bool
+    num_sms: int
+    round_0: bool                      # round 0 of a call in rounds (its placement makes no tensors)
+    placed_rows: Optional[int]         # a later round: the whole call's tensors' rows
+    placed_by_notify: bool             # the count exchange places the round (recv_first and cursor given)
+    whole_call: bool                   # round 0: the whole call's counts are exchanged too
+    judged: bool                       # the count exchange judges the whole call's values (request.check)
+    judged_topk: bool                  # ... with its topk_idx
+    all_weights: bool                  # every slot's weight arrives (DispatchRequest.all_topk_weights)
+
+    @classmethod
+    def of(cls, request, num_ranks: int) -> "DispatchShape":
+        """What decides the plans of `request` (a DispatchRequest) on `num_ranks` ranks, from its metadata (no value
+        read)."""
+        x, scales, placement = request.x, request.x_scales, request.placement
+        cached = request.handle is not None
+        topk_idx = None if cached else request.topk_idx
+        outputs = None if placement is None else placement.outputs
+        return cls(
+            num_tokens=x.size(0), hidden=x.size(1), dtype=x.dtype, element_size=x.element_size(),
+            num_scales=0 if scales is None else scales.size(1), scale_dtype=None if scales is None else scales.dtype,
+            scale_strides=(0, 0) if scales is None else (scales.stride(0), scales.stride(1)),
+            num_topk=0 if topk_idx is None else topk_idx.size(1),
+            topk_dtype=torch.int64 if topk_idx is None else topk_idx.dtype,
+            with_weights=not cached and request.topk_weights is not None,
+            num_experts=num_ranks if cached else request.num_experts,
+            expert_alignment=request.expert_alignment,
+            num_rows=request.handle.num_rows if cached else (request.num_worst_tokens or None),
+            cached=cached, num_sms=request.config.num_sms,
+            round_0=placement is not None and outputs is None,
+            placed_rows=None if outputs is None else outputs[0].size(0),
+            placed_by_notify=placement is not None and placement.cursor is not None,
+            whole_call=request.call is not None, judged=request.check is not None,
+            judged_topk=request.check is not None and request.check.topk_idx is not None,
+            all_weights=request.all_topk_weights)
