@@ -1,4 +1,5 @@
-"""A DeepSeek-V3 routed MoE layer step (issue 52): tokenyard against the expert GEMMs alone and an all-to-all dispatcher.
+"""A DeepSeek-V3 routed MoE layer step (issue 52): tokenyard against the expert GEMMs alone and an all-to-all
+dispatcher.
 
 Two steps, each timed in four variants on every rank:
 
@@ -230,15 +231,16 @@ class Rank:
 
     # -- train -----------------------------------------------------------------------------------------------
 
-    def train_layer(self, buffer, variant: str = "tokenyard"):
-        """Normal mode through tokenyard.layers.autograd, forward and backward; -> (out, x.grad, expert rows)."""
+    def train_layer(self, buffer, variant: str = "tokenyard", kind: Optional[str] = None):
+        """Normal mode through tokenyard.layers.autograd, forward and backward; -> (out, x.grad, expert rows).
+        `kind` overrides the GEMMs' form (the reference uses the loop, as tokenyard.layers.moe.GatedExperts)."""
         from ...layers import autograd
 
         x = self.x.detach().requires_grad_()
         recv_x, recv_idx, recv_w, _, handle = autograd.dispatch(buffer, x, self.topk_idx, self.topk_weights,
                                                                 self.shape.num_experts)
         expert_out, grouped, counts = experts_on_received(recv_x, recv_idx, recv_w, (self.gate_up, self.down),
-                                                          self.kind)
+                                                          kind or self.kind)
         out, _ = autograd.combine(buffer, expert_out, handle)
         out = self._finish(variant, out)
         out.backward(self.grad_out)
@@ -429,7 +431,10 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
 
     rank = Rank(step, settings.shapes[step], settings, device)
     train = step == "train"
-    want = rank.train_layer(rank.reference) if train else rank.decode_layer(rank.reference)
+    if train:
+        want = rank.train_layer(rank.reference, "reference", "loop over experts")
+    else:
+        want = rank.decode_layer(rank.reference, "reference")
     if train:
         rank.gate_up.grad = rank.down.grad = None
     variants = rank.variants()
@@ -461,7 +466,13 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
 
 def rank_main(settings: MoeStepSettings) -> dict:
     """Every requested step on this rank (started by tokenyard.tools.launch.run_on_ranks)."""
+    import warnings
+
     import torch.distributed as dist
+
+    # torch.distributed.nn's all_to_all_single warns that it is deprecated; it is kept because it is
+    # differentiable and runs on gloo (this file's CPU runs) as on NCCL.
+    warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
 
     device = torch.device("cuda", torch.cuda.current_device()) if settings.gpu else torch.device("cpu")
     records = {step: run_step(step, settings, device) for step in settings.steps}
@@ -476,8 +487,8 @@ def merge_ranks(records: List[dict]) -> dict:
     for key in merged:
         if key.endswith("_us"):
             merged[key] = max(r[key] for r in records)
-    merged["tokenyard_overlap_us_by_num_sms"] = {
-        n: max(r["tokenyard_overlap_us_by_num_sms"][n] for r in records) for n in merged["tokenyard_overlap_us_by_num_sms"]}
+    by_num_sms = "tokenyard_overlap_us_by_num_sms"
+    merged[by_num_sms] = {n: max(r[by_num_sms][n] for r in records) for n in merged[by_num_sms]}
     return merged
 
 
