@@ -199,16 +199,18 @@ class Rank:
         self.rank, self.num_ranks = dist.get_rank(), dist.get_world_size()
         self.num_local = shape.num_experts // self.num_ranks
         self.kind = gemm_kind(device)
-        generator = torch.Generator().manual_seed(settings.seed * 1009 + self.rank + (7 if step == "decode" else 0))
+        # Drawn on the device: DeepSeek-V3's 64 local experts are 2.8 G values, too slow to draw on the host.
+        seed = settings.seed * 1009 + self.rank + (7 if step == "decode" else 0)
+        draw = dict(generator=torch.Generator(device=device).manual_seed(seed), device=device)
         T, H, I, E, K = shape.num_tokens, shape.hidden, shape.intermediate, shape.num_experts, shape.num_topk
-        self.x = torch.randn(T, H, generator=generator).to(torch.bfloat16).to(device)
-        self.topk_idx = torch.rand(T, E, generator=generator).topk(K, dim=1).indices.to(device)
-        self.topk_weights = torch.rand(T, K, generator=generator).softmax(dim=1).to(device)
-        self.grad_out = torch.randn(T, H, generator=generator).to(torch.bfloat16).to(device)
-        gate_up = torch.randn(self.num_local, 2 * I, H, generator=generator) * H ** -0.5
-        down = torch.randn(self.num_local, H, I, generator=generator) * I ** -0.5
-        self.gate_up = gate_up.to(torch.bfloat16).to(device).requires_grad_(step == "train")
-        self.down = down.to(torch.bfloat16).to(device).requires_grad_(step == "train")
+        self.x = torch.randn(T, H, **draw).to(torch.bfloat16)
+        self.topk_idx = torch.rand(T, E, **draw).topk(K, dim=1).indices
+        self.topk_weights = torch.rand(T, K, **draw).softmax(dim=1)
+        self.grad_out = torch.randn(T, H, **draw).to(torch.bfloat16)
+        gate_up = torch.randn(self.num_local, 2 * I, H, dtype=torch.bfloat16, **draw) * H ** -0.5
+        down = torch.randn(self.num_local, H, I, dtype=torch.bfloat16, **draw) * I ** -0.5
+        self.gate_up = gate_up.requires_grad_(step == "train")
+        self.down = down.requires_grad_(step == "train")
         self.corrupt = settings.corrupt
         if step == "train":
             self.buffer = moe.make_buffer(self.group, H, T, torch.bfloat16)
@@ -445,6 +447,7 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
     else:
         gemm_rows, gemm_counts = want[2][0], None
     calls = {"gemm_only": rank.gemm_only(gemm_rows, gemm_counts), **variants}
+    graphs = capture_decode(calls) if settings.gpu and not train else {}
     timer = Timer(rank.group, device)
     medians = timer.medians(list(calls.values()), settings.iters, settings.warmup)
     record = {f"{name}_us": seconds * 1e6 for name, seconds in zip(calls, medians)}
@@ -459,9 +462,27 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
             Buffer.set_num_sms(default_num_sms)
     record.update(num_sms=Buffer.num_sms, tokenyard_overlap_us_by_num_sms=overlap_by_num_sms,
                   gemm_slowdown_by_num_sms={n: None for n in overlap_by_num_sms}, checks=checks,
-                  micro_batches=OVERLAP_MICRO_BATCHES, gemm=rank.kind if train else "torch.bmm over padded slots")
+                  micro_batches=OVERLAP_MICRO_BATCHES, cuda_graph=graphs or None,
+                  gemm=rank.kind if train else "torch.bmm over padded slots")
     rank.destroy()
     return record
+
+
+def capture_decode(calls: Dict[str, Callable[[], object]]) -> Dict[str, str]:
+    """Decode is timed as CUDA-graph replays (issue 52), each call captured once; the all-to-all reads its
+    split sizes on the host, so it runs eagerly, as Megatron's does. -> per call, "graph" or why not."""
+    from .timing import capture_graph
+
+    how = {"all_to_all": "eager: split sizes are read on the host"}
+    for name in ("gemm_only", "tokenyard", "tokenyard_overlap"):
+        try:
+            graph, _ = capture_graph(calls[name])
+        except Exception as exc:  # noqa: BLE001 - timed eagerly, and the record says why
+            how[name] = f"eager: capture failed ({type(exc).__name__}: {exc})"
+            continue
+        calls[name] = graph.replay
+        how[name] = "graph"
+    return how
 
 
 def rank_main(settings: MoeStepSettings) -> dict:
