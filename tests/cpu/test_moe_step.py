@@ -1,0 +1,46 @@
+"""benchmarks/moe_step.py (tokenyard/tools/bench/moe_step.py) at 2 gloo ranks, CPU-sized: the record's keys, the
+correctness checks it runs before timing, and a wrong variant failing them."""
+
+import dataclasses
+import json
+
+import pytest
+
+from tokenyard.tools.bench import BenchError, moe_step
+
+FEW_ITERS = ["--cpu", "--num_ranks", "2", "--iters", "1", "--warmup", "0"]
+STEP_KEYS = {"gemm_only_us", "tokenyard_us", "tokenyard_overlap_us", "all_to_all_us", "num_sms",
+             "gemm_slowdown_by_num_sms", "tokenyard_overlap_us_by_num_sms", "counts", "checks", "gemm"}
+
+
+def test_both_steps_write_the_issue_record_after_checking_every_variant(tmp_path, capsys):
+    out = tmp_path / "moe_step.json"
+    assert moe_step.main(FEW_ITERS + ["--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {"commit", "device", "date", "num_gpus", "settings", "train", "decode"} <= set(doc)
+    for step in ("train", "decode"):
+        assert STEP_KEYS <= set(doc[step]), f"{step} lacks {STEP_KEYS - set(doc[step])}"
+        assert all(doc[step][k] > 0 for k in STEP_KEYS if k.endswith("_us"))
+        assert {"hbm_floor_us", "tensor_core_floor_us", "flop", "hbm_bytes"} <= set(doc[step]["counts"])
+    for variant in ("tokenyard", "tokenyard_overlap", "all_to_all"):
+        assert f"{variant} output" in doc["train"]["checks"] and f"{variant} input gradient" in doc["train"]["checks"]
+        assert f"{variant} output" in doc["decode"]["checks"]
+    for step, variant in (("train", "tokenyard"), ("train", "all_to_all"), ("decode", "tokenyard"),
+                          ("decode", "all_to_all")):
+        assert f"{variant} dispatch" in doc[step]["checks"]
+    assert "overlaps nothing" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("step,variant", [("train", "tokenyard_overlap"), ("decode", "all_to_all")])
+def test_a_variant_whose_output_is_wrong_fails_the_check_before_timing(step, variant):
+    settings = dataclasses.replace(moe_step.parse(FEW_ITERS + ["--step", step], 0), corrupt=variant)
+    with pytest.raises(BenchError, match=f"{step} {variant}: output"):
+        moe_step.run(settings)
+
+
+def test_the_floors_of_deepseek_v3_decode_read_the_local_experts_weights_once():
+    counts = moe_step.step_counts(moe_step.GPU_SHAPES["decode"], 4, train=False)
+    assert counts["weight_bytes"] == 8 * 3 * 7168 * 2048 * 2  # 8 local experts: 0.70 GB, 0.21 ms at 3.35 TB/s
+    assert 200 < counts["hbm_floor_us"] < 230
+    train = moe_step.step_counts(moe_step.GPU_SHAPES["train"], 4, train=True)
+    assert train["flop"] == 3 * 6 * 7168 * 2048 * 4096 * 8

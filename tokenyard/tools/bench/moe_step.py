@@ -1,0 +1,571 @@
+"""A DeepSeek-V3 routed MoE layer step (issue 52): tokenyard against the expert GEMMs alone and an all-to-all
+dispatcher.
+
+Two steps, each timed in four variants on every rank:
+
+    gemm_only           the grouped expert GEMMs on the rows a dispatch delivers, already in place: the floor
+    tokenyard           train: normal-mode dispatch/combine through tokenyard.layers.autograd, forward+backward;
+                        decode: low-latency dispatch/combine, forward only
+    tokenyard_overlap   two micro-batches: train with async_finish/previous_event on the communication stream
+                        while the other micro-batch's GEMMs run; decode with return_recv_hook (SGLang's two-batch
+                        overlap). On CPU the calls are synchronous, so this variant runs but overlaps nothing.
+    all_to_all          Megatron's all-to-all token dispatcher, written here (megatron-core is not a dependency):
+                        permute by expert, exchange counts, exchange rows, regroup by expert; the reverse to combine
+
+Before anything is timed, every variant is checked against the same layer run through the reference backend
+(`check_step`): the rows each local expert receives bit for bit, the output (and for train the input gradient)
+within bf16 rounding. The JSON also records each step's bytes and FLOPs and the floors they imply at the
+datasheet's HBM and tensor-core speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import BenchError
+
+# H100 SXM datasheet figures: HBM3 bandwidth and dense bf16 tensor-core throughput (no sparsity).
+H100_HBM_BYTES_PER_S = 3.35e12
+H100_BF16_DENSE_FLOP_PER_S = 989e12
+BF16_BYTES = 2
+OVERLAP_MICRO_BATCHES = 2
+SWEEP_NUM_SMS = 24  # the issue's second SM count for the overlapped step and the GEMM slowdown
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """One step's problem, per rank: tokens, the layer's sizes, the routing."""
+    num_tokens: int
+    hidden: int
+    intermediate: int
+    num_experts: int
+    num_topk: int
+
+
+# DeepSeek-V3's routed MoE (issue 52); decode uses 32 experts: the per-rank load of a 32-way deployment.
+GPU_SHAPES = {"train": StepShape(4096, 7168, 2048, 256, 8), "decode": StepShape(128, 7168, 2048, 32, 8)}
+CPU_SHAPES = {"train": StepShape(64, 256, 128, 16, 4), "decode": StepShape(32, 256, 128, 16, 4)}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeStepSettings:
+    num_ranks: int
+    steps: tuple
+    shapes: Dict[str, StepShape]
+    iters: int
+    warmup: int
+    gpu: bool
+    seed: int
+    timeout_s: float
+    json: Optional[str] = None
+    corrupt: Optional[str] = None  # a variant whose output is perturbed, so a test can see the check fail
+
+
+def parse(argv: Optional[Sequence[str]], num_gpus: int, prog: str = "benchmarks/moe_step.py") -> MoeStepSettings:
+    """The command line; shapes default to DeepSeek-V3's on GPUs and to CPU_SHAPES on the CPU."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("--num_ranks", type=int, default=None, help="default: every GPU, or 2 on the CPU")
+    parser.add_argument("--step", choices=["train", "decode", "both"], default="both")
+    parser.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU even where GPUs are")
+    for name in dataclasses.fields(StepShape):
+        parser.add_argument(f"--{name.name}", type=int, default=None, help="override both steps' value")
+    parser.add_argument("--iters", type=int, default=None, help="timed steps (default 20 on GPU, 3 on CPU)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5 on GPU, 1 on CPU)")
+    parser.add_argument("--seed", type=int, default=None, help="default: fresh, from the clock")
+    parser.add_argument("--timeout_s", type=float, default=600.0)
+    parser.add_argument("--json", default=None, help="write the record here")
+    args = parser.parse_args(argv)
+    gpu = num_gpus > 0 and not args.cpu
+    shapes = GPU_SHAPES if gpu else CPU_SHAPES
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(StepShape)
+                 if getattr(args, f.name) is not None}
+    shapes = {step: dataclasses.replace(shape, **overrides) for step, shape in shapes.items()}
+    num_ranks = args.num_ranks or (num_gpus if gpu else 2)
+    for step, shape in shapes.items():
+        if shape.num_experts % num_ranks or shape.num_topk > shape.num_experts:
+            parser.error(f"{step}: {shape.num_experts} experts, top-{shape.num_topk}, on {num_ranks} ranks")
+    steps = ("train", "decode") if args.step == "both" else (args.step,)
+    return MoeStepSettings(num_ranks, steps, shapes, args.iters or (20 if gpu else 3),
+                           args.warmup if args.warmup is not None else (5 if gpu else 1), gpu,
+                           args.seed if args.seed is not None else time.time_ns() % (1 << 31), args.timeout_s,
+                           args.json)
+
+
+# -- bytes, FLOPs and their floors ---------------------------------------------------------------------------
+
+def step_counts(shape: StepShape, num_ranks: int, train: bool) -> dict:
+    """Per rank and step, for balanced routing (T*K rows reach each rank's L = E/R experts in all).
+
+    Forward: two GEMMs, ``6*H*I`` FLOPs per row, reading the L experts' weights (``3*H*I`` bf16 each) once.
+    Backward adds the input and the weight gradients (twice the forward FLOPs), reads the weights again and
+    writes their gradients. Activations: each row's input, its gate/up output and the down output, read or
+    written once per GEMM.
+    """
+    rows = shape.num_tokens * shape.num_topk
+    num_local = shape.num_experts // num_ranks
+    flop = 6 * shape.hidden * shape.intermediate * rows
+    weight_bytes = num_local * 3 * shape.hidden * shape.intermediate * BF16_BYTES
+    activation_bytes = rows * (2 * shape.hidden + 3 * shape.intermediate) * BF16_BYTES
+    if train:
+        flop, weight_bytes, activation_bytes = 3 * flop, 3 * weight_bytes, 3 * activation_bytes
+    hbm_bytes = weight_bytes + activation_bytes
+    return {"rows_per_rank": rows, "flop": flop, "hbm_bytes": hbm_bytes, "weight_bytes": weight_bytes,
+            "dispatch_bytes": rows * shape.hidden * BF16_BYTES,
+            "hbm_floor_us": hbm_bytes / H100_HBM_BYTES_PER_S * 1e6,
+            "tensor_core_floor_us": flop / H100_BF16_DENSE_FLOP_PER_S * 1e6,
+            "floors_from": f"H100 SXM datasheet: HBM3 {H100_HBM_BYTES_PER_S / 1e12:g} TB/s, "
+                           f"{H100_BF16_DENSE_FLOP_PER_S / 1e12:g} TFLOP/s dense bf16"}
+
+
+# -- the experts --------------------------------------------------------------------------------------------
+
+def gemm_kind(device: torch.device) -> str:
+    """torch._grouped_mm on a GPU that has it (sm90+), else one GEMM per expert."""
+    if device.type == "cuda" and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] >= 9:
+        return "torch._grouped_mm"
+    return "loop over experts"
+
+
+def grouped_experts(x: torch.Tensor, counts: List[int], gate_up: torch.Tensor, down: torch.Tensor,
+                    kind: str) -> torch.Tensor:
+    """``x [n, H]`` grouped by local expert (`counts` rows each) -> ``[n, H]``: ``down @ (silu(gate) * up)``.
+
+    ``gate_up [L, 2*I, H]`` (gate rows, then up rows), ``down [L, H, I]``: tokenyard.layers.moe.GatedExperts'.
+    """
+    if kind == "torch._grouped_mm":
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+    outs, begin = [], 0
+    for expert, count in enumerate(counts):
+        gate, up = F.linear(x[begin:begin + count], gate_up[expert]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down[expert]))
+        begin += count
+    return torch.cat(outs) if outs else x[:0]
+
+
+def packed_experts(packed_x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Low-latency layout ``[L, R*M, H]`` -> ``[L, R*M, H]`` with one batched GEMM over every slot.
+
+    Decision: bmm over the padded slots, as a masked grouped GEMM would, reads no count on the host, so the
+    step captures in a CUDA graph; slots past a count hold garbage that the combine never reads.
+    """
+    gate, up = torch.bmm(packed_x, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    return torch.bmm(F.silu(gate) * up, down.transpose(1, 2))
+
+
+def by_expert(recv_topk_idx: torch.Tensor, num_local: int):
+    """``(rows, slots, counts)``: the (received row, top-k slot) pairs of local experts, grouped by expert in
+    received order (a stable sort), and each expert's count."""
+    flat = recv_topk_idx.masked_fill(recv_topk_idx < 0, num_local).flatten()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_local + 1)[:num_local]
+    order = order[:int(counts.sum())]
+    return order // recv_topk_idx.size(1), order % recv_topk_idx.size(1), counts.tolist()
+
+
+def experts_on_received(recv_x, recv_topk_idx, recv_topk_weights, weights, kind):
+    """The layer's expert part on normal-mode rows: ``out[i] = sum_k w[i,k] * expert_k(recv_x[i])`` in float32,
+    returned in bf16; also the rows each expert received, for the dispatch check."""
+    gate_up, down = weights
+    rows, slots, counts = by_expert(recv_topk_idx, gate_up.size(0))
+    grouped = recv_x[rows]
+    y = grouped_experts(grouped, counts, gate_up, down, kind).float() * recv_topk_weights[rows, slots][:, None]
+    out = torch.zeros(recv_x.shape, dtype=torch.float32, device=recv_x.device).index_add(0, rows, y)
+    return out.to(recv_x.dtype), grouped, counts
+
+
+# -- one rank's step variants --------------------------------------------------------------------------------
+
+class Rank:
+    """What one rank holds for a step: its inputs, its experts, the buffers and the calls of each variant."""
+
+    def __init__(self, step: str, shape: StepShape, settings: MoeStepSettings, device: torch.device):
+        import torch.distributed as dist
+
+        from ...buffer import Buffer
+        from ...layers import moe
+
+        self.step, self.shape, self.device = step, shape, device
+        self.group = dist.group.WORLD
+        self.rank, self.num_ranks = dist.get_rank(), dist.get_world_size()
+        self.num_local = shape.num_experts // self.num_ranks
+        self.kind = gemm_kind(device)
+        # Drawn on the device: DeepSeek-V3's 64 local experts are 2.8 G values, too slow to draw on the host.
+        seed = settings.seed * 1009 + self.rank + (7 if step == "decode" else 0)
+        draw = dict(generator=torch.Generator(device=device).manual_seed(seed), device=device)
+        T, H, I, E, K = shape.num_tokens, shape.hidden, shape.intermediate, shape.num_experts, shape.num_topk
+        self.x = torch.randn(T, H, **draw).to(torch.bfloat16)
+        self.topk_idx = torch.rand(T, E, **draw).topk(K, dim=1).indices
+        self.topk_weights = torch.rand(T, K, **draw).softmax(dim=1)
+        self.grad_out = torch.randn(T, H, **draw).to(torch.bfloat16)
+        gate_up = torch.randn(self.num_local, 2 * I, H, dtype=torch.bfloat16, **draw) * H ** -0.5
+        down = torch.randn(self.num_local, H, I, dtype=torch.bfloat16, **draw) * I ** -0.5
+        self.gate_up = gate_up.requires_grad_(step == "train")
+        self.down = down.requires_grad_(step == "train")
+        self.corrupt = settings.corrupt
+        if step == "train":
+            self.buffer = moe.make_buffer(self.group, H, T, torch.bfloat16)
+            self.reference = moe.make_buffer(self.group, H, T, torch.bfloat16, backend="reference")
+        else:
+            hint = Buffer.get_low_latency_rdma_size_hint(T, H, self.num_ranks, E)
+            self.buffer = Buffer(self.group, 0, hint, low_latency_mode=True, num_qps_per_rank=self.num_local)
+            self.reference = Buffer(self.group, 0, hint, low_latency_mode=True, num_qps_per_rank=self.num_local,
+                                    backend="reference")
+
+    def destroy(self) -> None:
+        self.buffer.destroy()
+        self.reference.destroy()
+
+    def _finish(self, variant: str, out: torch.Tensor) -> torch.Tensor:
+        if variant == self.corrupt:  # the test's way to see a wrong variant fail the check
+            out = out.clone()
+            out[0, 0] += 1.0 + out[0, 0].abs() * 4
+        return out
+
+    # -- train -----------------------------------------------------------------------------------------------
+
+    def train_layer(self, buffer, variant: str = "tokenyard", kind: Optional[str] = None):
+        """Normal mode through tokenyard.layers.autograd, forward and backward; -> (out, x.grad, expert rows).
+        `kind` overrides the GEMMs' form (the reference uses the loop, as tokenyard.layers.moe.GatedExperts)."""
+        from ...layers import autograd
+
+        x = self.x.detach().requires_grad_()
+        recv_x, recv_idx, recv_w, _, handle = autograd.dispatch(buffer, x, self.topk_idx, self.topk_weights,
+                                                                self.shape.num_experts)
+        expert_out, grouped, counts = experts_on_received(recv_x, recv_idx, recv_w, (self.gate_up, self.down),
+                                                          kind or self.kind)
+        out, _ = autograd.combine(buffer, expert_out, handle)
+        out = self._finish(variant, out)
+        out.backward(self.grad_out)
+        return out.detach(), x.grad, (grouped.detach(), counts)
+
+    def train_overlap(self):
+        """Two micro-batches (halves of the tokens); each communication call runs on the communication stream
+        (async_finish, previous_event) while the other micro-batch's GEMMs run. Backward in reverse: the
+        combine's backward is a cached dispatch of the output gradient, the dispatch's a combine."""
+        from ...buffer import Buffer
+
+        buffer, E = self.buffer, self.shape.num_experts
+        halves = torch.arange(self.shape.num_tokens, device=self.device).tensor_split(OVERLAP_MICRO_BATCHES)
+        batches = []
+        for part in halves:
+            layout = buffer.get_dispatch_layout(self.topk_idx[part], E)
+            recv_x, recv_idx, recv_w, _, handle, event = buffer.dispatch(
+                self.x[part], topk_idx=self.topk_idx[part], topk_weights=self.topk_weights[part],
+                num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+            batches.append(dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, handle=handle, event=event))
+        for b in batches:  # micro-batch i's GEMMs run while i+1's dispatch (or i-1's combine) is in flight
+            b["event"].current_stream_wait()
+            b["recv_x"] = b["recv_x"].detach().requires_grad_()
+            b["expert_out"] = experts_on_received(b["recv_x"], b["recv_idx"], b["recv_w"],
+                                                  (self.gate_up, self.down), self.kind)[0]
+            b["out"], _, b["event"] = buffer.combine(b["expert_out"].detach(), b["handle"],
+                                                     previous_event=Buffer.capture(), async_finish=True,
+                                                     allocate_on_comm_stream=True)
+        for b, part in zip(reversed(batches), reversed(halves)):
+            b["event"].current_stream_wait()
+            b["grad_expert_out"], _, _, _, _, b["event"] = buffer.dispatch(
+                self.grad_out[part], handle=b["handle"], previous_event=Buffer.capture(), async_finish=True,
+                allocate_on_comm_stream=True)
+        for b in reversed(batches):
+            b["event"].current_stream_wait()
+            b["expert_out"].backward(b["grad_expert_out"])
+            b["grad_x"], _, b["event"] = buffer.combine(b["recv_x"].grad, b["handle"],
+                                                        previous_event=Buffer.capture(), async_finish=True,
+                                                        allocate_on_comm_stream=True)
+        for b in batches:
+            b["event"].current_stream_wait()
+        out = self._finish("tokenyard_overlap", torch.cat([b["out"] for b in batches]))
+        return out, torch.cat([b["grad_x"] for b in batches]), None
+
+    # -- the all-to-all dispatcher (both steps) -------------------------------------------------------------
+
+    def all_to_all_layer(self, train: bool):
+        """Megatron's all-to-all token dispatcher: one row per (token, expert) pair, permuted by expert; counts
+        exchanged, then rows (all_to_all_single, differentiable through torch.distributed.nn); the received
+        (source rank, expert) chunks regrouped by expert; the GEMMs; the reverse; unpermute with the weights.
+        -> (out, x.grad or None, (rows per local expert, counts))."""
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_to_all_single
+
+        R, L, K = self.num_ranks, self.num_local, self.shape.num_topk
+        x = self.x.detach().requires_grad_(train)
+        flat_expert = self.topk_idx.flatten()
+        order = torch.sort(flat_expert, stable=True).indices  # permute: (token, k) pairs by expert
+        permuted = x[order // K]
+        counts = torch.bincount(flat_expert, minlength=self.shape.num_experts)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)  # exchange counts
+        send_split = counts.view(R, L).sum(1).tolist()
+        recv_by_rank = recv_counts.view(R, L)  # [source rank, local expert]
+        recv_split = recv_by_rank.sum(1).tolist()
+        received = all_to_all_single(permuted.new_empty(sum(recv_split), permuted.size(1)), permuted,
+                                     recv_split, send_split, group=self.group)
+        # Regroup chunks (source rank s, expert l) to (l, s), as Megatron's sort_chunks_by_idxs.
+        chunk_rows = received.split(recv_by_rank.flatten().tolist())
+        to_expert = [s * L + e for e in range(L) for s in range(R)]
+        grouped = torch.cat([chunk_rows[c] for c in to_expert])
+        per_expert = recv_by_rank.sum(0).tolist()
+        y = grouped_experts(grouped, per_expert, self.gate_up, self.down, self.kind)
+        back_chunks = y.split(recv_by_rank.t().flatten().tolist())  # (l, s) chunks back to (s, l)
+        back = torch.cat([back_chunks[e * R + s] for s in range(R) for e in range(L)])
+        returned = all_to_all_single(back.new_empty(permuted.shape), back, send_split, recv_split, group=self.group)
+        weighted = returned.float() * self.topk_weights.flatten()[order][:, None]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add(0, order // K, weighted)
+        out = self._finish("all_to_all", out.to(torch.bfloat16))
+        if not train:
+            return out, None, (grouped, per_expert)
+        out.backward(self.grad_out)
+        return out.detach(), x.grad, (grouped.detach(), per_expert)
+
+    # -- decode ---------------------------------------------------------------------------------------------
+
+    def decode_layer(self, buffer, variant: str = "tokenyard"):
+        """Low-latency dispatch, the experts on the packed rows, low-latency combine; -> (out, None, rows)."""
+        T, E = self.shape.num_tokens, self.shape.num_experts
+        packed_x, packed_count, handle, _, _ = buffer.low_latency_dispatch(self.x, self.topk_idx, T, E,
+                                                                           use_fp8=False)
+        expert_out = packed_experts(packed_x, self.gate_up, self.down)
+        out = buffer.low_latency_combine(expert_out, self.topk_idx, self.topk_weights, handle)[0]
+        return self._finish(variant, out), None, (packed_x, packed_count, handle)
+
+    def decode_overlap(self):
+        """SGLang's two-batch overlap: each call returns at once with return_recv_hook and the receive runs when
+        the hook is called, so one micro-batch's GEMMs run while the other's transfers are in flight."""
+        T, E = self.shape.num_tokens, self.shape.num_experts
+        halves = torch.arange(T, device=self.device).tensor_split(OVERLAP_MICRO_BATCHES)
+        sends = [self.buffer.low_latency_dispatch(self.x[p], self.topk_idx[p], T, E, use_fp8=False,
+                                                  return_recv_hook=True) for p in halves]
+        combines = []
+        for (packed_x, _, handle, _, receive), part in zip(sends, halves):
+            receive()
+            expert_out = packed_experts(packed_x, self.gate_up, self.down)
+            combines.append(self.buffer.low_latency_combine(expert_out, self.topk_idx[part],
+                                                            self.topk_weights[part], handle, return_recv_hook=True))
+        for _, _, receive in combines:
+            receive()
+        return self._finish("tokenyard_overlap", torch.cat([c[0] for c in combines])), None, None
+
+    # -- the variants, the check, the floor ------------------------------------------------------------------
+
+    def variants(self) -> Dict[str, Callable[[], tuple]]:
+        train = self.step == "train"
+        if train:
+            return {"tokenyard": lambda: self.train_layer(self.buffer), "tokenyard_overlap": self.train_overlap,
+                    "all_to_all": lambda: self.all_to_all_layer(True)}
+        return {"tokenyard": lambda: self.decode_layer(self.buffer), "tokenyard_overlap": self.decode_overlap,
+                "all_to_all": lambda: self.all_to_all_layer(False)}
+
+    def gemm_only(self, rows: torch.Tensor, counts: List[int]) -> Callable[[], object]:
+        """The GEMMs alone on `rows` (grouped by expert, `counts` each); train adds their backward."""
+        if self.step == "decode":
+            packed = rows  # the low-latency layout, [L, R*M, H]
+            return lambda: packed_experts(packed, self.gate_up, self.down)
+        rows = rows.detach().requires_grad_()
+        grad = torch.ones_like(rows)
+
+        def forward_backward():
+            grouped_experts(rows, counts, self.gate_up, self.down, self.kind).backward(grad)
+        return forward_backward
+
+
+def canonical_rows(step: str, rows_info, num_local: int, num_tokens: int) -> List[torch.Tensor]:
+    """Each local expert's received rows in one order for every variant: by source rank, then source token.
+
+    Normal mode and the all-to-all deliver an expert's rows by source rank in token order already; the
+    low-latency layout is ordered by its handle's `src_info` and `layout_range`.
+    """
+    if step == "train" or len(rows_info) == 2:
+        grouped, counts = rows_info
+        return list(grouped.split(list(counts)))
+    packed_x, packed_count, handle = rows_info
+    src_info, layout_range = handle[0], handle[1]
+    out = []
+    for expert in range(num_local):
+        keys, slots = [], []
+        for src_rank, packed in enumerate(layout_range[expert].tolist()):
+            begin, count = packed >> 32, packed & 0xFFFFFFFF
+            slots += range(begin, begin + count)
+            keys += [src_rank * num_tokens + int(t) for t in src_info[expert, begin:begin + count].tolist()]
+        order = torch.tensor(keys, dtype=torch.int64).argsort()
+        out.append(packed_x[expert][torch.tensor(slots, dtype=torch.int64)[order]])
+    return out
+
+
+def check_step(rank: Rank, results: Dict[str, tuple], want: tuple) -> List[str]:
+    """Each variant against the reference backend's layer: rows per expert bit for bit, the output and the
+    input gradient within bf16 rounding. Raises AssertionError naming the variant; -> the checks made."""
+    from ..testing import assert_within_bf16_rounding
+
+    shape = rank.shape
+    want_rows = canonical_rows(rank.step, want[2], rank.num_local, shape.num_tokens)
+    done = []
+    for variant, (out, grad_x, rows_info) in results.items():
+        assert_within_bf16_rounding(out, want[0], f"{rank.step} {variant}: output (rank {rank.rank})")
+        done.append(f"{variant} output")
+        if grad_x is not None:
+            assert_within_bf16_rounding(grad_x, want[1], f"{rank.step} {variant}: input gradient (rank {rank.rank})")
+            done.append(f"{variant} input gradient")
+        if rows_info is not None:
+            got_rows = canonical_rows(rank.step, rows_info, rank.num_local, shape.num_tokens)
+            for expert, (got, expected) in enumerate(zip(got_rows, want_rows)):
+                if not torch.equal(got, expected):
+                    raise AssertionError(f"{rank.step} {variant}: rank {rank.rank} expert {expert} received other "
+                                         f"rows than the reference dispatch ({got.size(0)} vs {expected.size(0)})")
+            done.append(f"{variant} dispatch")
+    return done
+
+
+def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict:
+    """One step on this rank: check every variant, then time them; -> this rank's record of the step."""
+    from ...buffer import Buffer
+    from .timing import Timer
+
+    rank = Rank(step, settings.shapes[step], settings, device)
+    train = step == "train"
+    if train:
+        want = rank.train_layer(rank.reference, "reference", "loop over experts")
+    else:
+        want = rank.decode_layer(rank.reference, "reference")
+    if train:
+        rank.gate_up.grad = rank.down.grad = None
+    variants = rank.variants()
+    checks = check_step(rank, {name: call() for name, call in variants.items()}, want)
+    rank.corrupt = None
+    if train:
+        gemm_rows, gemm_counts = want[2]
+    else:
+        gemm_rows, gemm_counts = want[2][0], None
+    calls = {"gemm_only": rank.gemm_only(gemm_rows, gemm_counts), **variants}
+    graphs = capture_decode(calls) if settings.gpu and not train else {}
+    timer = Timer(rank.group, device)
+    medians = timer.medians(list(calls.values()), settings.iters, settings.warmup)
+    record = {f"{name}_us": seconds * 1e6 for name, seconds in zip(calls, medians)}
+    overlap_by_num_sms = {Buffer.num_sms: record["tokenyard_overlap_us"]}
+    if settings.gpu and train:  # the normal-mode kernels' SM count matters only on GPUs
+        default_num_sms = Buffer.num_sms
+        try:
+            Buffer.set_num_sms(SWEEP_NUM_SMS)
+            overlap_by_num_sms[SWEEP_NUM_SMS] = timer.medians([variants["tokenyard_overlap"]], settings.iters,
+                                                              settings.warmup)[0] * 1e6
+        finally:
+            Buffer.set_num_sms(default_num_sms)
+    record.update(num_sms=Buffer.num_sms, tokenyard_overlap_us_by_num_sms=overlap_by_num_sms,
+                  gemm_slowdown_by_num_sms={n: None for n in overlap_by_num_sms}, checks=checks,
+                  micro_batches=OVERLAP_MICRO_BATCHES, cuda_graph=graphs or None,
+                  gemm=rank.kind if train else "torch.bmm over padded slots")
+    rank.destroy()
+    return record
+
+
+def capture_decode(calls: Dict[str, Callable[[], object]]) -> Dict[str, str]:
+    """Decode is timed as CUDA-graph replays (issue 52), each call captured once; the all-to-all reads its
+    split sizes on the host, so it runs eagerly, as Megatron's does. -> per call, "graph" or why not."""
+    from .timing import capture_graph
+
+    how = {"all_to_all": "eager: split sizes are read on the host"}
+    for name in ("gemm_only", "tokenyard", "tokenyard_overlap"):
+        try:
+            graph, _ = capture_graph(calls[name])
+        except Exception as exc:  # noqa: BLE001 - timed eagerly, and the record says why
+            how[name] = f"eager: capture failed ({type(exc).__name__}: {exc})"
+            continue
+        calls[name] = graph.replay
+        how[name] = "graph"
+    return how
+
+
+def rank_main(settings: MoeStepSettings) -> dict:
+    """Every requested step on this rank (started by tokenyard.tools.launch.run_on_ranks)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    # torch.distributed.nn's all_to_all_single warns that it is deprecated; it is kept because it is
+    # differentiable and runs on gloo (this file's CPU runs) as on NCCL.
+    warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated", category=FutureWarning)
+
+    device = torch.device("cuda", torch.cuda.current_device()) if settings.gpu else torch.device("cpu")
+    records = {step: run_step(step, settings, device) for step in settings.steps}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    return {step: merge_ranks([r[step] for r in gathered]) for step in settings.steps}
+
+
+def merge_ranks(records: List[dict]) -> dict:
+    """The slowest rank's time of each variant (a step ends when its last rank does); the rest from rank 0."""
+    merged = dict(records[0])
+    for key in merged:
+        if key.endswith("_us"):
+            merged[key] = max(r[key] for r in records)
+    by_num_sms = "tokenyard_overlap_us_by_num_sms"
+    merged[by_num_sms] = {n: max(r[by_num_sms][n] for r in records) for n in merged[by_num_sms]}
+    return merged
+
+
+def build_record(settings: MoeStepSettings, steps: dict, commit: Optional[str], date: str) -> dict:
+    device = torch.cuda.get_device_name(0) if settings.gpu else "cpu (gloo ranks, reference backend)"
+    doc = {"commit": commit, "device": device, "date": date, "num_gpus": settings.num_ranks if settings.gpu else 0,
+           "num_ranks": settings.num_ranks, "seed": settings.seed, "iters": settings.iters,
+           "settings": {step: dataclasses.asdict(settings.shapes[step]) for step in settings.steps},
+           "overlap": None if settings.gpu else "on the CPU every call is synchronous: the overlap variant runs "
+                                                "its calls but overlaps nothing"}
+    for step, record in steps.items():
+        doc[step] = dict(record, counts=step_counts(settings.shapes[step], settings.num_ranks, step == "train"))
+    return doc
+
+
+def print_table(doc: dict) -> None:
+    print(f"MoE layer step on {doc['device']}, {doc['num_ranks']} ranks, seed {doc['seed']}")
+    if doc["overlap"]:
+        print(f"note: {doc['overlap']}")
+    for step in ("train", "decode"):
+        if step not in doc:
+            continue
+        r, c = doc[step], doc[step]["counts"]
+        print(f"{step} {doc['settings'][step]} gemm: {r['gemm']}; checked: {len(r['checks'])} "
+              f"({', '.join(r['checks'])})")
+        for name in ("gemm_only", "tokenyard", "tokenyard_overlap", "all_to_all"):
+            print(f"  {name:<18} {r[name + '_us']:12.1f} us")
+        print(f"  floors: HBM {c['hbm_floor_us']:.1f} us ({c['hbm_bytes'] / 1e6:.1f} MB), tensor core "
+              f"{c['tensor_core_floor_us']:.1f} us ({c['flop'] / 1e9:.2f} GFLOP) [{c['floors_from']}]")
+
+
+def run(settings: MoeStepSettings) -> dict:
+    """Start the ranks, check and time; -> the record. Raises BenchError naming the rank that failed."""
+    from .. import launch
+    from .report import git_commit
+
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    try:
+        steps = launch.run_on_ranks(settings.num_ranks, rank_main, settings, use_cuda=settings.gpu,
+                                    timeout_s=settings.timeout_s)[0]
+    except launch.RanksFailed as exc:
+        raise BenchError(str(exc)) from None
+    return build_record(settings, steps, git_commit(), date)
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "benchmarks/moe_step.py") -> int:
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    settings = parse(argv, num_gpus, prog)
+    try:
+        doc = run(settings)
+    except BenchError as exc:
+        print(f"{prog}: {exc}")
+        return 1
+    print_table(doc)
+    if settings.json:
+        with open(settings.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        print(f"wrote {settings.json}")
+    return 0
