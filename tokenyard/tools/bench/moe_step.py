@@ -397,8 +397,8 @@ def canonical_rows(step: str, rows_info, num_local: int, num_tokens: int) -> Lis
             begin, count = packed >> 32, packed & 0xFFFFFFFF
             slots += range(begin, begin + count)
             keys += [src_rank * num_tokens + int(t) for t in src_info[expert, begin:begin + count].tolist()]
-        order = torch.tensor(keys, dtype=torch.int64).argsort()
-        out.append(packed_x[expert][torch.tensor(slots, dtype=torch.int64)[order]])
+        order = torch.tensor(keys, dtype=torch.int64, device=packed_x.device).argsort()
+        out.append(packed_x[expert][torch.tensor(slots, dtype=torch.int64, device=packed_x.device)[order]])
     return out
 
 
