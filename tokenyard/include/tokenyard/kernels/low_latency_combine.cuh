@@ -281,6 +281,18 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
     const auto peers_left = [&] {
         return __ballot_sync(0xffffffffu, lane < p.num_ranks && ptx::ld_relaxed_sys(b.deferred_peer(lane)) == tag);
     };
+    // The last block's flag to every rank but those `held()` names (NOTE [cumulative release]). Without a mask, a
+    // launch that recorded a failure (a lost weight, a receive timeout in another block) left rows unwritten: its
+    // peers must time out rather than sum them; so does one whose expert outputs never came (NOTE [combine
+    // overlap]), mask or none.
+    const auto publish_flags = [&](auto held) {
+        publish_when_last<Remote>(b, 1, epoch, p.rank_mask, p.trace,
+                                  [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; }, [&] {
+                                      return (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait)
+                                                     ? ~0u
+                                                     : held();
+                                  });
+    };
     if (p.do_send) {
         const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
         // Fewer blocks than ranks, or an overlap's few (NOTE [combine overlap]): a block a rank at a time, in
@@ -376,15 +388,7 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
                 ptx::st_relaxed_sys(b.deferred_peer(s), tag);
             __syncthreads();  // num_items is the next round's
         }
-        // Without a mask, a launch that recorded a failure (a lost weight, a receive timeout in another
-        // block) left rows unwritten: its peers must time out rather than sum them; so does one whose expert
-        // outputs never came (NOTE [combine overlap]), mask or none.
-        publish_when_last<Remote>(b, 1, epoch, p.rank_mask, p.trace,
-                                  [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; }, [&] {
-                                      return (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait)
-                                                     ? ~0u
-                                                     : kHookSend ? peers_left() : 0u;  // wait for the receive
-                                  });
+        publish_flags([&] { return kHookSend ? peers_left() : 0u; });  // those left wait for the receive
     }
     if (!p.do_recv) {
         trace_mark(p.trace, kTraceEnd);
@@ -428,14 +432,7 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
                 item = next_item;
                 choice = next;
             }
-            if (last_block_done(b, 1)) {  // NOTE [cumulative release]
-                const bool silent = (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait);
-                for (int r = threadIdx.x; r < p.num_ranks && !silent; r += blockDim.x) {
-                    if ((left >> r) & 1u && !masked(r))
-                        store_word<Remote>(b, b.combine_flag(r, p.rank), (static_cast<uint64_t>(tag) << 32) | 1u, r,
-                                           true);
-                }
-            }
+            publish_flags([&] { return ~left; });  // the send published the others' (the epoch stays as it set it)
         }
     }
 

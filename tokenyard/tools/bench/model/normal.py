@@ -90,7 +90,7 @@ class Published:
 
 PUBLISHED = {
     # DeepEP README, "Normal kernels with NVLink and RDMA forwarding" (shared/seeds/003_834bd8067d025687.txt);
-    # NVLink at the 153 GB/s its intranode dispatch reaches on the same H800s (common.DEEPEP_NVLINK_GBS).
+    # NVLink at what its intranode dispatch reaches on the same H800s (common.DEEPEP_NVLINK_GBS).
     "deepep": Published("deepep", "DeepEP README", "H800, CX7 InfiniBand 400 Gb/s per GPU", 400.0,
                         DEEPEP_NVLINK_GBS, {16: (43.0, 43.0), 32: (44.0, 47.0), 64: (46.0, 45.0)}, calibrate_ep=32),
     # UCCL-EP README, "Normal kernels with NVLink and RDMA forwarding" (shared/seeds/004_74529b3c5f312808.txt);
