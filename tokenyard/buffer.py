@@ -437,6 +437,13 @@ class Buffer(NormalCalls, LowLatencyCalls):
         torch.cuda.set_stream(self._comm_stream)
         try:
             yield scope
+        except BaseException:
+            # A call that raised (a refusal, a timeout) leaves no work forked off the caller's stream: a capture
+            # would end with "unjoined work", and the caller's next work would not follow the comm stream's.
+            compute.wait_stream(self._comm_stream)
+            if order is not None:
+                order.set_joined(compute.cuda_stream)
+            raise
         finally:
             torch.cuda.set_stream(compute)
             if caller_device != device_index:

@@ -311,6 +311,8 @@ class ElasticBuffer:
         del num_qps
         if do_zero_padding and not do_expand:
             raise InvalidInputError("do_zero_padding zeroes the expanded layout's padding: it needs do_expand")
+        if handle is None and do_cpu_sync is not False:  # before the layout runs (NOTE [graph capture])
+            self.buffer._refuse_capture(self.buffer._normal_backend(), "dispatch", cpu_wait=True)
         with self._scope(previous_event, previous_event_before_epilogue, async_with_compute_stream,
                          allocate_on_comm_stream) as scope:
             if handle is not None:

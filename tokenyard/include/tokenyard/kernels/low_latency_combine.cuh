@@ -281,16 +281,17 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
     const auto peers_left = [&] {
         return __ballot_sync(0xffffffffu, lane < p.num_ranks && ptx::ld_relaxed_sys(b.deferred_peer(lane)) == tag);
     };
-    // The last block's flag to every rank but those `held()` names (NOTE [cumulative release]). Without a mask, a
-    // launch that recorded a failure (a lost weight, a receive timeout in another block) left rows unwritten: its
-    // peers must time out rather than sum them; so does one whose expert outputs never came (NOTE [combine
-    // overlap]), mask or none.
-    const auto publish_flags = [&](auto held) {
+    // The last block's flag to every rank but those held back (NOTE [cumulative release]): a receiving launch holds
+    // back all but the peers `left` names, a hook's send the peers it left. Without a mask, a launch that recorded a
+    // failure (a lost weight, a receive timeout in another block) left rows unwritten: its peers must time out rather
+    // than sum them; so does one whose expert outputs never came (NOTE [combine overlap]), mask or none. (No generic
+    // lambda: NVRTC compiles no `auto` parameter without an execution space.)
+    const auto publish_flags = [&](bool receiving, uint32_t left) {
         publish_when_last<Remote>(b, 1, epoch, p.rank_mask, p.trace,
                                   [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; }, [&] {
-                                      return (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait)
-                                                     ? ~0u
-                                                     : held();
+                                      if ((p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait))
+                                          return ~0u;
+                                      return receiving ? ~left : kHookSend ? peers_left() : 0u;
                                   });
     };
     if (p.do_send) {
@@ -388,7 +389,7 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
                 ptx::st_relaxed_sys(b.deferred_peer(s), tag);
             __syncthreads();  // num_items is the next round's
         }
-        publish_flags([&] { return kHookSend ? peers_left() : 0u; });  // those left wait for the receive
+        publish_flags(false, 0u);  // those left wait for the receive
     }
     if (!p.do_recv) {
         trace_mark(p.trace, kTraceEnd);
@@ -432,7 +433,7 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
                 item = next_item;
                 choice = next;
             }
-            publish_flags([&] { return ~left; });  // the send published the others' (the epoch stays as it set it)
+            publish_flags(true, left);  // the send published the others' (the epoch stays as it set it)
         }
     }
 
