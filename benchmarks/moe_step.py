@@ -6,7 +6,10 @@ dispatcher, train and decode, checked against the reference backend before timin
 The work is in tokenyard/tools/bench/moe_step.py; on a machine without GPUs it runs CPU-sized on gloo ranks.
 """
 
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's tokenyard
 
 from tokenyard.tools.bench import moe_step
 

@@ -15,7 +15,7 @@
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh structure_ab
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh host_cost_ab
 #   TOKENYARD_COMMIT=<hash> [TOKENYARD_BEFORE=<hash>] bash benchmarks/run_device.sh stream_stress
-#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [compat [pytest args]|sanitizer|main_bench|faults_gpus|ll_hooks]
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [compat [pytest args]|sanitizer [test files]|main_bench|faults_gpus|ll_hooks]
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -213,11 +213,24 @@ if [ "$what" = compat ]; then
         | tee "$out/compat_4ranks.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -30
 fi
 if [ "$what" = sanitizer ]; then
-    # Issue 56: PyTorch's CUDA sanitizer (CSAN) over the stream-heavy GPU tests at 2 ranks (sanitizer.log). It sees
-    # torch's own kernels and stream waits only: the kernels and waits tokenyard makes through the driver are
-    # invisible to it (benchmarks/results/stream_stress.md).
+    # Issue 56: PyTorch's CUDA sanitizer (CSAN) over GPU test files at 2 ranks (sanitizer.log): the arguments, else
+    # the stream-heavy ones. It sees torch's own kernels and stream waits only: the kernels and waits tokenyard makes
+    # through the driver are invisible to it (benchmarks/results/stream_stress.md). First a canary, a read on a side
+    # stream that waits for nothing, which CSAN must report: without that report the run proves nothing.
+    shift
+    files=("$@")
+    [ ${#files[@]} -eq 0 ] && files=(tests/gpu/test_elastic_cuda.py tests/gpu/test_normal_cuda.py)
+    TORCH_CUDA_SANITIZER=1 python3 -c "
+import torch
+a = torch.rand(1 << 20, device='cuda')
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    b = a * 2
+torch.cuda.synchronize()" > "$out/sanitizer_canary.log" 2>&1 \
+        && echo "CSAN canary: NO report (the sanitizer is not active)" \
+        || echo "CSAN canary: reported ($(grep -m1 -o 'CSAN detected a possible data race[^.]*' "$out/sanitizer_canary.log"))"
     TORCH_CUDA_SANITIZER=1 TOKENYARD_TEST_NUM_RANKS=2 timeout "${TOKENYARD_SANITIZER_TIMEOUT_S:-90}" python3 -m pytest \
-        -v -p no:cacheprovider tests/gpu/test_elastic_cuda.py tests/gpu/test_normal_cuda.py 2>&1 \
+        -v -p no:cacheprovider "${files[@]}" 2>&1 \
         | tee "$out/sanitizer.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|CSAN|race" | tail -20
 fi
 if [ "$what" = main_bench ]; then

@@ -98,6 +98,9 @@ def _replays_match(seed):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             captured = _step(cuda, x, topk_idx, weights, stats, *args)
+        # Nothing captured ran, but PyTorch's sanitizer (CSAN, run_device.sh sanitizer) records a captured kernel's
+        # reads as if it had: without this sync it reports the writes below as racing with them.
+        torch.cuda.synchronize()
         for replay in range(REPLAYS):
             fresh = inputs(1000 * case + replay + 1, dtype, kind)
             for static, value in zip((x, topk_idx, weights), fresh):
