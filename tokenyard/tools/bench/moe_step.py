@@ -6,16 +6,18 @@ Two steps, each timed in four variants on every rank:
     gemm_only           the grouped expert GEMMs on the rows a dispatch delivers, already in place: the floor
     tokenyard           train: normal-mode dispatch/combine through tokenyard.layers.autograd, forward+backward;
                         decode: low-latency dispatch/combine, forward only
-    tokenyard_overlap   two micro-batches: train with async_finish/previous_event on the communication stream
-                        while the other micro-batch's GEMMs run; decode with return_recv_hook (SGLang's two-batch
-                        overlap). On CPU the calls are synchronous, so this variant runs but overlaps nothing.
+    tokenyard_overlap   two micro-batches of the step's tokens, timed per micro-batch (NOTE [whole micro-batches]):
+                        train with async_finish/previous_event on the communication stream while the other
+                        micro-batch's GEMMs run; decode with return_recv_hook (SGLang's two-batch overlap). On CPU
+                        the calls are synchronous, so this variant runs but overlaps nothing.
     all_to_all          Megatron's all-to-all token dispatcher, written here (megatron-core is not a dependency):
                         permute by expert, exchange counts, exchange rows, regroup by expert; the reverse to combine
 
 Before anything is timed, every variant is checked against the same layer run through the reference backend
 (`check_step`): the rows each local expert receives bit for bit, the output (and for train the input gradient)
 within bf16 rounding. The JSON also records each step's bytes and FLOPs and the floors they imply at the
-datasheet's HBM and tensor-core speeds.
+datasheet's HBM and tensor-core speeds, and on GPUs how much the GEMMs slow down while the step's communication
+runs beside them (`gemm_slowdown`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
+import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -36,6 +40,13 @@ from . import BenchError
 H100_HBM_BYTES_PER_S = 3.35e12
 H100_BF16_DENSE_FLOP_PER_S = 989e12
 BF16_BYTES = 2
+# NOTE [whole micro-batches]
+# The overlapped variants run OVERLAP_MICRO_BATCHES micro-batches, each of the step's tokens (the same ones, so each
+# is checked against the reference), and their time is per micro-batch: micro-batches as a trainer's gradient
+# accumulation or a server's concurrent batches have them, each already paying for its own pass over the experts'
+# weights. Halves of one step's tokens, the first design, make each half read (decode) or write (train, the
+# weight gradients) every local expert's weights again, which costs more than the overlap hides
+# (benchmarks/results/moe_step.md).
 OVERLAP_MICRO_BATCHES = 2
 SWEEP_NUM_SMS = 24  # the issue's second SM count for the overlapped step and the GEMM slowdown
 
@@ -249,20 +260,21 @@ class Rank:
         return out.detach(), x.grad, (grouped.detach(), counts)
 
     def train_overlap(self):
-        """Two micro-batches (halves of the tokens); each communication call runs on the communication stream
-        (async_finish, previous_event) while the other micro-batch's GEMMs run. Backward in reverse: the
-        combine's backward is a cached dispatch of the output gradient, the dispatch's a combine."""
+        """OVERLAP_MICRO_BATCHES micro-batches of the step's tokens (NOTE [whole micro-batches]); each communication
+        call runs on the communication stream (async_finish, previous_event) while another micro-batch's GEMMs run.
+        Backward in reverse: the combine's backward is a cached dispatch of the output gradient, the dispatch's a
+        combine. -> the micro-batches' outputs and input gradients, stacked."""
         from ...buffer import Buffer
 
         buffer, E = self.buffer, self.shape.num_experts
-        halves = torch.arange(self.shape.num_tokens, device=self.device).tensor_split(OVERLAP_MICRO_BATCHES)
+        on_comm = dict(async_finish=True, allocate_on_comm_stream=True)
         batches = []
-        for part in halves:
-            layout = buffer.get_dispatch_layout(self.topk_idx[part], E)
+        for _ in range(OVERLAP_MICRO_BATCHES):
+            layout = buffer.get_dispatch_layout(self.topk_idx, E)
             recv_x, recv_idx, recv_w, _, handle, event = buffer.dispatch(
-                self.x[part], topk_idx=self.topk_idx[part], topk_weights=self.topk_weights[part],
-                num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
-                previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+                self.x, topk_idx=self.topk_idx, topk_weights=self.topk_weights, num_tokens_per_rank=layout[0],
+                is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], previous_event=Buffer.capture(),
+                **on_comm)
             batches.append(dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, handle=handle, event=event))
         for b in batches:  # micro-batch i's GEMMs run while i+1's dispatch (or i-1's combine) is in flight
             b["event"].current_stream_wait()
@@ -270,19 +282,16 @@ class Rank:
             b["expert_out"] = experts_on_received(b["recv_x"], b["recv_idx"], b["recv_w"],
                                                   (self.gate_up, self.down), self.kind)[0]
             b["out"], _, b["event"] = buffer.combine(b["expert_out"].detach(), b["handle"],
-                                                     previous_event=Buffer.capture(), async_finish=True,
-                                                     allocate_on_comm_stream=True)
-        for b, part in zip(reversed(batches), reversed(halves)):
+                                                     previous_event=Buffer.capture(), **on_comm)
+        for b in reversed(batches):
             b["event"].current_stream_wait()
             b["grad_expert_out"], _, _, _, _, b["event"] = buffer.dispatch(
-                self.grad_out[part], handle=b["handle"], previous_event=Buffer.capture(), async_finish=True,
-                allocate_on_comm_stream=True)
+                self.grad_out, handle=b["handle"], previous_event=Buffer.capture(), **on_comm)
         for b in reversed(batches):
             b["event"].current_stream_wait()
             b["expert_out"].backward(b["grad_expert_out"])
             b["grad_x"], _, b["event"] = buffer.combine(b["recv_x"].grad, b["handle"],
-                                                        previous_event=Buffer.capture(), async_finish=True,
-                                                        allocate_on_comm_stream=True)
+                                                        previous_event=Buffer.capture(), **on_comm)
         for b in batches:
             b["event"].current_stream_wait()
         out = self._finish("tokenyard_overlap", torch.cat([b["out"] for b in batches]))
@@ -340,21 +349,39 @@ class Rank:
         return self._finish(variant, out), None, (packed_x, packed_count, handle)
 
     def decode_overlap(self):
-        """SGLang's two-batch overlap: each call returns at once with return_recv_hook and the receive runs when
-        the hook is called, so one micro-batch's GEMMs run while the other's transfers are in flight."""
+        """SGLang's two-batch overlap with OVERLAP_MICRO_BATCHES micro-batches of the step's tokens (NOTE [whole
+        micro-batches]): each call returns at once with return_recv_hook and the receive runs when the hook is
+        called, so one micro-batch's GEMMs run while another's transfers are in flight."""
         T, E = self.shape.num_tokens, self.shape.num_experts
-        halves = torch.arange(T, device=self.device).tensor_split(OVERLAP_MICRO_BATCHES)
-        sends = [self.buffer.low_latency_dispatch(self.x[p], self.topk_idx[p], T, E, use_fp8=False,
-                                                  return_recv_hook=True) for p in halves]
+        sends = [self.buffer.low_latency_dispatch(self.x, self.topk_idx, T, E, use_fp8=False, return_recv_hook=True)
+                 for _ in range(OVERLAP_MICRO_BATCHES)]
         combines = []
-        for (packed_x, _, handle, _, receive), part in zip(sends, halves):
+        for packed_x, _, handle, _, receive in sends:
             receive()
             expert_out = packed_experts(packed_x, self.gate_up, self.down)
-            combines.append(self.buffer.low_latency_combine(expert_out, self.topk_idx[part],
-                                                            self.topk_weights[part], handle, return_recv_hook=True))
+            combines.append(self.buffer.low_latency_combine(expert_out, self.topk_idx, self.topk_weights, handle,
+                                                            return_recv_hook=True))
         for _, _, receive in combines:
             receive()
         return self._finish("tokenyard_overlap", torch.cat([c[0] for c in combines])), None, None
+
+    def communication(self) -> Callable[[], object]:
+        """The step's communication alone, for the GEMM slowdown: train, a cached dispatch of the tokens and the
+        combine of what arrived (at the current SM count: the handle is made here); decode, the low-latency pair."""
+        buffer, T, E = self.buffer, self.shape.num_tokens, self.shape.num_experts
+        if self.step == "decode":
+            def decode():
+                packed_x, _, handle, _, _ = buffer.low_latency_dispatch(self.x, self.topk_idx, T, E, use_fp8=False)
+                buffer.low_latency_combine(packed_x, self.topk_idx, self.topk_weights, handle)
+            return decode
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(self.topk_idx, E)
+        handle = buffer.dispatch(self.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                 num_tokens_per_expert=per_expert, topk_idx=self.topk_idx,
+                                 topk_weights=self.topk_weights)[4]
+
+        def train():
+            buffer.combine(buffer.dispatch(self.x, handle=handle)[0], handle)
+        return train
 
     # -- the variants, the check, the floor ------------------------------------------------------------------
 
@@ -379,56 +406,10 @@ class Rank:
         return forward_backward
 
 
-def canonical_rows(step: str, rows_info, num_local: int, num_tokens: int) -> List[torch.Tensor]:
-    """Each local expert's received rows in one order for every variant: by source rank, then source token.
-
-    Normal mode and the all-to-all deliver an expert's rows by source rank in token order already; the
-    low-latency layout is ordered by its handle's `src_info` and `layout_range`.
-    """
-    if step == "train" or len(rows_info) == 2:
-        grouped, counts = rows_info
-        return list(grouped.split(list(counts)))
-    packed_x, packed_count, handle = rows_info
-    src_info, layout_range = handle[0], handle[1]
-    out = []
-    for expert in range(num_local):
-        keys, slots = [], []
-        for src_rank, packed in enumerate(layout_range[expert].tolist()):
-            begin, count = packed >> 32, packed & 0xFFFFFFFF
-            slots += range(begin, begin + count)
-            keys += [src_rank * num_tokens + int(t) for t in src_info[expert, begin:begin + count].tolist()]
-        order = torch.tensor(keys, dtype=torch.int64, device=packed_x.device).argsort()
-        out.append(packed_x[expert][torch.tensor(slots, dtype=torch.int64, device=packed_x.device)[order]])
-    return out
-
-
-def check_step(rank: Rank, results: Dict[str, tuple], want: tuple) -> List[str]:
-    """Each variant against the reference backend's layer: rows per expert bit for bit, the output and the
-    input gradient within bf16 rounding. Raises AssertionError naming the variant; -> the checks made."""
-    from ..testing import assert_within_bf16_rounding
-
-    shape = rank.shape
-    want_rows = canonical_rows(rank.step, want[2], rank.num_local, shape.num_tokens)
-    done = []
-    for variant, (out, grad_x, rows_info) in results.items():
-        assert_within_bf16_rounding(out, want[0], f"{rank.step} {variant}: output (rank {rank.rank})")
-        done.append(f"{variant} output")
-        if grad_x is not None:
-            assert_within_bf16_rounding(grad_x, want[1], f"{rank.step} {variant}: input gradient (rank {rank.rank})")
-            done.append(f"{variant} input gradient")
-        if rows_info is not None:
-            got_rows = canonical_rows(rank.step, rows_info, rank.num_local, shape.num_tokens)
-            for expert, (got, expected) in enumerate(zip(got_rows, want_rows)):
-                if not torch.equal(got, expected):
-                    raise AssertionError(f"{rank.step} {variant}: rank {rank.rank} expert {expert} received other "
-                                         f"rows than the reference dispatch ({got.size(0)} vs {expected.size(0)})")
-            done.append(f"{variant} dispatch")
-    return done
-
-
 def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict:
     """One step on this rank: check every variant, then time them; -> this rank's record of the step."""
     from ...buffer import Buffer
+    from .moe_check import check_step
     from .timing import Timer
 
     rank = Rank(step, settings.shapes[step], settings, device)
@@ -451,21 +432,62 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
     timer = Timer(rank.group, device)
     medians = timer.medians(list(calls.values()), settings.iters, settings.warmup)
     record = {f"{name}_us": seconds * 1e6 for name, seconds in zip(calls, medians)}
+    record["tokenyard_overlap_us"] /= OVERLAP_MICRO_BATCHES  # per micro-batch (NOTE [whole micro-batches])
     overlap_by_num_sms = {Buffer.num_sms: record["tokenyard_overlap_us"]}
+    slowdown = {}
+    if settings.gpu:  # nothing runs beside anything on CPU ranks
+        slowdown[Buffer.num_sms if train else "low_latency"] = gemm_slowdown(timer, calls["gemm_only"],
+                                                                              rank.communication(), settings.iters)
     if settings.gpu and train:  # the normal-mode kernels' SM count matters only on GPUs
         default_num_sms = Buffer.num_sms
         try:
             Buffer.set_num_sms(SWEEP_NUM_SMS)
             overlap_by_num_sms[SWEEP_NUM_SMS] = timer.medians([variants["tokenyard_overlap"]], settings.iters,
-                                                              settings.warmup)[0] * 1e6
+                                                              settings.warmup)[0] * 1e6 / OVERLAP_MICRO_BATCHES
+            slowdown[SWEEP_NUM_SMS] = gemm_slowdown(timer, calls["gemm_only"], rank.communication(), settings.iters)
         finally:
             Buffer.set_num_sms(default_num_sms)
     record.update(num_sms=Buffer.num_sms, tokenyard_overlap_us_by_num_sms=overlap_by_num_sms,
-                  gemm_slowdown_by_num_sms={n: None for n in overlap_by_num_sms}, checks=checks,
-                  micro_batches=OVERLAP_MICRO_BATCHES, cuda_graph=graphs or None,
-                  gemm=rank.kind if train else "torch.bmm over padded slots")
+                  gemm_slowdown_by_num_sms=slowdown or None, checks=checks, micro_batches=OVERLAP_MICRO_BATCHES,
+                  cuda_graph=graphs or None, gemm=rank.kind if train else "torch.bmm over padded slots")
     rank.destroy()
     return record
+
+
+def gemm_slowdown(timer, gemm: Callable[[], object], communication: Callable[[], object], iters: int) -> float:
+    """How much longer the GEMMs take while the step's communication runs beside them (the price of the SMs its
+    kernels hold): `communication` enqueued back to back on a side stream right after the GEMMs, as many calls as
+    outlast them twice on every rank; the median GEMM time so over the median alone, minus 1."""
+    import torch.distributed as dist
+
+    current = torch.cuda.current_stream(timer.device)
+    side = torch.cuda.Stream(timer.device)
+
+    def median_ms(call, beside=None) -> float:
+        times = []
+        for _ in range(iters):
+            timer.barrier()
+            side.wait_stream(current)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            if beside is not None:  # enqueued after the GEMMs, so that they start together
+                with torch.cuda.stream(side):
+                    beside()
+            current.wait_stream(side)
+            torch.cuda.synchronize(timer.device)
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    alone = median_ms(gemm)
+    calls = torch.tensor([2 * math.ceil(alone / median_ms(communication)) + 2], device=timer.device)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=timer.group)  # every rank makes the same calls
+
+    def communications():
+        for _ in range(int(calls.item())):
+            communication()
+    return median_ms(gemm, communications) / alone - 1
 
 
 def capture_decode(calls: Dict[str, Callable[[], object]]) -> Dict[str, str]:
@@ -508,8 +530,9 @@ def merge_ranks(records: List[dict]) -> dict:
     for key in merged:
         if key.endswith("_us"):
             merged[key] = max(r[key] for r in records)
-    by_num_sms = "tokenyard_overlap_us_by_num_sms"
-    merged[by_num_sms] = {n: max(r[by_num_sms][n] for r in records) for n in merged[by_num_sms]}
+    for by_num_sms in ("tokenyard_overlap_us_by_num_sms", "gemm_slowdown_by_num_sms"):
+        if merged[by_num_sms]:
+            merged[by_num_sms] = {n: max(r[by_num_sms][n] for r in records) for n in merged[by_num_sms]}
     return merged
 
 
@@ -536,7 +559,12 @@ def print_table(doc: dict) -> None:
         print(f"{step} {doc['settings'][step]} gemm: {r['gemm']}; checked: {len(r['checks'])} "
               f"({', '.join(r['checks'])})")
         for name in ("gemm_only", "tokenyard", "tokenyard_overlap", "all_to_all"):
-            print(f"  {name:<18} {r[name + '_us']:12.1f} us")
+            per = f" per micro-batch, {r['micro_batches']} in flight" if name == "tokenyard_overlap" else ""
+            print(f"  {name:<18} {r[name + '_us']:12.1f} us{per}")
+        if r["gemm_slowdown_by_num_sms"]:
+            print("  GEMMs beside the communication: " + ", ".join(
+                f"{100 * v:+.1f}% ({n} SMs)" if isinstance(n, int) else f"{100 * v:+.1f}% ({n})"
+                for n, v in r["gemm_slowdown_by_num_sms"].items()))
         print(f"  floors: HBM {c['hbm_floor_us']:.1f} us ({c['hbm_bytes'] / 1e6:.1f} MB), tensor core "
               f"{c['tensor_core_floor_us']:.1f} us ({c['flop'] / 1e9:.2f} GFLOP) [{c['floors_from']}]")
 
