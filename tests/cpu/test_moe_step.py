@@ -44,3 +44,11 @@ def test_the_floors_of_deepseek_v3_decode_read_the_local_experts_weights_once():
     assert 200 < counts["hbm_floor_us"] < 230
     train = moe_step.step_counts(moe_step.GPU_SHAPES["train"], 4, train=True)
     assert train["flop"] == 3 * 6 * 7168 * 2048 * 4096 * 8
+
+
+def test_the_main_command_runs_the_step_as_its_moe_mode(capsys):
+    from tokenyard.tools.bench.__main__ import main
+
+    assert main(["--mode", "moe", "--step", "decode"] + FEW_ITERS) == 0
+    out = capsys.readouterr().out
+    assert "decode" in out and "all_to_all" in out and "train" not in out

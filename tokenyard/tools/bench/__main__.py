@@ -19,6 +19,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m tokenyard.
         from . import model
 
         return model.main([a for a in argv if a != "--model"], prog)
+    for i, arg in enumerate(argv):  # the MoE layer step (issue 52) has options of its own
+        if arg == "--mode=moe" or (arg == "--mode" and argv[i + 1:i + 2] == ["moe"]):
+            from . import moe_step
+
+            rest = argv[:i] + argv[i + (1 if "=" in arg else 2):]
+            return moe_step.main(rest, f"{prog} --mode moe")
     import torch
 
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

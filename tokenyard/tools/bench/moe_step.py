@@ -29,12 +29,12 @@ import json
 import math
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from . import BenchError
+from . import BenchError, moe_report
 
 # H100 SXM datasheet figures: HBM3 bandwidth and dense bf16 tensor-core throughput (no sparsity).
 H100_HBM_BYTES_PER_S = 3.35e12
@@ -77,6 +77,7 @@ class MoeStepSettings:
     seed: int
     timeout_s: float
     json: Optional[str] = None
+    plot: Optional[str] = None
     corrupt: Optional[str] = None  # a variant whose output is perturbed, so a test can see the check fail
 
 
@@ -93,6 +94,7 @@ def parse(argv: Optional[Sequence[str]], num_gpus: int, prog: str = "benchmarks/
     parser.add_argument("--seed", type=int, default=None, help="default: fresh, from the clock")
     parser.add_argument("--timeout_s", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="write the record here")
+    parser.add_argument("--plot", default=None, help="draw each step's four bars into this PNG (matplotlib)")
     args = parser.parse_args(argv)
     gpu = num_gpus > 0 and not args.cpu
     shapes = GPU_SHAPES if gpu else CPU_SHAPES
@@ -107,7 +109,7 @@ def parse(argv: Optional[Sequence[str]], num_gpus: int, prog: str = "benchmarks/
     return MoeStepSettings(num_ranks, steps, shapes, args.iters or (20 if gpu else 3),
                            args.warmup if args.warmup is not None else (5 if gpu else 1), gpu,
                            args.seed if args.seed is not None else time.time_ns() % (1 << 31), args.timeout_s,
-                           args.json)
+                           args.json, args.plot)
 
 
 # -- bytes, FLOPs and their floors ---------------------------------------------------------------------------
@@ -434,30 +436,35 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
     record = {f"{name}_us": seconds * 1e6 for name, seconds in zip(calls, medians)}
     record["tokenyard_overlap_us"] /= OVERLAP_MICRO_BATCHES  # per micro-batch (NOTE [whole micro-batches])
     overlap_by_num_sms = {Buffer.num_sms: record["tokenyard_overlap_us"]}
-    slowdown = {}
+    slowdown, communication = {}, {}  # per SM count: the GEMMs' slowdown beside the communication, its time alone
     if settings.gpu:  # nothing runs beside anything on CPU ranks
-        slowdown[Buffer.num_sms if train else "low_latency"] = gemm_slowdown(timer, calls["gemm_only"],
-                                                                              rank.communication(), settings.iters)
+        key = Buffer.num_sms if train else "low_latency"
+        slowdown[key], communication[key] = gemm_slowdown(timer, calls["gemm_only"], rank.communication(),
+                                                          settings.iters)
     if settings.gpu and train:  # the normal-mode kernels' SM count matters only on GPUs
         default_num_sms = Buffer.num_sms
         try:
             Buffer.set_num_sms(SWEEP_NUM_SMS)
             overlap_by_num_sms[SWEEP_NUM_SMS] = timer.medians([variants["tokenyard_overlap"]], settings.iters,
                                                               settings.warmup)[0] * 1e6 / OVERLAP_MICRO_BATCHES
-            slowdown[SWEEP_NUM_SMS] = gemm_slowdown(timer, calls["gemm_only"], rank.communication(), settings.iters)
+            slowdown[SWEEP_NUM_SMS], communication[SWEEP_NUM_SMS] = gemm_slowdown(
+                timer, calls["gemm_only"], rank.communication(), settings.iters)
         finally:
             Buffer.set_num_sms(default_num_sms)
     record.update(num_sms=Buffer.num_sms, tokenyard_overlap_us_by_num_sms=overlap_by_num_sms,
-                  gemm_slowdown_by_num_sms=slowdown or None, checks=checks, micro_batches=OVERLAP_MICRO_BATCHES,
+                  gemm_slowdown_by_num_sms=slowdown or None, communication_us_by_num_sms=communication or None,
+                  checks=checks, micro_batches=OVERLAP_MICRO_BATCHES,
                   cuda_graph=graphs or None, gemm=rank.kind if train else "torch.bmm over padded slots")
     rank.destroy()
     return record
 
 
-def gemm_slowdown(timer, gemm: Callable[[], object], communication: Callable[[], object], iters: int) -> float:
+def gemm_slowdown(timer, gemm: Callable[[], object], communication: Callable[[], object],
+                  iters: int) -> Tuple[float, float]:
     """How much longer the GEMMs take while the step's communication runs beside them (the price of the SMs its
     kernels hold): `communication` enqueued back to back on a side stream right after the GEMMs, as many calls as
-    outlast them twice on every rank; the median GEMM time so over the median alone, minus 1."""
+    outlast them twice on every rank; the median GEMM time so over the median alone, minus 1. -> (that, the median
+    time of one `communication` call alone, in µs)."""
     import torch.distributed as dist
 
     current = torch.cuda.current_stream(timer.device)
@@ -480,14 +487,14 @@ def gemm_slowdown(timer, gemm: Callable[[], object], communication: Callable[[],
             times.append(start.elapsed_time(end))
         return statistics.median(times)
 
-    alone = median_ms(gemm)
-    calls = torch.tensor([2 * math.ceil(alone / median_ms(communication)) + 2], device=timer.device)
+    alone, once = median_ms(gemm), median_ms(communication)
+    calls = torch.tensor([2 * math.ceil(alone / once) + 2], device=timer.device)
     dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=timer.group)  # every rank makes the same calls
 
     def communications():
         for _ in range(int(calls.item())):
             communication()
-    return median_ms(gemm, communications) / alone - 1
+    return median_ms(gemm, communications) / alone - 1, once * 1e3
 
 
 def capture_decode(calls: Dict[str, Callable[[], object]]) -> Dict[str, str]:
@@ -530,7 +537,7 @@ def merge_ranks(records: List[dict]) -> dict:
     for key in merged:
         if key.endswith("_us"):
             merged[key] = max(r[key] for r in records)
-    for by_num_sms in ("tokenyard_overlap_us_by_num_sms", "gemm_slowdown_by_num_sms"):
+    for by_num_sms in ("tokenyard_overlap_us_by_num_sms", "gemm_slowdown_by_num_sms", "communication_us_by_num_sms"):
         if merged[by_num_sms]:
             merged[by_num_sms] = {n: max(r[by_num_sms][n] for r in records) for n in merged[by_num_sms]}
     return merged
@@ -546,27 +553,6 @@ def build_record(settings: MoeStepSettings, steps: dict, commit: Optional[str], 
     for step, record in steps.items():
         doc[step] = dict(record, counts=step_counts(settings.shapes[step], settings.num_ranks, step == "train"))
     return doc
-
-
-def print_table(doc: dict) -> None:
-    print(f"MoE layer step on {doc['device']}, {doc['num_ranks']} ranks, seed {doc['seed']}")
-    if doc["overlap"]:
-        print(f"note: {doc['overlap']}")
-    for step in ("train", "decode"):
-        if step not in doc:
-            continue
-        r, c = doc[step], doc[step]["counts"]
-        print(f"{step} {doc['settings'][step]} gemm: {r['gemm']}; checked: {len(r['checks'])} "
-              f"({', '.join(r['checks'])})")
-        for name in ("gemm_only", "tokenyard", "tokenyard_overlap", "all_to_all"):
-            per = f" per micro-batch, {r['micro_batches']} in flight" if name == "tokenyard_overlap" else ""
-            print(f"  {name:<18} {r[name + '_us']:12.1f} us{per}")
-        if r["gemm_slowdown_by_num_sms"]:
-            print("  GEMMs beside the communication: " + ", ".join(
-                f"{100 * v:+.1f}% ({n} SMs)" if isinstance(n, int) else f"{100 * v:+.1f}% ({n})"
-                for n, v in r["gemm_slowdown_by_num_sms"].items()))
-        print(f"  floors: HBM {c['hbm_floor_us']:.1f} us ({c['hbm_bytes'] / 1e6:.1f} MB), tensor core "
-              f"{c['tensor_core_floor_us']:.1f} us ({c['flop'] / 1e9:.2f} GFLOP) [{c['floors_from']}]")
 
 
 def run(settings: MoeStepSettings) -> dict:
@@ -591,9 +577,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "benchmarks/moe_step.
     except BenchError as exc:
         print(f"{prog}: {exc}")
         return 1
-    print_table(doc)
+    moe_report.print_table(doc)
     if settings.json:
         with open(settings.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)
         print(f"wrote {settings.json}")
+    if settings.plot:
+        moe_report.plot(doc, settings.plot)
+        print(f"wrote {settings.plot}")
     return 0

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Tuple
 
 from ...plan import workspace
 
-MODES = ("normal", "low_latency", "compare_sm", "all")
+MODES = ("normal", "low_latency", "compare_sm", "all", "moe")
 BACKENDS = ("reference", "cuda")
 DTYPES = ("fp8", "bf16")
 MAX_TOPK = workspace.LOW_LATENCY_MAX_TOPK  # the benchmark runs low-latency calls too
@@ -121,7 +121,8 @@ def build_parser(prog: str = "python -m tokenyard.tools.bench") -> argparse.Argu
         spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         parser.add_argument(*spellings, dest=name, **kwargs)
 
-    add("mode", choices=MODES, default="all", help="all = normal and low_latency (default)")
+    add("mode", choices=MODES, default="all", help="all = normal and low_latency (default); moe = a DeepSeek-V3 MoE "
+                                                   "layer step (its own options: --mode moe --help)")
     add("hidden_size", type=_positive_int, help="hidden size (CPU 1024, GPU 7168)")
     add("num_tokens", type=_positive_int, help="tokens per rank in normal mode (CPU 256, GPU 4096)")
     add("num_tokens_low_latency", type=_positive_int,
