@@ -52,3 +52,17 @@ def test_the_main_command_runs_the_step_as_its_moe_mode(capsys):
     assert main(["--mode", "moe", "--step", "decode"] + FEW_ITERS) == 0
     out = capsys.readouterr().out
     assert "decode" in out and "all_to_all" in out and "train" not in out
+
+
+def test_the_step_breakdown_splits_a_span_into_kinds_idle_time_and_communication_not_hidden():
+    from tokenyard.tools.bench import moe_trace
+
+    kernels = [("tokenyard::normal::dispatch(Params)", 0.0, 10.0),
+               ("sm90_xmma_gemm_bf16bf16_bf16f32", 5.0, 30.0),  # overlaps the dispatch's last 5 µs
+               ("nvjet_hsh_128x256_grouped", 20.0, 35.0),       # overlaps the first GEMM: counted once
+               ("void at::native::index_add_kernel", 40.0, 45.0),  # after a 5 µs gap
+               ("ncclDevKernel_SendRecv", 44.0, 50.0)]
+    parts = moe_trace.breakdown(kernels)
+    assert parts == {"span_us": 50.0, "tokenyard_us": 10.0, "nccl_us": 6.0, "gemm_us": 30.0, "other_us": 5.0,
+                     "idle_us": 5.0, "communication_alone_us": 5.0 + 5.0}
+    assert moe_trace.breakdown([]) == {}

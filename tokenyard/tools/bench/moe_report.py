@@ -29,6 +29,9 @@ def print_table(doc: dict) -> None:
                 where = f"{n} SMs" if str(n).isdigit() else "the low-latency kernels' SMs"
                 cells.append(f"{100 * v:+.1f}% at {where}" + (f" ({alone[n]:.1f} us)" if n in alone else ""))
             print("  GEMMs beside the communication (its calls alone): " + ", ".join(cells))
+        for name, parts in (r.get("breakdown") or {}).items():  # NOTE [step breakdown] in moe_trace.py
+            if parts:
+                print(f"  {name} traced (us): " + ", ".join(f"{k[:-3]} {v:.0f}" for k, v in parts.items()))
         print(f"  floors: HBM {c['hbm_floor_us']:.1f} us ({c['hbm_bytes'] / 1e6:.1f} MB), tensor core "
               f"{c['tensor_core_floor_us']:.1f} us ({c['flop'] / 1e9:.2f} GFLOP) [{c['floors_from']}]")
 

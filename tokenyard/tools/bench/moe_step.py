@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import BenchError, moe_report
+from . import BenchError, moe_report, moe_trace
 
 # H100 SXM datasheet figures: HBM3 bandwidth and dense bf16 tensor-core throughput (no sparsity).
 H100_HBM_BYTES_PER_S = 3.35e12
@@ -451,6 +451,11 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
                 timer, calls["gemm_only"], rank.communication(), settings.iters)
         finally:
             Buffer.set_num_sms(default_num_sms)
+    if settings.gpu:  # NOTE [step breakdown]: one traced step per variant, the overlapped one's micro-batches together
+        record["breakdown"] = {}
+        for name, call in calls.items():
+            timer.barrier()
+            record["breakdown"][name] = moe_trace.breakdown(moe_trace.traced_kernels(call, device))
     record.update(num_sms=Buffer.num_sms, tokenyard_overlap_us_by_num_sms=overlap_by_num_sms,
                   gemm_slowdown_by_num_sms=slowdown or None, communication_us_by_num_sms=communication or None,
                   checks=checks, micro_batches=OVERLAP_MICRO_BATCHES,
