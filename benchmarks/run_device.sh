@@ -113,7 +113,7 @@ if [ "$what" = shared ]; then
     done
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    timeout 540 python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -5
+    timeout 540 python3 -m pytest -q tests/gpu -p no:cacheprovider --durations=0 2>&1 | tee "$out/gpu_tests.log" | tail -5
 fi
 if [ "$what" = low_latency ] || [ "$what" = all ]; then
     # The low-latency kernels beside the reference backend over NCCL, as CUDA-graph replays, 1-256 tokens

@@ -1,4 +1,4 @@
-"""Every call of the API once, its outputs recorded by name, on every rank of a RankPool (tests/cpu/pool.py) or of
+"""Every call of the API once, its outputs recorded by name, on every rank of a RankPool (tokenyard/tools/launch.py) or of
 the GPU tests (tests/gpu/spawn.py): the same calls under torch's default device and dtype (a program that calls
 `torch.set_default_device` and `torch.set_default_dtype`, as DeepEP's tests and many training scripts do) give the
 same outputs; every tensor in a return and in a handle is contiguous where DeepEP's is."""

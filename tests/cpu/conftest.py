@@ -1,13 +1,14 @@
 import pytest
 
-from .pool import RankPool
+from tokenyard.tools.launch import RankPool
 
 _pools = {}
 
 
 @pytest.fixture(scope="session")
 def ranks():
-    """``ranks(n)`` -> a RankPool of n gloo ranks, started on first use and restarted when broken."""
+    """``ranks(n)`` -> a RankPool of n gloo ranks, started on first use and restarted when broken (NOTE [rank pool] in
+    tokenyard/tools/launch.py)."""
 
     def get(world_size: int) -> RankPool:
         pool = _pools.get(world_size)

@@ -1,4 +1,4 @@
-"""Functions that run on every rank of a RankPool (tests/cpu/pool.py).
+"""Functions that run on every rank of a RankPool (tokenyard/tools/launch.py).
 
 Each builds all ranks' inputs from one seed, runs tokenyard on its own share, and compares with the
 single-process oracle (tokenyard.semantics.routing) or with a property computed here independently.

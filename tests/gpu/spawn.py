@@ -3,17 +3,24 @@
 Ranks spread evenly over the GPUs here (tokenyard.tools.launch.init_rank): one per GPU in an NCCL group where there
 are enough GPUs, else several per GPU in a gloo group, under MPS (NOTE [shared GPUs] in tokenyard/plan/devices.py;
 `benchmarks/run_device.sh` starts the daemon). TOKENYARD_TEST_NUM_RANKS chooses the rank counts.
+
+The tests of a rank count share one pool of ranks (NOTE [rank pool] in tokenyard/tools/launch.py), as the CPU tests
+do. A test runs on ranks of its own (`fresh=True`) where it starts NVSHMEM (virtual nodes: a ranks_per_node
+argument, or TOKENYARD_RANKS_PER_NODE in the environment), changes its process for good, or must see a first call;
+TOKENYARD_TEST_FRESH_RANKS=1 gives every test ranks of its own (to tell whether a failure depends on the tests
+before it).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 
 import pytest
 import torch
 
 from tokenyard.plan import devices
-from tokenyard.tools.launch import disable_nvlink_multicast, run_on_ranks
+from tokenyard.tools.launch import RankPool, disable_nvlink_multicast, run_on_ranks
 
 disable_nvlink_multicast()
 
@@ -86,10 +93,30 @@ def _chosen_counts():
     return {int(part) for part in chosen.split(",") if part.strip()}
 
 
-def run(num_ranks: int, fn, *args, timeout_s: float = 600.0):
-    """fn(*args) on `num_ranks` GPU ranks (several per GPU where there are fewer GPUs); raise AssertionError
-    with every failing rank's traceback."""
-    try:
-        return run_on_ranks(num_ranks, fn, *args, use_cuda=True, timeout_s=timeout_s)
-    except RuntimeError as exc:
-        raise AssertionError(str(exc)) from None
+_POOLS = {}  # num_ranks -> RankPool
+
+
+def _pool(num_ranks: int) -> RankPool:
+    pool = _POOLS.get(num_ranks)
+    if pool is None or pool.broken:
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[num_ranks] = RankPool(num_ranks, use_cuda=True)
+    return pool
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+
+
+def run(num_ranks: int, fn, *args, timeout_s: float = 600.0, fresh: bool = False):
+    """fn(*args) on `num_ranks` GPU ranks (several per GPU where there are fewer GPUs): the pool's, or ranks of its
+    own where `fresh` or the module docstring says so; raise AssertionError with every failing rank's traceback."""
+    if fresh or os.environ.get("TOKENYARD_RANKS_PER_NODE") or os.environ.get("TOKENYARD_TEST_FRESH_RANKS") == "1":
+        try:
+            return run_on_ranks(num_ranks, fn, *args, use_cuda=True, timeout_s=timeout_s)
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from None
+    return _pool(num_ranks).run(fn, *args, timeout_s=timeout_s)

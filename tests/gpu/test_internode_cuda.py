@@ -122,7 +122,7 @@ def _compare_ranks(seed, ranks_per_node, rdma_bytes=RDMA_BYTES, cases=CASES):
 @pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts())
 def test_internode_kernels_match_the_reference_hierarchical_path(num_ranks, ranks_per_node):
     seed = int(torch.randint(0, 2**30, ()).item())
-    reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, timeout_s=420.0)
+    reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, timeout_s=420.0, fresh=True)
     print(f"internode kernels, {num_ranks // ranks_per_node} nodes x {ranks_per_node} on "
           f"{spawn.describe(num_ranks)}, seed {seed}: (case, rows received, dispatch and combine launches) {reports}")
     assert all(case[2:] == (1, 1) for report in reports for case in report), reports
@@ -132,7 +132,7 @@ def test_internode_kernels_match_the_reference_hierarchical_path(num_ranks, rank
 def test_calls_larger_than_the_region_run_in_rounds_with_the_results_of_one(num_ranks, ranks_per_node):
     seed = int(torch.randint(0, 2**30, ()).item())
     reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, ROUND_RDMA_BYTES, ROUND_CASES,
-                        timeout_s=420.0)
+                        timeout_s=420.0, fresh=True)
     print(f"internode rounds, {num_ranks // ranks_per_node} nodes x {ranks_per_node}, seed {seed}: {reports}")
     # (case, rows received, dispatch launches, combine launches) per rank: every call needed several rounds.
     assert all(rounds > 1 for report in reports for case in report for rounds in case[2:]), reports
@@ -203,7 +203,7 @@ def _peer_that_stops(seed, ranks_per_node):
 @pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts()[:1])
 def test_a_peer_that_stops_times_out_naming_rank_and_stage_then_a_new_buffer_works(num_ranks, ranks_per_node):
     seed = int(torch.randint(0, 2**30, ()).item())
-    reports = spawn.run(num_ranks, _peer_that_stops, seed, ranks_per_node, timeout_s=300.0)
+    reports = spawn.run(num_ranks, _peer_that_stops, seed, ranks_per_node, timeout_s=300.0, fresh=True)
     print(f"internode peer that stops, {num_ranks // ranks_per_node} nodes x {ranks_per_node}: {reports}")
 
 
@@ -254,7 +254,7 @@ def _low_latency_peer_that_stops(seed, ranks_per_node):
 @pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts()[:1])
 def test_a_low_latency_peer_that_stops_times_out_then_a_new_buffer_works(num_ranks, ranks_per_node):
     seed = int(torch.randint(0, 2**30, ()).item())
-    reports = spawn.run(num_ranks, _low_latency_peer_that_stops, seed, ranks_per_node, timeout_s=300.0)
+    reports = spawn.run(num_ranks, _low_latency_peer_that_stops, seed, ranks_per_node, timeout_s=300.0, fresh=True)
     print(f"low-latency peer that stops, {num_ranks // ranks_per_node} nodes x {ranks_per_node}: {reports}")
 
 
@@ -300,7 +300,7 @@ def _second_group(seed):
 @pytest.mark.parametrize("num_ranks", [n for n in spawn.rank_counts() if n >= 8][:1])
 def test_a_second_group_keeps_low_latency_over_ipc_while_nvshmem_serves_the_first(num_ranks):
     seed = int(torch.randint(0, 2**30, ()).item())
-    spawn.run(num_ranks, _second_group, seed, timeout_s=300.0)
+    spawn.run(num_ranks, _second_group, seed, timeout_s=300.0, fresh=True)
 
 
 def _virtual_hosts(seed):
@@ -367,4 +367,4 @@ def _virtual_hosts(seed):
 def test_virtual_hosts_run_normal_mode_on_the_internode_kernels_and_map_nothing_across(num_ranks, monkeypatch):
     monkeypatch.setenv("TOKENYARD_VIRTUAL_HOSTS", "2")
     seed = int(torch.randint(0, 2**30, ()).item())
-    spawn.run(num_ranks, _virtual_hosts, seed, timeout_s=300.0)
+    spawn.run(num_ranks, _virtual_hosts, seed, timeout_s=300.0, fresh=True)

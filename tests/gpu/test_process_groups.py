@@ -133,7 +133,7 @@ def _vllm_pattern(seed):
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_a_buffer_on_a_gloo_group_with_gpu_tensors_runs_the_cuda_backend_and_matches(num_ranks, seed):
-    for line in spawn.run(num_ranks, _vllm_pattern, seed)[0]:
+    for line in spawn.run(num_ranks, _vllm_pattern, seed, fresh=True)[0]:
         print(line)
 
 
@@ -182,4 +182,4 @@ def _cuda_backend_where_mps_serves(seed):
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_ranks_that_share_a_gpu_get_the_cuda_backend_under_mps_and_a_clear_refusal_without(num_ranks, seed):
-    print(spawn.run(num_ranks, _cuda_backend_where_mps_serves, seed)[0])
+    print(spawn.run(num_ranks, _cuda_backend_where_mps_serves, seed, fresh=True)[0])

@@ -147,5 +147,5 @@ def _virtual_nodes():
 @pytest.mark.skipif(nvshmem.find() is None, reason="needs NVSHMEM (pip install tokenyard[internode])")
 @pytest.mark.parametrize("num_ranks,ranks_per_node", _virtual_nodes())
 def test_deepep_internode_filters_find_one_dispatch_and_one_combine_kernel(num_ranks, ranks_per_node, seed):
-    for line in spawn.run(num_ranks, _internode_names, seed, ranks_per_node)[0]:
+    for line in spawn.run(num_ranks, _internode_names, seed, ranks_per_node, fresh=True)[0]:
         print(line)

@@ -19,9 +19,11 @@ pytestmark = spawn.needs_ranks()
 def test_every_call_gives_the_same_outputs_under_a_cuda_default_device_and_bf16_default_dtype(num_ranks, seed):
     # Internode normal mode on "auto": the CUDA backend's internode kernels where NVSHMEM is installed, else the
     # reference backend's hierarchical path (NOTE [internode normal mode]).
-    spawn.run(num_ranks, api_scenarios.same_outputs_under_torch_defaults, seed, "cuda", "cuda", "auto", "cuda")
+    # Ranks of its own: the internode Buffer starts NVSHMEM, once per process (tests/gpu/spawn.py).
+    spawn.run(num_ranks, api_scenarios.same_outputs_under_torch_defaults, seed, "cuda", "cuda", "auto", "cuda",
+              fresh=True)
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_every_tensor_of_every_return_and_handle_is_contiguous_where_deepeps_is(num_ranks, seed):
-    spawn.run(num_ranks, api_scenarios.handles_and_returns_are_contiguous, seed, "cuda", "auto", "cuda")
+    spawn.run(num_ranks, api_scenarios.handles_and_returns_are_contiguous, seed, "cuda", "auto", "cuda", fresh=True)

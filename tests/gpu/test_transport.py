@@ -107,6 +107,7 @@ def _rank(ranks_per_node: int, shares_gpu: bool) -> dict:
 
 @pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts())
 def test_puts_with_signals_reach_the_other_nodes_and_a_missing_signal_times_out(num_ranks, ranks_per_node):
-    reports = spawn.run(num_ranks, _rank, ranks_per_node, spawn.shares_gpu(num_ranks), timeout_s=300.0)
+    reports = spawn.run(num_ranks, _rank, ranks_per_node, spawn.shares_gpu(num_ranks), timeout_s=300.0,
+                        fresh=True)
     print(f"transport check, {num_ranks // ranks_per_node} nodes x {ranks_per_node} on {spawn.describe(num_ranks)}: "
           f"{reports}")

@@ -1,5 +1,5 @@
 """Starting the ranks of a group on one machine and hearing their reports: one launcher for the benchmark, the
-examples and the tests (NOTE [rank reports]).
+examples and the tests (NOTE [rank reports]), and a pool of ranks that runs many tasks (`RankPool`).
 
 NOTE [NVLink multicast]
 On the shared multi-GPU machines NVLink multicast (NVLS) must stay off: a program that creates multicast
@@ -318,3 +318,71 @@ def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 6
                          for r in reports.missing()})
         raise RanksFailed(reports.describe(timeout_s), reports.results, failures)
     return [reports.results[r] for r in range(num_ranks)]
+
+
+# NOTE [rank pool]
+# Starting ranks costs seconds a test (processes, torch's import, the group, on GPUs a CUDA context and NCCL), so
+# the test suites keep one pool of ranks per world size and send each test's function to it. A pool with a failed
+# or silent rank is killed and started again for the next task (NOTE [rank reports]). Between tasks a rank puts
+# back torch's default device and dtype (a test may set them, as clients do), and on GPUs collects the garbage and
+# empties the allocator's cache, so that what a task left (a Buffer it did not destroy, cached blocks) is not the
+# next task's to carry. What else a task changes in its process stays: a test that starts NVSHMEM (one world per
+# process), kills a rank or changes the environment runs on ranks of its own (`run_on_ranks`).
+def _pool_rank(rank: int, world_size: int, port: int, use_cuda: bool, group_timeout_s: float, inbox, outbox) -> None:
+    import torch
+
+    init_rank(rank, world_size, port, use_cuda, group_timeout_s)
+    outbox.put((rank, True, "ready"))
+    dtype = torch.get_default_dtype()
+    while True:
+        item = inbox.get()
+        if item is None:
+            break
+        fn, args, kwargs = item
+        try:
+            outbox.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the caller
+            outbox.put((rank, False, traceback.format_exc()))
+        finally:
+            torch.set_default_device(None)
+            torch.set_default_dtype(dtype)
+            if use_cuda:
+                gc.collect()
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+    leave_group()  # NOTE [gloo threads at exit]
+
+
+class RankPool:
+    """`world_size` ranks that stay up and run tasks one after another (NOTE [rank pool])."""
+
+    def __init__(self, world_size: int, use_cuda: bool = False, start_timeout_s: float = 180.0,
+                 group_timeout_s: float = 120.0):
+        import multiprocessing
+
+        self.world_size = world_size
+        self._inboxes = [multiprocessing.get_context("spawn").Queue() for _ in range(world_size)]
+        self._procs, self._outbox = spawn(world_size, _pool_rank, lambda rank, port, outbox: (
+            rank, world_size, port, use_cuda, group_timeout_s, self._inboxes[rank], outbox), use_cuda)
+        self.broken = False
+        self._collect(start_timeout_s, "start")
+
+    def _collect(self, timeout_s: float, what: str):
+        reports = collect(self._outbox, self._procs, timeout_s)
+        if not reports.finished:
+            self.broken = True
+            raise AssertionError(f"{what} failed:\n{reports.describe(timeout_s)}")
+        return [reports.results[r] for r in range(self.world_size)]
+
+    def run(self, fn, *args, timeout_s: float = 300.0, **kwargs):
+        """``fn(*args, **kwargs)`` on every rank; -> the per-rank results. Raises AssertionError with every failing
+        rank's traceback (and the pool is then broken: `close` it and start another)."""
+        for inbox in self._inboxes:
+            inbox.put((fn, args, kwargs))
+        return self._collect(timeout_s, getattr(fn, "__name__", "task"))
+
+    def close(self) -> None:
+        if not self.broken:
+            for inbox in self._inboxes:
+                inbox.put(None)
+        stop(self._procs, not self.broken)
