@@ -154,7 +154,9 @@ def grouped_experts(x: torch.Tensor, counts: List[int], gate_up: torch.Tensor, d
     ``gate_up [L, 2*I, H]`` (gate rows, then up rows), ``down [L, H, I]``: tokenyard.layers.moe.GatedExperts'.
     """
     if kind == "torch._grouped_mm":
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        # From pinned memory without a wait: a plain copy from a list would make the host wait for the stream.
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).pin_memory().to(x.device,
+                                                                                                   non_blocking=True)
         gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
     outs, begin = [], 0
@@ -175,21 +177,23 @@ def packed_experts(packed_x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     return torch.bmm(F.silu(gate) * up, down.transpose(1, 2))
 
 
-def by_expert(recv_topk_idx: torch.Tensor, num_local: int):
+def by_expert(recv_topk_idx: torch.Tensor, num_local: int, counts: Optional[List[int]] = None):
     """``(rows, slots, counts)``: the (received row, top-k slot) pairs of local experts, grouped by expert in
-    received order (a stable sort), and each expert's count."""
+    received order (a stable sort), and each expert's count: `counts` where the dispatch gave them (its
+    ``num_recv_tokens_per_expert_list``, on the host already), else read back from the GPU (a host sync)."""
     flat = recv_topk_idx.masked_fill(recv_topk_idx < 0, num_local).flatten()
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_local + 1)[:num_local]
-    order = order[:int(counts.sum())]
-    return order // recv_topk_idx.size(1), order % recv_topk_idx.size(1), counts.tolist()
+    if counts is None:
+        counts = torch.bincount(flat, minlength=num_local + 1)[:num_local].tolist()
+    order = order[:sum(counts)]
+    return order // recv_topk_idx.size(1), order % recv_topk_idx.size(1), list(counts)
 
 
-def experts_on_received(recv_x, recv_topk_idx, recv_topk_weights, weights, kind):
+def experts_on_received(recv_x, recv_topk_idx, recv_topk_weights, weights, kind, counts=None):
     """The layer's expert part on normal-mode rows: ``out[i] = sum_k w[i,k] * expert_k(recv_x[i])`` in float32,
-    returned in bf16; also the rows each expert received, for the dispatch check."""
+    returned in bf16; also the rows each expert received, for the dispatch check. `counts`: as `by_expert`'s."""
     gate_up, down = weights
-    rows, slots, counts = by_expert(recv_topk_idx, gate_up.size(0))
+    rows, slots, counts = by_expert(recv_topk_idx, gate_up.size(0), counts)
     grouped = recv_x[rows]
     y = grouped_experts(grouped, counts, gate_up, down, kind).float() * recv_topk_weights[rows, slots][:, None]
     out = torch.zeros(recv_x.shape, dtype=torch.float32, device=recv_x.device).index_add(0, rows, y)
@@ -252,10 +256,10 @@ class Rank:
         from ...layers import autograd
 
         x = self.x.detach().requires_grad_()
-        recv_x, recv_idx, recv_w, _, handle = autograd.dispatch(buffer, x, self.topk_idx, self.topk_weights,
-                                                                self.shape.num_experts)
+        recv_x, recv_idx, recv_w, per_expert, handle = autograd.dispatch(buffer, x, self.topk_idx, self.topk_weights,
+                                                                         self.shape.num_experts)
         expert_out, grouped, counts = experts_on_received(recv_x, recv_idx, recv_w, (self.gate_up, self.down),
-                                                          kind or self.kind)
+                                                          kind or self.kind, per_expert)
         out, _ = autograd.combine(buffer, expert_out, handle)
         out = self._finish(variant, out)
         out.backward(self.grad_out)
@@ -273,16 +277,17 @@ class Rank:
         batches = []
         for _ in range(OVERLAP_MICRO_BATCHES):
             layout = buffer.get_dispatch_layout(self.topk_idx, E)
-            recv_x, recv_idx, recv_w, _, handle, event = buffer.dispatch(
+            recv_x, recv_idx, recv_w, per_expert, handle, event = buffer.dispatch(
                 self.x, topk_idx=self.topk_idx, topk_weights=self.topk_weights, num_tokens_per_rank=layout[0],
                 is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], previous_event=Buffer.capture(),
                 **on_comm)
-            batches.append(dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, handle=handle, event=event))
+            batches.append(dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, per_expert=per_expert, handle=handle,
+                                event=event))
         for b in batches:  # micro-batch i's GEMMs run while i+1's dispatch (or i-1's combine) is in flight
             b["event"].current_stream_wait()
             b["recv_x"] = b["recv_x"].detach().requires_grad_()
             b["expert_out"] = experts_on_received(b["recv_x"], b["recv_idx"], b["recv_w"],
-                                                  (self.gate_up, self.down), self.kind)[0]
+                                                  (self.gate_up, self.down), self.kind, b["per_expert"])[0]
             b["out"], _, b["event"] = buffer.combine(b["expert_out"].detach(), b["handle"],
                                                      previous_event=Buffer.capture(), **on_comm)
         for b in reversed(batches):
