@@ -6,9 +6,9 @@ are enough GPUs, else several per GPU in a gloo group, under MPS (NOTE [shared G
 
 The tests of a rank count share one pool of ranks (NOTE [rank pool] in tokenyard/tools/launch.py), as the CPU tests
 do. A test runs on ranks of its own (`fresh=True`) where it starts NVSHMEM (virtual nodes: a ranks_per_node
-argument, or TOKENYARD_RANKS_PER_NODE in the environment), changes its process for good, or must see a first call;
-TOKENYARD_TEST_FRESH_RANKS=1 gives every test ranks of its own (to tell whether a failure depends on the tests
-before it).
+argument or an internode Buffer, or TOKENYARD_RANKS_PER_NODE in the environment) or makes and destroys groups of
+its own; TOKENYARD_TEST_FRESH_RANKS=1 gives every test ranks of its own (to tell whether a failure depends on the
+tests before it).
 """
 
 from __future__ import annotations
