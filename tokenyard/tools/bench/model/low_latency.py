@@ -191,10 +191,9 @@ def calibrate(us: float, op: str = "dispatch", *, overhead_us: float = OVERHEAD_
         raise ValueError(f"{us:g} µs leaves no time after t0 = {overhead_us:g} µs")
     if line["nic_bytes"] == 0:
         raise ValueError("no message crosses the NIC there: the time says nothing about it")
-    for name in ("nvlink", "wr"):
+    for name, alone in (("nvlink", "NVLink alone takes"), ("wr", "The WRs alone take")):
         if line["terms_us"][name] > left_us:
-            raise ValueError(f"{'NVLink' if name == 'nvlink' else 'The WRs'} alone take "
-                             f"{line['terms_us'][name]:.1f} µs > {left_us:.1f} µs there")
+            raise ValueError(f"{alone} {line['terms_us'][name]:.1f} µs > {left_us:.1f} µs there")
     efficiency = line["terms_us"]["nic"] / left_us  # time at line rate / time left
     if efficiency > 1:
         raise ValueError(f"{us:g} µs would need the NIC at {efficiency:.2f} of its line rate")
@@ -257,15 +256,9 @@ def compare(published: PublishedLowLatency, calibrate_ep: Optional[int] = None, 
             "wr_rate": wr_rate, "points": rows}
 
 
-def table_calibration(name: str = "deepep", *, wr_rate: float = pricing.WORK_REQUESTS_PER_US) -> dict:
-    """The efficiency and t0 of PUBLISHED[`name`]'s default calibration (NOTE [low-latency model])."""
-    result = compare(PUBLISHED[name], wr_rate=wr_rate)
-    return {"efficiency": result["efficiency"], "overhead_us": result["overhead_us"]}
-
-
 def default_efficiency() -> float:
     """The efficiency fitted on DeepEP's EP32 dispatch time (NOTE [low-latency model])."""
-    return table_calibration()["efficiency"]
+    return compare(PUBLISHED["deepep"])["efficiency"]
 
 
 def pair_fits(published: PublishedLowLatency) -> Dict[int, dict]:
