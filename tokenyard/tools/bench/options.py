@@ -145,7 +145,8 @@ def build_parser(prog: str = "python -m tokenyard.tools.bench") -> argparse.Argu
     add("verbose", action="store_true", help="also print every measured row: each backend, API, timing way and SM "
                                              "count (the JSON always holds them all)")
     add("model", action="store_true", help="print predicted internode times for a cluster instead, from a "
-                                           "documented model (`--model --help` lists its arguments)")
+                                           "documented model of the bytes and the NIC's work requests per call "
+                                           "(`--model --help` lists its arguments)")
     add("bind", action="store_true", help="bind each rank to the cores, NUMA memory and RDMA NIC of its GPU "
                                           "(tokenyard.tools.affinity.bind); the JSON records it under 'affinity'")
     return parser

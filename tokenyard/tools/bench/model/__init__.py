@@ -1,9 +1,11 @@
 """``python -m tokenyard.tools.bench --model``: predicted internode dispatch and combine times for a cluster, before
 any internode kernel runs; nothing is measured. ``main`` reads ``--mode`` and hands the command line to its model:
 
-    normal.py       normal mode (the default; NOTE [internode model])
-    low_latency.py  ``--mode low_latency`` (NOTE [low-latency model])
-    common.py       what both share: the modes and operations, a token's reach, the command line's pieces
+    normal.py           normal mode (the default; NOTE [internode model])
+    low_latency.py      ``--mode low_latency`` (NOTE [low-latency model]); low_latency_cli.py its command line
+    operations.py       the NVSHMEM operations of each call, DeepEP's and ours (NOTE [operation counts])
+    pricing.py          what those operations cost: the NIC's work requests (NOTE [operations priced])
+    common.py           what both share: the modes and operations, a token's reach, the command line's pieces
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from . import low_latency, normal
+from . import low_latency_cli, normal
 from .common import MODEL_MODES
 
 
@@ -24,5 +26,5 @@ def _mode(argv: Sequence[str], prog: str) -> str:
 
 def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> int:
     """A --model command line (without --model) run by the model its --mode names; -> the exit status."""
-    model = low_latency if _mode(argv, prog) == "low_latency" else normal
+    model = low_latency_cli if _mode(argv, prog) == "low_latency" else normal
     return model.main(argv, prog)

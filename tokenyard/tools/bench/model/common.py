@@ -85,10 +85,11 @@ def calibration_nodes(args: argparse.Namespace, efficiency_given: bool) -> Optio
 
 
 def write_json(path: str, args: argparse.Namespace, result: dict) -> None:
-    """A prediction as JSON, with the commit and date it was made at and every setting."""
+    """A prediction as JSON, with the commit and date it was made at and every setting; `model_prices_operations`:
+    the times price the NIC's work requests beside the bytes (NOTE [operations priced] in pricing.py)."""
     from ..report import git_commit
 
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with open(path, "w") as f:
-        json.dump({"predicted": True, "commit": git_commit(), "date": date, "settings": vars(args), **result}, f,
-                  indent=1)
+        json.dump({"predicted": True, "model_prices_operations": True, "commit": git_commit(), "date": date,
+                   "settings": vars(args), **result}, f, indent=1)

@@ -31,13 +31,16 @@ top-k routing with the k experts of a token distinct and uniform:
   the data, float32 scales (FP8: hidden / 128 of them), an 8-byte source record and k int32 ids plus k float32
   weights, padded to 16 bytes; a combine row is the bf16 data, the source record and k weights, padded to 16.
   "tokenyard", our normal-mode rows (NOTE [normal-mode buffer] in tokenyard/plan/workspace.py), padded to 128.
-- time = overhead + max(RDMA-stage bytes / (efficiency x NIC bandwidth), NIC bytes / NIC bandwidth, NVLink bytes
-  / NVLink bandwidth): the stages pipeline, the slowest sets the time. `efficiency` is what calibration fits
-  (below): the stage's rate over all the rows it carries, as a share of the NIC's line rate, so not a wire
-  efficiency, and it may pass 1 where the own node's rows make up for the wire (UCCL-EP's figures fit 1.03); the
-  wire at line rate stays a floor. `nvlink_gbs` is an achieved figure. The overhead is an assumption (20 µs: a
-  launch and the pipeline's fill), under 1.5% of the calls compared here, so no published point can fit it apart
-  from the efficiency.
+- time = overhead + max(RDMA-stage bytes / (efficiency x NIC bandwidth), NIC bytes / NIC bandwidth, NIC work
+  requests / WR rate, NVLink bytes / NVLink bandwidth): the stages pipeline, the slowest sets the time. The work
+  requests are operations.py's counts of the kernels whose rows `row_format` names (DeepEP's, or our internode
+  kernels'), under uniform routing over all experts (its counts know no group limit), priced as in NOTE
+  [operations priced] in pricing.py. Most carry a row or a chunk of rows, so they bind nowhere the results page
+  predicts. `efficiency` is what calibration fits (below): the stage's rate over all the rows it carries, as a
+  share of the NIC's line rate, so not a wire efficiency, and it may pass 1 where the own node's rows make up for
+  the wire (UCCL-EP's figures fit 1.03); the wire at line rate stays a floor. `nvlink_gbs` is an achieved figure.
+  The overhead is an assumption (20 µs: a launch and the pipeline's fill), under 1.5% of the calls compared here,
+  so no published point can fit it apart from the efficiency.
 - DeepEP's tests (tests/test_internode.py) report an RDMA "bottleneck bandwidth" of T x (distinct nodes a token
   reaches, own node included) x hidden x (1 + 4/128) bytes for FP8, or 2 hidden for BF16 and for the combine,
   over the average time of a call with a cached handle: no metadata, no notify. `bottleneck_rdma_gbps` is that
@@ -57,6 +60,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from ....backends.cuda.heuristics import NVLINK_GBS
 from ....plan import workspace
+from . import operations, pricing
 from .common import (DEEPEP_NVLINK_GBS, MODEL_MODES, OPS, calibration_nodes, calibration_type, model_parser, reach,
                      write_json)
 
@@ -128,8 +132,10 @@ def counted_row_bytes(hidden: int, dtype: str, combine: bool) -> float:
 
 def predict(*, num_nodes: int, gpus_per_node: int, nic_gbps: float, nvlink_gbs: float, num_tokens: int,
             hidden: int, num_topk: int, num_experts: int, topk_groups: Optional[int] = None, dtype: str = "fp8",
-            rdma_efficiency: float, overhead_us: float = OVERHEAD_US, row_format: str = "deepep") -> dict:
-    """Predicted dispatch and combine of one GPU (NOTE [internode model]); bandwidths in GB/s, times in µs."""
+            rdma_efficiency: float, overhead_us: float = OVERHEAD_US, row_format: str = "deepep",
+            wr_rate: float = pricing.WORK_REQUESTS_PER_US) -> dict:
+    """Predicted dispatch and combine of one GPU (NOTE [internode model]); bandwidths in GB/s, times in µs,
+    `wr_rate` in WRs per µs (millions per second)."""
     where = reach(num_nodes, gpus_per_node, num_experts, num_topk, topk_groups)
     local_share = (gpus_per_node - 1) / gpus_per_node
     wire_bytes_per_us = nic_gbps / 8 * 1e3  # Gb/s -> bytes per µs
@@ -142,30 +148,37 @@ def predict(*, num_nodes: int, gpus_per_node: int, nic_gbps: float, nvlink_gbs: 
         stage = num_tokens * where["nodes"] * row
         nvl = stage * where["ranks_per_node"] * local_share
         nic = stage * (num_nodes - 1) / num_nodes
-        times = {"rdma": stage / stage_bytes_per_us, "nic": nic / wire_bytes_per_us, "nvlink": nvl / nvl_bytes_per_us}
+        counts = pricing.normal_counts(op, row_format, num_nodes=num_nodes, gpus_per_node=gpus_per_node,
+                                       num_tokens=num_tokens, hidden=hidden, num_topk=num_topk,
+                                       num_experts=num_experts, dtype=dtype)
+        wrs = operations.work_requests(counts)
+        times = {"rdma": stage / stage_bytes_per_us, "nic": nic / wire_bytes_per_us,
+                 "wr": pricing.work_request_us(wrs, wr_rate), "nvlink": nvl / nvl_bytes_per_us}
         bound = max(times, key=times.get)
         us = overhead_us + times[bound]
         counted = num_tokens * where["nodes"] * counted_row_bytes(hidden, dtype, combine)
-        out[op] = {"us": us, "bound": bound, "row_bytes": row, "rdma_stage_bytes": stage, "nic_bytes": nic,
-                   "nvlink_bytes": nvl, "nic_gbps": nic / us / 1e3, "nvlink_gbps": nvl / us / 1e3,
+        out[op] = {"us": us, "bound": bound, "terms_us": times, "row_bytes": row, "rdma_stage_bytes": stage,
+                   "nic_bytes": nic, "nvlink_bytes": nvl, "work_requests": wrs,
+                   "wr_binds_below": pricing.binds_below(wrs, max(t for k, t in times.items() if k != "wr")),
+                   "quiets": counts["quiets"], "nic_gbps": nic / us / 1e3, "nvlink_gbps": nvl / us / 1e3,
                    "bottleneck_rdma_gbps": counted / us / 1e3, "bottleneck_bytes": counted}
     return out
 
 
 def calibrate(bottleneck_gbs: float, op: str = "dispatch", *, overhead_us: float = OVERHEAD_US,
-              row_format: str = "deepep", **setting) -> float:
+              row_format: str = "deepep", wr_rate: float = pricing.WORK_REQUESTS_PER_US, **setting) -> float:
     """The `rdma_efficiency` at which `predict(**setting)` gives `bottleneck_gbs` as `op`'s bottleneck figure:
     the model's equations solved for it. Raises ValueError where no efficiency can: the figure leaves no time
-    after the overhead, or NVLink, not the RDMA stage, would bound that call."""
+    after the overhead, or NVLink, the wire or the WRs, not the RDMA stage, would bound that call."""
     if op not in OPS:
         raise ValueError(f"calibrate on {op!r}: one of {OPS}")
-    line = predict(rdma_efficiency=1.0, overhead_us=0.0, row_format=row_format, **setting)[op]
+    line = predict(rdma_efficiency=1.0, overhead_us=0.0, row_format=row_format, wr_rate=wr_rate, **setting)[op]
     stage_us = line["bottleneck_bytes"] / (bottleneck_gbs * 1e3) - overhead_us  # the time the figure leaves it
     if stage_us <= 0:
         raise ValueError(f"{bottleneck_gbs:g} GB/s leaves no time after the {overhead_us:g} µs overhead")
     wire_bytes_per_us = setting["nic_gbps"] / 8 * 1e3
     floors = {"NVLink": line["nvlink_bytes"] / (setting["nvlink_gbs"] * 1e3),
-              "the NIC's line rate": line["nic_bytes"] / wire_bytes_per_us}
+              "the NIC's line rate": line["nic_bytes"] / wire_bytes_per_us, "The WRs": line["terms_us"]["wr"]}
     for name, floor_us in floors.items():
         if floor_us > stage_us:
             raise ValueError(f"{name} bounds a {op} of {bottleneck_gbs:g} GB/s there ({floor_us:.0f} µs > "
@@ -173,29 +186,32 @@ def calibrate(bottleneck_gbs: float, op: str = "dispatch", *, overhead_us: float
     return line["rdma_stage_bytes"] / wire_bytes_per_us / stage_us  # time at line rate / time the figure leaves
 
 
-def compare(published: Published, calibrate_ep: Optional[int] = None, *, overhead_us: float = OVERHEAD_US) -> dict:
+def compare(published: Published, calibrate_ep: Optional[int] = None, *, overhead_us: float = OVERHEAD_US,
+            wr_rate: float = pricing.WORK_REQUESTS_PER_US) -> dict:
     """The model calibrated on `published`'s dispatch figure at `calibrate_ep` ranks (its default point when None)
     beside every figure of that table; errors are (predicted - published) / published."""
     calibrate_ep = published.calibrate_ep if calibrate_ep is None else calibrate_ep
     if calibrate_ep not in published.points:
         raise ValueError(f"{published.name} publishes no EP{calibrate_ep}: {sorted(published.points)}")
-    efficiency = calibrate(published.points[calibrate_ep][0], "dispatch", overhead_us=overhead_us,
+    efficiency = calibrate(published.points[calibrate_ep][0], "dispatch", overhead_us=overhead_us, wr_rate=wr_rate,
                            **published.setting(calibrate_ep))
     rows = []
     for ep, figures in sorted(published.points.items()):
         setting = published.setting(ep)
-        result = predict(rdma_efficiency=efficiency, overhead_us=overhead_us, **setting)
+        result = predict(rdma_efficiency=efficiency, overhead_us=overhead_us, wr_rate=wr_rate, **setting)
         row = {"ep": ep, "nodes": setting["num_nodes"], "num_experts": setting["num_experts"],
                "nodes_reached": result["reach"]["nodes"]}
         for op, figure in zip(OPS, figures):
             r = result[op]
             row[op] = {"published_gbps": figure, "predicted_gbps": r["bottleneck_rdma_gbps"],
                        "error": r["bottleneck_rdma_gbps"] / figure - 1, "us": r["us"], "bound": r["bound"],
-                       "published_us": r["bottleneck_bytes"] / figure / 1e3, "nic_gbps": r["nic_gbps"]}
+                       "published_us": r["bottleneck_bytes"] / figure / 1e3, "nic_gbps": r["nic_gbps"],
+                       "work_requests": r["work_requests"], "wr_us": r["terms_us"]["wr"],
+                       "wr_binds_below": r["wr_binds_below"]}
         rows.append(row)
     return {"published": published.name, "source": published.source, "hardware": published.hardware,
             "calibrated_on": {"ep": calibrate_ep, "op": "dispatch", "gbps": published.points[calibrate_ep][0]},
-            "rdma_efficiency": efficiency, "overhead_us": overhead_us, "points": rows}
+            "rdma_efficiency": efficiency, "overhead_us": overhead_us, "wr_rate": wr_rate, "points": rows}
 
 
 def default_efficiency() -> float:
@@ -220,8 +236,9 @@ def nic_bytes_by_choice(published: Published, ep: int) -> dict:
 
 
 DESCRIPTION = ("Predict the internode normal-mode dispatch and combine times of a cluster from a model (nothing is "
-               "measured): the NIC, NVLink and the rows each stage carries, with one efficiency calibrated on a "
-               "published figure. --mode low_latency predicts the low-latency calls instead.")
+               "measured): the NIC, NVLink and the rows each stage carries, and the work requests the NIC executes "
+               "(operations.py's counts at a NIC's message rate), with one efficiency calibrated on a published "
+               "figure. --mode low_latency predicts the low-latency calls instead.")
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -238,7 +255,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     add("num_experts", type=int, default=256, help="experts (default 256)")
     add("topk_groups", type=int, help="node groups a token's experts come from (DeepSeek-V3: 4; default: any)")
     add("dtype", choices=("fp8", "bf16"), default="fp8", help="dispatch rows (default fp8)")
-    add("row_format", choices=ROW_FORMATS, default="deepep", help="rows on the RDMA stage (default deepep)")
+    add("row_format", choices=ROW_FORMATS, default="deepep",
+        help="rows on the RDMA stage, and whose kernels' work requests (default deepep)")
+    add("wr_rate", type=float, default=pricing.WORK_REQUESTS_PER_US,
+        help=f"work requests a NIC executes per µs, millions per second (default {pricing.WORK_REQUESTS_PER_US:g}, "
+             "ConnectX-7's datasheet, an assumption: NOTE [operations priced])")
     add("rdma_efficiency", type=float,
         help="the RDMA stage's rate as a share of the NIC's line rate (default: calibrated on DeepEP's EP32 dispatch)")
     add("calibrate", type=calibration_type("GBS"), metavar="EP,GBS[,OP]",
@@ -255,28 +276,29 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def _print_published(args, prog: str) -> dict:
     published = PUBLISHED[args.published]
-    result = compare(published, args.calibrate_on, overhead_us=args.overhead_us)
+    result = compare(published, args.calibrate_on, overhead_us=args.overhead_us, wr_rate=args.wr_rate)
     fit = result["calibrated_on"]
     print(f"predicted, not measured (NOTE [internode model] in tokenyard/tools/bench/model/normal.py) beside "
           f"{published.source}: {published.hardware}, {published.num_tokens} tokens, hidden {published.hidden}, "
           f"top-{published.num_topk} in top-{published.topk_groups} node groups, FP8 dispatch, BF16 combine, "
-          f"NVLink {published.nvlink_gbs:g} GB/s, {args.overhead_us:g} µs per call")
+          f"NVLink {published.nvlink_gbs:g} GB/s, {args.overhead_us:g} µs per call, {args.wr_rate:g} WRs per µs")
     print(f"efficiency {result['rdma_efficiency']:.4f} of {published.nic_gbps:g} Gb/s, fitted on EP{fit['ep']} "
           f"dispatch ({fit['gbps']:g} GB/s)")
     print("GB/s: the bottleneck figure as DeepEP's test counts it; us: the model's call, and the call the published "
-          "figure implies")
+          "figure implies; NIC WRs: DeepEP's kernels' work requests per GPU, and their µs")
     print(f"{'EP':>4} {'nodes':>5} {'experts':>7} {'reached':>7} {'op':<9} {'us':>8} {'pub. us':>8} {'bound':>6} "
-          f"{'NIC GB/s':>9} {'predicted':>9} {'published':>9} {'error':>7}")
+          f"{'NIC GB/s':>9} {'NIC WRs':>8} {'WR us':>6} {'predicted':>9} {'published':>9} {'error':>7}")
     for row in result["points"]:
         for op in OPS:
             r = row[op]
             print(f"{row['ep']:>4} {row['nodes']:>5} {row['num_experts']:>7} {row['nodes_reached']:>7.2f} {op:<9} "
                   f"{r['us']:8.1f} {r['published_us']:8.1f} {r['bound']:>6} {r['nic_gbps']:9.1f} "
-                  f"{r['predicted_gbps']:9.1f} {r['published_gbps']:9.0f} {r['error']:+7.1%}")
+                  f"{r['work_requests']:8.0f} {r['wr_us']:6.1f} {r['predicted_gbps']:9.1f} {r['published_gbps']:9.0f} "
+                  f"{r['error']:+7.1%}")
     result["each_calibration"] = {}
     print("the largest error, calibrated on each dispatch figure in turn:")
     for ep in sorted(published.points):
-        other = compare(published, ep, overhead_us=args.overhead_us)
+        other = compare(published, ep, overhead_us=args.overhead_us, wr_rate=args.wr_rate)
         worst = {op: max(abs(p[op]["error"]) for p in other["points"]) for op in OPS}
         result["each_calibration"][ep] = {"rdma_efficiency": other["rdma_efficiency"], "max_abs_error": worst}
         print(f"  EP{ep}: efficiency {other['rdma_efficiency']:.4f}, dispatch {worst['dispatch']:.1%}, "
@@ -306,13 +328,13 @@ def main(argv: Sequence[str], prog: str = "python -m tokenyard.tools.bench") -> 
             if args.calibrate:
                 ep, gbs, op = args.calibrate
                 efficiency = calibrate(gbs, op, overhead_us=args.overhead_us, row_format=args.row_format,
-                                       **{**setting, "num_nodes": nodes})
+                                       wr_rate=args.wr_rate, **{**setting, "num_nodes": nodes})
                 fitted = f"fitted on {gbs:g} GB/s {op} at EP{ep}"
             elif efficiency is None:
                 efficiency, fitted = default_efficiency(), "fitted on DeepEP's EP32 dispatch, 44 GB/s"
             result = predict(rdma_efficiency=efficiency, overhead_us=args.overhead_us, row_format=args.row_format,
-                             **setting)
-            result["rdma_efficiency"] = efficiency
+                             wr_rate=args.wr_rate, **setting)
+            result.update(rdma_efficiency=efficiency, wr_rate=args.wr_rate)
             _print_cluster(args, result, fitted)
     except ValueError as exc:
         print(f"{prog} --model: {exc}", file=sys.stderr)
@@ -329,11 +351,15 @@ def _print_cluster(args, result: dict, fitted: str) -> None:
           f"{result['rdma_efficiency']:.4f} of it ({fitted}), NVLink {args.nvlink_gbs:g} GB/s, {args.num_tokens} "
           f"tokens, hidden {args.hidden_size}, top-{args.num_topk} of {args.num_experts}"
           f"{'' if args.topk_groups is None else f' in {args.topk_groups} node groups'}, {args.dtype} dispatch, "
-          f"{args.row_format} rows, {args.overhead_us:g} µs per call")
+          f"{args.row_format} rows, {args.overhead_us:g} µs per call, {args.wr_rate:g} WRs per µs")
     print(f"a token reaches {where['nodes']:.2f} nodes ({where['remote_nodes']:.2f} remote) and "
-          f"{where['ranks']:.2f} ranks")
-    print(f"{'op':<9} {'us':>8} {'bound':>7} {'NIC GB/s':>9} {'bottleneck':>11} {'nvlink GB/s':>12}")
+          f"{where['ranks']:.2f} ranks; NIC WRs: the {args.row_format} kernels' work requests per GPU (operations.py), "
+          "their µs, and the WR rate per µs under which they would set the time")
+    print(f"{'op':<9} {'us':>8} {'bound':>7} {'NIC GB/s':>9} {'bottleneck':>11} {'nvlink GB/s':>12} {'NIC MB':>8} "
+          f"{'NIC WRs':>8} {'WR us':>6} {'bind <':>7} {'quiets':>7}")
     for op in OPS:
         r = result[op]
+        rate = "-" if r["wr_binds_below"] is None else f"{r['wr_binds_below']:.2f}"
         print(f"{op:<9} {r['us']:8.1f} {r['bound']:>7} {r['nic_gbps']:9.1f} {r['bottleneck_rdma_gbps']:11.1f} "
-              f"{r['nvlink_gbps']:12.1f}")
+              f"{r['nvlink_gbps']:12.1f} {r['nic_bytes'] / 1e6:8.2f} {r['work_requests']:8.0f} "
+              f"{r['terms_us']['wr']:6.1f} {rate:>7} {r['quiets']:7.0f}")

@@ -1,6 +1,6 @@
 """Operation counts of the internode calls, per rank and per call (issue 53, items 1 and 2): what DeepEP V1 at
 commit 29d31c0 and tokenyard post to NVSHMEM for one dispatch or combine, as formulas. Nothing here prices an
-operation; the models in normal.py and low_latency.py still price bytes only.
+operation: pricing.py does (NOTE [operations priced]), from `work_requests`, for normal.py and low_latency.py.
 
 NOTE [operation counts]
 A call's counts are a dict of numbers (expectations where routing decides them). Per destination kind
@@ -12,11 +12,12 @@ A call's counts are a dict of numbers (expectations where routing decides them).
   atomics_K             remote atomic adds (a count, a tail, a head, a flag);
 and per call: quiets (nvshmem_quiet, or DeepEP's nvshmemi_ibgda_quiet of one QP), fences, barriers (NVSHMEM
 collective syncs: nvshmem_sync / nvshmem_sync_all), staged_rows (rows copied into a send buffer before their put),
-nic_puts and nic_atomics (the work requests a NIC sees: puts and atomics posted by IBGDA or NVSHMEM to another
-node, and in DeepEP's "rdma" route to every other rank). T tokens per rank, top-k of E experts, R = N nodes x G
-GPUs, hidden H. Routing is uniform over k distinct experts: a given rank holds one of a token's experts with
-p_rank = hit_probability(E, E / R, k), a given node with p_node = hit_probability(E, E / N, k) (common.py); a
-(token, expert) pair lands on a given rank with probability k / R.
+nic_puts and nic_atomics (the puts and atomics posted by IBGDA or NVSHMEM to another node, and in DeepEP's "rdma"
+route to every other rank; `work_requests` adds the signals: every work request a NIC sees). T tokens per rank,
+top-k of E experts, R = N nodes x G GPUs, hidden H. Routing is uniform over k distinct experts: a given rank holds
+one of a token's experts with p_rank = hit_probability(E, E / R, k), a given node with
+p_node = hit_probability(E, E / N, k) (common.py); a (token, expert) pair lands on a given rank with probability
+k / R.
 
 DeepEP low latency (csrc/kernels/internode_ll.cu at 29d31c0; "ll" below), FP8 or BF16 messages of
 b = 16 + (H + 4 H / 128 if FP8 else 2 H) bytes (ll:181):
@@ -88,6 +89,7 @@ from __future__ import annotations
 import math
 from typing import Dict
 
+from ....plan import workspace
 from .common import hit_probability
 
 KINDS = ("self", "node", "remote")
@@ -95,7 +97,6 @@ PER_KIND = ("puts", "put_bytes", "put_signals", "signals", "atomics")
 PER_CALL = ("quiets", "fences", "barriers", "staged_rows", "nic_puts", "nic_atomics")
 CALLS = ("dispatch", "combine")
 ROUTES = ("nvlink", "rdma")
-LOW_LATENCY_HEADER_BYTES = 16 + 2 * 2 * 16  # kHeaderChoices + 2 int16 per kHeaderMaxTopk (workspace.py)
 LOW_LATENCY_THREADS = 512
 INTERNODE_THREADS = 512
 INTERNODE_CHUNK_ROWS = 4  # kInternodeChunkRows
@@ -109,6 +110,18 @@ def zero() -> Dict[str, float]:
     counts = {f"{op}_{kind}": 0.0 for op in PER_KIND for kind in KINDS}
     counts.update({key: 0.0 for key in PER_CALL})
     return counts
+
+
+def work_requests(counts: dict, route: str = "nvlink") -> float:
+    """The work requests a NIC executes in a call of these counts (NOTE [operations priced] in pricing.py): every
+    put, signal and atomic to a rank of another node, and in route "rdma" (NVSHMEM's P2P off, DeepEP's published
+    setting) to the node's other ranks as well. A put with its signal counts twice, a write and the signal's atomic
+    (neither library uses one in these calls); quiets, fences and barriers count none."""
+    if route not in ROUTES:
+        raise ValueError(f"route {route!r}: one of {ROUTES}")
+    kinds = ("node", "remote") if route == "rdma" else ("remote",)
+    return sum(counts[f"puts_{k}"] + 2 * counts[f"put_signals_{k}"] + counts[f"signals_{k}"] + counts[f"atomics_{k}"]
+               for k in kinds)
 
 
 def _align16(n: float) -> int:
@@ -177,7 +190,7 @@ def tokenyard_low_latency(call: str, tokens: int, topk: int, num_experts: int, n
     counts = zero()
     _split(counts, "puts", tokens * p_rank, ranks, gpus_per_node)  # one message (row) per (token, rank)
     if call == "dispatch":
-        _bytes(counts, LOW_LATENCY_HEADER_BYTES + low_latency_message_bytes(hidden, fp8) - 16)
+        _bytes(counts, workspace.LOW_LATENCY_MESSAGE_HEADER_BYTES + low_latency_message_bytes(hidden, fp8) - 16)
         _split(counts, "signals", num_experts / ranks + 1, ranks, gpus_per_node)  # expert counts, token count
     else:
         _bytes(counts, hidden * 2)
