@@ -43,11 +43,11 @@ def test_bench_command_on_two_gloo_ranks_writes_summary_json_and_png(tmp_path, c
 
     doc = json.loads(json_path.read_text())
     for key in ("commit", "device", "date", "settings", "num_ranks", "num_tokens", "hidden", "num_topk",
-                "num_experts", "copy_limit_gbps", "nccl", "reference"):
+                "num_experts", "copy_limit_gbps", "copy_limit_method", "nccl", "reference"):
         assert key in doc, f"missing key {key}"
     assert doc["device"] == "cpu (2 gloo ranks)"
     assert (doc["num_ranks"], doc["num_tokens"], doc["hidden"], doc["num_topk"], doc["num_experts"]) == (2, 16, 256, 2, 8)
-    assert doc["copy_limit_gbps"] is None
+    assert doc["copy_limit_gbps"] is None and doc["copy_limit_method"] is None
     assert "tokenyard" not in doc, "the CUDA backend cannot run without GPUs"
     settings = doc["settings"]
     assert {"mode", "hidden_size", "num_tokens", "num_experts", "num_topk", "num_ranks", "sm_counts", "dtype",

@@ -14,8 +14,13 @@ from ...jit.spec import KernelSpec, Param
 from ...plan import workspace
 
 # NOTE [copy patterns] in copy_limit.cuh
-COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_peer_major": 4}
+COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_peer_major": 4, "tma": 5}
 THREADS = 512
+# The "tma" pattern's pipeline: stages of shared memory per block and their size (template arguments of every
+# pattern; the others ignore them), and the dynamic shared memory they take with one 8-byte barrier each.
+TMA_STAGES, TMA_STAGE_BYTES = 4, 32 << 10
+SHARED_BYTES = {"bulk": THREADS // 32 * 2 * 4096,  # two 4 KB stages per warp
+                "tma": TMA_STAGES * (TMA_STAGE_BYTES + 8)}
 _INCLUDE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
 
 
@@ -23,7 +28,7 @@ _INCLUDE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "includ
 def copy_to_peers(num_ranks: int, pattern: str = "interleaved") -> KernelSpec:
     return KernelSpec(
         "tokenyard_bench/copy_limit.cuh", "tokenyard::bench::copy_to_peers",
-        (num_ranks, THREADS, COPY_PATTERNS[pattern]),
+        (num_ranks, THREADS, COPY_PATTERNS[pattern], TMA_STAGES, TMA_STAGE_BYTES),
         (Param("const int4*", "src"), Param("int64_t", "num_int4"), Param("uint8_t* const*", "peer_bases"),
          Param("int", "rank"), Param("int64_t", "offset_bytes"), Param("int64_t", "stride_bytes")),
         THREADS, include_root=_INCLUDE_ROOT)
@@ -55,7 +60,7 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
     grid = num_blocks or backend.device_sms
     if pattern in ("peer_major", "pull_peer_major") and grid < num_ranks - 1:
         raise ValueError(f"the peer-major pattern needs a block per peer: {grid} blocks for {num_ranks - 1} peers")
-    shared = THREADS // 32 * 2 * 4096 if pattern == "bulk" else 0  # two 4 KB stages per warp
+    shared = SHARED_BYTES.get(pattern, 0)
     times = []
     for i in range(warmup + iters):
         dist.barrier(group=ctx.group)

@@ -115,8 +115,10 @@ def build(settings: BenchSettings, ranks: List[dict], commit: Optional[str], dat
     gpu_label = f"{first['device']} x {first.get('num_gpus', settings.num_ranks)}"
     if shared:
         gpu_label += f" shared by {settings.num_ranks} ranks (MPS)"
-    copy_limits = [p["backends"][name]["copy_limit_gbps"] for p in ranks for name in first["backends"]]
-    copy_limits = [c for c in copy_limits if c is not None]
+    copy_limits = [(p["backends"][name]["copy_limit_gbps"], p["backends"][name].get("copy_limit_method"))
+                   for p in ranks for name in first["backends"]]
+    copy_limits = [c for c in copy_limits if c[0] is not None]
+    slowest_limit = min(copy_limits) if copy_limits else (None, None)  # the slowest rank's limit, and its way
     doc = {
         "commit": commit,
         "device": gpu_label if settings.gpu else f"cpu ({settings.num_ranks} gloo ranks)",
@@ -130,7 +132,8 @@ def build(settings: BenchSettings, ranks: List[dict], commit: Optional[str], dat
         "num_topk": settings.num_topk,
         "num_experts": settings.num_experts,
         "dtype": settings.dtype,
-        "copy_limit_gbps": min(copy_limits) if copy_limits else None,  # the slowest rank's limit
+        "copy_limit_gbps": slowest_limit[0],
+        "copy_limit_method": slowest_limit[1],  # the copy pattern (NOTE [copy patterns] in copy_limit.cuh)
         "nccl": {"backend": first["baseline_backend"],
                  **{op: bandwidth.summarize([p["baseline"].get(op) for p in ranks]) for op in BASELINE_OPS}},
     }
@@ -214,7 +217,7 @@ def _notes(doc: dict) -> List[str]:
     notes = [f"{doc['device']}; hidden {doc['hidden']}, {tokens}, {doc['num_experts']} experts, "
              f"top-{doc['num_topk']}, {doc['dtype']} dispatch, seed {doc['settings']['seed']}",
              "copy limit: " + ("not measured" if doc["copy_limit_gbps"] is None
-                               else f"{doc['copy_limit_gbps']:.1f} GB/s")]
+                               else f"{doc['copy_limit_gbps']:.1f} GB/s ({doc.get('copy_limit_method')} writer)")]
     if "shared by" in doc["device"]:
         notes.append("ranks share GPUs (MPS): times only, no bandwidth, no NCCL baseline")
     if not on_gpus(doc):
@@ -344,7 +347,8 @@ def _summary_notes(doc: dict) -> List[str]:
     who = {"tokenyard": "tokenyard's CUDA kernels", "reference": "the reference backend (plain PyTorch)"}.get(key, key)
     if on_gpus(doc):
         limit = ("not measured" if doc["copy_limit_gbps"] is None else
-                 f"{doc['copy_limit_gbps']:.0f} GB/s per GPU, the fastest way found to write to every peer")
+                 f"{doc['copy_limit_gbps']:.0f} GB/s per GPU, the fastest way found to write to every peer "
+                 f"({doc.get('copy_limit_method')})")
         lines = [f"rows: {who}; kernel = GPU time of its kernels; call = calls back to back (low latency: one call); "
                  f"all-to-all = NCCL all_to_all_single of the same bytes; copy limit: {limit}"]
     else:

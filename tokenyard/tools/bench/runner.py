@@ -309,22 +309,25 @@ def measure_low_latency(ctx: RankContext, buffer: Buffer, problem: Problem):
     return out, graph_error
 
 
-def copy_limit_gbps(ctx: RankContext, buffer: Buffer) -> Optional[float]:
-    """NOTE [copy limit] The physical bound: every GPU copying into all peers at once.
+def copy_limit_gbps(ctx: RankContext, buffer: Buffer) -> Tuple[Optional[float], Optional[str]]:
+    """NOTE [copy limit] The physical bound: every GPU copying into all peers at once; -> (GB/s, the way).
 
     Measuring it needs peer memory mapped across processes, which only the CUDA backend has: with it,
     copy_limit.measure_copy_limit_gbps runs with the bytes one rank's tokens take, with every SM, once per way
     of issuing the writes (NOTE [copy patterns] in include/tokenyard_bench/copy_limit.cuh), and the fastest
-    counts: the limit is the best rate a plain copy reached, never a slow way of copying. Otherwise, and at one
-    rank (no peers to copy to), the limit is not measured (None).
+    counts: the limit is the best rate a plain copy reached, never a slow way of copying, and the way that
+    reached it is recorded beside it. Otherwise, and at one rank (no peers to copy to), the limit is not measured
+    (None, None).
     """
     if buffer.backend != "cuda" or ctx.num_ranks < 2 or ctx.topology.shares_gpu:
-        return None
+        return None, None
     from .copy_limit import COPY_PATTERNS, measure_copy_limit_gbps
 
     s = ctx.settings
     num_bytes = round(s.num_tokens * bandwidth.row_bytes(s.hidden_size, s.dtype == "fp8"))
-    return max(measure_copy_limit_gbps(buffer, num_bytes, pattern=pattern) for pattern in COPY_PATTERNS)
+    rates = {pattern: measure_copy_limit_gbps(buffer, num_bytes, pattern=pattern) for pattern in COPY_PATTERNS}
+    best = max(rates, key=rates.get)
+    return rates[best], best
 
 
 def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
@@ -336,10 +339,10 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
                                                                                            ctx.num_ranks)
     buffer = Buffer(ctx.group, num_nvl_bytes, num_rdma_bytes, low_latency_mode=s.runs("low_latency"),
                     backend=name, check_inputs=False)  # value checks sync the device: not part of the cost
-    out = {"samples": {}, "sweep": {}, "graph_error": None, "copy_limit_gbps": None,
+    out = {"samples": {}, "sweep": {}, "graph_error": None, "copy_limit_gbps": None, "copy_limit_method": None,
            "num_sms": Buffer.num_sms if name == "cuda" else None}
     try:
-        out["copy_limit_gbps"] = copy_limit_gbps(ctx, buffer)
+        out["copy_limit_gbps"], out["copy_limit_method"] = copy_limit_gbps(ctx, buffer)
         if s.runs("normal") or s.runs("compare_sm"):
             problem = make_problem(ctx, seed, s.num_tokens, s.dtype)
         if s.runs("normal"):

@@ -14,9 +14,13 @@
 //       every rank reads from each peer's buffer the slice that peer would have written to it (loads over
 //       NVLink) and stores it into its own buffer; the figure is then ingress per GPU. Pulling moved the bytes
 //       no faster than pushing, so the kernels push (benchmarks/results/low_latency.md).
+//   kCopyTma (5): one thread a block, no register copy at all: pieces of kTmaStageBytes go global -> shared by
+//       TMA bulk loads, kTmaStages of them in flight, and from shared to every peer by TMA bulk stores (issue 50
+//       reports such a writer faster than any SM-store one, with 8 SMs as with all).
 #pragma once
 
 #include <tokenyard/copy.cuh>
+#include <tokenyard/tma.cuh>
 
 namespace tokenyard::bench {
 
@@ -26,23 +30,64 @@ enum CopyPattern : int {
     kCopyBulk = 2,
     kCopyPull = 3,
     kCopyPullPeerMajor = 4,
+    kCopyTma = 5,
 };
 
 constexpr int kCopyUnroll = 8;                              // 16-byte vectors per thread per batch
 constexpr int kBulkPieceInt4 = kCopyUnroll * kWarpSize;     // 4 KB per warp and stage
 
-__device__ __forceinline__ void bulk_store_to_global(void* dst, const void* src_shared, uint32_t num_bytes) {
-    const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(src_shared));
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 :: "l"(dst), "r"(src), "r"(num_bytes) : "memory");
+// kCopyTma: this block's pieces (every gridDim.x-th, from blockIdx.x) through kTmaStages stages of shared memory,
+// then its barriers (`stages` holds kTmaStages * kTmaStageBytes + 8 * kTmaStages bytes). Thread 0 alone works.
+template <int kNumRanks, int kTmaStages, int kTmaStageBytes, typename Params>
+__device__ __forceinline__ void copy_to_peers_tma(const Params& p, int4* const (&dst)[kNumRanks], int4* stages) {
+    constexpr int kStageInt4 = kTmaStageBytes / 16;
+    uint64_t* barriers = reinterpret_cast<uint64_t*>(stages + kTmaStages * kStageInt4);
+    const int64_t num_pieces = (p.num_int4 + kStageInt4 - 1) / kStageInt4, step = gridDim.x;
+    const int64_t mine = blockIdx.x < num_pieces ? (num_pieces - blockIdx.x + step - 1) / step : 0;
+    for (int s = 0; s < kTmaStages; ++s)
+        tma::init_barrier(barriers + s);
+    tma::fence_barrier_init();
+    const auto first_of = [&](int64_t j) { return (blockIdx.x + j * step) * kStageInt4; };  // the j-th piece's
+    const auto bytes_of = [&](int64_t j) {
+        return static_cast<uint32_t>(min(static_cast<int64_t>(kStageInt4), p.num_int4 - first_of(j))) * 16u;
+    };
+    const auto load = [&](int64_t j) {  // the j-th piece into stage j % kTmaStages
+        uint64_t* barrier = barriers + j % kTmaStages;
+        tma::expect_bytes(barrier, bytes_of(j));
+        tma::load(stages + (j % kTmaStages) * kStageInt4, p.src + first_of(j), bytes_of(j), barrier);
+    };
+    for (int64_t j = 0; j < min(static_cast<int64_t>(kTmaStages), mine); ++j)
+        load(j);
+    for (int64_t j = 0; j < mine; ++j) {
+        tma::wait_phase(barriers + j % kTmaStages, static_cast<uint32_t>(j / kTmaStages) & 1u);
+#pragma unroll
+        for (int q = 0; q < kNumRanks; ++q)
+            if (q != p.rank)
+                tma::store(dst[q] + first_of(j), stages + (j % kTmaStages) * kStageInt4, bytes_of(j));
+        tma::commit();
+        // The previous piece's stores have read its stage (at most this piece's group may still read): the
+        // piece kTmaStages after it goes there. Loads stay kTmaStages - 1 pieces ahead of the stores.
+        if (j >= 1 && j - 1 + kTmaStages < mine) {
+            tma::wait_read<1>();
+            load(j - 1 + kTmaStages);
+        }
+    }
+    tma::wait_all();
 }
 
-template <int kNumRanks, int kNumThreads, int kPattern = kCopyInterleaved, typename Params>
+template <int kNumRanks, int kNumThreads, int kPattern, int kTmaStages, int kTmaStageBytes, typename Params>
 __device__ __forceinline__ void copy_to_peers(const Params& p) {
     int4* dst[kNumRanks];
 #pragma unroll
     for (int q = 0; q < kNumRanks; ++q)
         dst[q] = reinterpret_cast<int4*>(p.peer_bases[q] + p.offset_bytes + p.rank * p.stride_bytes);
+
+    if constexpr (kPattern == kCopyTma) {
+        extern __shared__ int4 tma_stages[];
+        if (threadIdx.x == 0)
+            copy_to_peers_tma<kNumRanks, kTmaStages, kTmaStageBytes>(p, dst, tma_stages);
+        return;
+    }
 
     if constexpr (kPattern == kCopyBulk) {
         extern __shared__ int4 stages[];  // [warps][2][kBulkPieceInt4]
@@ -56,7 +101,7 @@ __device__ __forceinline__ void copy_to_peers(const Params& p) {
             const int64_t first = piece * kBulkPieceInt4;
             const int n = static_cast<int>(min(static_cast<int64_t>(kBulkPieceInt4), p.num_int4 - first));
             if (lane == 0)  // the stage's previous sends have read it
-                asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+                tma::wait_read<1>();
             __syncwarp();
             int4 v[kCopyUnroll];
 #pragma unroll
@@ -67,18 +112,18 @@ __device__ __forceinline__ void copy_to_peers(const Params& p) {
             for (int u = 0; u < kCopyUnroll; ++u)
                 if (u * kWarpSize + lane < n)
                     staged[u * kWarpSize + lane] = v[u];
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes before async reads
+            tma::fence_shared_for_async();  // generic writes before async reads
             __syncwarp();
             if (lane == 0) {
 #pragma unroll
                 for (int q = 0; q < kNumRanks; ++q)
                     if (q != p.rank)
-                        bulk_store_to_global(dst[q] + first, staged, static_cast<uint32_t>(n) * 16u);
-                asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                        tma::store(dst[q] + first, staged, static_cast<uint32_t>(n) * 16u);
+                tma::commit();
             }
         }
         if (lane == 0)
-            asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+            tma::wait_all();
         return;
     }
 
