@@ -41,6 +41,15 @@ def rank_counts(largest_only: bool = False) -> list:
     return counts[-1:] if largest_only else counts
 
 
+def virtual_node_layouts() -> list:
+    """(num_ranks, ranks_per_node) of the internode tests: every split of the rank counts into 2 or more virtual
+    nodes of 2 or 4 ranks, then, at 2 ranks, 2 nodes of one, so that a machine of 2 GPUs runs the internode paths
+    with a GPU per rank, as real nodes have them (last: a test that takes the first layout keeps nodes of 2 where
+    there are 4 GPUs)."""
+    counts = rank_counts()
+    return [(n, p) for n in counts for p in (2, 4) if n % p == 0 and n // p >= 2] + [(2, 1)] * (2 in counts)
+
+
 def needs_ranks(counts=None):
     """The skip marker of a multi-rank GPU test file: skipped where `counts` (default: `rank_counts()`) is
     empty."""

@@ -38,10 +38,6 @@ ROUND_CASES = [
 ROUND_RDMA_BYTES = 1600 << 10
 
 
-def _layouts():
-    return [(n, p) for n in spawn.rank_counts() for p in (2, 4) if n % p == 0 and n // p >= 2]
-
-
 def _split(x):
     return x if isinstance(x, tuple) else (x, None)
 
@@ -119,7 +115,7 @@ def _compare_ranks(seed, ranks_per_node, rdma_bytes=RDMA_BYTES, cases=CASES):
     return report
 
 
-@pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts())
+@pytest.mark.parametrize("num_ranks,ranks_per_node", spawn.virtual_node_layouts())
 def test_internode_kernels_match_the_reference_hierarchical_path(num_ranks, ranks_per_node):
     seed = int(torch.randint(0, 2**30, ()).item())
     reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, timeout_s=420.0, fresh=True)
@@ -128,7 +124,7 @@ def test_internode_kernels_match_the_reference_hierarchical_path(num_ranks, rank
     assert all(case[2:] == (1, 1) for report in reports for case in report), reports
 
 
-@pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts()[:2])
+@pytest.mark.parametrize("num_ranks,ranks_per_node", spawn.virtual_node_layouts()[:2])
 def test_calls_larger_than_the_region_run_in_rounds_with_the_results_of_one(num_ranks, ranks_per_node):
     seed = int(torch.randint(0, 2**30, ()).item())
     reports = spawn.run(num_ranks, _compare_ranks, seed, ranks_per_node, ROUND_RDMA_BYTES, ROUND_CASES,
@@ -200,7 +196,7 @@ def _peer_that_stops(seed, ranks_per_node):
     return str(seen)
 
 
-@pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts()[:1])
+@pytest.mark.parametrize("num_ranks,ranks_per_node", spawn.virtual_node_layouts()[:1])
 def test_a_peer_that_stops_times_out_naming_rank_and_stage_then_a_new_buffer_works(num_ranks, ranks_per_node):
     seed = int(torch.randint(0, 2**30, ()).item())
     reports = spawn.run(num_ranks, _peer_that_stops, seed, ranks_per_node, timeout_s=300.0, fresh=True)
@@ -251,7 +247,7 @@ def _low_latency_peer_that_stops(seed, ranks_per_node):
     return str(seen)
 
 
-@pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts()[:1])
+@pytest.mark.parametrize("num_ranks,ranks_per_node", spawn.virtual_node_layouts()[:1])
 def test_a_low_latency_peer_that_stops_times_out_then_a_new_buffer_works(num_ranks, ranks_per_node):
     seed = int(torch.randint(0, 2**30, ()).item())
     reports = spawn.run(num_ranks, _low_latency_peer_that_stops, seed, ranks_per_node, timeout_s=300.0, fresh=True)

@@ -140,12 +140,8 @@ def _internode_names(seed, ranks_per_node):
     return reports
 
 
-def _virtual_nodes():
-    return [(n, p) for n in spawn.rank_counts() for p in (2, 4) if n % p == 0 and n // p >= 2]
-
-
 @pytest.mark.skipif(nvshmem.find() is None, reason="needs NVSHMEM (pip install tokenyard[internode])")
-@pytest.mark.parametrize("num_ranks,ranks_per_node", _virtual_nodes())
+@pytest.mark.parametrize("num_ranks,ranks_per_node", spawn.virtual_node_layouts())
 def test_deepep_internode_filters_find_one_dispatch_and_one_combine_kernel(num_ranks, ranks_per_node, seed):
     for line in spawn.run(num_ranks, _internode_names, seed, ranks_per_node, fresh=True)[0]:
         print(line)

@@ -25,11 +25,6 @@ POISON = 0x5A5A5A5A
 CALLS = 3
 
 
-def _layouts():
-    """(num_ranks, ranks_per_node) the test runs: every split of the rank counts into 2 or more nodes of 2 or more."""
-    return [(n, p) for n in spawn.rank_counts() for p in (2, 4) if n % p == 0 and n // p >= 2]
-
-
 def _all_gather(obj):
     import torch.distributed as dist
 
@@ -105,7 +100,7 @@ def _rank(ranks_per_node: int, shares_gpu: bool) -> dict:
     return report
 
 
-@pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts())
+@pytest.mark.parametrize("num_ranks,ranks_per_node", spawn.virtual_node_layouts())
 def test_puts_with_signals_reach_the_other_nodes_and_a_missing_signal_times_out(num_ranks, ranks_per_node):
     reports = spawn.run(num_ranks, _rank, ranks_per_node, spawn.shares_gpu(num_ranks), timeout_s=300.0,
                         fresh=True)
