@@ -23,6 +23,8 @@ change under a running program.
 |                               |       |          | act as separate hosts (NOTE [virtual hosts] in devices.py) |
 | TOKENYARD_TUNING              | str   | ""       | "key=value,...": overrides of the CUDA backend's launch  |
 |                               |       |          | heuristics, for tuning sweeps (TUNING_KEYS below)        |
+| TOKENYARD_COUNT_OPERATIONS    | bool  | false    | debug: the NVSHMEM kernels count what they ask of the    |
+|                               |       |          | transport, per rank (NOTE [operation counters]); slower  |
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class Settings:
     ranks_per_node: int = 0
     virtual_hosts: int = 0
     tuning: tuple = ()
+    count_operations: bool = False
 
 
 # field name -> (variable, parser)
@@ -110,6 +113,7 @@ _TABLE = {
     "ranks_per_node": ("TOKENYARD_RANKS_PER_NODE", int),
     "virtual_hosts": ("TOKENYARD_VIRTUAL_HOSTS", int),
     "tuning": ("TOKENYARD_TUNING", _parse_tuning),
+    "count_operations": ("TOKENYARD_COUNT_OPERATIONS", _parse_bool),
 }
 
 

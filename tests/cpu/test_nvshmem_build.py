@@ -36,6 +36,19 @@ def test_an_nvshmem_unit_links_into_a_cubin_with_its_entry():
     assert "nvshmem " + nvshmem.find().version in nvshmem.linker().identity  # in the kernel cache's key
 
 
+@pytest.mark.skipif(compilers.nvcc_path() is None, reason="no nvcc")
+def test_only_a_counting_unit_holds_the_operation_counters():
+    """NOTE [operation counters]: the counters exist in the counting variant, by the unmangled name the host looks
+    up, and not in the default unit (ci_compile checks every NVSHMEM unit so)."""
+    from tokenyard.backends.cuda import transport
+
+    spec = kernels.internode_dispatch()
+    for unit, counts in ((spec, False), (transport.counting(spec), True)):
+        cubin = nvshmem.linker().compile(unit.source(), "sm_90", compilers.include_dirs(unit))
+        assert unit.entry.encode() + b"\0" in cubin
+        assert (transport.COUNTERS_SYMBOL.encode() + b"\0" in cubin) is counts
+
+
 def test_a_process_whose_nvshmem_serves_one_group_refuses_another_before_any_collective(monkeypatch):
     """NOTE [NVSHMEM start]: one world per process. `Transport.refusal` says so without starting anything, so that
     every rank of a second group can agree to take the path without NVSHMEM (the CUDA backend's low-latency

@@ -13,6 +13,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import BackendUnavailableError
 from ..plan.devices import Topology
 from ..semantics import expand
 from .collectives import Collectives
@@ -147,6 +148,16 @@ class Backend(abc.ABC):
     def start_internode(self) -> None:
         """Make what internode normal-mode calls need, with the Buffer (NOTE [internode start] in
         backends/cuda/backend.py); nothing where there is nothing to make."""
+
+    def operation_counts(self, per_peer: bool = False) -> dict:
+        """What this rank's kernels asked of the transport between nodes since the last read (NOTE [operation
+        counters] in include/tokenyard/operation_counts.cuh); only the CUDA backend's internode kernels count.
+
+        Raises:
+            BackendUnavailableError: always here; on the CUDA backend where nothing counts.
+        """
+        raise BackendUnavailableError(f"the {self.name} backend counts no transport operations (NOTE [operation "
+                                      "counters]: the CUDA backend's internode kernels, TOKENYARD_COUNT_OPERATIONS=1)")
 
     def destroy(self, together: bool = True) -> None:
         """Release resources; the backend is unusable afterwards. `together`: every rank of the group makes

@@ -23,6 +23,7 @@ def libcuda() -> ctypes.CDLL:
 # cuLaunchKernel's `extra`: the whole parameter buffer at once (CU_LAUNCH_PARAM_BUFFER_POINTER = 1,
 # CU_LAUNCH_PARAM_BUFFER_SIZE = 2, CU_LAUNCH_PARAM_END = 0), cheaper than one pointer per parameter.
 _BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0
+_NOT_FOUND = 500  # CUDA_ERROR_NOT_FOUND
 
 
 def check(status: int, what: str) -> None:
@@ -47,6 +48,16 @@ class Kernel:
         self.handle = self._function.value
         self.module = self._module.value  # its CUmodule, which NVSHMEM units register (NOTE [NVSHMEM units])
         self._max_dynamic_shared = 48 * 1024
+
+    def global_address(self, symbol: str):
+        """(device address, bytes) of the module's global variable `symbol` (an extern "C" name), or None where
+        the module has none."""
+        ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+        status = libcuda().cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), self._module, symbol.encode())
+        if status == _NOT_FOUND:
+            return None
+        check(status, f"cuModuleGetGlobal({symbol})")
+        return ptr.value, size.value
 
     def prepare(self, shared_bytes: int) -> None:
         """Allow launches with `shared_bytes` of dynamic shared memory (above 48 KiB needs an opt-in)."""

@@ -60,7 +60,9 @@ class KernelSpec:
     global struct Params is written without substitutions; ci_compile checks that every compiled unit holds it.
 
     `header` is found under tokenyard/include, or under `include_root` (an absolute folder searched too, for
-    kernels that are not the library's own, such as the benchmark's).
+    kernels that are not the library's own, such as the benchmark's). `defines`: macros the unit defines (as 1)
+    before its include, for a variant of the same kernel (the counting one of NOTE [operation counters] in
+    include/tokenyard/operation_counts.cuh); none by default, and then the unit is written as it was without them.
     """
 
     header: str
@@ -71,13 +73,15 @@ class KernelSpec:
     include_root: Optional[str] = None
     name: str = ""  # NOTE [kernel names]: namespace::function; default tokenyard::<the function's last part>
     nvshmem: bool = False  # calls NVSHMEM's device API: compiled and linked as NOTE [NVSHMEM units] says
+    defines: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.name:
             object.__setattr__(self, "name", "tokenyard::" + self.function.rsplit("::", 1)[-1])
         # Specs key the loaded-kernel table on every launch: hash the fields once.
         object.__setattr__(self, "_hash", hash((self.header, self.function, self.template_args, self.params,
-                                                self.num_threads, self.include_root, self.name, self.nvshmem)))
+                                                self.num_threads, self.include_root, self.name, self.nvshmem,
+                                                self.defines)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -99,7 +103,8 @@ class KernelSpec:
                           f"\"{p.name}\");\n" for p in self.params)
         template = ", ".join(str(a) for a in self.template_args)
         namespace, function = self.name.rsplit("::", 1)
-        return (f"#include <{self.header}>\n\n"
+        defines = "".join(f"#define {name} 1\n" for name in self.defines)
+        return (f"{defines}#include <{self.header}>\n\n"
                 f"{_OFFSET_OF}"
                 f"struct Params {{\n{fields}}};\n"
                 f"static_assert(sizeof(Params) == {ctypes.sizeof(layout)}, \"the parameter buffer's size\");\n"

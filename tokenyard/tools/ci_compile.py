@@ -1,5 +1,6 @@
 """Compile every CUDA kernel for one architecture (CI runs this without a GPU); the NVSHMEM units where NVSHMEM is
-installed (the internode extra), with nvcc and nvlink whatever the compiler chosen.
+installed (the internode extra), with nvcc and nvlink whatever the compiler chosen, each also as its counting variant
+(NOTE [operation counters] in include/tokenyard/operation_counts.cuh), whose unit must hold the counters.
 
     python -m tokenyard.tools.ci_compile --arch sm_90
 """
@@ -10,7 +11,7 @@ import argparse
 import sys
 import time
 
-from ..backends.cuda import kernels
+from ..backends.cuda import kernels, transport
 from ..jit import compiler as compilers
 from ..jit import nvshmem
 from .bench import copy_limit
@@ -29,6 +30,7 @@ def main(argv=None) -> int:
     if nvshmem.find() is None:  # NOTE [NVSHMEM units]: they need the internode extra
         print(f"ci_compile: skipped the NVSHMEM units ({nvshmem.missing_reason()})")
         specs = [s for s in specs if not s.nvshmem]
+    specs += [transport.counting(s) for s in specs if s.nvshmem]
     start = time.time()
     for i, spec in enumerate(specs, 1):
         unit_compiler = nvshmem.linker() if spec.nvshmem else compiler
@@ -36,7 +38,13 @@ def main(argv=None) -> int:
         if spec.entry.encode() + b"\0" not in cubin:  # NOTE [kernel names]: the symbol the driver will look up
             print(f"ci_compile: {spec.name}: no symbol {spec.entry} in the compiled unit", file=sys.stderr)
             return 1
-        print(f"[{i}/{len(specs)}] {spec.function}<{', '.join(map(str, spec.template_args))}>: "
+        counters = transport.COUNTERS_SYMBOL.encode() + b"\0"
+        if (counters in cubin) != (transport.COUNTING_DEFINE in spec.defines):
+            print(f"ci_compile: {spec.name} {spec.defines}: the operation counters are "
+                  f"{'missing from' if counters not in cubin else 'in'} the compiled unit", file=sys.stderr)
+            return 1
+        counting = " (counting)" if spec.defines else ""
+        print(f"[{i}/{len(specs)}] {spec.function}<{', '.join(map(str, spec.template_args))}>{counting}: "
               f"{len(cubin)} bytes", flush=True)
     print(f"ci_compile: {len(specs)} kernels compiled for {args.arch} with {compiler.identity} "
           f"in {time.time() - start:.0f} s")

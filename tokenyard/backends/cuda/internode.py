@@ -385,6 +385,26 @@ class InternodeCalls:
                                heap_bytes=2 * ctx.num_rdma_bytes + INTERNODE_HEAP_SLACK,
                                shares_gpu=ctx.topology.shares_gpu)
 
+    def operation_counts(self, per_peer: bool = False) -> dict:
+        """What this rank's NVSHMEM kernels (every Buffer's of this process) asked of the transport since the last
+        read, which zeroes the counters (NOTE [operation counters] in include/tokenyard/operation_counts.cuh): by
+        default NOTE [operation counts]' keys, puts_K, put_bytes_K, put_signals_K and signals_K for K self, node and
+        remote, with quiets and fences; with `per_peer` a list per destination rank of each of puts, put_bytes,
+        put_signals and signals, with quiets and fences (backends/cuda/operation_counts.py). Waits for the device.
+
+        Raises:
+            BackendUnavailableError: TOKENYARD_COUNT_OPERATIONS is off, or this Buffer runs no NVSHMEM kernel (one
+                node, or no num_rdma_bytes).
+        """
+        from . import operation_counts
+
+        user = self.heap_buffer if self.heap_buffer is not None else self._internode
+        if user is None:
+            raise BackendUnavailableError("this Buffer runs no kernel through the transport (one node, or no "
+                                          "num_rdma_bytes): it has no operation counts")
+        counts = operation_counts.from_table(user.transport.operation_counts())
+        return counts if per_peer else operation_counts.by_kind(counts, self.ctx.rank, self.ctx.topology.ranks_per_node)
+
     def internode_dispatch(self, request: DispatchRequest) -> DispatchResult:
         from .. import internode
 

@@ -26,16 +26,24 @@ would for any collective the lost rank cannot join.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import os
 import threading
 from typing import Callable, List, Optional
 
+from ... import env
 from ...errors import BackendUnavailableError
 from ...jit import cache as kernel_cache
 from ...jit import nvshmem
 from ...jit.spec import KernelSpec
+from ...plan import headers
 
 _HEAP_ALIGN = 1 << 21  # NVSHMEM maps its heap in 2 MiB pages
+# NOTE [operation counters] (include/tokenyard/operation_counts.cuh): the define that compiles them in (the setting's
+# name too) and the global they are in.
+COUNTING_DEFINE = "TOKENYARD_COUNT_OPERATIONS"
+COUNTERS_SYMBOL = "tokenyard_operation_counts"
 _lock = threading.Lock()
 _started: Optional["Transport"] = None
 
@@ -65,6 +73,8 @@ class Transport:
         self.rank, self.num_ranks = shim.tokenyard_nvshmem_my_pe(), shim.tokenyard_nvshmem_n_pes()
         self.users = 0
         self._registered = set()
+        self.count_operations = env.settings().count_operations  # NOTE [operation counters]
+        self._counting = {}  # module -> (Kernel, device index): the modules whose counters operation_counts reads
 
     @staticmethod
     def refusal(global_ranks: tuple) -> Optional[str]:
@@ -154,14 +164,58 @@ class Transport:
         return [self.shim.tokenyard_nvshmem_ptr(ctypes.c_void_p(ptr), pe) or 0 for pe in range(self.num_ranks)]
 
     def load(self, spec: KernelSpec, device_index: int):
-        """The kernel of an NVSHMEM unit, its module registered with NVSHMEM once (NOTE [NVSHMEM units])."""
+        """The kernel of an NVSHMEM unit, its module registered with NVSHMEM once (NOTE [NVSHMEM units]); under
+        TOKENYARD_COUNT_OPERATIONS the unit's counting variant (NOTE [operation counters])."""
+        if self.count_operations:
+            most = headers.constant("operation_counts.cuh", "kCountedPeers")
+            if self.num_ranks > most:
+                raise BackendUnavailableError(f"operation counters have rows for {most} ranks, not {self.num_ranks} "
+                                              "(NOTE [operation counters]): unset TOKENYARD_COUNT_OPERATIONS")
+            spec = counting(spec)
         kernel = kernel_cache.load(spec, device_index)
         if kernel.module not in self._registered:
             status = self.shim.tokenyard_nvshmem_cumodule_init(ctypes.c_void_p(kernel.module))
             if status != 0:
                 raise BackendUnavailableError(f"nvshmemx_cumodule_init failed for {spec.name} (status {status})")
             self._registered.add(kernel.module)
+            if self.count_operations:
+                self._counting[kernel.module] = (kernel, device_index)
         return kernel
+
+    def operation_counts(self):
+        """What this process's NVSHMEM kernels asked of the transport since the last read, which zeroes it (NOTE
+        [operation counters]): int64 ``[1 + num_ranks, kNumCountedOperations]`` on the CPU, row 0 what names no rank
+        (quiets, fences), row 1 + q what went to rank q, columns as CountedOperation orders them. Waits for the
+        device, before the read and after the zeroing.
+
+        Raises:
+            BackendUnavailableError: TOKENYARD_COUNT_OPERATIONS is off (the kernels count nothing).
+        """
+        import torch
+
+        from .runtime import byte_view
+
+        if not self.count_operations:
+            raise BackendUnavailableError("operation counts need TOKENYARD_COUNT_OPERATIONS=1 in the environment of "
+                                          "the rank's process from its start (NOTE [operation counters])")
+        columns = headers.enum("operation_counts.cuh", "CountedOperation")["kNumCountedOperations"]
+        total = torch.zeros(1 + self.num_ranks, columns, dtype=torch.int64, device="cpu")
+        for kernel, device_index in self._counting.values():
+            found = kernel.global_address(COUNTERS_SYMBOL)  # None: a unit that calls no counted function
+            if found is None:
+                continue
+            torch.cuda.synchronize(device_index)
+            words = byte_view(*found, torch.device("cuda", device_index)).view(torch.int64).view(-1, columns)
+            total += words[:1 + self.num_ranks].cpu()
+            words.zero_()
+            torch.cuda.synchronize(device_index)
+        return total
+
+
+@functools.lru_cache(maxsize=None)
+def counting(spec: KernelSpec) -> KernelSpec:
+    """The unit with its operation counters compiled in (NOTE [operation counters])."""
+    return dataclasses.replace(spec, defines=spec.defines + (COUNTING_DEFINE,))
 
 
 class HeapBuffer:

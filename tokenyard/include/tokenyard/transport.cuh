@@ -10,12 +10,14 @@
 // kernels' words carry their call's tag and are set (NOTE [internode low-latency] in sync.cuh). No wait is
 // NVSHMEM's own (nvshmem_signal_wait_until spins forever): we poll the word with acquire loads under the
 // deadline of a WaitContext, which records a timeout for Python to raise (NOTE [error record] in sync.cuh).
-// Units that include this header link NVSHMEM's device library (NOTE [NVSHMEM units] in jit/nvshmem.py).
+// Units that include this header link NVSHMEM's device library (NOTE [NVSHMEM units] in jit/nvshmem.py). Under
+// TOKENYARD_COUNT_OPERATIONS each function tallies what it posts (NOTE [operation counters] in operation_counts.cuh).
 #pragma once
 
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "operation_counts.cuh"
 #include "sync.cuh"
 
 namespace tokenyard::transport {
@@ -28,30 +30,40 @@ __device__ __forceinline__ int num_ranks() { return nvshmem_n_pes(); }
 // it to land. Every lane of the warp calls it with the same arguments.
 __device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes, int peer) {
     nvshmemx_putmem_nbi_warp(dst, src, bytes, peer);
+    count_put_warp(peer, bytes, false);
 }
 
 // put_warp, then `value` is added to the symmetric word `signal` of `peer` once the bytes have landed there.
 __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes, uint64_t* signal,
                                                 uint64_t value, int peer) {
     nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_ADD, peer);
+    count_put_warp(peer, bytes, true);
 }
 
 // Add `value` to the symmetric word `signal` of `peer` (one thread), ordered after this thread's earlier puts
 // to `peer` only where a fence() separates them.
 __device__ __forceinline__ void signal_add(uint64_t* signal, uint64_t value, int peer) {
     nvshmemx_signal_op(signal, value, NVSHMEM_SIGNAL_ADD, peer);
+    count_signal(peer);
 }
 
 // Set the symmetric word `signal` of `peer` to `value` (one thread, one 64-bit write), as signal_add orders it.
 __device__ __forceinline__ void signal_set(uint64_t* signal, uint64_t value, int peer) {
     nvshmemx_signal_op(signal, value, NVSHMEM_SIGNAL_SET, peer);
+    count_signal(peer);
 }
 
 // This thread's puts and signals to each peer before the fence land before those after it.
-__device__ __forceinline__ void fence() { nvshmem_fence(); }
+__device__ __forceinline__ void fence() {
+    nvshmem_fence();
+    count_fence();
+}
 
 // Every put and signal this thread issued has landed.
-__device__ __forceinline__ void quiet() { nvshmem_quiet(); }
+__device__ __forceinline__ void quiet() {
+    nvshmem_quiet();
+    count_quiet();
+}
 
 // Spin until this rank's signal word reaches `expected`, with acquire order (what was put before the signal is
 // then visible to this thread); false at the deadline, having recorded a timeout for (`peer`, `stage`).

@@ -82,6 +82,10 @@ tokenyard normal mode (NOTE [internode kernels] in include/tokenyard/kernels/int
   combine: the barrier (B R signals); each received row copied into comb_in (T R p_rank staged); B W quiets and
     B G signals; as forwarder one put per forwarded row (N T p_node, of 2 H + align16(4 k) bytes) to its source,
     the own node's to this rank, each summed first into comb_stage (staged); B W quiets and B N signals.
+tokenyard's counts through its transport seam are measured by the CUDA backend's counters (NOTE [operation counters] in
+include/tokenyard/operation_counts.cuh) and given exactly per call by NOTE [exact operation counts]
+(backends/cuda/operation_counts.py), whose mean over every routing is these (the low-latency ones to other nodes only:
+the node's rows are stores there, not seen by the seam).
 """
 
 from __future__ import annotations
