@@ -98,9 +98,8 @@ def _counted_calls(seed, ranks_per_node):
 
 
 @pytest.mark.parametrize("num_ranks,ranks_per_node", _layouts())
-def test_the_counters_hold_the_exact_counts_of_each_internode_call(num_ranks, ranks_per_node, monkeypatch):
+def test_the_counters_hold_the_exact_counts_of_each_internode_call(num_ranks, ranks_per_node, seed, monkeypatch):
     monkeypatch.setenv("TOKENYARD_COUNT_OPERATIONS", "1")  # the ranks' processes read it at their start
-    seed = int(torch.randint(0, 2**30, ()).item())
     reports = spawn.run(num_ranks, _counted_calls, seed, ranks_per_node, timeout_s=420.0, fresh=True)
     print(f"operation counters, {num_ranks // ranks_per_node} nodes x {ranks_per_node} on "
           f"{spawn.describe(num_ranks)}, seed {seed}: {reports}")
