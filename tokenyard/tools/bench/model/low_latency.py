@@ -105,8 +105,8 @@ PUBLISHED = {
          256: (194.0, 360.0)}, calibrate_ep=32, nvlink_gbs=DEEPEP_NVLINK_GBS),
     # DeepEP main's docs/legacy.md, V1's table as its README had it after "News (2025.06.05): low-latency kernels
     # now leverage NVLink as much as possible" (PR #173): same-node peers over NVLink, though still headed "pure
-    # RDMA" (its EP8, 98 GB/s by DeepEP's count, is twice what the NIC carries). Its EP128 and EP256 rows repeat the
-    # README's above, so they are left to that table.
+    # RDMA" (its EP8 moves more than the NIC carries: benchmarks/results/internode_model.md). Its EP128 and EP256
+    # rows repeat the README's above, so they are left to that table.
     "deepep_nvlink": PublishedLowLatency(
         "deepep_nvlink", "DeepEP docs/legacy.md", "H800, CX7 InfiniBand 400 Gb/s per GPU, NVLink within a node",
         400.0, {8: (77.0, 114.0), 16: (118.0, 195.0), 32: (155.0, 273.0), 64: (173.0, 314.0)}, calibrate_ep=32,

@@ -37,9 +37,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="deepep: a message per (token, expert); tokenyard: per (token, rank) (default deepep)")
     add("route", choices=ROUTES, default="rdma",
         help="rdma: every other rank through the NIC (pure RDMA); nvlink: same-node peers over NVLink (default rdma)")
-    add("wr_rate", type=float, default=pricing.WORK_REQUESTS_PER_US,
-        help=f"work requests a NIC executes per µs, millions per second (default {pricing.WORK_REQUESTS_PER_US:g}, "
-             "ConnectX-7's datasheet, an assumption: NOTE [operations priced])")
+    pricing.add_wr_rate_argument(add)
     add("efficiency", type=float,
         help="the NIC's achieved share of its line rate (default: the --calibration_table's)")
     add("calibrate", type=calibration_type("US"), metavar="EP,US[,OP]",

@@ -257,9 +257,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     add("dtype", choices=("fp8", "bf16"), default="fp8", help="dispatch rows (default fp8)")
     add("row_format", choices=ROW_FORMATS, default="deepep",
         help="rows on the RDMA stage, and whose kernels' work requests (default deepep)")
-    add("wr_rate", type=float, default=pricing.WORK_REQUESTS_PER_US,
-        help=f"work requests a NIC executes per µs, millions per second (default {pricing.WORK_REQUESTS_PER_US:g}, "
-             "ConnectX-7's datasheet, an assumption: NOTE [operations priced])")
+    pricing.add_wr_rate_argument(add)
     add("rdma_efficiency", type=float,
         help="the RDMA stage's rate as a share of the NIC's line rate (default: calibrated on DeepEP's EP32 dispatch)")
     add("calibrate", type=calibration_type("GBS"), metavar="EP,GBS[,OP]",

@@ -37,6 +37,13 @@ from . import operations
 WORK_REQUESTS_PER_US = 330.0  # million WRs per second (NOTE [operations priced]: ConnectX-7's datasheet, low end)
 
 
+def add_wr_rate_argument(add) -> None:
+    """Both models' --wr_rate (`add` is common.model_parser's)."""
+    add("wr_rate", type=float, default=WORK_REQUESTS_PER_US,
+        help=f"work requests a NIC executes per µs, millions per second (default {WORK_REQUESTS_PER_US:g}, "
+             "ConnectX-7's datasheet, an assumption: NOTE [operations priced])")
+
+
 def work_request_us(work_requests: float, wr_rate: float) -> float:
     """µs for `work_requests` at `wr_rate` WRs per µs (millions per second); raises ValueError for a rate <= 0."""
     if wr_rate <= 0:
