@@ -49,8 +49,16 @@ def _load_nvrtc() -> Optional[ctypes.CDLL]:
         names += sorted(glob.glob(os.path.join(lib_dir, "libnvrtc.so*")))
     names += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
     for name in names:
-        if "builtins" in name:
+        if "builtins" in name or ".alt." in name:
             continue
+        # NVRTC opens its builtins library by name at its first compile: loaded first from the same folder, it is
+        # found where that folder is not on the loader's path (a pip wheel outside PyTorch's).
+        for builtins in sorted(glob.glob(os.path.join(os.path.dirname(name), "libnvrtc-builtins.so*"))):
+            if ".alt." not in builtins:
+                try:
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                except OSError:
+                    pass
         try:
             return ctypes.CDLL(name)
         except OSError:

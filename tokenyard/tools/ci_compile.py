@@ -1,8 +1,10 @@
 """Compile every CUDA kernel for one architecture (CI runs this without a GPU); the NVSHMEM units where NVSHMEM is
 installed (the internode extra), with nvcc and nvlink whatever the compiler chosen, each also as its counting variant
-(NOTE [operation counters] in include/tokenyard/operation_counts.cuh), whose unit must hold the counters.
+(NOTE [operation counters] in include/tokenyard/operation_counts.cuh), whose unit must hold the counters. With
+`--compiler nvrtc`, the units the GPU machine compiles at run time, with the compiler it uses (NVRTC rejects some
+code nvcc takes, and has no C++ standard headers); the NVSHMEM units, always nvcc's, are left to the nvcc run.
 
-    python -m tokenyard.tools.ci_compile --arch sm_90
+    python -m tokenyard.tools.ci_compile --arch sm_90 [--compiler nvrtc]
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def main(argv=None) -> int:
     specs = list(dict.fromkeys([*kernels.every_kernel(), *copy_limit.every_kernel()]))
     if nvshmem.find() is None:  # NOTE [NVSHMEM units]: they need the internode extra
         print(f"ci_compile: skipped the NVSHMEM units ({nvshmem.missing_reason()})")
+        specs = [s for s in specs if not s.nvshmem]
+    if args.compiler == "nvrtc":  # what the GPU machine compiles at run time; NVSHMEM units are nvcc's alone
         specs = [s for s in specs if not s.nvshmem]
     specs += [transport.counting(s) for s in specs if s.nvshmem]
     start = time.time()

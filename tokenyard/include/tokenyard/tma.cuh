@@ -9,7 +9,7 @@
 // `fence_shared_for_async` before a store reads it.
 #pragma once
 
-#include <cstdint>
+#include "types.cuh"
 
 namespace tokenyard::tma {
 
