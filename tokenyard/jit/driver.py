@@ -68,6 +68,7 @@ class Kernel:
 
     def __call__(self, grid: int, stream: int, shared_bytes: int = 0, **args) -> None:
         """Launch with the kernel's arguments by parameter name (KernelSpec.ordered)."""
+        shared_bytes = max(shared_bytes, self.spec.shared_bytes)
         self.prepare(shared_bytes)
         packed = self.spec.pack(args)
         size = ctypes.c_size_t(ctypes.sizeof(packed))

@@ -63,6 +63,8 @@ class KernelSpec:
     kernels that are not the library's own, such as the benchmark's). `defines`: macros the unit defines (as 1)
     before its include, for a variant of the same kernel (the counting one of NOTE [operation counters] in
     include/tokenyard/operation_counts.cuh); none by default, and then the unit is written as it was without them.
+    `shared_bytes`: the dynamic shared memory every launch gets (the normal-mode data kernels' stages, NOTE [warp
+    stages] in include/tokenyard/staging.cuh); the launchers take it from here unless a launch asks for more.
     """
 
     header: str
@@ -74,6 +76,7 @@ class KernelSpec:
     name: str = ""  # NOTE [kernel names]: namespace::function; default tokenyard::<the function's last part>
     nvshmem: bool = False  # calls NVSHMEM's device API: compiled and linked as NOTE [NVSHMEM units] says
     defines: Tuple[str, ...] = ()
+    shared_bytes: int = 0  # dynamic shared memory of every launch
 
     def __post_init__(self):
         if not self.name:

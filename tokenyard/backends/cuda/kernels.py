@@ -21,6 +21,12 @@ LOW_LATENCY_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
 NORMAL_MAX_TOPK = headers.constant("types.cuh", "kWarpSize")  # the normal-mode kernels: a lane per top-k entry
 JUDGE_WINDOW = 8192  # tokens the notify kernel judges at once (a shared byte each, NOTE [input verdict])
+# NOTE [warp stages] (include/tokenyard/staging.cuh): each warp of a normal-mode data kernel moves rows through
+# DATA_STAGES stages of shared memory, as large as a row's data or as the block's share allows (sm_90 gives a block
+# up to 227 KiB; SHARED_RESERVE of it is left to the kernels' static shared variables).
+DATA_STAGES = 2
+SM90_MAX_SHARED = 227 << 10
+SHARED_RESERVE = 1 << 10
 
 _TOPK_CTYPES = {torch.int64: "int64_t", torch.int32: "int"}
 
@@ -33,6 +39,18 @@ _BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "rank"), Param(
 
 def topk_ctype(dtype: torch.dtype) -> str:
     return _TOPK_CTYPES[dtype]
+
+
+def data_stage_bytes(row_bytes: int) -> int:
+    """A stage of a data kernel's warp (NOTE [warp stages]): a row of `row_bytes` (a multiple of 16) in one piece
+    where the block's shared memory allows it. Example: at 16 warps a warp gets 14.4 KiB, so 2 stages of 7168 bytes
+    (an FP8 row of hidden 7168 in one piece, a BF16 one in two)."""
+    per_warp = (SM90_MAX_SHARED - SHARED_RESERVE) // (DATA_THREADS // 32)
+    return min(row_bytes, (per_warp // DATA_STAGES - 8) // 16 * 16)
+
+
+def data_shared_bytes(stage_bytes: int) -> int:
+    return (DATA_THREADS // 32) * DATA_STAGES * (stage_bytes + 8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,10 +96,11 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
     weight arrives (DeepEP V2), not only the local slots'."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
+    stage_bytes = data_stage_bytes(data_int4 * 16)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
-         "true" if all_weights else "false"),
+         "true" if all_weights else "false", DATA_STAGES, stage_bytes),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -93,21 +112,22 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int", "src_idx_base"), Param("int", "local_direct"),
          Param("int", "num_send_warps"))
         + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT,
-        DATA_THREADS, name="tokenyard::normal::dispatch")
+        DATA_THREADS, name="tokenyard::normal::dispatch", shared_bytes=data_shared_bytes(stage_bytes))
 
 
 @functools.lru_cache(maxsize=None)
 def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
+    stage_bytes = data_stage_bytes(hidden_int4 * 16)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
-        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS),
+        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, DATA_STAGES, stage_bytes),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
          Param("const int*", "send_head"),
          Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
         + _BUFFERS + (Param("const int*", "signature"),) + _WAIT,
-        DATA_THREADS, name="tokenyard::normal::combine")
+        DATA_THREADS, name="tokenyard::normal::combine", shared_bytes=data_shared_bytes(stage_bytes))
 
 
 # What LowLatencyBuffers::of (layout.cuh) reads, and which half of the work a launch does.

@@ -66,6 +66,11 @@ __device__ __forceinline__ void wait_read() {
 
 __device__ __forceinline__ void wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// Between the generic and the async proxy for global memory: after `wait_all`, before the thread publishes the
+// stores' bytes with a generic release (NOTE [warp stages] in staging.cuh); after a generic acquire, before a bulk
+// load reads what the acquire made visible.
+__device__ __forceinline__ void fence_global_proxies() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 // Threads' writes to shared memory, before a bulk store reads them.
 __device__ __forceinline__ void fence_shared_for_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

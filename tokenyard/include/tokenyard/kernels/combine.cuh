@@ -3,8 +3,8 @@
 #pragma once
 
 #include "../bf16.cuh"
-#include "../copy.cuh"
 #include "../signatures.cuh"
+#include "../staging.cuh"
 
 namespace tokenyard::kernels {
 
@@ -35,7 +35,8 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // After a barrier (the previous dispatch's receivers must be done reading before rows land in their
 // buffers), blocks [0, num_send_blocks) send: the rows from source s are cut into chunks of kChunkRows,
 // taken chunk-major over sources (as in NOTE [dispatch roles]); row j goes to row j of this rank's region
-// in rank s's buffer, and each finished chunk is published in its slot; each sender warp takes its own
+// in rank s's buffer (its data by TMA bulk copies through the warp's stages, NOTE [warp stages] in
+// staging.cuh), and each finished chunk is published in its slot; each sender warp takes its own
 // (chunk, source) items, as dispatch's senders do. The other blocks reduce: a warp
 // takes one token at a time in increasing order; lane q finds the token's row at rank q from send_head,
 // waits for the chunk that holds it, and the warp then sums bias_0, bias_1 and the rows of ranks
@@ -46,7 +47,7 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // the round's rows from source s start at row recv_first[s] of them (else rank_prefix_matrix gives it);
 // send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
-          typename Params>
+          int kStages, int kStageBytes, typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     constexpr int kNumWarps = kNumThreads / kWarpSize;
@@ -75,6 +76,10 @@ __device__ __forceinline__ void combine(const Params& p) {
             most_chunks = max(most_chunks, (rows + kChunkRows - 1) / kChunkRows);
         }
         const int num_send_warps = p.num_send_blocks * kNumWarps;
+        extern __shared__ __align__(128) uint8_t shared[];
+        WarpStages<kStages, kStageBytes> stages(shared, warp, kNumWarps);
+        if (lane == 0)
+            stages.init();
         // With local_direct the items cover the other sources only (as the dispatch's receivers do).
         const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
         for (int item = blockIdx.x * kNumWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
@@ -88,10 +93,15 @@ __device__ __forceinline__ void combine(const Params& p) {
             for (int j = chunk * kChunkRows; j < j1; ++j) {
                 uint8_t* dst = buffers.row(source, p.rank, j);
                 const int64_t from = first + j;
-                warp_copy<16, false>(reinterpret_cast<int4*>(dst), p.x + from * kHiddenInt4, kHiddenInt4, lane);
+                if (lane == 0) {
+                    void* to[1] = {dst};
+                    stages.copy(p.x + from * kHiddenInt4, kHiddenInt4 * 16, to);
+                }
                 if (lane < kNumTopk)
                     reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = p.topk_weights[from * kNumTopk + lane];
             }
+            if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
+                stages.drain();
             __syncwarp();
             if (lane == 0) {
                 ptx::fence_acq_rel_sys();

@@ -2,8 +2,8 @@
 // (docs/semantics.md, "Normal dispatch"). Runs after dispatch_notify.
 #pragma once
 
-#include "../copy.cuh"
 #include "../layout.cuh"
+#include "../staging.cuh"
 #include "../sync.cuh"
 
 namespace tokenyard::kernels {
@@ -14,10 +14,12 @@ namespace tokenyard::kernels {
 // by piece of at most kChunkTokens tokens, copies each token to every rank it goes to (one read of x, up
 // to kNumRanks writes) into row prefix_excl[t][dest] of this rank's region in rank dest's buffer, then
 // publishes, in the piece's slot at each destination, the row range it filled and the call's sequence
-// number (release, after a system fence). Receiver warps take (piece, sender warp, source) items
+// number (release, after a system fence). A row's data moves by TMA bulk copies, global -> shared -> every
+// destination, lane 0 driving the warp's stages (NOTE [warp stages] in staging.cuh), while the lanes write its
+// tail. Receiver warps take (piece, sender warp, source) items
 // piece-major, following the senders' progress. A receiver waits for the slot, then copies its rows to
 // the output rows that follow the rows of lower source ranks (rank_prefix_matrix), turning the metadata
-// into recv_topk_idx / recv_topk_weights / recv_src_idx.
+// into recv_topk_idx / recv_topk_weights / recv_src_idx (the data by the warp's stages again, a local copy).
 // A token's row for this rank itself skips the buffer when `local_direct` is set: the sender writes it
 // straight into the outputs (row rank_prefix_matrix[rank - 1][rank] + prefix_excl[t][rank], metadata in
 // its final form) and the receivers skip their own source, a quarter of their rows
@@ -89,7 +91,7 @@ struct SenderRanges {
 };
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
-          int kChunkTokens, int kTailTokens, bool kAllWeights, typename Params>
+          int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -107,6 +109,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
                                 p.slots_offset, p.max_chunks, p.row_bytes};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    extern __shared__ __align__(128) uint8_t shared[];
+    WarpStages<kStages, kStageBytes> stages(shared, warp, kNumWarps);
+    if (lane == 0)
+        stages.init();
     // The output row of the first row from `source` (NOTE [placed rounds]).
     auto out_first = [&](int source) {
         return first_row_placed(p.recv_first, p.rank_prefix_matrix, kNumRanks, p.rank, source);
@@ -132,17 +138,11 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         return w < kNumTopk ? id : w < 2 * kNumTopk ? bits : w == 2 * kNumTopk ? t : 0;
     };
 
-    // One warp sends token t to every rank it goes to: one read of x, up to kNumRanks writes. Everything the
-    // token needs is loaded before any of it is used (the row's first batch of up to kBatch vectors per
-    // lane, its scales and top-k, and where it goes), so a token costs about one memory round trip before
-    // its stores rather than one per dependent load; each vector is read once and written to every
-    // destination.
+    // One warp sends token t to every rank it goes to: one read of x (into the warp's stages), up to kNumRanks
+    // writes. The lanes load the token's scales and top-k and where it goes, then write its tail to every
+    // destination while lane 0 moves its data.
     auto send_token = [&](int t) {
-        constexpr int kBatch = 16;
         const int64_t token = t;
-        const int4* src = p.x + token * kDataInt4;
-        int4 v[kBatch];
-        load_batch<kBatch, false>(v, src, 0, kDataInt4, lane);
         int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
@@ -187,15 +187,17 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
         }
         int4* direct = direct_row >= 0 ? p.recv_x + direct_row * kDataInt4 : nullptr;
-        for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
-            if (base > 0)
-                load_batch<kBatch, false>(v, src, base, kDataInt4, lane);
+        if (lane == 0) {
+            void* to[kNumRanks + 1];
+            bool any = direct != nullptr;
 #pragma unroll
-            for (int dest = 0; dest < kNumRanks; ++dest)
-                if (dst[dest] != nullptr)
-                    store_batch<kBatch>(reinterpret_cast<int4*>(dst[dest]), v, base, kDataInt4, lane);
-            if (direct != nullptr)
-                store_batch<kBatch>(direct, v, base, kDataInt4, lane);
+            for (int dest = 0; dest < kNumRanks; ++dest) {
+                to[dest] = dst[dest];
+                any |= dst[dest] != nullptr;
+            }
+            to[kNumRanks] = direct;
+            if (any)
+                stages.copy(p.x + token * kDataInt4, kDataInt4 * 16, to);
         }
         if (direct != nullptr) {
 #pragma unroll
@@ -241,26 +243,19 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
     };
 
-    // One warp copies row `src` of this rank's buffer to output row `out`. Every load of a batch (up to
-    // kBatch data vectors per lane, plus the row's tail with the first batch) is issued before any store,
-    // so a row costs about one memory round trip rather than one per field.
+    // One warp copies row `src` of this rank's buffer to output row `out`: lane 0 its data through the warp's
+    // stages, the lanes its tail (one vector each) into the outputs.
     auto receive_row = [&](const uint8_t* src, int64_t out) {
-        constexpr int kBatch = 16;
-        const int4* data_in = reinterpret_cast<const int4*>(src);
-        const int4* tail_in = data_in + kDataInt4;
-        int4* data_out = p.recv_x + out * kDataInt4;
-        int4 tail[kTailPerLane];
-        for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
-            int4 v[kBatch];
-            load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
-            if (base == 0) {
-#pragma unroll
-                for (int u = 0; u < kTailPerLane; ++u)
-                    if (u * kWarpSize + lane < kTailInt4)
-                        tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
-            }
-            store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
+        const int4* tail_in = reinterpret_cast<const int4*>(src) + kDataInt4;
+        if (lane == 0) {
+            void* to[1] = {p.recv_x + out * kDataInt4};
+            stages.copy(src, kDataInt4 * 16, to);
         }
+        int4 tail[kTailPerLane];
+#pragma unroll
+        for (int u = 0; u < kTailPerLane; ++u)
+            if (u * kWarpSize + lane < kTailInt4)
+                tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
             const int i = u * kWarpSize + lane;
@@ -305,6 +300,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             ranges.piece(send_warp, piece, t0, t1);
             for (int t = t0; t < t1; ++t)
                 send_token(t);
+            if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
+                stages.drain();
             __syncwarp();
             if (lane < kNumRanks)  // the piece at every destination
                 publish(lane, ranges.slot(send_warp, piece), t0, t1);
@@ -339,6 +336,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         if (lane == 0) {
             ChunkSlot* slot = buffers.slot(p.rank, source, ranges.slot(sender, piece));
             ok = wait_at_least(wait, &slot->seq, seq[0], source, kStageDispatchRecv);
+            tma::fence_global_proxies();  // the acquire before the bulk loads of the rows
             begin = ptx::ld_na_s32(&slot->begin);
             end = ptx::ld_na_s32(&slot->end);
             const int sender_warps = ptx::ld_na_s32(&slot->send_warps);
@@ -348,8 +346,11 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
         }
         __syncwarp();  // NOTE [warp acquire] in sync.cuh: lane 0's acquire covers every lane's reads of the rows
-        if (!__shfl_sync(0xffffffffu, ok, 0))
+        if (!__shfl_sync(0xffffffffu, ok, 0)) {
+            if (lane == 0)
+                stages.drain();
             return;
+        }
         begin = __shfl_sync(0xffffffffu, begin, 0);
         end = __shfl_sync(0xffffffffu, end, 0);
         const int first = out_first(source);
@@ -361,6 +362,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         for (int j = begin; j < end; ++j)
             receive_row(buffers.row(p.rank, source, j), first + j);
     }
+    if (lane == 0)
+        stages.drain();
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
         const int stride = num_receivers * kNumThreads;
