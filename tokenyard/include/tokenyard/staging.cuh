@@ -9,22 +9,26 @@ namespace tokenyard {
 
 // NOTE [warp stages]
 // Each warp of a block owns kStages stages of kStageBytes of the block's dynamic shared memory (all the warps'
-// stages first, then a barrier per stage: kSharedBytesPerWarp each). Lane 0 moves a row piece by piece, a piece
-// being at most kStageBytes: piece k goes to stage k % kStages once the stores that last read that stage are done
-// reading it (a bulk group per piece, so at most kStages - 1 newer groups may still read), is loaded, and is then
-// stored to every destination as one group. The stores of piece k - 1 are thus in flight while piece k loads, and
-// the block's warps together keep many pieces in flight. Piece numbers run on across rows: the barrier phases
-// follow them. Before the warp publishes what it stored (a release at system scope), lane 0 `drain`s: every store
-// complete, then a proxy fence, so the generic release covers the bytes the async proxy wrote. Before a warp
-// returns, lane 0 drains too: no bulk copy may still read the block's shared memory.
+// stages first, then a barrier per stage: kSharedBytesPerWarp each). Lane 0 moves rows through them, a piece of at
+// most kStageBytes per stage: piece k goes to stage k % kStages once the stores that last read that stage are done
+// reading it (a bulk group per piece stored), is loaded, and is then stored to every destination as one group.
+// Piece numbers run on across rows; the barrier phases follow them.
+// A row may be loaded ahead (`prefetch`, where `fits`: its pieces and those loaded but not yet stored fit the
+// stages) and stored later (`send`, the oldest loaded row first), so that the next row's load is in flight while
+// the warp reads the metadata of the row it is at and waits for its load: a warp keeps rows moving instead of
+// waiting a memory round trip per row. `copy` loads and stores a row of any size piece by piece.
+// Before the warp publishes what it stored (a release at system scope), lane 0 `drain`s: every store complete, then
+// a proxy fence, so that the generic release covers the bytes the async proxy wrote. Before a warp returns, lane 0
+// `retire`s: no bulk copy, load or store, may still use the block's shared memory.
 template <int kStages, int kStageBytes>
 struct WarpStages {
-    static_assert(kStages >= 2 && kStageBytes >= 16 && kStageBytes % 16 == 0, "TMA moves multiples of 16 bytes");
+    static_assert(kStages >= 2 && kStages <= 4, "wait_read_newer's cases");
+    static_assert(kStageBytes >= 16 && kStageBytes % 16 == 0, "TMA moves multiples of 16 bytes");
     static constexpr int kSharedBytesPerWarp = kStages * (kStageBytes + 8);
 
     uint8_t* stages;
     uint64_t* barriers;
-    uint32_t count = 0;  // pieces moved so far (lane 0's)
+    uint32_t loaded = 0, stored = 0;  // pieces loaded into the stages, and stored from them (lane 0's)
 
     // Warp `warp` of `num_warps`, in the block's dynamic shared memory `shared` (128-byte aligned). Every lane
     // may build it; lane 0 alone initializes and uses it.
@@ -39,30 +43,70 @@ struct WarpStages {
         tma::fence_barrier_init();
     }
 
-    // `bytes` (a multiple of 16) from `src` to each non-null `dst[i]`; the caller passes at least one.
-    template <int kMaxDsts>
-    __device__ __forceinline__ void copy(const void* src, uint32_t bytes, void* const (&dst)[kMaxDsts]) {
+    __device__ __forceinline__ static uint32_t pieces(uint32_t bytes) { return (bytes + kStageBytes - 1) / kStageBytes; }
+
+    __device__ __forceinline__ bool fits(uint32_t bytes) const { return pieces(bytes) + (loaded - stored) <= kStages; }
+
+    // Load row `src` of `bytes` (a multiple of 16) into the next stages; `fits(bytes)` must hold.
+    __device__ __forceinline__ void prefetch(const void* src, uint32_t bytes) {
         const uint8_t* from = static_cast<const uint8_t*>(src);
         for (uint32_t offset = 0; offset < bytes; offset += kStageBytes) {
             const uint32_t n = min(bytes - offset, static_cast<uint32_t>(kStageBytes));
-            const int s = static_cast<int>(count % kStages);
-            uint8_t* stage = stages + s * kStageBytes;
-            tma::wait_read<kStages - 1>();
+            const int s = static_cast<int>(loaded % kStages);
+            if (loaded >= kStages)  // the stage's last piece, loaded - kStages, was stored: its group done reading
+                wait_read_newer(stored - (loaded - kStages) - 1);
             tma::expect_bytes(barriers + s, n);
-            tma::load(stage, from + offset, n, barriers + s);
-            tma::wait_phase(barriers + s, (count / kStages) & 1u);
+            tma::load(stages + s * kStageBytes, from + offset, n, barriers + s);
+            ++loaded;
+        }
+    }
+
+    // Store the oldest loaded row, of `bytes`, to each non-null `dst[i]` (none: the row is dropped).
+    template <int kMaxDsts>
+    __device__ __forceinline__ void send(uint32_t bytes, void* const (&dst)[kMaxDsts], uint32_t dst_offset = 0) {
+        for (uint32_t offset = 0; offset < bytes; offset += kStageBytes) {
+            const uint32_t n = min(bytes - offset, static_cast<uint32_t>(kStageBytes));
+            const int s = static_cast<int>(stored % kStages);
+            tma::wait_phase(barriers + s, (stored / kStages) & 1u);
 #pragma unroll
             for (int i = 0; i < kMaxDsts; ++i)
                 if (dst[i] != nullptr)
-                    tma::store(static_cast<uint8_t*>(dst[i]) + offset, stage, n);
+                    tma::store(static_cast<uint8_t*>(dst[i]) + dst_offset + offset, stages + s * kStageBytes, n);
             tma::commit();
-            ++count;
+            ++stored;
+        }
+    }
+
+    // `bytes` from `src` to each non-null `dst[i]`, piece by piece (a row of any size; nothing loaded ahead).
+    template <int kMaxDsts>
+    __device__ __forceinline__ void copy(const void* src, uint32_t bytes, void* const (&dst)[kMaxDsts]) {
+        for (uint32_t offset = 0; offset < bytes; offset += kStageBytes) {
+            const uint32_t n = min(bytes - offset, static_cast<uint32_t>(kStageBytes));
+            prefetch(static_cast<const uint8_t*>(src) + offset, n);
+            send(n, dst, offset);
         }
     }
 
     __device__ __forceinline__ void drain() {
         tma::wait_all();
         tma::fence_global_proxies();
+    }
+
+    __device__ __forceinline__ void retire() {
+        for (uint32_t k = stored; k != loaded; ++k)  // rows loaded ahead and never sent
+            tma::wait_phase(barriers + k % kStages, (k / kStages) & 1u);
+        drain();
+    }
+
+  private:
+    // Until at most `newer` bulk groups (0 <= newer < kStages) may still read their shared memory.
+    __device__ __forceinline__ static void wait_read_newer(uint32_t newer) {
+        switch (newer) {
+            case 0: tma::wait_read<0>(); break;
+            case 1: tma::wait_read<1>(); break;
+            case 2: tma::wait_read<2>(); break;
+            default: tma::wait_read<3>(); break;
+        }
     }
 };
 

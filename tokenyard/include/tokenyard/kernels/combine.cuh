@@ -90,12 +90,19 @@ __device__ __forceinline__ void combine(const Params& p) {
             if (chunk * kChunkRows >= rows)
                 continue;
             const int j1 = min(rows, (chunk + 1) * kChunkRows);
+            bool ahead = false;  // lane 0's: row j loaded ahead with the one before it (NOTE [warp stages])
             for (int j = chunk * kChunkRows; j < j1; ++j) {
                 uint8_t* dst = buffers.row(source, p.rank, j);
                 const int64_t from = first + j;
                 if (lane == 0) {
                     void* to[1] = {dst};
-                    stages.copy(p.x + from * kHiddenInt4, kHiddenInt4 * 16, to);
+                    if (ahead)
+                        stages.send(kHiddenInt4 * 16, to);
+                    else
+                        stages.copy(p.x + from * kHiddenInt4, kHiddenInt4 * 16, to);
+                    ahead = j + 1 < j1 && stages.fits(kHiddenInt4 * 16);
+                    if (ahead)
+                        stages.prefetch(p.x + (from + 1) * kHiddenInt4, kHiddenInt4 * 16);
                 }
                 if (lane < kNumTopk)
                     reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = p.topk_weights[from * kNumTopk + lane];
@@ -108,6 +115,8 @@ __device__ __forceinline__ void combine(const Params& p) {
                 ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, seq);
             }
         }
+        if (lane == 0)
+            stages.retire();
         return;
     }
 

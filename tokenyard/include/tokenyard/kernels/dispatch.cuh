@@ -140,8 +140,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
 
     // One warp sends token t to every rank it goes to: one read of x (into the warp's stages), up to kNumRanks
     // writes. The lanes load the token's scales and top-k and where it goes, then write its tail to every
-    // destination while lane 0 moves its data.
-    auto send_token = [&](int t) {
+    // destination while lane 0 stores its data, loaded ahead with the previous token where it fits, and loads
+    // the next token of the warp's range (`next`, or -1) ahead (NOTE [warp stages]).
+    bool ahead = false;  // lane 0's: whether the token it is at was loaded ahead
+    auto send_token = [&](int t, int next) {
         const int64_t token = t;
         int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
 #pragma unroll
@@ -196,8 +198,13 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 any |= dst[dest] != nullptr;
             }
             to[kNumRanks] = direct;
-            if (any)
+            if (ahead)
+                stages.send(kDataInt4 * 16, to);  // to nowhere: the row's stage is freed
+            else if (any)
                 stages.copy(p.x + token * kDataInt4, kDataInt4 * 16, to);
+            ahead = next >= 0 && stages.fits(kDataInt4 * 16);
+            if (ahead)
+                stages.prefetch(p.x + static_cast<int64_t>(next) * kDataInt4, kDataInt4 * 16);
         }
         if (direct != nullptr) {
 #pragma unroll
@@ -244,12 +251,19 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     };
 
     // One warp copies row `src` of this rank's buffer to output row `out`: lane 0 its data through the warp's
-    // stages, the lanes its tail (one vector each) into the outputs.
-    auto receive_row = [&](const uint8_t* src, int64_t out) {
+    // stages (loaded ahead with the previous row where it fits, and loading the next row, `next` or null,
+    // ahead), the lanes its tail (one vector each) into the outputs.
+    auto receive_row = [&](const uint8_t* src, int64_t out, const uint8_t* next) {
         const int4* tail_in = reinterpret_cast<const int4*>(src) + kDataInt4;
         if (lane == 0) {
             void* to[1] = {p.recv_x + out * kDataInt4};
-            stages.copy(src, kDataInt4 * 16, to);
+            if (ahead)
+                stages.send(kDataInt4 * 16, to);
+            else
+                stages.copy(src, kDataInt4 * 16, to);
+            ahead = next != nullptr && stages.fits(kDataInt4 * 16);
+            if (ahead)
+                stages.prefetch(next, kDataInt4 * 16);
         }
         int4 tail[kTailPerLane];
 #pragma unroll
@@ -294,18 +308,20 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
         const int send_warp = blockIdx.x * kNumWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
-        const int num_pieces = ranges.pieces_of(send_warp);
+        const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
         for (int piece = 0; piece < num_pieces; ++piece) {
             int t0, t1;
             ranges.piece(send_warp, piece, t0, t1);
             for (int t = t0; t < t1; ++t)
-                send_token(t);
+                send_token(t, t + 1 < range_end ? t + 1 : -1);
             if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
                 stages.drain();
             __syncwarp();
             if (lane < kNumRanks)  // the piece at every destination
                 publish(lane, ranges.slot(send_warp, piece), t0, t1);
         }
+        if (lane == 0)
+            stages.retire();
         return;
     }
 
@@ -348,7 +364,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         __syncwarp();  // NOTE [warp acquire] in sync.cuh: lane 0's acquire covers every lane's reads of the rows
         if (!__shfl_sync(0xffffffffu, ok, 0)) {
             if (lane == 0)
-                stages.drain();
+                stages.retire();
             return;
         }
         begin = __shfl_sync(0xffffffffu, begin, 0);
@@ -360,10 +376,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             end = max(begin, p.num_worst_tokens - first);
         }
         for (int j = begin; j < end; ++j)
-            receive_row(buffers.row(p.rank, source, j), first + j);
+            receive_row(buffers.row(p.rank, source, j), first + j, j + 1 < end ? buffers.row(p.rank, source, j + 1) : nullptr);
     }
     if (lane == 0)
-        stages.drain();
+        stages.retire();
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
         const int stride = num_receivers * kNumThreads;
