@@ -3,6 +3,7 @@
 // rate (benchmarks/results/normal.md).
 #pragma once
 
+#include "ptx.cuh"
 #include "tma.cuh"
 
 namespace tokenyard {
@@ -16,7 +17,9 @@ namespace tokenyard {
 // A row may be loaded ahead (`prefetch`, where `fits`: its pieces and those loaded but not yet stored fit the
 // stages) and stored later (`send`, the oldest loaded row first), so that the next row's load is in flight while
 // the warp reads the metadata of the row it is at and waits for its load: a warp keeps rows moving instead of
-// waiting a memory round trip per row. `copy` loads and stores a row of any size piece by piece.
+// waiting a memory round trip per row. `copy` loads and stores a row of any size piece by piece. A row that the
+// stages hold whole may also be copied out of them by the warp's lanes (`copy_out`, before lane 0 loads anything
+// more): a sender's own rank's row goes so to the outputs.
 // Before the warp publishes what it stored (a release at system scope), lane 0 `drain`s: every store complete, then
 // a proxy fence, so that the generic release covers the bytes the async proxy wrote. Before a warp returns, lane 0
 // `retire`s: no bulk copy, load or store, may still use the block's shared memory.
@@ -84,6 +87,18 @@ struct WarpStages {
             const uint32_t n = min(bytes - offset, static_cast<uint32_t>(kStageBytes));
             prefetch(static_cast<const uint8_t*>(src) + offset, n);
             send(n, dst, offset);
+        }
+    }
+
+    // The whole warp copies a row of `bytes` that lane 0 has sent from the stages (its pieces `first`, first + 1,
+    // ...; all resident: a row of at most kStages pieces, and nothing loaded since) to `dst` with 16-byte stores:
+    // a local copy through the SM's load/store units, leaving the copy engine to the peers' stores.
+    __device__ __forceinline__ void copy_out(int4* dst, uint32_t first, uint32_t bytes, int lane) const {
+        for (uint32_t k = 0; k < pieces(bytes); ++k)  // each lane sees the loads complete
+            tma::wait_phase(barriers + (first + k) % kStages, ((first + k) / kStages) & 1u);
+        for (uint32_t i = lane; i < bytes / 16; i += kWarpSize) {
+            const uint32_t k = i * 16 / kStageBytes, at = i * 16 % kStageBytes;
+            ptx::st_na_v4(dst + i, *reinterpret_cast<const int4*>(stages + (first + k) % kStages * kStageBytes + at));
         }
     }
 

@@ -189,6 +189,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
         }
         int4* direct = direct_row >= 0 ? p.recv_x + direct_row * kDataInt4 : nullptr;
+        // The own row is copied out of the stages by the lanes where they hold it whole (NOTE [warp stages]): the
+        // copy engine then stores to the peers only.
+        constexpr bool kDirectFromStages = kDataInt4 * 16 <= kStages * kStageBytes;
+        uint32_t first_piece = 0;
         if (lane == 0) {
             void* to[kNumRanks + 1];
             bool any = direct != nullptr;
@@ -197,14 +201,24 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 to[dest] = dst[dest];
                 any |= dst[dest] != nullptr;
             }
-            to[kNumRanks] = direct;
+            to[kNumRanks] = kDirectFromStages ? nullptr : direct;
+            first_piece = stages.stored;
             if (ahead)
                 stages.send(kDataInt4 * 16, to);  // to nowhere: the row's stage is freed
             else if (any)
                 stages.copy(p.x + token * kDataInt4, kDataInt4 * 16, to);
+        }
+        if (kDirectFromStages && direct != nullptr) {
+            __syncwarp();
+            stages.copy_out(direct, __shfl_sync(0xffffffffu, first_piece, 0), kDataInt4 * 16, lane);
+            __syncwarp();  // every lane's reads of the stages before lane 0 loads into them
+        }
+        if (lane == 0) {
             ahead = next >= 0 && stages.fits(kDataInt4 * 16);
-            if (ahead)
+            if (ahead) {
+                tma::fence_shared_for_async();
                 stages.prefetch(p.x + static_cast<int64_t>(next) * kDataInt4, kDataInt4 * 16);
+            }
         }
         if (direct != nullptr) {
 #pragma unroll
