@@ -41,16 +41,21 @@ def topk_ctype(dtype: torch.dtype) -> str:
     return _TOPK_CTYPES[dtype]
 
 
-def data_stage_bytes(row_bytes: int) -> int:
+def data_stage_bytes(row_bytes: int, warps: int = DATA_THREADS // 32, stages: int = DATA_STAGES) -> int:
     """A stage of a data kernel's warp (NOTE [warp stages]): a row of `row_bytes` (a multiple of 16) in one piece
-    where the block's shared memory allows it. Example: at 16 warps a warp gets 14.4 KiB, so 2 stages of 7168 bytes
-    (an FP8 row of hidden 7168 in one piece, a BF16 one in two)."""
-    per_warp = (SM90_MAX_SHARED - SHARED_RESERVE) // (DATA_THREADS // 32)
-    return min(row_bytes, (per_warp // DATA_STAGES - 8) // 16 * 16)
+    where the block's shared memory allows it, shared by `warps` warps of `stages` stages. Example: at 16 warps a
+    warp gets 14.4 KiB, so 2 stages of 7168 bytes (an FP8 row of hidden 7168 in one piece, a BF16 one in two)."""
+    per_warp = (SM90_MAX_SHARED - SHARED_RESERVE) // warps
+    return min(row_bytes, (per_warp // stages - 8) // 16 * 16)
 
 
-def data_shared_bytes(stage_bytes: int) -> int:
-    return (DATA_THREADS // 32) * DATA_STAGES * (stage_bytes + 8)
+def data_shared_bytes(stage_bytes: int, warps: int = DATA_THREADS // 32, stages: int = DATA_STAGES) -> int:
+    return warps * stages * (stage_bytes + 8)
+
+
+# The combine's sending warps in every block (the others reduce), each with COMBINE_STAGES stages.
+COMBINE_SEND_WARPS = 4
+COMBINE_STAGES = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,17 +122,19 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 
 @functools.lru_cache(maxsize=None)
 def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
-    stage_bytes = data_stage_bytes(hidden_int4 * 16)
+    stage_bytes = data_stage_bytes(hidden_int4 * 16, COMBINE_SEND_WARPS, COMBINE_STAGES)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
-        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, DATA_STAGES, stage_bytes),
+        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, COMBINE_STAGES, stage_bytes,
+         COMBINE_SEND_WARPS),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
          Param("const int*", "send_head"),
          Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
         + _BUFFERS + (Param("const int*", "signature"),) + _WAIT,
-        DATA_THREADS, name="tokenyard::normal::combine", shared_bytes=data_shared_bytes(stage_bytes))
+        DATA_THREADS, name="tokenyard::normal::combine",
+        shared_bytes=data_shared_bytes(stage_bytes, COMBINE_SEND_WARPS, COMBINE_STAGES))
 
 
 # What LowLatencyBuffers::of (layout.cuh) reads, and which half of the work a launch does.

@@ -47,8 +47,9 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // the round's rows from source s start at row recv_first[s] of them (else rank_prefix_matrix gives it);
 // send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
-          int kStages, int kStageBytes, typename Params>
+          int kStages, int kStageBytes, int kSendWarps, typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
+    static_assert(kSendWarps >= 1 && kSendWarps < kNumThreads / kWarpSize, "every block sends and reduces");
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     constexpr int kWeightsOffset = kHiddenInt4 * 16;
@@ -69,20 +70,20 @@ __device__ __forceinline__ void combine(const Params& p) {
     if (!normal_barrier<kNumRanks, kSignatureInts>(buffers, wait, numbers[1], p.signature))
         return;
 
-    if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
+    if (warp < kSendWarps) {
         int most_chunks = 0;
         for (int s = 0; s < kNumRanks; ++s) {
             const int rows = p.rank_prefix_matrix[s * kNumRanks + p.rank] - round_first(s);
             most_chunks = max(most_chunks, (rows + kChunkRows - 1) / kChunkRows);
         }
-        const int num_send_warps = p.num_send_blocks * kNumWarps;
+        const int num_send_warps = gridDim.x * kSendWarps;
         extern __shared__ __align__(128) uint8_t shared[];
-        WarpStages<kStages, kStageBytes> stages(shared, warp, kNumWarps);
+        WarpStages<kStages, kStageBytes> stages(shared, warp, kSendWarps);
         if (lane == 0)
             stages.init();
         // With local_direct the items cover the other sources only (as the dispatch's receivers do).
         const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
-        for (int item = blockIdx.x * kNumWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
+        for (int item = blockIdx.x * kSendWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
             const int chunk = item / num_sources, other = item % num_sources;
             const int source = p.local_direct && other >= p.rank ? other + 1 : other;
             const int first = x_first(source);
@@ -121,8 +122,8 @@ __device__ __forceinline__ void combine(const Params& p) {
     }
 
     // Reducers.
-    const int reducer_warp = (blockIdx.x - p.num_send_blocks) * kNumWarps + warp;
-    const int num_reducer_warps = (gridDim.x - p.num_send_blocks) * kNumWarps;
+    const int reducer_warp = blockIdx.x * (kNumWarps - kSendWarps) + warp - kSendWarps;
+    const int num_reducer_warps = gridDim.x * (kNumWarps - kSendWarps);
     for (int t = reducer_warp; t < p.num_tokens; t += num_reducer_warps) {
         const int64_t token = t;
         int index = -1;
