@@ -65,6 +65,8 @@ TUNING_KEYS = {
     "combine_own_rows_direct": _parse_bool,    # COMBINE_OWN_ROWS_DIRECT
     "dispatch_tail": _parse_count,             # DISPATCH_TAIL_TOKENS
     "low_latency_local_share": _parse_share,   # low_latency_local_blocks: share of the grid for the own rank
+    "dispatch_send_warps": _parse_count,       # kernels.DISPATCH_SEND_WARPS
+    "combine_send_warps": _parse_count,        # kernels.COMBINE_SEND_WARPS
 }
 
 

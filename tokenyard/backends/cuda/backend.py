@@ -309,7 +309,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         grid = heuristics.data_grid(m.num_sms, self.device_sms, heuristics.dispatch_send_share(num_ranks))
         makes_outputs = m.placed_rows is None
         cpu_wait = not m.cached and m.num_rows is None and makes_outputs
-        num_send_warps = grid.num_send_blocks * (kernels.DATA_THREADS // 32)
+        send_warps = heuristics.tuned("dispatch_send_warps", kernels.DISPATCH_SEND_WARPS)
+        num_send_warps = grid.num_blocks * send_warps
         chunk_tokens, tail_tokens = heuristics.DISPATCH_CHUNK_TOKENS, heuristics.dispatch_tail_tokens()
         slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens)
         if slots > layout.max_chunks:  # whole chunks to the end (NOTE [tail pieces]); alike on every rank
@@ -319,7 +320,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             raise InvalidInputError(f"{num_send_warps} sending warps need {slots} chunk slots per source, more than "
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
-                                               chunk_tokens, tail_tokens, m.all_weights))
+                                               chunk_tokens, tail_tokens, m.all_weights, send_warps))
         rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
         own_rows_direct = heuristics.dispatch_own_rows_direct()
         T = m.num_tokens
@@ -494,7 +495,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 combined_x = b.part(whole, "combined_x", (num_tokens, hidden), torch.bfloat16)
                 combined_w = b.part(whole, "combined_topk_weights", (num_tokens, num_topk), torch.float32) \
                     if num_topk else 0
-            b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk)), grid.num_blocks, dict(
+            send_warps = heuristics.tuned("combine_send_warps", kernels.COMBINE_SEND_WARPS)
+            b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps)), grid.num_blocks, dict(
                 x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),
                 rank_prefix_matrix=b.inp("rank_prefix_matrix"), recv_first=b.inp("recv_first"),
                 send_head=b.inp("send_head"), num_tokens=num_tokens, num_send_blocks=grid.num_send_blocks,

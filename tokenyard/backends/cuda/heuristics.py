@@ -34,11 +34,11 @@ COMBINE_SEND_SHARE = 3 / 8    # any other number of ranks
 
 
 def dispatch_send_share(num_ranks: int) -> float:
-    return _tuned("dispatch_share", DISPATCH_SEND_SHARE_BY_RANKS.get(num_ranks, DISPATCH_SEND_SHARE))
+    return tuned("dispatch_share", DISPATCH_SEND_SHARE_BY_RANKS.get(num_ranks, DISPATCH_SEND_SHARE))
 
 
 def combine_send_share(num_ranks: int) -> float:
-    return _tuned("combine_share", COMBINE_SEND_SHARE_BY_RANKS.get(num_ranks, COMBINE_SEND_SHARE))
+    return tuned("combine_share", COMBINE_SEND_SHARE_BY_RANKS.get(num_ranks, COMBINE_SEND_SHARE))
 
 
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS), and
@@ -49,7 +49,7 @@ DISPATCH_TAIL_TOKENS = 2
 
 
 def dispatch_tail_tokens() -> int:
-    return min(_tuned("dispatch_tail", DISPATCH_TAIL_TOKENS), DISPATCH_CHUNK_TOKENS)
+    return min(tuned("dispatch_tail", DISPATCH_TAIL_TOKENS), DISPATCH_CHUNK_TOKENS)
 
 
 # Whether a token's row for its own rank skips the buffer: dispatch senders write it into the outputs,
@@ -60,11 +60,11 @@ COMBINE_OWN_ROWS_DIRECT = True
 
 
 def dispatch_own_rows_direct() -> bool:
-    return _tuned("dispatch_own_rows_direct", DISPATCH_OWN_ROWS_DIRECT)
+    return tuned("dispatch_own_rows_direct", DISPATCH_OWN_ROWS_DIRECT)
 
 
 def combine_own_rows_direct() -> bool:
-    return _tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
+    return tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
 
 
 # Low-latency senders in one group of blocks per destination (NOTE [peer-major blocks] in
@@ -78,7 +78,7 @@ def low_latency_local_blocks(grid: int, num_ranks: int) -> int:
     """
     if num_ranks == 1:
         return grid
-    share = _tuned("low_latency_local_share", 1 / (2 * (num_ranks - 1) + 1))
+    share = tuned("low_latency_local_share", 1 / (2 * (num_ranks - 1) + 1))
     local = max(1, round(grid * share))
     if grid - local < num_ranks - 1:
         raise ValueError(f"a low-latency kernel of {grid} blocks cannot give each of {num_ranks - 1} peers a "
@@ -86,7 +86,7 @@ def low_latency_local_blocks(grid: int, num_ranks: int) -> int:
     return local
 
 
-def _tuned(key: str, default):
+def tuned(key: str, default):
     """The TOKENYARD_TUNING value of `key` (env.TUNING_KEYS), for tuning sweeps, else `default`."""
     for name, value in env.settings().tuning:
         if name == key:

@@ -53,9 +53,12 @@ def data_shared_bytes(stage_bytes: int, warps: int = DATA_THREADS // 32, stages:
     return warps * stages * (stage_bytes + 8)
 
 
-# The combine's sending warps in every block (the others reduce), each with COMBINE_STAGES stages.
+# The combine's sending warps in every block (the others reduce), each with COMBINE_STAGES stages; the dispatch's
+# likewise (the others receive).
 COMBINE_SEND_WARPS = 4
 COMBINE_STAGES = 4
+DISPATCH_SEND_WARPS = 8
+DISPATCH_STAGES = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,18 +97,18 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
 @functools.lru_cache(maxsize=None)
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
-             all_weights: bool = False) -> KernelSpec:
+             all_weights: bool = False, send_warps: int = DISPATCH_SEND_WARPS) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
     weight arrives (DeepEP V2), not only the local slots'."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
-    stage_bytes = data_stage_bytes(data_int4 * 16)
+    stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, DISPATCH_STAGES)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
-         "true" if all_weights else "false", DATA_STAGES, stage_bytes),
+         "true" if all_weights else "false", DISPATCH_STAGES, stage_bytes, send_warps),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -117,16 +120,17 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int", "src_idx_base"), Param("int", "local_direct"),
          Param("int", "num_send_warps"))
         + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT,
-        DATA_THREADS, name="tokenyard::normal::dispatch", shared_bytes=data_shared_bytes(stage_bytes))
+        DATA_THREADS, name="tokenyard::normal::dispatch",
+        shared_bytes=data_shared_bytes(stage_bytes, send_warps, DISPATCH_STAGES))
 
 
 @functools.lru_cache(maxsize=None)
-def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
-    stage_bytes = data_stage_bytes(hidden_int4 * 16, COMBINE_SEND_WARPS, COMBINE_STAGES)
+def combine(num_ranks: int, hidden_int4: int, num_topk: int, send_warps: int = COMBINE_SEND_WARPS) -> KernelSpec:
+    stage_bytes = data_stage_bytes(hidden_int4 * 16, send_warps, COMBINE_STAGES)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
         (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, COMBINE_STAGES, stage_bytes,
-         COMBINE_SEND_WARPS),
+         send_warps),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
          Param("const int*", "send_head"),
@@ -134,7 +138,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int) -> KernelSpec:
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
         + _BUFFERS + (Param("const int*", "signature"),) + _WAIT,
         DATA_THREADS, name="tokenyard::normal::combine",
-        shared_bytes=data_shared_bytes(stage_bytes, COMBINE_SEND_WARPS, COMBINE_STAGES))
+        shared_bytes=data_shared_bytes(stage_bytes, send_warps, COMBINE_STAGES))
 
 
 # What LowLatencyBuffers::of (layout.cuh) reads, and which half of the work a launch does.

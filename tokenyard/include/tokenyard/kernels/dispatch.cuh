@@ -2,6 +2,7 @@
 // (docs/semantics.md, "Normal dispatch"). Runs after dispatch_notify.
 #pragma once
 
+#include "../copy.cuh"
 #include "../layout.cuh"
 #include "../staging.cuh"
 #include "../sync.cuh"
@@ -91,7 +92,8 @@ struct SenderRanges {
 };
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
-          int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, typename Params>
+          int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, int kSendWarps,
+          typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -110,8 +112,9 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                                 p.slots_offset, p.max_chunks, p.row_bytes};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     extern __shared__ __align__(128) uint8_t shared[];
-    WarpStages<kStages, kStageBytes> stages(shared, warp, kNumWarps);
-    if (lane == 0)
+    static_assert(kSendWarps >= 1 && kSendWarps < kNumWarps, "every block sends and receives");
+    WarpStages<kStages, kStageBytes> stages(shared, warp, kSendWarps);  // the sending warps'
+    if (warp < kSendWarps && lane == 0)
         stages.init();
     // The output row of the first row from `source` (NOTE [placed rounds]).
     auto out_first = [&](int source) {
@@ -264,26 +267,27 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
     };
 
-    // One warp copies row `src` of this rank's buffer to output row `out`: lane 0 its data through the warp's
-    // stages (loaded ahead with the previous row where it fits, and loading the next row, `next` or null,
-    // ahead), the lanes its tail (one vector each) into the outputs.
-    auto receive_row = [&](const uint8_t* src, int64_t out, const uint8_t* next) {
-        const int4* tail_in = reinterpret_cast<const int4*>(src) + kDataInt4;
-        if (lane == 0) {
-            void* to[1] = {p.recv_x + out * kDataInt4};
-            if (ahead)
-                stages.send(kDataInt4 * 16, to);
-            else
-                stages.copy(src, kDataInt4 * 16, to);
-            ahead = next != nullptr && stages.fits(kDataInt4 * 16);
-            if (ahead)
-                stages.prefetch(next, kDataInt4 * 16);
-        }
+    // One warp copies row `src` of this rank's buffer to output row `out` with its load/store units (the copy
+    // engine stays with the sending warps). Every load of a batch (up to kBatch data vectors per lane, plus the
+    // row's tail with the first batch) is issued before any store, so a row costs about one memory round trip
+    // rather than one per field.
+    auto receive_row = [&](const uint8_t* src, int64_t out) {
+        constexpr int kBatch = 16;
+        const int4* data_in = reinterpret_cast<const int4*>(src);
+        const int4* tail_in = data_in + kDataInt4;
+        int4* data_out = p.recv_x + out * kDataInt4;
         int4 tail[kTailPerLane];
+        for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
+            int4 v[kBatch];
+            load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
+            if (base == 0) {
 #pragma unroll
-        for (int u = 0; u < kTailPerLane; ++u)
-            if (u * kWarpSize + lane < kTailInt4)
-                tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
+                for (int u = 0; u < kTailPerLane; ++u)
+                    if (u * kWarpSize + lane < kTailInt4)
+                        tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
+            }
+            store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
+        }
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
             const int i = u * kWarpSize + lane;
@@ -319,8 +323,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         ptx::st_release_sys(&slot->seq, seq[0]);
     };
 
-    if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
-        const int send_warp = blockIdx.x * kNumWarps + warp;
+    if (warp < kSendWarps) {
+        const int send_warp = blockIdx.x * kSendWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
         for (int piece = 0; piece < num_pieces; ++piece) {
@@ -341,20 +345,21 @@ __device__ __forceinline__ void dispatch(const Params& p) {
 
     // Receivers: each warp takes (piece, sender warp, source) items piece-major, waits for the slot, copies
     // the rows.
-    const int receiver = blockIdx.x - p.num_send_blocks, num_receivers = gridDim.x - p.num_send_blocks;
+    constexpr int kRecvWarps = kNumWarps - kSendWarps;
+    const int receiver = blockIdx.x * kRecvWarps + warp - kSendWarps;  // this warp among the receiving ones
     int most_pieces = 0;
     for (int s = 0; s < kNumRanks; ++s)
         most_pieces = max(most_pieces, Ranges(p.source_num_tokens[s], p.num_send_warps).num_pieces);
     const int num_recv = p.rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + p.rank];
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr && num_recv > p.num_worst_tokens && receiver == 0 &&
-        threadIdx.x == 0)
+        lane == 0)
         record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, num_recv, p.num_worst_tokens);
-    const int num_recv_warps = num_receivers * kNumWarps;
+    const int num_recv_warps = gridDim.x * kRecvWarps;
     // With local_direct the items cover the other sources only: had this rank's own source kept its item
     // numbers, a warp count that is a multiple of kNumRanks would leave every warp landing on it idle.
     const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
     const int items_per_piece = p.num_send_warps * num_sources;
-    for (int item = receiver * kNumWarps + warp; item < most_pieces * items_per_piece; item += num_recv_warps) {
+    for (int item = receiver; item < most_pieces * items_per_piece; item += num_recv_warps) {
         const int piece = item / items_per_piece, sender = item % items_per_piece / num_sources;
         const int other = item % num_sources;
         const int source = p.local_direct && other >= p.rank ? other + 1 : other;
@@ -366,7 +371,6 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         if (lane == 0) {
             ChunkSlot* slot = buffers.slot(p.rank, source, ranges.slot(sender, piece));
             ok = wait_at_least(wait, &slot->seq, seq[0], source, kStageDispatchRecv);
-            tma::fence_global_proxies();  // the acquire before the bulk loads of the rows
             begin = ptx::ld_na_s32(&slot->begin);
             end = ptx::ld_na_s32(&slot->end);
             const int sender_warps = ptx::ld_na_s32(&slot->send_warps);
@@ -376,11 +380,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
         }
         __syncwarp();  // NOTE [warp acquire] in sync.cuh: lane 0's acquire covers every lane's reads of the rows
-        if (!__shfl_sync(0xffffffffu, ok, 0)) {
-            if (lane == 0)
-                stages.retire();
+        if (!__shfl_sync(0xffffffffu, ok, 0))
             return;
-        }
         begin = __shfl_sync(0xffffffffu, begin, 0);
         end = __shfl_sync(0xffffffffu, end, 0);
         const int first = out_first(source);
@@ -390,14 +391,12 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             end = max(begin, p.num_worst_tokens - first);
         }
         for (int j = begin; j < end; ++j)
-            receive_row(buffers.row(p.rank, source, j), first + j, j + 1 < end ? buffers.row(p.rank, source, j + 1) : nullptr);
+            receive_row(buffers.row(p.rank, source, j), first + j);
     }
-    if (lane == 0)
-        stages.retire();
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
-        const int stride = num_receivers * kNumThreads;
-        for (int64_t r = num_recv + receiver * kNumThreads + threadIdx.x; r < p.num_worst_tokens; r += stride) {
+        const int stride = num_recv_warps * kWarpSize;
+        for (int64_t r = num_recv + receiver * kWarpSize + lane; r < p.num_worst_tokens; r += stride) {
             p.recv_src_idx[r] = -1;
             for (int k = 0; k < kNumTopk; ++k) {
                 p.recv_topk_idx[r * kNumTopk + k] = static_cast<TopkT>(-1);
