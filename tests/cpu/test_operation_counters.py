@@ -23,22 +23,15 @@ from tokenyard.tools.bench import copy_limit
 from tokenyard.tools.bench.model import operations
 
 
-def test_count_operations_is_off_by_default_and_read_as_a_boolean(monkeypatch):
-    try:
-        monkeypatch.delenv("TOKENYARD_COUNT_OPERATIONS", raising=False)
-        env.settings.cache_clear()
-        assert env.settings().count_operations is False
-        for text, value in (("1", True), ("on", True), ("0", False), ("off", False)):
-            monkeypatch.setenv("TOKENYARD_COUNT_OPERATIONS", text)
-            env.settings.cache_clear()
-            assert env.settings().count_operations is value
-        monkeypatch.setenv("TOKENYARD_COUNT_OPERATIONS", "sometimes")
-        env.settings.cache_clear()
-        with pytest.raises(ValueError, match="TOKENYARD_COUNT_OPERATIONS"):
-            env.settings()
-    finally:
-        monkeypatch.delenv("TOKENYARD_COUNT_OPERATIONS", raising=False)
-        env.settings.cache_clear()
+def test_count_operations_is_off_by_default_and_read_as_a_boolean(tokenyard_env):
+    tokenyard_env("TOKENYARD_COUNT_OPERATIONS", None)
+    assert env.settings().count_operations is False
+    for text, value in (("1", True), ("on", True), ("0", False), ("off", False)):
+        tokenyard_env("TOKENYARD_COUNT_OPERATIONS", text)
+        assert env.settings().count_operations is value
+    tokenyard_env("TOKENYARD_COUNT_OPERATIONS", "sometimes")
+    with pytest.raises(ValueError, match="TOKENYARD_COUNT_OPERATIONS"):
+        env.settings()
 
 
 def test_every_kernel_is_written_as_before_and_its_counting_variant_only_adds_the_define():
