@@ -1,5 +1,6 @@
 import pytest
 
+from tokenyard import env
 from tokenyard.tools.launch import RankPool
 
 _pools = {}
@@ -21,3 +22,20 @@ def ranks():
     yield get
     for pool in _pools.values():
         pool.close()
+
+
+@pytest.fixture
+def tokenyard_env(monkeypatch):
+    """``tokenyard_env(name, value)`` sets environment variable `name` (None: unsets it) and has `env.settings` read
+    it again, as a process started so would; at the end every variable is as before and read again."""
+
+    def set_variable(name: str, value):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        env.settings.cache_clear()
+
+    yield set_variable
+    monkeypatch.undo()
+    env.settings.cache_clear()

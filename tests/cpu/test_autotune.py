@@ -104,13 +104,9 @@ def test_bad_problems_and_names_raise_on_every_rank(ranks):
         assert "not divisible" in reasons[0] and "even" in reasons[1] and "profile name" in reasons[2]
 
 
-def test_profile_dir_comes_from_the_environment_table(monkeypatch, tmp_path):
+def test_profile_dir_comes_from_the_environment_table(tokenyard_env, tmp_path):
     assert env.Settings().profile_dir.endswith("profiles")
-    monkeypatch.setenv("TOKENYARD_PROFILE_DIR", str(tmp_path))
-    env.settings.cache_clear()
-    try:
-        assert env.settings().profile_dir == str(tmp_path)
-    finally:
-        env.settings.cache_clear()
+    tokenyard_env("TOKENYARD_PROFILE_DIR", str(tmp_path))
+    assert env.settings().profile_dir == str(tmp_path)
     with pytest.raises(InvalidInputError, match="init_process_group"):
         autotune.AutoTuner()

@@ -23,22 +23,15 @@ from tokenyard.tools.bench import copy_limit
 from tokenyard.tools.bench.model import operations
 
 
-def test_count_operations_is_off_by_default_and_read_as_a_boolean(monkeypatch):
-    try:
-        monkeypatch.delenv("TOKENYARD_COUNT_OPERATIONS", raising=False)
-        env.settings.cache_clear()
-        assert env.settings().count_operations is False
-        for text, value in (("1", True), ("on", True), ("0", False), ("off", False)):
-            monkeypatch.setenv("TOKENYARD_COUNT_OPERATIONS", text)
-            env.settings.cache_clear()
-            assert env.settings().count_operations is value
-        monkeypatch.setenv("TOKENYARD_COUNT_OPERATIONS", "sometimes")
-        env.settings.cache_clear()
-        with pytest.raises(ValueError, match="TOKENYARD_COUNT_OPERATIONS"):
-            env.settings()
-    finally:
-        monkeypatch.delenv("TOKENYARD_COUNT_OPERATIONS", raising=False)
-        env.settings.cache_clear()
+def test_count_operations_is_off_by_default_and_read_as_a_boolean(tokenyard_env):
+    tokenyard_env("TOKENYARD_COUNT_OPERATIONS", None)
+    assert env.settings().count_operations is False
+    for text, value in (("1", True), ("on", True), ("0", False), ("off", False)):
+        tokenyard_env("TOKENYARD_COUNT_OPERATIONS", text)
+        assert env.settings().count_operations is value
+    tokenyard_env("TOKENYARD_COUNT_OPERATIONS", "sometimes")
+    with pytest.raises(ValueError, match="TOKENYARD_COUNT_OPERATIONS"):
+        env.settings()
 
 
 def test_every_kernel_is_written_as_before_and_its_counting_variant_only_adds_the_define():
@@ -136,9 +129,11 @@ def test_normal_counts_by_hand():
     assert dispatch["puts"] == [1 + 2, 1] and dispatch["put_bytes"] == [2 * 128 + 2 * 112, 2 * 128]
     assert dispatch["quiets"] == 2 * 2 * 512 and dispatch["fences"] == 0
     combine = counted.normal("combine", HAND_IN_RANK, 0, 1, num_blocks=2, hidden=64, num_topk=2)
-    assert combine["puts"] == [2, 0] and combine["put_bytes"] == [2 * (128 + 16), 0]
-    # Rank 1 forwarded rank 0's tokens 0 and 2 and its own token 0: their partials go back, 128 bytes each.
-    assert counted.normal("combine", HAND_IN_RANK, 1, 1, 2, hidden=64)["put_bytes"] == [2 * 128, 128]
+    assert combine["puts"] == [1, 0] and combine["put_bytes"] == [2 * (128 + 16), 0]  # 2 rows, one chunk
+    # Rank 1 forwarded rank 0's tokens 0 and 2 and its own token 0: their partials go back, 128 bytes each, a chunk
+    # to each source.
+    again = counted.normal("combine", HAND_IN_RANK, 1, 1, 2, hidden=64)
+    assert again["puts"] == [1, 1] and again["put_bytes"] == [2 * 128, 128]
 
 
 def _every_routing(num_experts: int, topk: int) -> torch.Tensor:

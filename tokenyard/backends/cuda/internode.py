@@ -261,7 +261,7 @@ class InternodeKernels:
         biases = [None if b is None else b.contiguous() for b in bias]
         self._launch(kernels.internode_combine(hidden_int4, num_topk), num_sms, x=x.data_ptr(),
                      topk_weights=0 if weights is None else weights.data_ptr(), num_recv=num_recv,
-                     comb_in=self.region, peer_comb_in=self.node_regions.data_ptr(), num_fwd=num_fwd,
+                     comb_in=self.region, peer_comb_in=self.node_regions.data_ptr(),
                      fwd_row_begin=fwd_row_begin.data_ptr(), send_nvl_head=send_nvl_head.data_ptr(),
                      comb_stage=self.region + _aligned(num_recv * row_bytes), comb_out=self.region + self.half,
                      fwd_capacity=capacity, num_tokens=num_tokens, send_rdma_pos=send_rdma_pos.data_ptr(),

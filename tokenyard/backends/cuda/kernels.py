@@ -290,7 +290,7 @@ def internode_combine(hidden_int4: int, num_topk: int) -> KernelSpec:
     return KernelSpec(
         "tokenyard/kernels/internode.cuh", "tokenyard::kernels::internode_combine", (hidden_int4, num_topk),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("int", "num_recv"),
-         Param("int4*", "comb_in"), Param("int4* const*", "peer_comb_in"), Param("int", "num_fwd"),
+         Param("int4*", "comb_in"), Param("int4* const*", "peer_comb_in"),
          Param("const int*", "fwd_row_begin"), Param("const int*", "send_nvl_head"), Param("int4*", "comb_stage"),
          Param("int4*", "comb_out"), Param("int64_t", "fwd_capacity"), Param("int", "num_tokens"),
          Param("const int*", "send_rdma_pos"), Param("const int4*", "bias_0"), Param("const int4*", "bias_1"),

@@ -25,8 +25,8 @@ an expert (0 <= e < E) on rank q", L = E / R local experts.
     ceil(rows_m / 4) puts of rows_m x S bytes in all, rows_m the tokens of r that reach node m, S = align16(b + 4P),
     b = align16 of the packed row; to rank (n, j), sum over nodes k of rank (k, l)'s tokens on (n, j), b bytes each;
     2 B W quiets.
-  normal combine: the same signals; to rank (k, l) one put per token of (k, l) that reaches node n, of
-    2H + 16 ceil(4 k / 16) bytes (k the combine's top-k weights, 0 without); 2 B W quiets.
+  normal combine: the same signals; to rank (k, l) ceil(rows / 4) puts, rows the tokens of (k, l) that reach node
+    n, of 2H + 16 ceil(4 k / 16) bytes each (k the combine's top-k weights, 0 without); 2 B W quiets.
 No kernel calls fence: fences are 0.
 """
 
@@ -164,9 +164,9 @@ def normal(call: str, is_token_in_rank: Sequence[torch.Tensor], rank: int, ranks
             counts["put_bytes"][dest] += rows * row
     elif call == "combine":
         row = hidden * 2 + 16 * math.ceil(4 * num_topk / 16)
-        for k in range(num_nodes):  # a partial per row forwarded, back to its source (k, l)
+        for k in range(num_nodes):  # the partials of the rows forwarded, back to their source (k, l), by chunks
             rows = to_node(k * per_node + local, node)
-            counts["puts"][k * per_node + local] = rows
+            counts["puts"][k * per_node + local] = math.ceil(rows / CHUNK_ROWS)
             counts["put_bytes"][k * per_node + local] = rows * row
     else:
         raise ValueError(f"call {call!r}: dispatch or combine")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
+from .timing import gpu_events
+
 KINDS = (("tokenyard", re.compile(r"tokenyard::")), ("nccl", re.compile(r"nccl", re.IGNORECASE)),
          ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|wgmma|cublas", re.IGNORECASE)))
 COMMUNICATION = ("tokenyard", "nccl")
@@ -87,5 +89,4 @@ def traced_kernels(step: Callable[[], object], device) -> List[Kernel]:
     with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:  # as Timer.kernel_medians
         step()
         torch.cuda.synchronize(device)
-    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [(e.name, e.time_range.start, e.time_range.end) for e in gpu_events(prof)]

@@ -145,8 +145,7 @@ class Timer:
                     step()
             torch.cuda.synchronize(self.device)
         self.barrier()
-        kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                         key=lambda e: e.time_range.start)
+        kernels = gpu_events(prof)
         calls: List[float] = []
         for event in kernels:
             if "bitwise_not" in event.name:
@@ -157,6 +156,12 @@ class Timer:
             return [None for _ in steps]
         per_step = [calls[i::len(steps)] for i in range(len(steps))]
         return [statistics.median(t) if any(t) else None for t in per_step]
+
+
+def gpu_events(prof) -> list:
+    """A PyTorch profile's GPU activity (kernels, copies, fills), in the order it started."""
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
 
 
 def capture_graph(fn: Callable[[], object]):

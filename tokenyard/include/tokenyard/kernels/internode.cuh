@@ -21,8 +21,9 @@
 //   of its node; 2. as forwarder, for each row it forwarded at dispatch, the rows its node's ranks return for it
 //   (read through their `comb_in`, `send_nvl_head` saying where) summed in float32 in order of local rank and
 //   rounded to bf16 once, put to the source rank into its `comb_out` slot for this node at the token's row among
-//   those it sent this node, then a signal to every source; 3. as source, each token's bias plus its nodes'
-//   partial rows in order of node, rounded to bf16.
+//   those it sent this node (a put per chunk of up to kInternodeChunkRows consecutive rows of a source), then a
+//   signal to every source; 3. as source, each token's bias plus its nodes' partial rows in order of node, rounded
+//   to bf16.
 // Signals only add (NOTE [transport seam]): each kind of launch counts its calls on the GPU (`call_counter`,
 // NOTE [normal-mode call numbers] in sync.cuh), and a wait expects call x blocks signals, so every rank must
 // launch the same grid (a rank that launches another waits for signals that never come, and times out).
@@ -34,7 +35,7 @@
 
 namespace tokenyard::kernels {
 
-constexpr int kInternodeChunkRows = 4;  // rows per stage-1 put
+constexpr int kInternodeChunkRows = 4;  // rows per put: the dispatch's stage 1, the combine's partial sums
 constexpr int kMaxRanksPerNode = 8;     // a node's ranks: a lane each in the row's positions
 
 // Signal words, per kind of launch: [0, N) arrivals from each node (dispatch: its stage-1 rows; combine: its
@@ -170,36 +171,45 @@ __device__ __forceinline__ void internode_combine(const Params& p) {
     // 2. As forwarder: each forwarded row's sum over the ranks of this node, to its source.
     if (!internode_wait_all(ctx, from_locals, per_node, call * gridDim.x, node * per_node, 1))
         return;
-    int k = 0;
-    for (int row = warp_id; row < p.num_fwd; row += total_warps) {
-        while (p.fwd_row_begin[k + 1] <= row)
-            ++k;
-        int4* stage = p.comb_stage + static_cast<int64_t>(row) * Row::kInt4;
-        const int mine = lane < per_node ? p.send_nvl_head[static_cast<int64_t>(row) * per_node + lane] : -1;
-        int at[kMaxRanksPerNode];  // where each rank of the node holds the row, or -1 (whole warp: before any branch)
+    // A warp sums a chunk of up to kInternodeChunkRows consecutive rows of one source into comb_stage, then puts them
+    // at once: they are consecutive at the source too (issue 53: a work request per chunk, not per row).
+    for (int k = 0; k < num_nodes; ++k) {
+        const int begin = p.fwd_row_begin[k], rows = p.fwd_row_begin[k + 1] - begin;
+        const int num_chunks = (rows + kInternodeChunkRows - 1) / kInternodeChunkRows;
+        for (int c = (warp_id + k * 7) % total_warps; c < num_chunks; c += total_warps) {
+            const int first = begin + c * kInternodeChunkRows;
+            const int count = min(kInternodeChunkRows, begin + rows - first);
+            for (int row = first; row < first + count; ++row) {
+                int4* stage = p.comb_stage + static_cast<int64_t>(row) * Row::kInt4;
+                const int mine = lane < per_node ? p.send_nvl_head[static_cast<int64_t>(row) * per_node + lane] : -1;
+                int at[kMaxRanksPerNode];  // where each rank of the node holds the row, or -1 (whole warp)
 #pragma unroll
-        for (int j = 0; j < kMaxRanksPerNode; ++j)
-            at[j] = __shfl_sync(0xffffffffu, mine, j);
-        for (int i = lane; i < kHiddenInt4; i += 32) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int j = 0; j < kMaxRanksPerNode; ++j)
+                    at[j] = __shfl_sync(0xffffffffu, mine, j);
+                for (int i = lane; i < kHiddenInt4; i += 32) {
+                    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-            for (int j = 0; j < kMaxRanksPerNode; ++j)  // at[j] = -1 past the node's ranks
-                if (at[j] >= 0)
-                    add_bf16x8(acc, ptx::ld_na_v4(p.peer_comb_in[j] + static_cast<int64_t>(at[j]) * Row::kInt4 + i));
-            stage[i] = to_bf16x8(acc);
+                    for (int j = 0; j < kMaxRanksPerNode; ++j)  // at[j] = -1 past the node's ranks
+                        if (at[j] >= 0)
+                            add_bf16x8(acc, ptx::ld_na_v4(p.peer_comb_in[j] + static_cast<int64_t>(at[j]) * Row::kInt4 +
+                                                          i));
+                    stage[i] = to_bf16x8(acc);
+                }
+                if (weights && lane < kNumTopk) {
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < kMaxRanksPerNode; ++j)
+                        if (at[j] >= 0)
+                            sum = __fadd_rn(sum, ptx::ld_na_f32(reinterpret_cast<const float*>(
+                                p.peer_comb_in[j] + static_cast<int64_t>(at[j]) * Row::kInt4 + kHiddenInt4) + lane));
+                    reinterpret_cast<float*>(stage + kHiddenInt4)[lane] = sum;
+                }
+            }
+            __syncwarp();
+            transport::put_warp(p.comb_out + (static_cast<int64_t>(node) * p.fwd_capacity + first - begin) * Row::kInt4,
+                                p.comb_stage + static_cast<int64_t>(first) * Row::kInt4,
+                                static_cast<size_t>(count) * Row::kInt4 * sizeof(int4), k * per_node + local);
         }
-        if (weights && lane < kNumTopk) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < kMaxRanksPerNode; ++j)
-                if (at[j] >= 0)
-                    sum = __fadd_rn(sum, ptx::ld_na_f32(reinterpret_cast<const float*>(
-                        p.peer_comb_in[j] + static_cast<int64_t>(at[j]) * Row::kInt4 + kHiddenInt4) + lane));
-            reinterpret_cast<float*>(stage + kHiddenInt4)[lane] = sum;
-        }
-        __syncwarp();
-        transport::put_warp(p.comb_out + (static_cast<int64_t>(node) * p.fwd_capacity + row - p.fwd_row_begin[k]) *
-                            Row::kInt4, stage, Row::kInt4 * sizeof(int4), k * per_node + local);
     }
     internode_signal_after_puts(from_nodes + node, num_nodes, local, per_node);
 

@@ -80,8 +80,9 @@ tokenyard normal mode (NOTE [internode kernels] in include/tokenyard/kernels/int
     on the host: T N p_node staged); B W quiets, then B N signals; stage 2, each row from each node to each rank
     of this node holding it (N T p_rank per rank, row bytes); B W quiets, then B G signals.
   combine: the barrier (B R signals); each received row copied into comb_in (T R p_rank staged); B W quiets and
-    B G signals; as forwarder one put per forwarded row (N T p_node, of 2 H + align16(4 k) bytes) to its source,
-    the own node's to this rank, each summed first into comb_stage (staged); B W quiets and B N signals.
+    B G signals; as forwarder, per source node, ceil(T p_node / 4) puts of up to 4 forwarded rows (of 2 H +
+    align16(4 k) bytes) to its source, the own node's to this rank, each summed first into comb_stage (staged);
+    B W quiets and B N signals.
 tokenyard's counts through its transport seam are measured by the CUDA backend's counters (NOTE [operation counters] in
 include/tokenyard/operation_counts.cuh) and given exactly per call by NOTE [exact operation counts]
 (backends/cuda/operation_counts.py), whose mean over every routing is these (the low-latency ones to other nodes only:
@@ -281,7 +282,8 @@ def tokenyard_normal(call: str, tokens: int, topk: int, num_experts: int, nodes:
         counts["staged_rows"] = nodes * node_rows                   # send_rows, packed on the host
     else:
         row = hidden * 2 + _align16(4 * topk)
-        counts["puts_self"], counts["puts_remote"] = node_rows, node_rows * (nodes - 1)
+        chunks = math.ceil(node_rows / INTERNODE_CHUNK_ROWS - 1e-9)
+        counts["puts_self"], counts["puts_remote"] = float(chunks), float(chunks * (nodes - 1))
         counts["put_bytes_self"], counts["put_bytes_remote"] = node_rows * row, node_rows * (nodes - 1) * row
         counts["staged_rows"] = ranks * tokens * p_rank + nodes * node_rows  # comb_in, then comb_stage
     counts["nic_puts"] = counts["puts_remote"]
