@@ -33,11 +33,12 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 
 // NOTE [combine roles]
 // After a barrier (the previous dispatch's receivers must be done reading before rows land in their
-// buffers), blocks [0, num_send_blocks) send: the rows from source s are cut into chunks of kChunkRows,
+// buffers), warps [0, kSendWarps) of every block send (the SM's copy engine) and its other warps reduce (its
+// load/store units). The rows from source s are cut into chunks of kChunkRows,
 // taken chunk-major over sources (as in NOTE [dispatch roles]); row j goes to row j of this rank's region
 // in rank s's buffer (its data by TMA bulk copies through the warp's stages, NOTE [warp stages] in
 // staging.cuh), and each finished chunk is published in its slot; each sender warp takes its own
-// (chunk, source) items, as dispatch's senders do. The other blocks reduce: a warp
+// (chunk, source) items, as dispatch's senders do. The reducing warps: a warp
 // takes one token at a time in increasing order; lane q finds the token's row at rank q from send_head,
 // waits for the chunk that holds it, and the warp then sums bias_0, bias_1 and the rows of ranks
 // 0, 1, ... in float32, as the semantics fix the order. With `local_direct`, the rows this rank returns to

@@ -10,8 +10,9 @@
 namespace tokenyard::kernels {
 
 // NOTE [dispatch roles]
-// Blocks [0, num_send_blocks) send; the rest receive. Work is split per warp, never per block, so no warp
-// waits for another: a sender warp takes a contiguous range of tokens (NOTE [sender ranges]) and, piece
+// Warps [0, kSendWarps) of every block send; the block's other warps receive, so that every SM's copy engine
+// stores to the peers (the senders' TMA copies) while its load/store units copy rows out (the receivers'). Work is
+// split per warp, never per block, so no warp waits for another: a sender warp takes a contiguous range of tokens (NOTE [sender ranges]) and, piece
 // by piece of at most kChunkTokens tokens, copies each token to every rank it goes to (one read of x, up
 // to kNumRanks writes) into row prefix_excl[t][dest] of this rank's region in rank dest's buffer, then
 // publishes, in the piece's slot at each destination, the row range it filled and the call's sequence
