@@ -213,13 +213,15 @@ if [ "$what" = compat ]; then
         | tee "$out/compat_4ranks.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -30
 fi
 if [ "$what" = sanitizer ]; then
-    # Issue 56: PyTorch's CUDA sanitizer (CSAN) over GPU test files at 2 ranks (sanitizer.log): the arguments, else
+    # Issue 56: PyTorch's CUDA sanitizer (CSAN) over GPU test files at 2 ranks (sanitizer.log; on one GPU under MPS,
+    # which changes nothing CSAN sees: the streams and events of each process): the arguments, else
     # the stream-heavy ones. It sees torch's own kernels and stream waits only: the kernels and waits tokenyard makes
     # through the driver are invisible to it (benchmarks/results/stream_stress.md). First a canary, a read on a side
     # stream that waits for nothing, which CSAN must report: without that report the run proves nothing.
     shift
     files=("$@")
     [ ${#files[@]} -eq 0 ] && files=(tests/gpu/test_elastic_cuda.py tests/gpu/test_normal_cuda.py)
+    [ "$num_gpus" -lt 2 ] && start_mps  # one GPU: the 2 ranks share it
     TORCH_CUDA_SANITIZER=1 python3 -c "
 import torch
 a = torch.rand(1 << 20, device='cuda')

@@ -122,8 +122,9 @@ def test_low_latency_counts_by_hand():
 
 def test_normal_counts_by_hand():
     dispatch = counted.normal("dispatch", HAND_IN_RANK, 0, 1, num_blocks=2, row_bytes=100)
-    # Signals: barrier, stage 1 (rank 0 forwards for local rank 0 on every node), stage 2 (its node is itself).
-    assert dispatch["signals"] == [2 * 3, 2 * 2]
+    # Signals: the barrier (block 0's, one to each rank), then from both blocks stage 1 (rank 0 forwards for local
+    # rank 0 on every node) and stage 2 (its node is itself).
+    assert dispatch["signals"] == [1 + 2 * 2, 1 + 2 * 1]
     # Stage 1: 2 rows to each node, a chunk each, rows of align16(112 + 4) = 128; stage 2: ranks 0's 2 and
     # rank 1's 0 rows for rank 0, of 112 bytes.
     assert dispatch["puts"] == [1 + 2, 1] and dispatch["put_bytes"] == [2 * 128 + 2 * 112, 2 * 128]

@@ -6,6 +6,8 @@ over CPU ranks (tests/cpu/test_compile.py).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -157,7 +159,12 @@ def compiled_low_latency(seed: int, backend: str = "cuda"):
     return f"rank {rank}: three compiled low-latency steps (FP8, bf16, NVFP4) matched eager mode"
 
 
-pytestmark = spawn.needs_ranks()
+# PyTorch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1) works through a dispatch mode, and under it torch.compile handed
+# these tests' backend no graph at all (benchmarks/results/stream_stress.md): they check what is traced, so they are
+# skipped there; the calls they make eagerly are the other GPU tests'.
+pytestmark = [spawn.needs_ranks(),
+              pytest.mark.skipif(bool(os.environ.get("TORCH_CUDA_SANITIZER")),
+                                 reason="torch.compile traced nothing under the CUDA sanitizer")]
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())

@@ -21,7 +21,7 @@ an expert (0 <= e < E) on rank q", L = E / R local experts.
     bytes and k hits(r)[:, q].sum() + 1 signals (the k weights of each of r's tokens that went to q, then its flag);
     B W quiets.
   normal dispatch (NOTE [internode kernels]; every row through the seam, the node's by NVSHMEM P2P): signals to rank
-    q, B (the start barrier) + B [q's local rank is l] (stage 1) + B [q on node n] (stage 2); to forwarder (m, l)
+    q, 1 (the start barrier, block 0's) + B [q's local rank is l] (stage 1) + B [q on node n] (stage 2); to forwarder (m, l)
     ceil(rows_m / 4) puts of rows_m x S bytes in all, rows_m the tokens of r that reach node m, S = align16(b + 4P),
     b = align16 of the packed row; to rank (n, j), sum over nodes k of rank (k, l)'s tokens on (n, j), b bytes each;
     2 B W quiets.
@@ -149,7 +149,7 @@ def normal(call: str, is_token_in_rank: Sequence[torch.Tensor], rank: int, ranks
 
     counts = zero(num_ranks)
     for q in range(num_ranks):
-        counts["signals"][q] = num_blocks * (1 + (q % per_node == local) + (q // per_node == node))
+        counts["signals"][q] = 1 + num_blocks * ((q % per_node == local) + (q // per_node == node))
     if call == "dispatch":
         row = _align16(row_bytes)
         stride = _align16(row + 4 * per_node)

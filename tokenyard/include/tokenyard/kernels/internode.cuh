@@ -8,7 +8,8 @@
 // where j holds none of its experts). The rows are grouped by destination node, in token order within each.
 //   dispatch, one launch:
 //   0. a barrier of the group: no rank writes into another's buffers before every rank has finished its
-//      previous call, outputs read out included (they are read on the rank's stream after the kernel);
+//      previous call, outputs read out included (they are read on the rank's stream after the kernel); block 0
+//      of each rank signals every rank once;
 //   1. stage 1: this rank's rows for node m go, a chunk per put, to forwarder (m, l), into its slot for node n
 //      (`fwd_recv` [N][fwd_capacity][row_bytes]); each block then signals every forwarder once;
 //   2. stage 2: as forwarder, once node k's blocks have all signalled, each row from node k is put to the ranks
@@ -25,8 +26,8 @@
 //   signal to every source; 3. as source, each token's bias plus its nodes' partial rows in order of node, rounded
 //   to bf16.
 // Signals only add (NOTE [transport seam]): each kind of launch counts its calls on the GPU (`call_counter`,
-// NOTE [normal-mode call numbers] in sync.cuh), and a wait expects call x blocks signals, so every rank must
-// launch the same grid (a rank that launches another waits for signals that never come, and times out).
+// NOTE [normal-mode call numbers] in sync.cuh), and a stage's wait expects call x blocks signals, so every rank
+// must launch the same grid (a rank that launches another waits for signals that never come, and times out).
 #pragma once
 
 #include "../bf16.cuh"
@@ -40,14 +41,18 @@ constexpr int kMaxRanksPerNode = 8;     // a node's ranks: a lane each in the ro
 
 // Signal words, per kind of launch: [0, N) arrivals from each node (dispatch: its stage-1 rows; combine: its
 // partial rows), [N, N + P) arrivals from each rank of this node, [N + P] the start barrier.
+// Block 0 alone signals every rank: a rank's launch has begun only once its previous call's work on its stream is done,
+// so one signal per (rank, call) says so (issue 53: R signals a call, not one per block and rank).
 __device__ __forceinline__ bool internode_start_barrier(const WaitContext& ctx, uint64_t* signals, int num_nodes,
                                                         int ranks_per_node, uint64_t call) {
     uint64_t* arrivals = signals + num_nodes + ranks_per_node;
     const int num_ranks = num_nodes * ranks_per_node;
     if (threadIdx.x == 0) {
-        for (int q = 0; q < num_ranks; ++q)
-            transport::signal_add(arrivals, 1, q);
-        transport::wait_signal(ctx, arrivals, call * gridDim.x * num_ranks, -1, kStageInternodeBarrier);
+        if (blockIdx.x == 0) {
+            for (int q = 0; q < num_ranks; ++q)
+                transport::signal_add(arrivals, 1, q);
+        }
+        transport::wait_signal(ctx, arrivals, call * num_ranks, -1, kStageInternodeBarrier);
     }
     __syncthreads();
     return !failed(ctx);

@@ -75,11 +75,11 @@ by stores, another node's through the transport (NOTE [transport seam]).
 
 tokenyard normal mode (NOTE [internode kernels] in include/tokenyard/kernels/internode.cuh), B blocks of W threads
 (Config.num_sms, INTERNODE_THREADS = 512); every row through the transport, the node's by NVSHMEM P2P:
-  dispatch: the start barrier, a signal from each block to every rank (B R); stage 1, per node m (the own node's
+  dispatch: the start barrier, a signal from block 0 to every rank (R); stage 1, per node m (the own node's
     rank being this rank) ceil(T p_node / 4) puts of up to 4 rows of rb' = align16(row + 4 G) bytes (rows packed
     on the host: T N p_node staged); B W quiets, then B N signals; stage 2, each row from each node to each rank
     of this node holding it (N T p_rank per rank, row bytes); B W quiets, then B G signals.
-  combine: the barrier (B R signals); each received row copied into comb_in (T R p_rank staged); B W quiets and
+  combine: the barrier (R signals); each received row copied into comb_in (T R p_rank staged); B W quiets and
     B G signals; as forwarder, per source node, ceil(T p_node / 4) puts of up to 4 forwarded rows (of 2 H +
     align16(4 k) bytes) to its source, the own node's to this rank, each summed first into comb_stage (staged);
     B W quiets and B N signals.
@@ -262,7 +262,7 @@ def tokenyard_normal(call: str, tokens: int, topk: int, num_experts: int, nodes:
     p_node = hit_probability(num_experts, num_experts / nodes, topk)
     p_rank = hit_probability(num_experts, num_experts / ranks, topk)
     counts = zero()
-    _split(counts, "signals", float(blocks), ranks, gpus_per_node)  # the start barrier: each block to every rank
+    _split(counts, "signals", 1.0, ranks, gpus_per_node)  # the start barrier: block 0 to every rank
     counts["quiets"] = float(2 * blocks * threads)                  # internode_signal_after_puts, twice
     node_rows = tokens * p_node                                     # this rank's rows to each node
     counts["signals_self"] += 2 * blocks                            # both stages signal this rank too
