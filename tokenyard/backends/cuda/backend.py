@@ -373,7 +373,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 topk_weights=b.inp("topk_weights") if m.with_weights else 0,
                 is_token_in_rank=b.inp("is_token_in_rank"), prefix_excl=made(prefix_excl),
                 rank_prefix_matrix=made(rank_prefix_matrix), source_num_tokens=made(source_num_tokens), num_tokens=T,
-                num_local_experts=num_local_experts, num_send_blocks=grid.num_send_blocks, recv_x=recv_x,
+                num_local_experts=num_local_experts, recv_x=recv_x,
                 recv_scales=recv_scales, recv_topk_idx=recv_topk_idx, recv_topk_weights=recv_topk_weights,
                 recv_src_idx=recv_src_idx, send_head=made(send_head), num_worst_tokens=b.scalar("num_worst"),
                 recv_first=b.inp("recv_first") if rows_placed else 0, src_idx_base=b.scalar("token_base"),
@@ -499,7 +499,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps)), grid.num_blocks, dict(
                 x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),
                 rank_prefix_matrix=b.inp("rank_prefix_matrix"), recv_first=b.inp("recv_first"),
-                send_head=b.inp("send_head"), num_tokens=num_tokens, num_send_blocks=grid.num_send_blocks,
+                send_head=b.inp("send_head"), num_tokens=num_tokens,
                 combined_x=combined_x, combined_topk_weights=combined_w,
                 local_direct=int(heuristics.combine_own_rows_direct()),
                 **self._normal_buffer_args(layout),

@@ -114,7 +114,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
          Param("const int*", "prefix_excl"), Param("const int*", "rank_prefix_matrix"),
          Param("const int*", "source_num_tokens"), Param("int", "num_tokens"), Param("int", "num_local_experts"),
-         Param("int", "num_send_blocks"), Param("int4*", "recv_x"), Param("uint32_t*", "recv_scales"),
+         Param("int4*", "recv_x"), Param("uint32_t*", "recv_scales"),
          Param(f"{topk_t}*", "recv_topk_idx"), Param("float*", "recv_topk_weights"), Param("int*", "recv_src_idx"),
          Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("const int*", "recv_first"),
          Param("int", "src_idx_base"), Param("int", "local_direct"),
@@ -134,7 +134,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int, send_warps: int = C
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
          Param("const int*", "send_head"),
-         Param("int", "num_tokens"), Param("int", "num_send_blocks"), Param("int4*", "combined_x"),
+         Param("int", "num_tokens"), Param("int4*", "combined_x"),
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
         + _BUFFERS + (Param("const int*", "signature"),) + _WAIT,
         DATA_THREADS, name="tokenyard::normal::combine",
