@@ -3,9 +3,8 @@
     python benchmarks/profile_normal.py [--num_ranks 4] [--sms 24]
 
 Prints, on rank 0, the average time of each kernel for a cached dispatch and a combine at the
-DeepSeek-V3 setting, for each share of sending blocks, with a rank's own rows written directly or
-through the buffer (heuristics.*_OWN_ROWS_DIRECT). A diagnostic for tuning; the figures that count are the
-benchmark's (python -m tokenyard.tools.bench).
+DeepSeek-V3 setting, and where the host's time of those calls goes. A diagnostic; the figures that count are
+the benchmark's (python -m tokenyard.tools.bench), and the launch choices are swept by `run_device.sh tuning`.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ def _profile(num_sms: int, num_tokens: int):
     from torch.profiler import ProfilerActivity, profile
 
     from tokenyard import Buffer, Config
-    from tokenyard.backends.cuda import heuristics
     from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
@@ -69,31 +67,17 @@ def _profile(num_sms: int, num_tokens: int):
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
     lines.append("--- cProfile of 20 cached dispatch + combine calls (host) ---")
     lines += [line for line in text.getvalue().splitlines() if line.strip()][-16:]
-    variants = [(share, share, direct, chunk) for direct in (True, False) for share in (1 / 2, 1 / 3)
-                for chunk in (8, 32)]
-    for dispatch_share, combine_share, direct, chunk in variants:
-        heuristics.DISPATCH_SEND_SHARE, heuristics.DISPATCH_SEND_SHARE_BY_RANKS = dispatch_share, {}
-        heuristics.COMBINE_SEND_SHARE, heuristics.COMBINE_SEND_SHARE_BY_RANKS = combine_share, {}
-        heuristics.DISPATCH_OWN_ROWS_DIRECT = heuristics.COMBINE_OWN_ROWS_DIRECT = direct
-        heuristics.DISPATCH_CHUNK_TOKENS = chunk
-        for _ in range(3):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            dist.barrier()
             buffer.dispatch(x, handle=handle)
+            dist.barrier()
             buffer.combine(y, handle)
         torch.cuda.synchronize()
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                dist.barrier()
-                buffer.dispatch(x, handle=handle)
-                dist.barrier()
-                buffer.combine(y, handle)
-            torch.cuda.synchronize()
-        lines.append(f"--- send share {dispatch_share:.2f} (dispatch) {combine_share:.2f} (combine), own rows "
-                     f"{'direct' if direct else 'through the buffer'}, chunks of {chunk} tokens, {num_sms} SMs, "
-                     f"rank {rank} ---")
-        for event in prof.key_averages():
-            if event.device_time_total > 0 and "nccl" not in event.key.lower():
-                lines.append(f"{event.key[:60]:60s} {event.count:4d} x {event.device_time_total / max(event.count, 1):9.1f} us")
+    lines.append(f"--- kernels at {num_sms} SMs, rank {rank} ---")
+    for event in prof.key_averages():
+        if event.device_time_total > 0 and "nccl" not in event.key.lower():
+            lines.append(f"{event.key[:60]:60s} {event.count:4d} x {event.device_time_total / max(event.count, 1):9.1f} us")
     buffer.destroy()
     return "\n".join(lines)
 

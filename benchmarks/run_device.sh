@@ -4,7 +4,7 @@
 # 24 SMs, 2 ranks, a token sweep) and the per-kernel profile; the diagnostics (Python-side cost per call,
 # ways of writing to the peers). Logs and JSON go to $OUT.
 #
-#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|low_latency|bench|diagnostics|shares|all]
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [tests|low_latency|bench|diagnostics|tuning|all]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [ep8_tests|ep8_bench]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh one_gpu
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh host_cost
@@ -37,7 +37,7 @@
 # `faults` (under MPS, issue 23) runs tests/gpu/test_faults.py at 4 ranks on the GPUs there are, then records
 # the same scenarios on the CUDA backend (benchmarks/faults.py: faults_cuda.json).
 #
-# `shares` (not part of `all`) times the normal-mode kernels at several shares of sending blocks
+# `tuning` (not part of `all`) times the normal-mode kernels at the defaults and their neighbours
 # (TOKENYARD_TUNING), to choose heuristics.py's defaults.
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
@@ -155,16 +155,23 @@ if [ "$what" = ep8_bench ]; then
         --json "$out/low_latency_phases_ep8.json" 2>&1 | tail -24
     timeout 100 python3 benchmarks/bounded.py --num_ranks 8 --json "$out/bounded_ep8.json" 2>&1 | tail -10
 fi
-if [ "$what" = shares ]; then
-    # Dispatch and combine are separate kernels, so each run times one share of each: at 24 SMs, 12-17
-    # dispatch senders against 6-12 combine senders (the extra 0.0001 keeps int(24 * share) exact).
-    for shares in 0.5,0.25 0.5834,0.2917 0.625,0.3334 0.6667,0.4167 0.7084,0.5; do
-        tuning="dispatch_share=${shares%,*},combine_share=${shares#*,}"
-        echo "TOKENYARD_TUNING=$tuning"
-        TOKENYARD_TUNING="$tuning" timeout 100 python3 -m tokenyard.tools.bench --quiet --num_sms 24 \
-            --mode normal --backends cuda --json "$out/shares_${shares/,/_}.json" 2>&1 \
-            | grep -E "tokenyard .*kernel|copy limit"
+if [ "$what" = tuning ]; then
+    # The normal-mode kernels at 8 and 24 SMs, at the defaults and at each TOKENYARD_TUNING variant (the
+    # defaults' neighbours: send warps of dispatch and combine, whole tail pieces, own rows through the buffer);
+    # with TOKENYARD_BEFORE, the kernels of that commit first (in_tree). benchmarks/tuning_table.py prints one
+    # table of them.
+    compare="python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda --sm_counts 8,24"
+    if [ -n "${TOKENYARD_BEFORE:-}" ]; then
+        in_tree before timeout 150 $compare --json "$out/tuning_before.json" > "$out/tuning_before.log" 2>&1
+    fi
+    timeout 150 $compare --json "$out/tuning_defaults.json" > "$out/tuning_defaults.log" 2>&1
+    for tuning in ${TOKENYARD_TUNING_VARIANTS:-dispatch_send_warps=8 dispatch_send_warps=10 dispatch_send_warps=14 \
+                  combine_send_warps=2 combine_send_warps=4 dispatch_tail=8 dispatch_own_rows_direct=0 \
+                  combine_own_rows_direct=0}; do
+        TOKENYARD_TUNING="$tuning" timeout 100 $compare --json "$out/tuning_${tuning/=/_}.json" \
+            > "$out/tuning_${tuning/=/_}.log" 2>&1
     done
+    python3 benchmarks/tuning_table.py "$out"/tuning_*.json
 fi
 if [ "$what" = host_cost ]; then
     # Issue 24's figures: one rank per GPU there is (one on nvidia-h100-x1).

@@ -59,20 +59,18 @@ def _parse_count(text: str) -> int:
 
 # TOKENYARD_TUNING: what each key overrides in tokenyard/backends/cuda/heuristics.py, and how it is read.
 TUNING_KEYS = {
-    "dispatch_share": _parse_share,            # share of a normal dispatch's blocks that send
-    "combine_share": _parse_share,             # share of a normal combine's blocks that send
     "dispatch_own_rows_direct": _parse_bool,   # DISPATCH_OWN_ROWS_DIRECT
     "combine_own_rows_direct": _parse_bool,    # COMBINE_OWN_ROWS_DIRECT
     "dispatch_tail": _parse_count,             # DISPATCH_TAIL_TOKENS
     "low_latency_local_share": _parse_share,   # low_latency_local_blocks: share of the grid for the own rank
-    "dispatch_send_warps": _parse_count,       # kernels.DISPATCH_SEND_WARPS
-    "combine_send_warps": _parse_count,        # kernels.COMBINE_SEND_WARPS
+    "dispatch_send_warps": _parse_count,       # DISPATCH_SEND_WARPS
+    "combine_send_warps": _parse_count,        # COMBINE_SEND_WARPS
 }
 
 
 def _parse_tuning(text: str) -> tuple:
-    """"dispatch_share=0.625,dispatch_own_rows_direct=0" -> (("dispatch_share", 0.625), ("dispatch_own_rows_direct",
-    False))."""
+    """"dispatch_send_warps=10,dispatch_own_rows_direct=0" -> (("dispatch_send_warps", 10),
+    ("dispatch_own_rows_direct", False))."""
     pairs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition("=")

@@ -5,12 +5,10 @@ import pytest
 from tokenyard.backends.cuda import heuristics
 
 
-def test_data_grid_splits_the_allowed_sms_and_keeps_one_block_of_each_role():
-    assert heuristics.data_grid(24, 132, 0.5) == heuristics.DataGrid(24, 12)
-    assert heuristics.data_grid(24, 132, 2 / 3) == heuristics.DataGrid(24, 16)
-    assert heuristics.data_grid(200, 132, 0.5) == heuristics.DataGrid(132, 66)   # never more than the GPU has
-    assert heuristics.data_grid(1, 132, 0.5) == heuristics.DataGrid(2, 1)        # one sender, one receiver
-    assert heuristics.data_grid(4, 132, 0.99) == heuristics.DataGrid(4, 3)
+def test_data_blocks_take_one_block_per_allowed_sm_and_at_least_two():
+    assert heuristics.data_blocks(24, 132) == 24
+    assert heuristics.data_blocks(200, 132) == 132   # never more than the GPU has
+    assert heuristics.data_blocks(1, 132) == 2
 
 
 def test_layout_grid_covers_every_token_with_at_most_one_block_per_sm():
@@ -30,7 +28,7 @@ def test_low_latency_blocks_give_every_peer_a_group_and_the_own_rank_half_a_shar
         heuristics.low_latency_local_blocks(7, 8)
     for num_ranks in (1, 2, 4, 8):  # the fewest SMs the CUDA backend accepts serve both modes' grids
         fewest = heuristics.fewest_sms(num_ranks)
-        assert heuristics.data_grid(24, fewest, 0.5).num_blocks == fewest == max(2, num_ranks)
+        assert heuristics.data_blocks(24, fewest) == fewest == max(2, num_ranks)
         assert 1 <= heuristics.low_latency_local_blocks(fewest, num_ranks) <= fewest - (num_ranks - 1)
     tokenyard_env("TOKENYARD_TUNING", "low_latency_local_share=0.25")
     assert heuristics.low_latency_local_blocks(132, 4) == 33
@@ -40,33 +38,32 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     from tokenyard import env
 
     tokenyard_env("TOKENYARD_TUNING", None)
-    assert heuristics.dispatch_send_share(2) == heuristics.DISPATCH_SEND_SHARE_BY_RANKS[2]
-    assert heuristics.dispatch_send_share(5) == heuristics.DISPATCH_SEND_SHARE
-    assert heuristics.combine_send_share(2) == heuristics.COMBINE_SEND_SHARE_BY_RANKS[2]
-    assert heuristics.combine_send_share(4) == heuristics.COMBINE_SEND_SHARE
-    assert heuristics.data_grid(24, 132, heuristics.combine_send_share(4)).num_send_blocks == 9
-    assert heuristics.combine_send_share(8) == heuristics.COMBINE_SEND_SHARE_BY_RANKS[8]
-    assert heuristics.data_grid(24, 132, heuristics.combine_send_share(8)).num_send_blocks == 12
+    assert heuristics.dispatch_send_warps(16) == heuristics.DISPATCH_SEND_WARPS
+    assert heuristics.combine_send_warps(16) == heuristics.COMBINE_SEND_WARPS
     assert heuristics.combine_own_rows_direct() is heuristics.COMBINE_OWN_ROWS_DIRECT
     flipped = "off" if heuristics.COMBINE_OWN_ROWS_DIRECT else "on"
-    tokenyard_env("TOKENYARD_TUNING", f"dispatch_share=0.625, combine_share=0.25,combine_own_rows_direct={flipped}")
-    assert (heuristics.dispatch_send_share(2), heuristics.combine_send_share(4)) == (0.625, 0.25)
+    tokenyard_env("TOKENYARD_TUNING", f"dispatch_send_warps=5, combine_send_warps=7,combine_own_rows_direct={flipped}")
+    assert (heuristics.dispatch_send_warps(16), heuristics.combine_send_warps(16)) == (5, 7)
     assert heuristics.combine_own_rows_direct() is not heuristics.COMBINE_OWN_ROWS_DIRECT
     assert heuristics.dispatch_own_rows_direct() is heuristics.DISPATCH_OWN_ROWS_DIRECT  # not overridden
-    for bad in ("dispatch_share=1.0", "share=0.5", "combine_own_rows_direct", "combine_own_rows_direct=maybe"):
+    tokenyard_env("TOKENYARD_TUNING", "combine_send_warps=16")  # a block of 16 warps keeps one to reduce
+    with pytest.raises(ValueError, match="1 to 15 sending warps"):
+        heuristics.combine_send_warps(16)
+    for bad in ("dispatch_send_warps=0", "share=0.5", "low_latency_local_share=1.0", "combine_own_rows_direct",
+                "combine_own_rows_direct=maybe"):
         tokenyard_env("TOKENYARD_TUNING", bad)
         with pytest.raises(ValueError, match="TOKENYARD_TUNING"):
             env.settings()
 
 
-def test_the_sm_model_gives_the_fewest_even_sms_whose_split_fills_nvlink():
-    # NOTE [SM model]: 300 / 40 -> 8 senders; 3/8 of 22 SMs is 8, of 21 only 7
-    assert heuristics.theoretical_num_sms(4) == 22
-    assert heuristics.data_grid(22, 132, 3 / 8).num_send_blocks == 8
-    assert heuristics.data_grid(21, 132, 3 / 8).num_send_blocks == 7
-    assert heuristics.theoretical_num_sms(2) == 24           # the combine sends from a third of 24
-    assert heuristics.theoretical_num_sms(4, sm_write_gbs=50) == 16
-    assert heuristics.theoretical_num_sms(4, sm_read_gbs=10) > 22  # receivers that cannot keep up need SMs too
+def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():
+    model = heuristics.theoretical_num_sms(4)
+    sending = heuristics.NVLINK_GBS / heuristics.SM_WRITE_GBS  # NOTE [SM model]: every block sends and receives
+    assert model % 2 == 0 and model - 2 < sending <= model
+    assert heuristics.theoretical_num_sms(2) == heuristics.theoretical_num_sms(8) == model  # NVLink alike
+    assert heuristics.theoretical_num_sms(4, nvlink_gbs=300, sm_write_gbs=50) == 6
+    assert heuristics.theoretical_num_sms(4, nvlink_gbs=300, sm_write_gbs=50, sm_read_gbs=10) == 30  # receiving
+    assert heuristics.theoretical_num_sms(8, nvlink_gbs=10, sm_write_gbs=50) == 8   # one block per peer at least
     for ranks in (2, 4, 8):
         counts = [heuristics.theoretical_num_sms(ranks, nvlink_gbs=g) for g in (100, 200, 300, 450)]
         assert counts == sorted(counts) and all(c % 2 == 0 and c >= heuristics.fewest_sms(ranks) for c in counts)
@@ -75,7 +72,7 @@ def test_the_sm_model_gives_the_fewest_even_sms_whose_split_fills_nvlink():
 
 
 def test_the_sm_model_sits_at_the_knee_of_the_committed_sweep():
-    """benchmarks/results/sm_model.json (4 H200s): the measured count below the model's has not filled NVLink
+    """benchmarks/results/sm_model.json: the measured count below the model's has not filled NVLink
     (under 95% of the best kernel bandwidth), the first at or above it has (within 5%)."""
     import json
     import pathlib

@@ -306,11 +306,11 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                          workspace.normal_dispatch_row_bytes(data_bytes, m.num_scales * 4, m.num_topk))
         # The data kernel's shape is decided (and refused) before any kernel runs; where the CPU must wait for
         # the counts to size the outputs, the data kernel is the second plan's, launched after the wait.
-        grid = heuristics.data_grid(m.num_sms, self.device_sms, heuristics.dispatch_send_share(num_ranks))
+        num_blocks = heuristics.data_blocks(m.num_sms, self.device_sms)
         makes_outputs = m.placed_rows is None
         cpu_wait = not m.cached and m.num_rows is None and makes_outputs
-        send_warps = heuristics.tuned("dispatch_send_warps", kernels.DISPATCH_SEND_WARPS)
-        num_send_warps = grid.num_blocks * send_warps
+        send_warps = heuristics.dispatch_send_warps(kernels.DATA_THREADS // 32)
+        num_send_warps = num_blocks * send_warps
         chunk_tokens, tail_tokens = heuristics.DISPATCH_CHUNK_TOKENS, heuristics.dispatch_tail_tokens()
         slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens)
         if slots > layout.max_chunks:  # whole chunks to the end (NOTE [tail pieces]); alike on every rank
@@ -367,7 +367,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             def made(ref):  # an output of the first plan, seen from `b`
                 return ref if made_by_first or ref == 0 else b.inp(first.outputs[ref.index][0])
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
-            b.launch(kernel, grid.num_blocks, dict(
+            b.launch(kernel, num_blocks, dict(
                 x=b.inp("x"), x_scales=b.inp("x_scales"), scale_token_stride=m.scale_strides[0],
                 scale_hidden_stride=m.scale_strides[1], topk_idx=b.inp("topk_idx"),
                 topk_weights=b.inp("topk_weights") if m.with_weights else 0,
@@ -486,7 +486,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             num_ranks = self.ctx.num_ranks
             layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
                                              workspace.normal_combine_row_bytes(hidden, num_topk))
-            grid = heuristics.data_grid(num_sms, self.device_sms, heuristics.combine_send_share(num_ranks))
+            num_blocks = heuristics.data_blocks(num_sms, self.device_sms)
             b = self._builder(COMBINE_INPUTS)
             if placed:
                 combined_x, combined_w = b.inp("combined_x"), b.inp("combined_topk_weights")
@@ -495,8 +495,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 combined_x = b.part(whole, "combined_x", (num_tokens, hidden), torch.bfloat16)
                 combined_w = b.part(whole, "combined_topk_weights", (num_tokens, num_topk), torch.float32) \
                     if num_topk else 0
-            send_warps = heuristics.tuned("combine_send_warps", kernels.COMBINE_SEND_WARPS)
-            b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps)), grid.num_blocks, dict(
+            send_warps = heuristics.combine_send_warps(kernels.DATA_THREADS // 32)
+            b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps)), num_blocks, dict(
                 x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),
                 rank_prefix_matrix=b.inp("rank_prefix_matrix"), recv_first=b.inp("recv_first"),
                 send_head=b.inp("send_head"), num_tokens=num_tokens,

@@ -2,48 +2,44 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
 from ... import env
 
 
-@dataclasses.dataclass(frozen=True)
-class DataGrid:
-    num_blocks: int
-    num_send_blocks: int
+def data_blocks(num_sms: int, device_sms: int) -> int:
+    """Blocks of a dispatch or combine kernel: one per SM allowed, at least 2, each sending and receiving
+    (NOTE [dispatch roles], NOTE [combine roles]). Example: 24 SMs -> 24 blocks."""
+    return max(2, min(num_sms, device_sms))
 
 
-def data_grid(num_sms: int, device_sms: int, send_share: float) -> DataGrid:
-    """Blocks of a dispatch or combine kernel: one per SM allowed, `send_share` of them sending.
-
-    Example: 24 SMs at 1/2 -> 12 senders and 12 receivers (dispatch) or reducers (combine).
-    """
-    blocks = max(2, min(num_sms, device_sms))
-    senders = max(1, int(blocks * send_share))
-    return DataGrid(blocks, min(senders, blocks - 1))
+# The warps of each data-kernel block that send (by TMA bulk copies, NOTE [warp stages]); its other warps
+# receive (dispatch) or reduce (combine). The fastest at 8 SMs of the counts swept, and no slower at 24
+# (benchmarks/results/normal_tuning.md).
+DISPATCH_SEND_WARPS = 12
+COMBINE_SEND_WARPS = 3
 
 
-# Shares of sending blocks at 24 SMs: per rank count, the fastest of the shares swept
-# (benchmarks/results/send_share.md).
-DISPATCH_SEND_SHARE_BY_RANKS = {2: 2 / 3}
-DISPATCH_SEND_SHARE = 3 / 8   # any other number of ranks
-COMBINE_SEND_SHARE_BY_RANKS = {2: 1 / 3, 8: 1 / 2}
-COMBINE_SEND_SHARE = 3 / 8    # any other number of ranks
+def _send_warps(key: str, default: int, block_warps: int) -> int:
+    warps = tuned(key, default)
+    if not 1 <= warps < block_warps:
+        raise ValueError(f"TOKENYARD_TUNING {key}={warps}: a block of {block_warps} warps needs 1 to "
+                         f"{block_warps - 1} sending warps")
+    return warps
 
 
-def dispatch_send_share(num_ranks: int) -> float:
-    return tuned("dispatch_share", DISPATCH_SEND_SHARE_BY_RANKS.get(num_ranks, DISPATCH_SEND_SHARE))
+def dispatch_send_warps(block_warps: int) -> int:
+    return _send_warps("dispatch_send_warps", DISPATCH_SEND_WARPS, block_warps)
 
 
-def combine_send_share(num_ranks: int) -> float:
-    return tuned("combine_share", COMBINE_SEND_SHARE_BY_RANKS.get(num_ranks, COMBINE_SEND_SHARE))
+def combine_send_warps(block_warps: int) -> int:
+    return _send_warps("combine_send_warps", COMBINE_SEND_WARPS, block_warps)
 
 
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS), and
 # the same for the last DISPATCH_CHUNK_TOKENS of its range (NOTE [tail pieces] in kernels/dispatch.cuh): the
-# smallest pieces that were faster (benchmarks/results/send_share.md).
+# smallest pieces that were faster (benchmarks/results/normal_tuning.md).
 DISPATCH_CHUNK_TOKENS = 8
 DISPATCH_TAIL_TOKENS = 2
 
@@ -54,7 +50,7 @@ def dispatch_tail_tokens() -> int:
 
 # Whether a token's row for its own rank skips the buffer: dispatch senders write it into the outputs,
 # combine reducers read it from the expert output (NOTE [dispatch roles], NOTE [combine roles]). On: the cached
-# dispatch was faster so and the combine no slower (benchmarks/results/send_share.md).
+# dispatch was faster so and the combine no slower (benchmarks/results/normal_tuning.md).
 DISPATCH_OWN_ROWS_DIRECT = True
 COMBINE_OWN_ROWS_DIRECT = True
 
@@ -95,25 +91,22 @@ def tuned(key: str, default):
 
 
 def fewest_sms(num_ranks: int) -> int:
-    """The fewest SMs a rank's kernels work with: two blocks of a normal-mode kernel (a sender and a
-    receiver or reducer), and in low-latency mode one block for the own rank and one per peer
+    """The fewest SMs a rank's kernels work with: two blocks of a normal-mode kernel (data_blocks), and in
+    low-latency mode one block for the own rank and one per peer
     (low_latency_local_blocks)."""
     return max(2, num_ranks)
 
 
 # NOTE [SM model]
-# How many SMs a normal-mode kernel needs before more stop helping (DeepEP V2's get_theoretical_num_sms). A
-# kernel of n SMs gives int(n * share) blocks to senders, which write rows to the peers at about
-# `sm_write_gbs` each, and the rest to receivers (reducers in a combine), which copy rows out of the local
-# buffer at about `sm_read_gbs` each (data_grid). A GPU's NVLink carries about `nvlink_gbs` out of it. So the
-# senders fill NVLink from nvlink_gbs / sm_write_gbs of them on, and the receivers keep up from
-# nvlink_gbs / sm_read_gbs: n is the fewest SMs whose split gives both, under the dispatch's share and the
-# combine's, rounded up to even (DeepEP's SM counts are even). Example, 4 ranks at the defaults: 8 senders
-# and 2 receivers; a share of 3/8 gives 8 senders from 22 SMs on, for both kernels: 22.
+# How many SMs a normal-mode kernel needs before more stop helping (DeepEP V2's get_theoretical_num_sms). Every
+# block of a kernel of n SMs sends rows to the peers, at about `sm_write_gbs` per SM, and copies the rows that
+# arrive out of the local buffer (reduces them, in a combine) at about `sm_read_gbs` per SM (data_blocks). A
+# GPU's NVLink carries about `nvlink_gbs` out of it. So n is the fewest SMs whose sending fills NVLink and whose
+# receiving keeps up, rounded up to even (DeepEP's SM counts are even). Example at the defaults: 300 / 14 -> 22.
 # The figures: a sending SM's from the SM sweep where NVLink was not yet full, NVLink's from the copy limits
 # measured on 2, 4 and 8 GPUs, a receiving SM's DeepEP V2's (not measured alone here);
-# benchmarks/results/sm_model.md gives where each comes from and sets the model beside the sweeps.
-SM_WRITE_GBS = 40.0
+# benchmarks/results/sm_model.md gives where each comes from and sets the model beside the sweep.
+SM_WRITE_GBS = 14.0
 SM_READ_GBS = 200.0
 NVLINK_GBS = 300.0
 
@@ -123,20 +116,11 @@ def theoretical_num_sms(num_ranks: int, nvlink_gbs: float = NVLINK_GBS, sm_write
                         sm_read_gbs: float = SM_READ_GBS) -> int:
     """NOTE [SM model]: the SMs at which the normal-mode kernels of `num_ranks` ranks fill NVLink.
 
-    Example: 4 ranks -> 22; 2 ranks -> 24 (the combine sends from a third of its blocks).
+    Example: 4 ranks -> 22; with sm_write_gbs=50 -> 6 (NVLink full from 6 senders).
     """
     if min(nvlink_gbs, sm_write_gbs, sm_read_gbs) <= 0:
         raise ValueError("the SM model's rates must be positive")
-    senders, receivers = math.ceil(nvlink_gbs / sm_write_gbs), math.ceil(nvlink_gbs / sm_read_gbs)
-    need = fewest_sms(num_ranks)
-    for share in (dispatch_send_share(num_ranks), combine_send_share(num_ranks)):
-        n = max(need, math.floor(senders / share))
-        while True:
-            grid = data_grid(n, n, share)
-            if grid.num_send_blocks >= senders and grid.num_blocks - grid.num_send_blocks >= receivers:
-                break
-            n += 1
-        need = max(need, n)
+    need = max(fewest_sms(num_ranks), math.ceil(nvlink_gbs / sm_write_gbs), math.ceil(nvlink_gbs / sm_read_gbs))
     return need + need % 2
 
 

@@ -13,6 +13,7 @@ import torch
 from ...jit import KernelSpec, Param
 from ...plan import headers, workspace
 from ..collectives import SIGNATURE_INTS
+from . import heuristics
 
 LAYOUT_THREADS = 256
 NOTIFY_THREADS = 512
@@ -21,10 +22,12 @@ LOW_LATENCY_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
 NORMAL_MAX_TOPK = headers.constant("types.cuh", "kWarpSize")  # the normal-mode kernels: a lane per top-k entry
 JUDGE_WINDOW = 8192  # tokens the notify kernel judges at once (a shared byte each, NOTE [input verdict])
-# NOTE [warp stages] (include/tokenyard/staging.cuh): each warp of a normal-mode data kernel moves rows through
-# DATA_STAGES stages of shared memory, as large as a row's data or as the block's share allows (sm_90 gives a block
-# up to 227 KiB; SHARED_RESERVE of it is left to the kernels' static shared variables).
-DATA_STAGES = 2
+# NOTE [warp stages] (include/tokenyard/staging.cuh): each sending warp of a normal-mode data kernel moves rows
+# through DISPATCH_STAGES or COMBINE_STAGES stages of shared memory, as large as a row's data or as the warp's part
+# of the block's allows (sm_90 gives a block up to 227 KiB; SHARED_RESERVE of it is left to the kernels' static
+# shared variables).
+DISPATCH_STAGES = 4
+COMBINE_STAGES = 4
 SM90_MAX_SHARED = 227 << 10
 SHARED_RESERVE = 1 << 10
 
@@ -41,24 +44,16 @@ def topk_ctype(dtype: torch.dtype) -> str:
     return _TOPK_CTYPES[dtype]
 
 
-def data_stage_bytes(row_bytes: int, warps: int = DATA_THREADS // 32, stages: int = DATA_STAGES) -> int:
-    """A stage of a data kernel's warp (NOTE [warp stages]): a row of `row_bytes` (a multiple of 16) in one piece
-    where the block's shared memory allows it, shared by `warps` warps of `stages` stages. Example: at 16 warps a
-    warp gets 14.4 KiB, so 2 stages of 7168 bytes (an FP8 row of hidden 7168 in one piece, a BF16 one in two)."""
+def data_stage_bytes(row_bytes: int, warps: int, stages: int) -> int:
+    """A stage of a data kernel's sending warp (NOTE [warp stages]): a row of `row_bytes` (a multiple of 16) in one
+    piece where the block's shared memory allows it, shared by `warps` warps of `stages` stages. Example: 3 warps
+    of 4 stages get stages of 14336 bytes (a BF16 row of hidden 7168 in one piece), 12 warps stages of 4800."""
     per_warp = (SM90_MAX_SHARED - SHARED_RESERVE) // warps
     return min(row_bytes, (per_warp // stages - 8) // 16 * 16)
 
 
-def data_shared_bytes(stage_bytes: int, warps: int = DATA_THREADS // 32, stages: int = DATA_STAGES) -> int:
+def data_shared_bytes(stage_bytes: int, warps: int, stages: int) -> int:
     return warps * stages * (stage_bytes + 8)
-
-
-# The combine's sending warps in every block (the others reduce), each with COMBINE_STAGES stages; the dispatch's
-# likewise (the others receive).
-COMBINE_SEND_WARPS = 4
-COMBINE_STAGES = 4
-DISPATCH_SEND_WARPS = 8
-DISPATCH_STAGES = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,11 +92,12 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
 @functools.lru_cache(maxsize=None)
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
-             all_weights: bool = False, send_warps: int = DISPATCH_SEND_WARPS) -> KernelSpec:
+             all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
-    weight arrives (DeepEP V2), not only the local slots'."""
+    weight arrives (DeepEP V2), not only the local slots'; `send_warps`: a block's warps that send (the others
+    receive)."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
     stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, DISPATCH_STAGES)
@@ -125,7 +121,9 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 
 
 @functools.lru_cache(maxsize=None)
-def combine(num_ranks: int, hidden_int4: int, num_topk: int, send_warps: int = COMBINE_SEND_WARPS) -> KernelSpec:
+def combine(num_ranks: int, hidden_int4: int, num_topk: int,
+            send_warps: int = heuristics.COMBINE_SEND_WARPS) -> KernelSpec:
+    """`send_warps`: a block's warps that send (the others reduce)."""
     stage_bytes = data_stage_bytes(hidden_int4 * 16, send_warps, COMBINE_STAGES)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
