@@ -72,18 +72,20 @@ def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():
 
 
 def test_the_sm_model_sits_at_the_knee_of_the_committed_sweep():
-    """benchmarks/results/sm_model.json: the measured count below the model's has not filled NVLink
-    (under 95% of the best kernel bandwidth), the first at or above it has (within 5%)."""
+    """benchmarks/results/sm_model.json: at the first measured count at or above the model's, every kernel has
+    filled NVLink (within 5% of its best bandwidth); at the last below it, some kernel had not."""
     import json
     import pathlib
 
     sweep = json.loads((pathlib.Path(__file__).parents[2] / "benchmarks/results/sm_model.json").read_text())
     model = heuristics.theoretical_num_sms(sweep["num_ranks"])
     rows = sorted(sweep["compare_sm"]["tokenyard"], key=lambda row: row["num_sms"])
+    filled = {}
     for kernel in ("dispatch_kernel", "dispatch_cached_kernel", "combine_kernel"):
         gbps = {row["num_sms"]: row[kernel]["nvlink_gbps"] for row in rows}
         best = max(gbps.values())
         below = [n for n in gbps if n < model]
         at = min(n for n in gbps if n >= model)
-        assert gbps[max(below)] < 0.95 * best, (kernel, max(below), gbps)
+        filled[kernel] = gbps[max(below)] >= 0.95 * best
         assert gbps[at] >= 0.95 * best, (kernel, at, gbps)
+    assert not all(filled.values()), (max(below), filled)

@@ -102,11 +102,12 @@ def fewest_sms(num_ranks: int) -> int:
 # block of a kernel of n SMs sends rows to the peers, at about `sm_write_gbs` per SM, and copies the rows that
 # arrive out of the local buffer (reduces them, in a combine) at about `sm_read_gbs` per SM (data_blocks). A
 # GPU's NVLink carries about `nvlink_gbs` out of it. So n is the fewest SMs whose sending fills NVLink and whose
-# receiving keeps up, rounded up to even (DeepEP's SM counts are even). Example at the defaults: 300 / 14 -> 22.
-# The figures: a sending SM's from the SM sweep where NVLink was not yet full, NVLink's from the copy limits
+# receiving keeps up, rounded up to even (DeepEP's SM counts are even). Example at the defaults: 300 / 11 -> 28.
+# The figures: a sending SM's from the SM sweep where NVLink was not yet full (the slowest kernel's at 8 SMs),
+# NVLink's from the copy limits
 # measured on 2, 4 and 8 GPUs, a receiving SM's DeepEP V2's (not measured alone here);
 # benchmarks/results/sm_model.md gives where each comes from and sets the model beside the sweep.
-SM_WRITE_GBS = 14.0
+SM_WRITE_GBS = 11.0
 SM_READ_GBS = 200.0
 NVLINK_GBS = 300.0
 
@@ -116,7 +117,7 @@ def theoretical_num_sms(num_ranks: int, nvlink_gbs: float = NVLINK_GBS, sm_write
                         sm_read_gbs: float = SM_READ_GBS) -> int:
     """NOTE [SM model]: the SMs at which the normal-mode kernels of `num_ranks` ranks fill NVLink.
 
-    Example: 4 ranks -> 22; with sm_write_gbs=50 -> 6 (NVLink full from 6 senders).
+    Example: 4 ranks -> 28; with sm_write_gbs=50 -> 6 (NVLink full from 6 sending SMs).
     """
     if min(nvlink_gbs, sm_write_gbs, sm_read_gbs) <= 0:
         raise ValueError("the SM model's rates must be positive")

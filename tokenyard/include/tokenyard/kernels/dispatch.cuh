@@ -10,18 +10,18 @@
 namespace tokenyard::kernels {
 
 // NOTE [dispatch roles]
-// Warps [0, kSendWarps) of every block send; the block's other warps receive, so that every SM's copy engine
-// stores to the peers (the senders' TMA copies) while its load/store units copy rows out (the receivers'). Work is
-// split per warp, never per block, so no warp waits for another: a sender warp takes a contiguous range of tokens (NOTE [sender ranges]) and, piece
-// by piece of at most kChunkTokens tokens, copies each token to every rank it goes to (one read of x, up
-// to kNumRanks writes) into row prefix_excl[t][dest] of this rank's region in rank dest's buffer, then
-// publishes, in the piece's slot at each destination, the row range it filled and the call's sequence
-// number (release, after a system fence). A row's data moves by TMA bulk copies, global -> shared -> every
-// destination, lane 0 driving the warp's stages (NOTE [warp stages] in staging.cuh), while the lanes write its
-// tail. Receiver warps take (piece, sender warp, source) items
-// piece-major, following the senders' progress. A receiver waits for the slot, then copies its rows to
-// the output rows that follow the rows of lower source ranks (rank_prefix_matrix), turning the metadata
-// into recv_topk_idx / recv_topk_weights / recv_src_idx (the data by the warp's stages again, a local copy).
+// Warps [0, kSendWarps) of every block send; the block's other warps receive, so that every SM's copy engine stores
+// to the peers (the senders' TMA copies) while its load/store units copy rows out (the receivers'). Work is split
+// per warp, never per block, so no warp waits for another: a sender warp takes a contiguous range of tokens (NOTE
+// [sender ranges]) and, piece by piece of at most kChunkTokens tokens, copies each token to every rank it goes to
+// (one read of x, up to kNumRanks writes) into row prefix_excl[t][dest] of this rank's region in rank dest's buffer,
+// then publishes, in the piece's slot at each destination, the row range it filled and the call's sequence number
+// (release, after a system fence). A row's data moves by TMA bulk copies, global -> shared -> every destination,
+// lane 0 driving the warp's stages (NOTE [warp stages] in staging.cuh), while the lanes write its tail. Receiver
+// warps take (piece, sender warp, source) items piece-major, following the senders' progress. A receiver waits for
+// the slot, then copies its rows to the output rows that follow the rows of lower source ranks (rank_prefix_matrix),
+// turning the metadata into recv_topk_idx / recv_topk_weights / recv_src_idx (the data by its load/store units, a
+// batch of loads before their stores).
 // A token's row for this rank itself skips the buffer when `local_direct` is set: the sender writes it
 // straight into the outputs (row rank_prefix_matrix[rank - 1][rank] + prefix_excl[t][rank], metadata in
 // its final form) and the receivers skip their own source, a quarter of their rows
