@@ -220,7 +220,8 @@ if [ "$what" = compat ]; then
         | tee "$out/compat_4ranks.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -30
 fi
 if [ "$what" = sanitizer ]; then
-    # Issue 56: PyTorch's CUDA sanitizer (CSAN) over GPU test files at 2 ranks (sanitizer.log; on one GPU under MPS,
+    # Issue 56: PyTorch's CUDA sanitizer (CSAN) over GPU test files at 2 ranks, or at TOKENYARD_TEST_NUM_RANKS
+    # (sanitizer.log; on one GPU under MPS,
     # which changes nothing CSAN sees: the streams and events of each process): the arguments, else
     # the stream-heavy ones. It sees torch's own kernels and stream waits only: the kernels and waits tokenyard makes
     # through the driver are invisible to it (benchmarks/results/stream_stress.md). First a canary, a read on a side
@@ -238,7 +239,8 @@ with torch.cuda.stream(side):
 torch.cuda.synchronize()" > "$out/sanitizer_canary.log" 2>&1 \
         && echo "CSAN canary: NO report (the sanitizer is not active)" \
         || echo "CSAN canary: reported ($(grep -m1 -o 'CSAN detected a possible data race[^.]*' "$out/sanitizer_canary.log"))"
-    TORCH_CUDA_SANITIZER=1 TOKENYARD_TEST_NUM_RANKS=2 timeout "${TOKENYARD_SANITIZER_TIMEOUT_S:-90}" python3 -m pytest \
+    TORCH_CUDA_SANITIZER=1 TOKENYARD_TEST_NUM_RANKS="${TOKENYARD_TEST_NUM_RANKS:-2}" \
+        timeout "${TOKENYARD_SANITIZER_TIMEOUT_S:-90}" python3 -m pytest \
         -v -p no:cacheprovider "${files[@]}" 2>&1 \
         | tee "$out/sanitizer.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|CSAN|race" | tail -20
 fi
