@@ -49,6 +49,12 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     tokenyard_env("TOKENYARD_TUNING", "combine_send_warps=16")  # a block of 16 warps keeps one to reduce
     with pytest.raises(ValueError, match="1 to 15 sending warps"):
         heuristics.combine_send_warps(16)
+    assert (heuristics.dispatch_stages(), heuristics.combine_stages()) == (heuristics.DISPATCH_STAGES,
+                                                                          heuristics.COMBINE_STAGES)
+    tokenyard_env("TOKENYARD_TUNING", "dispatch_stages=2,combine_stages=5")  # WarpStages takes 2 to 4
+    assert heuristics.dispatch_stages() == 2
+    with pytest.raises(ValueError, match="2 to 4 stages"):
+        heuristics.combine_stages()
     for bad in ("dispatch_send_warps=0", "share=0.5", "low_latency_local_share=1.0", "combine_own_rows_direct",
                 "combine_own_rows_direct=maybe"):
         tokenyard_env("TOKENYARD_TUNING", bad)

@@ -320,7 +320,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             raise InvalidInputError(f"{num_send_warps} sending warps need {slots} chunk slots per source, more than "
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
-                                               chunk_tokens, tail_tokens, m.all_weights, send_warps))
+                                               chunk_tokens, tail_tokens, m.all_weights, send_warps,
+                                               heuristics.dispatch_stages()))
         rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
         own_rows_direct = heuristics.dispatch_own_rows_direct()
         T = m.num_tokens
@@ -496,7 +497,9 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 combined_w = b.part(whole, "combined_topk_weights", (num_tokens, num_topk), torch.float32) \
                     if num_topk else 0
             send_warps = heuristics.combine_send_warps(kernels.DATA_THREADS // 32)
-            b.launch(self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps)), num_blocks, dict(
+            kernel = self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps,
+                                                  heuristics.combine_stages()))
+            b.launch(kernel, num_blocks, dict(
                 x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),
                 rank_prefix_matrix=b.inp("rank_prefix_matrix"), recv_first=b.inp("recv_first"),
                 send_head=b.inp("send_head"), num_tokens=num_tokens,

@@ -29,6 +29,26 @@ def _send_warps(key: str, default: int, block_warps: int) -> int:
     return warps
 
 
+# The stages of shared memory per sending warp (NOTE [warp stages]; WarpStages takes 2 to 4).
+DISPATCH_STAGES = 4
+COMBINE_STAGES = 4
+
+
+def _stages(key: str, default: int) -> int:
+    stages = tuned(key, default)
+    if not 2 <= stages <= 4:
+        raise ValueError(f"TOKENYARD_TUNING {key}={stages}: a sending warp has 2 to 4 stages")
+    return stages
+
+
+def dispatch_stages() -> int:
+    return _stages("dispatch_stages", DISPATCH_STAGES)
+
+
+def combine_stages() -> int:
+    return _stages("combine_stages", COMBINE_STAGES)
+
+
 def dispatch_send_warps(block_warps: int) -> int:
     return _send_warps("dispatch_send_warps", DISPATCH_SEND_WARPS, block_warps)
 

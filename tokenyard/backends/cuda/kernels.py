@@ -23,11 +23,9 @@ CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk
 NORMAL_MAX_TOPK = headers.constant("types.cuh", "kWarpSize")  # the normal-mode kernels: a lane per top-k entry
 JUDGE_WINDOW = 8192  # tokens the notify kernel judges at once (a shared byte each, NOTE [input verdict])
 # NOTE [warp stages] (include/tokenyard/staging.cuh): each sending warp of a normal-mode data kernel moves rows
-# through DISPATCH_STAGES or COMBINE_STAGES stages of shared memory, as large as a row's data or as the warp's part
-# of the block's allows (sm_90 gives a block up to 227 KiB; SHARED_RESERVE of it is left to the kernels' static
-# shared variables).
-DISPATCH_STAGES = 4
-COMBINE_STAGES = 4
+# through its stages of shared memory (heuristics.DISPATCH_STAGES, COMBINE_STAGES), as large as a row's data or as
+# the warp's part of the block's allows (sm_90 gives a block up to 227 KiB; SHARED_RESERVE of it is left to the
+# kernels' static shared variables).
 SM90_MAX_SHARED = 227 << 10
 SHARED_RESERVE = 1 << 10
 
@@ -92,19 +90,20 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
 @functools.lru_cache(maxsize=None)
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
-             all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS) -> KernelSpec:
+             all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS,
+             stages: int = heuristics.DISPATCH_STAGES) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
     weight arrives (DeepEP V2), not only the local slots'; `send_warps`: a block's warps that send (the others
-    receive)."""
+    receive), each through `stages` stages."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
-    stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, DISPATCH_STAGES)
+    stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
-         "true" if all_weights else "false", DISPATCH_STAGES, stage_bytes, send_warps),
+         "true" if all_weights else "false", stages, stage_bytes, send_warps),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -117,17 +116,17 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int", "num_send_warps"))
         + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT,
         DATA_THREADS, name="tokenyard::normal::dispatch",
-        shared_bytes=data_shared_bytes(stage_bytes, send_warps, DISPATCH_STAGES))
+        shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))
 
 
 @functools.lru_cache(maxsize=None)
 def combine(num_ranks: int, hidden_int4: int, num_topk: int,
-            send_warps: int = heuristics.COMBINE_SEND_WARPS) -> KernelSpec:
-    """`send_warps`: a block's warps that send (the others reduce)."""
-    stage_bytes = data_stage_bytes(hidden_int4 * 16, send_warps, COMBINE_STAGES)
+            send_warps: int = heuristics.COMBINE_SEND_WARPS, stages: int = heuristics.COMBINE_STAGES) -> KernelSpec:
+    """`send_warps`: a block's warps that send (the others reduce), each through `stages` stages."""
+    stage_bytes = data_stage_bytes(hidden_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
-        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, COMBINE_STAGES, stage_bytes,
+        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, stages, stage_bytes,
          send_warps),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
@@ -136,7 +135,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int,
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
         + _BUFFERS + (Param("const int*", "signature"),) + _WAIT,
         DATA_THREADS, name="tokenyard::normal::combine",
-        shared_bytes=data_shared_bytes(stage_bytes, send_warps, COMBINE_STAGES))
+        shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))
 
 
 # What LowLatencyBuffers::of (layout.cuh) reads, and which half of the work a launch does.
