@@ -168,8 +168,8 @@ if [ "$what" = tuning ]; then
     for tuning in ${TOKENYARD_TUNING_VARIANTS:-dispatch_send_warps=8 dispatch_send_warps=10 dispatch_send_warps=14 \
                   combine_send_warps=2 combine_send_warps=4 dispatch_tail=8 dispatch_own_rows_direct=0 \
                   combine_own_rows_direct=0}; do
-        TOKENYARD_TUNING="$tuning" timeout 100 $compare --json "$out/tuning_${tuning/=/_}.json" \
-            > "$out/tuning_${tuning/=/_}.log" 2>&1
+        TOKENYARD_TUNING="$tuning" timeout 100 $compare --json "$out/tuning_${tuning//[=,]/_}.json" \
+            > "$out/tuning_${tuning//[=,]/_}.log" 2>&1
     done
     python3 benchmarks/tuning_table.py "$out"/tuning_*.json
 fi

@@ -29,7 +29,8 @@ def _send_warps(key: str, default: int, block_warps: int) -> int:
     return warps
 
 
-# The stages of shared memory per sending warp (NOTE [warp stages]; WarpStages takes 2 to 4).
+# The stages of shared memory per sending warp (NOTE [warp stages]; WarpStages takes 2 to 4): 2 and 4 were alike,
+# 3 slower for the dispatch (its pieces not lined up with rows) (benchmarks/results/normal_tuning.md).
 DISPATCH_STAGES = 4
 COMBINE_STAGES = 4
 
