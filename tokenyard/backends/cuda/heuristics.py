@@ -29,6 +29,14 @@ def _send_warps(key: str, default: int, block_warps: int) -> int:
     return warps
 
 
+def dispatch_send_warps(block_warps: int) -> int:
+    return _send_warps("dispatch_send_warps", DISPATCH_SEND_WARPS, block_warps)
+
+
+def combine_send_warps(block_warps: int) -> int:
+    return _send_warps("combine_send_warps", COMBINE_SEND_WARPS, block_warps)
+
+
 # The stages of shared memory per sending warp (NOTE [warp stages]; WarpStages takes 2 to 4): 2 and 4 were alike,
 # 3 slower for the dispatch (its pieces not lined up with rows) (benchmarks/results/normal_tuning.md).
 DISPATCH_STAGES = 4
@@ -48,14 +56,6 @@ def dispatch_stages() -> int:
 
 def combine_stages() -> int:
     return _stages("combine_stages", COMBINE_STAGES)
-
-
-def dispatch_send_warps(block_warps: int) -> int:
-    return _send_warps("dispatch_send_warps", DISPATCH_SEND_WARPS, block_warps)
-
-
-def combine_send_warps(block_warps: int) -> int:
-    return _send_warps("combine_send_warps", COMBINE_SEND_WARPS, block_warps)
 
 
 # Tokens a dispatch sender warp copies before it publishes them (a multiple of workspace.CHUNK_ROWS), and
@@ -113,8 +113,7 @@ def tuned(key: str, default):
 
 def fewest_sms(num_ranks: int) -> int:
     """The fewest SMs a rank's kernels work with: two blocks of a normal-mode kernel (data_blocks), and in
-    low-latency mode one block for the own rank and one per peer
-    (low_latency_local_blocks)."""
+    low-latency mode one block for the own rank and one per peer (low_latency_local_blocks)."""
     return max(2, num_ranks)
 
 
@@ -125,9 +124,8 @@ def fewest_sms(num_ranks: int) -> int:
 # GPU's NVLink carries about `nvlink_gbs` out of it. So n is the fewest SMs whose sending fills NVLink and whose
 # receiving keeps up, rounded up to even (DeepEP's SM counts are even). Example at the defaults: 300 / 11 -> 28.
 # The figures: a sending SM's from the SM sweep where NVLink was not yet full (the slowest kernel's at 8 SMs),
-# NVLink's from the copy limits
-# measured on 2, 4 and 8 GPUs, a receiving SM's DeepEP V2's (not measured alone here);
-# benchmarks/results/sm_model.md gives where each comes from and sets the model beside the sweep.
+# NVLink's from the copy limits measured on 2, 4 and 8 GPUs, a receiving SM's DeepEP V2's (not measured alone
+# here); benchmarks/results/sm_model.md gives where each comes from and sets the model beside the sweep.
 SM_WRITE_GBS = 11.0
 SM_READ_GBS = 200.0
 NVLINK_GBS = 300.0
