@@ -221,9 +221,8 @@ if [ "$what" = compat ]; then
 fi
 if [ "$what" = sanitizer ]; then
     # Issue 56: PyTorch's CUDA sanitizer (CSAN) over GPU test files at 2 ranks, or at TOKENYARD_TEST_NUM_RANKS
-    # (sanitizer.log; on one GPU under MPS,
-    # which changes nothing CSAN sees: the streams and events of each process): the arguments, else
-    # the stream-heavy ones. It sees torch's own kernels and stream waits only: the kernels and waits tokenyard makes
+    # (sanitizer.log; on one GPU under MPS, which changes nothing CSAN sees: the streams and events of each
+    # process): the arguments, else the stream-heavy ones. It sees torch's own kernels and stream waits only: the kernels and waits tokenyard makes
     # through the driver are invisible to it (benchmarks/results/stream_stress.md). First a canary, a read on a side
     # stream that waits for nothing, which CSAN must report: without that report the run proves nothing.
     shift
