@@ -55,15 +55,15 @@ def work_requests(kinds: dict) -> float:
 def tokenyard_ops(mode: str, call: str, nodes: int, per_node: int, seed: int) -> dict:
     num_ranks = nodes * per_node
     topk_idx = routing(seed, num_ranks, TOKENS[mode])
+    in_rank = [counted.hits(t, EXPERTS, num_ranks) for t in topk_idx]  # the normal calls' is_token_in_rank
+    # ReferenceBackend.payload's row: BF16 data, the source index, int64 top-k ids and float32 weights.
+    row_bytes = 2 * HIDDEN + 4 + (8 + 4) * TOPK
     per_rank = []
     for rank in range(num_ranks):
         if mode == "low_latency":
             counts = counted.low_latency(call, topk_idx, rank, EXPERTS, per_node, HIDDEN, LOW_LATENCY_BLOCKS,
                                          cast=FP8 if call == "dispatch" else 0)
         else:
-            in_rank = [counted._hits(t, EXPERTS, num_ranks) for t in topk_idx]
-            # ReferenceBackend.payload's row: BF16 data, the source index, int64 top-k ids and float32 weights.
-            row_bytes = 2 * HIDDEN + 4 + (8 + 4) * TOPK
             counts = counted.normal(call, in_rank, rank, per_node, Config().num_sms, row_bytes=row_bytes,
                                     hidden=HIDDEN, num_topk=TOPK)
         kinds = counted.by_kind(counts, rank, per_node)

@@ -83,7 +83,7 @@ def by_kind(counts: dict, rank: int, ranks_per_node: int) -> Dict[str, int]:
     return summed
 
 
-def _hits(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+def hits(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
     """bool [T, R]: the token has an expert in range on rank q (expert ids -1 or out of range go nowhere)."""
     idx = topk_idx.long().cpu()
     valid = (idx >= 0) & (idx < num_experts)
@@ -111,7 +111,7 @@ def low_latency(call: str, topk_idx: Sequence[torch.Tensor], rank: int, num_expe
     num_ranks = len(topk_idx)
     num_local = num_experts // num_ranks
     counts = zero(num_ranks)
-    mine = _hits(topk_idx[rank], num_experts, num_ranks)
+    mine = hits(topk_idx[rank], num_experts, num_ranks)
     for q in range(num_ranks):
         if q // ranks_per_node == rank // ranks_per_node:
             continue  # stores, not the seam
@@ -120,7 +120,7 @@ def low_latency(call: str, topk_idx: Sequence[torch.Tensor], rank: int, num_expe
             counts["put_bytes"][q] = counts["puts"][q] * low_latency_message_bytes(hidden, cast)
             counts["signals"][q] = num_local + 1
         elif call == "combine":
-            counts["puts"][q] = int(_hits(topk_idx[q], num_experts, num_ranks)[:, rank].sum())
+            counts["puts"][q] = int(hits(topk_idx[q], num_experts, num_ranks)[:, rank].sum())
             counts["put_bytes"][q] = counts["puts"][q] * hidden * 2
             counts["signals"][q] = topk_idx[rank].size(1) * int(mine[:, q].sum()) + 1
         else:
