@@ -113,10 +113,13 @@ def test_low_latency_counts_by_hand():
     assert dispatch["put_bytes"] == [0, 2 * (80 + 256 + 8)] and dispatch["quiets"] == 2 * 512
     assert counted.low_latency("dispatch", HAND_TOPK, 0, 4, 1, 256, 2, cast=0)["put_bytes"] == [0, 2 * (80 + 512)]
     assert counted.low_latency("dispatch", HAND_TOPK, 0, 4, 1, 256, 2, cast=2)["put_bytes"] == [0, 2 * (80 + 144)]
+    # Rank 1 sent rank 0 nothing; rank 0's weights (3 tokens x 2) go by one put with its signal, then its flag.
     back_to_1 = counted.low_latency("combine", HAND_TOPK, 0, 4, 1, 256, 2)
-    assert back_to_1["puts"] == [0, 0] and back_to_1["signals"] == [0, 2 * 2 + 1]  # rank 1 sent rank 0 nothing
+    assert back_to_1["puts"] == [0, 0] and back_to_1["put_signals"] == [0, 1] and back_to_1["signals"] == [0, 1]
+    assert back_to_1["put_bytes"] == [0, 3 * 2 * 8]
     back_to_0 = counted.low_latency("combine", HAND_TOPK, 1, 4, 1, 256, 2)
-    assert back_to_0["puts"] == [2, 0] and back_to_0["put_bytes"] == [1024, 0] and back_to_0["signals"] == [1, 0]
+    assert back_to_0["puts"] == [2, 0] and back_to_0["put_bytes"] == [1024 + 2 * 8, 0]
+    assert back_to_0["put_signals"] == [1, 0] and back_to_0["signals"] == [1, 0]
     assert counted.low_latency("dispatch", HAND_TOPK, 0, 4, 2, 256, 2)["puts"] == [0, 0]  # one node: stores
 
 

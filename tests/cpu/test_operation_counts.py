@@ -63,12 +63,14 @@ def test_tokenyard_low_latency_puts_are_remote_token_rank_messages():
     assert ops.tokenyard_low_latency("dispatch", **{**SMALL, "nodes": 1, "num_experts": 4})["quiets"] == 0
 
 
-def test_tokenyard_low_latency_combine_signals_each_weight():
+def test_tokenyard_low_latency_combine_puts_its_weights_at_once_to_another_node():
     c = ops.tokenyard_low_latency("combine", **SMALL)
-    assert c["signals_remote"] == pytest.approx(2 * (4 * P_RANK * 2 + 1))  # k weights per message, a flag
-    assert c["put_bytes_remote"] == pytest.approx(c["puts_remote"] * 256)
-    d = ops.deepep_low_latency("combine", route="nvlink", **SMALL)
-    assert c["signals_remote"] + c["atomics_remote"] > d["atomics_remote"]  # the cut item 4 names
+    assert c["put_signals_remote"] == 2 and c["signals_remote"] == 2  # per remote rank: the weights' put, the flag
+    assert c["put_bytes_remote"] == pytest.approx(c["puts_remote"] * 256 + 2 * 4 * 2 * 8)  # rows, T k words
+    assert c["signals_node"] == pytest.approx(4 * P_RANK * 2 + 1)  # within the node a word per weight, the flag
+    v3 = dict(tokens=128, topk=8, num_experts=256, nodes=2, gpus_per_node=2, hidden=7168)  # issue 53's item 4:
+    assert ops.work_requests(ops.tokenyard_low_latency("combine", **v3)) < \
+        ops.work_requests(ops.deepep_low_latency("combine", route="nvlink", **v3))  # no more than DeepEP's
 
 
 def test_deepep_normal_small():

@@ -65,7 +65,9 @@ def test_low_latency_layout_fits_in_half_the_hint_without_overlaps(args):
                       (layout.staged_messages, num_messages * layout.dispatch_message_bytes),
                       (layout.staged_rows, num_messages * hidden * 2),
                       (layout.arrivals, (num_ranks + 1) * num_max * 8),
-                      (layout.combine_deferred, (num_ranks + num_messages * -(-hidden // 512)) * 4)])
+                      (layout.combine_deferred, (num_ranks + num_messages * -(-hidden // 512)) * 4),
+                      (layout.weights_flags, num_ranks * 8),
+                      (layout.staged_weights, num_messages * workspace.LOW_LATENCY_MAX_TOPK * 8)])
     for (begin, size), (next_begin, _) in zip(regions, regions[1:]):
         assert begin + size <= next_begin
     assert regions[-1][0] + regions[-1][1] <= layout.half_bytes

@@ -222,6 +222,9 @@ class LowLatencyLayout:
     combine_deferred [R] uint32, then [R][M][pieces] uint32, this rank's own: the tag of the combine whose
                     sending launch left rows for rank r to the receiving launch, and the tag on each item
                     (message slot j, piece) of r's it left (NOTE [deferred rows] in kernels/low_latency_combine.cuh)
+    weights_flags   [R] uint64: ``(tag << 32) | 1`` once source r (of another node) put its combine weights here
+    staged_weights  [R][M][LOW_LATENCY_MAX_TOPK] uint64: this rank's combine weights words for rank r of another
+                    node, assembled before one put carries them (NOTE [internode low-latency])
     A tag is the call's epoch times the odd factor of its shape signature (NOTE [call tags]).
     """
 
@@ -238,6 +241,8 @@ class LowLatencyLayout:
     staged_rows: int
     arrivals: int
     combine_deferred: int
+    weights_flags: int
+    staged_weights: int
     state: int
 
 
@@ -255,7 +260,9 @@ def low_latency_region_bytes(num_max: int, hidden: int, num_ranks: int, num_expe
             "staged_messages": num_messages * low_latency_dispatch_message_bytes(hidden),
             "staged_rows": num_messages * low_latency_combine_message_bytes(hidden),
             "arrivals": (num_ranks + 1) * num_max * 8,
-            "combine_deferred": (num_ranks + num_messages * low_latency_combine_pieces(hidden)) * 4}
+            "combine_deferred": (num_ranks + num_messages * low_latency_combine_pieces(hidden)) * 4,
+            "weights_flags": num_ranks * 8,
+            "staged_weights": num_messages * LOW_LATENCY_MAX_TOPK * 8}
 
 
 def _low_latency_regions(num_max: int, hidden: int, num_ranks: int, num_experts: int):

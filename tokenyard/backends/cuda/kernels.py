@@ -148,7 +148,8 @@ _LOW_LATENCY_BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "ra
                         Param("uint32_t", "tag_factor"), Param("int", "do_send"), Param("int", "do_recv"),
                         Param("uint32_t", "remote_ranks"), Param("int64_t", "staged_messages"),
                         Param("int64_t", "staged_rows"), Param("int64_t", "arrivals"),
-                        Param("int64_t", "combine_deferred"))
+                        Param("int64_t", "combine_deferred"), Param("int64_t", "weights_flags"),
+                        Param("int64_t", "staged_weights"))
 # NOTE [internode low-latency] (sync.cuh): with ranks on other nodes the same kernels, given the transport, in an
 # NVSHMEM unit.
 _LOW_LATENCY_INTERNODE = "tokenyard/kernels/low_latency_internode.cuh"

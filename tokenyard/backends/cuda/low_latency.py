@@ -83,7 +83,7 @@ class LowLatencyKernels:
         region_bytes = workspace.low_latency_region_bytes(num_max, hidden, ctx.num_ranks, num_experts)
         words = [(getattr(layout, name), region_bytes[name])
                  for name in ("state", "dispatch_recv", "dispatch_counts", "dispatch_expert_counts", "combine_weights",
-                              "combine_flags", "arrivals", "combine_deferred")]
+                              "combine_flags", "arrivals", "combine_deferred", "weights_flags")]
         torch.cuda.synchronize(ctx.device)
         ctx.all_gather_object(None)  # no rank still sends into this buffer
         local = self.buffer.tensor
@@ -134,7 +134,8 @@ class LowLatencyKernels:
                     combine_recv=layout.combine_recv, combine_flags=layout.combine_flags, state=layout.state,
                     tag_factor=factor, do_send=do_send, do_recv=do_recv, remote_ranks=self.remote,
                     staged_messages=layout.staged_messages, staged_rows=layout.staged_rows, arrivals=layout.arrivals,
-                    combine_deferred=layout.combine_deferred)
+                    combine_deferred=layout.combine_deferred, weights_flags=layout.weights_flags,
+                    staged_weights=layout.staged_weights)
 
     def _pair_bits_bytes(self, num_max: int, num_rows: int) -> int:
         """The pair bits of NOTE [pair slots]: a row of words per rank, or per expert and per rank."""

@@ -18,8 +18,8 @@ an expert (0 <= e < E) on rank q", L = E / R local experts.
     (80 + 2H bf16, 80 + H + H / 32 FP8, 80 + H / 2 + H / 16 NVFP4) and L + 1 signals (its expert counts, then
     its token count); B W quiets (publish_when_last). Nothing to this node's ranks, which take stores.
   low-latency combine: to each rank q of another node, hits(q)[:, r].sum() puts (a row per message q sent r) of 2H
-    bytes and k hits(r)[:, q].sum() + 1 signals (the k weights of each of r's tokens that went to q, then its flag);
-    B W quiets.
+    bytes, one put with its signal of r's weights, T_r k words of 8 bytes (none where T_r is 0), and 1 signal (its
+    flag); B W quiets.
   normal dispatch (NOTE [internode kernels]; every row through the seam, the node's by NVSHMEM P2P): signals to rank
     q, 1 (the start barrier, block 0's) + B [q's local rank is l] (stage 1) + B [q on node n] (stage 2); to forwarder (m, l)
     ceil(rows_m / 4) puts of rows_m x S bytes in all, rows_m the tokens of r that reach node m, S = align16(b + 4P),
@@ -120,9 +120,11 @@ def low_latency(call: str, topk_idx: Sequence[torch.Tensor], rank: int, num_expe
             counts["put_bytes"][q] = counts["puts"][q] * low_latency_message_bytes(hidden, cast)
             counts["signals"][q] = num_local + 1
         elif call == "combine":
+            weight_words = topk_idx[rank].numel()  # every token's k weights, one put with its signal
             counts["puts"][q] = int(hits(topk_idx[q], num_experts, num_ranks)[:, rank].sum())
-            counts["put_bytes"][q] = counts["puts"][q] * hidden * 2
-            counts["signals"][q] = topk_idx[rank].size(1) * int(mine[:, q].sum()) + 1
+            counts["put_signals"][q] = int(weight_words > 0)
+            counts["put_bytes"][q] = counts["puts"][q] * hidden * 2 + weight_words * 8
+            counts["signals"][q] = 1
         else:
             raise ValueError(f"call {call!r}: dispatch or combine")
     counts["quiets"] = num_blocks * num_threads

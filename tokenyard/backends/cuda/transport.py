@@ -8,12 +8,13 @@ process starts it once, for one group (`Transport.start`; a second start for the
 another group is refused), and stops it when the last user closes. Before the start we set, unless the user
 has: NVSHMEM_DISABLE_NVLS=1 (NVLink multicast stays off: it can take a host's GPUs out of service);
 NVSHMEM_SYMMETRIC_SIZE to what the users ask for, rounded up, where it is unset (NVSHMEM's default reserves a
-gigabyte or more of every GPU's memory for the symmetric heap); and where ranks share a GPU under MPS,
-NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 (NVSHMEM otherwise refuses several PEs per GPU unless their
-MPS shares sum to at most 100%) and NVSHMEM_DISABLE_CUDA_VMM=1 (the heap made whole at the start: a heap grown
-as asked refused, with several PEs on one GPU, allocations that fit it and that one PE alone made;
-benchmarks/results/internode_low_latency.md). Symmetric allocations are collective: every rank of the group makes
-the same ones in the same order.
+gigabyte or more of every GPU's memory for the symmetric heap); NVSHMEM_DISABLE_CUDA_VMM=1 (the heap made whole
+at the start, as sized: a heap grown as asked refused allocations that fit it, with several PEs on one GPU
+(benchmarks/results/internode_low_latency.md) and with one GPU per rank alike: the 1.94 GB low-latency buffer of
+the DeepSeek-V3 decode in a 3.96 GB heap, benchmarks/results/low_latency.md); and where ranks share a GPU under
+MPS, NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 (NVSHMEM otherwise refuses several PEs per GPU unless their
+MPS shares sum to at most 100%). Symmetric allocations are collective: every rank of the group makes the same ones
+in the same order.
 
 NOTE [NVSHMEM stop]
 NVSHMEM's frees and its stop are collective too, and wait for every PE without a deadline: with a peer's process
@@ -106,9 +107,9 @@ class Transport:
                 raise BackendUnavailableError(nvshmem.missing_reason())
             os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
             os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(_round_up(max(heap_bytes, 1), _HEAP_ALIGN)))
+            os.environ.setdefault("NVSHMEM_DISABLE_CUDA_VMM", "1")
             if shares_gpu:
                 os.environ.setdefault("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "1")
-                os.environ.setdefault("NVSHMEM_DISABLE_CUDA_VMM", "1")
             try:
                 shim = ctypes.CDLL(nvshmem.shim_path())
             except Exception as exc:  # CompileError or OSError: the message says what is missing

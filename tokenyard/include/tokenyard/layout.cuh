@@ -120,6 +120,8 @@ struct LowLatencyBuffers {
     int64_t staged_rows;
     int64_t arrivals;
     int64_t combine_deferred;
+    int64_t weights_flags;
+    int64_t staged_weights;
 
     // The view a low-latency kernel's parameters describe (kernels.py, _LOW_LATENCY_BUFFERS).
     template <typename Params>
@@ -128,7 +130,7 @@ struct LowLatencyBuffers {
                 p.dispatch_recv, p.message_bytes, p.header_bytes, p.dispatch_positions, p.dispatch_counts,
                 p.dispatch_expert_counts, p.combine_weights, p.combine_recv, static_cast<int64_t>(p.hidden) * 2,
                 p.combine_flags, p.state, p.tag_factor, p.remote_ranks, p.staged_messages, p.staged_rows,
-                p.arrivals, p.combine_deferred};
+                p.arrivals, p.combine_deferred, p.weights_flags, p.staged_weights};
     }
 
     __device__ __forceinline__ bool is_remote(int r) const { return (remote >> r) & 1u; }
@@ -185,6 +187,16 @@ struct LowLatencyBuffers {
     __device__ __forceinline__ uint32_t* deferred_item(int owner, int item, int num_pieces) const {
         return reinterpret_cast<uint32_t*>(peer_bases[rank] + combine_deferred) + num_ranks +
                static_cast<int64_t>(owner) * num_max * num_pieces + item;
+    }
+    // Whether rank `source`'s weights (it being of another node) came, in `owner`'s buffer: (tag << 32) | 1, set by
+    // the put that carries them (NOTE [internode low-latency]).
+    __device__ __forceinline__ uint64_t* weights_flag(int owner, int source) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[owner] + weights_flags) + source;
+    }
+    // This rank's weights words for rank `dest` (of another node), token `slot` first, as weights() lays them out.
+    __device__ __forceinline__ uint64_t* staged_weights_for(int dest, int slot) const {
+        return reinterpret_cast<uint64_t*>(peer_bases[rank] + staged_weights) +
+               (static_cast<int64_t>(dest) * num_max + slot) * num_topk;
     }
     __device__ __forceinline__ uint64_t* combine_flag(int owner, int source) const {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + combine_flags) + source;

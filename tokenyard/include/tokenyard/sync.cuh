@@ -240,17 +240,21 @@ struct Signal {
 // NOTE [internode low-latency]
 // The low-latency kernels reach a rank of another node through the transport (NOTE [transport seam]), passed as
 // their template parameter Remote: tokenyard::transport::Remote in the NVSHMEM units
-// (kernels/low_latency_internode.cuh), NoRemote within a node. Every word a peer waits for (a count, a weight,
-// a flag) carries its tag, so to a rank of another node it goes alone, as one 64-bit signal (store_word). A
-// message or a partial sum is written by several warps, a piece each; for a rank of another node they write
-// their pieces into this rank's staging (LowLatencyBuffers::staged_message, staged_row) and count them in its
-// arrival word (arrive), and the warp that brings in the last piece puts the whole of it: one put per (token,
-// rank), as a NIC wants, however the pieces were dealt. Before reporting done every sending thread waits for
-// its puts to land (Remote::quiet), so the last block's signals, sent after every block's done, follow every
-// put. The receiving halves read only this rank's memory, as within a node.
+// (kernels/low_latency_internode.cuh), NoRemote within a node. Every word a peer waits for (a count, a weight, a
+// flag) carries its tag, so to a rank of another node it goes alone, as one 64-bit signal (store_word), but the
+// combine's weights: a rank's for a rank of another node are assembled in its staging (staged_weights_for) and go by
+// one put that sets that rank's weights flag once they landed (put_signal_set_warp), and the receiver trusts the
+// words only after that flag (a put's words need not land whole). A message or a partial sum is written by several
+// warps, a piece each; for a rank of another node they write their pieces into this rank's staging
+// (LowLatencyBuffers::staged_message, staged_row) and count them in its arrival word (arrive), and the warp that
+// brings in the last piece puts the whole of it: one put per (token, rank), as a NIC wants, however the pieces were
+// dealt. Before reporting done every sending thread waits for its puts to land (Remote::quiet), so the last block's
+// signals, sent after every block's done, follow every put. The receiving halves read only this rank's memory, as
+// within a node.
 struct NoRemote {
     static constexpr bool kEnabled = false;
     static __device__ __forceinline__ void put_warp(void*, const void*, size_t, int) {}
+    static __device__ __forceinline__ void put_signal_set_warp(void*, const void*, size_t, uint64_t*, uint64_t, int) {}
     static __device__ __forceinline__ void signal_set(uint64_t*, uint64_t, int) {}
     static __device__ __forceinline__ void quiet() {}
 };

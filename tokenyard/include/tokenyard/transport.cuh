@@ -40,6 +40,13 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
     count_put_warp(peer, bytes, true);
 }
 
+// put_warp, then the symmetric word `signal` of `peer` is set to `value` once the bytes have landed there.
+__device__ __forceinline__ void put_signal_set_warp(void* dst, const void* src, size_t bytes, uint64_t* signal,
+                                                    uint64_t value, int peer) {
+    nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, peer);
+    count_put_warp(peer, bytes, true);
+}
+
 // Add `value` to the symmetric word `signal` of `peer` (one thread), ordered after this thread's earlier puts
 // to `peer` only where a fence() separates them.
 __device__ __forceinline__ void signal_add(uint64_t* signal, uint64_t value, int peer) {
@@ -106,6 +113,10 @@ struct Remote {
     static constexpr bool kEnabled = true;
     static __device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes, int peer) {
         transport::put_warp(dst, src, bytes, peer);
+    }
+    static __device__ __forceinline__ void put_signal_set_warp(void* dst, const void* src, size_t bytes,
+                                                               uint64_t* signal, uint64_t value, int peer) {
+        transport::put_signal_set_warp(dst, src, bytes, signal, value, peer);
     }
     static __device__ __forceinline__ void signal_set(uint64_t* signal, uint64_t value, int peer) {
         transport::signal_set(signal, value, peer);

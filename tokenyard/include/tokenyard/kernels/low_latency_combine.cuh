@@ -108,7 +108,7 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // the token went to rank dest (NOTE [pair slots], rank rows) and points at dest's row t; the warp sums the
 // rows in rank order in float32 and writes bf16. The result is routing.low_latency_combine(...,
 // pre_reduce=True) bit for bit: within bf16 rounding of one sum. To a rank of another node (NOTE [internode
-// low-latency]) each weight goes as a signal of its own, and a partial sum's pieces are counted into its arrival
+// low-latency]) the weights go by one put that sets a flag, and a partial sum's pieces are counted into its arrival
 // word, the warp that completes it putting the row.
 //
 // NOTE [deferred rows]
@@ -210,7 +210,12 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
         uint32_t rows_from = __ballot_sync(0xffffffffu, row != nullptr);
         if (rows_from == 0u)
             return kItemDone;  // token j of s did not come here: nothing to send back
-        bool weighed = row == nullptr || static_cast<uint32_t>(choice.weight >> 32) == tag;
+        // A rank of another node puts its weights at once: they came when its flag did (NOTE [internode
+        // low-latency]), and are read again after it.
+        const bool put_weights = Remote::kEnabled && b.is_remote(s);
+        const uint64_t came =
+                put_weights && row != nullptr ? ptx::ld_acquire_sys(b.weights_flag(p.rank, s)) : choice.weight;
+        bool weighed = row == nullptr || static_cast<uint32_t>(came >> 32) == tag;
         // Past the patience a missing weight leaves the item at once; before it, the rows are asked for first.
         const auto leave = [&] {
             if (lane == 0)
@@ -245,10 +250,15 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
                 return leave();
         }
         bool lost = false;
-        if (!weighed) {
+        if (!weighed && put_weights) {
+            lost = !wait_tag_or_mask<true>(wait, b.weights_flag(p.rank, s), tag, s, kStageLowLatencyCombineWeights,
+                                           p.rank_mask, weight_bits);
+        } else if (!weighed) {
             lost = !wait_tag_or_mask<false>(wait, b.weights(p.rank, s, j) + lane, tag, s,
                                             kStageLowLatencyCombineWeights, p.rank_mask, weight_bits);
         }
+        if (put_weights && row != nullptr && !lost)  // after the flag's acquire
+            weight_bits = static_cast<uint32_t>(ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane) & 0xffffffffu);
         if (__any_sync(0xffffffffu, lost))
             return kItemStop;  // masked: s gets no signal; else the timeout recorded withholds every signal
         const float weight = row != nullptr ? __uint_as_float(weight_bits) : 0.0f;
@@ -306,8 +316,27 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
                               : peer_blocks(p.num_ranks, p.local_blocks);
         };
         // (1) This rank's weights to s, a thread per token over the group, each token's to its message slot
-        //     (the token index) if it went to s, each tagged with the epoch: no fence and no flag.
+        //     (the token index) if it went to s, each tagged with the epoch: no fence and no flag. To a rank of
+        //     another node the group's first block assembles every token's (whether or not it went to s: one
+        //     contiguous put) and puts them at once, setting s's weights flag (NOTE [internode low-latency]).
         const auto send_weights = [&](const PeerBlocks& group, int s) {
+            if constexpr (Remote::kEnabled) {
+                if (b.is_remote(s)) {
+                    if (group.index != 0 || __syncthreads_or(masked(s)) || p.num_tokens == 0)
+                        return;  // uniform over the block
+                    for (int i = threadIdx.x; i < p.num_tokens * kNumTopk; i += blockDim.x)
+                        b.staged_weights_for(s, 0)[i] = (static_cast<uint64_t>(tag) << 32) |
+                                                        __float_as_uint(p.topk_weights[i]);
+                    __threadfence();
+                    __syncthreads();
+                    if (warp == 0)
+                        Remote::put_signal_set_warp(b.weights(s, p.rank, 0), b.staged_weights_for(s, 0),
+                                                    static_cast<size_t>(p.num_tokens) * kNumTopk * 8,
+                                                    b.weights_flag(s, p.rank), (static_cast<uint64_t>(tag) << 32) | 1u,
+                                                    s);
+                    return;
+                }
+            }
             for (int t = group.index + group.count * static_cast<int>(threadIdx.x); t < p.num_tokens && !masked(s);
                  t += group.count * static_cast<int>(blockDim.x)) {
                 float w[kNumTopk];

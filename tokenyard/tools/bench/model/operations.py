@@ -7,7 +7,7 @@ A call's counts are a dict of numbers (expectations where routing decides them).
 (self: this rank; node: another rank of this node; remote: a rank of another node):
   puts_K, put_bytes_K   messages (rows) written to K and their bytes, whatever writes them (a NIC put, an NVSHMEM
                         P2P put or plain stores over NVLink);
-  put_signals_K         puts that carry their signal (neither library uses one in these calls);
+  put_signals_K         puts that carry their signal (tokenyard's low-latency combine weights to another node);
   signals_K             single words a peer waits for (a 64-bit signal, or a release store within a node);
   atomics_K             remote atomic adds (a count, a tail, a head, a flag);
 and per call: quiets (nvshmem_quiet, or DeepEP's nvshmemi_ibgda_quiet of one QP), fences, barriers (NVSHMEM
@@ -121,7 +121,7 @@ def work_requests(counts: dict, route: str = "nvlink") -> float:
     """The work requests a NIC executes in a call of these counts (NOTE [operations priced] in pricing.py): every
     put, signal and atomic to a rank of another node, and in route "rdma" (NVSHMEM's P2P off, DeepEP's published
     setting) to the node's other ranks as well. A put with its signal counts twice, a write and the signal's atomic
-    (neither library uses one in these calls); quiets, fences and barriers count none."""
+    (tokenyard's low-latency combine weights); quiets, fences and barriers count none."""
     if route not in ROUTES:
         raise ValueError(f"route {route!r}: one of {ROUTES}")
     kinds = ("node", "remote") if route == "rdma" else ("remote",)
@@ -199,7 +199,12 @@ def tokenyard_low_latency(call: str, tokens: int, topk: int, num_experts: int, n
         _split(counts, "signals", num_experts / ranks + 1, ranks, gpus_per_node)  # expert counts, token count
     else:
         _bytes(counts, hidden * 2)
-        _split(counts, "signals", tokens * p_rank * topk + 1, ranks, gpus_per_node)  # k weights per message, flag
+        # Within the node k weight words per message and a flag, stored; to another node every token's k weights
+        # by one put with its signal, and the flag.
+        _split(counts, "signals", tokens * p_rank * topk + 1, gpus_per_node, gpus_per_node)
+        counts["put_signals_remote"] = float(ranks - gpus_per_node)
+        counts["put_bytes_remote"] += counts["put_signals_remote"] * tokens * topk * 8
+        counts["signals_remote"] = float(ranks - gpus_per_node)
     counts["staged_rows"] = counts["puts_remote"]
     counts["nic_puts"] = counts["puts_remote"]
     if nodes > 1:
