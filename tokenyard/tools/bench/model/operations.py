@@ -69,8 +69,9 @@ by stores, another node's through the transport (NOTE [transport seam]).
     one staged (staged_message) and put whole by the warp completing it (arrive_and_put); E expert counts
     (E / R, E (G - 1) / R, E (N - 1) / N) and one token count per rank (publish_when_last), each a signal; one
     quiet per sending thread, B W (publish_when_last's Remote::quiet).
-  combine: k weight signals per (token, rank it went to) (send_weights: all k of the token's weights, each a
-    signal of its own); one row of 2 H bytes per received message (T p_rank per rank), the remote ones staged
+  combine: within the node k weight words per (token, rank it went to), each stored with its tag (send_weights);
+    to each rank of another node every token's k weights, staged and put at once with one signal (R - G puts
+    with signal of 8 k T bytes); one row of 2 H bytes per received message (T p_rank per rank), the remote ones staged
     (staged_row) and put whole; one flag per rank; B W quiets.
 
 tokenyard normal mode (NOTE [internode kernels] in include/tokenyard/kernels/internode.cuh), B blocks of W threads
