@@ -11,22 +11,23 @@ NOTE [operation counts] (tools/bench/model/operations.py): self (this rank), nod
 NOTE [exact operation counts]
 What one call of each internode kernel asks of the seam, from the routing of every rank (the kernels' code, not the
 uniform-routing expectations of NOTE [operation counts]); one launch, no rank mask, no recv hook, the grid of B blocks
-of W threads. Rank r is local rank l of node n, nodes of P ranks; hits(s) is the bool [T_s, R] "token t of rank s has
-an expert (0 <= e < E) on rank q", L = E / R local experts.
+(a quiet per block, NOTE [block quiet] in include/tokenyard/transport.cuh). Rank r is local rank l of node n, nodes
+of P ranks; hits(s) is the bool [T_s, R] "token t of rank s has an expert (0 <= e < E) on rank q", L = E / R local
+experts.
   low-latency dispatch (kernels with ranks on other nodes): to each rank q of another node, hits(r)[:, q].sum()
     puts (a message per (token, rank), put whole by the warp that completes it) of header + data + scales bytes
     (80 + 2H bf16, 80 + H + H / 32 FP8, 80 + H / 2 + H / 16 NVFP4) and L + 1 signals (its expert counts, then
-    its token count); B W quiets (publish_when_last). Nothing to this node's ranks, which take stores.
+    its token count); B quiets (publish_when_last). Nothing to this node's ranks, which take stores.
   low-latency combine: to each rank q of another node, hits(q)[:, r].sum() puts (a row per message q sent r) of 2H
     bytes, one put with its signal of r's weights, T_r k words of 8 bytes (none where T_r is 0), and 1 signal (its
-    flag); B W quiets.
+    flag); B quiets.
   normal dispatch (NOTE [internode kernels]; every row through the seam, the node's by NVSHMEM P2P): signals to rank
     q, 1 (the start barrier, block 0's) + B [q's local rank is l] (stage 1) + B [q on node n] (stage 2); to forwarder (m, l)
     ceil(rows_m / 4) puts of rows_m x S bytes in all, rows_m the tokens of r that reach node m, S = align16(b + 4P),
     b = align16 of the packed row; to rank (n, j), sum over nodes k of rank (k, l)'s tokens on (n, j), b bytes each;
-    2 B W quiets.
+    2 B quiets.
   normal combine: the same signals; to rank (k, l) ceil(rows / 4) puts, rows the tokens of (k, l) that reach node
-    n, of 2H + 16 ceil(4 k / 16) bytes each (k the combine's top-k weights, 0 without); 2 B W quiets.
+    n, of 2H + 16 ceil(4 k / 16) bytes each (k the combine's top-k weights, 0 without); 2 B quiets.
 No kernel calls fence: fences are 0.
 """
 
@@ -39,7 +40,6 @@ from typing import Dict, List, Sequence
 import torch
 
 from ...plan import headers, workspace
-from . import kernels
 
 _ENUM = headers.enum("operation_counts.cuh", "CountedOperation")
 # The counters' columns, as the header orders them: kCountedPutBytes -> put_bytes.
@@ -104,7 +104,7 @@ def low_latency_message_bytes(hidden: int, cast: int) -> int:
 
 
 def low_latency(call: str, topk_idx: Sequence[torch.Tensor], rank: int, num_experts: int, ranks_per_node: int,
-                hidden: int, num_blocks: int, cast: int = 0, num_threads: int = kernels.LOW_LATENCY_THREADS) -> dict:
+                hidden: int, num_blocks: int, cast: int = 0) -> dict:
     """The counts of one low-latency `call` ("dispatch" or "combine") on `rank` (NOTE [exact operation counts]):
     `topk_idx` every rank's [T_s, k] ids (the combine's are its dispatch's), `cast` the dispatch's (0 bf16, 1 FP8,
     2 NVFP4), `num_blocks` the grid."""
@@ -127,7 +127,7 @@ def low_latency(call: str, topk_idx: Sequence[torch.Tensor], rank: int, num_expe
             counts["signals"][q] = 1
         else:
             raise ValueError(f"call {call!r}: dispatch or combine")
-    counts["quiets"] = num_blocks * num_threads
+    counts["quiets"] = num_blocks  # NOTE [block quiet]
     return counts
 
 
@@ -136,8 +136,7 @@ def _align16(num_bytes: int) -> int:
 
 
 def normal(call: str, is_token_in_rank: Sequence[torch.Tensor], rank: int, ranks_per_node: int, num_blocks: int,
-           row_bytes: int = 0, hidden: int = 0, num_topk: int = 0,
-           num_threads: int = kernels.INTERNODE_THREADS) -> dict:
+           row_bytes: int = 0, hidden: int = 0, num_topk: int = 0) -> dict:
     """The counts of one launch of the internode normal `call` ("dispatch" or "combine") on `rank` (NOTE [exact
     operation counts]): `is_token_in_rank` every rank's bool [T_s, R]; the dispatch's `row_bytes`, its packed row
     (ReferenceBackend.payload's, before padding); the combine's bf16 `hidden` and `num_topk` (its weights'
@@ -172,7 +171,7 @@ def normal(call: str, is_token_in_rank: Sequence[torch.Tensor], rank: int, ranks
             counts["put_bytes"][k * per_node + local] = rows * row
     else:
         raise ValueError(f"call {call!r}: dispatch or combine")
-    counts["quiets"] = 2 * num_blocks * num_threads
+    counts["quiets"] = 2 * num_blocks  # NOTE [block quiet]
     return counts
 
 

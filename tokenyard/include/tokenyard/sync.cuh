@@ -248,9 +248,9 @@ struct Signal {
 // warps, a piece each; for a rank of another node they write their pieces into this rank's staging
 // (LowLatencyBuffers::staged_message, staged_row) and count them in its arrival word (arrive), and the warp that
 // brings in the last piece puts the whole of it: one put per (token, rank), as a NIC wants, however the pieces were
-// dealt. Before reporting done every sending thread waits for its puts to land (Remote::quiet), so the last block's
-// signals, sent after every block's done, follow every put. The receiving halves read only this rank's memory, as
-// within a node.
+// dealt. Before reporting done each block waits for its puts to land (one thread's Remote::quiet, NOTE [block
+// quiet] in transport.cuh), so the last block's signals, sent after every block's done, follow every put. The
+// receiving halves read only this rank's memory, as within a node.
 struct NoRemote {
     static constexpr bool kEnabled = false;
     static __device__ __forceinline__ void put_warp(void*, const void*, size_t, int) {}
@@ -296,8 +296,11 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
                                                   const int* rank_mask, uint64_t* trace, SignalOf signal_of,
                                                   Withhold withhold) {
     trace_mark(trace, kTraceSent);
-    if constexpr (Remote::kEnabled)
-        Remote::quiet();  // this thread's puts have landed before its block reports done
+    if constexpr (Remote::kEnabled) {  // the block's puts have landed before it reports done (NOTE [block quiet])
+        __syncthreads();
+        if (threadIdx.x == 0)
+            Remote::quiet();
+    }
     const bool last = last_block_done(b, kind);
     trace_mark(trace, kTraceCounted);
     if (!last)

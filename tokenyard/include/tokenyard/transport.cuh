@@ -66,7 +66,13 @@ __device__ __forceinline__ void fence() {
     count_fence();
 }
 
-// Every put and signal this thread issued has landed.
+// NOTE [block quiet]
+// Every put and signal this PE issued has landed, where one thread calls it after its block's barrier: the
+// kernels quiet once per block, not per thread. NVSHMEM's device quiet (nvshmemi_quiet, as of 3.8) completes
+// every QP of the PE under IBGDA (all its DCIs and RCs, whichever thread posted to them) and the proxy's queue
+// under the proxy transport; over P2P, where puts are the threads' stores, it is the caller's system fence,
+// which the barrier before it makes cumulative over the block's stores (PTX memory model). A quiet per thread
+// was one quiet of every QP per thread, tens of thousands a call (benchmarks/results/internode_ops.md).
 __device__ __forceinline__ void quiet() {
     nvshmem_quiet();
     count_quiet();

@@ -58,9 +58,12 @@ __device__ __forceinline__ bool internode_start_barrier(const WaitContext& ctx, 
     return !failed(ctx);
 }
 
-// Every thread's puts have landed, then thread t < count adds one to `signal` of rank first + t * stride.
+// Every thread's puts have landed (NOTE [block quiet]), then thread t < count adds one to `signal` of rank
+// first + t * stride.
 __device__ __forceinline__ void internode_signal_after_puts(uint64_t* signal, int count, int first, int stride) {
-    transport::quiet();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        transport::quiet();
     __syncthreads();
     if (static_cast<int>(threadIdx.x) < count)
         transport::signal_add(signal, 1, first + static_cast<int>(threadIdx.x) * stride);

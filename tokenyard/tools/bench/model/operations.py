@@ -62,28 +62,28 @@ ceil(n / S) is taken of that mean.
     floor(n / S) per (channel, node) (in:2250).
 
 tokenyard low latency (NOTE [internode low-latency] in include/tokenyard/sync.cuh, NOTE [low-latency dispatch]
-and NOTE [low-latency combine]), B blocks of W threads (every SM, LOW_LATENCY_THREADS = 512): the node's ranks
+and NOTE [low-latency combine]), B blocks (every SM), a quiet per block (NOTE [block quiet]): the node's ranks
 by stores, another node's through the transport (NOTE [transport seam]).
   dispatch: one message per (token, rank), of 80 + b - 16 bytes (the header, LOW_LATENCY_MESSAGE_HEADER_BYTES,
     then data and scales): T p_rank to self, T (G - 1) p_rank to the node, T (N - 1) G p_rank remote, each remote
     one staged (staged_message) and put whole by the warp completing it (arrive_and_put); E expert counts
-    (E / R, E (G - 1) / R, E (N - 1) / N) and one token count per rank (publish_when_last), each a signal; one
-    quiet per sending thread, B W (publish_when_last's Remote::quiet).
+    (E / R, E (G - 1) / R, E (N - 1) / N) and one token count per rank (publish_when_last), each a signal; B
+    quiets (publish_when_last's Remote::quiet, one thread of each block).
   combine: within the node k weight words per (token, rank it went to), each stored with its tag (send_weights);
     to each rank of another node every token's k weights, staged and put at once with one signal (R - G puts
     with signal of 8 k T bytes); one row of 2 H bytes per received message (T p_rank per rank), the remote ones staged
-    (staged_row) and put whole; one flag per rank; B W quiets.
+    (staged_row) and put whole; one flag per rank; B quiets.
 
-tokenyard normal mode (NOTE [internode kernels] in include/tokenyard/kernels/internode.cuh), B blocks of W threads
-(Config.num_sms, INTERNODE_THREADS = 512); every row through the transport, the node's by NVSHMEM P2P:
+tokenyard normal mode (NOTE [internode kernels] in include/tokenyard/kernels/internode.cuh), B blocks
+(Config.num_sms), a quiet per block (NOTE [block quiet]); every row through the transport, the node's by NVSHMEM P2P:
   dispatch: the start barrier, a signal from block 0 to every rank (R); stage 1, per node m (the own node's
     rank being this rank) ceil(T p_node / 4) puts of up to 4 rows of rb' = align16(row + 4 G) bytes (rows packed
-    on the host: T N p_node staged); B W quiets, then B N signals; stage 2, each row from each node to each rank
-    of this node holding it (N T p_rank per rank, row bytes); B W quiets, then B G signals.
-  combine: the barrier (R signals); each received row copied into comb_in (T R p_rank staged); B W quiets and
+    on the host: T N p_node staged); B quiets, then B N signals; stage 2, each row from each node to each rank
+    of this node holding it (N T p_rank per rank, row bytes); B quiets, then B G signals.
+  combine: the barrier (R signals); each received row copied into comb_in (T R p_rank staged); B quiets and
     B G signals; as forwarder, per source node, ceil(T p_node / 4) puts of up to 4 forwarded rows (of 2 H +
     align16(4 k) bytes) to its source, the own node's to this rank, each summed first into comb_stage (staged);
-    B W quiets and B N signals.
+    B quiets and B N signals.
 tokenyard's counts through its transport seam are measured by the CUDA backend's counters (NOTE [operation counters] in
 include/tokenyard/operation_counts.cuh) and given exactly per call by NOTE [exact operation counts]
 (backends/cuda/operation_counts.py), whose mean over every routing is these (the low-latency ones to other nodes only:
@@ -103,8 +103,6 @@ PER_KIND = ("puts", "put_bytes", "put_signals", "signals", "atomics")
 PER_CALL = ("quiets", "fences", "barriers", "staged_rows", "nic_puts", "nic_atomics")
 CALLS = ("dispatch", "combine")
 ROUTES = ("nvlink", "rdma")
-LOW_LATENCY_THREADS = 512
-INTERNODE_THREADS = 512
 INTERNODE_CHUNK_ROWS = 4  # kInternodeChunkRows
 DEEPEP_CHANNELS = 10      # Config(num_sms=20): num_sms / 2 channels
 DEEPEP_CHUNK = 6          # num_max_rdma_chunked_send_tokens of DeepEP's dispatch configs at 16-64 ranks, 8 or 12 beyond
@@ -186,8 +184,7 @@ def deepep_low_latency(call: str, tokens: int, topk: int, num_experts: int, node
 
 
 def tokenyard_low_latency(call: str, tokens: int, topk: int, num_experts: int, nodes: int, gpus_per_node: int,
-                          hidden: int, fp8: bool = True, blocks: int = 132,
-                          threads: int = LOW_LATENCY_THREADS) -> dict:
+                          hidden: int, fp8: bool = True, blocks: int = 132) -> dict:
     """tokenyard's low-latency dispatch or combine (NOTE [operation counts]): the node's ranks by stores, another
     node's through the transport; `blocks` the grid (every SM: 132 on an H100 SXM)."""
     _check(call, num_experts, nodes, gpus_per_node)
@@ -209,7 +206,7 @@ def tokenyard_low_latency(call: str, tokens: int, topk: int, num_experts: int, n
     counts["staged_rows"] = counts["puts_remote"]
     counts["nic_puts"] = counts["puts_remote"]
     if nodes > 1:
-        counts["quiets"] = float(blocks * threads)  # publish_when_last: every sending thread
+        counts["quiets"] = float(blocks)  # publish_when_last: one thread of each block
     return counts
 
 
@@ -259,7 +256,7 @@ def deepep_normal(call: str, tokens: int, topk: int, num_experts: int, nodes: in
 
 
 def tokenyard_normal(call: str, tokens: int, topk: int, num_experts: int, nodes: int, gpus_per_node: int, hidden: int,
-                     blocks: int = 20, threads: int = INTERNODE_THREADS, row_bytes: int = 0) -> dict:
+                     blocks: int = 20, row_bytes: int = 0) -> dict:
     """tokenyard's normal-mode internode dispatch or combine kernel (NOTE [operation counts]); `blocks`
     Config.num_sms; `row_bytes` the dispatch's packed row (0: 2 H + 8 k + 16 rounded up to 16, an estimate:
     the data, top-k ids and weights, the source index)."""
@@ -269,7 +266,7 @@ def tokenyard_normal(call: str, tokens: int, topk: int, num_experts: int, nodes:
     p_rank = hit_probability(num_experts, num_experts / ranks, topk)
     counts = zero()
     _split(counts, "signals", 1.0, ranks, gpus_per_node)  # the start barrier: block 0 to every rank
-    counts["quiets"] = float(2 * blocks * threads)                  # internode_signal_after_puts, twice
+    counts["quiets"] = float(2 * blocks)                            # internode_signal_after_puts, twice
     node_rows = tokens * p_node                                     # this rank's rows to each node
     counts["signals_self"] += 2 * blocks                            # both stages signal this rank too
     counts["signals_remote"] += blocks * (nodes - 1)                # stage signals to each node's forwarder
