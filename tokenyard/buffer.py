@@ -88,7 +88,8 @@ class Buffer(NormalCalls, LowLatencyCalls):
     tokenyard's own, keyword only:
         backend: "auto" (CUDA where it works, else reference), "reference" or "cuda"; default from
             TOKENYARD_BACKEND.
-        timeout_s: deadline of every wait for a peer (default TOKENYARD_TIMEOUT_S, 100 s).
+        timeout_s: deadline of every wait for a peer (default TOKENYARD_TIMEOUT_S, 100 s); making and destroying
+            the Buffer wait at least HOST_SKEW_FLOOR_S (5 s, backends/collectives.py).
         check_inputs: debug mode: also check values (expert ids, layout tensors) on the host before any
             communication, at the cost of a device sync per call (default TOKENYARD_CHECK_INPUTS, off: the
             dispatch's count exchange judges them, NOTE [input verdict] in checks.py).
@@ -255,7 +256,7 @@ class Buffer(NormalCalls, LowLatencyCalls):
     def destroy(self) -> None:
         """Release the buffers; later calls raise. Safe to call twice. Every rank calls it, as DeepEP's (NOTE
         [symmetric lifetime] in backends/cuda/memory.py: the ranks meet, bounded by timeout_s but never less
-        than a few seconds)."""
+        than HOST_SKEW_FLOOR_S)."""
         self._destroy(together=True)
 
     def _destroy(self, together: bool) -> None:

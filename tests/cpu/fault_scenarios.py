@@ -299,6 +299,31 @@ def late_peer(seed, what, backend="reference") -> dict:
     return {"error": error, "detected_s": detected_s, "recovered": correct_call(group, seed + 1, backend)}
 
 
+SKEW_S = 1.0  # how late the last rank comes to a Buffer made with a deadline of microseconds
+
+
+def skewed_buffer(seed, what, backend="reference") -> dict:
+    """Every rank makes a Buffer with a deadline of 10 us, as a decoder that masks late peers sets, the last rank
+    SKEW_S late ("buffer_late_rank"): the constructor's agreement and the destroy meeting wait for it (NOTE
+    [call agreement]: HOST_SKEW_FLOOR_S), and a correct call follows."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, TokenyardError
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    if what != "buffer_late_rank":
+        raise ValueError(f"unknown scenario {what!r}")
+    if rank == num_ranks - 1:
+        time.sleep(SKEW_S)
+    error = None
+    try:
+        buffer = Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=1e-5)
+        buffer.destroy()
+    except TokenyardError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "recovered": correct_call(dist.group.WORLD, seed, backend)}
+
+
 def run(num_ranks, fn, seed, what, backend="reference") -> dict:
     """Every rank's view of scenario `what` of `fn` (`mismatch`, `buffer_mismatch` or `late_peer`), ``{rank:
     dict}``, in processes of its own. In KILLED, rank 1 must end by SIGKILL (noticed by its end, not a deadline)

@@ -21,6 +21,11 @@ def test_a_rank_that_makes_a_buffer_alone_makes_every_rank_raise_and_none_abort(
     print(scenarios.expect_buffer_mismatch(seen))
 
 
+def test_a_buffer_with_a_deadline_of_microseconds_waits_for_a_rank_a_second_late(seed):
+    seen = scenarios.run(scenarios.NUM_RANKS, scenarios.skewed_buffer, seed, "buffer_late_rank")
+    assert all(s["error"] is None and s["recovered"] for s in seen.values()), seen
+
+
 @pytest.mark.slow  # each waits out a deadline, then starts a group for the survivors
 @pytest.mark.parametrize("what", scenarios.LATE)
 def test_a_late_or_killed_rank_makes_the_others_raise_then_the_survivors_work_on(what, seed):

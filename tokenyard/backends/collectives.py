@@ -36,7 +36,8 @@ constructor's object exchange would have met another collective's data, which gl
 process. The header goes over the group as a Buffer's calls send theirs (CUDA tensors over an NCCL group, else
 CPU tensors), so it meets them, except where those go over the private NCCL group of NOTE [device collectives];
 nor does it meet the CUDA backend's one-node calls, which exchange nothing on the host. Where it meets nothing,
-the constructor's wait ends at `timeout_s` over gloo, and only at the group's own timeout over NCCL.
+the constructor's wait ends at `timeout_s` (but no sooner than HOST_SKEW_FLOOR_S) over gloo, and only at the
+group's own timeout over NCCL.
 The CUDA backend's kernels carry the same signature, without the call number, in their own first exchange
 (NOTE [call signatures] in include/tokenyard/layout.cuh); both name the disagreement with `mismatch_error`.
 Its internode kernels do not: each rank sizes the rows it moves from its own call, so ranks that disagree
@@ -157,6 +158,12 @@ _CONNECTION_FAILED = re.compile(r"gloo/transport/|connection|closed|reset by pee
                                 r"timed out|timeout", re.IGNORECASE)
 
 
+# A wait where the ranks come at the host's pace, making a Buffer or destroying one (NOTE [symmetric lifetime]), ends
+# at timeout_s but no sooner than this: the host's skew (seconds) is not bounded by a deadline set for the kernels'
+# waits, which is microseconds where a low-latency decoder masks late peers.
+HOST_SKEW_FLOOR_S = 5.0
+
+
 def finish(work, rank: int, stage: str, timeout_s: float) -> None:
     """Wait for a gloo collective's `work` until `timeout_s`, and say how it failed, if it did.
 
@@ -187,7 +194,8 @@ def agree_on_buffer(group: Optional[dist.ProcessGroup], rank: int, device: torch
 
     Raises:
         RankMismatchError: on every rank alike, where some rank makes another Buffer or another call.
-        CommTimeoutError: a peer made no exchange within `timeout_s` (over gloo).
+        CommTimeoutError: a peer made no exchange within `timeout_s`, or HOST_SKEW_FLOOR_S where longer (over
+            gloo).
     """
     if group is None:  # an mpi4py comm: its exchanges are of objects, which it sizes itself
         return
@@ -196,7 +204,8 @@ def agree_on_buffer(group: Optional[dist.ProcessGroup], rank: int, device: torch
     # Where a Buffer's calls send their headers (Collectives.agree): over the group, CUDA tensors where it is NCCL's.
     if device.type == "cpu" or "nccl" not in str(dist.get_backend(group)).lower():
         pieces = [torch.empty_like(mine) for _ in range(group.size())]
-        finish(dist.all_gather(pieces, mine, group=group, async_op=True), rank, stage, timeout_s)
+        finish(dist.all_gather(pieces, mine, group=group, async_op=True), rank, stage,
+               max(timeout_s, HOST_SKEW_FLOOR_S))
     else:  # bounded by the group's own timeout, as the constructor's exchanges of objects are
         mine = mine.to(device)
         pieces = [torch.empty_like(mine) for _ in range(group.size())]

@@ -8,6 +8,7 @@ import torch
 
 from ...errors import TokenyardError
 from ..base import GroupContext
+from ..collectives import HOST_SKEW_FLOOR_S
 from . import runtime
 
 
@@ -50,16 +51,10 @@ class SymmetricBuffer:
         self.bases = []
 
 
-# The destroy meeting's deadline is timeout_s, but no less than this: ranks reach destroy with the host's
-# skew (seconds), which a deadline set for the kernels' waits (microseconds where a low-latency decoder
-# masks late peers) does not bound.
-MEETING_FLOOR_S = 5.0
-
-
 def meet(ctx: GroupContext) -> None:
     """A bounded barrier of the group (NOTE [symmetric lifetime]); a rank that does not come is not waited for."""
     try:
         ctx.collectives.op = "destroy"
-        ctx.collectives.barrier("meeting", max(ctx.timeout_s, MEETING_FLOOR_S))
+        ctx.collectives.barrier("meeting", max(ctx.timeout_s, HOST_SKEW_FLOOR_S))
     except (TokenyardError, RuntimeError, ValueError):  # ValueError: the group was destroyed first
         pass
