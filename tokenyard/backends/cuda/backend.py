@@ -160,6 +160,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         self._failure: Optional[TokenyardError] = None
         self._kernels = {}  # id(spec) -> (spec, Kernel), see _kernel
         self._plans = plans.PlanCache()
+        self.normal_phases = None  # see start_normal_phases
         from ..reference import ReferenceBackend
         from .low_latency import LowLatencyKernels
 
@@ -188,6 +189,19 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
     def _wait_args(self) -> dict:
         """Every kernel's bounded-wait parameters (kernels._WAIT)."""
         return dict(error_flag=self.error_flag.data_ptr(), host_record=self.host_record_ptr, timeout_ns=self.timeout_ns)
+
+    def start_normal_phases(self) -> torch.Tensor:
+        """NOTE [normal-mode phases]: from now on each normal-mode dispatch (0) and combine (1) adds its warps' time
+        per phase into the returned int64 tensor ``[2, device_sms, warps, kNumPhaseSlots]`` (SM cycles, then each
+        warp's span in ns and in cycles); a diagnostic (benchmarks/normal_phases.py), never on in production."""
+        self.normal_phases = torch.zeros(2, self.device_sms, kernels.DATA_THREADS // 32,
+                                         kernels.PHASES["kNumPhaseSlots"], dtype=torch.int64, device=self.ctx.device)
+        self._plans = plans.PlanCache()  # the plans hold the address
+        self.calls.forget()  # so do the recorded calls (NOTE [fast calls])
+        return self.normal_phases
+
+    def _phases_ptr(self, kind: int) -> int:
+        return 0 if self.normal_phases is None else self.normal_phases[kind].data_ptr()
 
     def _normal_buffer_args(self, layout: workspace.NormalLayout) -> dict:
         """The normal-mode kernels' view of every rank's buffer (kernels._BUFFERS)."""
@@ -380,7 +394,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 recv_first=b.inp("recv_first") if rows_placed else 0, src_idx_base=b.scalar("token_base"),
                 local_direct=int(own_rows_direct), num_send_warps=num_send_warps,
                 **self._normal_buffer_args(layout),
-                verdict=0 if m.cached else self.verdict.data_ptr(), **self._wait_args()))
+                verdict=0 if m.cached else self.verdict.data_ptr(), **self._wait_args(), phases=self._phases_ptr(0)))
 
         def make_outputs(b: plans.PlanBuilder, num_rows):
             rows = rows_whole if b is first else b.whole()
@@ -507,7 +521,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 local_direct=int(heuristics.combine_own_rows_direct()),
                 **self._normal_buffer_args(layout),
                 signature=self._signature("combine", hidden=hidden, num_topk=num_topk, num_biases=num_biases),
-                **self._wait_args()))
+                **self._wait_args(), phases=self._phases_ptr(1)))
             return b.build()
 
         return self.plan(("combine", num_tokens, hidden, num_topk, num_biases, num_sms, placed), build)

@@ -36,6 +36,9 @@ _BUFFERS = (Param("uint8_t* const*", "peer_bases"), Param("int", "rank"), Param(
             Param("int64_t", "region_bytes"), Param("int64_t", "slots_offset"), Param("int", "max_chunks"),
             Param("int64_t", "row_bytes"), Param("unsigned long long*", "call_counts"))
 # call_counts: the rank's CallCounter words (NOTE [normal-mode call numbers] in include/tokenyard/sync.cuh).
+# NOTE [normal-mode phases] (include/tokenyard/phases.cuh): nullptr except in benchmarks/normal_phases.py.
+_PHASES = (Param("uint64_t*", "phases"),)
+PHASES = headers.enum("phases.cuh", "NormalPhase")
 
 
 def topk_ctype(dtype: torch.dtype) -> str:
@@ -114,7 +117,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("const int*", "recv_first"),
          Param("int", "src_idx_base"), Param("int", "local_direct"),
          Param("int", "num_send_warps"))
-        + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT,
+        + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT + _PHASES,
         DATA_THREADS, name="tokenyard::normal::dispatch",
         shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))
 
@@ -133,7 +136,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int,
          Param("const int*", "send_head"),
          Param("int", "num_tokens"), Param("int4*", "combined_x"),
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
-        + _BUFFERS + (Param("const int*", "signature"),) + _WAIT,
+        + _BUFFERS + (Param("const int*", "signature"),) + _WAIT + _PHASES,
         DATA_THREADS, name="tokenyard::normal::combine",
         shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "../bf16.cuh"
+#include "../phases.cuh"
 #include "../signatures.cuh"
 #include "../staging.cuh"
 
@@ -58,6 +59,7 @@ __device__ __forceinline__ void combine(const Params& p) {
                                 p.slots_offset, p.max_chunks, p.row_bytes};
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    PhaseClock phase_clock(p.phases, warp, kNumWarps);  // NOTE [normal-mode phases]
     // The first row from `source` in this round's part of the receive order, and in `x`.
     auto round_first = [&](int source) { return first_row_in_order(p.rank_prefix_matrix, kNumRanks, p.rank, source); };
     auto x_first = [&](int source) {
@@ -84,6 +86,7 @@ __device__ __forceinline__ void combine(const Params& p) {
             stages.init();
         // With local_direct the items cover the other sources only (as the dispatch's receivers do).
         const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
+        phase_clock.mark(kPhaseStart, lane);
         for (int item = blockIdx.x * kSendWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
             const int chunk = item / num_sources, other = item % num_sources;
             const int source = p.local_direct && other >= p.rank ? other + 1 : other;
@@ -106,8 +109,10 @@ __device__ __forceinline__ void combine(const Params& p) {
                     if (ahead)
                         stages.prefetch(p.x + (from + 1) * kHiddenInt4, kHiddenInt4 * 16);
                 }
+                phase_clock.mark(kPhaseData, lane);
                 if (lane < kNumTopk)
                     reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = p.topk_weights[from * kNumTopk + lane];
+                phase_clock.mark(kPhaseTail, lane);
             }
             if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
                 stages.drain();
@@ -116,15 +121,18 @@ __device__ __forceinline__ void combine(const Params& p) {
                 ptx::fence_acq_rel_sys();
                 ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, seq);
             }
+            phase_clock.mark(kPhasePublish, lane);
         }
         if (lane == 0)
             stages.retire();
+        phase_clock.end(lane);
         return;
     }
 
     // Reducers.
     const int reducer_warp = blockIdx.x * (kNumWarps - kSendWarps) + warp - kSendWarps;
     const int num_reducer_warps = gridDim.x * (kNumWarps - kSendWarps);
+    phase_clock.mark(kPhaseStart, lane);
     for (int t = reducer_warp; t < p.num_tokens; t += num_reducer_warps) {
         const int64_t token = t;
         int index = -1;
@@ -140,6 +148,7 @@ __device__ __forceinline__ void combine(const Params& p) {
         __syncwarp();  // NOTE [warp acquire] in sync.cuh: each lane's acquire covers every lane's reads of the rows
         if (!__all_sync(0xffffffffu, ready))
             return;
+        phase_clock.mark(kPhaseWait, lane);
         int indices[kNumRanks];
         const int4* rows_in[kNumRanks];  // where each rank's row of this token is read
         const int64_t own_row = x_first(p.rank) + __shfl_sync(0xffffffffu, index, p.rank);  // in x, local_direct
@@ -202,7 +211,9 @@ __device__ __forceinline__ void combine(const Params& p) {
             }
             p.combined_topk_weights[token * kNumTopk + lane] = acc;
         }
+        phase_clock.mark(kPhaseCopy, lane);
     }
+    phase_clock.end(lane);
 }
 
 }  // namespace tokenyard::kernels

@@ -4,6 +4,7 @@
 
 #include "../copy.cuh"
 #include "../layout.cuh"
+#include "../phases.cuh"
 #include "../staging.cuh"
 #include "../sync.cuh"
 
@@ -112,6 +113,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
                                 p.slots_offset, p.max_chunks, p.row_bytes};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    PhaseClock phase_clock(p.phases, warp, kNumWarps);  // NOTE [normal-mode phases]
     extern __shared__ __align__(128) uint8_t shared[];
     static_assert(kSendWarps >= 1 && kSendWarps < kNumWarps, "every block sends and receives");
     WarpStages<kStages, kStageBytes> stages(shared, warp, kSendWarps);  // the sending warps'
@@ -181,6 +183,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         for (int dest = 0; dest < kNumRanks; ++dest)
             dst[dest] = ((mask >> dest) & 1u) ? buffers.row(dest, p.rank, __shfl_sync(0xffffffffu, index, dest))
                                               : nullptr;
+        phase_clock.mark(kPhaseMeta, lane);
         // This rank's own row, written straight into the outputs (NOTE [dispatch roles]).
         int64_t direct_row = -1;
         if (p.local_direct && dst[p.rank] != nullptr) {
@@ -212,11 +215,13 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             else if (any)
                 stages.copy(p.x + token * kDataInt4, kDataInt4 * 16, to);
         }
+        phase_clock.mark(kPhaseData, lane);
         if (kDirectFromStages && direct != nullptr) {
             __syncwarp();
             stages.copy_out(direct, __shfl_sync(0xffffffffu, first_piece, 0), kDataInt4 * 16, lane);
             __syncwarp();  // every lane's reads of the stages before lane 0 loads into them
         }
+        phase_clock.mark(kPhaseOwnRow, lane);
         if (lane == 0) {
             ahead = next >= 0 && stages.fits(kDataInt4 * 16);
             if (ahead) {
@@ -224,6 +229,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 stages.prefetch(p.x + static_cast<int64_t>(next) * kDataInt4, kDataInt4 * 16);
             }
         }
+        phase_clock.mark(kPhaseAhead, lane);
         if (direct != nullptr) {
 #pragma unroll
             for (int u = 0; u < kTailPerLane; ++u) {
@@ -266,6 +272,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                     ptx::st_na_v4(reinterpret_cast<int4*>(dst[dest] + kDataInt4 * 16) + i, vec);
             }
         }
+        phase_clock.mark(kPhaseTail, lane);
     };
 
     // One warp copies row `src` of this rank's buffer to output row `out` with its load/store units (the copy
@@ -328,6 +335,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int send_warp = blockIdx.x * kSendWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
+        phase_clock.mark(kPhaseStart, lane);
         for (int piece = 0; piece < num_pieces; ++piece) {
             int t0, t1;
             ranges.piece(send_warp, piece, t0, t1);
@@ -338,9 +346,11 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             __syncwarp();
             if (lane < kNumRanks)  // the piece at every destination
                 publish(lane, ranges.slot(send_warp, piece), t0, t1);
+            phase_clock.mark(kPhasePublish, lane);
         }
         if (lane == 0)
             stages.retire();
+        phase_clock.end(lane);
         return;
     }
 
@@ -360,6 +370,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // numbers, a warp count that is a multiple of kNumRanks would leave every warp landing on it idle.
     const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
     const int items_per_piece = p.num_send_warps * num_sources;
+    phase_clock.mark(kPhaseStart, lane);
     for (int item = receiver; item < most_pieces * items_per_piece; item += num_recv_warps) {
         const int piece = item / items_per_piece, sender = item % items_per_piece / num_sources;
         const int other = item % num_sources;
@@ -383,6 +394,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         __syncwarp();  // NOTE [warp acquire] in sync.cuh: lane 0's acquire covers every lane's reads of the rows
         if (!__shfl_sync(0xffffffffu, ok, 0))
             return;
+        phase_clock.mark(kPhaseWait, lane);
         begin = __shfl_sync(0xffffffffu, begin, 0);
         end = __shfl_sync(0xffffffffu, end, 0);
         const int first = out_first(source);
@@ -393,6 +405,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
         for (int j = begin; j < end; ++j)
             receive_row(buffers.row(p.rank, source, j), first + j);
+        phase_clock.mark(kPhaseCopy, lane);
     }
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
@@ -406,6 +419,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
         }
     }
+    phase_clock.end(lane);
 }
 
 }  // namespace tokenyard::kernels

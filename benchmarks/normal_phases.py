@@ -1,0 +1,124 @@
+"""Where the normal-mode kernels' warps spend their time: NOTE [normal-mode phases] of a cached dispatch and a combine.
+
+    python benchmarks/normal_phases.py [--num_ranks 2] [--sm_counts 8,24] [--iters 20] [--json OUT.json]
+
+For each SM count, every warp of `iters` cached dispatches and combines (DeepSeek-V3 setting, FP8 dispatch, ranks
+started together after a barrier) adds the SM cycles of each phase of its work (include/tokenyard/phases.cuh);
+this prints, per kernel and role (sending warps; receiving or reducing ones), the mean microseconds per call a
+warp spent in each phase, its span, and the kernel's span. A diagnostic for issue 50, not a figure for the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.gpu import spawn  # noqa: E402  (sets the NVLink-multicast-off variables first)
+
+KINDS = ("dispatch", "combine")
+
+
+def summarize(phases, num_blocks: int, send_warps: int, iters: int) -> dict:
+    """One kernel's slots [blocks, warps, kNumPhaseSlots] (summed over `iters` calls) -> {role: {phase: µs per
+    call}}, each a mean over the role's warps of the first `num_blocks` blocks."""
+    from tokenyard.backends.cuda import kernels
+
+    names = {v: k[len("kPhase"):].lower() for k, v in kernels.PHASES.items()
+             if k.startswith("kPhase") and v < kernels.PHASES["kNumPhases"]}
+    span_ns, span_cycles = kernels.PHASES["kPhaseSpanNs"], kernels.PHASES["kPhaseSpanCycles"]
+    out = {}
+    for role, warps in (("send", range(send_warps)), ("other", range(send_warps, phases.shape[1]))):
+        per_warp = [phases[b, w] for b in range(num_blocks) for w in warps]
+        per_warp = [slots for slots in per_warp if int(slots[span_cycles]) > 0]
+        if not per_warp:
+            continue
+        sums = {name: 0.0 for name in names.values()}
+        span = 0.0
+        for slots in per_warp:
+            ns_per_cycle = int(slots[span_ns]) / int(slots[span_cycles])
+            for index, name in names.items():
+                sums[name] += int(slots[index]) * ns_per_cycle
+            span += int(slots[span_ns])
+        out[role] = {name: value / len(per_warp) / iters / 1e3 for name, value in sums.items()}
+        out[role]["span"] = span / len(per_warp) / iters / 1e3
+        out[role]["warps"] = len(per_warp)
+    return out
+
+
+def rank_main(sm_counts, iters: int, num_tokens: int):
+    import torch
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, Config
+    from tokenyard.backends.cuda import heuristics
+    from tokenyard.tools.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, topk_idx, weights = make_rank_inputs(7, num_ranks, num_tokens, 7168, 256, 8, "uniform", "fp8", device)[rank]
+    size = Config(num_max_tokens_per_rank=num_tokens).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+    buffer = Buffer(dist.group.WORLD, size, 0, backend="cuda", check_inputs=False)
+    backend = buffer.runtime
+    send_warps = {"dispatch": heuristics.dispatch_send_warps(16), "combine": heuristics.combine_send_warps(16)}
+    report = {}
+    for num_sms in sm_counts:
+        Buffer.set_num_sms(num_sms)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 256)
+        recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
+                                                     num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                     num_tokens_per_expert=per_expert)
+        y = torch.randn(recv_x[0].size(0), 7168, device=device).to(torch.bfloat16)
+        phases = backend.start_normal_phases()
+        for _ in range(3):  # warm: the plans with the phases' address built, the kernels loaded
+            buffer.dispatch(x, handle=handle)
+            buffer.combine(y, handle)
+        torch.cuda.synchronize()
+        phases.zero_()
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            dist.barrier()
+            buffer.dispatch(x, handle=handle)
+            torch.cuda.synchronize()
+            dist.barrier()
+            buffer.combine(y, handle)
+            torch.cuda.synchronize()
+        slots = phases.cpu()
+        num_blocks = heuristics.data_blocks(num_sms, backend.device_sms)
+        report[num_sms] = {kind: summarize(slots[i], num_blocks, send_warps[kind], iters)
+                           for i, kind in enumerate(KINDS)}
+    backend.normal_phases = None
+    buffer.destroy()
+    return {"rank": rank, "send_warps": send_warps, "phases": report}
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num_ranks", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--sm_counts", default="8,24")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--num_tokens", type=int, default=4096)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    sm_counts = [int(n) for n in args.sm_counts.split(",")]
+    reports = spawn.run(args.num_ranks, rank_main, sm_counts, args.iters, args.num_tokens)
+    for report in reports[:1]:
+        for num_sms, kinds in report["phases"].items():
+            for kind, roles in kinds.items():
+                for role, values in roles.items():
+                    cells = " ".join(f"{name} {value:.1f}" for name, value in values.items()
+                                     if name not in ("span", "warps") and value >= 0.05)
+                    print(f"rank {report['rank']}, {num_sms} SMs, {kind}, {values['warps']} {role} warps: span "
+                          f"{values['span']:.1f} µs per call = {cells}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
