@@ -5,7 +5,8 @@
 For each SM count, every warp of `iters` cached dispatches and combines (DeepSeek-V3 setting, FP8 dispatch, ranks
 started together after a barrier) adds the SM cycles of each phase of its work (include/tokenyard/phases.cuh);
 this prints, per kernel and role (sending warps; receiving or reducing ones), the mean microseconds per call a
-warp spent in each phase, its span, and the kernel's span. A diagnostic for issue 50, not a figure for the results.
+warp spent in each phase, its span, and the kernel's span. A diagnostic for issue 50: what it found is in
+benchmarks/results/normal_tuning.md.
 """
 
 from __future__ import annotations
