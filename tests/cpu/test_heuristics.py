@@ -55,6 +55,14 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     assert heuristics.dispatch_stages() == 2
     with pytest.raises(ValueError, match="2 to 4 stages"):
         heuristics.combine_stages()
+    tokenyard_env("TOKENYARD_TUNING", None)
+    assert heuristics.dispatch_own_row_by_store() is heuristics.DISPATCH_OWN_ROW_BY_STORE
+    assert heuristics.combine_reduce_loads() == heuristics.COMBINE_REDUCE_LOADS
+    tokenyard_env("TOKENYARD_TUNING", "dispatch_own_row_by_store=on,combine_reduce_loads=8")
+    assert heuristics.dispatch_own_row_by_store() is True and heuristics.combine_reduce_loads() == 8
+    tokenyard_env("TOKENYARD_TUNING", "combine_reduce_loads=65")
+    with pytest.raises(ValueError, match="1 to 64 loads"):
+        heuristics.combine_reduce_loads()
     for bad in ("dispatch_send_warps=0", "share=0.5", "low_latency_local_share=1.0", "combine_own_rows_direct",
                 "combine_own_rows_direct=maybe"):
         tokenyard_env("TOKENYARD_TUNING", bad)

@@ -84,6 +84,24 @@ def combine_own_rows_direct() -> bool:
     return tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
 
 
+# Issue 50's next sweep (benchmarks/results/normal_tuning.md, where the warps' time goes): whether a dispatch
+# sender's own row goes by the copy engine's store (else its lanes copy it out of the stages), and the loads a
+# combine reducer's lane keeps in flight (at 8 SMs the reducers sum three quarters of the kernel).
+DISPATCH_OWN_ROW_BY_STORE = False
+COMBINE_REDUCE_LOADS = 16
+
+
+def dispatch_own_row_by_store() -> bool:
+    return tuned("dispatch_own_row_by_store", DISPATCH_OWN_ROW_BY_STORE)
+
+
+def combine_reduce_loads() -> int:
+    loads = tuned("combine_reduce_loads", COMBINE_REDUCE_LOADS)
+    if not 1 <= loads <= 64:
+        raise ValueError(f"TOKENYARD_TUNING combine_reduce_loads={loads}: 1 to 64 loads in flight per lane")
+    return loads
+
+
 # Low-latency senders in one group of blocks per destination (NOTE [peer-major blocks] in
 # kernels/low_latency_common.cuh). Writes to the own rank need no NVLink, so its group gets half the blocks of a
 # peer's: 1 / (2 (R - 1) + 1) of the grid.

@@ -49,7 +49,7 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // the round's rows from source s start at row recv_first[s] of them (else rank_prefix_matrix gives it);
 // send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
-          int kStages, int kStageBytes, int kSendWarps, typename Params>
+          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
     static_assert(kSendWarps >= 1 && kSendWarps < kNumThreads / kWarpSize, "every block sends and reduces");
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
@@ -159,10 +159,10 @@ __device__ __forceinline__ void combine(const Params& p) {
                          : p.local_direct && q == p.rank ? p.x + own_row * kHiddenInt4
                          : reinterpret_cast<const int4*>(buffers.row(p.rank, q, indices[q]));
         }
-        // kUnroll vectors per lane, each with its kNumRanks loads issued before any is summed (16 loads in
-        // flight per lane); the sum of
-        // every element still runs bias_0, bias_1, rank 0, rank 1, ... as the semantics fix.
-        constexpr int kUnroll = kNumRanks >= 16 ? 1 : 16 / kNumRanks;
+        // kUnroll vectors per lane, each with its kNumRanks loads issued before any is summed (kReduceLoads
+        // loads in flight per lane); the sum of every element still runs bias_0, bias_1, rank 0, rank 1, ... as
+        // the semantics fix.
+        constexpr int kUnroll = kNumRanks >= kReduceLoads ? 1 : kReduceLoads / kNumRanks;
         const int4* biases[2] = {p.bias_0, p.bias_1};
         for (int base = 0; base < kHiddenInt4; base += kUnroll * kWarpSize) {
             int4 rows[kUnroll][kNumRanks];
