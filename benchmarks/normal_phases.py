@@ -20,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.gpu import spawn  # noqa: E402  (sets the NVLink-multicast-off variables first)
 
+import profile_normal  # noqa: E402  (beside this file: the same Buffer, inputs and first dispatch)
+
 KINDS = ("dispatch", "combine")
 
 
@@ -54,25 +56,17 @@ def rank_main(sm_counts, iters: int, num_tokens: int):
     import torch
     import torch.distributed as dist
 
-    from tokenyard import Buffer, Config
+    from tokenyard import Buffer
     from tokenyard.backends.cuda import heuristics
-    from tokenyard.tools.testing import make_rank_inputs
 
-    rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
-    x, topk_idx, weights = make_rank_inputs(7, num_ranks, num_tokens, 7168, 256, 8, "uniform", "fp8", device)[rank]
-    size = Config(num_max_tokens_per_rank=num_tokens).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
-    buffer = Buffer(dist.group.WORLD, size, 0, backend="cuda", check_inputs=False)
+    rank = dist.get_rank()
+    buffer, x, topk_idx, weights = profile_normal.deepseek_buffer(num_tokens)
     backend = buffer.runtime
     send_warps = {"dispatch": heuristics.dispatch_send_warps(16), "combine": heuristics.combine_send_warps(16)}
     report = {}
     for num_sms in sm_counts:
         Buffer.set_num_sms(num_sms)
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 256)
-        recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
-                                                     num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                     num_tokens_per_expert=per_expert)
-        y = torch.randn(recv_x[0].size(0), 7168, device=device).to(torch.bfloat16)
+        handle, y = profile_normal.first_dispatch(buffer, x, topk_idx, weights)
         phases = backend.start_normal_phases()
         for _ in range(3):  # warm: the plans with the phases' address built, the kernels loaded
             buffer.dispatch(x, handle=handle)

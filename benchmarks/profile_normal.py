@@ -18,10 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.gpu import spawn  # noqa: E402  (sets the NVLink-multicast-off variables first)
 
 
-def _profile(num_sms: int, num_tokens: int):
+def deepseek_buffer(num_tokens: int):
+    """This rank's CUDA Buffer sized for `num_tokens` tokens of the DeepSeek-V3 setting (FP8 dispatch, hidden 7168,
+    top-8 of 256, uniform routing, seed 7) and its inputs -> (buffer, x, topk_idx, weights)."""
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
 
     from tokenyard import Buffer, Config
     from tokenyard.tools.testing import make_rank_inputs
@@ -30,13 +31,33 @@ def _profile(num_sms: int, num_tokens: int):
     device = torch.device("cuda", torch.cuda.current_device())
     x, topk_idx, weights = make_rank_inputs(7, num_ranks, num_tokens, 7168, 256, 8, "uniform", "fp8", device)[rank]
     size = Config(num_max_tokens_per_rank=num_tokens).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
-    buffer = Buffer(dist.group.WORLD, size, 0, backend="cuda", check_inputs=False)
-    Buffer.set_num_sms(num_sms)
+    return Buffer(dist.group.WORLD, size, 0, backend="cuda", check_inputs=False), x, topk_idx, weights
+
+
+def first_dispatch(buffer, x, topk_idx, weights):
+    """The layout and a dispatch that makes the handle, at the Buffer's SM count -> (handle, expert outputs y:
+    random bf16 rows, one per received row)."""
+    import torch
+
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 256)
-    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
-                                                      num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                      num_tokens_per_expert=per_expert)
-    y = torch.randn(recv_x[0].size(0), 7168, device=device).to(torch.bfloat16)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
+                                                 num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert)
+    y = torch.randn(recv_x[0].size(0), 7168, device=recv_x[0].device).to(torch.bfloat16)
+    return handle, y
+
+
+def _profile(num_sms: int, num_tokens: int):
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from tokenyard import Buffer
+
+    rank = dist.get_rank()
+    buffer, x, topk_idx, weights = deepseek_buffer(num_tokens)
+    Buffer.set_num_sms(num_sms)
+    handle, y = first_dispatch(buffer, x, topk_idx, weights)
     lines = []
     import time
 
