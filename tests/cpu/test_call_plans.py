@@ -59,8 +59,9 @@ class FakeKernel:
     def __init__(self, spec: KernelSpec, handle: int):
         self.spec, self.handle, self.prepared = spec, handle, []
 
-    def prepare(self, shared_bytes: int) -> None:
+    def prepare(self, shared_bytes: int) -> int:  # as driver.Kernel.prepare: at least the spec's, every launch's
         self.prepared.append(shared_bytes)
+        return max(shared_bytes, self.spec.shared_bytes)
 
 
 SPEC = KernelSpec("h.cuh", "ns::kernel", (), (

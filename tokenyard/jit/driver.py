@@ -59,17 +59,19 @@ class Kernel:
         check(status, f"cuModuleGetGlobal({symbol})")
         return ptr.value, size.value
 
-    def prepare(self, shared_bytes: int) -> None:
-        """Allow launches with `shared_bytes` of dynamic shared memory (above 48 KiB needs an opt-in)."""
+    def prepare(self, shared_bytes: int) -> int:
+        """The dynamic shared memory of a launch that asks for `shared_bytes`: at least the spec's, every launch's
+        (KernelSpec.shared_bytes); launches with it are allowed (above 48 KiB needs an opt-in)."""
+        shared_bytes = max(shared_bytes, self.spec.shared_bytes)
         if shared_bytes > self._max_dynamic_shared:
             # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
             check(libcuda().cuFuncSetAttribute(self._function, 8, shared_bytes), "cuFuncSetAttribute")
             self._max_dynamic_shared = shared_bytes
+        return shared_bytes
 
     def __call__(self, grid: int, stream: int, shared_bytes: int = 0, **args) -> None:
         """Launch with the kernel's arguments by parameter name (KernelSpec.ordered)."""
-        shared_bytes = max(shared_bytes, self.spec.shared_bytes)
-        self.prepare(shared_bytes)
+        shared_bytes = self.prepare(shared_bytes)
         packed = self.spec.pack(args)
         size = ctypes.c_size_t(ctypes.sizeof(packed))
         extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(packed), _BUFFER_SIZE,

@@ -128,8 +128,7 @@ class PlanBuilder:
         each run."""
         spec = kernel.spec
         args = spec.ordered(args)
-        shared_bytes = max(shared_bytes, spec.shared_bytes)
-        kernel.prepare(shared_bytes)
+        shared_bytes = kernel.prepare(shared_bytes)
         block_type = spec.args_type
         constants = [0 if isinstance(a, Ref) else a for a in args]
         packed = bytes(block_type(*constants))
