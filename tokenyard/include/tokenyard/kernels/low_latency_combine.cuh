@@ -126,8 +126,10 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // this rank's receive by the items it left, never a send, and the rows are the same bytes, written by another launch. A
 // launch that sends and receives leaves nothing (it cannot end before every peer's weights came anyway, and waiting in
 // place with the rows asked for first is the faster order: benchmarks/results/low_latency.md); nor are items of this
-// rank itself (its weights come from this launch's other blocks) or of another node's ranks (a row is counted into one
-// put, NOTE [internode low-latency]) ever left.
+// rank itself (its weights come from this launch's other blocks). A rank of another node's weights came when its
+// weights flag did (NOTE [internode low-latency]), so its items are left as that flag says; a row's pieces reduced in
+// either launch are counted into the row's arrival word alike, and the warp that completes the row puts it, in
+// whichever launch that is; the receiving launch's blocks quiet before its last block flags s.
 // kHookSend: the launch sends only, the send of a recv hook (NOTE [deferred rows]).
 template <bool kHookSend, int kNumTopk, typename TopkT, typename Remote, typename Params>
 __device__ __forceinline__ void combine_launch(const Params& p) {
@@ -242,9 +244,13 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
         uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
         if (may_leave) {
             while (!weighed && ptx::global_timer_ns() < patience_end) {
-                const uint64_t word = ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane);
-                weighed = static_cast<uint32_t>(word >> 32) == tag;
-                weight_bits = static_cast<uint32_t>(word & 0xffffffffu);
+                if (put_weights) {  // the flag says they came; the words are read after it (below)
+                    weighed = static_cast<uint32_t>(ptx::ld_acquire_sys(b.weights_flag(p.rank, s)) >> 32) == tag;
+                } else {
+                    const uint64_t word = ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane);
+                    weighed = static_cast<uint32_t>(word >> 32) == tag;
+                    weight_bits = static_cast<uint32_t>(word & 0xffffffffu);
+                }
             }
             if (!__all_sync(0xffffffffu, weighed))
                 return leave();
@@ -366,10 +372,9 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
             if (group.turn >= p.num_ranks)
                 break;  // the same for the whole block
             const int s = next_peer(p.rank, p.num_ranks, group.turn);
-            // Items are left (NOTE [deferred rows]) by a hook's send only, and only for a peer of this node: this
-            // rank's own weights are on their way from this launch's other blocks, and a row to another node is
-            // counted into its put.
-            const bool may_leave = kHookSend && s != p.rank && !b.is_remote(s);
+            // Items are left (NOTE [deferred rows]) by a hook's send only, and never this rank's own: its weights
+            // are on their way from this launch's other blocks.
+            const bool may_leave = kHookSend && s != p.rank;
             // The first item's words and s's message count are asked for before the weights go out, so that
             // neither waits for the other.
             const int stride = group.count * num_warps, first = warp * group.count + group.index;
