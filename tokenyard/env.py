@@ -67,7 +67,6 @@ TUNING_KEYS = {
     "combine_send_warps": _parse_count,        # COMBINE_SEND_WARPS
     "dispatch_stages": _parse_count,           # DISPATCH_STAGES
     "combine_stages": _parse_count,            # COMBINE_STAGES
-    "dispatch_own_row_by_store": _parse_bool,  # DISPATCH_OWN_ROW_BY_STORE
     "combine_reduce_loads": _parse_count,      # COMBINE_REDUCE_LOADS
 }
 

@@ -56,10 +56,9 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     with pytest.raises(ValueError, match="2 to 4 stages"):
         heuristics.combine_stages()
     tokenyard_env("TOKENYARD_TUNING", None)
-    assert heuristics.dispatch_own_row_by_store() is heuristics.DISPATCH_OWN_ROW_BY_STORE
     assert heuristics.combine_reduce_loads() == heuristics.COMBINE_REDUCE_LOADS
-    tokenyard_env("TOKENYARD_TUNING", "dispatch_own_row_by_store=on,combine_reduce_loads=8")
-    assert heuristics.dispatch_own_row_by_store() is True and heuristics.combine_reduce_loads() == 8
+    tokenyard_env("TOKENYARD_TUNING", "combine_reduce_loads=8")
+    assert heuristics.combine_reduce_loads() == 8
     tokenyard_env("TOKENYARD_TUNING", "combine_reduce_loads=65")
     with pytest.raises(ValueError, match="1 to 64 loads"):
         heuristics.combine_reduce_loads()

@@ -84,15 +84,11 @@ def combine_own_rows_direct() -> bool:
     return tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
 
 
-# Issue 50's next sweep (benchmarks/results/normal_tuning.md, where the warps' time goes): whether a dispatch
-# sender's own row goes by the copy engine's store (else its lanes copy it out of the stages), and the loads a
-# combine reducer's lane keeps in flight (at 8 SMs the reducers sum three quarters of the kernel).
-DISPATCH_OWN_ROW_BY_STORE = False
-COMBINE_REDUCE_LOADS = 16
-
-
-def dispatch_own_row_by_store() -> bool:
-    return tuned("dispatch_own_row_by_store", DISPATCH_OWN_ROW_BY_STORE)
+# The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the
+# reducers sum three quarters of the kernel). 12 fits in the 128 registers at 2, 4 and 8 ranks where 16 spills,
+# and its combine was 4% faster at 8 SMs and 2% at 24 than 16's, 8's and 32's slower
+# (benchmarks/results/normal_tuning.md, issue 50's sweep).
+COMBINE_REDUCE_LOADS = 12
 
 
 def combine_reduce_loads() -> int:

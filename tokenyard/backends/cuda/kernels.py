@@ -94,22 +94,19 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
              all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS,
-             stages: int = heuristics.DISPATCH_STAGES,
-             own_row_by_store: bool = heuristics.DISPATCH_OWN_ROW_BY_STORE) -> KernelSpec:
+             stages: int = heuristics.DISPATCH_STAGES) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
     weight arrives (DeepEP V2), not only the local slots'; `send_warps`: a block's warps that send (the others
-    receive), each through `stages` stages; `own_row_by_store`: the copy engine stores a token's row for this
-    rank into the outputs (else the lanes copy it out of the stages)."""
+    receive), each through `stages` stages."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
     stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
-         "true" if all_weights else "false", stages, stage_bytes, send_warps,
-         "true" if own_row_by_store else "false"),
+         "true" if all_weights else "false", stages, stage_bytes, send_warps),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -318,9 +315,7 @@ def every_kernel():
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k
         yield combine(ranks, 7168 * 2 // 16, 8)
         yield combine(ranks, 4096 * 2 // 16, 0)
-    # TOKENYARD_TUNING's sweep variants (heuristics: DISPATCH_OWN_ROW_BY_STORE, COMBINE_REDUCE_LOADS)
-    yield dispatch(2, 7168 * 1 // 16, 56, 8, torch.int64, own_row_by_store=True)
-    yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)
+    yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)  # TOKENYARD_TUNING combine_reduce_loads's sweep
     yield expand_count(8, torch.int64)
     yield expand_place(8, torch.int64)
     yield expand_rows(7168 // 16)       # FP8 rows, DeepSeek-V3

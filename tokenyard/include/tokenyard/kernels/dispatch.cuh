@@ -95,7 +95,7 @@ struct SenderRanges {
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
           int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, int kSendWarps,
-          bool kOwnRowByStore, typename Params>
+          typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -197,9 +197,9 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
         int4* direct = direct_row >= 0 ? p.recv_x + direct_row * kDataInt4 : nullptr;
         // The own row is copied out of the stages by the lanes where they hold it whole (NOTE [warp stages]): the
-        // copy engine then stores to the peers only; with kOwnRowByStore, or a row the stages do not hold whole,
-        // the copy engine stores it too.
-        constexpr bool kDirectFromStages = !kOwnRowByStore && kDataInt4 * 16 <= kStages * kStageBytes;
+        // copy engine then stores to the peers only; a row the stages do not hold whole, the copy engine stores
+        // too. Its store of every own row was no faster (benchmarks/results/normal_tuning.md, issue 50's sweep).
+        constexpr bool kDirectFromStages = kDataInt4 * 16 <= kStages * kStageBytes;
         uint32_t first_piece = 0;
         if (lane == 0) {
             void* to[kNumRanks + 1];
