@@ -85,8 +85,8 @@ def combine_own_rows_direct() -> bool:
 
 
 # The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the
-# reducers sum three quarters of the kernel). 12 fits in the 128 registers at 2, 4 and 8 ranks where 16 spills,
-# and its combine was 4% faster at 8 SMs and 2% at 24 than 16's, 8's and 32's slower
+# reducers sum three quarters of the kernel). 12 fits in the 128 registers at 2, 4 and 8 ranks where 16 spills;
+# its combine was 4% faster than 16's at 8 SMs and 2% at 24 on 2 ranks, the same on 4; 8 and 32 slower
 # (benchmarks/results/normal_tuning.md, issue 50's sweep).
 COMBINE_REDUCE_LOADS = 12
 
