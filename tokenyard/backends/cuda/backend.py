@@ -586,10 +586,12 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
     def destroy(self, together: bool = True) -> None:
         torch.cuda.synchronize(self.device_index)
         # NVSHMEM's frees and stop are collective, without a deadline (NOTE [NVSHMEM stop] in transport.py): not
-        # after a peer was lost, or an exchange timed out (the peer may be gone).
-        exchange_timed_out = self._internode is not None and self._internode.timed_out
-        nvshmem_together = together and not getattr(self.ctx.collectives, "peer_lost", False) and \
-            not exchange_timed_out
+        # after a peer was lost, nor after an exchange timed out unless every rank comes to a meeting first (a late
+        # peer does, a lost one cannot).
+        lost = getattr(self.ctx.collectives, "peer_lost", False)
+        if together and not lost and self._internode is not None and self._internode.timed_out:
+            lost = not meet(self.ctx)
+        nvshmem_together = together and not lost
         if self._internode is not None:
             self.ctx.collectives.device_all_gather = None
         for user in (self._internode, self.heap_buffer):

@@ -19,11 +19,12 @@ in the same order.
 NOTE [NVSHMEM stop]
 NVSHMEM's frees and its stop are collective too, and wait for every PE without a deadline: with a peer's process
 gone they would never return. A Buffer that saw a peer's connection close (`Collectives.peer_lost`), or whose
-call's exchange timed out (the peer may be gone; a late one's next exchange times out too, as its peers left the
-call: NOTE [device exchange]), therefore leaves its symmetric memory to the process's end instead (`abandon`), and
-NVSHMEM is not started again in that process: its world still counts the lost PE. Ranks that saw nothing of the
-loss free as usual, and wait as they would for any collective the lost rank cannot join. A timeout inside an
-internode kernel does not abandon: a peer that skipped a kernel is alive, and frees with the others.
+call's exchange timed out (the peer may be gone: NOTE [device exchange]) and whose ranks then do not all come to a
+bounded meeting at `destroy` (a late peer times out in its next exchange, as its peers left the call, and comes;
+a lost one cannot), therefore leaves its symmetric memory to the process's end instead (`abandon`), and NVSHMEM is
+not started again in that process: its world still counts the lost PE. Ranks that saw nothing of the loss free
+as usual, and wait as they would for any collective the lost rank cannot join. A timeout inside an internode
+kernel does not abandon: a peer that skipped a kernel is alive, and frees with the others.
 """
 
 from __future__ import annotations
