@@ -43,10 +43,6 @@ NOT_UNDER_MPS = ("killed_in_its_call",)
 # survivors did not answer, and the next processes found the GPU unavailable (benchmarks/results/faults.md). Ranks
 # on GPUs of their own run it.
 NOT_UNDER_MPS_ON_NODES = ("killed",)
-# Late to a normal-mode dispatch. On several nodes the CUDA backend's internode calls begin with a host exchange
-# (the call's agreement, then its counts), which only the process group's own timeout bounds where the group is
-# NCCL's (docs/semantics.md): there the others wait for a late rank, and a lost one stops them all.
-LATE_TO_HOST_EXCHANGES = ("sleeps_past_the_deadline", "killed", "killed_in_its_call")
 
 
 def _device(backend):

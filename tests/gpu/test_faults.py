@@ -39,8 +39,6 @@ def skip_reason(what: str, num_ranks: int):
         return "under MPS a client killed inside a kernel is a fatal fault for every client of the GPU"
     if what in scenarios.NOT_UNDER_MPS_ON_NODES and spawn.shares_gpu(num_ranks) and _on_nodes(num_ranks):
         return "under MPS a client killed while NVSHMEM holds its memory leaves the GPU unusable"
-    if what in scenarios.LATE_TO_HOST_EXCHANGES and _on_nodes(num_ranks) and not spawn.shares_gpu(num_ranks):
-        return "the internode calls' host exchanges go over NCCL here, which only the group's timeout bounds"
     return None
 
 

@@ -100,7 +100,10 @@ def _compare_ranks(seed, ranks_per_node, rdma_bytes=RDMA_BYTES, cases=CASES):
             spawn.assert_same(f"{what}: combined weights ({how})", rc[1], cc[1])
         report.append((case_id, num_recv, dispatch_rounds, cuda.runtime._internode_kernels().rounds["combine"]))
 
-    # Internode calls exchange counts on the host: refused inside a CUDA-graph capture, then eager calls go on.
+    # NOTE [device exchange]: every call's agreement and counts went through the transport, none over the group.
+    assert cuda.runtime._internode_kernels().exchanges >= 2 * len(report), \
+        f"rank {rank}: {cuda.runtime._internode_kernels().exchanges} exchanges through the transport"
+    # Internode calls read their counts on the host: refused inside a CUDA-graph capture, then eager calls go on.
     from tokenyard import InvalidInputError
 
     for call in (lambda: cuda.combine(y, ch), lambda: cuda.dispatch(x, handle=ch)):

@@ -42,7 +42,9 @@ The CUDA backend's kernels carry the same signature, without the call number, in
 (NOTE [call signatures] in include/tokenyard/layout.cuh); both name the disagreement with `mismatch_error`.
 Its internode kernels do not: each rank sizes the rows it moves from its own call, so ranks that disagree
 would read and write past each other's rows. Their calls begin with a host count exchange anyway, so a Buffer
-whose normal mode spans nodes agrees on each normal-mode call as the reference backend does.
+whose normal mode spans nodes agrees on each normal-mode call as the reference backend does; its exchanges go
+through the transport, with the Buffer's deadline, not over the group (`device_all_gather`, NOTE [device
+exchange] in include/tokenyard/kernels/exchange.cuh).
 """
 
 from __future__ import annotations
@@ -241,6 +243,9 @@ class Collectives:
         self._calls = 0  # calls agreed on (NOTE [call agreement])
         self.peer_lost = False  # a collective failed because a peer's connection closed (NOTE [NVSHMEM stop])
         self.op = "call"  # the operation under way: the first part of every stage a timeout names
+        # NOTE [device exchange] (include/tokenyard/kernels/exchange.cuh): set by a CUDA backend whose normal mode
+        # spans nodes; (tensor, stage) -> every rank's tensor, or None where it does not take that tensor.
+        self.device_all_gather: Optional[Callable[[torch.Tensor, str], Optional[torch.Tensor]]] = None
 
     def _device_group(self) -> dist.ProcessGroup:
         """The group that moves this device's tensors: the Buffer's, or the private NCCL group."""
@@ -323,7 +328,13 @@ class Collectives:
         return None
 
     def all_gather(self, t: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
-        """``[num_ranks, *t.shape]``: every rank's `t` (no host sync in the direct and NCCL modes)."""
+        """``[num_ranks, *t.shape]``: every rank's `t` (no host sync in the direct and NCCL modes; through the
+        transport where `device_all_gather` is set, bounded, with one)."""
+        if self.device_all_gather is not None and t.device.type == "cuda" and \
+                not torch.cuda.is_current_stream_capturing():
+            gathered = self.device_all_gather(t, f"{self.op}/{what}")
+            if gathered is not None:
+                return gathered
         if self.group is None:
             return torch.stack([p.to(t.device) for p in self._all_gather_object(t.cpu())])
         staged = self._staged()

@@ -239,6 +239,11 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         if self._failure is not None:
             raise self._failure
 
+    def fail(self, error: TokenyardError) -> None:
+        """Keep `error` as this backend's failure, as a recorded one is kept (a failure found on the host)."""
+        if self._failure is None:
+            self._failure = error
+
     def _wait_host_counts(self, ticket: int) -> None:
         """The CPU wait of a dispatch: until the notify kernel published the counts of call `ticket`, bounded."""
         # A second longer than the kernel's own wait, whose error names the late peer.
@@ -580,8 +585,15 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
 
     def destroy(self, together: bool = True) -> None:
         torch.cuda.synchronize(self.device_index)
-        # NVSHMEM's frees and stop are collective, without a deadline (NOTE [NVSHMEM stop] in transport.py).
-        nvshmem_together = together and not getattr(self.ctx.collectives, "peer_lost", False)
+        # NVSHMEM's frees and stop are collective, without a deadline (NOTE [NVSHMEM stop] in transport.py): not
+        # after a peer was lost, nor after an exchange timed out unless every rank comes to a meeting first (a late
+        # peer does, a lost one cannot).
+        lost = getattr(self.ctx.collectives, "peer_lost", False)
+        if together and not lost and self._internode is not None and self._internode.timed_out:
+            lost = not meet(self.ctx)
+        nvshmem_together = together and not lost
+        if self._internode is not None:
+            self.ctx.collectives.device_all_gather = None
         for user in (self._internode, self.heap_buffer):
             if user is not None and nvshmem_together:
                 user.free()

@@ -32,11 +32,12 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ...errors import BackendUnavailableError, CapacityError
+from ...errors import BackendUnavailableError, CapacityError, CommTimeoutError
 from ...plan import headers
 from ...semantics import routing
 from ..requests import CombineRequest, DispatchRequest, DispatchResult
-from . import kernels, runtime
+from ..waiting import wait_until
+from . import failures, kernels, runtime
 
 _ALIGN = 16
 
@@ -66,7 +67,17 @@ class InternodeKernels:
         self.region = transport.alloc(self.region_bytes)
         self.num_signals = self.num_nodes + ranks_per_node + 1
         self.signals = transport.alloc(2 * self.num_signals * 8)
+        # NOTE [device exchange]: the send slot, two sets of every rank's slot and signal, the exchanges so far
+        self.exchange_send = transport.alloc(kernels.EXCHANGE_SLOT_BYTES)
+        self.exchange_slots = transport.alloc(2 * self.num_ranks * kernels.EXCHANGE_SLOT_BYTES)
+        self.exchange_signals = transport.alloc(2 * self.num_ranks * 8)
+        self.exchanges = 0
         device = ctx.device
+        # The exchange's own error record: the caller names the stage of its timeout (NOTE [device exchange]).
+        self.exchange_flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self.exchange_record_ptr = runtime.host_alloc_mapped(failures.RECORD_INTS * 4)
+        self.exchange_record = runtime.int32_view(self.exchange_record_ptr, failures.RECORD_INTS)
+        self.timed_out = False  # an exchange ran past its deadline (NOTE [NVSHMEM stop])
         self.call_counters = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch's, combine's
         self.rounds = {"dispatch": 0, "combine": 0}  # the launches of the last call of each
         peers = transport.peer_pointers(self.region)
@@ -77,10 +88,50 @@ class InternodeKernels:
         self.node_regions = torch.tensor(node_peers, dtype=torch.int64, device=device)
 
     def free(self) -> None:
-        """Free the region and the signals and give back this use of the transport (collective)."""
-        self.transport.free(self.signals)
-        self.transport.free(self.region)
+        """Free the region, the signals and the exchange's memory and give back this use of the transport
+        (collective)."""
+        for ptr in (self.exchange_signals, self.exchange_slots, self.exchange_send, self.signals, self.region):
+            self.transport.free(ptr)
         self.transport.close()
+        runtime.host_free(self.exchange_record_ptr)
+
+    def all_gather(self, t: torch.Tensor, stage: str) -> Optional[torch.Tensor]:
+        """``[num_ranks, *t.shape]``: every rank's `t` (a CUDA tensor), through the transport with the Buffer's
+        deadline (NOTE [device exchange]); waits for it on the host. None where `t` is larger than a slot (the
+        caller gathers it over the group instead).
+
+        Raises:
+            CommTimeoutError: a rank did not reach this exchange within timeout_s, naming it and `stage`.
+        """
+        num_bytes = t.numel() * t.element_size()
+        if num_bytes > kernels.EXCHANGE_SLOT_BYTES:
+            return None
+        backend, device = self.backend, self.backend.ctx.device
+        backend.check_failures()
+        self.exchanges += 1
+        send = runtime.byte_view(self.exchange_send, num_bytes, device)
+        send.copy_(t.contiguous().view(-1).view(torch.uint8))
+        kernel = self.transport.load(kernels.exchange(), backend.device_index, counted=False)
+        kernel(1, backend._stream(), send=self.exchange_send, slots=self.exchange_slots,
+               signals=self.exchange_signals, bytes=num_bytes, tag=self.exchanges, num_ranks=self.num_ranks,
+               rank=self.rank, error_flag=self.exchange_flag.data_ptr(), host_record=self.exchange_record_ptr,
+               timeout_ns=backend.timeout_ns)
+        first = (self.exchanges & 1) * self.num_ranks * kernels.EXCHANGE_SLOT_BYTES
+        slots = runtime.byte_view(self.exchange_slots + first, self.num_ranks * kernels.EXCHANGE_SLOT_BYTES, device)
+        out = slots.view(self.num_ranks, kernels.EXCHANGE_SLOT_BYTES)[:, :num_bytes].clone()
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        # A second past the kernel's own deadline, whose record names the late rank; a kernel before it on the
+        # stream that fails raises its own error.
+        finished = wait_until(done.query, backend.ctx.timeout_s + 1.0, backend.check_failures)
+        if self.exchange_record[0] != 0 or not finished:
+            self.timed_out = True
+            peer = self.exchange_record[2] if self.exchange_record[0] != 0 else -1
+            backend.fail(CommTimeoutError(self.rank, peer, stage, "it did not reach this exchange of its call (late, "
+                                          "gone, or making fewer calls; NOTE [device exchange]); destroy this Buffer "
+                                          "and make a new one"))
+        backend.check_failures()
+        return out.view(t.dtype).view(self.num_ranks, *t.shape)
 
     def _bytes(self, offset: int, num_bytes: int) -> torch.Tensor:
         """Bytes of this rank's region as a uint8 tensor (no copy)."""
@@ -345,7 +396,9 @@ class InternodeCalls:
         most = headers.constant("kernels/internode.cuh", "kMaxRanksPerNode")
         if self.ctx.topology.ranks_per_node > most:
             return f"nodes of {self.ctx.topology.ranks_per_node} ranks, more than the kernels' {most}"
-        return None
+        from .transport import Transport
+
+        return Transport.refusal(self._group_ranks())  # NVSHMEM left to a lost peer, or serving another group
 
     def start_internode(self) -> None:
         """NOTE [internode start]
@@ -369,6 +422,7 @@ class InternodeCalls:
                                     required_bytes=0, available_bytes=0, which="num_rdma_bytes")
             self._internode = InternodeKernels(self, self._transport(), ctx.num_rdma_bytes,
                                                ctx.topology.ranks_per_node)
+            ctx.collectives.device_all_gather = self._internode.all_gather  # NOTE [device exchange]
         return self._internode
 
     def _group_ranks(self) -> tuple:

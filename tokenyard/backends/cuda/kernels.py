@@ -271,6 +271,21 @@ def transport_check() -> KernelSpec:
         TRANSPORT_CHECK_THREADS, name="tokenyard::internode::transport_check", nvshmem=True)
 
 
+EXCHANGE_THREADS = 256
+EXCHANGE_SLOT_BYTES = headers.constant("kernels/exchange.cuh", "kExchangeSlotBytes")
+
+
+@functools.lru_cache(maxsize=None)
+def exchange() -> KernelSpec:
+    """An internode call's small exchange through the transport (NOTE [device exchange]); an NVSHMEM unit."""
+    return KernelSpec(
+        "tokenyard/kernels/exchange.cuh", "tokenyard::kernels::exchange", (),
+        (Param("const void*", "send"), Param("void*", "slots"), Param("uint64_t*", "signals"),
+         Param("int64_t", "bytes"), Param("uint64_t", "tag"), Param("int", "num_ranks"), Param("int", "rank"),
+         *_WAIT),
+        EXCHANGE_THREADS, name="tokenyard::internode::exchange", nvshmem=True)
+
+
 INTERNODE_THREADS = 512
 
 
@@ -327,6 +342,7 @@ def every_kernel():
             yield low_latency_dispatch(num_topk, torch.int64, cast, use_ue8m0)
         yield low_latency_combine(num_topk, torch.int64)
     yield transport_check()
+    yield exchange()
     yield internode_dispatch()
     yield internode_combine(7168 * 2 // 16, 8)
     yield low_latency_dispatch(8, torch.int64, 1, False, internode=True)

@@ -51,10 +51,12 @@ class SymmetricBuffer:
         self.bases = []
 
 
-def meet(ctx: GroupContext) -> None:
-    """A bounded barrier of the group (NOTE [symmetric lifetime]); a rank that does not come is not waited for."""
+def meet(ctx: GroupContext) -> bool:
+    """A bounded barrier of the group (NOTE [symmetric lifetime]); a rank that does not come is not waited for.
+    -> whether every rank came."""
     try:
         ctx.collectives.op = "destroy"
         ctx.collectives.barrier("meeting", max(ctx.timeout_s, HOST_SKEW_FLOOR_S))
     except (TokenyardError, RuntimeError, ValueError):  # ValueError: the group was destroyed first
-        pass
+        return False
+    return True

@@ -18,10 +18,13 @@ in the same order.
 
 NOTE [NVSHMEM stop]
 NVSHMEM's frees and its stop are collective too, and wait for every PE without a deadline: with a peer's process
-gone they would never return. A Buffer that saw a peer's connection close (`Collectives.peer_lost`) therefore
-leaves its symmetric memory to the process's end instead (`abandon`), and NVSHMEM is not started again in that
-process: its world still counts the lost PE. Ranks that saw nothing of the loss free as usual, and wait as they
-would for any collective the lost rank cannot join.
+gone they would never return. A Buffer that saw a peer's connection close (`Collectives.peer_lost`), or whose
+call's exchange timed out (the peer may be gone: NOTE [device exchange]) and whose ranks then do not all come to a
+bounded meeting at `destroy` (a late peer times out in its next exchange, as its peers left the call, and comes;
+a lost one cannot), therefore leaves its symmetric memory to the process's end instead (`abandon`), and NVSHMEM is
+not started again in that process: its world still counts the lost PE. Ranks that saw nothing of the loss free
+as usual, and wait as they would for any collective the lost rank cannot join. A timeout inside an internode
+kernel does not abandon: a peer that skipped a kernel is alive, and frees with the others.
 """
 
 from __future__ import annotations
@@ -164,10 +167,11 @@ class Transport:
         """For each PE, `ptr`'s address there where this GPU can load and store it directly, else 0."""
         return [self.shim.tokenyard_nvshmem_ptr(ctypes.c_void_p(ptr), pe) or 0 for pe in range(self.num_ranks)]
 
-    def load(self, spec: KernelSpec, device_index: int):
+    def load(self, spec: KernelSpec, device_index: int, counted: bool = True):
         """The kernel of an NVSHMEM unit, its module registered with NVSHMEM once (NOTE [NVSHMEM units]); under
-        TOKENYARD_COUNT_OPERATIONS the unit's counting variant (NOTE [operation counters])."""
-        if self.count_operations:
+        TOKENYARD_COUNT_OPERATIONS the unit's counting variant (NOTE [operation counters]), unless not `counted`
+        (the calls' small exchanges, NOTE [device exchange])."""
+        if self.count_operations and counted:
             most = headers.constant("operation_counts.cuh", "kCountedPeers")
             if self.num_ranks > most:
                 raise BackendUnavailableError(f"operation counters have rows for {most} ranks, not {self.num_ranks} "
@@ -179,7 +183,7 @@ class Transport:
             if status != 0:
                 raise BackendUnavailableError(f"nvshmemx_cumodule_init failed for {spec.name} (status {status})")
             self._registered.add(kernel.module)
-            if self.count_operations:
+            if self.count_operations and counted:
                 self._counting[kernel.module] = (kernel, device_index)
         return kernel
 
