@@ -9,7 +9,8 @@
 // call's stage (dispatch/agree, dispatch/count_exchange, ...) and the rank that did not come. Two sets of slots
 // and signals, by the tag's parity: a rank one exchange ahead puts into the set its peers are not reading (it
 // cannot be two ahead: its next exchange needs their puts of this one, which they make after reading the last).
-// The block quiets before it ends, so the host may write the send slot again.
+// The block quiets before it ends, so the host may write the send slot again. A tensor larger than a slot (a
+// rounds' table of some hundred rounds) goes over the process group, as before.
 #pragma once
 
 #include "../transport.cuh"
