@@ -274,20 +274,32 @@ class Rank:
 
         buffer, E = self.buffer, self.shape.num_experts
         on_comm = dict(async_finish=True, allocate_on_comm_stream=True)
-        batches = []
-        for _ in range(OVERLAP_MICRO_BATCHES):
-            layout = buffer.get_dispatch_layout(self.topk_idx, E)
+
+        def dispatch(layout, after):
+            """A micro-batch's dispatch on the communication stream, after the compute stream's event `after`
+            (its layout, queued before the GEMMs the dispatch overlaps). The host waits for its counts (a fresh
+            dispatch sizes its outputs on the host), so it is called once those GEMMs are queued: the GPU runs
+            them meanwhile."""
             recv_x, recv_idx, recv_w, per_expert, handle, event = buffer.dispatch(
                 self.x, topk_idx=self.topk_idx, topk_weights=self.topk_weights, num_tokens_per_rank=layout[0],
-                is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], previous_event=Buffer.capture(),
-                **on_comm)
-            batches.append(dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, per_expert=per_expert, handle=handle,
-                                event=event))
-        for b in batches:  # micro-batch i's GEMMs run while i+1's dispatch (or i-1's combine) is in flight
+                is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], previous_event=after, **on_comm)
+            return dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, per_expert=per_expert, handle=handle,
+                        event=event)
+
+        batches = [dispatch(buffer.get_dispatch_layout(self.topk_idx, E), Buffer.capture())]
+        # Micro-batch i's GEMMs run while i+1's dispatch (or i-1's combine) is in flight.
+        for i in range(OVERLAP_MICRO_BATCHES):
+            b = batches[i]
             b["event"].current_stream_wait()
+            last = i + 1 == OVERLAP_MICRO_BATCHES
+            if not last:
+                next_layout = buffer.get_dispatch_layout(self.topk_idx, E)
+                ready = Buffer.capture()
             b["recv_x"] = b["recv_x"].detach().requires_grad_()
             b["expert_out"] = experts_on_received(b["recv_x"], b["recv_idx"], b["recv_w"],
                                                   (self.gate_up, self.down), self.kind, b["per_expert"])[0]
+            if not last:
+                batches.append(dispatch(next_layout, ready))
             b["out"], _, b["event"] = buffer.combine(b["expert_out"].detach(), b["handle"],
                                                      previous_event=Buffer.capture(), **on_comm)
         for b in reversed(batches):
