@@ -38,6 +38,9 @@ namespace tokenyard::kernels {
 
 constexpr int kInternodeChunkRows = 4;  // rows per put: the dispatch's stage 1, the combine's partial sums
 constexpr int kMaxRanksPerNode = 8;     // a node's ranks: a lane each in the row's positions
+// Node m's chunks start at warp m * kNodeStagger of the grid, so that where a node has fewer chunks than the grid
+// has warps the nodes' first chunks go to different warps (and SMs), not all to the first ones.
+constexpr int kNodeStagger = 7;
 
 // Signal words, per kind of launch: [0, N) arrivals from each node (dispatch: its stage-1 rows; combine: its
 // partial rows), [N, N + P) arrivals from each rank of this node, [N + P] the start barrier.
@@ -111,7 +114,7 @@ __device__ __forceinline__ void internode_dispatch(const Params& p) {
     for (int m = 0; m < num_nodes; ++m) {
         const int begin = p.node_row_begin[m], rows = p.node_row_begin[m + 1] - begin;
         const int num_chunks = (rows + kInternodeChunkRows - 1) / kInternodeChunkRows;
-        for (int c = (warp_id + m * 7) % total_warps; c < num_chunks; c += total_warps) {
+        for (int c = (warp_id + m * kNodeStagger) % total_warps; c < num_chunks; c += total_warps) {
             const int first = c * kInternodeChunkRows, count = min(kInternodeChunkRows, rows - first);
             transport::put_warp(p.fwd_recv + (static_cast<int64_t>(node) * p.fwd_capacity + first) * p.row_bytes,
                                 p.send_rows + static_cast<int64_t>(begin + first) * p.row_bytes,
@@ -184,7 +187,7 @@ __device__ __forceinline__ void internode_combine(const Params& p) {
     for (int k = 0; k < num_nodes; ++k) {
         const int begin = p.fwd_row_begin[k], rows = p.fwd_row_begin[k + 1] - begin;
         const int num_chunks = (rows + kInternodeChunkRows - 1) / kInternodeChunkRows;
-        for (int c = (warp_id + k * 7) % total_warps; c < num_chunks; c += total_warps) {
+        for (int c = (warp_id + k * kNodeStagger) % total_warps; c < num_chunks; c += total_warps) {
             const int first = begin + c * kInternodeChunkRows;
             const int count = min(kInternodeChunkRows, begin + rows - first);
             for (int row = first; row < first + count; ++row) {
