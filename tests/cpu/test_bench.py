@@ -182,3 +182,25 @@ def test_structure_ab_takes_each_sides_median_and_refuses_runs_from_another_devi
     assert [s["label"] for s in both["sessions"]] == ["first", "second"] and both["commit_after"] == "c1"
     with pytest.raises(ValueError, match="compares"):
         ab.add_session(both, ab.merge([doc(1.0)], [doc(1.0)], "c0", "c2"))
+
+
+def test_gpu_suite_reads_each_tests_seconds_and_outcome_from_junit(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite", REPO_ROOT / "benchmarks" / "gpu_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    xml = tmp_path / "suite.xml"
+    xml.write_text('<testsuites><testsuite name="pytest">'
+                   '<testcase classname="tests.gpu.test_a" name="test_fast" time="1.25"/>'
+                   '<testcase classname="tests.gpu.test_a" name="test_broken" time="30.5">'
+                   '<failure message="x"/></testcase>'
+                   '<testcase classname="tests.gpu.test_b" name="test_bad_setup" time="2"><error message="y"/>'
+                   '</testcase>'
+                   '<testcase classname="tests.gpu.test_b" name="test_needs_8[8]" time="0.001"><skipped/></testcase>'
+                   '</testsuite></testsuites>')
+    assert suite.read_junit(str(xml)) == [
+        {"test": "tests.gpu.test_a::test_broken", "seconds": 30.5, "outcome": "failed"},
+        {"test": "tests.gpu.test_b::test_bad_setup", "seconds": 2.0, "outcome": "failed"},
+        {"test": "tests.gpu.test_a::test_fast", "seconds": 1.25, "outcome": "passed"},
+        {"test": "tests.gpu.test_b::test_needs_8[8]", "seconds": 0.0, "outcome": "skipped"}]

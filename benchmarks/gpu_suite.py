@@ -1,0 +1,89 @@
+"""Issue 48's record of the GPU suite's time: tests/gpu at one rank count, each test's duration and outcome.
+
+    TOKENYARD_COMMIT=<hash> python benchmarks/gpu_suite.py --num_ranks 4 --json gpu_suite.json [--timeout_s 300]
+
+Runs `pytest tests/gpu` with TOKENYARD_TEST_NUM_RANKS=<num_ranks> (the ranks spread over the GPUs there are, one
+per GPU where there are enough: tests/gpu/spawn.py) and pytest's JUnit XML, and writes one run of the record:
+the commit, device, date and command, the wall time, the outcomes, and every test's seconds (setup, call and
+teardown together, as JUnit counts them), slowest first. The goal it is read against (issue 48): the whole suite in
+at most 5 minutes at 4 ranks on 4 GPUs and 3 at 2, with the kernels cached. A run cut by `--timeout_s` is recorded
+as such, with the tests that finished (none where pytest wrote no XML). On a machine without a GPU every test skips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tokenyard.tools.bench.report import git_commit  # noqa: E402
+
+
+def outcome(case: ElementTree.Element) -> str:
+    """A JUnit test case's outcome: passed, failed (a failure or an error) or skipped."""
+    tags = {child.tag for child in case}
+    if tags & {"failure", "error"}:
+        return "failed"
+    return "skipped" if "skipped" in tags else "passed"
+
+
+def read_junit(path: str) -> list:
+    """Every test case of a JUnit XML file: {"test", "seconds", "outcome"}, slowest first."""
+    tests = [{"test": f"{case.get('classname', '')}::{case.get('name', '')}",
+              "seconds": round(float(case.get("time", 0)), 2), "outcome": outcome(case)}
+             for case in ElementTree.parse(path).getroot().iter("testcase")]
+    return sorted(tests, key=lambda t: -t["seconds"])
+
+
+def device_name() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU"
+    return f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num_ranks", type=int, required=True)
+    parser.add_argument("--timeout_s", type=float, default=300.0)
+    parser.add_argument("--json", required=True)
+    parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (say, -k)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        junit = os.path.join(folder, "suite.xml")
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "tests/gpu",
+                   *args.pytest_args]
+        environment = dict(os.environ, TOKENYARD_TEST_NUM_RANKS=str(args.num_ranks))
+        start = time.monotonic()
+        try:
+            done = subprocess.run(command, env=environment, timeout=args.timeout_s)
+            status = "exit code %d" % done.returncode
+        except subprocess.TimeoutExpired:
+            status = f"cut at {args.timeout_s:g} s"
+        wall_s = round(time.monotonic() - start, 1)
+        tests = read_junit(junit) if os.path.exists(junit) else []
+    counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "failed", "skipped")}
+    record = {"commit": git_commit(), "device": device_name(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": f"TOKENYARD_TEST_NUM_RANKS={args.num_ranks} python " + " ".join(command[1:]).replace(junit, "<xml>"),
+              "num_ranks": args.num_ranks, "wall_s": wall_s, "status": status, **counts, "tests": tests}
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    print(f"tests/gpu at {args.num_ranks} ranks on {record['device']}: {wall_s} s ({status}); "
+          f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    for t in tests[:10]:
+        print(f"  {t['seconds']:8.2f} s  {t['outcome']:7}  {t['test']}")
+
+
+if __name__ == "__main__":
+    main()
