@@ -54,5 +54,5 @@ def test_a_late_or_killed_rank_makes_the_others_raise_then_the_survivors_work_on
     if reason:
         pytest.skip(reason)
     seen = scenarios.run(COUNTS[0], scenarios.late_peer, seed, what, "cuda")
-    scenarios.expect_late(seen, what)
+    scenarios.expect_late(seen, what, "cuda")
     print(seen[0]["error"])

@@ -478,6 +478,10 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
     trace_mark(p.trace, kTraceRecvReady);
     // One thread per rank that has rows for this rank waits for them (NOTE [block waits]); a rank masked
     // before or meanwhile is absent. Under a mask block 0 decides for every block (NOTE [one verdict]).
+    // This rank's own rows come from this launch's (or the hook's send's) blocks, which wait for the peers'
+    // weights first (masking a late one under a mask): their wait has two deadlines, as a verdict's follower has
+    // (NOTE [one verdict]), so that a late peer is the rank a timeout names, and it never masks this rank itself.
+    const WaitContext patient{wait.error_flag, wait.host_record, wait.rank, 2 * wait.timeout_ns + kVerdictSlackNs};
     __shared__ bool rows_here[kWarpSize];
     bool missed = false;  // recorded (no mask): the host raises it, and the block has nothing more to do
     if (threadIdx.x < p.num_ranks) {
@@ -488,8 +492,9 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
             here = follow_verdict(b, wait, kVerdictCombine, dest, tag, kStageLowLatencyCombineRecv);
         } else if (expected) {
             if (!masked(dest)) {
-                here = wait_or_mask(wait, b.combine_flag(p.rank, dest), tag, dest, kStageLowLatencyCombineRecv,
-                                    p.rank_mask) >= 0;
+                const bool own = dest == p.rank;
+                here = wait_or_mask(own ? patient : wait, b.combine_flag(p.rank, dest), tag, dest,
+                                    kStageLowLatencyCombineRecv, own ? nullptr : p.rank_mask) >= 0;
                 add_wait_cost(p.wait_costs, dest, recv_start);
             }
             if (p.rank_mask != nullptr)
