@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,10 +65,18 @@ def main(argv=None) -> None:
                    *args.pytest_args]
         environment = dict(os.environ, TOKENYARD_TEST_NUM_RANKS=str(args.num_ranks))
         start = time.monotonic()
+        pytest = subprocess.Popen(command, env=environment)
         try:
-            done = subprocess.run(command, env=environment, timeout=args.timeout_s)
-            status = "exit code %d" % done.returncode
+            status = "exit code %d" % pytest.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
+            # An interrupted pytest still writes the XML of the tests that finished; a pytest that does not stop
+            # within 30 s more is killed (then there is no XML).
+            pytest.send_signal(signal.SIGINT)
+            try:
+                pytest.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pytest.kill()
+                pytest.wait()
             status = f"cut at {args.timeout_s:g} s"
         wall_s = round(time.monotonic() - start, 1)
         tests = read_junit(junit) if os.path.exists(junit) else []
