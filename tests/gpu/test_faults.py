@@ -1,10 +1,14 @@
-"""Faults on the CUDA backend, with real peers (tests/cpu/fault_scenarios.py; each scenario in processes of its
-own, the ranks on GPUs of their own or sharing one under MPS), device machine only: ranks whose normal-mode
-calls disagree all raise RankMismatchError before any row moves (NOTE [call signatures] in
-include/tokenyard/layout.cuh), as do ranks that make Buffers of other settings (NOTE [call agreement]); low-latency calls that disagree (NOTE [call tags] in sync.cuh),
-a skipped call, a late rank and a killed one make the others raise CommTimeoutError within timeout_s + 2 s,
-and a rank late to a low-latency combine raises too rather than sum rows its peers never sent; no surviving
-process dies of a signal, and the survivors complete a correct call on a new Buffer afterwards."""
+"""Faults on the CUDA backend, with real peers (tests/cpu/fault_scenarios.py; the ranks on GPUs of their own or
+sharing one under MPS), device machine only: ranks whose normal-mode calls disagree all raise RankMismatchError
+before any row moves (NOTE [call signatures] in include/tokenyard/layout.cuh), as do ranks that make Buffers of
+other settings (NOTE [call agreement]); low-latency calls that disagree (NOTE [call tags] in sync.cuh), a skipped
+call, a late rank and a killed one make the others raise CommTimeoutError within timeout_s + 2 s, and a rank late
+to a low-latency combine raises too rather than sum rows its peers never sent; no surviving process dies of a
+signal, and the survivors complete a correct call on a new Buffer afterwards.
+
+A late or killed rank's scenario runs in processes of its own; the calls that disagree run on the suite's pool of
+ranks (NOTE [rank pool]), which they leave able to serve the next test (benchmarks/faults.py runs every scenario in
+processes of its own)."""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def _on_nodes(num_ranks: int) -> bool:
 
 @pytest.mark.parametrize("what", scenarios.MISMATCHES)
 def test_ranks_that_make_different_calls_all_raise_before_any_data_moves(what, seed):
-    seen = scenarios.run(COUNTS[0], scenarios.mismatch, seed, what, "cuda")
+    seen = dict(enumerate(spawn.run(COUNTS[0], scenarios.mismatch, seed, what, "cuda", timeout_s=120)))
     print(scenarios.expect_mismatch(seen, what, "cuda"))
 
 
@@ -44,7 +48,7 @@ def skip_reason(what: str, num_ranks: int):
 
 @pytest.mark.parametrize("what", scenarios.CUDA_BUFFER_MISMATCHES)
 def test_ranks_that_make_buffers_of_other_settings_all_raise(what, seed):
-    seen = scenarios.run(COUNTS[0], scenarios.buffer_mismatch, seed, what, "cuda")
+    seen = dict(enumerate(spawn.run(COUNTS[0], scenarios.buffer_mismatch, seed, what, "cuda", timeout_s=120)))
     print(scenarios.expect_buffer_mismatch(seen))
 
 

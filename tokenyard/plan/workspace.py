@@ -60,9 +60,7 @@ LOW_LATENCY_MESSAGE_HEADER_BYTES = (headers.constant("kernels/low_latency_common
 # (kernels/low_latency_combine.cuh).
 LOW_LATENCY_REDUCE_INT4 = (headers.constant("kernels/low_latency_combine.cuh", "kReduceVectors")
                            * headers.constant("types.cuh", "kWarpSize"))
-LOW_LATENCY_STATE_BYTES = (headers.constant("layout.cuh", "kVerdictsAt")
-                           + headers.enum("layout.cuh", "VerdictStage")["kNumVerdictStages"]
-                           * headers.constant("types.cuh", "kWarpSize") * 8)
+LOW_LATENCY_STATE_BYTES = headers.constant("layout.cuh", "kGroupCountersAt") + headers.constant("types.cuh", "kWarpSize") * 4
 
 
 def align(num_bytes: int, alignment: int = ALIGN_BYTES) -> int:
@@ -199,7 +197,8 @@ class LowLatencyLayout:
                     (dispatch, combine), the dispatch and combine epochs (NOTE [low-latency epochs] in
                     sync.cuh), the tags their latest launches signalled with (NOTE [call
                     tags]), two unused; then [3][32] uint64, block 0's verdicts on each peer at three receive
-                    stages (NOTE [one verdict])
+                    stages (NOTE [one verdict]); then [32] uint32, the combine's sending blocks done with each
+                    rank (NOTE [group release] in kernels/low_latency_combine.cuh)
     dispatch_recv   [R][M] messages of `dispatch_message_bytes`, source r's token j at slot j: header
                     (uint64 ``(tag << 32) | j`` at 0; per top-k choice, int16 local expert, -1 where
                     elsewhere, at 16 and int16 pair slot at 48), then the FP8 data and float32 scales, or

@@ -71,7 +71,8 @@ def free_port() -> int:
 
 def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: float = 120.0,
               num_gpus: Optional[int] = None):
-    """Join a group of `num_ranks` on 127.0.0.1:`port`: on GPUs if `use_cuda`, else gloo on the CPU.
+    """Join a group of `num_ranks` through the store the launcher holds on 127.0.0.1:`port` (`spawn`): on GPUs if
+    `use_cuda`, else gloo on the CPU.
 
     On GPUs the ranks spread evenly over `num_gpus` (default: every GPU here; devices.launch_layout), and the
     group is NCCL where each rank has a GPU of its own, gloo where ranks share a GPU (NCCL refuses two ranks
@@ -90,16 +91,18 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, num_ranks, is_master=False, timeout=timeout)
     if use_cuda:
         _, ranks_per_gpu = devices.launch_layout(num_ranks, num_gpus or torch.cuda.device_count())
         device = torch.device("cuda", devices.launch_gpu(rank, ranks_per_gpu))
         torch.cuda.set_device(device)
         if ranks_per_gpu == 1:
-            dist.init_process_group("nccl", rank=rank, world_size=num_ranks, device_id=device, timeout=timeout)
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=num_ranks, device_id=device,
+                                    timeout=timeout)
         else:
-            dist.init_process_group("gloo", rank=rank, world_size=num_ranks, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=num_ranks, timeout=timeout)
         return device
-    dist.init_process_group("gloo", rank=rank, world_size=num_ranks, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=num_ranks, timeout=timeout)
     return torch.device("cpu")
 
 
@@ -275,24 +278,31 @@ def stop(procs, finished: bool) -> None:
 
 def spawn(num_ranks: int, target, args_of_rank, use_cuda: bool):
     """`num_ranks` processes (spawn context) running ``target(*args_of_rank(rank, port, reports_queue))``,
-    meeting on a free port of 127.0.0.1; -> (procs, reports_queue)."""
+    meeting at the store this process holds on `port` of 127.0.0.1; -> (procs, reports_queue, store): keep the
+    store while the ranks live.
+
+    The launcher holds the store, not rank 0: a port found free and then bound by rank 0 could be taken meanwhile
+    (a lost rank's leftovers: EADDRINUSE at 2 x 2 on 4 x H200), and the store outlives any rank, so the survivors of a
+    killed one can still meet on it (fault_scenarios.survivors_group)."""
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     if use_cuda:
         disable_nvlink_multicast()
     context = mp.get_context("spawn")
     reports_queue = context.Queue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, num_ranks, is_master=True, wait_for_workers=False)
     # Not daemons: a rank may start processes of its own (torch.compile's workers, say); `stop` ends them.
-    procs = [context.Process(target=target, args=args_of_rank(rank, port, reports_queue)) for rank in range(num_ranks)]
+    procs = [context.Process(target=target, args=args_of_rank(rank, store.port, reports_queue))
+             for rank in range(num_ranks)]
     for proc in procs:
         proc.start()
-    return procs, reports_queue
+    return procs, reports_queue, store
 
 
 def run(num_ranks: int, target, args_of_rank, use_cuda: bool, timeout_s: float) -> Reports:
     """`spawn`, `collect` within `timeout_s`, `stop`; -> what the ranks reported."""
-    procs, reports_queue = spawn(num_ranks, target, args_of_rank, use_cuda)
+    procs, reports_queue, store = spawn(num_ranks, target, args_of_rank, use_cuda)  # the store lives until return
     reports = Reports(num_ranks)
     try:
         reports = collect(reports_queue, procs, timeout_s)
@@ -362,7 +372,7 @@ class RankPool:
 
         self.world_size = world_size
         self._inboxes = [multiprocessing.get_context("spawn").Queue() for _ in range(world_size)]
-        self._procs, self._outbox = spawn(world_size, _pool_rank, lambda rank, port, outbox: (
+        self._procs, self._outbox, self._store = spawn(world_size, _pool_rank, lambda rank, port, outbox: (
             rank, world_size, port, use_cuda, group_timeout_s, self._inboxes[rank], outbox), use_cuda)
         self.broken = False
         self._collect(start_timeout_s, "start")

@@ -92,6 +92,10 @@ __device__ __forceinline__ int first_row_placed(const int* recv_first, const int
 // and tags, [kNumVerdictStages][kWarpSize] uint64 (a low-latency group has at most a warp's ranks).
 enum VerdictStage : int { kVerdictCounts = 0, kVerdictData = 1, kVerdictCombine = 2, kNumVerdictStages = 3 };
 constexpr int64_t kVerdictsAt = 32;
+// Then [kWarpSize] uint32: per destination rank, the combine's sending blocks done with it (NOTE [group release] in
+// kernels/low_latency_combine.cuh).
+constexpr int64_t kGroupCountersAt = 800;
+static_assert(kGroupCountersAt == kVerdictsAt + kNumVerdictStages * kWarpSize * 8, "the counters follow the verdicts");
 
 // One half of every rank's low-latency buffer, with the offsets of workspace.LowLatencyLayout.
 struct LowLatencyBuffers {
@@ -203,6 +207,10 @@ struct LowLatencyBuffers {
     }
     __device__ __forceinline__ uint32_t* done_counter(int kind) const {
         return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + kind;
+    }
+    // The combine's sending blocks done with rank `dest` in this launch (NOTE [group release]).
+    __device__ __forceinline__ uint32_t* group_counter(int dest) const {
+        return reinterpret_cast<uint32_t*>(peer_bases[rank] + state + kGroupCountersAt) + dest;
     }
     __device__ __forceinline__ uint32_t* epoch(int kind) const {
         return reinterpret_cast<uint32_t*>(peer_bases[rank] + state) + 2 + kind;

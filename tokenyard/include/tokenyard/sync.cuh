@@ -174,7 +174,7 @@ enum TracePoint : int {
     kTracePrologue = 1,   // dispatch: first piece asked for (block 0: books kept); combine: weights sent, items counted
     kTraceSent = 2,       // the block's sends are issued
     kTraceCounted = 3,    // past the done counter
-    kTracePublished = 4,  // the last block only: signals stored
+    kTracePublished = 4,  // the last block (a combine send: a group's last, NOTE [group release]): signals stored
     kTraceRecvReady = 5,  // dispatch: rows numbered from the expert counts; combine: pair bits built
     kTraceRecvMid = 6,    // dispatch: every source's data signal seen; combine: every rank's rows signalled
     kTraceEnd = 7,
@@ -213,16 +213,29 @@ __device__ __forceinline__ uint32_t launch_epoch(const LowLatencyBuffers& b, int
 // counter, and its system-scope release of the signal is cumulative: a peer that acquires the signal sees
 // every block's writes (causality order is transitive in the PTX memory model). One system fence per rank
 // instead of one per block: the per-block fences cost microseconds of every call.
-__device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int kind) {
+// Whether this block is the last of `count` to count itself on `counter`, which the last resets.
+__device__ __forceinline__ bool last_of(uint32_t* counter, uint32_t count) {
     __shared__ bool last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        last = ptx::atomic_add_acq_rel_gpu(b.done_counter(kind), 1) + 1 == gridDim.x;
+        last = ptx::atomic_add_acq_rel_gpu(counter, 1) + 1 == count;
         if (last)
-            ptx::st_relaxed_gpu(b.done_counter(kind), 0u);  // the next launch follows in stream order
+            ptx::st_relaxed_gpu(counter, 0u);  // the next launch follows in stream order
     }
     __syncthreads();
     return last;
+}
+
+__device__ __forceinline__ bool last_block_done(const LowLatencyBuffers& b, int kind) {
+    return last_of(b.done_counter(kind), gridDim.x);
+}
+
+// The last block's end of a launch: the epoch it worked with, for the next launch (NOTE [low-latency epochs]).
+__device__ __forceinline__ void store_epoch(const LowLatencyBuffers& b, int kind, uint32_t epoch) {
+    if (threadIdx.x == 0) {
+        ptx::st_relaxed_sys(b.epoch(kind), epoch);
+        ptx::st_relaxed_sys(b.last_tag(kind), b.tag(epoch));
+    }
 }
 
 // The end of a sending launch: once the block's sends are issued and it has reported done, the last
@@ -312,10 +325,7 @@ __device__ __forceinline__ void publish_when_last(const LowLatencyBuffers& b, in
         const Signal signal = signal_of(r);
         store_word<Remote>(b, signal.word, (static_cast<uint64_t>(b.tag(epoch)) << 32) | signal.value, r, true);
     }
-    if (threadIdx.x == 0) {
-        ptx::st_relaxed_sys(b.epoch(kind), epoch);
-        ptx::st_relaxed_sys(b.last_tag(kind), b.tag(epoch));
-    }
+    store_epoch(b, kind, epoch);
     trace_mark(trace, kTracePublished);
 }
 

@@ -102,8 +102,8 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // (the dispatch wrote it) and weights(s, j) their weights, all read an item ahead; an item a weight of
 // which has not come (its tag is an older call's) is left for later (NOTE [deferred rows]); the warp asks for the
 // item's rows, sums weight * row over those choices in k order (float32, as routing.py) and writes bf16 into s's
-// combine region at (this rank, j). (3) The last block to finish publishes (tag << 32) | 1 to every source
-// (but those whose items a hook's send left). Reduce (do_recv): one thread per block
+// combine region at (this rank, j). (3) The last block of s's group to finish publishes (tag << 32) | 1 to s
+// (unless a hook's send left items of s: NOTE [group release]). Reduce (do_recv): one thread per block
 // waits for each rank's flag (NOTE [block waits]); the items are (token t, piece); lane dest finds whether
 // the token went to rank dest (NOTE [pair slots], rank rows) and points at dest's row t; the warp sums the
 // rows in rank order in float32 and writes bf16. The result is routing.low_latency_combine(...,
@@ -119,8 +119,8 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // when this rank did is sending them: its weights go out in its first microseconds), and from then on an item of peer s
 // whose weights have not all come is left, its word among this rank's deferred words taking the tag, and the warp takes
 // its next item. When its items are done the warp takes its left ones again, in order, until one whose weights have
-// still not come (s is late): that one and the rest stay left, and s's word takes the tag. The last block withholds the
-// flag of every peer so marked (publish_when_last's mask). The receiving launch first reduces every item left, one
+// still not come (s is late): that one and the rest stay left, and s's word takes the tag. The last block of s's group
+// then withholds s's flag (NOTE [group release]). The receiving launch first reduces every item left, one
 // index over all such peers' items so that they go out together, waiting for their weights (the late peer's send, which
 // waits for nothing, is sending them); its last block flags those peers, and then it receives. A late peer lengthens
 // this rank's receive by the items it left, never a send, and the rows are the same bytes, written by another launch. A
@@ -130,6 +130,16 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // weights flag did (NOTE [internode low-latency]), so its items are left as that flag says; a row's pieces reduced in
 // either launch are counted into the row's arrival word alike, and the warp that completes the row puts it, in
 // whichever launch that is; the receiving launch's blocks quiet before its last block flags s.
+//
+// NOTE [group release]
+// Each group releases its own rank's flag: the last of its blocks (a counter per destination, group_counter) stores
+// it, as the last block of a launch does with NOTE [cumulative release]. With one release per launch, every peer's
+// flag waited for the slowest group, which is the one waiting for a late peer's weights: an on-time rank then missed
+// the rows of every other rank too, until their own deadlines ran out, and its timeout named any of them (1 x 4:
+// faults_gpus.json). Now a late peer holds back only the rows that need its weights, and the timeout names it. A
+// group withholds its flag where this launch recorded a failure (without a mask, or with an overlap's signals: the
+// rows may be unwritten) or where a hook's send left items of its rank (NOTE [deferred rows]). The launch's last block
+// then stores the epoch alone.
 // kHookSend: the launch sends only, the send of a recv hook (NOTE [deferred rows]).
 template <bool kHookSend, int kNumTopk, typename TopkT, typename Remote, typename Params>
 __device__ __forceinline__ void combine_launch(const Params& p) {
@@ -297,19 +307,10 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
     const auto peers_left = [&] {
         return __ballot_sync(0xffffffffu, lane < p.num_ranks && ptx::ld_relaxed_sys(b.deferred_peer(lane)) == tag);
     };
-    // The last block's flag to every rank but those held back (NOTE [cumulative release]): a receiving launch holds
-    // back all but the peers `left` names, a hook's send the peers it left. Without a mask, a launch that recorded a
-    // failure (a lost weight, a receive timeout in another block) left rows unwritten: its peers must time out rather
-    // than sum them; so does one whose expert outputs never came (NOTE [combine overlap]), mask or none. (No generic
-    // lambda: NVRTC compiles no `auto` parameter without an execution space.)
-    const auto publish_flags = [&](bool receiving, uint32_t left) {
-        publish_when_last<Remote>(b, 1, epoch, p.rank_mask, p.trace,
-                                  [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; }, [&] {
-                                      if ((p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait))
-                                          return ~0u;
-                                      return receiving ? ~left : kHookSend ? peers_left() : 0u;
-                                  });
-    };
+    // Without a mask, a launch that recorded a failure (a lost weight, a receive timeout in another block) left rows
+    // unwritten: its peers must time out rather than sum them; so does one whose expert outputs never came (NOTE
+    // [combine overlap]), mask or none.
+    const auto withhold_all = [&] { return (p.rank_mask == nullptr || p.comp_signal != nullptr) && failed(wait); };
     if (p.do_send) {
         const uint32_t dispatch_tag = ptx::ld_relaxed_sys(b.last_tag(0));
         // Fewer blocks than ranks, or an overlap's few (NOTE [combine overlap]): a block a rank at a time, in
@@ -421,9 +422,23 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
             }
             if (still_left && lane == 0)
                 ptx::st_relaxed_sys(b.deferred_peer(s), tag);
-            __syncthreads();  // num_items is the next round's
+            // (3) s's flag from the group's last block (NOTE [group release]); those left wait for the receive.
+            trace_mark(p.trace, kTraceSent);
+            if constexpr (Remote::kEnabled) {  // the block's puts have landed before it reports done (NOTE [block quiet])
+                __syncthreads();
+                if (threadIdx.x == 0)
+                    Remote::quiet();
+            }
+            const bool last = last_of(b.group_counter(s), group.count);  // syncs the block: num_items is free again
+            trace_mark(p.trace, kTraceCounted);
+            if (last && threadIdx.x == 0 && !masked(s) && !withhold_all() &&
+                !(kHookSend && ptx::ld_relaxed_sys(b.deferred_peer(s)) == tag)) {
+                store_word<Remote>(b, b.combine_flag(s, p.rank), (static_cast<uint64_t>(tag) << 32) | 1u, s, true);
+                trace_mark(p.trace, kTracePublished);
+            }
         }
-        publish_flags(false, 0u);  // those left wait for the receive
+        if (last_block_done(b, 1))
+            store_epoch(b, 1, epoch);
     }
     if (!p.do_recv) {
         trace_mark(p.trace, kTraceEnd);
@@ -467,7 +482,12 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
                 item = next_item;
                 choice = next;
             }
-            publish_flags(true, left);  // the send published the others' (the epoch stays as it set it)
+            // The flags of the peers left, from the last block (the send's groups published the others'; the epoch
+            // stays as the send set it). (No generic lambda: NVRTC compiles no `auto` parameter without an
+            // execution space.)
+            publish_when_last<Remote>(b, 1, epoch, p.rank_mask, p.trace,
+                                      [&](int r) { return Signal{b.combine_flag(r, p.rank), 1u}; },
+                                      [&] { return withhold_all() ? ~0u : ~left; });
         }
     }
 
@@ -478,9 +498,10 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
     trace_mark(p.trace, kTraceRecvReady);
     // One thread per rank that has rows for this rank waits for them (NOTE [block waits]); a rank masked
     // before or meanwhile is absent. Under a mask block 0 decides for every block (NOTE [one verdict]).
-    // This rank's own rows come from this launch's (or the hook's send's) blocks, which wait for the peers'
-    // weights first (masking a late one under a mask): their wait has two deadlines, as a verdict's follower has
-    // (NOTE [one verdict]), so that a late peer is the rank a timeout names, and it never masks this rank itself.
+    // This rank's own rows come from this launch's (or the hook's send's) blocks, which in rounds (few blocks) may
+    // wait for a late peer's weights first (masking it under a mask): their wait has two deadlines, as a verdict's
+    // follower has (NOTE [one verdict]), so that a late peer is the rank a timeout names, and it never masks this
+    // rank itself.
     const WaitContext patient{wait.error_flag, wait.host_record, wait.rank, 2 * wait.timeout_ns + kVerdictSlackNs};
     __shared__ bool rows_here[kWarpSize];
     bool missed = false;  // recorded (no mask): the host raises it, and the block has nothing more to do
