@@ -98,16 +98,21 @@ def record_gpus(path: str, num_ranks: int, seed: int) -> None:
             rows.append(row)
             print(f"{num_ranks // per_node}x{per_node} {what}: {row['skipped'] or row['error']} "
                   f"(detected in {row['detected_s']} s, recovered {row['survivors_recovered']})", flush=True)
+    stamp = {"commit": git_commit(), "device": spawn.describe(num_ranks),
+             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "seed": seed}
+    command = f"python benchmarks/faults.py --cuda_ranks {num_ranks} --gpus_json {os.path.basename(path)}"
+    if per_node != num_ranks:
+        command = f"TOKENYARD_RANKS_PER_NODE={per_node} {command}"
     run = {"nodes": num_ranks // per_node, "ranks_per_node": per_node,
-           "num_gpus": min(num_ranks, torch.cuda.device_count()), "mps": shared, "scenarios": rows}
+           "num_gpus": min(num_ranks, torch.cuda.device_count()), "mps": shared, **stamp, "command": command,
+           "scenarios": rows}
     document = {"runs": []}
     if os.path.exists(path):
         with open(path) as f:
             document = json.load(f)
     layout = ("nodes", "ranks_per_node", "mps")
     document["runs"] = [r for r in document["runs"] if [r[k] for k in layout] != [run[k] for k in layout]] + [run]
-    document.update(commit=git_commit(), device=spawn.describe(num_ranks),
-                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), seed=seed)
+    document.update(stamp)  # the latest run's; each run keeps its own
     with open(path, "w") as f:
         json.dump(document, f, indent=1)
         f.write("\n")

@@ -20,7 +20,9 @@ def test_the_buffers_python_lays_out_leave_room_for_what_the_kernels_write_there
     assert signatures_end <= workspace.NOTIFY_DATA_OFFSET < workspace.NORMAL_HEADER_BYTES
     counters_end = 8 * 4  # done counters, epochs and tags: LowLatencyBuffers in layout.cuh
     assert headers.constant("layout.cuh", "kVerdictsAt") >= counters_end
-    assert workspace.LOW_LATENCY_STATE_BYTES == 32 + 3 * 32 * 8
+    verdicts_end = headers.constant("layout.cuh", "kVerdictsAt") + 3 * 32 * 8  # [3 stages][32 peers] uint64
+    assert headers.constant("layout.cuh", "kGroupCountersAt") >= verdicts_end
+    assert workspace.LOW_LATENCY_STATE_BYTES == verdicts_end + 32 * 4  # then [32 destinations] uint32
 
 
 def test_a_name_the_header_lacks_is_an_error_not_a_guess():

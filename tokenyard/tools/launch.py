@@ -70,9 +70,9 @@ def free_port() -> int:
 
 
 def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: float = 120.0,
-              num_gpus: Optional[int] = None):
-    """Join a group of `num_ranks` through the store the launcher holds on 127.0.0.1:`port` (`spawn`): on GPUs if
-    `use_cuda`, else gloo on the CPU.
+              num_gpus: Optional[int] = None, launcher_store: bool = False):
+    """Join a group of `num_ranks` on 127.0.0.1:`port`: on GPUs if `use_cuda`, else gloo on the CPU. The group's
+    store is rank 0's, or with `launcher_store` the one the launcher holds there (`spawn`).
 
     On GPUs the ranks spread evenly over `num_gpus` (default: every GPU here; devices.launch_layout), and the
     group is NCCL where each rank has a GPU of its own, gloo where ranks share a GPU (NCCL refuses two ranks
@@ -91,7 +91,7 @@ def init_rank(rank: int, num_ranks: int, port: int, use_cuda: bool, timeout_s: f
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, num_ranks, is_master=False, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", port, num_ranks, is_master=rank == 0 and not launcher_store, timeout=timeout)
     if use_cuda:
         _, ranks_per_gpu = devices.launch_layout(num_ranks, num_gpus or torch.cuda.device_count())
         device = torch.device("cuda", devices.launch_gpu(rank, ranks_per_gpu))
@@ -166,7 +166,7 @@ def _filled(cell) -> bool:
 def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, num_gpus: Optional[int],
                 group_timeout_s: float, fn, args, reports) -> None:
     try:
-        init_rank(rank, num_ranks, port, use_cuda, group_timeout_s, num_gpus)
+        init_rank(rank, num_ranks, port, use_cuda, group_timeout_s, num_gpus, launcher_store=True)
         reports.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - reported by the launcher
         reports.put((rank, False, traceback.format_exc()))
@@ -341,7 +341,7 @@ def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 6
 def _pool_rank(rank: int, world_size: int, port: int, use_cuda: bool, group_timeout_s: float, inbox, outbox) -> None:
     import torch
 
-    init_rank(rank, world_size, port, use_cuda, group_timeout_s)
+    init_rank(rank, world_size, port, use_cuda, group_timeout_s, launcher_store=True)
     outbox.put((rank, True, "ready"))
     dtype = torch.get_default_dtype()
     while True:

@@ -454,7 +454,7 @@ def run_rank(rank: int, num_ranks: int, port: int, settings: BenchSettings) -> O
 
         binding = affinity.bind(rank, num_ranks).as_dict()
     num_cores = len(binding["cores"]) if binding and "cpu affinity" in binding["applied"] else None
-    init_rank(rank, num_ranks, port, settings.gpu, settings.timeout_s)
+    init_rank(rank, num_ranks, port, settings.gpu, settings.timeout_s, launcher_store=True)  # launch.run's
     torch.set_num_threads(max(1, num_cores or (os.cpu_count() or 1) // num_ranks))  # ranks share the cores
     Buffer.set_num_sms(settings.num_sms)
     try:
