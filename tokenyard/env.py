@@ -25,6 +25,8 @@ change under a running program.
 |                               |       |          | heuristics, for tuning sweeps (TUNING_KEYS below)        |
 | TOKENYARD_COUNT_OPERATIONS    | bool  | false    | debug: the NVSHMEM kernels count what they ask of the    |
 |                               |       |          | transport, per rank (NOTE [operation counters]); slower  |
+| TOKENYARD_JIT_MANIFEST        | str   | ""       | file to which every kernel loaded is appended, for       |
+|                               |       |          | `python -m tokenyard.tools.precompile` (NOTE [kernel manifest]) |
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Settings:
     virtual_hosts: int = 0
     tuning: tuple = ()
     count_operations: bool = False
+    jit_manifest: str = ""
 
 
 # field name -> (variable, parser)
@@ -117,6 +120,7 @@ _TABLE = {
     "virtual_hosts": ("TOKENYARD_VIRTUAL_HOSTS", int),
     "tuning": ("TOKENYARD_TUNING", _parse_tuning),
     "count_operations": ("TOKENYARD_COUNT_OPERATIONS", _parse_bool),
+    "jit_manifest": ("TOKENYARD_JIT_MANIFEST", str),
 }
 
 

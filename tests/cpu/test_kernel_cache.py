@@ -90,3 +90,37 @@ def test_the_key_follows_the_headers_a_unit_includes_and_no_others(tmp_path):
     assert cache.cache_key(spec, "sm_90a", "stand-in") == before
     (root / "common.cuh").write_text("#pragma once\nconstexpr int kValue = 2;\n")
     assert cache.cache_key(spec, "sm_90a", "stand-in") != before
+
+
+def test_a_manifest_records_each_kernel_loaded_once_and_precompile_fills_another_cache(tmp_path, monkeypatch,
+                                                                                         tokenyard_env, capsys):
+    """NOTE [kernel manifest]: a run's kernels, written down; compiled ahead into an empty cache where the compiler
+    has the identity they were recorded with (the same keys, so the run would find them), skipped and named where
+    it has another."""
+    from tokenyard.jit import manifest
+    from tokenyard.tools import precompile
+    from tokenyard.tools.bench import copy_limit
+
+    monkeypatch.setattr(manifest, "_written", set())
+    path = tmp_path / "kernels.jsonl"
+    tokenyard_env("TOKENYARD_JIT_MANIFEST", str(path))
+    other = next(iter(copy_limit.every_kernel()))  # a spec with an include_root of its own
+    monkeypatch.setattr(cache, "_compiler", _Compiler(str(tmp_path / "log")))
+    run_cache = tmp_path / "run"
+    first = [cache.compile_cubin(s, "sm_90a", str(run_cache)) for s in (SPEC, other, SPEC)]
+    assert len(path.read_text().splitlines()) == 2
+    assert [s for s, _, _ in manifest.read(str(path))] == [SPEC, other]
+
+    tokenyard_env("TOKENYARD_JIT_MANIFEST", None)
+    tokenyard_env("TOKENYARD_CACHE_DIR", str(tmp_path / "ahead"))
+    assert precompile.main([str(path), "--jobs", "2"]) == 0
+    assert "2 kernels compiled" in capsys.readouterr().out
+    ahead = sorted(p.relative_to(tmp_path / "ahead") for p in (tmp_path / "ahead").rglob("*.cubin"))
+    assert ahead == sorted(p.relative_to(run_cache) for p in run_cache.rglob("*.cubin")) and len(ahead) == 2
+    assert cache.compile_cubin(SPEC, "sm_90a") == first[0]  # found there: no compile
+    assert precompile.main([str(path)]) == 0 and "0 kernels compiled" in capsys.readouterr().out
+
+    monkeypatch.setattr(cache._compiler, "identity", "stand-in 2.0")
+    assert precompile.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 skipped" in out and "recorded with stand-in 1.0, here stand-in 2.0" in out

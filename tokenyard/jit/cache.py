@@ -129,6 +129,10 @@ def compile_cubin(spec: KernelSpec, arch: str, cache_dir: Optional[str] = None) 
         compiler = nvshmem.linker()
     else:
         compiler = get_compiler()
+    if env.settings().jit_manifest:  # NOTE [kernel manifest]
+        from . import manifest
+
+        manifest.record(env.settings().jit_manifest, spec, arch, compiler.identity)
     key = cache_key(spec, arch, compiler.identity)
     folder = os.path.join(cache_dir or env.settings().cache_dir, key[:2])
     path = os.path.join(folder, key + ".cubin")
