@@ -83,7 +83,8 @@ def main(argv=None) -> None:
     counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "failed", "skipped")}
     record = {"commit": git_commit(), "device": device_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": f"TOKENYARD_TEST_NUM_RANKS={args.num_ranks} python " + " ".join(command[1:]).replace(junit, "<xml>"),
+              "command": (f"TOKENYARD_TEST_NUM_RANKS={args.num_ranks} python "
+                          + " ".join(command[1:]).replace(junit, "<xml>")),
               "num_ranks": args.num_ranks, "wall_s": wall_s, "status": status, **counts, "tests": tests}
     with open(args.json, "w") as f:
         json.dump(record, f, indent=1)

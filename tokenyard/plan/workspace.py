@@ -60,7 +60,8 @@ LOW_LATENCY_MESSAGE_HEADER_BYTES = (headers.constant("kernels/low_latency_common
 # (kernels/low_latency_combine.cuh).
 LOW_LATENCY_REDUCE_INT4 = (headers.constant("kernels/low_latency_combine.cuh", "kReduceVectors")
                            * headers.constant("types.cuh", "kWarpSize"))
-LOW_LATENCY_STATE_BYTES = headers.constant("layout.cuh", "kGroupCountersAt") + headers.constant("types.cuh", "kWarpSize") * 4
+LOW_LATENCY_STATE_BYTES = (headers.constant("layout.cuh", "kGroupCountersAt")
+                           + headers.constant("types.cuh", "kWarpSize") * 4)
 
 
 def align(num_bytes: int, alignment: int = ALIGN_BYTES) -> int:
