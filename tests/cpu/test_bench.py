@@ -204,3 +204,23 @@ def test_gpu_suite_reads_each_tests_seconds_and_outcome_from_junit(tmp_path):
         {"test": "tests.gpu.test_b::test_bad_setup", "seconds": 2.0, "outcome": "failed"},
         {"test": "tests.gpu.test_a::test_fast", "seconds": 1.25, "outcome": "passed"},
         {"test": "tests.gpu.test_b::test_needs_8[8]", "seconds": 0.0, "outcome": "skipped"}]
+
+
+def test_every_tma_writer_shape_fits_a_block_and_moves_whole_vectors():
+    """benchmarks/tma_pieces.py's shapes: each writer a warp of the block, its stages of 16-byte multiples, all of
+    them (with their barriers) in the shared memory a block may have; the first is the copy limit's writer."""
+    import importlib.util
+
+    from tokenyard.backends.cuda import kernels
+    from tokenyard.tools.bench import copy_limit
+
+    spec = importlib.util.spec_from_file_location("tma_pieces", REPO_ROOT / "benchmarks" / "tma_pieces.py")
+    pieces = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pieces)
+    assert pieces.SHAPES[0] == copy_limit.TMA_WRITERS
+    for warps, stages, stage_bytes in pieces.SHAPES:
+        assert 1 <= warps <= copy_limit.THREADS // 32 and stage_bytes % 16 == 0
+        assert copy_limit.shared_bytes("tma", (warps, stages, stage_bytes)) <= \
+            kernels.SM90_MAX_SHARED - kernels.SHARED_RESERVE
+        assert copy_limit.copy_to_peers(4, "tma", (warps, stages, stage_bytes)).template_args[3:] == \
+            (warps, stages, stage_bytes)

@@ -16,19 +16,24 @@ from ...plan import workspace
 # NOTE [copy patterns] in copy_limit.cuh
 COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_peer_major": 4, "tma": 5}
 THREADS = 512
-# The "tma" pattern's pipeline: stages of shared memory per block and their size (template arguments of every
-# pattern; the others ignore them), and the dynamic shared memory they take with one 8-byte barrier each.
-TMA_STAGES, TMA_STAGE_BYTES = 4, 32 << 10
-SHARED_BYTES = {"bulk": THREADS // 32 * 2 * 4096,  # two 4 KB stages per warp
-                "tma": TMA_STAGES * (TMA_STAGE_BYTES + 8)}
+# The "tma" pattern's writers: (warps a block, stages of shared memory per warp, their size), template arguments
+# of every pattern (the others ignore them); the copy limit's is one writer of four 32 KB stages a block.
+TMA_WRITERS = (1, 4, 32 << 10)
+BULK_SHARED_BYTES = THREADS // 32 * 2 * 4096  # the "bulk" pattern: two 4 KB stages per warp
+
+
+def shared_bytes(pattern: str, tma: tuple = TMA_WRITERS) -> int:
+    """The dynamic shared memory a pattern's launch takes (the "tma" writers' stages with a barrier each)."""
+    warps, stages, stage_bytes = tma
+    return {"bulk": BULK_SHARED_BYTES, "tma": warps * stages * (stage_bytes + 8)}.get(pattern, 0)
 _INCLUDE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
 
 
 @functools.lru_cache(maxsize=None)
-def copy_to_peers(num_ranks: int, pattern: str = "interleaved") -> KernelSpec:
+def copy_to_peers(num_ranks: int, pattern: str = "interleaved", tma: tuple = TMA_WRITERS) -> KernelSpec:
     return KernelSpec(
         "tokenyard_bench/copy_limit.cuh", "tokenyard::bench::copy_to_peers",
-        (num_ranks, THREADS, COPY_PATTERNS[pattern], TMA_STAGES, TMA_STAGE_BYTES),
+        (num_ranks, THREADS, COPY_PATTERNS[pattern], *tma),
         (Param("const int4*", "src"), Param("int64_t", "num_int4"), Param("uint8_t* const*", "peer_bases"),
          Param("int", "rank"), Param("int64_t", "offset_bytes"), Param("int64_t", "stride_bytes")),
         THREADS, include_root=_INCLUDE_ROOT)
@@ -42,12 +47,12 @@ def every_kernel():
 
 
 def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, warmup: int = 3,
-                            pattern: str = "interleaved", num_blocks: int = 0) -> float:
+                            pattern: str = "interleaved", num_blocks: int = 0, tma: tuple = TMA_WRITERS) -> float:
     """Egress GB/s per GPU while every rank writes `num_bytes_per_peer` into each peer's buffer.
 
     Uses the Buffer's normal-mode memory (its rows are overwritten) and every SM of the GPU (or
-    `num_blocks` blocks), writing the way `pattern` says (NOTE [copy patterns] in copy_limit.cuh); the
-    median over `iters` launches, each started after a group barrier.
+    `num_blocks` blocks), writing the way `pattern` says (NOTE [copy patterns] in copy_limit.cuh; `tma`: the "tma"
+    pattern's writers, TMA_WRITERS' form); the median over `iters` launches, each started after a group barrier.
     """
     backend = buffer.runtime
     ctx = backend.ctx
@@ -56,11 +61,11 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
     stride = (ctx.num_nvl_bytes - control) // num_ranks // 16 * 16
     num_bytes = min(num_bytes_per_peer, stride) // 16 * 16
     src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=ctx.device)
-    kernel = backend._kernel(copy_to_peers(num_ranks, pattern))
+    kernel = backend._kernel(copy_to_peers(num_ranks, pattern, tma))
     grid = num_blocks or backend.device_sms
     if pattern in ("peer_major", "pull_peer_major") and grid < num_ranks - 1:
         raise ValueError(f"the peer-major pattern needs a block per peer: {grid} blocks for {num_ranks - 1} peers")
-    shared = SHARED_BYTES.get(pattern, 0)
+    shared = shared_bytes(pattern, tma)
     times = []
     for i in range(warmup + iters):
         dist.barrier(group=ctx.group)

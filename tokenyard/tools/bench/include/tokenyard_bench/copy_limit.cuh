@@ -14,9 +14,10 @@
 //       every rank reads from each peer's buffer the slice that peer would have written to it (loads over
 //       NVLink) and stores it into its own buffer; the figure is then ingress per GPU. Pulling moved the bytes
 //       no faster than pushing, so the kernels push (benchmarks/results/low_latency.md).
-//   kCopyTma (5): one thread a block, no register copy at all: pieces of kTmaStageBytes go global -> shared by
-//       TMA bulk loads, kTmaStages of them in flight, and from shared to every peer by TMA bulk stores (issue 50
-//       reports such a writer faster than any SM-store one, with 8 SMs as with all).
+//   kCopyTma (5): lane 0 of kTmaWarps warps a block, no register copy at all: pieces of kTmaStageBytes go global ->
+//       shared by TMA bulk loads, kTmaStages of them in flight per warp, and from shared to every peer by TMA bulk
+//       stores (issue 50 reports such a writer, one a block, faster than any SM-store one, with 8 SMs as with all).
+//       More warps of smaller stages are the normal-mode senders' shape (benchmarks/tma_pieces.py).
 #pragma once
 
 #include <tokenyard/copy.cuh>
@@ -36,18 +37,18 @@ enum CopyPattern : int {
 constexpr int kCopyUnroll = 8;                              // 16-byte vectors per thread per batch
 constexpr int kBulkPieceInt4 = kCopyUnroll * kWarpSize;     // 4 KB per warp and stage
 
-// kCopyTma: this block's pieces (every gridDim.x-th, from blockIdx.x) through kTmaStages stages of shared memory,
-// then its barriers (`stages` holds kTmaStages * kTmaStageBytes + 8 * kTmaStages bytes). Thread 0 alone works.
+// kCopyTma: writer `writer` of `num_writers` (lane 0 of a warp) takes every num_writers-th piece from `writer`,
+// through kTmaStages stages of shared memory at `stages` and as many barriers at `barriers`.
 template <int kNumRanks, int kTmaStages, int kTmaStageBytes, typename Params>
-__device__ __forceinline__ void copy_to_peers_tma(const Params& p, int4* const (&dst)[kNumRanks], int4* stages) {
+__device__ __forceinline__ void copy_to_peers_tma(const Params& p, int4* const (&dst)[kNumRanks], int4* stages,
+                                                  uint64_t* barriers, int64_t writer, int64_t num_writers) {
     constexpr int kStageInt4 = kTmaStageBytes / 16;
-    uint64_t* barriers = reinterpret_cast<uint64_t*>(stages + kTmaStages * kStageInt4);
-    const int64_t num_pieces = (p.num_int4 + kStageInt4 - 1) / kStageInt4, step = gridDim.x;
-    const int64_t mine = blockIdx.x < num_pieces ? (num_pieces - blockIdx.x + step - 1) / step : 0;
+    const int64_t num_pieces = (p.num_int4 + kStageInt4 - 1) / kStageInt4, step = num_writers;
+    const int64_t mine = writer < num_pieces ? (num_pieces - writer + step - 1) / step : 0;
     for (int s = 0; s < kTmaStages; ++s)
         tma::init_barrier(barriers + s);
     tma::fence_barrier_init();
-    const auto first_of = [&](int64_t j) { return (blockIdx.x + j * step) * kStageInt4; };  // the j-th piece's
+    const auto first_of = [&](int64_t j) { return (writer + j * step) * kStageInt4; };  // the j-th piece's
     const auto bytes_of = [&](int64_t j) {
         return static_cast<uint32_t>(min(static_cast<int64_t>(kStageInt4), p.num_int4 - first_of(j))) * 16u;
     };
@@ -75,7 +76,8 @@ __device__ __forceinline__ void copy_to_peers_tma(const Params& p, int4* const (
     tma::wait_all();
 }
 
-template <int kNumRanks, int kNumThreads, int kPattern, int kTmaStages, int kTmaStageBytes, typename Params>
+template <int kNumRanks, int kNumThreads, int kPattern, int kTmaWarps, int kTmaStages, int kTmaStageBytes,
+          typename Params>
 __device__ __forceinline__ void copy_to_peers(const Params& p) {
     int4* dst[kNumRanks];
 #pragma unroll
@@ -83,9 +85,15 @@ __device__ __forceinline__ void copy_to_peers(const Params& p) {
         dst[q] = reinterpret_cast<int4*>(p.peer_bases[q] + p.offset_bytes + p.rank * p.stride_bytes);
 
     if constexpr (kPattern == kCopyTma) {
-        extern __shared__ int4 tma_stages[];
-        if (threadIdx.x == 0)
-            copy_to_peers_tma<kNumRanks, kTmaStages, kTmaStageBytes>(p, dst, tma_stages);
+        static_assert(kTmaWarps >= 1 && kTmaWarps <= kNumThreads / kWarpSize, "a writer is a warp's lane 0");
+        extern __shared__ int4 tma_stages[];  // every writer's stages, then every writer's barriers
+        const int warp = threadIdx.x / kWarpSize;
+        constexpr int kWriterInt4 = kTmaStages * (kTmaStageBytes / 16);
+        uint64_t* barriers = reinterpret_cast<uint64_t*>(tma_stages + kTmaWarps * kWriterInt4) + warp * kTmaStages;
+        if (warp < kTmaWarps && threadIdx.x % kWarpSize == 0)
+            copy_to_peers_tma<kNumRanks, kTmaStages, kTmaStageBytes>(
+                p, dst, tma_stages + warp * kWriterInt4, barriers, static_cast<int64_t>(blockIdx.x) * kTmaWarps + warp,
+                static_cast<int64_t>(gridDim.x) * kTmaWarps);
         return;
     }
 
