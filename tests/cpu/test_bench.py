@@ -207,20 +207,23 @@ def test_gpu_suite_reads_each_tests_seconds_and_outcome_from_junit(tmp_path):
 
 
 def test_every_tma_writer_shape_fits_a_block_and_moves_whole_vectors():
-    """benchmarks/tma_pieces.py's shapes: each writer a warp of the block, its stages of 16-byte multiples, all of
-    them (with their barriers) in the shared memory a block may have; the first is the copy limit's writer."""
+    """benchmarks/copy_patterns.py's sender shapes: each writer a warp of the block, its stages of 16-byte multiples,
+    all of them (with their barriers) in the shared memory a block may have; the first is the copy limit's writer,
+    keyed as the pattern alone."""
     import importlib.util
 
     from tokenyard.backends.cuda import kernels
     from tokenyard.tools.bench import copy_limit
 
-    spec = importlib.util.spec_from_file_location("tma_pieces", REPO_ROOT / "benchmarks" / "tma_pieces.py")
-    pieces = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pieces)
-    assert pieces.SHAPES[0] == copy_limit.TMA_WRITERS
-    for warps, stages, stage_bytes in pieces.SHAPES:
+    spec = importlib.util.spec_from_file_location("copy_patterns", REPO_ROOT / "benchmarks" / "copy_patterns.py")
+    patterns = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patterns)
+    assert patterns.SENDER_SHAPES[0] == copy_limit.TMA_WRITERS
+    for warps, stages, stage_bytes in patterns.SENDER_SHAPES:
         assert 1 <= warps <= copy_limit.THREADS // 32 and stage_bytes % 16 == 0
         assert copy_limit.shared_bytes("tma", (warps, stages, stage_bytes)) <= \
             kernels.SM90_MAX_SHARED - kernels.SHARED_RESERVE
         assert copy_limit.copy_to_peers(4, "tma", (warps, stages, stage_bytes)).template_args[3:] == \
             (warps, stages, stage_bytes)
+    names = [name for name, _, _ in patterns.runs(["interleaved", "tma"], patterns.SENDER_SHAPES)]
+    assert names[:3] == ["interleaved", "tma", "tma 1x4x16384"] and len(set(names)) == len(names)

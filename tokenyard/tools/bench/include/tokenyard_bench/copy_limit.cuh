@@ -17,7 +17,7 @@
 //   kCopyTma (5): lane 0 of kTmaWarps warps a block, no register copy at all: pieces of kTmaStageBytes go global ->
 //       shared by TMA bulk loads, kTmaStages of them in flight per warp, and from shared to every peer by TMA bulk
 //       stores (issue 50 reports such a writer, one a block, faster than any SM-store one, with 8 SMs as with all).
-//       More warps of smaller stages are the normal-mode senders' shape (benchmarks/tma_pieces.py).
+//       More warps of smaller stages are the normal-mode senders' shape (copy_patterns.py --tma_shapes senders).
 #pragma once
 
 #include <tokenyard/copy.cuh>
