@@ -121,21 +121,31 @@ def _cached(path: str) -> Optional[bytes]:
     return cubin
 
 
-def compile_cubin(spec: KernelSpec, arch: str, cache_dir: Optional[str] = None) -> bytes:
-    """The cubin of `spec` for `arch` (e.g. "sm_90a"), from the cache or freshly compiled."""
+def compiler_for(spec: KernelSpec):
+    """The compiler of `spec`'s unit: nvcc and NVSHMEM's device library for an NVSHMEM unit, else get_compiler();
+    raises CompileError where it is missing."""
     if spec.nvshmem:
         from . import nvshmem
 
-        compiler = nvshmem.linker()
-    else:
-        compiler = get_compiler()
+        return nvshmem.linker()
+    return get_compiler()
+
+
+def cubin_path(key: str, cache_dir: Optional[str] = None) -> str:
+    """Where the cache keeps the unit of `key`."""
+    return os.path.join(cache_dir or env.settings().cache_dir, key[:2], key + ".cubin")
+
+
+def compile_cubin(spec: KernelSpec, arch: str, cache_dir: Optional[str] = None) -> bytes:
+    """The cubin of `spec` for `arch` (e.g. "sm_90a"), from the cache or freshly compiled."""
+    compiler = compiler_for(spec)
     if env.settings().jit_manifest:  # NOTE [kernel manifest]
         from . import manifest
 
         manifest.record(env.settings().jit_manifest, spec, arch, compiler.identity)
     key = cache_key(spec, arch, compiler.identity)
-    folder = os.path.join(cache_dir or env.settings().cache_dir, key[:2])
-    path = os.path.join(folder, key + ".cubin")
+    path = cubin_path(key, cache_dir)
+    folder = os.path.dirname(path)
     cubin = _cached(path)
     if cubin is not None:
         return cubin

@@ -22,13 +22,9 @@ from ..jit import compiler as compilers
 
 def compiler_for(spec):
     """The compiler `cache.compile_cubin` would use for `spec`, or None where there is none here."""
-    if spec.nvshmem:
-        from ..jit import nvshmem
-
-        return nvshmem.linker() if nvshmem.find() is not None else None
     try:
-        return cache.get_compiler()
-    except compilers.CompileError:  # no NVRTC nor nvcc here: every such kernel is skipped, and said so
+        return cache.compiler_for(spec)
+    except compilers.CompileError:  # no NVRTC, nvcc or NVSHMEM here: every such kernel is skipped, and said so
         return None
 
 
@@ -45,8 +41,7 @@ def precompile(path: str, jobs: int) -> dict:
         elif spec.include_root is not None and not os.path.isdir(spec.include_root):
             skipped.append((name, f"its headers' folder {spec.include_root} is not here"))
         else:
-            key = cache.cache_key(spec, arch, identity)
-            if os.path.exists(os.path.join(env.settings().cache_dir, key[:2], key + ".cubin")):
+            if os.path.exists(cache.cubin_path(cache.cache_key(spec, arch, identity))):
                 cached += 1
             else:
                 todo.append((spec, arch))
