@@ -7,7 +7,9 @@ per GPU where there are enough: tests/gpu/spawn.py) and pytest's JUnit XML, and 
 the commit, device, date and command, the wall time, the outcomes, and every test's seconds (setup, call and
 teardown together, as JUnit counts them), slowest first. The goal it is read against (issue 48): the whole suite in
 at most 5 minutes at 4 ranks on 4 GPUs and 3 at 2, with the kernels cached. A run cut by `--timeout_s` is recorded
-as such, with the tests that finished (none where pytest wrote no XML). On a machine without a GPU every test skips.
+as such, with the tests that finished (none where pytest wrote no XML). `kernels_compiled` counts the kernels the run
+had to compile (cubins and NVSHMEM units new in the cache folder): 0 is a run with the kernels cached. On a machine
+without a GPU every test skips.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import xml.etree.ElementTree as ElementTree
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tokenyard import env  # noqa: E402
 from tokenyard.tools.bench.report import git_commit  # noqa: E402
 
 
@@ -44,6 +47,12 @@ def read_junit(path: str) -> list:
     return sorted(tests, key=lambda t: -t["seconds"])
 
 
+def cached_kernels(folder: str) -> set:
+    """The compiled kernels in the JIT cache folder: NVRTC cubins and NVSHMEM units' shared objects."""
+    return {os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
+            if name.endswith((".cubin", ".so"))}
+
+
 def device_name() -> str:
     import torch
 
@@ -59,6 +68,8 @@ def main(argv=None) -> None:
     parser.add_argument("--json", required=True)
     parser.add_argument("pytest_args", nargs="*", help="more arguments for pytest (say, -k)")
     args = parser.parse_args(argv)
+    cache_dir = env.settings().cache_dir
+    kernels_before = cached_kernels(cache_dir)
     with tempfile.TemporaryDirectory() as folder:
         junit = os.path.join(folder, "suite.xml")
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "tests/gpu",
@@ -80,17 +91,20 @@ def main(argv=None) -> None:
             status = f"cut at {args.timeout_s:g} s"
         wall_s = round(time.monotonic() - start, 1)
         tests = read_junit(junit) if os.path.exists(junit) else []
+    kernels_compiled = len(cached_kernels(cache_dir) - kernels_before)
     counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "failed", "skipped")}
     record = {"commit": git_commit(), "device": device_name(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": (f"TOKENYARD_TEST_NUM_RANKS={args.num_ranks} python "
                           + " ".join(command[1:]).replace(junit, "<xml>")),
-              "num_ranks": args.num_ranks, "wall_s": wall_s, "status": status, **counts, "tests": tests}
+              "num_ranks": args.num_ranks, "wall_s": wall_s, "status": status,
+              "kernels_compiled": kernels_compiled, **counts, "tests": tests}
     with open(args.json, "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
     print(f"tests/gpu at {args.num_ranks} ranks on {record['device']}: {wall_s} s ({status}); "
-          f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+          f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped; "
+          f"{kernels_compiled} kernels compiled")
     for t in tests[:10]:
         print(f"  {t['seconds']:8.2f} s  {t['outcome']:7}  {t['test']}")
 
