@@ -82,3 +82,23 @@ def test_a_group_that_outlives_leave_group_is_reported_with_what_holds_it():
     for holder in ("a default argument of __main__.uses", "a global of __main__", "an attribute of a Keeper",
                    "a variable of __main__.outer.<locals>.<lambda>'s closure"):
         assert holder in out, (holder, out)
+
+
+def _environment_and_pid():
+    import os
+
+    return os.environ.get("TOKENYARD_TEST_LAUNCH_MARK"), os.environ.get("TOKENYARD_TEST_LAUNCH_GONE"), os.getpid()
+
+
+def test_ranks_take_the_launchers_environment_as_it_is_when_they_start(monkeypatch):
+    # NOTE [rank processes]: ranks fork from a server started once, so what a test sets or unsets after the server
+    # started must still reach them, as under "spawn".
+    monkeypatch.setenv("TOKENYARD_TEST_LAUNCH_GONE", "set before the server")
+    first = launch.run_on_ranks(2, _environment_and_pid, use_cuda=False, timeout_s=120)
+    assert all(seen[:2] == (None, "set before the server") for seen in first), first
+    mark = f"mark {time.monotonic()}"
+    monkeypatch.setenv("TOKENYARD_TEST_LAUNCH_MARK", mark)
+    monkeypatch.delenv("TOKENYARD_TEST_LAUNCH_GONE")
+    second = launch.run_on_ranks(2, _environment_and_pid, use_cuda=False, timeout_s=120)
+    assert all(seen[:2] == (mark, None) for seen in second), second
+    assert len({seen[2] for seen in first + second}) == 4, "ranks of two runs shared a process"

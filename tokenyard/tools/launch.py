@@ -276,8 +276,34 @@ def stop(procs, finished: bool) -> None:
             proc.join(timeout=10.0)
 
 
+# NOTE [rank processes]
+# Ranks start from a fork server that has imported torch once (multiprocessing's "forkserver" context, torch
+# preloaded), not each from a fresh interpreter ("spawn"): a rank's start then skips torch's import, which most of
+# a start on the CPU is, and the GPU suite starts ranks of their own for 17 tests (benchmarks/results/gpu_suite.md).
+# The server imports torch and nothing that starts CUDA, so each rank still makes its own CUDA context. A forked
+# rank has the server's environment, not the launcher's, so it takes the launcher's as it was when the ranks
+# started (`_in_environment`): a test's monkeypatched variable reaches its ranks as under "spawn".
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def _context():
+    """The multiprocessing context every launcher's ranks start in (NOTE [rank processes])."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def _in_environment(environment: dict, target, args) -> None:
+    """``target(*args)`` with `environment` as the process's (NOTE [rank processes])."""
+    os.environ.clear()
+    os.environ.update(environment)
+    target(*args)
+
+
 def spawn(num_ranks: int, target, args_of_rank, use_cuda: bool):
-    """`num_ranks` processes (spawn context) running ``target(*args_of_rank(rank, port, reports_queue))``,
+    """`num_ranks` processes (NOTE [rank processes]) running ``target(*args_of_rank(rank, port, reports_queue))``,
     meeting at the store this process holds on `port` of 127.0.0.1; -> (procs, reports_queue, store): keep the
     store while the ranks live.
 
@@ -285,15 +311,16 @@ def spawn(num_ranks: int, target, args_of_rank, use_cuda: bool):
     (a lost rank's leftovers: EADDRINUSE at 2 x 2 on 4 x H200), and the store outlives any rank, so the survivors of a
     killed one can still meet on it (fault_scenarios.survivors_group)."""
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     if use_cuda:
         disable_nvlink_multicast()
-    context = mp.get_context("spawn")
+    context = _context()
     reports_queue = context.Queue()
     store = dist.TCPStore("127.0.0.1", 0, num_ranks, is_master=True, wait_for_workers=False)
+    environment = dict(os.environ)
     # Not daemons: a rank may start processes of its own (torch.compile's workers, say); `stop` ends them.
-    procs = [context.Process(target=target, args=args_of_rank(rank, store.port, reports_queue))
+    procs = [context.Process(target=_in_environment, args=(environment, target, args_of_rank(rank, store.port,
+                                                                                                reports_queue)))
              for rank in range(num_ranks)]
     for proc in procs:
         proc.start()
@@ -368,10 +395,8 @@ class RankPool:
 
     def __init__(self, world_size: int, use_cuda: bool = False, start_timeout_s: float = 180.0,
                  group_timeout_s: float = 120.0):
-        import multiprocessing
-
         self.world_size = world_size
-        self._inboxes = [multiprocessing.get_context("spawn").Queue() for _ in range(world_size)]
+        self._inboxes = [_context().Queue() for _ in range(world_size)]
         self._procs, self._outbox, self._store = spawn(world_size, _pool_rank, lambda rank, port, outbox: (
             rank, world_size, port, use_cuda, group_timeout_s, self._inboxes[rank], outbox), use_cuda)
         self.broken = False
