@@ -102,3 +102,47 @@ def test_ranks_take_the_launchers_environment_as_it_is_when_they_start(monkeypat
     second = launch.run_on_ranks(2, _environment_and_pid, use_cuda=False, timeout_s=120)
     assert all(seen[:2] == (mark, None) for seen in second), second
     assert len({seen[2] for seen in first + second}) == 4, "ranks of two runs shared a process"
+
+
+def _sleep_a_little():
+    time.sleep(0.3)
+    return "slept"
+
+
+def test_runs_log_where_their_seconds_went_and_the_gpu_suite_sums_them(tmp_path, monkeypatch):
+    # NOTE [launch times]: the launcher's line and each rank's, and benchmarks/gpu_suite.py's sums of them; a killed
+    # rank (a line with no times past its entry) counts as far as the others went.
+    import importlib.util
+    import json
+    import pathlib
+
+    log = tmp_path / "times.jsonl"
+    monkeypatch.setenv("TOKENYARD_LAUNCH_TIMES", str(log))
+    assert launch.run_on_ranks(2, _sleep_a_little, use_cuda=False, timeout_s=120) == ["slept", "slept"]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    (run,) = [line for line in lines if "rank" not in line]
+    ranks = sorted((line for line in lines if "rank" in line), key=lambda line: line["rank"])
+    assert run["what"] == "_sleep_a_little" and [r["rank"] for r in ranks] == [0, 1], lines
+    assert all(r["run"] == run["run"] for r in ranks), lines
+    for r in ranks:
+        assert run["spawned"] < r["entered"] <= r["joined"] < r["returned"] <= r["left"] <= run["stopped"], lines
+        assert r["returned"] - r["joined"] >= 0.3, r
+    assert run["reported"] >= max(r["returned"] for r in ranks), lines
+    spec = importlib.util.spec_from_file_location(
+        "gpu_suite", pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    with open(log, "a") as f:  # a second run whose rank 1 was killed in its function
+        f.write(json.dumps({"run": 1, "what": "killed", "spawned": 10.0, "reported": None, "stopped": 20.0}) + "\n")
+        f.write(json.dumps({"run": 1, "rank": 0, "entered": 11.0, "joined": 12.0, "returned": 15.0,
+                            "left": 16.0}) + "\n")
+        f.write(json.dumps({"run": 1, "rank": 1, "entered": 11.5, "joined": 12.5}) + "\n")
+    sums = suite.launch_times(str(log))
+    first = {"start_s": max(r["joined"] for r in ranks) - run["spawned"],
+             "work_s": max(r["returned"] for r in ranks) - max(r["joined"] for r in ranks),
+             "leave_s": max(r["left"] for r in ranks) - max(r["returned"] for r in ranks),
+             "exit_s": run["stopped"] - max(r["left"] for r in ranks)}
+    second = {"start_s": 2.5, "work_s": 2.5, "leave_s": 1.0, "exit_s": 4.0}
+    assert sums["runs"] == 2, sums
+    for key, seconds in first.items():
+        assert sums[key] == pytest.approx(seconds + second[key], abs=0.06), (key, sums)

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 import socket
+import time
 import traceback
 import types
 import warnings
@@ -163,15 +165,34 @@ def _filled(cell) -> bool:
     return True
 
 
+# NOTE [launch times]
+# With TOKENYARD_LAUNCH_TIMES naming a file, each `run_on_ranks` appends where its seconds went, as JSON lines: the
+# launcher's {"run", "what", "spawned", "reported", "stopped"} (before its ranks start, once every rank reported, once
+# every process ended) and each rank's {"run", "rank", "entered", "joined", "returned", "left"} (its entry point
+# reached, its group joined, its function returned, its group left), every time time.monotonic()'s (one clock for
+# every process of a host) and `run` the launcher's store port. benchmarks/gpu_suite.py sums them over the suite's
+# runs on ranks of their own.
+def _log_times(**fields) -> None:
+    path = os.environ.get("TOKENYARD_LAUNCH_TIMES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(fields) + "\n")
+
+
 def _rank_entry(rank: int, num_ranks: int, port: int, use_cuda: bool, num_gpus: Optional[int],
                 group_timeout_s: float, fn, args, reports) -> None:
+    times = {"run": port, "rank": rank, "entered": time.monotonic()}
     try:
         init_rank(rank, num_ranks, port, use_cuda, group_timeout_s, num_gpus, launcher_store=True)
-        reports.put((rank, True, fn(*args)))
+        times["joined"] = time.monotonic()
+        result = fn(*args)
+        times["returned"] = time.monotonic()
+        reports.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported by the launcher
         reports.put((rank, False, traceback.format_exc()))
     finally:
         leave_group()
+        _log_times(**times, left=time.monotonic())
 
 
 class RanksFailed(RuntimeError):
@@ -242,7 +263,6 @@ def collect(reports_queue, procs, timeout_s: float) -> Reports:
     """One report per rank from `reports_queue`, until every rank has answered or the deadline passes
     (NOTE [rank reports]); `procs[rank]` is rank's process."""
     import queue
-    import time
 
     reports = Reports(len(procs))
     deadline = time.monotonic() + timeout_s
@@ -265,8 +285,6 @@ def collect(reports_queue, procs, timeout_s: float) -> Reports:
 def stop(procs, finished: bool) -> None:
     """Let the processes end (together within _EXIT_GRACE_S if every rank reported, else at once), then kill
     whatever is left."""
-    import time
-
     deadline = time.monotonic() + (_EXIT_GRACE_S if finished else 0.5)
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -327,14 +345,17 @@ def spawn(num_ranks: int, target, args_of_rank, use_cuda: bool):
     return procs, reports_queue, store
 
 
-def run(num_ranks: int, target, args_of_rank, use_cuda: bool, timeout_s: float) -> Reports:
-    """`spawn`, `collect` within `timeout_s`, `stop`; -> what the ranks reported."""
+def run(num_ranks: int, target, args_of_rank, use_cuda: bool, timeout_s: float, what: str = "") -> Reports:
+    """`spawn`, `collect` within `timeout_s`, `stop`; -> what the ranks reported (NOTE [launch times]: `what`)."""
+    spawned = time.monotonic()
     procs, reports_queue, store = spawn(num_ranks, target, args_of_rank, use_cuda)  # the store lives until return
-    reports = Reports(num_ranks)
+    reports, reported = Reports(num_ranks), None
     try:
         reports = collect(reports_queue, procs, timeout_s)
+        reported = time.monotonic()
     finally:
         stop(procs, reports.finished)
+        _log_times(run=store.port, what=what, spawned=spawned, reported=reported, stopped=time.monotonic())
     return reports
 
 
@@ -348,7 +369,8 @@ def run_on_ranks(num_ranks: int, fn, *args, use_cuda: bool, timeout_s: float = 6
             traceback or reason (NOTE [rank reports]).
     """
     reports = run(num_ranks, _rank_entry, lambda rank, port, reports_queue: (
-        rank, num_ranks, port, use_cuda, num_gpus, group_timeout_s, fn, args, reports_queue), use_cuda, timeout_s)
+        rank, num_ranks, port, use_cuda, num_gpus, group_timeout_s, fn, args, reports_queue), use_cuda, timeout_s,
+        getattr(fn, "__name__", "task"))
     if not reports.finished:
         failures = dict(reports.failures)
         failures.update({r: f"no answer within {timeout_s:g} s of the start, or {FAILURE_GRACE_S:g} s of a failure"
