@@ -8,9 +8,9 @@ the commit, device, date and command, the wall time, the outcomes, and every tes
 teardown together, as JUnit counts them), slowest first. The goal it is read against (issue 48): the whole suite in
 at most 5 minutes at 4 ranks on 4 GPUs and 3 at 2, with the kernels cached. A run cut by `--timeout_s` is recorded
 as such, with the tests that finished (none where pytest wrote no XML). `kernels_compiled` counts the kernels the run
-had to compile (cubins and NVSHMEM units new in the cache folder): 0 is a run with the kernels cached. `own_ranks`
-sums where the seconds of the tests on ranks of their own went (NOTE [launch times] in tokenyard/tools/launch.py).
-On a machine without a GPU every test skips.
+had to compile (cubins new in the cache folder, NVSHMEM units among them): 0 is a run with the kernels cached.
+`own_ranks` sums where the seconds of the tests on ranks of their own went (NOTE [launch times] in
+tokenyard/tools/launch.py). On a machine without a GPU every test skips.
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ def read_junit(path: str) -> list:
 
 
 def cached_kernels(folder: str) -> set:
-    """The compiled kernels in the JIT cache folder: NVRTC cubins and NVSHMEM units' shared objects."""
+    """The compiled kernels in the JIT cache folder: every unit, NVRTC's and NVSHMEM's alike, is a cubin there
+    (jit/cache.cubin_path); its shared objects are the host's extension and NVSHMEM's shim, not kernels."""
     return {os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
-            if name.endswith((".cubin", ".so"))}
+            if name.endswith(".cubin")}
 
 
 def launch_times(path: str) -> dict:

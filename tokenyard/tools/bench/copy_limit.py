@@ -26,6 +26,8 @@ def shared_bytes(pattern: str, tma: tuple = TMA_WRITERS) -> int:
     """The dynamic shared memory a pattern's launch takes (the "tma" writers' stages with a barrier each)."""
     warps, stages, stage_bytes = tma
     return {"bulk": BULK_SHARED_BYTES, "tma": warps * stages * (stage_bytes + 8)}.get(pattern, 0)
+
+
 _INCLUDE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
 
 
