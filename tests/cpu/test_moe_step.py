@@ -44,6 +44,9 @@ def test_the_floors_of_deepseek_v3_decode_read_the_local_experts_weights_once():
     assert 200 < counts["hbm_floor_us"] < 230
     train = moe_step.step_counts(moe_step.GPU_SHAPES["train"], 4, train=True)
     assert train["flop"] == 3 * 6 * 7168 * 2048 * 4096 * 8
+    h200 = moe_step.step_counts(moe_step.GPU_SHAPES["decode"], 4, train=False, device_name="NVIDIA H200")
+    assert h200["hbm_floor_us"] == pytest.approx(counts["hbm_floor_us"] * 3.35 / 4.8)
+    assert h200["floors_from"].startswith("H200")
 
 
 def test_the_main_command_runs_the_step_as_its_moe_mode(capsys):

@@ -36,9 +36,10 @@ import torch.nn.functional as F
 
 from . import BenchError, moe_report, moe_trace
 
-# H100 SXM datasheet figures: HBM3 bandwidth and dense bf16 tensor-core throughput (no sparsity).
-H100_HBM_BYTES_PER_S = 3.35e12
-H100_BF16_DENSE_FLOP_PER_S = 989e12
+# SXM datasheet figures: HBM bandwidth and dense bf16 tensor-core throughput (no sparsity), by the GPU's name; the
+# floors are the H100's (the issue's GPU) where the name is none of these, and on CPU ranks.
+DATASHEETS = {"H100": ("H100 SXM datasheet: HBM3", 3.35e12, 989e12),
+              "H200": ("H200 SXM datasheet: HBM3e", 4.8e12, 989e12)}
 BF16_BYTES = 2
 # NOTE [whole micro-batches]
 # The overlapped variants run OVERLAP_MICRO_BATCHES micro-batches, each of the step's tokens (the same ones, so each
@@ -114,7 +115,7 @@ def parse(argv: Optional[Sequence[str]], num_gpus: int, prog: str = "benchmarks/
 
 # -- bytes, FLOPs and their floors ---------------------------------------------------------------------------
 
-def step_counts(shape: StepShape, num_ranks: int, train: bool) -> dict:
+def step_counts(shape: StepShape, num_ranks: int, train: bool, device_name: str = "H100") -> dict:
     """Per rank and step, for balanced routing (T*K rows reach each rank's L = E/R experts in all).
 
     Forward: two GEMMs, ``6*H*I`` FLOPs per row, reading the L experts' weights (``3*H*I`` bf16 each) once.
@@ -130,12 +131,12 @@ def step_counts(shape: StepShape, num_ranks: int, train: bool) -> dict:
     if train:
         flop, weight_bytes, activation_bytes = 3 * flop, 3 * weight_bytes, 3 * activation_bytes
     hbm_bytes = weight_bytes + activation_bytes
+    sheet, hbm_per_s, flop_per_s = next((DATASHEETS[gpu] for gpu in DATASHEETS if gpu in device_name),
+                                        DATASHEETS["H100"])
     return {"rows_per_rank": rows, "flop": flop, "hbm_bytes": hbm_bytes, "weight_bytes": weight_bytes,
             "dispatch_bytes": rows * shape.hidden * BF16_BYTES,
-            "hbm_floor_us": hbm_bytes / H100_HBM_BYTES_PER_S * 1e6,
-            "tensor_core_floor_us": flop / H100_BF16_DENSE_FLOP_PER_S * 1e6,
-            "floors_from": f"H100 SXM datasheet: HBM3 {H100_HBM_BYTES_PER_S / 1e12:g} TB/s, "
-                           f"{H100_BF16_DENSE_FLOP_PER_S / 1e12:g} TFLOP/s dense bf16"}
+            "hbm_floor_us": hbm_bytes / hbm_per_s * 1e6, "tensor_core_floor_us": flop / flop_per_s * 1e6,
+            "floors_from": f"{sheet} {hbm_per_s / 1e12:g} TB/s, {flop_per_s / 1e12:g} TFLOP/s dense bf16"}
 
 
 # -- the experts --------------------------------------------------------------------------------------------
@@ -573,7 +574,7 @@ def build_record(settings: MoeStepSettings, steps: dict, commit: Optional[str], 
            "overlap": None if settings.gpu else "on the CPU every call is synchronous: the overlap variant runs "
                                                 "its calls but overlaps nothing"}
     for step, record in steps.items():
-        doc[step] = dict(record, counts=step_counts(settings.shapes[step], settings.num_ranks, step == "train"))
+        doc[step] = dict(record, counts=step_counts(settings.shapes[step], settings.num_ranks, step == "train", device))
     return doc
 
 
