@@ -288,7 +288,13 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         if (lane == 0)
             tma::fence_global_proxies();  // the slot's acquire, before bulk loads read its rows
         for (int j = begin; j < end; ++j) {
-            const uint8_t* row = buffers.row(p.rank, source, j);
+            // The tail's load first, in flight while lane 0 waits for the row's data and stores it.
+            const int4* tail_in = reinterpret_cast<const int4*>(buffers.row(p.rank, source, j)) + kDataInt4;
+            int4 tail[kTailPerLane];
+#pragma unroll
+            for (int u = 0; u < kTailPerLane; ++u)
+                if (u * kWarpSize + lane < kTailInt4)
+                    tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
             if (lane == 0) {
                 for (uint32_t at = 0; at < kRowBytes; at += kStageBytes) {
                     for (uint32_t n = min(kRowBytes - loading_at, static_cast<uint32_t>(kStageBytes));
@@ -304,14 +310,12 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 }
             }
             const int64_t out = first + j;
-            const int4* tail_in = reinterpret_cast<const int4*>(row) + kDataInt4;
 #pragma unroll
             for (int u = 0; u < kTailPerLane; ++u) {
                 const int i = u * kWarpSize + lane;
                 if (i >= kTailInt4)
                     continue;
-                const int4 vec = ptx::ld_na_v4(tail_in + i);
-                const int* words = reinterpret_cast<const int*>(&vec);
+                const int* words = reinterpret_cast<const int*>(&tail[u]);
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     const int k = i * 4 + c, w = (i - kScaleInt4) * 4 + c;
