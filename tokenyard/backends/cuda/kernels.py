@@ -20,11 +20,10 @@ NOTIFY_THREADS = 512
 DATA_THREADS = 512
 LOW_LATENCY_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
-WARP_SIZE = headers.constant("types.cuh", "kWarpSize")
-NORMAL_MAX_TOPK = WARP_SIZE  # the normal-mode kernels: a lane per top-k entry
+NORMAL_MAX_TOPK = headers.constant("types.cuh", "kWarpSize")  # the normal-mode kernels: a lane per top-k entry
 JUDGE_WINDOW = 8192  # tokens the notify kernel judges at once (a shared byte each, NOTE [input verdict])
-# NOTE [warp stages] (include/tokenyard/staging.cuh): each sending warp of a normal-mode data kernel (and each
-# receiving warp of the dispatch) moves rows through its stages of shared memory (heuristics.DISPATCH_STAGES, COMBINE_STAGES), as large as a row's data or as
+# NOTE [warp stages] (include/tokenyard/staging.cuh): each sending warp of a normal-mode data kernel moves rows
+# through its stages of shared memory (heuristics.DISPATCH_STAGES, COMBINE_STAGES), as large as a row's data or as
 # the warp's part of the block's allows (sm_90 gives a block up to 227 KiB; SHARED_RESERVE of it is left to the
 # kernels' static shared variables).
 SM90_MAX_SHARED = 227 << 10
@@ -47,9 +46,9 @@ def topk_ctype(dtype: torch.dtype) -> str:
 
 
 def data_stage_bytes(row_bytes: int, warps: int, stages: int) -> int:
-    """A stage of a data kernel's warp (NOTE [warp stages]): a row of `row_bytes` (a multiple of 16) in one
+    """A stage of a data kernel's sending warp (NOTE [warp stages]): a row of `row_bytes` (a multiple of 16) in one
     piece where the block's shared memory allows it, shared by `warps` warps of `stages` stages. Example: 3 warps
-    of 4 stages get stages of 14336 bytes (a BF16 row of hidden 7168 in one piece), 16 warps stages of 3600."""
+    of 4 stages get stages of 14336 bytes (a BF16 row of hidden 7168 in one piece), 12 warps stages of 4800."""
     per_warp = (SM90_MAX_SHARED - SHARED_RESERVE) // warps
     return min(row_bytes, (per_warp // stages - 8) // 16 * 16)
 
@@ -103,8 +102,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
     receive), each through `stages` stages."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
-    warps = DATA_THREADS // WARP_SIZE  # NOTE [dispatch roles]: every warp has stages, sending or receiving
-    stage_bytes = data_stage_bytes(data_int4 * 16, warps, stages)
+    stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
@@ -121,7 +119,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int", "num_send_warps"))
         + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT + _PHASES,
         DATA_THREADS, name="tokenyard::normal::dispatch",
-        shared_bytes=data_shared_bytes(stage_bytes, warps, stages))
+        shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,9 +11,8 @@
 namespace tokenyard::kernels {
 
 // NOTE [dispatch roles]
-// Warps [0, kSendWarps) of every block send; the block's other warps receive. Both move a row's data by TMA bulk
-// copies through stages of their own (NOTE [warp stages]): the senders' to the peers, the receivers' out of the
-// buffer into the outputs, lane 0 keeping the next row's pieces loading while the lanes move the row's tail. Work is split
+// Warps [0, kSendWarps) of every block send; the block's other warps receive, so that every SM's copy engine stores
+// to the peers (the senders' TMA copies) while its load/store units copy rows out (the receivers'). Work is split
 // per warp, never per block, so no warp waits for another: a sender warp takes a contiguous range of tokens (NOTE
 // [sender ranges]) and, piece by piece of at most kChunkTokens tokens, copies each token to every rank it goes to
 // (one read of x, up to kNumRanks writes) into row prefix_excl[t][dest] of this rank's region in rank dest's buffer,
@@ -22,9 +21,8 @@ namespace tokenyard::kernels {
 // lane 0 driving the warp's stages (NOTE [warp stages] in staging.cuh), while the lanes write its tail. Receiver
 // warps take (piece, sender warp, source) items piece-major, following the senders' progress. A receiver waits for
 // the slot, then copies its rows to the output rows that follow the rows of lower source ranks (rank_prefix_matrix),
-// turning the metadata into recv_topk_idx / recv_topk_weights / recv_src_idx. At 8 SMs and 4 ranks, 16-byte loads
-// and stores of 4 receiving warps a block copied out for 430 of the kernel's 633 us (benchmarks/results/
-// normal_tuning.md, "Receivers by TMA").
+// turning the metadata into recv_topk_idx / recv_topk_weights / recv_src_idx (the data by its load/store units, a
+// batch of loads before their stores).
 // A token's row for this rank itself skips the buffer when `local_direct` is set: the sender writes it
 // straight into the outputs (row rank_prefix_matrix[rank - 1][rank] + prefix_excl[t][rank], metadata in
 // its final form) and the receivers skip their own source, a quarter of their rows
@@ -118,8 +116,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     PhaseClock phase_clock(p.phases, warp, kNumWarps);  // NOTE [normal-mode phases]
     extern __shared__ __align__(128) uint8_t shared[];
     static_assert(kSendWarps >= 1 && kSendWarps < kNumWarps, "every block sends and receives");
-    WarpStages<kStages, kStageBytes> stages(shared, warp, kNumWarps);  // every warp's, sending or receiving
-    if (lane == 0)
+    WarpStages<kStages, kStageBytes> stages(shared, warp, kSendWarps);  // the sending warps'
+    if (warp < kSendWarps && lane == 0)
         stages.init();
     // The output row of the first row from `source` (NOTE [placed rounds]).
     auto out_first = [&](int source) {
@@ -278,58 +276,46 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         phase_clock.mark(kPhaseTail, lane);
     };
 
-    // One warp moves rows [begin, end) of `source` in this rank's buffer to output rows first + begin, ...: lane 0
-    // their data by bulk copies, loading pieces into the free stages ahead (the next row's while the warp is at this
-    // one), the lanes each row's tail, one vector per lane, scattered to the outputs.
-    auto receive_rows = [&](int source, int begin, int end, int64_t first) {
-        constexpr uint32_t kRowBytes = kDataInt4 * 16;
-        int loading = begin;  // lane 0's: the row and the offset of the next piece to load
-        uint32_t loading_at = 0;
-        if (lane == 0)
-            tma::fence_global_proxies();  // the slot's acquire, before bulk loads read its rows
-        for (int j = begin; j < end; ++j) {
-            // The tail's load first, in flight while lane 0 waits for the row's data and stores it.
-            const int4* tail_in = reinterpret_cast<const int4*>(buffers.row(p.rank, source, j)) + kDataInt4;
-            int4 tail[kTailPerLane];
+    // One warp copies row `src` of this rank's buffer to output row `out` with its load/store units (the copy
+    // engine stays with the sending warps). Every load of a batch (up to kBatch data vectors per lane, plus the
+    // row's tail with the first batch) is issued before any store, so a row costs about one memory round trip
+    // rather than one per field.
+    auto receive_row = [&](const uint8_t* src, int64_t out) {
+        constexpr int kBatch = 16;
+        const int4* data_in = reinterpret_cast<const int4*>(src);
+        const int4* tail_in = data_in + kDataInt4;
+        int4* data_out = p.recv_x + out * kDataInt4;
+        int4 tail[kTailPerLane];
+        for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
+            int4 v[kBatch];
+            load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
+            if (base == 0) {
 #pragma unroll
-            for (int u = 0; u < kTailPerLane; ++u)
-                if (u * kWarpSize + lane < kTailInt4)
-                    tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
-            if (lane == 0) {
-                for (uint32_t at = 0; at < kRowBytes; at += kStageBytes) {
-                    for (uint32_t n = min(kRowBytes - loading_at, static_cast<uint32_t>(kStageBytes));
-                         loading < end && stages.fits(n);
-                         n = min(kRowBytes - loading_at, static_cast<uint32_t>(kStageBytes))) {
-                        stages.prefetch(buffers.row(p.rank, source, loading) + loading_at, n);
-                        loading_at += n;
-                        if (loading_at == kRowBytes)
-                            ++loading, loading_at = 0;
-                    }
-                    void* to[1] = {p.recv_x + (first + j) * kDataInt4};
-                    stages.send(min(kRowBytes - at, static_cast<uint32_t>(kStageBytes)), to, at);
-                }
+                for (int u = 0; u < kTailPerLane; ++u)
+                    if (u * kWarpSize + lane < kTailInt4)
+                        tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
             }
-            const int64_t out = first + j;
+            store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
+        }
 #pragma unroll
-            for (int u = 0; u < kTailPerLane; ++u) {
-                const int i = u * kWarpSize + lane;
-                if (i >= kTailInt4)
-                    continue;
-                const int* words = reinterpret_cast<const int*>(&tail[u]);
+        for (int u = 0; u < kTailPerLane; ++u) {
+            const int i = u * kWarpSize + lane;
+            if (i >= kTailInt4)
+                continue;
+            const int* words = reinterpret_cast<const int*>(&tail[u]);
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int k = i * 4 + c, w = (i - kScaleInt4) * 4 + c;
-                    if (i < kScaleInt4) {
-                        if (k < kNumScales)
-                            p.recv_scales[out * kNumScales + k] = static_cast<uint32_t>(words[c]);
-                    } else if (w < kNumTopk) {
-                        p.recv_topk_idx[out * kNumTopk + w] = static_cast<TopkT>(words[c]);
-                    } else if (w < 2 * kNumTopk) {
-                        if (p.recv_topk_weights != nullptr)
-                            p.recv_topk_weights[out * kNumTopk + w - kNumTopk] = __int_as_float(words[c]);
-                    } else if (w == 2 * kNumTopk && p.recv_src_idx != nullptr) {
-                        p.recv_src_idx[out] = p.src_idx_base + words[c];
-                    }
+            for (int c = 0; c < 4; ++c) {
+                const int j = i * 4 + c, w = (i - kScaleInt4) * 4 + c;
+                if (i < kScaleInt4) {
+                    if (j < kNumScales)
+                        p.recv_scales[out * kNumScales + j] = static_cast<uint32_t>(words[c]);
+                } else if (w < kNumTopk) {
+                    p.recv_topk_idx[out * kNumTopk + w] = static_cast<TopkT>(words[c]);
+                } else if (w < 2 * kNumTopk) {
+                    if (p.recv_topk_weights != nullptr)
+                        p.recv_topk_weights[out * kNumTopk + w - kNumTopk] = __int_as_float(words[c]);
+                } else if (w == 2 * kNumTopk && p.recv_src_idx != nullptr) {
+                    p.recv_src_idx[out] = p.src_idx_base + words[c];
                 }
             }
         }
@@ -407,11 +393,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
         }
         __syncwarp();  // NOTE [warp acquire] in sync.cuh: lane 0's acquire covers every lane's reads of the rows
-        if (!__shfl_sync(0xffffffffu, ok, 0)) {
-            if (lane == 0)
-                stages.retire();
+        if (!__shfl_sync(0xffffffffu, ok, 0))
             return;
-        }
         phase_clock.mark(kPhaseWait, lane);
         begin = __shfl_sync(0xffffffffu, begin, 0);
         end = __shfl_sync(0xffffffffu, end, 0);
@@ -421,11 +404,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, first + end, p.num_worst_tokens);
             end = max(begin, p.num_worst_tokens - first);
         }
-        receive_rows(source, begin, end, first);
+        for (int j = begin; j < end; ++j)
+            receive_row(buffers.row(p.rank, source, j), first + j);
         phase_clock.mark(kPhaseCopy, lane);
     }
-    if (lane == 0)
-        stages.retire();
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
         const int stride = num_recv_warps * kWarpSize;
