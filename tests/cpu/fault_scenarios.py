@@ -33,8 +33,10 @@ CUDA_BUFFER_MISMATCHES = ("buffer_with_other_settings",)
 # include/tokenyard/layout.cuh): RankMismatchError. Low-latency calls (NOTE [call tags] in
 # include/tokenyard/sync.cuh) and a skipped call wait for signals that never come: CommTimeoutError.
 CUDA_TIMEOUTS = ("low_latency_hidden", "low_latency_num_max", "skipped_dispatch")
-LATE = ("sleeps_past_the_deadline", "killed", "killed_in_its_call", "late_to_low_latency_combine")
-KILLED = ("killed", "killed_in_its_call")  # rank 1 ends by SIGKILL
+LATE = ("sleeps_past_the_deadline", "killed", "killed_in_its_call", "late_to_low_latency_combine",
+        "killed_before_low_latency_combine")
+KILLED = ("killed", "killed_in_its_call", "killed_before_low_latency_combine")  # rank 1 ends by SIGKILL
+COMBINES = ("late_to_low_latency_combine", "killed_before_low_latency_combine")  # between a dispatch and its combine
 # Not on ranks that share a GPU: under MPS, a client killed while its kernel runs is a fatal fault for every
 # client of that GPU (each survivor's next CUDA call fails with an illegal address, and its process must
 # end), whatever the library (benchmarks/results/faults.md).
@@ -113,7 +115,8 @@ SHAPES = {"hidden": [("normal", {}), ("normal", {"hidden": 256})],
           "low_latency_hidden": [("low_latency", {}), ("low_latency", {"hidden": 256})],
           "low_latency_num_max": [("low_latency", {}), ("low_latency", {"num_max": 16})],
           "skipped_dispatch": [("normal", {})],
-          "late_to_low_latency_combine": [("low_latency", {})]}
+          "late_to_low_latency_combine": [("low_latency", {})],
+          "killed_before_low_latency_combine": [("low_latency", {})]}
 
 
 def survivors_group(survivors):
@@ -257,7 +260,7 @@ def expect_buffer_mismatch(seen) -> str:
 def late_peer(seed, what, backend="reference") -> dict:
     """Rank 1 (`what`, one of LATE) sleeps past the deadline or is killed before its dispatch, is killed
     inside its dispatch (which the others begin a second later: its first exchange is under way), or sleeps
-    past the deadline between a low-latency dispatch and its combine. The others must raise within
+    past the deadline or is killed between a low-latency dispatch and its combine. The others must raise within
     timeout_s + 2 s, and the late rank too (it must not sum rows its peers never sent); then the ranks still
     alive make a new group and a correct call on it."""
     import torch.distributed as dist
@@ -265,7 +268,7 @@ def late_peer(seed, what, backend="reference") -> dict:
     from tokenyard import Buffer, TokenyardError
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    combine = what == "late_to_low_latency_combine"
+    combine = what in COMBINES
     warm_kernels(seed, backend, SHAPES.get(what, [("normal", {})]))
     buffer = Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=TIMEOUT_S)
     x, topk_idx, weights = _inputs(seed, num_ranks, backend=backend)[rank]
@@ -362,7 +365,7 @@ def expect_late(seen, what, backend="reference") -> None:
     peers and itself: a timeout), the others than rank 1 within LIMIT_S at a stage of the call rank 1 was
     late to, naming themselves (and, on the CUDA backend, whose kernels know whom they waited for, rank 1 as
     the peer), and every one alive recovered."""
-    stage = "low_latency_combine/" if what == "late_to_low_latency_combine" else "dispatch/"
+    stage = "low_latency_combine/" if what in COMBINES else "dispatch/"
     for rank, s in seen.items():
         assert s["error"] is not None, (rank, s)
         if what not in KILLED:
