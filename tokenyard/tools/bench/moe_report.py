@@ -54,7 +54,8 @@ def plot(doc: dict, path: str) -> None:
         for x, t in enumerate(times):
             ax.text(x, t, f"{t:.1f}" if step == "train" else f"{t:.0f}", ha="center", va="bottom", fontsize=8)
         floor = r["counts"]["hbm_floor_us"] / (1000 if step == "train" else 1)
-        ax.axhline(floor, color="black", linestyle=":", linewidth=1, label=f"HBM floor ({r['counts']['floors_from'].split(':')[0]})")
+        sheet = r["counts"]["floors_from"].split(":")[0]
+        ax.axhline(floor, color="black", linestyle=":", linewidth=1, label=f"HBM floor ({sheet})")
         ax.set_ylabel(f"step time, {unit}")
         shape = doc["settings"][step]
         ax.set_title(f"{step}: {shape['num_tokens']} tokens/rank, top-{shape['num_topk']} of "
