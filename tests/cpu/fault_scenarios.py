@@ -115,8 +115,7 @@ SHAPES = {"hidden": [("normal", {}), ("normal", {"hidden": 256})],
           "low_latency_hidden": [("low_latency", {}), ("low_latency", {"hidden": 256})],
           "low_latency_num_max": [("low_latency", {}), ("low_latency", {"num_max": 16})],
           "skipped_dispatch": [("normal", {})],
-          "late_to_low_latency_combine": [("low_latency", {})],
-          "killed_before_low_latency_combine": [("low_latency", {})]}
+          **{what: [("low_latency", {})] for what in COMBINES}}
 
 
 def survivors_group(survivors):

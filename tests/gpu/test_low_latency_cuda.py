@@ -664,8 +664,8 @@ def test_a_stopped_rank_is_masked_and_the_others_keep_serving(num_ranks, seed):
         print(line)
 
 
-# Deadlines from shorter than a call to a few calls long, so that some land on the peers' signals; 2 and 5 us
-# because at 2 ranks of separate GPUs no call reached a deadline of 10 us or more (benchmarks/results/gpu_suite.md).
+# Deadlines from shorter than a call to a few calls long, so that some land on the peers' signals; from 2 us, as a
+# call between separate GPUs can end before a 10 us deadline (benchmarks/results/gpu_suite.md, "Before").
 DEADLINE_TIMEOUTS_US = (2, 5, 10, 20, 40, 80, 160)
 DEADLINE_ROUNDS = 6
 
