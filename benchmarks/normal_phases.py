@@ -57,12 +57,14 @@ def rank_main(sm_counts, iters: int, num_tokens: int):
     import torch.distributed as dist
 
     from tokenyard import Buffer
-    from tokenyard.backends.cuda import heuristics
+    from tokenyard.backends.cuda import heuristics, kernels
 
     rank = dist.get_rank()
     buffer, x, topk_idx, weights = profile_normal.deepseek_buffer(num_tokens)
     backend = buffer.runtime
-    send_warps = {"dispatch": heuristics.dispatch_send_warps(16), "combine": heuristics.combine_send_warps(16)}
+    block_warps = {"dispatch": heuristics.dispatch_threads() // 32, "combine": kernels.DATA_THREADS // 32}
+    send_warps = {"dispatch": heuristics.dispatch_send_warps(block_warps["dispatch"]),
+                  "combine": heuristics.combine_send_warps(block_warps["combine"])}
     report = {}
     for num_sms in sm_counts:
         Buffer.set_num_sms(num_sms)
@@ -83,7 +85,9 @@ def rank_main(sm_counts, iters: int, num_tokens: int):
             torch.cuda.synchronize()
         slots = phases.cpu()
         num_blocks = heuristics.data_blocks(num_sms, backend.device_sms)
-        report[num_sms] = {kind: summarize(slots[i], num_blocks, send_warps[kind], iters)
+        num_slots = kernels.PHASES["kNumPhaseSlots"]
+        report[num_sms] = {kind: summarize(slots[i, :backend.device_sms * block_warps[kind] * num_slots].view(
+                               backend.device_sms, block_warps[kind], num_slots), num_blocks, send_warps[kind], iters)
                            for i, kind in enumerate(KINDS)}
     backend.normal_phases = None
     buffer.destroy()

@@ -56,6 +56,13 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     with pytest.raises(ValueError, match="2 to 4 stages"):
         heuristics.combine_stages()
     tokenyard_env("TOKENYARD_TUNING", None)
+    assert heuristics.dispatch_threads() == heuristics.DISPATCH_THREADS
+    tokenyard_env("TOKENYARD_TUNING", "dispatch_threads=1024")
+    assert heuristics.dispatch_threads() == 1024
+    tokenyard_env("TOKENYARD_TUNING", "dispatch_threads=640")
+    with pytest.raises(ValueError, match="512, 768 or 1024"):
+        heuristics.dispatch_threads()
+    tokenyard_env("TOKENYARD_TUNING", None)
     assert heuristics.combine_reduce_loads() == heuristics.COMBINE_REDUCE_LOADS
     tokenyard_env("TOKENYARD_TUNING", "combine_reduce_loads=8")
     assert heuristics.combine_reduce_loads() == 8

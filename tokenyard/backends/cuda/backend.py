@@ -192,10 +192,12 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
 
     def start_normal_phases(self) -> torch.Tensor:
         """NOTE [normal-mode phases]: from now on each normal-mode dispatch (0) and combine (1) adds its warps' time
-        per phase into the returned int64 tensor ``[2, device_sms, warps, kNumPhaseSlots]`` (SM cycles, then each
-        warp's span in ns and in cycles); a diagnostic (benchmarks/normal_phases.py), never on in production."""
-        self.normal_phases = torch.zeros(2, self.device_sms, kernels.DATA_THREADS // 32,
-                                         kernels.PHASES["kNumPhaseSlots"], dtype=torch.int64, device=self.ctx.device)
+        per phase into the returned int64 tensor ``[2, device_sms * 32 * kNumPhaseSlots]`` (SM cycles, then each
+        warp's span in ns and in cycles): kernel k's ``[blocks, its block's warps, kNumPhaseSlots]`` from the start
+        of row k, room for 32 warps (1024 threads) a block; a diagnostic (benchmarks/normal_phases.py), never on in
+        production."""
+        self.normal_phases = torch.zeros(2, self.device_sms * 32 * kernels.PHASES["kNumPhaseSlots"],
+                                         dtype=torch.int64, device=self.ctx.device)
         self._plans = plans.PlanCache()  # the plans hold the address
         self.calls.forget()  # so do the recorded calls (NOTE [fast calls])
         return self.normal_phases
@@ -328,7 +330,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         num_blocks = heuristics.data_blocks(m.num_sms, self.device_sms)
         makes_outputs = m.placed_rows is None
         cpu_wait = not m.cached and m.num_rows is None and makes_outputs
-        send_warps = heuristics.dispatch_send_warps(kernels.DATA_THREADS // 32)
+        threads = heuristics.dispatch_threads()
+        send_warps = heuristics.dispatch_send_warps(threads // 32)
         num_send_warps = num_blocks * send_warps
         chunk_tokens, tail_tokens = heuristics.DISPATCH_CHUNK_TOKENS, heuristics.dispatch_tail_tokens()
         slots = workspace.normal_dispatch_slots(layout.capacity, num_send_warps, chunk_tokens, tail_tokens)
@@ -340,7 +343,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
                                                chunk_tokens, tail_tokens, m.all_weights, send_warps,
-                                               heuristics.dispatch_stages()))
+                                               heuristics.dispatch_stages(), threads))
         rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
         own_rows_direct = heuristics.dispatch_own_rows_direct()
         T = m.num_tokens

@@ -14,6 +14,20 @@ def data_blocks(num_sms: int, device_sms: int) -> int:
     return max(2, min(num_sms, device_sms))
 
 
+# NOTE [dispatch block width]
+# A dispatch block's threads (512, 768 or 1024; the combine's block is kernels.DATA_THREADS). The warps past the
+# sending ones receive, each with one row's loads in flight, as many as the registers of a block that wide hold
+# (kernels/dispatch.cuh, receive_row): a wider block receives with more warps, each with fewer loads in flight.
+DISPATCH_THREADS = 512
+
+
+def dispatch_threads() -> int:
+    threads = tuned("dispatch_threads", DISPATCH_THREADS)
+    if threads not in (512, 768, 1024):
+        raise ValueError(f"TOKENYARD_TUNING dispatch_threads={threads}: a dispatch block has 512, 768 or 1024 threads")
+    return threads
+
+
 # The warps of each data-kernel block that send (by TMA bulk copies, NOTE [warp stages]); its other warps
 # receive (dispatch) or reduce (combine). The fastest at 8 SMs of the counts swept, and no slower at 24
 # (benchmarks/results/normal_tuning.md).

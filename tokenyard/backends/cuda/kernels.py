@@ -94,18 +94,18 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
              all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS,
-             stages: int = heuristics.DISPATCH_STAGES) -> KernelSpec:
+             stages: int = heuristics.DISPATCH_STAGES, threads: int = heuristics.DISPATCH_THREADS) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
     weight arrives (DeepEP V2), not only the local slots'; `send_warps`: a block's warps that send (the others
-    receive), each through `stages` stages."""
+    receive), each through `stages` stages; `threads`: the block's (NOTE [dispatch block width])."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
     stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
-        (num_ranks, DATA_THREADS, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
+        (num_ranks, threads, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
          "true" if all_weights else "false", stages, stage_bytes, send_warps),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
@@ -118,7 +118,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int", "src_idx_base"), Param("int", "local_direct"),
          Param("int", "num_send_warps"))
         + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT + _PHASES,
-        DATA_THREADS, name="tokenyard::normal::dispatch",
+        threads, name="tokenyard::normal::dispatch",
         shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))
 
 

@@ -90,7 +90,16 @@ __device__ __forceinline__ bool failed(const WaitContext& ctx) {
 // and clears the arrivals in one add. So every block of a launch reads the same number (the launches before
 // it, plus one), and the next launch, which begins after this one ends in stream order, the next. Every
 // rank makes the same launches (the calls are collective), so the numbers agree across ranks.
-enum CallCounter : int { kCountNotify = 0, kCountSeq = 1, kCountBarrier = 2, kNumCallCounters = 3 };
+// kRecvClaims and kRecvClaimsLaunch are no counters of launches but the dispatch's receive claims (NOTE [receive
+// claims] in kernels/dispatch.cuh): the items claimed so far, and the launch they count for.
+enum CallCounter : int {
+    kCountNotify = 0,
+    kCountSeq = 1,
+    kCountBarrier = 2,
+    kRecvClaims = 3,
+    kRecvClaimsLaunch = 4,
+    kNumCallCounters = 5
+};
 
 // -> numbers[i]: this launch's number on counters[i] for i < kCount (a thread per counter; the whole block
 // must call it).

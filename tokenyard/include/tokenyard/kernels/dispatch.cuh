@@ -11,16 +11,17 @@
 namespace tokenyard::kernels {
 
 // NOTE [dispatch roles]
-// Warps [0, kSendWarps) of every block send; the block's other warps receive, so that every SM's copy engine stores
-// to the peers (the senders' TMA copies) while its load/store units copy rows out (the receivers'). Work is split
-// per warp, never per block, so no warp waits for another: a sender warp takes a contiguous range of tokens (NOTE
-// [sender ranges]) and, piece by piece of at most kChunkTokens tokens, copies each token to every rank it goes to
-// (one read of x, up to kNumRanks writes) into row prefix_excl[t][dest] of this rank's region in rank dest's buffer,
-// then publishes, in the piece's slot at each destination, the row range it filled and the call's sequence number
-// (release, after a system fence). A row's data moves by TMA bulk copies, global -> shared -> every destination,
-// lane 0 driving the warp's stages (NOTE [warp stages] in staging.cuh), while the lanes write its tail. Receiver
-// warps take (piece, sender warp, source) items piece-major, following the senders' progress. A receiver waits for
-// the slot, then copies its rows to the output rows that follow the rows of lower source ranks (rank_prefix_matrix),
+// Warps [0, kSendWarps) of every block send, then receive; the block's other warps receive from the start, so that
+// every SM's copy engine stores to the peers (the senders' TMA copies) while its load/store units copy rows out (the
+// receivers'). Work is split per warp, never per block, so no warp waits for another: a sender warp takes a
+// contiguous range of tokens (NOTE [sender ranges]) and, piece by piece of at most kChunkTokens tokens, copies each
+// token to every rank it goes to (one read of x, up to kNumRanks writes) into row prefix_excl[t][dest] of this
+// rank's region in rank dest's buffer, then publishes, in the piece's slot at each destination, the row range it
+// filled and the call's sequence number (release, after a system fence). A row's data moves by TMA bulk copies,
+// global -> shared -> every destination, lane 0 driving the warp's stages (NOTE [warp stages] in staging.cuh),
+// while the lanes write its tail. Receiving warps claim (piece, sender warp, source) items piece-major, following
+// the senders' progress (NOTE [receive claims]). A receiver waits for the item's slot, then copies its rows to the
+// output rows that follow the rows of lower source ranks (rank_prefix_matrix),
 // turning the metadata into recv_topk_idx / recv_topk_weights / recv_src_idx (the data by its load/store units, a
 // batch of loads before their stores).
 // A token's row for this rank itself skips the buffer when `local_direct` is set: the sender writes it
@@ -56,6 +57,15 @@ namespace tokenyard::kernels {
 // count and W, so every rank launches the same number of sending warps (the same num_sms, as DeepEP also
 // requires); every slot carries its sender's W, and a receiver that finds another records a mismatch
 // error instead of copying rows it would misplace or miss.
+//
+// NOTE [receive claims]
+// The receiving warps take the items in order from a counter of the rank's (CallCounter kRecvClaims), an atomic add
+// each, the next claimed while the current one's rows are copied; a sender warp joins them once its range is sent.
+// Dealt in turn among the receiving warps only, the rows that landed after the last senders had finished waited
+// for the few receivers (4 warps a block), which at 4 ranks copied out for 430 of the 633 us of a cached dispatch
+// at 8 SMs (benchmarks/results/normal_tuning.md). Block 0 clears the counter at the launch's start and then
+// stores the launch's number beside it (release, kRecvClaimsLaunch); a warp claims once it has read that number
+// (acquire, bounded): the previous launch's claims all ended before this launch began (stream order).
 //
 // NOTE [tail pieces]
 // Every sender warp moves its range at about the same pace, so the pieces with one index land on the
@@ -104,6 +114,11 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // Values judged bad, or ranks whose count exchange found other calls (NOTE [call signatures]): no rows.
     if ((p.verdict != nullptr && p.verdict[1] != 0) || failed(wait))
         return;
+    uint32_t* claims_launch = reinterpret_cast<uint32_t*>(p.call_counts + kRecvClaimsLaunch);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {  // NOTE [receive claims]
+        atomicExch(p.call_counts + kRecvClaims, 0ull);
+        ptx::st_release_sys(claims_launch, seq[0]);
+    }
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     using Ranges = SenderRanges<kChunkTokens, kTailTokens>;
     // The row's tail (scales, then metadata) moves as whole 16-byte vectors, one per lane (NOTE [row tail]).
@@ -279,9 +294,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // One warp copies row `src` of this rank's buffer to output row `out` with its load/store units (the copy
     // engine stays with the sending warps). Every load of a batch (up to kBatch data vectors per lane, plus the
     // row's tail with the first batch) is issued before any store, so a row costs about one memory round trip
-    // rather than one per field.
+    // rather than one per field. The batch is what the block's registers hold without spilling (ptxas, the
+    // DeepSeek-V3 dispatch: 16 vectors at 512 threads, 8 at 768, 4 at 1024; NOTE [dispatch block width]).
     auto receive_row = [&](const uint8_t* src, int64_t out) {
-        constexpr int kBatch = 16;
+        constexpr int kBatch = kNumThreads <= 512 ? 16 : kNumThreads <= 768 ? 8 : 4;
         const int4* data_in = reinterpret_cast<const int4*>(src);
         const int4* tail_in = data_in + kDataInt4;
         int4* data_out = p.recv_x + out * kDataInt4;
@@ -351,34 +367,29 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
         if (lane == 0)
             stages.retire();
-        phase_clock.end(lane);
-        return;
     }
 
-    // Receivers: each warp takes (piece, sender warp, source) items piece-major, waits for the slot, copies
-    // the rows.
-    constexpr int kRecvWarps = kNumWarps - kSendWarps;
-    const int receiver = blockIdx.x * kRecvWarps + warp - kSendWarps;  // this warp among the receiving ones
+    // Receiving, every warp (a sender once its range is sent): each claims (piece, sender warp, source) items
+    // piece-major (NOTE [receive claims]), waits for the slot, copies the rows.
     int most_pieces = 0;
     for (int s = 0; s < kNumRanks; ++s)
         most_pieces = max(most_pieces, Ranges(p.source_num_tokens[s], p.num_send_warps).num_pieces);
     const int num_recv = p.rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + p.rank];
-    if (p.num_worst_tokens > 0 && p.recv_first == nullptr && num_recv > p.num_worst_tokens && receiver == 0 &&
-        lane == 0)
+    if (p.num_worst_tokens > 0 && p.recv_first == nullptr && num_recv > p.num_worst_tokens && blockIdx.x == 0 &&
+        threadIdx.x == 0)
         record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, num_recv, p.num_worst_tokens);
-    const int num_recv_warps = gridDim.x * kRecvWarps;
     // With local_direct the items cover the other sources only: had this rank's own source kept its item
     // numbers, a warp count that is a multiple of kNumRanks would leave every warp landing on it idle.
     const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
-    const int items_per_piece = p.num_send_warps * num_sources;
-    phase_clock.mark(kPhaseStart, lane);
-    for (int item = receiver; item < most_pieces * items_per_piece; item += num_recv_warps) {
+    const int items_per_piece = p.num_send_warps * num_sources, num_items = most_pieces * items_per_piece;
+    // Item `item`'s rows copied out; false: the wait for its slot failed (recorded).
+    auto receive_item = [&](int item) {
         const int piece = item / items_per_piece, sender = item % items_per_piece / num_sources;
         const int other = item % num_sources;
         const int source = p.local_direct && other >= p.rank ? other + 1 : other;
         const Ranges ranges(p.source_num_tokens[source], p.num_send_warps);
         if (piece >= ranges.pieces_of(sender))
-            continue;
+            return true;
         int begin = 0, end = 0;
         bool ok = true;
         if (lane == 0) {
@@ -394,7 +405,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
         __syncwarp();  // NOTE [warp acquire] in sync.cuh: lane 0's acquire covers every lane's reads of the rows
         if (!__shfl_sync(0xffffffffu, ok, 0))
-            return;
+            return false;
         phase_clock.mark(kPhaseWait, lane);
         begin = __shfl_sync(0xffffffffu, begin, 0);
         end = __shfl_sync(0xffffffffu, end, 0);
@@ -407,11 +418,27 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         for (int j = begin; j < end; ++j)
             receive_row(buffers.row(p.rank, source, j), first + j);
         phase_clock.mark(kPhaseCopy, lane);
+        return true;
+    };
+    unsigned long long* claims = p.call_counts + kRecvClaims;
+    phase_clock.mark(warp < kSendWarps ? kPhaseEnd : kPhaseStart, lane);
+    int item = 0;  // lane 0's claim, once the counter is this launch's
+    if (lane == 0 && wait_at_least(wait, claims_launch, seq[0], p.rank, kStageDispatchRecv))
+        item = static_cast<int>(atomicAdd(claims, 1ull));
+    else if (lane == 0)
+        item = num_items;  // the counter never became this launch's: recorded, nothing claimed
+    item = __shfl_sync(0xffffffffu, item, 0);
+    while (item < num_items) {
+        // The next item's claim goes out before this one's rows are copied.
+        const int next = lane == 0 ? static_cast<int>(atomicAdd(claims, 1ull)) : 0;
+        if (!receive_item(item))
+            return;
+        item = __shfl_sync(0xffffffffu, next, 0);
     }
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
-        const int stride = num_recv_warps * kWarpSize;
-        for (int64_t r = num_recv + receiver * kWarpSize + lane; r < p.num_worst_tokens; r += stride) {
+        const int stride = gridDim.x * kNumThreads;
+        for (int64_t r = num_recv + blockIdx.x * kNumThreads + threadIdx.x; r < p.num_worst_tokens; r += stride) {
             p.recv_src_idx[r] = -1;
             for (int k = 0; k < kNumTopk; ++k) {
                 p.recv_topk_idx[r * kNumTopk + k] = static_cast<TopkT>(-1);
