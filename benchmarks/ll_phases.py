@@ -1,11 +1,13 @@
 """Where a low-latency call spends its time: per-phase GPU timestamps of the CUDA kernels.
 
-    python benchmarks/ll_phases.py [--tokens 1,128] [--num_ranks 4] [--iters 30] [--json OUT.json]
+    python benchmarks/ll_phases.py [--tokens 1,128] [--num_ranks 4] [--iters 30] [--hook] [--json OUT.json]
 
 Every block of a traced launch stamps the GPU's global timer at the points of NOTE [low-latency trace]
 (include/tokenyard/sync.cuh). Per call this prints, for each point, when the first and the
 last block passed it, in microseconds after the first block started (medians over `iters` calls, ranks
 started together as in NOTE [aligned start]); the "end" row's last column is the kernel's span on the GPU.
+With --hook each call returns a recv hook (return_recv_hook=True): the send launch and the receive launch are
+traced apart (`dispatch_send`, `dispatch_recv`, ...), the hook called once the send has ended.
 A diagnostic for finding fixed costs, not a figure for the results table.
 """
 
@@ -33,7 +35,7 @@ def phases(stamps) -> dict:
     return out
 
 
-def rank_main(num_tokens: int, hidden: int, num_experts: int, num_topk: int, iters: int):
+def rank_main(num_tokens: int, hidden: int, num_experts: int, num_topk: int, iters: int, hook: bool = False):
     import torch
     import torch.distributed as dist
 
@@ -53,7 +55,8 @@ def rank_main(num_tokens: int, hidden: int, num_experts: int, num_topk: int, ite
     expert_out = torch.randn(num_local_experts, num_ranks * num_tokens, hidden, device=device).to(torch.bfloat16)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     together = torch.ones(1, device=device)
-    records = {"dispatch": [], "combine": []}
+    ops = ("dispatch", "combine")
+    records = {f"{op}_{part}": [] for op in ops for part in ("send", "recv")} if hook else {op: [] for op in ops}
     # Every call's inputs first: the host making them between calls would leave the GPU idle (and its clocks
     # low) right before each call.
     calls = [make_rank_inputs(it * 7919 + 1, num_ranks, num_tokens, hidden, num_experts, num_topk)[rank]
@@ -61,19 +64,27 @@ def rank_main(num_tokens: int, hidden: int, num_experts: int, num_topk: int, ite
     calls = [tuple(t.to(device) for t in inputs) for inputs in calls]
     for it, (x, topk_idx, weights) in enumerate(calls):
         handle = None
-        for kind, op in enumerate(("dispatch", "combine")):
+        for kind, op in enumerate(ops):
             trace.zero_()
             flush.bitwise_not_()
             dist.barrier(device_ids=[device.index])
             torch.cuda._sleep(ALIGN_SLEEP_CYCLES)
             dist.all_reduce(together)
             if op == "dispatch":
-                handle = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts, use_fp8=True)[2]
+                out = buffer.low_latency_dispatch(x, topk_idx, num_tokens, num_experts, use_fp8=True,
+                                                  return_recv_hook=hook)
+                handle = out[2]
             else:
-                buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
+                out = buffer.low_latency_combine(expert_out, topk_idx, weights, handle, return_recv_hook=hook)
             torch.cuda.synchronize(device)
+            if hook:
+                if it >= 3:
+                    records[f"{op}_send"].append(phases(trace[kind].cpu().tolist()))
+                trace.zero_()
+                out[-1]()
+                torch.cuda.synchronize(device)
             if it >= 3:
-                records[op].append(phases(trace[kind].cpu().tolist()))
+                records[f"{op}_recv" if hook else op].append(phases(trace[kind].cpu().tolist()))
     buffer.destroy()
     summary = {}
     for op, calls in records.items():
@@ -90,6 +101,7 @@ def main() -> None:
     parser.add_argument("--num_experts", type=int, default=256)
     parser.add_argument("--num_topk", type=int, default=8)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--hook", action="store_true", help="trace each call's send and receive launches apart")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import torch
@@ -100,9 +112,9 @@ def main() -> None:
     result = {}
     for num_tokens in map(int, args.tokens.split(",")):
         per_rank = run_on_ranks(num_ranks, rank_main, num_tokens, args.hidden, args.num_experts, args.num_topk,
-                                args.iters, use_cuda=True)
+                                args.iters, args.hook, use_cuda=True)
         result[num_tokens] = per_rank
-        for op in ("dispatch", "combine"):
+        for op in per_rank[0]:
             print(f"\n{num_ranks} ranks, {num_tokens} tokens, {op}: first/last block past each point, us")
             print(f"{'point':>11} " + " ".join(f"{'rank ' + str(r):>13}" for r in range(num_ranks)))
             for name in POINTS:
