@@ -222,8 +222,7 @@ class LowLatencyLayout:
     combine_deferred [R] uint32, then [R][M][pieces] uint32, this rank's own: the tag of the combine whose
                     sending launch left rows for rank r to the receiving launch, and the tag on each item
                     (message slot j, piece) of r's it left (NOTE [deferred rows] in kernels/low_latency_combine.cuh)
-    weights_flags   [R] uint64: ``(tag << 32) | 1`` once source r put its combine weights here (r of another node),
-                    or began sending them (r of this node: NOTE [deferred rows])
+    weights_flags   [R] uint64: ``(tag << 32) | 1`` once source r (of another node) put its combine weights here
     staged_weights  [R][M][LOW_LATENCY_MAX_TOPK] uint64: this rank's combine weights words for rank r of another
                     node, assembled before one put carries them (NOTE [internode low-latency])
     A tag is the call's epoch times the odd factor of its shape signature (NOTE [call tags]).

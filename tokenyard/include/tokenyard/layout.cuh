@@ -192,9 +192,8 @@ struct LowLatencyBuffers {
         return reinterpret_cast<uint32_t*>(peer_bases[rank] + combine_deferred) + num_ranks +
                static_cast<int64_t>(owner) * num_max * num_pieces + item;
     }
-    // Whether rank `source`'s weights came (it being of another node), or are on their way (of this node), in `owner`'s
-    // buffer: (tag << 32) | 1, set by the put that carries them (NOTE [internode low-latency]), or by the source's
-    // first sending block for `owner` as it begins (NOTE [deferred rows]).
+    // Whether rank `source`'s weights (it being of another node) came, in `owner`'s buffer: (tag << 32) | 1, set by
+    // the put that carries them (NOTE [internode low-latency]).
     __device__ __forceinline__ uint64_t* weights_flag(int owner, int source) const {
         return reinterpret_cast<uint64_t*>(peer_bases[owner] + weights_flags) + source;
     }

@@ -11,7 +11,7 @@ namespace tokenyard::kernels {
 constexpr int kReduceVectors = 2;
 constexpr int kReduceInt4 = kReduceVectors * kWarpSize;
 constexpr int kReduceBatch = 4;  // rows whose loads are in flight together
-// NOTE [deferred rows]: how long a hook's send waits for the weights of a peer that began sending them.
+// NOTE [deferred rows]: how long after a hook's send began it waits for weights on their way.
 constexpr uint64_t kWeightPatienceNs = 4000;
 
 // Up to kReduceBatch rows of one reduce item, their loads issued together: lane from[u] offered row u.
@@ -114,26 +114,22 @@ __device__ __forceinline__ void store_bf16(int4* dst, const float (&acc)[kReduce
 // NOTE [deferred rows]
 // A peer's weights come only when that peer's own combine sends them, and with a recv hook (SGLang's two-batch overlap,
 // vLLM's DBO) the peers' sends may start a matmul apart: a send that waited for a late peer's weights held its SMs
-// until that peer came (issue 51). So a hook's send (a launch that sends only) waits for no late peer. A peer of this
-// node tells that it began: the first block of its group for this rank stores (tag << 32) | 1 into this rank's
-// weights flag of it as it begins, microseconds before its weights come. An item of peer s a weight of which has not
-// come is waited for in place, as a launch that also receives does, if s began, for up to kWeightPatienceNs (then s
-// counts as late for the warp's later items); else, or once past that, the item is left, its word among this rank's
-// deferred words taking the tag, and the warp takes its next item. (A patience counted from the launch's start, as
-// before, ran out while the blocks were still sending their own weights, so that items of a peer that began with
-// this rank were left and taken again: about 4 us of a send at 2 ranks, benchmarks/results/low_latency.md.) When its
-// items are done the warp takes its left ones again, in order, until one whose weights have still not come (s is
-// late): that one and the rest stay left, and s's word takes the tag. The last block of s's group then withholds s's
-// flag (NOTE [group release]). The receiving launch first reduces every item left, one index over all such peers'
-// items so that they go out together, waiting for their weights (the late peer's send, which waits for nothing, is
-// sending them); its last block flags those peers, and then it receives. A late peer lengthens this rank's receive by
-// the items it left, never a send, and the rows are the same bytes, written by another launch. A launch that sends and
-// receives leaves nothing (it cannot end before every peer's weights came anyway, and waiting in place with the rows
-// asked for first is the faster order: benchmarks/results/low_latency.md); nor are items of this rank itself (its
-// weights come from this launch's other blocks). A rank of another node's weights came when its weights flag did
-// (NOTE [internode low-latency]): its items are left as that flag says, at once; a row's pieces reduced in either
-// launch are counted into the row's arrival word alike, and the warp that completes the row puts it, in whichever
-// launch that is; the receiving launch's blocks quiet before its last block flags s.
+// until that peer came (issue 51). So a hook's send (a launch that sends only) waits for no late peer: up to
+// kWeightPatienceNs after it began it waits for weights, as a launch that also receives does (a peer that began about
+// when this rank did is sending them: its weights go out in its first microseconds), and from then on an item of peer s
+// whose weights have not all come is left, its word among this rank's deferred words taking the tag, and the warp takes
+// its next item. When its items are done the warp takes its left ones again, in order, until one whose weights have
+// still not come (s is late): that one and the rest stay left, and s's word takes the tag. The last block of s's group
+// then withholds s's flag (NOTE [group release]). The receiving launch first reduces every item left, one
+// index over all such peers' items so that they go out together, waiting for their weights (the late peer's send, which
+// waits for nothing, is sending them); its last block flags those peers, and then it receives. A late peer lengthens
+// this rank's receive by the items it left, never a send, and the rows are the same bytes, written by another launch. A
+// launch that sends and receives leaves nothing (it cannot end before every peer's weights came anyway, and waiting in
+// place with the rows asked for first is the faster order: benchmarks/results/low_latency.md); nor are items of this
+// rank itself (its weights come from this launch's other blocks). A rank of another node's weights came when its
+// weights flag did (NOTE [internode low-latency]), so its items are left as that flag says; a row's pieces reduced in
+// either launch are counted into the row's arrival word alike, and the warp that completes the row puts it, in
+// whichever launch that is; the receiving launch's blocks quiet before its last block flags s.
 //
 // NOTE [group release]
 // Each group releases its own rank's flag: the last of its blocks (a counter per destination, group_counter) stores
@@ -155,6 +151,7 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
     const int hidden_int4 = p.hidden * 2 / 16;
     const int num_pieces = (hidden_int4 + kReduceInt4 - 1) / kReduceInt4;
     const uint32_t epoch = launch_epoch(b, 1, p.do_send), tag = b.tag(epoch);  // NOTE [call tags]
+    const uint64_t patience_end = kHookSend ? ptx::global_timer_ns() + kWeightPatienceNs : 0;  // NOTE [deferred rows]
     const auto masked = [&](int r) { return p.rank_mask != nullptr && p.rank_mask[r] != 0; };
     extern __shared__ uint32_t bits[];  // NOTE [pair slots], a row per rank
     const int words = (p.num_max + 31) / 32;
@@ -215,7 +212,6 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
     // The warp's item `item` of rank s: the weighted sum of its rows here, written into s's combine region at
     // (this rank, j). With `may_leave` an item a weight of which has not come is left (NOTE [deferred rows]).
     enum : int { kItemDone = 0, kItemLeft = 1, kItemStop = 2 };  // kItemStop: s masked meanwhile, or recorded
-    bool peer_late = false;  // the warp waited kWeightPatienceNs for the weights of the current s in vain
     const auto reduce_item = [&](int s, int item, const Choice& choice, uint32_t dispatch_tag, bool may_leave) {
         const int j = item / num_pieces, piece = item % num_pieces;
         if (p.rank_mask != nullptr && ptx::ld_relaxed_sys(p.rank_mask + s) != 0)
@@ -232,16 +228,13 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
         const uint64_t came =
                 put_weights && row != nullptr ? ptx::ld_acquire_sys(b.weights_flag(p.rank, s)) : choice.weight;
         bool weighed = row == nullptr || static_cast<uint32_t>(came >> 32) == tag;
-        // A missing weight of a peer that has not begun (or is late, or of another node) leaves the item at once; of
-        // one that began, it is waited for, the rows asked for first (NOTE [deferred rows]).
+        // Past the patience a missing weight leaves the item at once; before it, the rows are asked for first.
         const auto leave = [&] {
             if (lane == 0)
                 ptx::st_relaxed_sys(b.deferred_item(s, item, num_pieces), tag);
             return kItemLeft;
         };
-        if (may_leave && !__all_sync(0xffffffffu, weighed) &&
-            (put_weights || peer_late ||
-             static_cast<uint32_t>(ptx::ld_relaxed_sys(b.weights_flag(p.rank, s)) >> 32) != tag))
+        if (may_leave && !__all_sync(0xffffffffu, weighed) && ptx::global_timer_ns() >= patience_end)
             return leave();
         // NOTE [combine overlap]: the rows' blocks are signalled done first, and the rows, which another
         // kernel writes during this one, are not read through the non-coherent cache.
@@ -259,20 +252,18 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
         else
             load_rows<false>(batch, rows_from, row, piece * kReduceInt4, hidden_int4, lane);
         uint32_t weight_bits = static_cast<uint32_t>(choice.weight & 0xffffffffu);
-        if (may_leave) {  // s began (above): its weights are on their way
-            for (uint64_t patience_end = 0; !weighed;) {
-                const uint64_t now = ptx::global_timer_ns();
-                patience_end = patience_end == 0 ? now + kWeightPatienceNs : patience_end;
-                if (now >= patience_end)
-                    break;
-                const uint64_t word = ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane);
-                weighed = static_cast<uint32_t>(word >> 32) == tag;
-                weight_bits = static_cast<uint32_t>(word & 0xffffffffu);
+        if (may_leave) {
+            while (!weighed && ptx::global_timer_ns() < patience_end) {
+                if (put_weights) {  // the flag says they came; the words are read after it (below)
+                    weighed = static_cast<uint32_t>(ptx::ld_acquire_sys(b.weights_flag(p.rank, s)) >> 32) == tag;
+                } else {
+                    const uint64_t word = ptx::ld_relaxed_sys(b.weights(p.rank, s, j) + lane);
+                    weighed = static_cast<uint32_t>(word >> 32) == tag;
+                    weight_bits = static_cast<uint32_t>(word & 0xffffffffu);
+                }
             }
-            if (!__all_sync(0xffffffffu, weighed)) {
-                peer_late = true;
+            if (!__all_sync(0xffffffffu, weighed))
                 return leave();
-            }
         }
         bool lost = false;
         if (!weighed && put_weights) {
@@ -353,9 +344,6 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
                     return;
                 }
             }
-            // NOTE [deferred rows]: s's hook may wait for the weights once it knows they are on their way.
-            if (group.index == 0 && threadIdx.x == 0 && s != p.rank && !masked(s))
-                ptx::st_relaxed_sys(b.weights_flag(s, p.rank), (static_cast<uint64_t>(tag) << 32) | 1u);
             for (int t = group.index + group.count * static_cast<int>(threadIdx.x); t < p.num_tokens && !masked(s);
                  t += group.count * static_cast<int>(blockDim.x)) {
                 float w[kNumTopk];
@@ -388,7 +376,6 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
             // Items are left (NOTE [deferred rows]) by a hook's send only, and never this rank's own: its weights
             // are on their way from this launch's other blocks.
             const bool may_leave = kHookSend && s != p.rank;
-            peer_late = false;
             // The first item's words and s's message count are asked for before the weights go out, so that
             // neither waits for the other.
             const int stride = group.count * num_warps, first = warp * group.count + group.index;
