@@ -93,7 +93,8 @@ class Benchmark:
 
         Returns:
             the JSON document with ``compare_sm``: ``{backend: [{num_sms, dispatch, dispatch_cached,
-            combine}, ...]}``. The reference backend ignores the SM count; its points differ by noise only.
+            combine, v2_dispatch, v2_expand_dispatch, ...}, ...]}`` (V1's calls and `ElasticBuffer`'s). The
+            reference backend ignores the SM count; its points differ by noise only.
         """
         settings = self._settings("compare_sm", hidden_size=hidden_size, num_tokens=num_tokens,
                                   num_experts=num_experts, num_topk=num_topk, dtype=dtype, sm_counts=tuple(sm_counts))

@@ -142,6 +142,26 @@ def test_a_run_of_ranks_sharing_gpus_reports_no_rate_as_bandwidth():
                    "compare_sm": {"tokenyard": [{"num_sms": 8, "dispatch": {"us": 3.0, "nvlink_gbps": None}}]}}
 
 
+def test_the_summary_of_an_sm_sweep_shows_each_sm_counts_kernels_against_nccl_and_the_limit():
+    from tokenyard.tools.bench import report
+
+    def op(us, gbps=None, num_sms=None):
+        return {"us": us, "nvlink_gbps": gbps, "logical_gbps": gbps, "num_sms": num_sms}
+
+    points = [{"num_sms": n, "dispatch_cached": op(2.0 * us, num_sms=n), "dispatch_cached_kernel": op(us, gbps),
+               "v2_dispatch_kernel": op(us + 1.0, gbps / 2)} for n, us, gbps in ((8, 40.0, 150.0), (24, 20.0, 300.0))]
+    doc = {"copy_limit_gbps": 300.0, "device": "NVIDIA H200 x 4",
+           "nccl": {"dispatch_kernel": op(25.0, 240.0)},
+           "tokenyard": {"low_latency": {}}, "compare_sm": {"tokenyard": points}}
+    rows = {r["operation"]: r for r in report.summary(doc)}
+    assert list(rows) == ["dispatch, cached handle @ 8 SMs", "V2 dispatch @ 8 SMs",
+                          "dispatch, cached handle @ 24 SMs", "V2 dispatch @ 24 SMs"]
+    assert (rows["dispatch, cached handle @ 8 SMs"]["kernel_us"], rows["dispatch, cached handle @ 8 SMs"]["call_us"],
+            rows["dispatch, cached handle @ 8 SMs"]["num_sms"]) == (40.0, None, 8)
+    assert rows["dispatch, cached handle @ 24 SMs"]["all_to_all_us"] == 25.0
+    assert rows["dispatch, cached handle @ 8 SMs"]["percent"] == 50.0 and rows["V2 dispatch @ 24 SMs"]["percent"] == 50.0
+
+
 def _structure_ab():
     import importlib.util
 

@@ -41,6 +41,7 @@ def test_benchmark_returns_the_commands_document_for_each_mode_on_every_rank(ran
     assert sweep["dtype"] == "fp8" and sweep["settings"]["seed"] == low["settings"]["seed"]
     points = sweep["compare_sm"]["reference"]
     assert [p["num_sms"] for p in points] == [8, 16] and all(p["combine"]["us"] > 0 for p in points)
+    assert all(p[op]["us"] > 0 for p in points for op in ("v2_dispatch", "v2_expand_dispatch", "v2_expand_combine"))
 
     ll = low["reference"]["low_latency"]
     assert low["num_tokens_low_latency"] == 8 and ll["dispatch_us"] > 0 and ll["combine_us"] > 0

@@ -3,8 +3,8 @@
 Normal mode and low latency each get a panel of grouped bars, one group per operation of the summary: the main
 backend's kernel time beside NCCL's all_to_all_single kernel for the same bytes (on CPU ranks: calls back to
 back, beside gloo's), and the time the copy limit allows drawn as a marker. In compare_sm mode the panel is a line
-chart instead: each normal-mode kernel's NVLink GB/s against the SM count, with NCCL's and the copy limit's rates
-as horizontal lines.
+chart instead: each normal-mode kernel's NVLink GB/s against the SM count (V1's and V2's dispatches), with NCCL's
+and the copy limit's rates as horizontal lines.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def _bars(ax, doc: dict, rows: list, title: str) -> None:
 
 def _sweep(ax, doc: dict) -> None:
     key = main_key(doc)
-    for op, name in (("dispatch_cached", "cached dispatch"), ("dispatch", "dispatch"), ("combine", "combine")):
+    for op, name in (("dispatch_cached", "cached dispatch"), ("dispatch", "dispatch"), ("combine", "combine"),
+                     ("v2_dispatch", "V2 dispatch"), ("v2_expand_dispatch", "V2 expanded dispatch")):
         points = [(p["num_sms"], p.get(op + KERNEL_SUFFIX) or p.get(op)) for p in doc["compare_sm"].get(key, [])]
         points = [(n, e["nvlink_gbps"]) for n, e in points if e is not None and e["nvlink_gbps"] is not None]
         if points:

@@ -14,7 +14,8 @@ The JSON document (`build`), one entry ``{us, nvlink_gbps, logical_gbps, num_sms
                                 dispatch_graph_kernel_us, combine_graph_kernel_us,
                                 dispatch_nvlink_gbps, dispatch_logical_gbps, combine_nvlink_gbps,
                                 combine_logical_gbps, graph_error}}
-    compare_sm:  {backend key: [{num_sms, dispatch, dispatch_cached, combine, *_kernel}, ...]}  (compare_sm mode)
+    compare_sm:  {backend key: [{num_sms, and each op a backend's entry has: V1's dispatch, dispatch_cached,
+                  combine and V2's v2_*, with *_back_to_back and *_kernel}, ...]}  (compare_sm mode)
 
 An op's plain entry is timed with CUDA events around the call after a barrier (host work before its first
 kernel included); ``*_back_to_back`` with the same events around calls made one after another with no
@@ -43,8 +44,8 @@ def _timed_ways(ops):
     return tuple(ops) + tuple(op + BACK_TO_BACK_SUFFIX for op in ops) + tuple(op + KERNEL_SUFFIX for op in ops)
 
 
-SWEEP_OPS = _timed_ways(NORMAL_OPS)  # the SM sweep times the V1 calls
-OPS = SWEEP_OPS + _timed_ways(ELASTIC_OPS)
+OPS = _timed_ways(NORMAL_OPS) + _timed_ways(ELASTIC_OPS)
+SWEEP_OPS = OPS  # the SM sweep times V1's calls and V2's
 BASELINE_OPS = _timed_ways(("dispatch", "combine"))
 
 BACKEND_KEYS = {"reference": "reference", "cuda": "tokenyard"}
@@ -277,28 +278,34 @@ def summary(doc: dict) -> List[dict]:
     if key is None:
         return []
     entry, nccl, limit = doc[key], doc["nccl"], doc["copy_limit_gbps"]
-    rows = []
-    for label, op, baseline in SUMMARY_ROWS:
+
+    def row(label, op, baseline, values):
         if op.startswith("ll_"):
-            ll, name = entry["low_latency"], op[3:]
+            ll, name = values["low_latency"], op[3:]
             kernel = ll.get(f"{name}_graph_kernel_us")
             kernel_gbps, call, num_sms = ll.get(f"{name}_graph_kernel_nvlink_gbps"), ll.get(f"{name}_us"), None
         else:
-            kernel_entry = entry.get(op + KERNEL_SUFFIX)
-            kernel, call = _timed(kernel_entry), _timed(entry.get(op + BACK_TO_BACK_SUFFIX))
+            kernel_entry = values.get(op + KERNEL_SUFFIX)
+            kernel, call = _timed(kernel_entry), _timed(values.get(op + BACK_TO_BACK_SUFFIX))
             kernel_gbps = None if kernel_entry is None else kernel_entry["nvlink_gbps"]
-            num_sms = (entry.get(op) or {}).get("num_sms")
+            num_sms = (values.get(op) or {}).get("num_sms")
         if kernel is None and call is None:
-            continue
+            return None
         all_to_all = None
         if baseline is not None:
             all_to_all = _timed(nccl.get(baseline + (KERNEL_SUFFIX if on_gpus(doc) else BACK_TO_BACK_SUFFIX)))
         limit_us = percent = None
         if limit and kernel and kernel_gbps:  # a layout moves no bytes: no limit
             limit_us, percent = kernel * kernel_gbps / limit, 100 * kernel_gbps / limit
-        rows.append({"operation": label, "op": op, "kernel_us": kernel, "call_us": call,
-                     "all_to_all_us": all_to_all, "limit_us": limit_us, "percent": percent, "num_sms": num_sms})
-    return rows
+        return {"operation": label, "op": op, "kernel_us": kernel, "call_us": call, "all_to_all_us": all_to_all,
+                "limit_us": limit_us, "percent": percent, "num_sms": num_sms}
+
+    rows = [row(label, op, baseline, entry) for label, op, baseline in SUMMARY_ROWS]
+    # compare_sm mode: the data rows at each SM count (the entry itself holds none).
+    for point in doc.get("compare_sm", {}).get(key, []):
+        rows += [row(f"{label} @ {point['num_sms']} SMs", op, baseline, point)
+                 for label, op, baseline in SUMMARY_ROWS if op != "layout" and not op.startswith("ll_")]
+    return [r for r in rows if r is not None]
 
 
 def verdict(doc: dict) -> str:

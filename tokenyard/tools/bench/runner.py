@@ -166,34 +166,35 @@ def measure_normal(ctx: RankContext, buffer: Buffer, problem: Problem) -> Dict[s
     return with_other_times(ctx, samples, steps, TOKENYARD_KERNELS if buffer.backend == "cuda" else None)
 
 
-def measure_elastic(ctx: RankContext, backend: str, problem: Problem) -> Dict[str, bandwidth.Sample]:
-    """DeepEP V2's dispatch (layout included, weights sent), cached dispatch and combine on an `ElasticBuffer`,
-    with rows as received and expanded, at the V1 rows' SM count (not get_theoretical_num_sms: the rows compare
-    the two APIs); the bytes counted are the V1 calls' (the same rows cross)."""
-    s, p = ctx.settings, problem
-    buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=s.num_tokens, hidden=s.hidden_size, num_topk=s.num_topk,
-                           backend=backend, check_inputs=False)
-    try:
-        steps = []
-        for do_expand in (False, True):
-            def dispatch(do_expand=do_expand):
-                return buffer.dispatch(p.x, p.topk_idx, p.topk_weights, num_experts=s.num_experts,
-                                       num_sms=Buffer.num_sms, expert_alignment=EXPAND_ALIGNMENT if do_expand else 1,
-                                       do_expand=do_expand)
+def elastic_buffer(ctx: RankContext, backend: str) -> ElasticBuffer:
+    s = ctx.settings
+    return ElasticBuffer(ctx.group, num_max_tokens_per_rank=s.num_tokens, hidden=s.hidden_size, num_topk=s.num_topk,
+                         backend=backend, check_inputs=False)
 
-            recv_x, _, _, handle, _ = dispatch()
-            expert_output = _as_bf16(recv_x)
-            steps += [dispatch, lambda h=handle, e=do_expand: buffer.dispatch(p.x, handle=h, do_expand=e),
-                      lambda o=expert_output, h=handle: buffer.combine(o, h, num_sms=Buffer.num_sms)]
-        times = ctx.medians(steps)
-        row = bandwidth.row_bytes(s.hidden_size, fp8=s.dtype == "fp8")
-        dispatch_bytes = bandwidth.normal_dispatch_bytes(p.counts, ctx.rank, row)
-        combine_bytes = bandwidth.normal_combine_bytes(p.counts, ctx.rank, s.hidden_size)
-        samples = dict(zip(ELASTIC_OPS, [(t, *(combine_bytes if op.endswith("combine") else dispatch_bytes))
-                                         for op, t in zip(ELASTIC_OPS, times)]))
-        return with_other_times(ctx, samples, steps, TOKENYARD_KERNELS if buffer.backend == "cuda" else None)
-    finally:
-        buffer.destroy()
+
+def measure_elastic(ctx: RankContext, buffer: ElasticBuffer, problem: Problem) -> Dict[str, bandwidth.Sample]:
+    """DeepEP V2's dispatch (layout included, weights sent), cached dispatch and combine on `buffer`, with rows
+    as received and expanded, at the V1 rows' SM count (not get_theoretical_num_sms: the rows compare the two
+    APIs); the bytes counted are the V1 calls' (the same rows cross)."""
+    s, p = ctx.settings, problem
+    steps = []
+    for do_expand in (False, True):
+        def dispatch(do_expand=do_expand):
+            return buffer.dispatch(p.x, p.topk_idx, p.topk_weights, num_experts=s.num_experts,
+                                   num_sms=Buffer.num_sms, expert_alignment=EXPAND_ALIGNMENT if do_expand else 1,
+                                   do_expand=do_expand)
+
+        recv_x, _, _, handle, _ = dispatch()
+        expert_output = _as_bf16(recv_x)
+        steps += [dispatch, lambda h=handle, e=do_expand: buffer.dispatch(p.x, handle=h, do_expand=e),
+                  lambda o=expert_output, h=handle: buffer.combine(o, h, num_sms=Buffer.num_sms)]
+    times = ctx.medians(steps)
+    row = bandwidth.row_bytes(s.hidden_size, fp8=s.dtype == "fp8")
+    dispatch_bytes = bandwidth.normal_dispatch_bytes(p.counts, ctx.rank, row)
+    combine_bytes = bandwidth.normal_combine_bytes(p.counts, ctx.rank, s.hidden_size)
+    samples = dict(zip(ELASTIC_OPS, [(t, *(combine_bytes if op.endswith("combine") else dispatch_bytes))
+                                     for op, t in zip(ELASTIC_OPS, times)]))
+    return with_other_times(ctx, samples, steps, TOKENYARD_KERNELS if buffer.backend == "cuda" else None)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -341,22 +342,25 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
                     backend=name, check_inputs=False)  # value checks sync the device: not part of the cost
     out = {"samples": {}, "sweep": {}, "graph_error": None, "copy_limit_gbps": None, "copy_limit_method": None,
            "num_sms": Buffer.num_sms if name == "cuda" else None}
+    elastic = None
     try:
         out["copy_limit_gbps"], out["copy_limit_method"] = copy_limit_gbps(ctx, buffer)
         if s.runs("normal") or s.runs("compare_sm"):
             problem = make_problem(ctx, seed, s.num_tokens, s.dtype)
+            elastic = elastic_buffer(ctx, name)
         if s.runs("normal"):
             progress.set_description(f"{name} normal")
             out["samples"].update(measure_normal(ctx, buffer, problem))
-            out["samples"].update(measure_elastic(ctx, name, problem))
+            out["samples"].update(measure_elastic(ctx, elastic, problem))
             progress.update()
-        if s.runs("compare_sm"):
+        if s.runs("compare_sm"):  # V1's calls and V2's at each SM count
             default_num_sms = Buffer.num_sms
             try:
                 for num_sms in s.sm_counts:
                     progress.set_description(f"{name} {num_sms} SMs")
                     Buffer.set_num_sms(num_sms)
-                    out["sweep"][num_sms] = measure_normal(ctx, buffer, problem)
+                    out["sweep"][num_sms] = {**measure_normal(ctx, buffer, problem),
+                                             **measure_elastic(ctx, elastic, problem)}
                     progress.update()
             finally:
                 Buffer.num_sms = default_num_sms
@@ -367,6 +371,8 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
             out["samples"].update(samples)
             progress.update()
     finally:
+        if elastic is not None:
+            elastic.destroy()
         buffer.destroy()
     return out
 
