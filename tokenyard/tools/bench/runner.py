@@ -347,23 +347,30 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
         out["copy_limit_gbps"], out["copy_limit_method"] = copy_limit_gbps(ctx, buffer)
         if s.runs("normal") or s.runs("compare_sm"):
             problem = make_problem(ctx, seed, s.num_tokens, s.dtype)
-            elastic = elastic_buffer(ctx, name)
         if s.runs("normal"):
             progress.set_description(f"{name} normal")
             out["samples"].update(measure_normal(ctx, buffer, problem))
+            elastic = elastic_buffer(ctx, name)  # V1's calls are timed with no ElasticBuffer alive, as before it
             out["samples"].update(measure_elastic(ctx, elastic, problem))
             progress.update()
-        if s.runs("compare_sm"):  # V1's calls and V2's at each SM count
+        if s.runs("compare_sm"):  # V1's calls at each SM count, then V2's
             default_num_sms = Buffer.num_sms
             try:
                 for num_sms in s.sm_counts:
                     progress.set_description(f"{name} {num_sms} SMs")
                     Buffer.set_num_sms(num_sms)
-                    out["sweep"][num_sms] = {**measure_normal(ctx, buffer, problem),
-                                             **measure_elastic(ctx, elastic, problem)}
+                    out["sweep"][num_sms] = measure_normal(ctx, buffer, problem)
                     progress.update()
+                elastic = elastic or elastic_buffer(ctx, name)
+                for num_sms in s.sm_counts:
+                    progress.set_description(f"{name} V2 {num_sms} SMs")
+                    Buffer.set_num_sms(num_sms)
+                    out["sweep"][num_sms].update(measure_elastic(ctx, elastic, problem))
             finally:
                 Buffer.num_sms = default_num_sms
+        if elastic is not None:  # not alive while the low-latency calls are timed
+            elastic.destroy()
+            elastic = None
         if s.runs("low_latency"):
             progress.set_description(f"{name} low-latency")
             problem = make_problem(ctx, seed + LOW_LATENCY_SEED_OFFSET, s.num_tokens_low_latency, "bf16")
