@@ -664,8 +664,8 @@ def test_a_stopped_rank_is_masked_and_the_others_keep_serving(num_ranks, seed):
         print(line)
 
 
-# Deadlines from shorter than a call to a few calls long, so that some land on the peers' signals; from 2 us, as a
-# call between separate GPUs can end before a 10 us deadline (benchmarks/results/gpu_suite.md, "Before").
+# Deadlines from shorter than a call to a few calls long, so that some land on the peers' signals; the shortest
+# below the fastest call between separate GPUs (benchmarks/results/gpu_suite.md, "Before").
 DEADLINE_TIMEOUTS_US = (2, 5, 10, 20, 40, 80, 160)
 DEADLINE_ROUNDS = 6
 

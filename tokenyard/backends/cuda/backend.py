@@ -192,11 +192,12 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
 
     def start_normal_phases(self) -> torch.Tensor:
         """NOTE [normal-mode phases]: from now on each normal-mode dispatch (0) and combine (1) adds its warps' time
-        per phase into the returned int64 tensor ``[2, device_sms * 32 * kNumPhaseSlots]`` (SM cycles, then each
+        per phase into the returned int64 tensor ``[2, device_sms * warps * kNumPhaseSlots]`` (SM cycles, then each
         warp's span in ns and in cycles): kernel k's ``[blocks, its block's warps, kNumPhaseSlots]`` from the start
-        of row k, room for 32 warps (1024 threads) a block; a diagnostic (benchmarks/normal_phases.py), never on in
+        of row k, room for the widest block's warps; a diagnostic (benchmarks/normal_phases.py), never on in
         production."""
-        self.normal_phases = torch.zeros(2, self.device_sms * 32 * kernels.PHASES["kNumPhaseSlots"],
+        most_warps = max(heuristics.DISPATCH_THREAD_CHOICES + (kernels.DATA_THREADS,)) // 32
+        self.normal_phases = torch.zeros(2, self.device_sms * most_warps * kernels.PHASES["kNumPhaseSlots"],
                                          dtype=torch.int64, device=self.ctx.device)
         self._plans = plans.PlanCache()  # the plans hold the address
         self.calls.forget()  # so do the recorded calls (NOTE [fast calls])

@@ -21,12 +21,14 @@ def data_blocks(num_sms: int, device_sms: int) -> int:
 # 512: at 2 ranks 768 and 1024 were no faster (benchmarks/results/normal_tuning.md, `claims_call`); 4 ranks, where
 # the receivers set the 8-SM dispatch's time, not yet measured.
 DISPATCH_THREADS = 512
+DISPATCH_THREAD_CHOICES = (512, 768, 1024)
 
 
 def dispatch_threads() -> int:
     threads = tuned("dispatch_threads", DISPATCH_THREADS)
-    if threads not in (512, 768, 1024):
-        raise ValueError(f"TOKENYARD_TUNING dispatch_threads={threads}: a dispatch block has 512, 768 or 1024 threads")
+    if threads not in DISPATCH_THREAD_CHOICES:
+        raise ValueError(f"TOKENYARD_TUNING dispatch_threads={threads}: a dispatch block has "
+                         f"{', '.join(map(str, DISPATCH_THREAD_CHOICES[:-1]))} or {DISPATCH_THREAD_CHOICES[-1]} threads")
     return threads
 
 

@@ -361,7 +361,7 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
                     Buffer.set_num_sms(num_sms)
                     out["sweep"][num_sms] = measure_normal(ctx, buffer, problem)
                     progress.update()
-                elastic = elastic or elastic_buffer(ctx, name)
+                elastic = elastic_buffer(ctx, name)
                 for num_sms in s.sm_counts:
                     progress.set_description(f"{name} V2 {num_sms} SMs")
                     Buffer.set_num_sms(num_sms)

@@ -62,8 +62,8 @@ namespace tokenyard::kernels {
 // The receiving warps take the items in order from a counter of the rank's (CallCounter kRecvClaims), an atomic add
 // each, the next claimed while the current one's rows are copied; a sender warp joins them once its range is sent.
 // Dealt in turn among the receiving warps only, the rows that landed after the last senders had finished waited
-// for the few receivers (4 warps a block), which at 4 ranks copied out for 430 of the 633 us of a cached dispatch
-// at 8 SMs (benchmarks/results/normal_tuning.md). Block 0 clears the counter at the launch's start and then
+// for the few receivers (4 warps a block), whose copying set the time of the 4-rank dispatch at 8 SMs
+// (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). Block 0 clears the counter at the launch's start and then
 // stores the launch's number beside it (release, kRecvClaimsLaunch); a warp claims once it has read that number
 // (acquire, bounded): the previous launch's claims all ended before this launch began (stream order).
 //
