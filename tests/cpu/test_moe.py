@@ -53,6 +53,19 @@ def test_combine_backward_is_cached_dispatch_of_the_gradients(ranks, seed, dtype
                  num_worst_tokens)
 
 
+@pytest.mark.parametrize("num_ranks,kind,alignment,cpu_sync", [(2, "uniform", 1, True), (4, "masked", 4, True),
+                                                              (4, "masked", 1, False), (4, "no_tokens", 4, False)])
+def test_expanded_dispatch_backward_is_expanded_combine(ranks, seed, num_ranks, kind, alignment, cpu_sync):
+    ranks(num_ranks).run(moe_scenarios.expanded_dispatch_backward_is_combine, seed, 10, 64, 4 * num_ranks, 3, kind,
+                         alignment, cpu_sync)
+
+
+@pytest.mark.parametrize("alignment", [1, 4])
+def test_expanded_combine_backward_is_cached_expanded_dispatch(ranks, seed, alignment):
+    ranks(4).run(moe_scenarios.expanded_combine_backward_is_cached_dispatch, seed, 10, 64, 16, 3, "masked",
+                 alignment)
+
+
 def test_combine_refuses_dtypes_other_than_bf16_and_float32(ranks):
     ranks(2).run(moe_scenarios.autograd_refuses_other_dtypes)
 

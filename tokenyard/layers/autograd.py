@@ -9,7 +9,10 @@ other's backward:
 - the backward of ``combine`` is a cached ``dispatch`` (``buffer.dispatch(grad, handle=handle)``): every
   row that was summed into a token receives that token's gradient.
 
-Both work on any `Buffer`, whatever its backend, through its public calls only.
+Both work on any `Buffer`, whatever its backend, through its public calls only. The same holds for
+`ElasticBuffer`'s expanded layout (`expanded_dispatch`, `expanded_combine`): the backward of an expanded
+dispatch is an expanded combine of the rows' gradients, and the backward of an expanded combine is a
+cached expanded dispatch of the output's gradient.
 
 NOTE [combine wire dtype]
 `Buffer.combine` takes bf16 rows (DeepEP's combine format). A float32 tensor given to `combine` here, and
@@ -29,6 +32,7 @@ import torch
 
 from ..backends.rows import byte_rows
 from ..buffer import Buffer
+from ..elastic import ElasticBuffer
 from ..errors import InvalidInputError
 
 _WIRE_DTYPE = torch.bfloat16
@@ -210,3 +214,143 @@ def combine(buffer: Buffer, x: torch.Tensor, handle, topk_weights: Optional[torc
         raise InvalidInputError(f"x must be bf16 or float32, got {x.dtype}")
     topk_weights = None if topk_weights is None else topk_weights.contiguous()
     return CombineFunction.apply(x.contiguous(), topk_weights, buffer, handle)
+
+
+# -- DeepEP V2's expanded layout ------------------------------------------------------------------------------
+
+class ExpandedDispatchFunction(torch.autograd.Function):
+    """`ElasticBuffer.dispatch(..., do_expand=True)` as an autograd node; its backward is an expanded combine.
+
+    ``apply(x, topk_weights, buffer, topk_idx, options, state)`` returns ``(recv_x, recv_topk_weights)`` and
+    writes the ``handle`` into the dict `state`. Use `expanded_dispatch` below rather than this class.
+    """
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, buffer, topk_idx, options, state):
+        recv_x, _, recv_topk_weights, handle, event = buffer.dispatch(x, topk_idx, topk_weights, do_expand=True,
+                                                                      do_handle_copy=False, **options)
+        state.update(handle=handle, event=event)
+        ctx.buffer, ctx.handle, ctx.num_sms = buffer, handle, options["num_sms"]
+        return recv_x, recv_topk_weights
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_topk_weights):
+        need_x, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_x or need_weights):
+            return None, None, None, None, None, None
+        weights = grad_recv_topk_weights.float().contiguous() if need_weights else None
+        grad_x, grad_weights, _ = ctx.buffer.combine(grad_recv_x.to(_WIRE_DTYPE).contiguous(), ctx.handle,
+                                                     topk_weights=weights, num_sms=ctx.num_sms)
+        return (grad_x if need_x else None), grad_weights, None, None, None, None
+
+
+class ExpandedCombineFunction(torch.autograd.Function):
+    """`ElasticBuffer.combine` of expanded rows as an autograd node; its backward is a cached expanded dispatch.
+
+    ``apply(x, topk_weights, buffer, handle, options, state)`` returns ``(combined_x, combined_topk_weights)``
+    and writes the call's ``event`` into the dict `state`. Use `expanded_combine` below rather than this class.
+    """
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, buffer, handle, options, state):
+        zero_padding = options.pop("do_zero_padding")
+        ctx.buffer, ctx.handle, ctx.num_sms, ctx.zero_padding = buffer, handle, options["num_sms"], zero_padding
+        combined_x, combined_topk_weights, state["event"] = buffer.combine(x, handle, topk_weights=topk_weights,
+                                                                           **options)
+        return combined_x, combined_topk_weights
+
+    @staticmethod
+    def backward(ctx, grad_combined_x, grad_combined_topk_weights):
+        need_x, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_x or need_weights):
+            return None, None, None, None, None, None
+        # The dispatch always carries rows: the output's gradient (zeros where it has none) goes either way.
+        weights = grad_combined_topk_weights.float().contiguous() if need_weights else None
+        grad_x, _, grad_weights, _, _ = ctx.buffer.dispatch(
+            grad_combined_x.to(_WIRE_DTYPE).contiguous(), topk_weights=weights, handle=ctx.handle, do_expand=True,
+            do_zero_padding=ctx.zero_padding, num_sms=ctx.num_sms)
+        return (grad_x if need_x else None), grad_weights, None, None, None, None
+
+
+def expanded_dispatch(buffer: ElasticBuffer, x: torch.Tensor, topk_idx: torch.Tensor,
+                      topk_weights: Optional[torch.Tensor], num_experts: int, *, expert_alignment: int = 1,
+                      do_cpu_sync: bool = True, do_zero_padding: bool = False, num_sms: int = 0,
+                      previous_event=None, async_with_compute_stream: bool = False):
+    """Differentiable `ElasticBuffer.dispatch` into the expanded layout (``do_expand=True``).
+
+    Naive equivalent: rank r's row m holds ``x_s[t]`` for the m-th (received token, local expert) pair, the
+    pairs of local expert 0 first, then expert 1's, ..., within an expert by source rank, then token
+    (tokenyard/semantics/expand.py); ``recv_topk_weights[m]`` is that pair's weight.
+
+    Gradients: ``x.grad[t]`` sums ``recv_x.grad`` over every row that holds token t, on every rank (an
+    expanded combine with the same handle), and ``topk_weights.grad[t, k]`` is ``recv_topk_weights.grad`` at
+    the row of pair (t, k) (0 where its expert is -1). Gradients of padding rows (between aligned groups,
+    and past the pairs when the counts are not synced to the host) go nowhere. Every rank must run the
+    backward, as every rank ran the forward.
+
+    Arguments:
+        buffer: an `ElasticBuffer` of any backend.
+        x: ``[T, H]`` bf16 (V2's dispatch format for rows that carry gradients).
+        topk_idx: ``[T, K]`` int64 global expert ids, -1 for none.
+        topk_weights: ``[T, K]`` float32, or None.
+        num_experts, expert_alignment, do_cpu_sync, do_zero_padding, num_sms, previous_event,
+            async_with_compute_stream: as in `ElasticBuffer.dispatch`; the backward runs on the handle's SMs
+            (or `num_sms`) and keeps the padding as the forward did.
+    Returns:
+        ``recv_x [M, H]`` bf16, ``recv_topk_weights [M]`` float32 (or None), the `EPHandle` (its
+        ``psum_num_recv_tokens_per_expert``, on the device, ends each expert's rows), and the dispatch's
+        `EventOverlap` (wait for it before using the outputs when `async_with_compute_stream`).
+    Raises:
+        InvalidInputError, CapacityError: as `ElasticBuffer.dispatch`, before any communication.
+    """
+    if not isinstance(buffer, ElasticBuffer):
+        raise InvalidInputError(f"buffer must be a tokenyard.ElasticBuffer, got {type(buffer).__name__}")
+    if x.dtype != _WIRE_DTYPE:
+        raise InvalidInputError(f"an expanded dispatch carries bf16 rows, got {x.dtype}")
+    topk_weights = None if topk_weights is None else topk_weights.contiguous()
+    options = dict(num_experts=num_experts, expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync,
+                   do_zero_padding=do_zero_padding, num_sms=num_sms, previous_event=previous_event,
+                   async_with_compute_stream=async_with_compute_stream)
+    state = {}
+    recv_x, recv_topk_weights = ExpandedDispatchFunction.apply(x.contiguous(), topk_weights, buffer, topk_idx,
+                                                               options, state)
+    return recv_x, recv_topk_weights, state["handle"], state["event"]
+
+
+def expanded_combine(buffer: ElasticBuffer, x: torch.Tensor, handle, topk_weights: Optional[torch.Tensor] = None,
+                     *, do_zero_padding: bool = False, num_sms: int = 0, previous_event=None,
+                     async_with_compute_stream: bool = False):
+    """Differentiable `ElasticBuffer.combine` of expanded rows.
+
+    Naive equivalent: ``out_s[t]`` sums, in float32, the rows of token t on each rank (in slot order, rounded
+    to bf16), then over the ranks in increasing order; ``combined_topk_weights[t, k]`` is the weight row of
+    pair (t, k) on the rank owning its expert.
+
+    Gradients: ``x.grad`` is the cached expanded dispatch of ``out.grad`` (each row receives its token's
+    gradient), and likewise for `topk_weights`. Every rank must run the backward.
+
+    Arguments:
+        buffer: the `ElasticBuffer` that made `handle`.
+        x: ``[M, H]`` bf16, one row per expanded row.
+        handle: the expanded dispatch's `EPHandle`.
+        topk_weights: ``[M]`` float32, or None.
+        do_zero_padding: the backward's dispatch zeroes the padding rows (give the forward dispatch's).
+        num_sms, previous_event, async_with_compute_stream: as in `ElasticBuffer.combine`.
+    Returns:
+        ``combined_x [T, H]`` bf16, ``combined_topk_weights [T, K]`` float32 or None, the `EventOverlap`.
+    Raises:
+        InvalidInputError, HandleError, CapacityError: as `ElasticBuffer.combine`, before any communication.
+    """
+    if not isinstance(buffer, ElasticBuffer):
+        raise InvalidInputError(f"buffer must be a tokenyard.ElasticBuffer, got {type(buffer).__name__}")
+    if x.dtype != _WIRE_DTYPE:
+        raise InvalidInputError(f"an expanded combine carries bf16 rows, got {x.dtype}")
+    if not getattr(handle, "do_expand", False):
+        raise InvalidInputError("expanded_combine needs the handle of an expanded dispatch")
+    topk_weights = None if topk_weights is None else topk_weights.contiguous()
+    options = dict(do_zero_padding=do_zero_padding, num_sms=num_sms, previous_event=previous_event,
+                   async_with_compute_stream=async_with_compute_stream)
+    state = {}
+    combined_x, combined_topk_weights = ExpandedCombineFunction.apply(x.contiguous(), topk_weights, buffer, handle,
+                                                                      options, state)
+    return combined_x, combined_topk_weights, state["event"]

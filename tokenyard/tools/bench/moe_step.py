@@ -4,10 +4,10 @@ dispatcher.
 Two steps, each timed in four variants on every rank:
 
     gemm_only           the grouped expert GEMMs on the rows a dispatch delivers, already in place: the floor
-    tokenyard           train: normal-mode dispatch/combine through tokenyard.layers.autograd, forward+backward;
-                        decode: low-latency dispatch/combine, forward only
+    tokenyard           train: ElasticBuffer's expanded dispatch/combine through tokenyard.layers.autograd, forward
+                        and backward (NOTE [expanded train layer]); decode: low-latency dispatch/combine, forward only
     tokenyard_overlap   two micro-batches of the step's tokens, timed per micro-batch (NOTE [whole micro-batches]):
-                        train with async_finish/previous_event on the communication stream while the other
+                        train with async_with_compute_stream on the communication stream while the other
                         micro-batch's GEMMs run; decode with return_recv_hook (SGLang's two-batch overlap). On CPU
                         the calls are synchronous, so this variant runs but overlaps nothing.
     all_to_all          Megatron's all-to-all token dispatcher, written here (megatron-core is not a dependency):
@@ -148,24 +148,36 @@ def gemm_kind(device: torch.device) -> str:
     return "loop over experts"
 
 
-def grouped_experts(x: torch.Tensor, counts: List[int], gate_up: torch.Tensor, down: torch.Tensor,
-                    kind: str) -> torch.Tensor:
-    """``x [n, H]`` grouped by local expert (`counts` rows each) -> ``[n, H]``: ``down @ (silu(gate) * up)``.
+def pinned_ends(counts: List[int], device: torch.device) -> torch.Tensor:
+    """int32 ``[L]``: where each expert's rows end, for rows grouped by expert `counts` each. From pinned memory
+    without a wait: a plain copy from a list would make the host wait for the stream."""
+    ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return ends.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ends
+
+
+def grouped_experts(x: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, kind: str,
+                    row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [n, H]`` grouped by local expert, expert l's rows ending at ``ends[l]`` (int32 ``[L]`` on x's device;
+    rows past the last end are not read) -> ``[n, H]``: ``down @ (silu(gate) * up * w)``, where ``w`` is the
+    row's weight (`row_weights` ``[n]``, rounded to bf16; 1 where None). The weight scales the activation, as
+    Megatron's fused weighted SwiGLU does: one product of I values per row rather than of H.
 
     ``gate_up [L, 2*I, H]`` (gate rows, then up rows), ``down [L, H, I]``: tokenyard.layers.moe.GatedExperts'.
     """
+    def activation(h: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        return act if weights is None else act * weights[:, None].to(act.dtype)
+
     if kind == "torch._grouped_mm":
-        # From pinned memory without a wait: a plain copy from a list would make the host wait for the stream.
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).pin_memory().to(x.device,
-                                                                                                   non_blocking=True)
-        gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+        act = activation(torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=ends), row_weights)
+        return torch._grouped_mm(act, down.transpose(-2, -1), offs=ends)
     outs, begin = [], 0
-    for expert, count in enumerate(counts):
-        gate, up = F.linear(x[begin:begin + count], gate_up[expert]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, down[expert]))
-        begin += count
-    return torch.cat(outs) if outs else x[:0]
+    for expert, end in enumerate(ends.tolist()):
+        weights = None if row_weights is None else row_weights[begin:end]
+        outs.append(F.linear(activation(F.linear(x[begin:end], gate_up[expert]), weights), down[expert]))
+        begin = end
+    return torch.cat(outs + [x.new_zeros(x.size(0) - begin, x.size(1))])
 
 
 def packed_experts(packed_x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -196,7 +208,8 @@ def experts_on_received(recv_x, recv_topk_idx, recv_topk_weights, weights, kind,
     gate_up, down = weights
     rows, slots, counts = by_expert(recv_topk_idx, gate_up.size(0), counts)
     grouped = recv_x[rows]
-    y = grouped_experts(grouped, counts, gate_up, down, kind).float() * recv_topk_weights[rows, slots][:, None]
+    y = grouped_experts(grouped, pinned_ends(counts, recv_x.device), gate_up, down, kind).float() * \
+        recv_topk_weights[rows, slots][:, None]
     out = torch.zeros(recv_x.shape, dtype=torch.float32, device=recv_x.device).index_add(0, rows, y)
     return out.to(recv_x.dtype), grouped, counts
 
@@ -210,6 +223,7 @@ class Rank:
         import torch.distributed as dist
 
         from ...buffer import Buffer
+        from ...elastic import ElasticBuffer
         from ...layers import moe
 
         self.step, self.shape, self.device = step, shape, device
@@ -231,7 +245,7 @@ class Rank:
         self.down = down.requires_grad_(step == "train")
         self.corrupt = settings.corrupt
         if step == "train":
-            self.buffer = moe.make_buffer(self.group, H, T, torch.bfloat16)
+            self.buffer = ElasticBuffer(self.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K)
             self.reference = moe.make_buffer(self.group, H, T, torch.bfloat16, backend="reference")
         else:
             hint = Buffer.get_low_latency_rdma_size_hint(T, H, self.num_ranks, E)
@@ -251,69 +265,78 @@ class Rank:
 
     # -- train -----------------------------------------------------------------------------------------------
 
-    def train_layer(self, buffer, variant: str = "tokenyard", kind: Optional[str] = None):
-        """Normal mode through tokenyard.layers.autograd, forward and backward; -> (out, x.grad, expert rows).
-        `kind` overrides the GEMMs' form (the reference uses the loop, as tokenyard.layers.moe.GatedExperts)."""
+    def train_reference(self):
+        """The oracle: the reference backend's V1 dispatch and combine through tokenyard.layers.autograd, the rows
+        grouped by expert in the layer, the experts one GEMM each; forward and backward. -> (out, x.grad, the rows
+        each expert received and their counts)."""
         from ...layers import autograd
 
         x = self.x.detach().requires_grad_()
-        recv_x, recv_idx, recv_w, per_expert, handle = autograd.dispatch(buffer, x, self.topk_idx, self.topk_weights,
-                                                                         self.shape.num_experts)
+        recv_x, recv_idx, recv_w, per_expert, handle = autograd.dispatch(self.reference, x, self.topk_idx,
+                                                                         self.topk_weights, self.shape.num_experts)
         expert_out, grouped, counts = experts_on_received(recv_x, recv_idx, recv_w, (self.gate_up, self.down),
-                                                          kind or self.kind, per_expert)
-        out, _ = autograd.combine(buffer, expert_out, handle)
-        out = self._finish(variant, out)
+                                                          "loop over experts", per_expert)
+        out, _ = autograd.combine(self.reference, expert_out, handle)
         out.backward(self.grad_out)
         return out.detach(), x.grad, (grouped.detach(), counts)
 
+    def train_layer(self):
+        """NOTE [expanded train layer]
+        The layer as DeepEP V2 serves it: tokenyard.layers.autograd's expanded dispatch delivers each received
+        (token, local expert) pair as a row, grouped by expert; the grouped GEMMs read them in place, bounded by
+        the handle's per-expert ends (on the GPU); each row's weight scales its activation; the expanded combine
+        sums a token's rows in our kernels. No sort, gather or index_add of the layer's own remains, nor their
+        backward (they took more time than the communication: benchmarks/results/moe_step.md). Forward and
+        backward; -> (out, x.grad, the rows each expert received and their counts)."""
+        from ...buffer import Buffer
+        from ...layers import autograd
+
+        x = self.x.detach().requires_grad_()
+        recv_x, recv_w, handle, _ = autograd.expanded_dispatch(self.buffer, x, self.topk_idx, self.topk_weights,
+                                                               self.shape.num_experts, num_sms=Buffer.num_sms)
+        y = grouped_experts(recv_x, handle.psum_num_recv_tokens_per_expert, self.gate_up, self.down, self.kind,
+                            recv_w)
+        out, _, _ = autograd.expanded_combine(self.buffer, y, handle, num_sms=Buffer.num_sms)
+        out = self._finish("tokenyard", out)
+        out.backward(self.grad_out)
+        counts = handle.num_recv_tokens_per_expert_list
+        return out.detach(), x.grad, (recv_x.detach()[:sum(counts)], counts)
+
     def train_overlap(self):
-        """OVERLAP_MICRO_BATCHES micro-batches of the step's tokens (NOTE [whole micro-batches]); each communication
-        call runs on the communication stream (async_finish, previous_event) while another micro-batch's GEMMs run.
-        Backward in reverse: the combine's backward is a cached dispatch of the output gradient, the dispatch's a
-        combine. -> the micro-batches' outputs and input gradients, stacked."""
+        """OVERLAP_MICRO_BATCHES micro-batches of the step's tokens (NOTE [whole micro-batches]) through the
+        expanded layout (NOTE [expanded train layer]); each communication call runs on the communication stream
+        (async_with_compute_stream) while another micro-batch's GEMMs run. A call is launched before the GEMMs
+        it overlaps: a kernel launched after them waits for the SMs they hold. So every micro-batch's dispatch
+        goes first (a fresh dispatch makes the host wait for its counts; the first one's transfer runs
+        meanwhile), each combine right after its GEMMs are queued, and in the backward every cached dispatch of
+        the output gradient before the GEMMs' backward. -> the micro-batches' outputs and input gradients,
+        stacked."""
         from ...buffer import Buffer
 
         buffer, E = self.buffer, self.shape.num_experts
-        on_comm = dict(async_finish=True, allocate_on_comm_stream=True)
-
-        def dispatch(layout, after):
-            """A micro-batch's dispatch on the communication stream, after the compute stream's event `after`
-            (its layout, queued before the GEMMs the dispatch overlaps). The host waits for its counts (a fresh
-            dispatch sizes its outputs on the host), so it is called once those GEMMs are queued: the GPU runs
-            them meanwhile."""
-            recv_x, recv_idx, recv_w, per_expert, handle, event = buffer.dispatch(
-                self.x, topk_idx=self.topk_idx, topk_weights=self.topk_weights, num_tokens_per_rank=layout[0],
-                is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], previous_event=after, **on_comm)
-            return dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, per_expert=per_expert, handle=handle,
-                        event=event)
-
-        batches = [dispatch(buffer.get_dispatch_layout(self.topk_idx, E), Buffer.capture())]
-        # Micro-batch i's GEMMs run while i+1's dispatch (or i-1's combine) is in flight.
-        for i in range(OVERLAP_MICRO_BATCHES):
-            b = batches[i]
-            b["event"].current_stream_wait()
-            last = i + 1 == OVERLAP_MICRO_BATCHES
-            if not last:
-                next_layout = buffer.get_dispatch_layout(self.topk_idx, E)
-                ready = Buffer.capture()
-            b["recv_x"] = b["recv_x"].detach().requires_grad_()
-            b["expert_out"] = experts_on_received(b["recv_x"], b["recv_idx"], b["recv_w"],
-                                                  (self.gate_up, self.down), self.kind, b["per_expert"])[0]
-            if not last:
-                batches.append(dispatch(next_layout, ready))
-            b["out"], _, b["event"] = buffer.combine(b["expert_out"].detach(), b["handle"],
-                                                     previous_event=Buffer.capture(), **on_comm)
-        for b in reversed(batches):
-            b["event"].current_stream_wait()
-            b["grad_expert_out"], _, _, _, _, b["event"] = buffer.dispatch(
-                self.grad_out, handle=b["handle"], previous_event=Buffer.capture(), **on_comm)
-        for b in reversed(batches):
-            b["event"].current_stream_wait()
-            b["expert_out"].backward(b["grad_expert_out"])
-            b["grad_x"], _, b["event"] = buffer.combine(b["recv_x"].grad, b["handle"],
-                                                        previous_event=Buffer.capture(), **on_comm)
+        on_comm = dict(async_with_compute_stream=True, allocate_on_comm_stream=True, num_sms=Buffer.num_sms)
+        batches = []
+        for _ in range(OVERLAP_MICRO_BATCHES):
+            recv_x, _, recv_w, handle, event = buffer.dispatch(self.x, self.topk_idx, self.topk_weights,
+                                                               num_experts=E, do_expand=True, do_handle_copy=False,
+                                                               **on_comm)
+            batches.append(dict(recv_x=recv_x, recv_w=recv_w, handle=handle, event=event))
         for b in batches:
             b["event"].current_stream_wait()
+            b["recv_x"] = b["recv_x"].detach().requires_grad_()
+            b["y"] = grouped_experts(b["recv_x"], b["handle"].psum_num_recv_tokens_per_expert, self.gate_up,
+                                     self.down, self.kind, b["recv_w"])
+            b["out"], _, b["event"] = buffer.combine(b["y"].detach(), b["handle"], **on_comm)
+        for b in reversed(batches):
+            b["grad_y"], _, _, _, b["grad_event"] = buffer.dispatch(self.grad_out, handle=b["handle"], do_expand=True,
+                                                                    **on_comm)
+        for b in reversed(batches):
+            b["grad_event"].current_stream_wait()
+            b["y"].backward(b["grad_y"])
+            b["grad_x"], _, b["grad_event"] = buffer.combine(b["recv_x"].grad, b["handle"], **on_comm)
+        for b in batches:
+            b["event"].current_stream_wait()
+            b["grad_event"].current_stream_wait()
         out = self._finish("tokenyard_overlap", torch.cat([b["out"] for b in batches]))
         return out, torch.cat([b["grad_x"] for b in batches]), None
 
@@ -345,7 +368,7 @@ class Rank:
         to_expert = [s * L + e for e in range(L) for s in range(R)]
         grouped = torch.cat([chunk_rows[c] for c in to_expert])
         per_expert = recv_by_rank.sum(0).tolist()
-        y = grouped_experts(grouped, per_expert, self.gate_up, self.down, self.kind)
+        y = grouped_experts(grouped, pinned_ends(per_expert, x.device), self.gate_up, self.down, self.kind)
         back_chunks = y.split(recv_by_rank.t().flatten().tolist())  # (l, s) chunks back to (s, l)
         back = torch.cat([back_chunks[e * R + s] for s in range(R) for e in range(L)])
         returned = all_to_all_single(back.new_empty(permuted.shape), back, send_split, recv_split, group=self.group)
@@ -386,21 +409,24 @@ class Rank:
         return self._finish("tokenyard_overlap", torch.cat([c[0] for c in combines])), None, None
 
     def communication(self) -> Callable[[], object]:
-        """The step's communication alone, for the GEMM slowdown: train, a cached dispatch of the tokens and the
-        combine of what arrived (at the current SM count: the handle is made here); decode, the low-latency pair."""
+        """The step's communication alone, for the GEMM slowdown: train, a cached expanded dispatch of the tokens
+        and the expanded combine of what arrived (at the current SM count: the handle is made here); decode, the
+        low-latency pair."""
         buffer, T, E = self.buffer, self.shape.num_tokens, self.shape.num_experts
         if self.step == "decode":
             def decode():
                 packed_x, _, handle, _, _ = buffer.low_latency_dispatch(self.x, self.topk_idx, T, E, use_fp8=False)
                 buffer.low_latency_combine(packed_x, self.topk_idx, self.topk_weights, handle)
             return decode
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(self.topk_idx, E)
-        handle = buffer.dispatch(self.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                 num_tokens_per_expert=per_expert, topk_idx=self.topk_idx,
-                                 topk_weights=self.topk_weights)[4]
+        from ...buffer import Buffer
+
+        num_sms = Buffer.num_sms
+        handle = buffer.dispatch(self.x, self.topk_idx, self.topk_weights, num_experts=E, do_expand=True,
+                                 num_sms=num_sms)[3]
 
         def train():
-            buffer.combine(buffer.dispatch(self.x, handle=handle)[0], handle)
+            buffer.combine(buffer.dispatch(self.x, handle=handle, do_expand=True, num_sms=num_sms)[0], handle,
+                           num_sms=num_sms)
         return train
 
     # -- the variants, the check, the floor ------------------------------------------------------------------
@@ -408,7 +434,7 @@ class Rank:
     def variants(self) -> Dict[str, Callable[[], tuple]]:
         train = self.step == "train"
         if train:
-            return {"tokenyard": lambda: self.train_layer(self.buffer), "tokenyard_overlap": self.train_overlap,
+            return {"tokenyard": self.train_layer, "tokenyard_overlap": self.train_overlap,
                     "all_to_all": lambda: self.all_to_all_layer(True)}
         return {"tokenyard": lambda: self.decode_layer(self.buffer), "tokenyard_overlap": self.decode_overlap,
                 "all_to_all": lambda: self.all_to_all_layer(False)}
@@ -420,9 +446,10 @@ class Rank:
             return lambda: packed_experts(packed, self.gate_up, self.down)
         rows = rows.detach().requires_grad_()
         grad = torch.ones_like(rows)
+        ends = pinned_ends(counts, rows.device)
 
         def forward_backward():
-            grouped_experts(rows, counts, self.gate_up, self.down, self.kind).backward(grad)
+            grouped_experts(rows, ends, self.gate_up, self.down, self.kind).backward(grad)
         return forward_backward
 
 
@@ -435,7 +462,7 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
     rank = Rank(step, settings.shapes[step], settings, device)
     train = step == "train"
     if train:
-        want = rank.train_layer(rank.reference, "reference", "loop over experts")
+        want = rank.train_reference()
     else:
         want = rank.decode_layer(rank.reference, "reference")
     if train:
