@@ -165,8 +165,8 @@ def _oracle_expanded(received, num_local):
     for recv_x, recv_idx, recv_w in received:
         pairs = [(j, k) for expert in range(num_local) for j in range(recv_idx.size(0))
                  for k in range(recv_idx.size(1)) if int(recv_idx[j, k]) == expert]
-        rows = torch.tensor([j for j, _ in pairs], dtype=torch.int64)
-        slots = torch.tensor([k for _, k in pairs], dtype=torch.int64)
+        rows = torch.tensor([j for j, _ in pairs], dtype=torch.int64, device=recv_x.device)
+        slots = torch.tensor([k for _, k in pairs], dtype=torch.int64, device=recv_x.device)
         out.append((recv_x[rows], recv_w[rows, slots]))
     return out
 
@@ -177,35 +177,44 @@ def _pair_rows(handle):
     ends = handle.psum_num_recv_tokens_per_expert.tolist()
     counts = handle.num_unaligned_recv_tokens_per_expert.tolist()
     return torch.tensor([row for end, count in zip(ends, counts) for row in range(end - count, end)],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=handle.psum_num_recv_tokens_per_expert.device)
+
+
+def _backend_device(backend):
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else torch.device("cpu")
+
+
+def _random_on(shape, dtype, seed, device):
+    return _random(shape, dtype, seed).to(device)
 
 
 def expanded_dispatch_backward_is_combine(seed, num_tokens, hidden, num_experts, num_topk, kind, alignment,
-                                          cpu_sync):
+                                          cpu_sync, backend="reference"):
     """The expanded dispatch's backward against autograd through the single-process oracle, exactly; padding rows
     (aligned groups, or the worst case's rows without the CPU sync) get nonzero gradients, which must go nowhere."""
     import tokenyard
 
     rank, num_ranks = _world()
-    inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, kind, "bf16")
+    device = _backend_device(backend)
+    inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, kind, "bf16", device)
     xs = [i[0].clone().requires_grad_() for i in inputs]
     weights = [i[2].clone().requires_grad_() for i in inputs]
     topk_idxs = [i[1] for i in inputs]
     want = _oracle_expanded(_oracle_dispatch(xs, topk_idxs, weights, num_experts), num_experts // num_ranks)
-    grad_x = [_integer_grads(w[0].shape, torch.bfloat16, seed + 11 * q) for q, w in enumerate(want)]
-    grad_w = [_random(w[1].shape, torch.float32, seed + 13 * q) for q, w in enumerate(want)]
+    grad_x = [_integer_grads(w[0].shape, torch.bfloat16, seed + 11 * q).to(device) for q, w in enumerate(want)]
+    grad_w = [_random_on(w[1].shape, torch.float32, seed + 13 * q, device) for q, w in enumerate(want)]
     torch.autograd.backward([w[0] for w in want] + [w[1] for w in want], grad_x + grad_w)
 
     buffer = tokenyard.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=num_tokens, hidden=hidden,
-                                     backend="reference")
+                                     backend=backend)
     x, w = inputs[rank][0].clone().requires_grad_(), inputs[rank][2].clone().requires_grad_()
     recv_x, recv_w, handle, _ = autograd.expanded_dispatch(buffer, x, topk_idxs[rank], w, num_experts,
                                                            expert_alignment=alignment, do_cpu_sync=cpu_sync)
     pairs = _pair_rows(handle)
     assert pairs.numel() == want[rank][0].size(0) and (cpu_sync or recv_x.size(0) > pairs.numel())
     assert torch.equal(recv_x[pairs], want[rank][0].detach()) and torch.equal(recv_w[pairs], want[rank][1].detach())
-    my_grad_x = _integer_grads(recv_x.shape, torch.bfloat16, seed - 1) + 1  # padding rows: nonzero
-    my_grad_w = _random(recv_w.shape, torch.float32, seed - 2)
+    my_grad_x = (_integer_grads(recv_x.shape, torch.bfloat16, seed - 1) + 1).to(device)  # padding rows: nonzero
+    my_grad_w = _random_on(recv_w.shape, torch.float32, seed - 2, device)
     my_grad_x[pairs], my_grad_w[pairs] = grad_x[rank], grad_w[rank]
     torch.autograd.backward([recv_x, recv_w], [my_grad_x, my_grad_w])
     assert torch.equal(x.grad, xs[rank].grad), "x.grad differs from the oracle's"
@@ -214,32 +223,34 @@ def expanded_dispatch_backward_is_combine(seed, num_tokens, hidden, num_experts,
     return int(pairs.numel())
 
 
-def expanded_combine_backward_is_cached_dispatch(seed, num_tokens, hidden, num_experts, num_topk, kind, alignment):
+def expanded_combine_backward_is_cached_dispatch(seed, num_tokens, hidden, num_experts, num_topk, kind, alignment,
+                                                 backend="reference"):
     """The expanded combine's backward is a cached expanded dispatch of the gradients; checked against the oracle
     (each pair row gets its token's gradient, and its slot's weight gradient)."""
     import tokenyard
 
     rank, num_ranks = _world()
-    inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, kind, "bf16")
+    device = _backend_device(backend)
+    inputs = make_rank_inputs(seed, num_ranks, num_tokens, hidden, num_experts, num_topk, kind, "bf16", device)
     x, topk_idx, weights = inputs[rank]
     buffer = tokenyard.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=num_tokens, hidden=hidden,
-                                     backend="reference")
+                                     backend=backend)
     _, recv_w, handle, _ = autograd.expanded_dispatch(buffer, x, topk_idx, weights, num_experts,
                                                       expert_alignment=alignment, do_zero_padding=True)
-    rows = _random((recv_w.size(0), hidden), torch.bfloat16, seed + 5 * rank).requires_grad_()
+    rows = _random_on((recv_w.size(0), hidden), torch.bfloat16, seed + 5 * rank, device).requires_grad_()
     row_weights = recv_w.clone().requires_grad_()
     out, out_w, _ = autograd.expanded_combine(buffer, rows, handle, topk_weights=row_weights, do_zero_padding=True)
     want_out, want_w, _ = buffer.combine(rows.detach(), handle, topk_weights=recv_w)
     assert torch.equal(out, want_out) and torch.equal(out_w, want_w)
 
-    grads = [_random((i[1].size(0), hidden), torch.bfloat16, seed + 7 * s) for s, i in enumerate(inputs)]
-    grads_w = [_random(tuple(i[1].shape), torch.float32, seed + 9 * s) for s, i in enumerate(inputs)]
+    grads = [_random_on((i[1].size(0), hidden), torch.bfloat16, seed + 7 * s, device) for s, i in enumerate(inputs)]
+    grads_w = [_random_on(tuple(i[1].shape), torch.float32, seed + 9 * s, device) for s, i in enumerate(inputs)]
     torch.autograd.backward([out, out_w], [grads[rank], grads_w[rank]])
     oracle = _oracle_expanded(_oracle_dispatch(grads, [i[1] for i in inputs], grads_w, num_experts),
                               num_experts // num_ranks)[rank]
     pairs = _pair_rows(handle)
     assert torch.equal(rows.grad[pairs], oracle[0]) and torch.equal(row_weights.grad[pairs], oracle[1])
-    padding = torch.ones(rows.size(0), dtype=torch.bool)
+    padding = torch.ones(rows.size(0), dtype=torch.bool, device=device)
     padding[pairs] = False
     assert not bool(rows.grad[padding].any()), "do_zero_padding: the padding rows' gradient must be zero"
     buffer.destroy()

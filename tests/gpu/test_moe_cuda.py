@@ -95,3 +95,25 @@ def test_moe_layer_on_cuda_backend_matches_transformers_blocks(seed):
             if rel > limits.get(name, limits["weights"]):
                 failures.append(f"{what} {name}: rel {rel:.3g}")
     assert not failures, "beyond tolerance: " + "; ".join(failures)
+
+
+def _expanded_autograd(seed):
+    """tokenyard.layers.autograd's expanded dispatch and combine on the CUDA backend, against the single-process
+    oracle (tests/cpu/moe_scenarios.py): exact rows, weights and gradients; padding rows' gradients go nowhere."""
+    import torch.distributed as dist
+
+    from tests.cpu import moe_scenarios
+
+    num_experts = 8 * dist.get_world_size()
+    pairs = [moe_scenarios.expanded_dispatch_backward_is_combine(seed + i, 24, 256, num_experts, 4, "masked",
+                                                                  alignment, cpu_sync, "cuda")
+             for i, (alignment, cpu_sync) in enumerate(((1, True), (4, False)))]
+    pairs.append(moe_scenarios.expanded_combine_backward_is_cached_dispatch(seed, 24, 256, num_experts, 4, "masked", 4,
+                                                                            "cuda"))
+    return pairs
+
+
+def test_expanded_dispatch_and_combine_gradients_on_cuda_backend(seed):
+    for num_ranks in spawn.rank_counts():
+        pairs = spawn.run(num_ranks, _expanded_autograd, seed)
+        assert all(p > 0 for rank_pairs in pairs for p in rank_pairs), pairs
