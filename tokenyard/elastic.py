@@ -16,6 +16,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import checks
 from .buffer import Buffer
 from .config import Config
 from .errors import HandleError, InvalidInputError
@@ -342,7 +343,17 @@ class ElasticBuffer:
         for at the scope's start, on the stream the call runs on. Outputs and the handle's tensors are
         handed to the caller's stream, and, with async_with_compute_stream, the inputs to the communication
         stream, as V1's `async_finish` does, so that neither stream's allocator reuses memory the other still
-        reads."""
+        reads.
+
+        NOTE [expanded sums first]
+        One exception: an expanded combine given neither event sums each received token's expanded rows (and
+        gathers their weights) on the caller's stream, before the scope; the communication stream then holds the
+        combine kernel alone. A persistent GEMM queued after the call holds every SM until it ends, and a kernel
+        that waits behind another on the communication stream when it starts does not run beside it: with the sums
+        there, the combine kernel ran after the next GEMM, with them here beside it
+        (benchmarks/results/moe_step.md, "One GPU"). The sums read only what the caller's stream wrote, in its
+        order, as a GEMM would. Given an event, the inputs may come from another stream, and the sums stay in
+        the scope."""
         with self.buffer._stream_scope(use_comm_stream=True, previous_event=_overlap(previous_event),
                                        async_finish=async_with_compute_stream,
                                        allocate_on_comm_stream=allocate_on_comm_stream) as scope:
@@ -508,17 +519,25 @@ class ElasticBuffer:
             raise InvalidInputError(f"x must have the {rows} rows the dispatch {made}, got {list(x.shape)}")
         if handle.do_expand and topk_weights is not None and topk_weights.shape != (rows,):
             raise InvalidInputError(f"expanded topk_weights must be [{rows}], got {list(topk_weights.shape)}")
-        inputs = (x, topk_weights) + (bias if isinstance(bias, tuple) else (bias,))
+        # Before the sums (device work) that may precede the V1 call's own checks.
+        checks.tensor("x", x, dtypes=(torch.bfloat16,), device=self.buffer.device)
+        backend = self.buffer._backend()
+        sums, weights = None, None
+        # NOTE [expanded sums first]: with nothing to wait for, the expanded rows are summed on the caller's stream.
+        if handle.do_expand and previous_event is None and previous_event_before_epilogue is None:
+            sums = backend.reduce_expanded(x, handle.row_of)
+            weights = None if topk_weights is None else backend.gather_weights(topk_weights, handle.row_of)
+        inputs = (x, topk_weights, sums, weights) + (bias if isinstance(bias, tuple) else (bias,))
         with self._scope(previous_event, previous_event_before_epilogue, async_with_compute_stream,
                          allocate_on_comm_stream) as scope:
-            if handle.do_expand:
-                weights = None if topk_weights is None else self.buffer._backend().gather_weights(topk_weights,
-                                                                                                  handle.row_of)
-                x = self.buffer._backend().reduce_expanded(x, handle.row_of)
-            else:
+            if handle.do_expand and sums is None:
+                weights = None if topk_weights is None else backend.gather_weights(topk_weights, handle.row_of)
+                sums = backend.reduce_expanded(x, handle.row_of)
+            elif not handle.do_expand:
                 weights = None if topk_weights is None else expanded.local_weights(topk_weights,
                                                                                    handle.recv_topk_idx)
             combined_x, combined_weights, _ = self.buffer.combine(
-                x, handle.dispatch_handle, weights, bias, self._config(num_sms or handle.num_sms))
+                x if sums is None else sums, handle.dispatch_handle, weights, bias,
+                self._config(num_sms or handle.num_sms))
         return combined_x, combined_weights, self._finish(scope, (combined_x, combined_weights), inputs,
                                                           async_with_compute_stream)
