@@ -385,8 +385,9 @@ def _errors(got, want):
     return max_abs, max_abs / (scale if scale > 0 else 1.0)
 
 
-def layer_matches_transformers(case, tolerances, backend="reference"):
-    """Run the layer on this rank's slice of the case's tokens; compare output and every gradient.
+def layer_matches_transformers(case, tolerances, backend="reference", elastic=False):
+    """Run the layer on this rank's slice of the case's tokens; compare output and every gradient. With
+    `elastic`, the layer holds an `ElasticBuffer` (bf16 then runs through the expanded layout).
 
     `tolerances` maps "out", "x.grad" and "weights" to the largest error allowed, in units of the
     reference tensor's largest magnitude (None: measure only). Expert gradients are gathered from all
@@ -395,8 +396,8 @@ def layer_matches_transformers(case, tolerances, backend="reference"):
     """
     rank, num_ranks = _world()
     num_tokens, hidden, dtype = case["num_tokens"], case["hidden"], case["dtype"]
-    buffer = moe.make_buffer(dist.group.WORLD, hidden, num_tokens, dtype, backend=backend)
-    device = buffer.device
+    buffer = moe.make_buffer(dist.group.WORLD, hidden, num_tokens, dtype, backend=backend, elastic=elastic)
+    device = (buffer.buffer if elastic else buffer).device
     layer = build_layer(case, buffer, device)
     assert layer.experts.num_local_experts == case["num_experts"] // num_ranks
     mine = slice(rank * num_tokens, (rank + 1) * num_tokens)

@@ -105,6 +105,17 @@ def test_mixtral_block_matches_in_bf16_within_bf16_rounding(ranks, seed, transfo
     _report(case, errors)
 
 
+@pytest.mark.parametrize("model,dtype,tolerances", [("mixtral", torch.bfloat16, BF16_TOLERANCES),
+                                                    ("qwen2_moe", torch.bfloat16, BF16_TOLERANCES),
+                                                    ("deepseek_v3", torch.float32, FLOAT32_TOLERANCES)])
+def test_layer_on_an_elastic_buffer_matches_the_block(ranks, seed, transformers_case, model, dtype, tolerances):
+    """With an ElasticBuffer, bf16 runs through the expanded layout (NOTE [expanded experts]), float32 through the
+    V1 calls of the Buffer it holds; both match the dense block as the Buffer's layer does."""
+    case = transformers_case(model, seed, 4, 24, dtype=dtype, hidden=128)
+    errors = ranks(4).run(moe_scenarios.layer_matches_transformers, case, tolerances, "reference", True)
+    _report(case, errors)
+
+
 # -- decode ----------------------------------------------------------------------------------------------
 
 def test_packed_experts_between_low_latency_dispatch_and_combine_give_the_dense_sum(ranks, seed):

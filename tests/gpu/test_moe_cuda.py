@@ -28,11 +28,13 @@ BF16_UNIT = 2.0 ** -8
 TOLERANCES = {"float32": {"out": 4 * BF16_UNIT, "x.grad": 4 * BF16_UNIT, "weights": 1e-4},
               "bf16": {"out": 8 * BF16_UNIT, "x.grad": 8 * BF16_UNIT, "weights": 8 * BF16_UNIT}}
 CASES = [
-    # (model, dtype, hidden, tokens per rank)
-    ("mixtral", "float32", 256, 64),
-    ("qwen2_moe", "float32", 128, 64),
-    ("deepseek_v3", "float32", 128, 64),
-    ("mixtral", "bf16", 256, 64),
+    # (model, dtype, hidden, tokens per rank, on an ElasticBuffer: bf16 through the expanded layout)
+    ("mixtral", "float32", 256, 64, False),
+    ("qwen2_moe", "float32", 128, 64, False),
+    ("deepseek_v3", "float32", 128, 64, False),
+    ("mixtral", "bf16", 256, 64, False),
+    ("mixtral", "bf16", 256, 64, True),
+    ("qwen2_moe", "bf16", 128, 64, True),
 ]
 
 
@@ -45,15 +47,15 @@ def _measure_ranks(seed, cases):
     device = torch.device("cuda", torch.cuda.current_device())
     dtypes = {"float32": torch.float32, "bf16": torch.bfloat16}
     measured = []
-    for case_id, (model, dtype, hidden, num_tokens) in enumerate(cases):
+    for case_id, (model, dtype, hidden, num_tokens, elastic) in enumerate(cases):
         case = moe_scenarios.transformers_case(model, seed + case_id, dist.get_world_size(), num_tokens,
                                                dtype=dtypes[dtype], hidden=hidden, device=device)
-        errors = moe_scenarios.layer_matches_transformers(case, None, backend="cuda")
+        errors = moe_scenarios.layer_matches_transformers(case, None, backend="cuda", elastic=elastic)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, errors)
         worst = {name: [max(e[name][0] for e in gathered), max(e[name][1] for e in gathered)] for name in errors}
         measured.append({"model": model, "dtype": dtype, "hidden": hidden, "num_tokens_per_rank": num_tokens,
-                         "transformers": case["transformers"], "errors": worst})
+                         "elastic": elastic, "transformers": case["transformers"], "errors": worst})
     return measured
 
 
@@ -89,7 +91,7 @@ def test_moe_layer_on_cuda_backend_matches_transformers_blocks(seed):
     failures = []
     for run in results:
         limits = TOLERANCES[run["dtype"]]
-        what = f"{run['num_ranks']} ranks {run['model']} {run['dtype']}"
+        what = f"{run['num_ranks']} ranks {run['model']} {run['dtype']}" + (" elastic" if run["elastic"] else "")
         for name, (max_abs, rel) in run["errors"].items():
             print(f"{what} {name}: max abs {max_abs:.3g}, rel {rel:.3g}")
             if rel > limits.get(name, limits["weights"]):

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..buffer import Buffer
 from ..config import Config
+from ..elastic import ElasticBuffer
 from ..errors import InvalidInputError
 from . import autograd
 
@@ -46,12 +47,69 @@ def _activation(hidden_act: Activation) -> Callable[[torch.Tensor], torch.Tensor
     return _ACTIVATIONS[hidden_act]
 
 
+def grouped_gemm_kind(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """How a rank's experts multiply rows grouped by expert: ``torch._grouped_mm`` for bf16 on a GPU that has it
+    (sm90+), else one GEMM per expert."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and \
+            torch.cuda.get_device_capability(device)[0] >= 9:
+        return "torch._grouped_mm"
+    return "loop over experts"
+
+
+def gated_experts_on_groups(x: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                            act_fn: Callable[[torch.Tensor], torch.Tensor], kind: str,
+                            row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [n, H]`` grouped by local expert, expert l's rows ending at ``ends[l]`` (int32 ``[L]`` on x's device;
+    rows past the last end are not read, and their outputs are unspecified) -> ``[n, H]``:
+    ``down[l] @ (act(gate[l] x) * up[l] x * w)``, where ``w`` is the row's weight (`row_weights` ``[n]``,
+    rounded to x's dtype; 1 where None). The weight scales the activation, as Megatron's fused weighted SwiGLU
+    does: I products per row rather than H. `kind`: `grouped_gemm_kind`'s.
+
+    ``gate_up [L, 2*I, H]`` (gate rows, then up rows), ``down [L, H, I]``: `GatedExperts`' parameters.
+    """
+    def activation(h: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        act = act_fn(gate) * up
+        return act if weights is None else act * weights[:, None].to(act.dtype)
+
+    if kind == "torch._grouped_mm":
+        act = activation(torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=ends), row_weights)
+        return torch._grouped_mm(act, down.transpose(-2, -1), offs=ends)
+    outs, begin = [], 0
+    for expert, end in enumerate(ends.tolist()):
+        weights = None if row_weights is None else row_weights[begin:end]
+        outs.append(F.linear(activation(F.linear(x[begin:end], gate_up[expert]), weights), down[expert]))
+        begin = end
+    return torch.cat(outs + [x.new_zeros(x.size(0) - begin, x.size(1))])
+
+
+def group_ends(counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int32 ``[L]``: where each expert's rows end, for rows grouped by expert `counts` each. From pinned memory
+    without a wait on a GPU: a plain copy from a list would make the host wait for the stream."""
+    ends = torch.tensor(list(counts), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return ends.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ends
+
+
+def rows_by_expert(recv_topk_idx: torch.Tensor, num_local: int, counts: Optional[Sequence[int]] = None):
+    """``(rows, slots, counts)``: the (received row, top-k slot) pairs of local experts, grouped by expert in
+    received order (a stable sort), and each expert's count: `counts` where the dispatch gave them (its
+    ``num_recv_tokens_per_expert_list``, on the host already), else read back from the device (a host sync)."""
+    flat = recv_topk_idx.masked_fill(recv_topk_idx < 0, num_local).flatten()
+    order = torch.sort(flat, stable=True).indices
+    if counts is None:
+        counts = torch.bincount(flat, minlength=num_local + 1)[:num_local].tolist()
+    order = order[:sum(counts)]
+    return order // recv_topk_idx.size(1), order % recv_topk_idx.size(1), list(counts)
+
+
 def make_buffer(group: dist.ProcessGroup, hidden_size: int, num_max_tokens_per_rank: int,
-                dtype: torch.dtype = torch.bfloat16, *, backend: Optional[str] = None) -> Buffer:
-    """A normal-mode `Buffer` for an MoE layer's forward and backward.
+                dtype: torch.dtype = torch.bfloat16, *, backend: Optional[str] = None,
+                elastic: bool = False) -> Union[Buffer, ElasticBuffer]:
+    """A normal-mode `Buffer` (or, with `elastic`, an `ElasticBuffer`) for an MoE layer's forward and backward.
 
     Naive equivalent: ``Buffer(group, Config(num_max_tokens_per_rank=N).get_nvl_buffer_size_hint(
-    hidden_size * max(element_size, 2), R), 0)``.
+    hidden_size * max(element_size, 2), R), 0)``; ``ElasticBuffer(group, that many bytes,
+    num_max_tokens_per_rank=N, hidden=hidden_size)``.
 
     Arguments:
         group: the EP group.
@@ -59,12 +117,17 @@ def make_buffer(group: dist.ProcessGroup, hidden_size: int, num_max_tokens_per_r
         num_max_tokens_per_rank: the most tokens one rank passes to the layer at once.
         dtype: the activations' dtype (float32 rows are twice as wide as bf16 rows).
         backend: as `Buffer(backend=...)`.
+        elastic: an `ElasticBuffer`, with which `ExpertParallelMoE` runs bf16 activations through the expanded
+            layout (NOTE [expanded experts]).
     Raises:
         BackendUnavailableError: as `Buffer`.
     """
     hidden_bytes = hidden_size * max(dtype.itemsize, 2)
-    config = Config(num_max_tokens_per_rank=max(int(num_max_tokens_per_rank), 1))
-    return Buffer(group, config.get_nvl_buffer_size_hint(hidden_bytes, group.size()), 0, backend=backend)
+    num_max = max(int(num_max_tokens_per_rank), 1)
+    num_bytes = Config(num_max_tokens_per_rank=num_max).get_nvl_buffer_size_hint(hidden_bytes, group.size())
+    if elastic:
+        return ElasticBuffer(group, num_bytes, num_max_tokens_per_rank=num_max, hidden=hidden_size, backend=backend)
+    return Buffer(group, num_bytes, 0, backend=backend)
 
 
 class TopKRouter(nn.Module):
@@ -225,27 +288,44 @@ class GatedExperts(nn.Module):
     def forward(self, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor,
                 num_recv_tokens_per_expert_list: Optional[Sequence[int]] = None) -> torch.Tensor:
         """``recv_x [N, H]``, local ``recv_topk_idx [N, K]`` (-1: another rank's expert), float32
-        ``recv_topk_weights [N, K]`` -> ``[N, H]`` in recv_x's dtype, summed in float32.
+        ``recv_topk_weights [N, K]`` -> ``[N, H]`` in recv_x's dtype, summed in float32 in expert order.
 
-        `num_recv_tokens_per_expert_list`, if given, lets experts that received nothing be skipped
-        without looking at the indices.
+        The pairs are grouped by expert (a stable sort) and each expert's rows multiplied together
+        (`gated_experts_on_groups`: two grouped GEMMs where `grouped_gemm_kind` says so).
+        `num_recv_tokens_per_expert_list`, the dispatch's counts (with expert_alignment 1), spares a host sync.
         """
-        out = torch.zeros(recv_x.size(0), recv_x.size(1), dtype=torch.float32, device=recv_x.device)
-        used = False
-        for local_expert in range(self.num_local_experts):
-            if num_recv_tokens_per_expert_list and num_recv_tokens_per_expert_list[local_expert] == 0:
-                continue
-            rows, slots = (recv_topk_idx == local_expert).nonzero(as_tuple=True)
-            if rows.numel() == 0:
-                continue
-            y = self.expert(local_expert, recv_x[rows]).float() * recv_topk_weights[rows, slots].float()[:, None]
-            out = out.index_add(0, rows, y)
-            used = True
-        if not used:
+        rows, slots, counts = rows_by_expert(recv_topk_idx, self.num_local_experts,
+                                             num_recv_tokens_per_expert_list or None)
+        if not sum(counts):
             # Nothing arrived. Still hand back a result that depends on recv_x, so that this rank's backward
             # reaches the combine and the dispatch which every other rank's backward waits for.
             return recv_x * 0
+        kind = grouped_gemm_kind(recv_x.device, recv_x.dtype)
+        y = gated_experts_on_groups(recv_x[rows], group_ends(counts, recv_x.device), self.gate_up_proj,
+                                    self.down_proj, self.act_fn, kind).float()
+        y = y * recv_topk_weights[rows, slots].float()[:, None]
+        out = torch.zeros(recv_x.size(0), recv_x.size(1), dtype=torch.float32, device=recv_x.device)
+        begin = 0
+        for count in counts:  # an expert's rows are distinct: each add is one per row, in expert order
+            if count:
+                out.index_add_(0, rows[begin:begin + count], y[begin:begin + count])
+            begin += count
         return out.to(recv_x.dtype)
+
+    def forward_expanded(self, recv_x: torch.Tensor, ends: torch.Tensor,
+                         recv_topk_weights: Optional[torch.Tensor]) -> torch.Tensor:
+        """NOTE [expanded experts]
+        DeepEP V2's expanded layout (`tokenyard.layers.autograd.expanded_dispatch`): ``recv_x [M, H]`` holds one
+        row per (received token, local expert) pair grouped by expert, expert l's ending at ``ends[l]`` (the
+        handle's ``psum_num_recv_tokens_per_expert``), ``recv_topk_weights [M]`` each pair's weight -> ``[M, H]``:
+        each row through its expert, its weight applied to the activation (`gated_experts_on_groups`). The
+        expanded combine then sums a token's rows: no sort, gather or index_add is left to the layer
+        (benchmarks/results/moe_step.md, "One GPU")."""
+        if recv_x.size(0) == 0:
+            return recv_x * 0  # as in forward: the backward still reaches the calls every rank makes
+        kind = grouped_gemm_kind(recv_x.device, recv_x.dtype)
+        return gated_experts_on_groups(recv_x, ends, self.gate_up_proj, self.down_proj, self.act_fn, kind,
+                                       recv_topk_weights)
 
     def forward_packed(self, packed_recv_x: torch.Tensor, packed_recv_count: torch.Tensor) -> torch.Tensor:
         """Low-latency layout: ``packed_recv_x [L, R*M, H]``, ``packed_recv_count [L]`` -> ``[L, R*M, H]``.
@@ -270,14 +350,15 @@ class ExpertParallelMoE(nn.Module):
         out[t] = sum_k topk_weights[t, k] * expert[topk_idx[t, k]](x[t])
         out += sigmoid(shared_expert_gate(x)) * shared_expert(x)     (each part only if given)
 
-    computed as router -> `autograd.dispatch` -> local experts with the weights -> `autograd.combine`.
+    computed as router -> `autograd.dispatch` -> local experts with the weights -> `autograd.combine`; with an
+    `ElasticBuffer` and bf16 activations, through the expanded layout instead (NOTE [expanded experts]).
 
     Shapes: ``hidden_states [..., H]`` -> ``[..., H]`` in the same dtype (bf16 or float32; float32 rows are
     rounded to bf16 for the combine, NOTE [combine wire dtype] in tokenyard/layers/autograd.py). Every rank must
     call forward (and backward) the same number of times, with any number of tokens, zero included.
 
     Arguments:
-        buffer: a normal-mode `Buffer` (see `make_buffer`).
+        buffer: a normal-mode `Buffer`, or an `ElasticBuffer` (see `make_buffer`).
         router: a module mapping ``x [T, H]`` to ``(topk_idx [T, K] int64, topk_weights [T, K])``, such
             as `TopKRouter`; None if every call passes `topk_idx` and `topk_weights`.
         experts: this rank's `GatedExperts`; E = ``experts.num_local_experts * R``.
@@ -292,7 +373,8 @@ class ExpertParallelMoE(nn.Module):
                  shared_expert: Optional[nn.Module] = None, shared_expert_gate: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.buffer = buffer
-        self.rank, self.num_ranks = buffer.rank, buffer.group_size
+        v1 = buffer.buffer if isinstance(buffer, ElasticBuffer) else buffer
+        self.rank, self.num_ranks = v1.rank, v1.group_size
         self.num_experts = experts.num_local_experts * self.num_ranks
         if router is not None and getattr(router, "num_experts", self.num_experts) != self.num_experts:
             raise InvalidInputError(f"the router chooses among {router.num_experts} experts; {self.num_ranks} "
@@ -320,7 +402,8 @@ class ExpertParallelMoE(nn.Module):
         Raises:
             InvalidInputError: as `GatedExperts.from_dense` and the constructor.
         """
-        experts = GatedExperts.from_dense(gate_up_proj, down_proj, buffer.rank, buffer.group_size, hidden_act)
+        v1 = buffer.buffer if isinstance(buffer, ElasticBuffer) else buffer
+        experts = GatedExperts.from_dense(gate_up_proj, down_proj, v1.rank, v1.group_size, hidden_act)
         return cls(buffer, router, experts, shared_expert=shared_expert, shared_expert_gate=shared_expert_gate)
 
     @property
@@ -340,10 +423,17 @@ class ExpertParallelMoE(nn.Module):
             topk_idx, topk_weights = self.gate(x)
         elif topk_weights is None:
             raise InvalidInputError("topk_idx needs topk_weights")
-        recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle = autograd.dispatch(
-            self.buffer, x, topk_idx, topk_weights.float(), self.num_experts)
-        expert_out = self.experts(recv_x, recv_topk_idx, recv_topk_weights, per_expert)
-        out, _ = autograd.combine(self.buffer, expert_out, handle)
+        if isinstance(self.buffer, ElasticBuffer) and x.dtype == torch.bfloat16:  # NOTE [expanded experts]
+            recv_x, recv_topk_weights, handle, _ = autograd.expanded_dispatch(self.buffer, x, topk_idx,
+                                                                             topk_weights.float(), self.num_experts)
+            rows = self.experts.forward_expanded(recv_x, handle.psum_num_recv_tokens_per_expert, recv_topk_weights)
+            out, _, _ = autograd.expanded_combine(self.buffer, rows, handle)
+        else:
+            buffer = self.buffer.buffer if isinstance(self.buffer, ElasticBuffer) else self.buffer
+            recv_x, recv_topk_idx, recv_topk_weights, per_expert, handle = autograd.dispatch(
+                buffer, x, topk_idx, topk_weights.float(), self.num_experts)
+            expert_out = self.experts(recv_x, recv_topk_idx, recv_topk_weights, per_expert)
+            out, _ = autograd.combine(buffer, expert_out, handle)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -142,42 +142,19 @@ def step_counts(shape: StepShape, num_ranks: int, train: bool, device_name: str 
 # -- the experts --------------------------------------------------------------------------------------------
 
 def gemm_kind(device: torch.device) -> str:
-    """torch._grouped_mm on a GPU that has it (sm90+), else one GEMM per expert."""
-    if device.type == "cuda" and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device)[0] >= 9:
-        return "torch._grouped_mm"
-    return "loop over experts"
+    """The experts' GEMMs (bf16): tokenyard.layers.moe.grouped_gemm_kind."""
+    from ...layers.moe import grouped_gemm_kind
 
-
-def pinned_ends(counts: List[int], device: torch.device) -> torch.Tensor:
-    """int32 ``[L]``: where each expert's rows end, for rows grouped by expert `counts` each. From pinned memory
-    without a wait: a plain copy from a list would make the host wait for the stream."""
-    ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return ends.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ends
+    return grouped_gemm_kind(device, torch.bfloat16)
 
 
 def grouped_experts(x: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, kind: str,
                     row_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x [n, H]`` grouped by local expert, expert l's rows ending at ``ends[l]`` (int32 ``[L]`` on x's device;
-    rows past the last end are not read) -> ``[n, H]``: ``down @ (silu(gate) * up * w)``, where ``w`` is the
-    row's weight (`row_weights` ``[n]``, rounded to bf16; 1 where None). The weight scales the activation, as
-    Megatron's fused weighted SwiGLU does: one product of I values per row rather than of H.
+    """DeepSeek-V3's SwiGLU experts on rows grouped by expert: tokenyard.layers.moe.gated_experts_on_groups with
+    silu."""
+    from ...layers.moe import gated_experts_on_groups
 
-    ``gate_up [L, 2*I, H]`` (gate rows, then up rows), ``down [L, H, I]``: tokenyard.layers.moe.GatedExperts'.
-    """
-    def activation(h: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        return act if weights is None else act * weights[:, None].to(act.dtype)
-
-    if kind == "torch._grouped_mm":
-        act = activation(torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=ends), row_weights)
-        return torch._grouped_mm(act, down.transpose(-2, -1), offs=ends)
-    outs, begin = [], 0
-    for expert, end in enumerate(ends.tolist()):
-        weights = None if row_weights is None else row_weights[begin:end]
-        outs.append(F.linear(activation(F.linear(x[begin:end], gate_up[expert]), weights), down[expert]))
-        begin = end
-    return torch.cat(outs + [x.new_zeros(x.size(0) - begin, x.size(1))])
+    return gated_experts_on_groups(x, ends, gate_up, down, F.silu, kind, row_weights)
 
 
 def packed_experts(packed_x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -190,25 +167,16 @@ def packed_experts(packed_x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     return torch.bmm(F.silu(gate) * up, down.transpose(1, 2))
 
 
-def by_expert(recv_topk_idx: torch.Tensor, num_local: int, counts: Optional[List[int]] = None):
-    """``(rows, slots, counts)``: the (received row, top-k slot) pairs of local experts, grouped by expert in
-    received order (a stable sort), and each expert's count: `counts` where the dispatch gave them (its
-    ``num_recv_tokens_per_expert_list``, on the host already), else read back from the GPU (a host sync)."""
-    flat = recv_topk_idx.masked_fill(recv_topk_idx < 0, num_local).flatten()
-    order = torch.sort(flat, stable=True).indices
-    if counts is None:
-        counts = torch.bincount(flat, minlength=num_local + 1)[:num_local].tolist()
-    order = order[:sum(counts)]
-    return order // recv_topk_idx.size(1), order % recv_topk_idx.size(1), list(counts)
-
-
 def experts_on_received(recv_x, recv_topk_idx, recv_topk_weights, weights, kind, counts=None):
     """The layer's expert part on normal-mode rows: ``out[i] = sum_k w[i,k] * expert_k(recv_x[i])`` in float32,
-    returned in bf16; also the rows each expert received, for the dispatch check. `counts`: as `by_expert`'s."""
+    returned in bf16; also the rows each expert received, for the dispatch check. `counts`: as
+    tokenyard.layers.moe.rows_by_expert's."""
+    from ...layers.moe import group_ends, rows_by_expert
+
     gate_up, down = weights
-    rows, slots, counts = by_expert(recv_topk_idx, gate_up.size(0), counts)
+    rows, slots, counts = rows_by_expert(recv_topk_idx, gate_up.size(0), counts)
     grouped = recv_x[rows]
-    y = grouped_experts(grouped, pinned_ends(counts, recv_x.device), gate_up, down, kind).float() * \
+    y = grouped_experts(grouped, group_ends(counts, recv_x.device), gate_up, down, kind).float() * \
         recv_topk_weights[rows, slots][:, None]
     out = torch.zeros(recv_x.shape, dtype=torch.float32, device=recv_x.device).index_add(0, rows, y)
     return out.to(recv_x.dtype), grouped, counts
@@ -350,6 +318,8 @@ class Rank:
         import torch.distributed as dist
         from torch.distributed.nn.functional import all_to_all_single
 
+        from ...layers.moe import group_ends
+
         R, L, K = self.num_ranks, self.num_local, self.shape.num_topk
         x = self.x.detach().requires_grad_(train)
         flat_expert = self.topk_idx.flatten()
@@ -368,7 +338,7 @@ class Rank:
         to_expert = [s * L + e for e in range(L) for s in range(R)]
         grouped = torch.cat([chunk_rows[c] for c in to_expert])
         per_expert = recv_by_rank.sum(0).tolist()
-        y = grouped_experts(grouped, pinned_ends(per_expert, x.device), self.gate_up, self.down, self.kind)
+        y = grouped_experts(grouped, group_ends(per_expert, x.device), self.gate_up, self.down, self.kind)
         back_chunks = y.split(recv_by_rank.t().flatten().tolist())  # (l, s) chunks back to (s, l)
         back = torch.cat([back_chunks[e * R + s] for s in range(R) for e in range(L)])
         returned = all_to_all_single(back.new_empty(permuted.shape), back, send_split, recv_split, group=self.group)
@@ -441,12 +411,14 @@ class Rank:
 
     def gemm_only(self, rows: torch.Tensor, counts: List[int]) -> Callable[[], object]:
         """The GEMMs alone on `rows` (grouped by expert, `counts` each); train adds their backward."""
+        from ...layers.moe import group_ends
+
         if self.step == "decode":
             packed = rows  # the low-latency layout, [L, R*M, H]
             return lambda: packed_experts(packed, self.gate_up, self.down)
         rows = rows.detach().requires_grad_()
         grad = torch.ones_like(rows)
-        ends = pinned_ends(counts, rows.device)
+        ends = group_ends(counts, rows.device)
 
         def forward_backward():
             grouped_experts(rows, ends, self.gate_up, self.down, self.kind).backward(grad)
