@@ -348,12 +348,12 @@ class ElasticBuffer:
         NOTE [expanded sums first]
         One exception: an expanded combine given neither event sums each received token's expanded rows (and
         gathers their weights) on the caller's stream, before the scope; the communication stream then holds the
-        combine kernel alone. A persistent GEMM queued after the call holds every SM until it ends, and a kernel
-        that waits behind another on the communication stream when it starts does not run beside it: with the sums
-        there, the combine kernel ran after the next GEMM, with them here beside it
-        (benchmarks/results/moe_step.md, "One GPU"). The sums read only what the caller's stream wrote, in its
-        order, as a GEMM would. Given an event, the inputs may come from another stream, and the sums stay in
-        the scope."""
+        combine kernel alone. A persistent GEMM queued after the call holds every SM until it ends, so a
+        communication kernel not yet running when the GEMM starts (one waiting for an earlier kernel of its call)
+        runs after it: with the sums on the communication stream the combine kernel ran after the next GEMM, with
+        them here it starts beside it (benchmarks/results/moe_step.md, "One GPU"). The sums read only what the
+        caller's stream wrote, in its order, as a GEMM would. Given an event, the inputs may come from another
+        stream, and the sums stay in the scope."""
         with self.buffer._stream_scope(use_comm_stream=True, previous_event=_overlap(previous_event),
                                        async_finish=async_with_compute_stream,
                                        allocate_on_comm_stream=allocate_on_comm_stream) as scope:
