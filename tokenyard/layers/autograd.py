@@ -218,6 +218,14 @@ def combine(buffer: Buffer, x: torch.Tensor, handle, topk_weights: Optional[torc
 
 # -- DeepEP V2's expanded layout ------------------------------------------------------------------------------
 
+def _check_expanded(buffer, x: torch.Tensor, what: str) -> None:
+    """An expanded `what` runs on an ElasticBuffer and carries bf16 rows (V2's format for rows with gradients)."""
+    if not isinstance(buffer, ElasticBuffer):
+        raise InvalidInputError(f"buffer must be a tokenyard.ElasticBuffer, got {type(buffer).__name__}")
+    if x.dtype != _WIRE_DTYPE:
+        raise InvalidInputError(f"an expanded {what} carries bf16 rows, got {x.dtype}")
+
+
 class ExpandedDispatchFunction(torch.autograd.Function):
     """`ElasticBuffer.dispatch(..., do_expand=True)` as an autograd node; its backward is an expanded combine.
 
@@ -303,10 +311,7 @@ def expanded_dispatch(buffer: ElasticBuffer, x: torch.Tensor, topk_idx: torch.Te
     Raises:
         InvalidInputError, CapacityError: as `ElasticBuffer.dispatch`, before any communication.
     """
-    if not isinstance(buffer, ElasticBuffer):
-        raise InvalidInputError(f"buffer must be a tokenyard.ElasticBuffer, got {type(buffer).__name__}")
-    if x.dtype != _WIRE_DTYPE:
-        raise InvalidInputError(f"an expanded dispatch carries bf16 rows, got {x.dtype}")
+    _check_expanded(buffer, x, "dispatch")
     topk_weights = None if topk_weights is None else topk_weights.contiguous()
     options = dict(num_experts=num_experts, expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync,
                    do_zero_padding=do_zero_padding, num_sms=num_sms, previous_event=previous_event,
@@ -341,10 +346,7 @@ def expanded_combine(buffer: ElasticBuffer, x: torch.Tensor, handle, topk_weight
     Raises:
         InvalidInputError, HandleError, CapacityError: as `ElasticBuffer.combine`, before any communication.
     """
-    if not isinstance(buffer, ElasticBuffer):
-        raise InvalidInputError(f"buffer must be a tokenyard.ElasticBuffer, got {type(buffer).__name__}")
-    if x.dtype != _WIRE_DTYPE:
-        raise InvalidInputError(f"an expanded combine carries bf16 rows, got {x.dtype}")
+    _check_expanded(buffer, x, "combine")
     if not getattr(handle, "do_expand", False):
         raise InvalidInputError("expanded_combine needs the handle of an expanded dispatch")
     topk_weights = None if topk_weights is None else topk_weights.contiguous()

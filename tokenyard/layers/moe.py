@@ -102,6 +102,30 @@ def rows_by_expert(recv_topk_idx: torch.Tensor, num_local: int, counts: Optional
     return order // recv_topk_idx.size(1), order % recv_topk_idx.size(1), list(counts)
 
 
+def experts_on_received(recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor,
+                        gate_up: torch.Tensor, down: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor],
+                        kind: str, counts: Optional[Sequence[int]] = None):
+    """The experts on normal-mode rows: ``out[i] = sum_k w[i, k] * expert_k(recv_x[i])`` over local ``recv_topk_idx``
+    (-1: another rank's expert), summed in float32 in expert order and returned in recv_x's dtype. The pairs are
+    grouped by expert (`rows_by_expert`, `counts` as there) and each expert's rows multiplied together
+    (`gated_experts_on_groups`). -> (out, the rows grouped by expert, counts)."""
+    rows, slots, counts = rows_by_expert(recv_topk_idx, gate_up.size(0), counts)
+    grouped = recv_x[rows]
+    if not sum(counts):
+        # Nothing arrived. Still hand back a result that depends on recv_x, so that this rank's backward
+        # reaches the combine and the dispatch which every other rank's backward waits for.
+        return recv_x * 0, grouped, counts
+    y = gated_experts_on_groups(grouped, group_ends(counts, recv_x.device), gate_up, down, act_fn, kind).float()
+    y = y * recv_topk_weights[rows, slots].float()[:, None]
+    out = torch.zeros(recv_x.size(0), recv_x.size(1), dtype=torch.float32, device=recv_x.device)
+    begin = 0
+    for count in counts:  # an expert's rows are distinct: each add is one per row, in expert order
+        if count:
+            out.index_add_(0, rows[begin:begin + count], y[begin:begin + count])
+        begin += count
+    return out.to(recv_x.dtype), grouped, counts
+
+
 def make_buffer(group: dist.ProcessGroup, hidden_size: int, num_max_tokens_per_rank: int,
                 dtype: torch.dtype = torch.bfloat16, *, backend: Optional[str] = None,
                 elastic: bool = False) -> Union[Buffer, ElasticBuffer]:
@@ -288,29 +312,13 @@ class GatedExperts(nn.Module):
     def forward(self, recv_x: torch.Tensor, recv_topk_idx: torch.Tensor, recv_topk_weights: torch.Tensor,
                 num_recv_tokens_per_expert_list: Optional[Sequence[int]] = None) -> torch.Tensor:
         """``recv_x [N, H]``, local ``recv_topk_idx [N, K]`` (-1: another rank's expert), float32
-        ``recv_topk_weights [N, K]`` -> ``[N, H]`` in recv_x's dtype, summed in float32 in expert order.
-
-        The pairs are grouped by expert (a stable sort) and each expert's rows multiplied together
-        (`gated_experts_on_groups`: two grouped GEMMs where `grouped_gemm_kind` says so).
+        ``recv_topk_weights [N, K]`` -> ``[N, H]`` in recv_x's dtype, summed in float32 in expert order
+        (`experts_on_received`: two grouped GEMMs where `grouped_gemm_kind` says so).
         `num_recv_tokens_per_expert_list`, the dispatch's counts (with expert_alignment 1), spares a host sync.
         """
-        rows, slots, counts = rows_by_expert(recv_topk_idx, self.num_local_experts,
-                                             num_recv_tokens_per_expert_list or None)
-        if not sum(counts):
-            # Nothing arrived. Still hand back a result that depends on recv_x, so that this rank's backward
-            # reaches the combine and the dispatch which every other rank's backward waits for.
-            return recv_x * 0
-        kind = grouped_gemm_kind(recv_x.device, recv_x.dtype)
-        y = gated_experts_on_groups(recv_x[rows], group_ends(counts, recv_x.device), self.gate_up_proj,
-                                    self.down_proj, self.act_fn, kind).float()
-        y = y * recv_topk_weights[rows, slots].float()[:, None]
-        out = torch.zeros(recv_x.size(0), recv_x.size(1), dtype=torch.float32, device=recv_x.device)
-        begin = 0
-        for count in counts:  # an expert's rows are distinct: each add is one per row, in expert order
-            if count:
-                out.index_add_(0, rows[begin:begin + count], y[begin:begin + count])
-            begin += count
-        return out.to(recv_x.dtype)
+        return experts_on_received(recv_x, recv_topk_idx, recv_topk_weights, self.gate_up_proj, self.down_proj,
+                                   self.act_fn, grouped_gemm_kind(recv_x.device, recv_x.dtype),
+                                   num_recv_tokens_per_expert_list or None)[0]
 
     def forward_expanded(self, recv_x: torch.Tensor, ends: torch.Tensor,
                          recv_topk_weights: Optional[torch.Tensor]) -> torch.Tensor:

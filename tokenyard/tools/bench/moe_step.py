@@ -168,18 +168,12 @@ def packed_experts(packed_x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
 
 
 def experts_on_received(recv_x, recv_topk_idx, recv_topk_weights, weights, kind, counts=None):
-    """The layer's expert part on normal-mode rows: ``out[i] = sum_k w[i,k] * expert_k(recv_x[i])`` in float32,
-    returned in bf16; also the rows each expert received, for the dispatch check. `counts`: as
-    tokenyard.layers.moe.rows_by_expert's."""
-    from ...layers.moe import group_ends, rows_by_expert
+    """The layer's expert part on normal-mode rows (tokenyard.layers.moe.experts_on_received with silu): -> (out in
+    recv_x's dtype, the rows each expert received, their counts), the rows for the dispatch check."""
+    from ...layers.moe import experts_on_received as on_received
 
     gate_up, down = weights
-    rows, slots, counts = rows_by_expert(recv_topk_idx, gate_up.size(0), counts)
-    grouped = recv_x[rows]
-    y = grouped_experts(grouped, group_ends(counts, recv_x.device), gate_up, down, kind).float() * \
-        recv_topk_weights[rows, slots][:, None]
-    out = torch.zeros(recv_x.shape, dtype=torch.float32, device=recv_x.device).index_add(0, rows, y)
-    return out.to(recv_x.dtype), grouped, counts
+    return on_received(recv_x, recv_topk_idx, recv_topk_weights, gate_up, down, F.silu, kind, counts)
 
 
 # -- one rank's step variants --------------------------------------------------------------------------------

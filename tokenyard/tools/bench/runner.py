@@ -12,10 +12,11 @@ the API time the same calls the same way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -166,10 +167,17 @@ def measure_normal(ctx: RankContext, buffer: Buffer, problem: Problem) -> Dict[s
     return with_other_times(ctx, samples, steps, TOKENYARD_KERNELS if buffer.backend == "cuda" else None)
 
 
-def elastic_buffer(ctx: RankContext, backend: str) -> ElasticBuffer:
+@contextlib.contextmanager
+def elastic_buffer(ctx: RankContext, backend: str) -> Iterator[ElasticBuffer]:
+    """The ElasticBuffer V2's calls are timed on, alive only inside the block: V1's calls and the low-latency ones
+    are timed with none alive."""
     s = ctx.settings
-    return ElasticBuffer(ctx.group, num_max_tokens_per_rank=s.num_tokens, hidden=s.hidden_size, num_topk=s.num_topk,
-                         backend=backend, check_inputs=False)
+    buffer = ElasticBuffer(ctx.group, num_max_tokens_per_rank=s.num_tokens, hidden=s.hidden_size,
+                           num_topk=s.num_topk, backend=backend, check_inputs=False)
+    try:
+        yield buffer
+    finally:
+        buffer.destroy()
 
 
 def measure_elastic(ctx: RankContext, buffer: ElasticBuffer, problem: Problem) -> Dict[str, bandwidth.Sample]:
@@ -342,7 +350,6 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
                     backend=name, check_inputs=False)  # value checks sync the device: not part of the cost
     out = {"samples": {}, "sweep": {}, "graph_error": None, "copy_limit_gbps": None, "copy_limit_method": None,
            "num_sms": Buffer.num_sms if name == "cuda" else None}
-    elastic = None
     try:
         out["copy_limit_gbps"], out["copy_limit_method"] = copy_limit_gbps(ctx, buffer)
         if s.runs("normal") or s.runs("compare_sm"):
@@ -350,8 +357,8 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
         if s.runs("normal"):
             progress.set_description(f"{name} normal")
             out["samples"].update(measure_normal(ctx, buffer, problem))
-            elastic = elastic_buffer(ctx, name)  # V1's calls are timed with no ElasticBuffer alive, as before it
-            out["samples"].update(measure_elastic(ctx, elastic, problem))
+            with elastic_buffer(ctx, name) as elastic:
+                out["samples"].update(measure_elastic(ctx, elastic, problem))
             progress.update()
         if s.runs("compare_sm"):  # V1's calls at each SM count, then V2's
             default_num_sms = Buffer.num_sms
@@ -361,16 +368,13 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
                     Buffer.set_num_sms(num_sms)
                     out["sweep"][num_sms] = measure_normal(ctx, buffer, problem)
                     progress.update()
-                elastic = elastic_buffer(ctx, name)
-                for num_sms in s.sm_counts:
-                    progress.set_description(f"{name} V2 {num_sms} SMs")
-                    Buffer.set_num_sms(num_sms)
-                    out["sweep"][num_sms].update(measure_elastic(ctx, elastic, problem))
+                with elastic_buffer(ctx, name) as elastic:
+                    for num_sms in s.sm_counts:
+                        progress.set_description(f"{name} V2 {num_sms} SMs")
+                        Buffer.set_num_sms(num_sms)
+                        out["sweep"][num_sms].update(measure_elastic(ctx, elastic, problem))
             finally:
                 Buffer.num_sms = default_num_sms
-        if elastic is not None:  # not alive while the low-latency calls are timed
-            elastic.destroy()
-            elastic = None
         if s.runs("low_latency"):
             progress.set_description(f"{name} low-latency")
             problem = make_problem(ctx, seed + LOW_LATENCY_SEED_OFFSET, s.num_tokens_low_latency, "bf16")
@@ -378,8 +382,6 @@ def measure_backend(ctx: RankContext, name: str, seed: int, progress) -> dict:
             out["samples"].update(samples)
             progress.update()
     finally:
-        if elastic is not None:
-            elastic.destroy()
         buffer.destroy()
     return out
 
