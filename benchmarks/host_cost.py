@@ -8,7 +8,8 @@ calls (NOTE [rounds of calls]) timed with ``time.perf_counter`` after 20 warm-up
 the loop, on a Buffer made with the defaults (so the default checks run). The calls are those that return
 without waiting for the GPU: `layout` (get_dispatch_layout), `dispatch_cached` (a handle given),
 `dispatch_worst` (num_worst_tokens), `combine`, and the low-latency pair (at token counts whose low-latency
-buffer fits the GPU).
+buffer fits the GPU); and `dispatch_fresh`, the fresh dispatch that waits for its counts, each call timed from an
+idle GPU (NOTE [fresh dispatch time]).
 
 At 4096 tokens it also measures, per call, the call time back to back (CUDA events around each of
 back-to-back calls: made before the loop, and as DeepEP's harness makes them, `_events_around`) beside the
@@ -34,7 +35,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's tokenyard
 
-CALLS = ("layout", "dispatch_cached", "dispatch_worst", "combine", "low_latency_dispatch", "low_latency_combine")
+CALLS = ("layout", "dispatch_cached", "dispatch_worst", "dispatch_fresh", "combine", "low_latency_dispatch",
+         "low_latency_combine")
+# NOTE [fresh dispatch time]: a fresh dispatch without num_worst_tokens waits on the host for its counts, so back to
+# back it would wait behind the previous call's transfer: it is timed with the GPU idle at each call's start (a
+# synchronisation before each, outside the timing), which gives its host time plus the count exchange's kernel.
+SYNCED_CALLS = ("dispatch_fresh",)
 WARMUP = 20
 PROFILE_TOKENS = 4096
 # NOTE [launch queue]: a call whose GPU work outlasts its host work fills the stream's launch queue within a
@@ -103,6 +109,9 @@ def rank_main(token_counts, profile_tokens: int, iters: int, rounds: int, gpu: b
                 x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=layout[0],
                 is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
                 num_worst_tokens=num_tokens * num_ranks),
+            "dispatch_fresh": lambda: buffer.dispatch(
+                x, topk_idx=topk_idx, topk_weights=weights, num_tokens_per_rank=layout[0],
+                is_token_in_rank=layout[3], num_tokens_per_expert=layout[2]),
             "combine": lambda: buffer.combine(rows, handle, topk_weights=recv_w),
         }
         if with_low_latency:
@@ -122,6 +131,8 @@ def rank_main(token_counts, profile_tokens: int, iters: int, rounds: int, gpu: b
                 dist.barrier()
                 samples = times[name][num_tokens]
                 for _ in range(iters):
+                    if name in SYNCED_CALLS:  # NOTE [fresh dispatch time]
+                        sync()
                     start = time.perf_counter()
                     op()
                     samples.append(time.perf_counter() - start)

@@ -175,10 +175,16 @@ class NormalCalls:
             if result is not None:
                 return result
         worst = fast is not None and handle is None and num_worst_tokens and not self.check_inputs
+        fresh = fast is not None and handle is None and not num_worst_tokens and not self.check_inputs
         layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
         if worst:
             result = fast.worst_dispatch(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                                          config, previous_event, async_finish, all_topk_weights)
+            if result is not None:
+                return result
+        if fresh:
+            result = self._fast_fresh_dispatch(fast, x, layout, topk_idx, topk_weights, expert_alignment, config,
+                                               previous_event, async_finish, all_topk_weights)
             if result is not None:
                 return result
         result = self._dispatch(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
@@ -190,7 +196,59 @@ class NormalCalls:
         if fast is not None and cached and self._last_rounds == 1 and getattr(handle, "fast_for", None) == self._id and \
                 self._learnable_x(x):
             fast.learn_cached_dispatch(x, handle, config, async_finish, self._learnable_shape, self._last_round_tokens)
+        if fresh and self._last_rounds == 1 and topk_idx is not None and self._learnable_x(x):
+            round_0 = rounds.first_round(self._learnable_request, self._last_round_tokens)[0]
+            fast.learn_fresh_dispatch(x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish,
+                                      all_topk_weights, self.runtime.dispatch_shape(round_0),
+                                      self._learnable_request.config, self._last_round_tokens)
         return result
+
+    def _fast_fresh_dispatch(self, fast, x, layout, topk_idx, topk_weights, expert_alignment, config, previous_event,
+                             async_finish: bool, all_topk_weights: bool):
+        """NOTE [fresh calls] (csrc/call_plan.cpp): a fresh dispatch without num_worst_tokens whose shape the full
+        path recorded runs round 0 as that path does (rounds.first_round: the same plans and inputs, so ranks on
+        either path communicate alike), its count exchange and transfer by `FastPaths.fresh_dispatch`, with no
+        argument checks; where another rank's call takes more rounds, they follow as the full path sends them.
+        -> `dispatch`'s outputs, or None (the full path runs)."""
+        entry = fast.fresh_entry(x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish,
+                                 all_topk_weights)
+        if entry is None or torch.cuda.is_current_stream_capturing():  # NOTE [graph capture]: the full path refuses
+            return None
+        recorded_config, round_tokens = entry[2], entry[3]
+        data, scales = x if isinstance(x, tuple) else (x, None)
+        per_rank, in_rank, per_expert = layout
+        request = DispatchRequest(x=data, x_scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                                  num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                  num_tokens_per_expert=per_expert, handle=None, expert_alignment=expert_alignment,
+                                  num_worst_tokens=0, config=config or recorded_config,
+                                  all_topk_weights=all_topk_weights,
+                                  check=LayoutCheck(topk_idx, per_rank, in_rank, per_expert))
+        round_0, call, placement = rounds.first_round(request, round_tokens)
+        first = fast.fresh_dispatch(entry, round_0, previous_event, async_finish)
+        if first is None:
+            return None
+        if first.most_call_tokens <= round_tokens:  # one round holds every rank's call
+            result, plan = rounds.after_first_round(self._normal_backend(), request, first, call, placement,
+                                                    round_tokens, self._exchange, False)
+            event = fast.event(async_finish)
+        else:
+            with self._stream_scope(use_comm_stream=True, previous_event=previous_event,
+                                    async_finish=async_finish) as scope:
+                result, plan = rounds.after_first_round(self._normal_backend(), request, first, call, placement,
+                                                        round_tokens, self._exchange, False)
+            event = scope.event
+            self._hand_over(scope.owner, (result.recv_x, result.recv_x_scales, result.recv_topk_idx,
+                                          result.recv_topk_weights) + tuple(result.handle))
+        new_handle = self._fresh_handle(result, plan, 0)
+        recv_x = result.recv_x if scales is None else (result.recv_x, result.recv_x_scales)
+        return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
+                new_handle, event)
+
+    def _fresh_handle(self, result, plan, num_worst_tokens: int) -> DispatchHandle:
+        """A fresh one-node dispatch's handle: the backend's fields, this Buffer's, the rounds."""
+        return DispatchHandle(*result.handle, buffer_id=self._id, rounds=plan,
+                              num_recv_tokens=None if num_worst_tokens else result.recv_x.size(0),
+                              fast_for=self._id if plan.num_rounds == 1 else None)
 
     def _learnable_x(self, x) -> bool:
         """A dispatch `x` whose call a fast path may record (NOTE [fast paths]): a tensor or a pair with 2-D
@@ -268,8 +326,11 @@ class NormalCalls:
                                   config=config, all_topk_weights=all_topk_weights,
                                   check=None if handle is not None else LayoutCheck(
                                       topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
-        if self._fast is not None and not self._internode and (handle is not None or num_worst_tokens):  # fast paths
-            self._learnable_shape = self.runtime.dispatch_shape(request)
+        if self._fast is not None and not self._internode:  # what the fast paths record (NOTE [fast paths])
+            if handle is not None or num_worst_tokens:
+                self._learnable_shape = self.runtime.dispatch_shape(request)
+            else:
+                self._learnable_request = request
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
             if self._internode:  # whole calls (NOTE [internode stages] in backends/internode.py)
@@ -286,9 +347,7 @@ class NormalCalls:
         if handle is None and self._internode:
             new_handle = self._internode_handle(result, num_worst_tokens)
         elif handle is None:
-            new_handle = DispatchHandle(*result.handle, buffer_id=self._id, rounds=plan,
-                                        num_recv_tokens=None if num_worst_tokens else result.recv_x.size(0),
-                                        fast_for=self._id if plan.num_rounds == 1 else None)
+            new_handle = self._fresh_handle(result, plan, num_worst_tokens)
         outputs = (result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights)
         self._hand_over(scope.owner, outputs + tuple(new_handle) + tuple(getattr(new_handle, "flat", None) or ()))
         if async_finish:

@@ -230,9 +230,25 @@ def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: 
     # with no collective of its own; a backend that does not report it (most_call_tokens None) has the
     # count agreed on once round 0's exchange has succeeded on this rank, on a stream of its own so that
     # it does not wait for round 0's transfer.
+    round_0, call, placement = first_round(request, round_tokens)
+    return after_first_round(backend, request, backend.dispatch(round_0), call, placement, round_tokens, exchange,
+                             check_values)
+
+
+def first_round(request: DispatchRequest, round_tokens: int) -> Tuple[DispatchRequest, WholeCall, Placement]:
+    """Round 0 of a fresh dispatch without num_worst_tokens (the whole call where one round holds it): its
+    request, the whole call its count exchange shares, its placement."""
+    num_ranks, device = request.is_token_in_rank.size(1), request.x.device
     call = _whole_call(request)
-    placement = Placement(_int32(num_ranks, request.x.device), None, 0, _int32(num_ranks, request.x.device))
-    first = backend.dispatch(_round_request(request, 0, 0, min(num_tokens, round_tokens), placement, call))
+    placement = Placement(_int32(num_ranks, device), None, 0, _int32(num_ranks, device))
+    return _round_request(request, 0, 0, min(request.x.size(0), round_tokens), placement, call), call, placement
+
+
+def after_first_round(backend, request: DispatchRequest, first: DispatchResult, call: WholeCall, placement: Placement,
+                      round_tokens: int, exchange: Collectives, check_values: bool) -> Tuple[DispatchResult, Rounds]:
+    """A fresh dispatch without num_worst_tokens once round 0 (`first_round`) has run as `first`: the rounds
+    the call takes, those after round 0 sent."""
+    num_tokens = request.x.size(0)
     most = first.most_call_tokens if first.most_call_tokens is not None else exchange.max_int(num_tokens)
     rounds = Rounds(round_tokens, max(1, _ceil_div(most, round_tokens)), min(round_tokens, most), most)
     if rounds.num_rounds == 1:

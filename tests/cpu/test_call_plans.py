@@ -322,6 +322,55 @@ def test_fast_calls_run_what_they_recorded_with_new_tickets_and_ordered_streams(
         calls.run((0, src, rows), (src, None), 11, None, False, 0)
 
 
+def test_fresh_calls_run_both_plans_on_one_stream_and_join_after_the_second(driver, extension):
+    """NOTE [fresh calls]: the first plan goes where `run` would send a call and the call stays open there; the
+    second follows it with no wait of its own, then the streams are left as after `run`; `abandon` only joins."""
+    rng = random.Random()
+    calls = _calls(extension, _Recorder())
+    first, second = rng.sample(range(1, 1 << 40), 2)
+    plan_1, plan_2 = _seq_plan(FakeKernel(SPEC, first)), _seq_plan(FakeKernel(SPEC, second))
+    src = torch.randint(0, 100, (rng.randrange(2, 50),), dtype=torch.int32)
+    ticket = rng.randrange(1, 1 << 31)
+
+    def launched_seqs():
+        return [int.from_bytes(c[6][SPEC.args_type.seq.offset:SPEC.args_type.seq.offset + 4], "little")
+                for c in driver.calls if c[0] == "launch"]
+
+    assert calls.run_first(plan_1.native, (src, None), [ticket, 1], 11, _Event(None), False) is None
+    assert driver.calls == []  # an unreadable event: nothing launched, the full path runs
+    assert calls.run_first(plan_1.native, (src, None), [ticket, 1], 11, None, False) == ()
+    assert [c[:3] for c in driver.calls] == [("record", 33, 11), ("wait", 22, 33), ("launch", first, 1)]
+    assert driver.calls[2][5] == 22 and not calls.runs_straight(11, False, False)  # open: nothing joined yet
+    driver.calls.clear()
+    assert calls.finish(plan_2.native, (src, None), [ticket, 2], False) == ()
+    assert [c[:3] for c in driver.calls] == [("launch", second, 1), ("record", 44, 22), ("wait", 11, 44)]
+    assert driver.calls[0][5] == 22 and launched_seqs() == [ticket]
+    driver.calls.clear()
+    calls.run_first(plan_1.native, (src, None), [ticket + 1, 1], 11, None, False)  # the joined stream: straight
+    calls.finish(plan_2.native, (src, None), [ticket + 1, 2], False)
+    assert [(c[0], c[5]) for c in driver.calls] == [("launch", 11), ("launch", 11)] and calls.ran_on == 11
+    driver.calls.clear()
+    # Another stream, after an event, asynchronous: the comm stream catches up with the stream that ran straight
+    # and waits for the event, never for the caller's stream; nothing is joined at the end.
+    calls.run_first(plan_1.native, (None, None), [ticket, 1], 12, _Event(77), True)
+    calls.finish(plan_2.native, (None, None), [ticket, 2], True)
+    assert [c[:3] for c in driver.calls] == [("record", 33, 11), ("wait", 22, 33), ("wait", 22, 77),
+                                              ("launch", first, 1), ("launch", second, 1)]
+    assert not calls.runs_straight(12, False, False)
+    driver.calls.clear()
+    # The host's wait raised between the plans: the caller's stream waits for the comm stream, as after a call.
+    calls.run_first(plan_1.native, (None, None), [ticket, 1], 12, None, False)
+    calls.abandon()
+    assert [c[:3] for c in driver.calls] == [("wait", 22, 33), ("launch", first, 1), ("record", 44, 22),
+                                              ("wait", 12, 44)] or \
+        [c[:3] for c in driver.calls] == [("record", 33, 12), ("wait", 22, 33), ("launch", first, 1),
+                                          ("record", 44, 22), ("wait", 12, 44)]
+    assert calls.runs_straight(12, False, False)
+    driver.calls.clear()
+    calls.abandon()  # nothing open: nothing to join
+    assert driver.calls == []
+
+
 def test_fast_calls_stream_order_is_the_full_paths_too(extension):
     recorder = _Recorder()
     calls = _calls(extension, recorder)

@@ -241,7 +241,8 @@ public:
     int64_t num_outputs() const { return num_returned_; }
 
     // inputs: tensors or None (a null pointer); scalars: per-call integers. The launches go to `comm` after
-    // it waited for `wait_event` (the caller's event) or else for `compute` (through `enter_event`); with
+    // it waited for `wait_event` (the caller's event; -1: nothing, the call's earlier launches are on `comm`
+    // already) or else for `compute` (through `enter_event`); with
     // `join` the compute stream then waits for them (through `exit_event`). Without `comm` they go to
     // `compute`. `record_on_comm`: the run's tensors (and the inputs) are marked as used by the comm stream
     // (an asynchronous call, whose compute stream does not wait), `comm_id` being PyTorch's id of it.
@@ -313,7 +314,7 @@ public:
         }
         profile.step(kOutputs);
         void* stream = reinterpret_cast<void*>(comm != 0 ? comm : compute);
-        if (comm != 0) {
+        if (comm != 0 && wait_event >= 0) {
             void* waited = reinterpret_cast<void*>(wait_event);
             if (waited == nullptr) {
                 waited = reinterpret_cast<void*>(enter_event);
@@ -451,27 +452,55 @@ public:
         }
         if (entry.ticketed)
             entry.scalars.at(0) = next_ticket();  // the entry's own copy: runs hold the GIL, one at a time
-        const std::vector<int64_t>& scalars = entry.scalars;
-        py::tuple outputs;
-        if (runs_straight(compute, waited != 0, async_finish)) {
-            outputs = entry.native->run(inputs, scalars, compute, 0, 0, 0, 0, false, false, 0);
-        } else {
-            const int64_t behind = catch_up(compute, waited == 0);
-            if (behind >= 0) {
-                const Driver& d = driver();
-                void* event = reinterpret_cast<void*>(enter_event_);  // a wait takes the event's state when made
-                check(d.record(event, reinterpret_cast<void*>(behind)), "cuEventRecord");
-                check(d.wait(reinterpret_cast<void*>(comm_), event, 0), "cuStreamWaitEvent");
-            }
-            outputs = entry.native->run(inputs, scalars, compute, comm_, waited, enter_event_, exit_event_,
-                                        !async_finish, async_finish, comm_id_);
-            joined_ = async_finish ? -1 : compute;
-        }
+        py::tuple outputs = launch(*entry.native, inputs, entry.scalars, compute, waited, async_finish, true);
         return py::make_tuple(entry.extra, std::move(outputs), 0);
     }
 
-    // A recorded call that Python runs itself (the low-latency combine): its `extra` where it may run now
-    // (`ready`), else None.
+    // NOTE [fresh calls]: a fresh dispatch with the CPU wait runs two plans, the count exchange and then, once the
+    // host has read the counts, the transfer. Its record is found by `take`; `run_first` runs the first plan on
+    // the stream `run` would pick, with the caller's `scalars`, and leaves the call open there; `finish` runs the
+    // second plan after it and leaves the streams as `run` does; `abandon` only joins them (the host's wait
+    // raised in between). -> the first plan's outputs, or None where `previous_event` cannot be read (the full
+    // path runs).
+    py::object run_first(py::object plan, const py::tuple& inputs, const std::vector<int64_t>& scalars,
+                         int64_t compute, py::handle previous_event, bool async_finish) {
+        int64_t waited = 0;
+        if (!previous_event.is_none() && !read_event(previous_event, waited))
+            return py::none();
+        py::tuple outputs = launch(*plan.cast<Plan*>(), inputs, scalars, compute, waited, async_finish, false);
+        open_compute_ = compute;
+        return std::move(outputs);
+    }
+
+    py::tuple finish(py::object plan, const py::tuple& inputs, const std::vector<int64_t>& scalars,
+                     bool async_finish) {
+        const int64_t compute = open_compute_;
+        open_compute_ = -1;
+        Plan& second = *plan.cast<Plan*>();
+        if (!open_on_comm_)
+            return second.run(inputs, scalars, compute, 0, 0, 0, 0, false, false, 0);
+        // After the first plan's launches on the comm stream, with no wait: one for `compute` would hold the
+        // transfer behind whatever the caller queued there before the call (what `previous_event` frees it from).
+        py::tuple outputs = second.run(inputs, scalars, compute, comm_, -1, enter_event_, exit_event_, !async_finish,
+                                       async_finish, comm_id_);
+        joined_ = async_finish ? -1 : compute;
+        return outputs;
+    }
+
+    void abandon() {
+        const int64_t compute = open_compute_;
+        open_compute_ = -1;
+        if (compute < 0 || !open_on_comm_)
+            return;
+        const Driver& d = driver();
+        void* event = reinterpret_cast<void*>(exit_event_);
+        check(d.record(event, reinterpret_cast<void*>(comm_)), "cuEventRecord");
+        check(d.wait(reinterpret_cast<void*>(compute), event, 0), "cuStreamWaitEvent");
+        joined_ = compute;
+    }
+
+    // A recorded call that Python runs itself (the low-latency combine, a fresh dispatch): its `extra` where it
+    // may run now (`ready`), else None.
     py::object take(const py::tuple& key_items) {
         Entry* found = find(key_items);
         if (found == nullptr || !ready())
@@ -529,6 +558,29 @@ public:
     int64_t hits() const { return hits_; }
 
 private:
+    // A plan's run on the stream NOTE [joined stream] picks; `close`: the streams left as the call's end leaves them
+    // (else the call stays open on that stream, `open_on_comm_`, for `finish`).
+    py::tuple launch(Plan& plan, const py::tuple& inputs, const std::vector<int64_t>& scalars, int64_t compute,
+                     int64_t waited, bool async_finish, bool close) {
+        if (runs_straight(compute, waited != 0, async_finish)) {
+            open_on_comm_ = false;
+            return plan.run(inputs, scalars, compute, 0, 0, 0, 0, false, false, 0);
+        }
+        const int64_t behind = catch_up(compute, waited == 0);
+        if (behind >= 0) {
+            const Driver& d = driver();
+            void* event = reinterpret_cast<void*>(enter_event_);  // a wait takes the event's state when made
+            check(d.record(event, reinterpret_cast<void*>(behind)), "cuEventRecord");
+            check(d.wait(reinterpret_cast<void*>(comm_), event, 0), "cuStreamWaitEvent");
+        }
+        open_on_comm_ = true;
+        py::tuple outputs = plan.run(inputs, scalars, compute, comm_, waited, enter_event_, exit_event_,
+                                     close && !async_finish, async_finish, comm_id_);
+        if (close)
+            joined_ = async_finish ? -1 : compute;
+        return outputs;
+    }
+
     struct Entry {
         py::object plan;  // holds `native`
         Plan* native;
@@ -572,6 +624,8 @@ private:
     py::object check_failures_;
     int64_t comm_ = 0, comm_id_ = 0, enter_event_ = 0, exit_event_ = 0;
     int64_t joined_ = -1, ran_on_ = -1;
+    int64_t open_compute_ = -1;  // NOTE [fresh calls]: the caller's stream of the open call, else -1
+    bool open_on_comm_ = false;
     int64_t tickets_ = 0, hits_ = 0, low_latency_calls_ = 0;
     std::unordered_map<std::string, Entry> entries_;
 };
@@ -596,6 +650,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("set_streams", &Calls::set_streams)
         .def("learn", &Calls::learn)
         .def("run", &Calls::run)
+        .def("run_first", &Calls::run_first)
+        .def("finish", &Calls::finish)
+        .def("abandon", &Calls::abandon)
         .def("take", &Calls::take)
         .def("forget", &Calls::forget)
         .def("next_ticket", &Calls::next_ticket)

@@ -454,8 +454,18 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         self.check_failures()
-        num_ranks = self.ctx.num_ranks
         first, second = self.dispatch_plans(self.dispatch_shape(request))
+        inputs, scalars = self.dispatch_values(request)
+        stream = self._stream()
+        made = first.named(first.run_here(stream, inputs, scalars))
+        per_expert_list = most_call_tokens = None
+        if second is not None:
+            per_expert_list, most_call_tokens = self.counts_arrived(request, scalars)
+            made.update(second.named(second.run_here(stream, inputs + tuple(made.values()), scalars)))
+        return self.dispatch_result(request, made, inputs[4], per_expert_list, most_call_tokens)
+
+    def dispatch_values(self, request: DispatchRequest) -> Tuple[tuple, list]:
+        """A dispatch's inputs (DISPATCH_INPUTS) and per-call values (DISPATCH_SCALARS, with a new ticket)."""
         placement, call, handle, check = request.placement, request.call, request.handle, request.check
         outputs = None if placement is None else placement.outputs
         inputs = (request.x, request.x_scales, None if handle is not None else request.topk_idx,
@@ -473,32 +483,41 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                         request.num_worst_tokens if outputs is None else outputs[0].size(0),
                                         0 if outputs is None else placement.token_base,
                                         0 if check is None else check.is_token_in_rank.size(0))
-        ticket = scalars[0]
-        stream = self._stream()
-        made = first.named(first.run_here(stream, inputs, scalars))
-        per_expert_list = most_call_tokens = None
-        if second is not None:
-            self._wait_host_counts(ticket)
-            if self.host_counts[4] != 0:  # NOTE [input verdict]: every rank raises; the Buffer stays usable
-                mask = int(self.host_counts[4]) & _MASK32
-                raise checks.verdict_error(checks.ranks_in(mask, num_ranks), int(self.host_counts[5]),
-                                           request.num_experts)
-            num_rows, most_call_tokens = int(self.host_counts[1]), int(self.host_counts[2])
-            if placement is not None:  # round 0 of a call in rounds: the whole call's rows, this round's placed
-                num_rows = int(self.host_counts[3])
-                scalars[_NUM_WORST] = num_rows
-            scalars[_NUM_ROWS] = num_rows
-            num_local_experts = request.num_experts // num_ranks
-            per_expert_list = [int(self.host_counts[_HOST_EXPERTS_AT + l]) for l in range(num_local_experts)]
-            made.update(second.named(second.run_here(stream, inputs + tuple(made.values()), scalars)))
-        elif handle is None and outputs is None and request.num_worst_tokens:
+        return inputs, scalars
+
+    def counts_arrived(self, request: DispatchRequest, scalars: list) -> Tuple[list, int]:
+        """The host's half of a dispatch's count exchange, after its first plan ran: waits (bounded) for the counts
+        of call `scalars[0]`, raises the input verdict, and sets the received rows in `scalars` for the second
+        plan; -> (each local expert's count, the most tokens of any rank's whole call)."""
+        num_ranks, placement = self.ctx.num_ranks, request.placement
+        self._wait_host_counts(scalars[0])
+        if self.host_counts[4] != 0:  # NOTE [input verdict]: every rank raises; the Buffer stays usable
+            mask = int(self.host_counts[4]) & _MASK32
+            raise checks.verdict_error(checks.ranks_in(mask, num_ranks), int(self.host_counts[5]),
+                                       request.num_experts)
+        num_rows, most_call_tokens = int(self.host_counts[1]), int(self.host_counts[2])
+        if placement is not None:  # round 0 of a call in rounds: the whole call's rows, this round's placed
+            num_rows = int(self.host_counts[3])
+            scalars[_NUM_WORST] = num_rows
+        scalars[_NUM_ROWS] = num_rows
+        num_local_experts = request.num_experts // num_ranks
+        return [int(self.host_counts[_HOST_EXPERTS_AT + l]) for l in range(num_local_experts)], most_call_tokens
+
+    @staticmethod
+    def dispatch_result(request: DispatchRequest, made: dict, in_rank: torch.Tensor, per_expert_list: Optional[list],
+                        most_call_tokens: Optional[int]) -> DispatchResult:
+        """A dispatch's result from its plans' outputs by name (`made`), the is_token_in_rank they read, and what
+        its count exchange told the host."""
+        placement, handle = request.placement, request.handle
+        outputs = None if placement is None else placement.outputs
+        if per_expert_list is None and handle is None and outputs is None and request.num_worst_tokens:
             per_expert_list = []
         if outputs is None:
             outputs = tuple(made.get(n) for n in ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
                                                   "recv_src_idx"))
         if handle is None:
             handle = DispatchHandle(made["rank_prefix_matrix"], made["counts"], made["source_first"], outputs[4],
-                                    inputs[4], made["send_head"])
+                                    in_rank, made["send_head"])
         return DispatchResult(*outputs[:4], per_expert_list, handle, most_call_tokens)
 
     def combine_plan(self, num_tokens: int, hidden: int, num_topk: int, num_biases: int, num_sms: int,

@@ -43,7 +43,8 @@ def split_x(x):
 
 
 _NINE_NONES = (None,) * 9
-_LAYOUT, _CACHED, _WORST, _COMBINE, _LOW_LATENCY_DISPATCH, _LOW_LATENCY_COMBINE = range(6)  # a signature's first item
+# A signature's first item:
+_LAYOUT, _CACHED, _WORST, _COMBINE, _LOW_LATENCY_DISPATCH, _LOW_LATENCY_COMBINE, _FRESH = range(7)
 
 
 class FastPaths:
@@ -71,7 +72,7 @@ class FastPaths:
     # Each call below is one `self.calls.run` (NOTE [fast calls]): -> (the extra it recorded, outputs, a low-latency
     # dispatch's half), or None.
 
-    def _event(self, async_finish: bool) -> EventOverlap:
+    def event(self, async_finish: bool) -> EventOverlap:
         """A normal-mode call's event, as the full path's stream scope makes it."""
         return EventOverlap(EventHandle(self.comm_stream)) if async_finish else EventOverlap(None)
 
@@ -87,7 +88,7 @@ class FastPaths:
         if ran is None:
             return None
         per_rank, per_expert, in_rank = ran[1]
-        return per_rank, None, per_expert, in_rank, self._event(async_finish)
+        return per_rank, None, per_expert, in_rank, self.event(async_finish)
 
     def learn_layout(self, topk_idx, num_experts, async_finish) -> None:
         plan = self.backend.layout_plan(topk_idx.dtype, topk_idx.size(0), topk_idx.size(1), num_experts)
@@ -109,7 +110,7 @@ class FastPaths:
             return None
         (recv_x_at, scales_at), outputs, _ = ran
         recv_x = outputs[recv_x_at] if scales is None else (outputs[recv_x_at], outputs[scales_at])
-        return recv_x, None, None, None, None, self._event(async_finish)
+        return recv_x, None, None, None, None, self.event(async_finish)
 
     def learn_cached_dispatch(self, x, handle, config, async_finish, shape, round_tokens: int) -> None:
         first, second = self.backend.dispatch_plans(shape)
@@ -146,7 +147,7 @@ class FastPaths:
                                    {"buffer_id": buffer_id, "rounds": rounds, "num_recv_tokens": None,
                                     "fast_for": buffer_id})
         return ((recv_x, *recv_scales) if scales is not None else recv_x, recv_idx, recv_weights, [], handle,
-                self._event(async_finish))
+                self.event(async_finish))
 
     def learn_worst_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
                              async_finish, shape, rounds, all_weights: bool = False) -> None:
@@ -163,6 +164,46 @@ class FastPaths:
                          self.backend.dispatch_scalars(num_tokens, None, num_worst_tokens, 0, num_tokens, ticket=0),
                          True, 0, [])
 
+    def _fresh_key(self, x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish, all_weights):
+        return (_FRESH, x, layout, topk_idx, topk_weights, expert_alignment, self._num_sms(config), async_finish,
+                all_weights)
+
+    def fresh_entry(self, x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish,
+                    all_weights: bool):
+        """The record of a fresh dispatch without num_worst_tokens of this shape, (first plan, second plan,
+        config, round tokens), where a fast call may run now; else None."""
+        return self.calls.take(self._fresh_key(x, layout, topk_idx, topk_weights, expert_alignment, config,
+                                               async_finish, all_weights))
+
+    def fresh_dispatch(self, entry, round_0, previous_event, async_finish: bool):
+        """Round 0 (`round_0`, rounds.first_round's request) of a fresh dispatch recorded as `entry`: its count
+        exchange, the host's wait for the counts, its transfer (NOTE [fresh calls] in csrc/call_plan.cpp).
+        -> the backend's DispatchResult, or None (an unreadable `previous_event`: the full path runs)."""
+        first, second = entry[0], entry[1]
+        inputs, scalars = self.backend.dispatch_values(round_0)
+        made = self.calls.run_first(first.native, inputs, scalars, _raw_stream(self.device_index), previous_event,
+                                    async_finish)
+        if made is None:
+            return None
+        try:
+            per_expert_list, most_call_tokens = self.backend.counts_arrived(round_0, scalars)
+        except BaseException:
+            self.calls.abandon()
+            raise
+        named = first.named(made)
+        named.update(second.named(self.calls.finish(second.native, inputs + made, scalars, async_finish)))
+        return self.backend.dispatch_result(round_0, named, inputs[4], per_expert_list, most_call_tokens)
+
+    def learn_fresh_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish,
+                             all_weights: bool, shape, recorded_config, round_tokens: int) -> None:
+        """Records a fresh dispatch that took one round; `shape`: its round 0's DispatchShape."""
+        first, second = self.backend.dispatch_plans(shape)
+        if second is None:
+            return
+        self.calls.learn(self._fresh_key(x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish,
+                                         all_weights), first.native, (first, second, recorded_config, round_tokens),
+                         [], False, 0, [])
+
     def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
         return (_COMBINE, x, topk_weights, bias, handle[3], handle[4],  # as _cached_key's
                 self._num_sms(config), async_finish)
@@ -178,7 +219,7 @@ class FastPaths:
         if ran is None:
             return None
         outputs = ran[1]
-        return outputs[0], (outputs[1] if topk_weights is not None else None), self._event(async_finish)
+        return outputs[0], (outputs[1] if topk_weights is not None else None), self.event(async_finish)
 
     def learn_combine(self, x, handle, topk_weights, bias, config, async_finish, round_tokens: int) -> None:
         num_sms = self._num_sms(config)
