@@ -363,8 +363,9 @@ class ElasticBuffer:
 
     def _finish(self, scope, outputs: tuple, inputs: tuple, async_with_compute_stream: bool) -> EventOverlap:
         """The call's event (NOTE [elastic streams]), after handing its tensors to the streams that use them."""
-        # A handle's fields: its tensors, and the V1 handle (a tuple) with its own.
-        made = [v for t in outputs for v in (vars(t).values() if isinstance(t, EPHandle) else (t,))]
+        # A handle's fields: its tensors, and the V1 handle (a tuple) with its own; not its list of counts.
+        made = [v for t in outputs for v in (vars(t).values() if isinstance(t, EPHandle) else (t,))
+                if not isinstance(v, list)]
         self.buffer._hand_over(scope.owner, made)
         if not async_with_compute_stream:
             return EventOverlap(None)

@@ -500,8 +500,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             num_rows = int(self.host_counts[3])
             scalars[_NUM_WORST] = num_rows
         scalars[_NUM_ROWS] = num_rows
-        num_local_experts = request.num_experts // num_ranks
-        return [int(self.host_counts[_HOST_EXPERTS_AT + l]) for l in range(num_local_experts)], most_call_tokens
+        num_local_experts = request.num_experts // num_ranks  # a ctypes slice: one list, not an index per expert
+        return self.host_counts[_HOST_EXPERTS_AT:_HOST_EXPERTS_AT + num_local_experts], most_call_tokens
 
     @staticmethod
     def dispatch_result(request: DispatchRequest, made: dict, in_rank: torch.Tensor, per_expert_list: Optional[list],
