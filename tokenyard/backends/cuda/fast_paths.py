@@ -16,7 +16,10 @@ Keys hold per-rank shapes, so in one call some ranks may take a fast path and ot
 must then communicate alike. The full path's only host collectives are those of rounds (`rounds.derive`), so
 a cached dispatch or a combine takes its fast path only where the handle's rounds fit the call's round size
 (the same on every rank, recorded with the plan); there the full path replays them with no collective. A
-fast path taken where they did not fit would also run more tokens than one round holds.
+fast path taken where they did not fit would also run more tokens than one round holds. A fresh dispatch
+without num_worst_tokens learns its round count only from its count exchange: its fast path (NOTE [fresh calls]
+in csrc/call_plan.cpp) runs round 0 as the full path does and, where another rank's call needs more rounds, the
+Buffer sends them as the full path would.
 
 Outputs are allocated on the caller's current stream (which waits for the communication stream at the end
 of a call unless `async_finish`), so no tensor needs `record_stream` on the synchronous path; with
@@ -70,7 +73,7 @@ class FastPaths:
         return self.calls.hits
 
     # Each call below is one `self.calls.run` (NOTE [fast calls]): -> (the extra it recorded, outputs, a low-latency
-    # dispatch's half), or None.
+    # dispatch's half), or None; a fresh dispatch's is `take`, `run_first` and `finish` (NOTE [fresh calls]).
 
     def event(self, async_finish: bool) -> EventOverlap:
         """A normal-mode call's event, as the full path's stream scope makes it."""
