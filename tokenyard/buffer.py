@@ -193,8 +193,7 @@ class Buffer(NormalCalls, LowLatencyCalls):
         self._comm_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._fast = None  # NOTE [fast paths]
         self._last_rounds = self._last_round_tokens = 0  # the last normal call's, for the fast paths to learn
-        self._learnable_shape = None  # the CUDA backend's DispatchShape of the last cached or worst-case dispatch
-        self._learnable_request = None  # the last fresh dispatch's request without num_worst_tokens
+        self._learnable_shape = None  # the CUDA backend's DispatchShape of the last dispatch (a fresh one's round 0)
         if self.backend == "cuda":
             from .backends.cuda.fast_paths import FastPaths
 

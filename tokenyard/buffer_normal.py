@@ -174,8 +174,8 @@ class NormalCalls:
             result = fast.cached_dispatch(x, handle, config, previous_event, async_finish)
             if result is not None:
                 return result
-        worst = fast is not None and handle is None and num_worst_tokens and not self.check_inputs
-        fresh = fast is not None and handle is None and not num_worst_tokens and not self.check_inputs
+        unchecked_fresh = fast is not None and handle is None and not self.check_inputs
+        worst, fresh = unchecked_fresh and num_worst_tokens, unchecked_fresh and not num_worst_tokens
         layout = (num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert)
         if worst:
             result = fast.worst_dispatch(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
@@ -197,10 +197,8 @@ class NormalCalls:
                 self._learnable_x(x):
             fast.learn_cached_dispatch(x, handle, config, async_finish, self._learnable_shape, self._last_round_tokens)
         if fresh and self._last_rounds == 1 and topk_idx is not None and self._learnable_x(x):
-            round_0 = rounds.first_round(self._learnable_request, self._last_round_tokens)[0]
             fast.learn_fresh_dispatch(x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish,
-                                      all_topk_weights, self.runtime.dispatch_shape(round_0),
-                                      self._learnable_request.config, self._last_round_tokens)
+                                      all_topk_weights, self._learnable_shape, self._last_round_tokens)
         return result
 
     def _fast_fresh_dispatch(self, fast, x, layout, topk_idx, topk_weights, expert_alignment, config, previous_event,
@@ -214,13 +212,14 @@ class NormalCalls:
                                  all_topk_weights)
         if entry is None or torch.cuda.is_current_stream_capturing():  # NOTE [graph capture]: the full path refuses
             return None
-        recorded_config, round_tokens = entry[2], entry[3]
+        round_tokens = entry[2]
         data, scales = x if isinstance(x, tuple) else (x, None)
         per_rank, in_rank, per_expert = layout
         request = DispatchRequest(x=data, x_scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
                                   num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                   num_tokens_per_expert=per_expert, handle=None, expert_alignment=expert_alignment,
-                                  num_worst_tokens=0, config=config or recorded_config,
+                                  num_worst_tokens=0,
+                                  config=config if config is not None else self.get_dispatch_config(self.group_size),
                                   all_topk_weights=all_topk_weights,
                                   check=LayoutCheck(topk_idx, per_rank, in_rank, per_expert))
         round_0, call, placement = rounds.first_round(request, round_tokens)
@@ -327,10 +326,9 @@ class NormalCalls:
                                   check=None if handle is not None else LayoutCheck(
                                       topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
         if self._fast is not None and not self._internode:  # what the fast paths record (NOTE [fast paths])
-            if handle is not None or num_worst_tokens:
-                self._learnable_shape = self.runtime.dispatch_shape(request)
-            else:
-                self._learnable_request = request
+            recorded = request if handle is not None or num_worst_tokens else \
+                rounds.first_round(request, round_tokens)[0]  # a fresh dispatch's fast path runs its round 0
+            self._learnable_shape = self.runtime.dispatch_shape(recorded)
         with self._stream_scope(use_comm_stream=True, previous_event=previous_event, async_finish=async_finish,
                                 allocate_on_comm_stream=allocate_on_comm_stream) as scope:
             if self._internode:  # whole calls (NOTE [internode stages] in backends/internode.py)

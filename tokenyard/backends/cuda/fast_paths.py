@@ -173,8 +173,8 @@ class FastPaths:
 
     def fresh_entry(self, x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish,
                     all_weights: bool):
-        """The record of a fresh dispatch without num_worst_tokens of this shape, (first plan, second plan,
-        config, round tokens), where a fast call may run now; else None."""
+        """The record of a fresh dispatch without num_worst_tokens of this shape, (first plan, second plan, round
+        tokens), where a fast call may run now; else None."""
         return self.calls.take(self._fresh_key(x, layout, topk_idx, topk_weights, expert_alignment, config,
                                                async_finish, all_weights))
 
@@ -198,14 +198,13 @@ class FastPaths:
         return self.backend.dispatch_result(round_0, named, inputs[4], per_expert_list, most_call_tokens)
 
     def learn_fresh_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish,
-                             all_weights: bool, shape, recorded_config, round_tokens: int) -> None:
+                             all_weights: bool, shape, round_tokens: int) -> None:
         """Records a fresh dispatch that took one round; `shape`: its round 0's DispatchShape."""
         first, second = self.backend.dispatch_plans(shape)
         if second is None:
             return
         self.calls.learn(self._fresh_key(x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish,
-                                         all_weights), first.native, (first, second, recorded_config, round_tokens),
-                         [], False, 0, [])
+                                         all_weights), first.native, (first, second, round_tokens), [], False, 0, [])
 
     def _combine_key(self, x, handle, topk_weights, bias, config, async_finish):
         return (_COMBINE, x, topk_weights, bias, handle[3], handle[4],  # as _cached_key's
