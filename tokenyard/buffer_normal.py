@@ -245,9 +245,9 @@ class NormalCalls:
 
     def _fresh_handle(self, result, plan, num_worst_tokens: int) -> DispatchHandle:
         """A fresh one-node dispatch's handle: the backend's fields, this Buffer's, the rounds."""
-        return DispatchHandle(*result.handle, buffer_id=self._id, rounds=plan,
-                              num_recv_tokens=None if num_worst_tokens else result.recv_x.size(0),
-                              fast_for=self._id if plan.num_rounds == 1 else None)
+        return DispatchHandle.of(result.handle, dict(
+            buffer_id=self._id, rounds=plan, num_recv_tokens=None if num_worst_tokens else result.recv_x.size(0),
+            fast_for=self._id if plan.num_rounds == 1 else None))
 
     def _learnable_x(self, x) -> bool:
         """A dispatch `x` whose call a fast path may record (NOTE [fast paths]): a tensor or a pair with 2-D

@@ -183,7 +183,7 @@ def _round_request(request: DispatchRequest, r: int, begin: int, end: int, place
                    call: Optional[WholeCall]) -> DispatchRequest:
     """Round r's request: tokens [begin, end) of this rank, the whole per-expert count in round 0 only."""
     if r == 0 and end == request.x.size(0):
-        return dataclasses.replace(request, num_worst_tokens=0, placement=placement, call=call)
+        return request.whole_round(placement, call)
     in_rank = request.is_token_in_rank[begin:end]
     per_expert = request.num_tokens_per_expert
     return dataclasses.replace(
@@ -238,12 +238,9 @@ def dispatch(backend, request: DispatchRequest, *, round_tokens: int, exchange: 
 def first_round(request: DispatchRequest, round_tokens: int) -> Tuple[DispatchRequest, WholeCall, Placement]:
     """Round 0 of a fresh dispatch without num_worst_tokens (the whole call where one round holds it): its
     request, the whole call its count exchange shares, its placement."""
-    num_ranks = request.is_token_in_rank.size(1)
-    # The whole call's prefix matrix, round 0's first rows and its cursor: one allocation
-    written = _int32(num_ranks * (num_ranks + 2), request.x.device)
-    matrix, recv_first, cursor = written.split((num_ranks * num_ranks, num_ranks, num_ranks))
-    call = _whole_call(request, matrix.view(num_ranks, num_ranks))
-    placement = Placement(recv_first, None, 0, cursor)
+    num_ranks, device = request.is_token_in_rank.size(1), request.x.device
+    call = _whole_call(request)
+    placement = Placement(_int32(num_ranks, device), None, 0, _int32(num_ranks, device))
     return _round_request(request, 0, 0, min(request.x.size(0), round_tokens), placement, call), call, placement
 
 
@@ -259,12 +256,11 @@ def after_first_round(backend, request: DispatchRequest, first: DispatchResult, 
     return _dispatch_rounds(backend, request, rounds, check_values, (first, call, placement))
 
 
-def _whole_call(request: DispatchRequest, prefix_matrix: Optional[torch.Tensor] = None) -> WholeCall:
-    """The whole call round 0's count exchange shares; its prefix matrix written into `prefix_matrix` (else a new
-    one)."""
+def _whole_call(request: DispatchRequest) -> WholeCall:
+    """The whole call round 0's count exchange shares (its prefix matrix written by that exchange)."""
     num_ranks = request.is_token_in_rank.size(1)
     return WholeCall(request.x.size(0), request.num_tokens_per_rank.to(torch.int32).contiguous(),
-                     _int32((num_ranks, num_ranks), request.x.device) if prefix_matrix is None else prefix_matrix)
+                     _int32((num_ranks, num_ranks), request.x.device))
 
 
 def _whole_outputs(backend, request: DispatchRequest, num_rows: int) -> Tuple[Optional[torch.Tensor], ...]:

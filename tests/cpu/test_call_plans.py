@@ -371,6 +371,54 @@ def test_fresh_calls_run_both_plans_on_one_stream_and_join_after_the_second(driv
     assert driver.calls == []
 
 
+def test_a_counted_finish_launches_once_its_counts_came_clean_and_else_leaves_the_call_open(driver, extension):
+    """NOTE [counted finish]: the second plan runs once host_counts[0] holds the ticket, its scalars set from the
+    counts as `reads` say; a recorded failure, the input verdict or the deadline return None with nothing launched
+    and the call still open (so `abandon` joins the streams)."""
+    rng = random.Random()
+    recorder = _Recorder()
+    calls = _calls(extension, recorder)
+    counts = (ctypes.c_int32 * 8)()
+    verdict_at = rng.randrange(5, 8)
+    calls.set_host_counts(ctypes.addressof(counts), verdict_at, 1e-3, 1e-5)
+    first, second = rng.sample(range(1, 1 << 40), 2)
+    plan_1, plan_2 = _seq_plan(FakeKernel(SPEC, first)), _seq_plan(FakeKernel(SPEC, second))
+    src = torch.randint(0, 100, (rng.randrange(2, 50),), dtype=torch.int32)
+    ticket, rows = rng.randrange(1, 1 << 31), rng.randrange(1, 1 << 20)
+
+    def launched_seqs():
+        return [int.from_bytes(c[6][SPEC.args_type.seq.offset:SPEC.args_type.seq.offset + 4], "little")
+                for c in driver.calls if c[0] == "launch"]
+
+    def open_call(ticket_now, stream=12):  # a stream other than the joined one: the call is open on the comm stream
+        driver.calls.clear()
+        calls.run_first(plan_1.native, (src, None), [ticket, 1], stream, None, False)
+        counts[0] = ticket_now
+        driver.calls.clear()
+
+    # The counts came: the second plan's `seq` slot takes counts[3], the streams are left as after `finish`.
+    open_call(ticket)
+    counts[3] = rows
+    assert calls.finish_counted(plan_2.native, (src, None), [ticket, 2], False, ticket, 5.0, [(0, 3)]) == ()
+    assert [c[:3] for c in driver.calls] == [("launch", second, 1), ("record", 44, 22), ("wait", 12, 44)]
+    assert launched_seqs() == [rows]
+    # Another call's counts until the deadline, the verdict, a recorded failure: nothing launched, the call open.
+    for stream, (ticket_now, verdict, failure) in enumerate(((ticket - 1, 0, 0), (ticket, 1, 0), (ticket - 1, 0, 3)),
+                                                            13):
+        open_call(ticket_now, stream)
+        counts[verdict_at], recorder.record[0] = verdict, failure
+        assert calls.finish_counted(plan_2.native, (src, None), [ticket, 2], False, ticket, 0.01, [(0, 3)]) is None
+        assert driver.calls == []
+        calls.abandon()
+        assert [c[:3] for c in driver.calls] == [("record", 44, 22), ("wait", stream, 44)]
+        counts[verdict_at] = recorder.record[0] = 0
+    # Without host counts (a destroyed backend), nothing is waited for.
+    calls.set_host_counts(0, 0, 0, 0.0)
+    open_call(ticket)
+    assert calls.finish_counted(plan_2.native, (src, None), [ticket, 2], False, ticket, 5.0, [(0, 3)]) is None
+    calls.abandon()
+
+
 def test_fast_calls_stream_order_is_the_full_paths_too(extension):
     recorder = _Recorder()
     calls = _calls(extension, recorder)

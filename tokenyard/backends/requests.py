@@ -76,6 +76,14 @@ class DispatchRequest:
     def num_experts(self) -> int:
         return self.num_tokens_per_expert.size(0)
 
+    def whole_round(self, placement: Placement, call: WholeCall) -> DispatchRequest:
+        """This request as round 0 of a call that one round holds (rounds.first_round): `dataclasses.replace`
+        without `__init__`, which sets each frozen field through object.__setattr__, for a fresh dispatch's fast
+        path makes one per call (benchmarks/results/host_cost.md)."""
+        round_0 = object.__new__(DispatchRequest)
+        round_0.__dict__.update(self.__dict__, num_worst_tokens=0, placement=placement, call=call)
+        return round_0
+
 
 @dataclasses.dataclass
 class DispatchResult:

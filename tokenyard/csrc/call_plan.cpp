@@ -12,10 +12,12 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -459,9 +461,9 @@ public:
     // NOTE [fresh calls]: a fresh dispatch with the CPU wait runs two plans, the count exchange and then, once the
     // host has read the counts, the transfer. Its record is found by `take`; `run_first` runs the first plan on
     // the stream `run` would pick, with the caller's `scalars`, and leaves the call open there; `finish` runs the
-    // second plan after it and leaves the streams as `run` does; `abandon` only joins them (the host's wait
-    // raised in between). -> the first plan's outputs, or None where `previous_event` cannot be read (the full
-    // path runs).
+    // second plan after it and leaves the streams as `run` does (`finish_counted` once it read the counts itself,
+    // NOTE [counted finish]); `abandon` only joins them (the host's wait raised in between). -> the first plan's
+    // outputs, or None where `previous_event` cannot be read (the full path runs).
     py::object run_first(py::object plan, const py::tuple& inputs, const std::vector<int64_t>& scalars,
                          int64_t compute, py::handle previous_event, bool async_finish) {
         int64_t waited = 0;
@@ -485,6 +487,31 @@ public:
                                        async_finish, comm_id_);
         joined_ = async_finish ? -1 : compute;
         return outputs;
+    }
+
+    // NOTE [counted finish]: `finish` as soon as the host has the counts of call `ticket`, with no Python between
+    // their arrival and the second plan's launch: back to back, the GPU idles from the count exchange's end to
+    // that launch (benchmarks/results/host_cost.md). The host waits for host_counts[0] == ticket (the notify
+    // kernel writes it last, NOTE [notify]) without the GIL, polling as waiting.wait_until does (for `poll_s`
+    // without a pause, then with pauses of `sleep_s`), up to `timeout_s`; `reads` (a run's scalar slot, an index
+    // of host_counts) set the run's scalars from the counts. -> the second plan's outputs, or None with the call
+    // still open where the counts did not come clean (a failure recorded, the input verdict, the deadline): the
+    // host's own wait (counts_arrived) then says which.
+    void set_host_counts(int64_t host_counts, int64_t verdict_at, double poll_s, double sleep_s) {
+        host_counts_ = reinterpret_cast<const volatile int32_t*>(host_counts);
+        verdict_at_ = verdict_at;
+        poll_ = std::chrono::duration<double>(poll_s);
+        sleep_ = std::chrono::duration<double>(sleep_s);
+    }
+
+    py::object finish_counted(py::object plan, const py::tuple& inputs, std::vector<int64_t> scalars,
+                              bool async_finish, int64_t ticket, double timeout_s,
+                              const std::vector<std::pair<int64_t, int64_t>>& reads) {
+        if (host_counts_ == nullptr || !counts_came(static_cast<uint32_t>(ticket), timeout_s))
+            return py::none();
+        for (const auto& [slot, at] : reads)
+            scalars.at(slot) = host_counts_[at];
+        return finish(std::move(plan), inputs, scalars, async_finish);
     }
 
     void abandon() {
@@ -581,6 +608,27 @@ private:
         return outputs;
     }
 
+    // NOTE [counted finish]: whether call `ticket`'s counts came with no verdict and no failure recorded.
+    bool counts_came(uint32_t ticket, double timeout_s) {
+        py::gil_scoped_release released;
+        const auto start = std::chrono::steady_clock::now();
+        const auto deadline = start + std::chrono::duration<double>(timeout_s), pauses_from = start + poll_;
+        while (true) {
+            if (host_record_[0] != 0)
+                return false;
+            if (static_cast<uint32_t>(host_counts_[0]) == ticket) {
+                std::atomic_thread_fence(std::memory_order_acquire);  // the counts after their ticket
+                return host_counts_[verdict_at_] == 0;
+            }
+            const auto now = std::chrono::steady_clock::now();
+            if (now > pauses_from) {
+                if (now > deadline)
+                    return false;
+                std::this_thread::sleep_for(sleep_);
+            }
+        }
+    }
+
     struct Entry {
         py::object plan;  // holds `native`
         Plan* native;
@@ -621,6 +669,9 @@ private:
     c10::Device device_;
     const c10::impl::DeviceGuardImplInterface* guard_;
     const volatile int32_t* host_record_;  // the kernels' failure record, host-mapped
+    const volatile int32_t* host_counts_ = nullptr;  // NOTE [counted finish]: the notify kernel's, host-mapped
+    int64_t verdict_at_ = 0;
+    std::chrono::duration<double> poll_{0}, sleep_{0};
     py::object check_failures_;
     int64_t comm_ = 0, comm_id_ = 0, enter_event_ = 0, exit_event_ = 0;
     int64_t joined_ = -1, ran_on_ = -1;
@@ -653,6 +704,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("run_first", &Calls::run_first)
         .def("finish", &Calls::finish)
         .def("abandon", &Calls::abandon)
+        .def("set_host_counts", &Calls::set_host_counts)
+        .def("finish_counted", &Calls::finish_counted)
         .def("take", &Calls::take)
         .def("forget", &Calls::forget)
         .def("next_ticket", &Calls::next_ticket)

@@ -18,16 +18,17 @@ from ...errors import BackendUnavailableError, CommTimeoutError, InvalidInputErr
 from ...handle import DispatchHandle
 from ...jit import load
 from ...plan import headers, workspace
-from .. import collectives
+from .. import collectives, waiting
 from ..base import Backend, GroupContext
 from ..requests import CombineRequest, DispatchRequest, DispatchResult
-from ..waiting import wait_until
 from . import failures, heuristics, kernels, plans, runtime
 from .expand import ExpandCalls
 from .internode import InternodeCalls
 from .memory import SymmetricBuffer, meet
 
 HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: the ticket, three counts, the verdict (two), per-local-expert counts
+# Where host_counts holds each of them (index 0: the ticket)
+_HOST_ROWS_AT, _HOST_MOST_AT, _HOST_CALL_ROWS_AT, _HOST_VERDICT_AT, _HOST_VERDICT_BITS_AT = range(1, 6)
 _HOST_EXPERTS_AT = 6
 _MASK32 = 0xFFFFFFFF
 
@@ -41,6 +42,10 @@ DISPATCH_INPUTS = ("x", "x_scales", "topk_idx", "topk_weights", "is_token_in_ran
 # wait which call's counts have arrived.
 DISPATCH_SCALARS = ("ticket", "call_num_tokens", "num_worst", "token_base", "num_rows", "check_tokens")
 _NUM_WORST, _NUM_ROWS = DISPATCH_SCALARS.index("num_worst"), DISPATCH_SCALARS.index("num_rows")
+# The scalars a dispatch's counts set, (slot, index of host_counts): one-shot, its received rows; round 0 of a call
+# in rounds (a placement), the whole call's, which it allocates (NOTE [placed rounds] in rounds.py).
+_COUNT_READS = [(_NUM_ROWS, _HOST_ROWS_AT)]
+_PLACED_COUNT_READS = [(_NUM_ROWS, _HOST_CALL_ROWS_AT), (_NUM_WORST, _HOST_CALL_ROWS_AT)]
 COMBINE_INPUTS = ("x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "recv_first", "send_head",
                   "combined_x", "combined_topk_weights")
 
@@ -157,6 +162,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                        dtype=torch.int64, device=ctx.device)
         # NOTE [fast calls]: recorded calls, the dispatches' tickets, the low-latency halves, the streams' order
         self.calls = plans.module().Calls(ctx.device, self.host_record_ptr, weakref.WeakMethod(self.check_failures))
+        self.calls.set_host_counts(self.host_counts_ptr, _HOST_VERDICT_AT, waiting.POLL_S,
+                                   waiting.SLEEP_S)  # NOTE [counted finish]
         self._failure: Optional[TokenyardError] = None
         self._kernels = {}  # id(spec) -> (spec, Kernel), see _kernel
         self._plans = plans.PlanCache()
@@ -247,11 +254,17 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         if self._failure is None:
             self._failure = error
 
-    def _wait_host_counts(self, ticket: int) -> None:
-        """The CPU wait of a dispatch: until the notify kernel published the counts of call `ticket`, bounded."""
-        # A second longer than the kernel's own wait, whose error names the late peer.
-        if not wait_until(lambda: (self.host_counts[0] & _MASK32) == ticket, self.ctx.timeout_s + 1.0,
-                          self.check_failures):
+    @property
+    def host_wait_s(self) -> float:
+        """How long the CPU waits for a dispatch's counts: a second longer than the kernels' own wait, whose error
+        names the late peer."""
+        return self.ctx.timeout_s + 1.0
+
+    def _wait_host_counts(self, ticket: int, timeout_s: Optional[float] = None) -> None:
+        """The CPU wait of a dispatch: until the notify kernel published the counts of call `ticket`, bounded by
+        `timeout_s` (default `host_wait_s`)."""
+        if not waiting.wait_until(lambda: (self.host_counts[0] & _MASK32) == ticket,
+                                  self.host_wait_s if timeout_s is None else timeout_s, self.check_failures):
             self._failure = CommTimeoutError(self.ctx.rank, -1, "dispatch/notify (CPU wait)", "the counts never arrived")
             raise self._failure
 
@@ -485,23 +498,30 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                         0 if check is None else check.is_token_in_rank.size(0))
         return inputs, scalars
 
-    def counts_arrived(self, request: DispatchRequest, scalars: list) -> Tuple[list, int]:
-        """The host's half of a dispatch's count exchange, after its first plan ran: waits (bounded) for the counts
-        of call `scalars[0]`, raises the input verdict, and sets the received rows in `scalars` for the second
-        plan; -> (each local expert's count, the most tokens of any rank's whole call)."""
-        num_ranks, placement = self.ctx.num_ranks, request.placement
-        self._wait_host_counts(scalars[0])
-        if self.host_counts[4] != 0:  # NOTE [input verdict]: every rank raises; the Buffer stays usable
-            mask = int(self.host_counts[4]) & _MASK32
-            raise checks.verdict_error(checks.ranks_in(mask, num_ranks), int(self.host_counts[5]),
-                                       request.num_experts)
-        num_rows, most_call_tokens = int(self.host_counts[1]), int(self.host_counts[2])
-        if placement is not None:  # round 0 of a call in rounds: the whole call's rows, this round's placed
-            num_rows = int(self.host_counts[3])
-            scalars[_NUM_WORST] = num_rows
-        scalars[_NUM_ROWS] = num_rows
-        num_local_experts = request.num_experts // num_ranks  # a ctypes slice: one list, not an index per expert
-        return self.host_counts[_HOST_EXPERTS_AT:_HOST_EXPERTS_AT + num_local_experts], most_call_tokens
+    def counts_arrived(self, request: DispatchRequest, scalars: list,
+                       timeout_s: Optional[float] = None) -> Tuple[list, int]:
+        """The host's half of a dispatch's count exchange, after its first plan ran: waits (bounded, `timeout_s`
+        default `host_wait_s`) for the counts of call `scalars[0]`, raises the input verdict, and sets the received
+        rows in `scalars` for the second plan (`count_reads`); -> `counts_read`."""
+        self._wait_host_counts(scalars[0], timeout_s)
+        if self.host_counts[_HOST_VERDICT_AT] != 0:  # NOTE [input verdict]: every rank raises; the Buffer stays usable
+            mask = int(self.host_counts[_HOST_VERDICT_AT]) & _MASK32
+            raise checks.verdict_error(checks.ranks_in(mask, self.ctx.num_ranks),
+                                       int(self.host_counts[_HOST_VERDICT_BITS_AT]), request.num_experts)
+        for slot, at in self.count_reads(request):
+            scalars[slot] = int(self.host_counts[at])
+        return self.counts_read(request)
+
+    @staticmethod
+    def count_reads(request: DispatchRequest) -> list:
+        """The scalars of `request`'s second plan that its counts set: (slot, index of host_counts)."""
+        return _COUNT_READS if request.placement is None else _PLACED_COUNT_READS
+
+    def counts_read(self, request: DispatchRequest) -> Tuple[list, int]:
+        """Once `request`'s counts arrived: (each local expert's count, the most tokens of any rank's whole call)."""
+        num_local_experts = request.num_experts // self.ctx.num_ranks  # a ctypes slice: one list, not an index each
+        return (self.host_counts[_HOST_EXPERTS_AT:_HOST_EXPERTS_AT + num_local_experts],
+                int(self.host_counts[_HOST_MOST_AT]))
 
     @staticmethod
     def dispatch_result(request: DispatchRequest, made: dict, in_rank: torch.Tensor, per_expert_list: Optional[list],
@@ -631,6 +651,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             meet(self.ctx)
         for buffer in held:
             buffer.free()
+        self.calls.set_host_counts(0, 0, 0, 0.0)  # NOTE [counted finish]: no fast call reads them after this
         for ptr in (self.host_record_ptr, self.host_counts_ptr):
             runtime.host_free(ptr)
         self.host_record_ptr = self.host_counts_ptr = 0

@@ -73,7 +73,8 @@ class FastPaths:
         return self.calls.hits
 
     # Each call below is one `self.calls.run` (NOTE [fast calls]): -> (the extra it recorded, outputs, a low-latency
-    # dispatch's half), or None; a fresh dispatch's is `take`, `run_first` and `finish` (NOTE [fresh calls]).
+    # dispatch's half), or None; a fresh dispatch's is `take`, `run_first` and `finish_counted` (NOTE [fresh calls],
+    # NOTE [counted finish]).
 
     def event(self, async_finish: bool) -> EventOverlap:
         """A normal-mode call's event, as the full path's stream scope makes it."""
@@ -183,19 +184,25 @@ class FastPaths:
         exchange, the host's wait for the counts, its transfer (NOTE [fresh calls] in csrc/call_plan.cpp).
         -> the backend's DispatchResult, or None (an unreadable `previous_event`: the full path runs)."""
         first, second = entry[0], entry[1]
+        self.backend.check_failures()  # one found on the host (a CPU wait past its deadline) too, as `dispatch` does
         inputs, scalars = self.backend.dispatch_values(round_0)
         made = self.calls.run_first(first.native, inputs, scalars, _raw_stream(self.device_index), previous_event,
                                     async_finish)
         if made is None:
             return None
-        try:
-            per_expert_list, most_call_tokens = self.backend.counts_arrived(round_0, scalars)
+        inputs += made
+        try:  # NOTE [counted finish] in csrc/call_plan.cpp
+            outputs = self.calls.finish_counted(second.native, inputs, scalars, async_finish, scalars[0],
+                                                self.backend.host_wait_s, self.backend.count_reads(round_0))
+            if outputs is None:  # the counts did not come clean: the host's wait raises what came instead
+                self.backend.counts_arrived(round_0, scalars, timeout_s=0.0)
+                outputs = self.calls.finish(second.native, inputs, scalars, async_finish)
         except BaseException:
             self.calls.abandon()
             raise
         named = first.named(made)
-        named.update(second.named(self.calls.finish(second.native, inputs + made, scalars, async_finish)))
-        return self.backend.dispatch_result(round_0, named, inputs[4], per_expert_list, most_call_tokens)
+        named.update(second.named(outputs))
+        return self.backend.dispatch_result(round_0, named, inputs[4], *self.backend.counts_read(round_0))
 
     def learn_fresh_dispatch(self, x, layout, topk_idx, topk_weights, expert_alignment, config, async_finish,
                              all_weights: bool, shape, round_tokens: int) -> None:
