@@ -418,16 +418,17 @@ class Buffer(NormalCalls, LowLatencyCalls):
             return
         # NOTE [host cost per call]: torch.cuda.current_stream() and torch.cuda.stream() resolve the device
         # through several Python layers; the raw getters below do the same at a fraction of the host time.
-        stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(self.device.index)
-        compute = torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
+        device_index = self.device.index
         waited = previous_event.event if previous_event is not None else None
         waits_for_event = waited is not None and waited.event is not None
         caller_device = torch._C._cuda_getDevice()  # set_stream also makes the stream's device current
         order = self._fast.calls if self._fast is not None else None
-        if order is not None and not allocate_on_comm_stream and caller_device == device_index and \
-                order.runs_straight(compute.cuda_stream, waits_for_event, async_finish):
+        if order is not None and not allocate_on_comm_stream and caller_device == device_index and order.runs_straight(
+                torch._C._cuda_getCurrentRawStream(device_index), waits_for_event, async_finish):
             yield scope  # tensors made here are the caller's stream's already: scope.owner stays None
             return
+        stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(device_index)
+        compute = torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
         behind = -1 if order is None else order.catch_up(compute.cuda_stream, not waits_for_event)
         if behind >= 0:
             self._comm_stream.wait_stream(torch.cuda.ExternalStream(behind, device=self.device))

@@ -363,10 +363,11 @@ class ElasticBuffer:
 
     def _finish(self, scope, outputs: tuple, inputs: tuple, async_with_compute_stream: bool) -> EventOverlap:
         """The call's event (NOTE [elastic streams]), after handing its tensors to the streams that use them."""
-        # A handle's fields: its tensors, and the V1 handle (a tuple) with its own; not its list of counts.
-        made = [v for t in outputs for v in (vars(t).values() if isinstance(t, EPHandle) else (t,))
-                if not isinstance(v, list)]
-        self.buffer._hand_over(scope.owner, made)
+        if scope.owner is not None:  # else the tensors are the caller's stream's already (NOTE [joined stream])
+            # A handle's fields: its tensors, and the V1 handle (a tuple) with its own; not its list of counts.
+            made = [v for t in outputs for v in (vars(t).values() if isinstance(t, EPHandle) else (t,))
+                    if not isinstance(v, list)]
+            self.buffer._hand_over(scope.owner, made)
         if not async_with_compute_stream:
             return EventOverlap(None)
         if scope.event.event is None:  # no communication stream (a CPU Buffer): nothing to wait for
@@ -411,15 +412,11 @@ class ElasticBuffer:
             num_expanded = expanded.worst_expanded_rows(num_rows, topk_idx.size(1), num_local, expert_alignment)
         # The handle's field, contiguous as DeepEP's: vLLM's kernels read it as plain memory.
         psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx].contiguous()
-        counts, ends, row_of, source_row, metadata = buffer._backend().expanded_layout(
+        counts, psum_per_expert, row_of, source_row, metadata = buffer._backend().expanded_layout(
             recv_topk_idx, v1.recv_src_idx, psum_per_rank, num_local, expert_alignment, num_max,
             num_expanded if do_expand else None)
         if stats is not None:
             stats += counts.to(stats.device)
-        if do_expand:
-            psum_per_expert = ends
-        else:
-            psum_per_expert = torch.cumsum(expanded.align(counts, expert_alignment), 0, dtype=torch.int32)
         handle = EPHandle(do_expand, num_experts, expert_alignment, num_max, num_sms,
                           topk_idx.clone() if do_handle_copy else topk_idx,
                           v1.num_recv_tokens if do_cpu_sync else num_rows, num_expanded,
@@ -535,8 +532,8 @@ class ElasticBuffer:
                 weights = None if topk_weights is None else backend.gather_weights(topk_weights, handle.row_of)
                 sums = backend.reduce_expanded(x, handle.row_of)
             elif not handle.do_expand:
-                weights = None if topk_weights is None else expanded.local_weights(topk_weights,
-                                                                                   handle.recv_topk_idx)
+                weights = None if topk_weights is None else backend.local_weights(topk_weights,
+                                                                                  handle.recv_topk_idx)
             combined_x, combined_weights, _ = self.buffer.combine(
                 x if sums is None else sums, handle.dispatch_handle, weights, bias,
                 self._config(num_sms or handle.num_sms))

@@ -84,15 +84,17 @@ class Backend(abc.ABC):
     # DeepEP V2's expanded layout (tokenyard/semantics/expand.py): what a backend may do faster.
     def expanded_layout(self, recv_topk_idx: torch.Tensor, recv_src_idx: torch.Tensor, psum_per_rank: torch.Tensor,
                         num_local: int, alignment: int, num_max: int, num_expanded: Optional[int]):
-        """A dispatch's layout for its `EPHandle`: -> (counts [L], ends [L], row_of [N, K], source_row [M],
-        recv_src_metadata [N, K + 2]), all int32; the middle three None unless expanded (`num_expanded`
-        rows)."""
+        """A dispatch's layout for its `EPHandle`: -> (counts [L], psum_per_expert [L], row_of [N, K],
+        source_row [M], recv_src_metadata [N, K + 2]), all int32; psum_per_expert is where each expert's rows end
+        (expanded: its group's end; else the running sum of the aligned counts); row_of and source_row None unless
+        expanded (`num_expanded` rows)."""
         if num_expanded is None:
-            counts, ends, row_of, source_row = expand.expert_counts(recv_topk_idx, num_local), None, None, None
+            counts, row_of, source_row = expand.expert_counts(recv_topk_idx, num_local), None, None
+            psum = torch.cumsum(expand.align(counts, alignment), 0, dtype=torch.int32)
         else:
-            row_of, counts, ends = expand.expand_rows(recv_topk_idx, num_local, alignment)
+            row_of, counts, psum = expand.expand_rows(recv_topk_idx, num_local, alignment)
             source_row = expand.source_rows(row_of, num_expanded)
-        return counts, ends, row_of, source_row, expand.source_metadata(recv_topk_idx, recv_src_idx, psum_per_rank,
+        return counts, psum, row_of, source_row, expand.source_metadata(recv_topk_idx, recv_src_idx, psum_per_rank,
                                                                         num_max, row_of)
 
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
@@ -107,6 +109,9 @@ class Backend(abc.ABC):
 
     def gather_weights(self, topk_weights: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
         return expand.gather_weights(topk_weights, row_of)
+
+    def local_weights(self, topk_weights: torch.Tensor, recv_topk_idx: torch.Tensor) -> torch.Tensor:
+        return expand.local_weights(topk_weights, recv_topk_idx)
 
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):

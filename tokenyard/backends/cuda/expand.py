@@ -43,20 +43,23 @@ class ExpandCalls:
                          psum_per_rank=b.inp("psum_per_rank"), psum_stride=stride, num_ranks=num_ranks,
                          num_rows=rows, num_local=num_local, num_max=num_max, counts=counts, row_of=row_of,
                          metadata=metadata), shared_bytes=num_local * 4)
+            psum = b.output("psum_per_expert", (num_local,), i32)
             if expanded:
-                ends = b.output("ends", (num_local,), i32)
                 source_row = b.output("source_row", (b.scalar("num_expanded"),), i32, fill=0xFF)  # -1: padding
                 b.launch(self._kernel(kernels.expand_place(num_topk, topk_dtype)), num_local, dict(
                     recv_topk_idx=b.inp("recv_topk_idx"), num_rows=rows, alignment=alignment, counts=counts,
-                    ends=ends, row_of=row_of, metadata=metadata, source_row=source_row))
+                    ends=psum, row_of=row_of, metadata=metadata, source_row=source_row))
+            else:
+                b.launch(self._kernel(kernels.expand_psum()), 1, dict(num_local=num_local, alignment=alignment,
+                                                                      counts=counts, psum=psum))
             return b.build()
 
         plan = self.plan(("expanded_layout", num_topk, topk_dtype, num_ranks, stride, num_local, alignment, num_max,
                           expanded), build)
         made = plan.named(plan.run_here(self._stream(), (recv_topk_idx, recv_src_idx, psum_per_rank),
                                         (num_rows, num_expanded or 0)))
-        return made["counts"], made.get("ends"), made["row_of"] if expanded else None, made.get("source_row"), \
-            made["metadata"]
+        return made["counts"], made["psum_per_expert"], made["row_of"] if expanded else None, \
+            made.get("source_row"), made["metadata"]
 
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # also where no row was received
@@ -118,6 +121,26 @@ class ExpandCalls:
         if topk_weights.device.type != "cuda" or row_of.dtype != torch.int32 or not row_of.is_contiguous():
             return super().expand_weights(topk_weights, row_of, num_expanded, zero_fill)
         return self._move_weights(row_of, topk_weights.float().contiguous(), num_expanded, True, zero_fill)
+
+    def local_weights(self, topk_weights, recv_topk_idx):
+        if topk_weights.device.type != "cuda" or topk_weights.dtype != torch.float32 or \
+                not topk_weights.is_contiguous() or not recv_topk_idx.is_contiguous() or \
+                topk_weights.shape != recv_topk_idx.shape:
+            return super().local_weights(topk_weights, recv_topk_idx)
+        topk_dtype = recv_topk_idx.dtype
+
+        def build():
+            b = self._builder(("recv_topk_idx", "weights"), ("num_pairs",))
+            out = b.output("out", (b.scalar("num_pairs"),), torch.float32)
+            grid = self._strided_grid(1 << 30, kernels.EXPAND_THREADS)
+            b.launch(self._kernel(kernels.local_weights(topk_dtype)), grid,
+                     dict(recv_topk_idx=b.inp("recv_topk_idx"), weights=b.inp("weights"),
+                          num_pairs=b.scalar("num_pairs"), out=out))
+            return b.build()
+
+        plan = self.plan(("local_weights", topk_dtype), build)
+        return plan.run_here(self._stream(), (recv_topk_idx, topk_weights), (topk_weights.numel(),))[0].view(
+            topk_weights.shape)
 
     def gather_weights(self, topk_weights, row_of):
         if topk_weights.device.type != "cuda" or row_of.dtype != torch.int32 or not row_of.is_contiguous():

@@ -227,6 +227,15 @@ def expand_place(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
 
 
 @functools.lru_cache(maxsize=None)
+def expand_psum() -> KernelSpec:
+    """ElasticBuffer's layout, second launch where the dispatch is not expanded: the aligned counts' running sum."""
+    return KernelSpec(
+        "tokenyard/kernels/expand.cuh", "tokenyard::kernels::expand_psum", (),
+        (Param("int", "num_local"), Param("int", "alignment"), Param("const int*", "counts"), Param("int*", "psum")),
+        EXPAND_THREADS, name="tokenyard::elastic::expand_psum")
+
+
+@functools.lru_cache(maxsize=None)
 def expand_rows(row_int4: int) -> KernelSpec:
     """ElasticBuffer's expanded rows: each a copy of the received row it holds, or zeros (padding)."""
     return KernelSpec(
@@ -244,6 +253,17 @@ def move_weights() -> KernelSpec:
         (Param("const int*", "row_of"), Param("int64_t", "num_pairs"), Param("int", "to_expanded"),
          Param("float*", "pairs"), Param("float*", "expanded")),
         EXPAND_THREADS, name="tokenyard::elastic::move_weights")
+
+
+@functools.lru_cache(maxsize=None)
+def local_weights(topk_dtype: torch.dtype) -> KernelSpec:
+    """ElasticBuffer's combine (not expanded): the weights of the slots whose expert is local, 0 elsewhere."""
+    topk_t = topk_ctype(topk_dtype)
+    return KernelSpec(
+        "tokenyard/kernels/expand.cuh", "tokenyard::kernels::local_weights", (topk_t,),
+        (Param(f"const {topk_t}*", "recv_topk_idx"), Param("const float*", "weights"), Param("int64_t", "num_pairs"),
+         Param("float*", "out")),
+        EXPAND_THREADS, name="tokenyard::elastic::local_weights")
 
 
 @functools.lru_cache(maxsize=None)
@@ -333,10 +353,12 @@ def every_kernel():
     yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)  # TOKENYARD_TUNING combine_reduce_loads's sweep
     yield expand_count(8, torch.int64)
     yield expand_place(8, torch.int64)
+    yield expand_psum()
     yield expand_rows(7168 // 16)       # FP8 rows, DeepSeek-V3
     yield expand_rows(56 * 4 // 16)     # their scales
     yield reduce_expanded(7168 * 2 // 16, 8)
     yield move_weights()
+    yield local_weights(torch.int64)
     for num_topk in (1, 8):
         for cast, use_ue8m0 in ((1, False), (1, True), (0, False), (2, False)):
             yield low_latency_dispatch(num_topk, torch.int64, cast, use_ue8m0)

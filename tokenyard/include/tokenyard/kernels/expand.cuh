@@ -90,6 +90,46 @@ __device__ __forceinline__ void expand_place(const Params& p) {
     }
 }
 
+// expand_psum, in place of expand_place where the dispatch is not expanded: psum[e], the sum of the aligned
+// counts of local experts 0..e (the handle's psum_num_recv_tokens_per_expert). One block: each thread sums a run
+// of experts, thread 0 turns the runs' totals into their starts, then each thread writes its run's sums.
+template <typename Params>
+__device__ __forceinline__ void expand_psum(const Params& p) {
+    __shared__ int run_starts[1024];  // a thread's each (blockDim.x <= 1024)
+    const int per_thread = (p.num_local + blockDim.x - 1) / blockDim.x;
+    const int first = threadIdx.x * per_thread, end = min(first + per_thread, p.num_local);
+    const auto aligned = [&](int e) { return (p.counts[e] + p.alignment - 1) / p.alignment * p.alignment; };
+    int total = 0;
+    for (int e = first; e < end; ++e)
+        total += aligned(e);
+    run_starts[threadIdx.x] = total;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int start = 0;
+        for (int t = 0; t < blockDim.x; ++t) {
+            const int run = run_starts[t];
+            run_starts[t] = start;
+            start += run;
+        }
+    }
+    __syncthreads();
+    int sum = run_starts[threadIdx.x];
+    for (int e = first; e < end; ++e) {
+        sum += aligned(e);
+        p.psum[e] = sum;
+    }
+}
+
+// A combine's weights where the dispatch is not expanded (every slot's weight arrived): a pair's weight where its
+// expert is local, 0 elsewhere, so that each token's slot comes back from the one rank that owns its expert. A
+// thread per pair.
+template <typename TopkT, typename Params>
+__device__ __forceinline__ void local_weights(const Params& p) {
+    for (int64_t f = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; f < p.num_pairs;
+         f += static_cast<int64_t>(gridDim.x) * blockDim.x)
+        p.out[f] = static_cast<int64_t>(p.recv_topk_idx[f]) >= 0 ? p.weights[f] : 0.0f;
+}
+
 // Pair weights between the received layout ([N, K], pair f = j * K + k) and the expanded one ([M]), a thread
 // per pair: to_expanded, the pair's weight goes to its expanded row row_of[f] (the caller zeroes or leaves the
 // padding rows); else the pair's weight comes from its expanded row, 0 where the pair has no local expert.
