@@ -1,8 +1,10 @@
 """The host's cost of ElasticBuffer's calls (DeepEP V2's API), beside the V1 calls they are made of: one rank,
 CUDA backend, DeepSeek-V3 shapes (hidden 7168, top-8 of 256, FP8 dispatch, 4096 tokens). Per call, the median
-`time.perf_counter` of back-to-back calls after warm-ups, and a profile of where the time goes (cProfile: each
-function's own time per call), as benchmarks/host_cost.py; the dispatches with the CPU sync each from an idle GPU
-(NOTE [fresh dispatch time] there).
+`time.perf_counter` of calls after warm-ups, each from an idle GPU, and a profile of where the time goes (cProfile:
+each function's own time per call), as benchmarks/host_cost.py. From an idle GPU, a call's time is the host's own:
+back to back, a V2 call's ten or so launches fill the launch queue within a hundred calls wherever its kernels take
+longer than the host, and the host's time then holds the GPU's. The dispatches with the CPU sync add the count
+exchange's kernel (NOTE [fresh dispatch time] in benchmarks/host_cost.py).
 
     python benchmarks/host_cost_elastic.py [--iters 200] [--json OUT.json]
 """
@@ -78,8 +80,7 @@ def _measure(args) -> int:
                                                                        do_cpu_sync=False, do_expand=e))
         calls[f"{name} dispatch_cached"] = (lambda h=handle, e=expand: elastic.dispatch(x, handle=h, do_expand=e))
         calls[f"{name} combine"] = (lambda h=handle, r=rows, w=recv_w: elastic.combine(r, h, w))
-    # With the CPU sync (DeepEP V2's default), each call timed from an idle GPU (NOTE [fresh dispatch time] in
-    # host_cost.py): the host's time and the count exchange's kernel.
+    # With the CPU sync (DeepEP V2's default): the host's time and the count exchange's kernel.
     for expand, name in ((False, "v2 dispatch, cpu sync"), (True, "v2 expand dispatch, cpu sync")):
         calls[name] = (lambda e=expand: elastic.dispatch(x, topk_idx, weights, None, num_experts, do_expand=e))
 
@@ -90,8 +91,7 @@ def _measure(args) -> int:
         torch.cuda.synchronize()
         times = []
         for _ in range(args.iters):
-            if "cpu sync" in name:
-                torch.cuda.synchronize()
+            torch.cuda.synchronize()
             start = time.perf_counter()
             call()
             times.append(time.perf_counter() - start)

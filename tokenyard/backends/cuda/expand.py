@@ -129,18 +129,19 @@ class ExpandCalls:
             return super().local_weights(topk_weights, recv_topk_idx)
         topk_dtype = recv_topk_idx.dtype
 
+        num_rows, num_topk = topk_weights.shape
+
         def build():
-            b = self._builder(("recv_topk_idx", "weights"), ("num_pairs",))
-            out = b.output("out", (b.scalar("num_pairs"),), torch.float32)
+            b = self._builder(("recv_topk_idx", "weights"), ("num_rows", "num_pairs"))
+            out = b.output("out", (b.scalar("num_rows"), num_topk), torch.float32)
             grid = self._strided_grid(1 << 30, kernels.EXPAND_THREADS)
             b.launch(self._kernel(kernels.local_weights(topk_dtype)), grid,
                      dict(recv_topk_idx=b.inp("recv_topk_idx"), weights=b.inp("weights"),
                           num_pairs=b.scalar("num_pairs"), out=out))
             return b.build()
 
-        plan = self.plan(("local_weights", topk_dtype), build)
-        return plan.run_here(self._stream(), (recv_topk_idx, topk_weights), (topk_weights.numel(),))[0].view(
-            topk_weights.shape)
+        plan = self.plan(("local_weights", topk_dtype, num_topk), build)
+        return plan.run_here(self._stream(), (recv_topk_idx, topk_weights), (num_rows, num_rows * num_topk))[0]
 
     def gather_weights(self, topk_weights, row_of):
         if topk_weights.device.type != "cuda" or row_of.dtype != torch.int32 or not row_of.is_contiguous():
