@@ -127,9 +127,7 @@ class ExpandCalls:
                 not topk_weights.is_contiguous() or not recv_topk_idx.is_contiguous() or \
                 topk_weights.shape != recv_topk_idx.shape:
             return super().local_weights(topk_weights, recv_topk_idx)
-        topk_dtype = recv_topk_idx.dtype
-
-        num_rows, num_topk = topk_weights.shape
+        topk_dtype, (num_rows, num_topk) = recv_topk_idx.dtype, topk_weights.shape
 
         def build():
             b = self._builder(("recv_topk_idx", "weights"), ("num_rows", "num_pairs"))
