@@ -1,6 +1,6 @@
 """Bad values in one rank's dispatch inputs, with no host check (NOTE [input verdict] in tokenyard/checks.py):
 every rank raises the same InvalidInputError naming that rank, none hangs, and the Buffer goes on serving
-good calls, which match the oracle bit for bit. A dispatch with num_worst_tokens does not wait for the counts:
+good calls, which match the oracle bit for bit, also where the refused dispatch took a fast path. A dispatch with num_worst_tokens does not wait for the counts:
 on the CUDA backend every rank raises at its next call. A low-latency dispatch has no count exchange: on the
 reference backend its call header carries the verdict, so every rank raises (-5 as well as an id past the end);
 on the CUDA backend the rank with bad ids raises at its next call. A layout of bad ids raises nothing and counts
@@ -107,6 +107,19 @@ def judge_inputs(seed: int, backend: str = "cuda"):
     assert per_expert_list == want["num_recv_tokens_per_expert_list"]
     combined, _, _ = buffer.combine(recv_x, handle)
     assert combined.shape == x.shape and bool(torch.isfinite(combined.float()).all())
+    # 4b. The same refusal once the good call recorded its shape: on the CUDA backend it takes the fast path,
+    # whose host wait in C++ finds the verdict and leaves the raising to the Python wait (NOTE [counted finish]);
+    # the Buffer then serves the next call there too.
+    fast = buffer._fast
+    hits = 0 if fast is None else fast.hits
+    ids = topk_idx.clone()
+    ids[token, 1] = NUM_EXPERTS
+    _raises(lambda: buffer.dispatch(x, topk_idx=mine_or(ids, topk_idx), topk_weights=weights, **layout),
+            named, f"outside [-1, {NUM_EXPERTS})")
+    assert fast is None or fast.hits > hits, "the refused dispatch did not take the fast path"
+    again = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
+    assert torch.equal(again[0], want["recv_x"]) and again[3] == want["num_recv_tokens_per_expert_list"], \
+        "the fast dispatch after the refusal differs"
 
     # 5. Low latency, an id past the end and one below -1. The reference backend judges the ids with the call's
     # header (NOTE [call agreement]): every rank raises before any data moves, and the Buffer serves the next
