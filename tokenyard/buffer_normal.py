@@ -325,7 +325,9 @@ class NormalCalls:
                                   config=config, all_topk_weights=all_topk_weights,
                                   check=None if handle is not None else LayoutCheck(
                                       topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
-        if self._fast is not None and not self._internode:  # what the fast paths record (NOTE [fast paths])
+        # What the fast paths record (NOTE [fast paths]); a fresh dispatch's only without check_inputs, the one
+        # setting whose fast paths take it.
+        if self._fast is not None and not self._internode and (handle is not None or not self.check_inputs):
             recorded = request if handle is not None or num_worst_tokens else \
                 rounds.first_round(request, round_tokens)[0]  # a fresh dispatch's fast path runs its round 0
             self._learnable_shape = self.runtime.dispatch_shape(recorded)
