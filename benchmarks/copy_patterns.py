@@ -95,8 +95,12 @@ def main() -> None:
     for key, value in gbps.items():
         print(f"  {key:<22} {value:7.1f}")
     if args.json:
+        num_gpus = torch.cuda.device_count()
+        device = f"{torch.cuda.get_device_name()} x {min(num_gpus, num_ranks)}"
+        if num_ranks > num_gpus:  # ranks sharing GPUs under MPS write to the same GPU's memory, not over NVLink
+            device += f" shared by {num_ranks} ranks (MPS)"
         with open(args.json, "w") as f:
-            json.dump({"commit": git_commit(), "device": f"{torch.cuda.get_device_name()} x {num_ranks}",
+            json.dump({"commit": git_commit(), "device": device,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "command": "python benchmarks/copy_patterns.py " + " ".join(sys.argv[1:]),
                        "num_ranks": num_ranks, "bytes_per_peer": num_bytes, "egress_gbps": gbps}, f, indent=1)
