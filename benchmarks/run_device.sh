@@ -16,6 +16,7 @@
 #   TOKENYARD_COMMIT=<hash> TOKENYARD_BEFORE=<hash> bash benchmarks/run_device.sh host_cost_ab
 #   TOKENYARD_COMMIT=<hash> [TOKENYARD_BEFORE=<hash>] bash benchmarks/run_device.sh stream_stress
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [compat [pytest args]|sanitizer [test files]|main_bench|faults_gpus|ll_hooks]
+#   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [sm_sweep|moe_step]
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -39,6 +40,10 @@
 #
 # `tuning` (not part of `all`) times the normal-mode kernels at the defaults and their neighbours
 # (TOKENYARD_TUNING), to choose heuristics.py's defaults.
+#
+# `sm_sweep` (issue 50's record, on 4 GPUs) runs the normal-mode kernels at 4-32 SMs beside the copy limit and NCCL
+# (normal_sm.json, normal_sm.png; `python -m tokenyard.tools.bench --mode compare_sm`); `moe_step` (issue 52's) the
+# MoE layer step on the GPUs there are (moe_step.json, moe_step.png; benchmarks/moe_step.py).
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -292,5 +297,14 @@ if [ "$what" = ll_hooks ]; then
             2>&1 | tail -2
     fi
     timeout 200 python3 benchmarks/low_latency.py --tokens 128 --json "$out/low_latency.json" 2>&1 | tail -2
+fi
+if [ "$what" = sm_sweep ]; then
+    timeout "${TOKENYARD_SWEEP_TIMEOUT_S:-500}" python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda \
+        --sm_counts "${TOKENYARD_SM_COUNTS:-4,6,8,12,16,24,32}" --json "$out/normal_sm.json" --plot "$out/normal_sm.png" \
+        2>&1 | grep -v Warn | tee "$out/normal_sm.txt" | tail -40
+fi
+if [ "$what" = moe_step ]; then
+    timeout "${TOKENYARD_MOE_TIMEOUT_S:-400}" python3 benchmarks/moe_step.py --num_ranks "$num_gpus" \
+        --json "$out/moe_step.json" --plot "$out/moe_step.png" 2>&1 | grep -v Warn | tee "$out/moe_step.txt" | tail -30
 fi
 tar czf "$out/jit_cache.tgz" "${TOKENYARD_CACHE_DIR#$PWD/}" 2>/dev/null || true
