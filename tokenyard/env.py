@@ -71,6 +71,7 @@ TUNING_KEYS = {
     "dispatch_stages": _parse_count,           # DISPATCH_STAGES
     "combine_stages": _parse_count,            # COMBINE_STAGES
     "combine_reduce_loads": _parse_count,      # COMBINE_REDUCE_LOADS
+    "dispatch_receive_regs": int,              # DISPATCH_RECEIVE_REGS
 }
 
 

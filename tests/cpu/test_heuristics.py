@@ -74,6 +74,17 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
         tokenyard_env("TOKENYARD_TUNING", bad)
         with pytest.raises(ValueError, match="TOKENYARD_TUNING"):
             env.settings()
+    tokenyard_env("TOKENYARD_TUNING", None)  # NOTE [receiver registers]: off unless asked for
+    assert heuristics.dispatch_receive_regs(512, 12) == heuristics.DISPATCH_RECEIVE_REGS == 0
+    tokenyard_env("TOKENYARD_TUNING", "dispatch_receive_regs=232")
+    assert heuristics.dispatch_receive_regs(512, 12) == 232
+    for threads, send_warps in ((1024, 12), (512, 6), (512, 4)):  # wider blocks; part of a warpgroup; 24 left over
+        with pytest.raises(ValueError, match="whole warpgroups sending"):
+            heuristics.dispatch_receive_regs(threads, send_warps)
+    for regs in (128, 236, 264):
+        tokenyard_env("TOKENYARD_TUNING", f"dispatch_receive_regs={regs}")
+        with pytest.raises(ValueError, match="136 to 256 in steps of 8"):
+            heuristics.dispatch_receive_regs(512, 12)
 
 
 def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():

@@ -189,6 +189,13 @@ def _compare_ranks_own_rows_the_other_way(seed, cases):
     return _compare_ranks(seed, cases)
 
 
+def _compare_ranks_receivers_with_more_registers(seed, cases):
+    from tokenyard.backends.cuda import heuristics
+
+    heuristics.DISPATCH_RECEIVE_REGS = 232  # NOTE [receiver registers]: 3 rows in flight for DeepSeek-V3's FP8 rows
+    return _compare_ranks(seed, cases)
+
+
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_cuda_normal_mode_matches_reference(num_ranks, seed):
     for line in spawn.run(num_ranks, _compare_ranks, seed, CASES)[0]:
@@ -199,6 +206,13 @@ def test_cuda_normal_mode_matches_reference(num_ranks, seed):
 def test_own_rows_taken_the_other_way_match_reference(num_ranks, seed):
     # heuristics.*_OWN_ROWS_DIRECT: each path a token's row for its own rank can take, in both kernels.
     for line in spawn.run(num_ranks, _compare_ranks_own_rows_the_other_way, seed, CASES)[0]:
+        print(line)
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
+def test_receivers_that_take_the_senders_registers_match_reference(num_ranks, seed):
+    # heuristics.DISPATCH_RECEIVE_REGS, off by default: the dispatch's receiving warpgroups copy several rows at once.
+    for line in spawn.run(num_ranks, _compare_ranks_receivers_with_more_registers, seed, CASES)[0]:
         print(line)
 
 

@@ -6,6 +6,7 @@ import functools
 import math
 
 from ... import env
+from ...plan import headers
 
 
 def data_blocks(num_sms: int, device_sms: int) -> int:
@@ -23,6 +24,26 @@ def data_blocks(num_sms: int, device_sms: int) -> int:
 # page, `widths_4_ranks_proxy`): a 4-GPU run at 8 and 24 SMs decides.
 DISPATCH_THREADS = 512
 DISPATCH_THREAD_CHOICES = (512, 768, 1024)
+
+
+# NOTE [receiver registers] (kernels/dispatch.cuh): the registers a thread of the dispatch's receiving warpgroups takes
+# from the sending ones (sm_90a's setmaxnreg), 0 for none. Off until a 4-GPU run at 8 and 24 SMs measures it
+# (benchmarks/results/normal_tuning.md): at 4 ranks and 8 SMs the receivers set the dispatch's time.
+DISPATCH_RECEIVE_REGS = 0
+_REGISTER_FILE = headers.constant("types.cuh", "kRegisterFile")
+_WARP_GROUP = headers.constant("types.cuh", "kWarpGroupSize")
+
+
+def dispatch_receive_regs(threads: int, send_warps: int) -> int:
+    regs = tuned("dispatch_receive_regs", DISPATCH_RECEIVE_REGS)
+    block_warps = threads // 32  # a thread's share of the register file: 128 at 512 threads
+    send_regs = (_REGISTER_FILE // threads * block_warps - regs * (block_warps - send_warps)) // max(send_warps, 1)
+    if regs and not (threads == 512 and send_warps % _WARP_GROUP == 0 and 136 <= regs <= 256 and regs % 8 == 0 and
+                     send_regs // 8 * 8 >= 24):
+        raise ValueError(f"TOKENYARD_TUNING dispatch_receive_regs={regs}: 0, or 136 to 256 in steps of 8 with 512 "
+                         f"threads a block, whole warpgroups sending and 24 registers left to them (got {threads} "
+                         f"threads, {send_warps} sending warps)")
+    return regs
 
 
 def dispatch_threads() -> int:

@@ -73,6 +73,19 @@ namespace tokenyard::kernels {
 // last sender is done: that copy is the dispatch's tail. So a range goes in pieces of kChunkTokens but
 // its last kChunkTokens tokens (or fewer) in pieces of kTailTokens: a small last wave, for a few more
 // slots. Example, 28 tokens, pieces of 8 and tail pieces of 2: 8 8 4 | 2 2 2 2.
+//
+// NOTE [receiver registers]
+// A receiving warp copies a row with its loads in registers (receive_row), and the block's registers bound how many
+// it has in flight: at 512 threads the kernel gets 128 a thread, and a row's loads (16 vectors a lane) are all a
+// warp holds. The sending warps need fewer: lane 0 drives their bulk copies. With kReceiveRegs (sm_90a's
+// setmaxnreg; heuristics.dispatch_receive_regs, TOKENYARD_TUNING dispatch_receive_regs), the sending warpgroups
+// give registers back (setmaxnreg.dec to kSendRegs) and the receiving ones take them (setmaxnreg.inc to
+// kReceiveRegs), so that a receiving warp loads kReceiveRows rows before it stores any (receive_rows). The roles
+// must be whole warpgroups (the sending warps a multiple of 4). ptxas fixes a kernel with setmaxnreg at its launch
+// bound's registers (128 at 512 threads), which is what the exchange assumes: the registers given back cover those
+// taken. The sending warps, once their range is sent, receive one row at a time, as without it. At 4 ranks and 8 SMs
+// the receivers copied for 430 of the dispatch's 633 µs (benchmarks/results/normal_tuning.md); off by default until
+// a 4-GPU run measures it.
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
@@ -105,7 +118,7 @@ struct SenderRanges {
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
           int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, int kSendWarps,
-          typename Params>
+          int kReceiveRegs, typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -121,13 +134,25 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     }
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     using Ranges = SenderRanges<kChunkTokens, kTailTokens>;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    // NOTE [receiver registers]
+    constexpr bool kShiftRegisters = kReceiveRegs > 0;
+    constexpr int kSendRegs = kShiftRegisters ? (kRegisterFile / kNumThreads * kNumWarps -
+                                                 kReceiveRegs * (kNumWarps - kSendWarps)) / kSendWarps / 8 * 8 : 0;
+    static_assert(!kShiftRegisters || (kSendWarps % kWarpGroupSize == 0 && kNumWarps % kWarpGroupSize == 0 &&
+                                       kReceiveRegs % 8 == 0 && kReceiveRegs <= 256 && kSendRegs >= 24),
+                  "registers move between whole warpgroups, in steps of 8, 24 to 256 a thread");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr bool kSetRegisters = kShiftRegisters;  // sm_90a; elsewhere the receivers' rows spill, as ptxas says
+#else
+    constexpr bool kSetRegisters = false;
+#endif
     // The row's tail (scales, then metadata) moves as whole 16-byte vectors, one per lane (NOTE [row tail]).
     constexpr int kScaleInt4 = (kNumScales + 3) / 4;
     constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
     constexpr int kTailPerLane = (kTailInt4 + kWarpSize - 1) / kWarpSize;
     const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
                                 p.slots_offset, p.max_chunks, p.row_bytes};
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     PhaseClock phase_clock(p.phases, warp, kNumWarps);  // NOTE [normal-mode phases]
     extern __shared__ __align__(128) uint8_t shared[];
     static_assert(kSendWarps >= 1 && kSendWarps < kNumWarps, "every block sends and receives");
@@ -291,28 +316,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         phase_clock.mark(kPhaseTail, lane);
     };
 
-    // One warp copies row `src` of this rank's buffer to output row `out` with its load/store units (the copy
-    // engine stays with the sending warps). Every load of a batch (up to kBatch data vectors per lane, plus the
-    // row's tail with the first batch) is issued before any store, so a row costs about one memory round trip
-    // rather than one per field. The batch is what the block's registers hold without spilling (ptxas, the
-    // DeepSeek-V3 dispatch: 16 vectors at 512 threads, 8 at 768, 4 at 1024; NOTE [dispatch block width]).
-    auto receive_row = [&](const uint8_t* src, int64_t out) {
-        constexpr int kBatch = kNumThreads <= 512 ? 16 : kNumThreads <= 768 ? 8 : 4;
-        const int4* data_in = reinterpret_cast<const int4*>(src);
-        const int4* tail_in = data_in + kDataInt4;
-        int4* data_out = p.recv_x + out * kDataInt4;
-        int4 tail[kTailPerLane];
-        for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
-            int4 v[kBatch];
-            load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
-            if (base == 0) {
-#pragma unroll
-                for (int u = 0; u < kTailPerLane; ++u)
-                    if (u * kWarpSize + lane < kTailInt4)
-                        tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
-            }
-            store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
-        }
+    // The row's tail, loaded one vector a lane, into the outputs of row `out` (NOTE [row tail]).
+    auto scatter_tail = [&](const int4 (&tail)[kTailPerLane], int64_t out) {
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
             const int i = u * kWarpSize + lane;
@@ -336,6 +341,65 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
         }
     };
+    // One warp copies row `src` of this rank's buffer to output row `out` with its load/store units (the copy
+    // engine stays with the sending warps). Every load of a batch (up to kBatch data vectors per lane, plus the
+    // row's tail with the first batch) is issued before any store, so a row costs about one memory round trip
+    // rather than one per field. The batch is what the block's registers hold without spilling (ptxas, the
+    // DeepSeek-V3 dispatch: 16 vectors at 512 threads, 8 at 768, 4 at 1024; 4 in the sending warps that gave
+    // registers back, NOTE [receiver registers]; NOTE [dispatch block width]).
+    auto receive_row = [&](const uint8_t* src, int64_t out) {
+        constexpr int kBatch = kShiftRegisters || kNumThreads > 768 ? 4 : kNumThreads > 512 ? 8 : 16;
+        const int4* data_in = reinterpret_cast<const int4*>(src);
+        const int4* tail_in = data_in + kDataInt4;
+        int4* data_out = p.recv_x + out * kDataInt4;
+        int4 tail[kTailPerLane];
+        for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
+            int4 v[kBatch];
+            load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
+            if (base == 0) {
+#pragma unroll
+                for (int u = 0; u < kTailPerLane; ++u)
+                    if (u * kWarpSize + lane < kTailInt4)
+                        tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
+            }
+            store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
+        }
+        scatter_tail(tail, out);
+    };
+    // With the receivers' registers (NOTE [receiver registers]): rows src, src + row_bytes, ... (count of them, at
+    // most kRows) to output rows out, out + 1, ..., every row's loads issued before any store.
+    constexpr int kRowInt4PerLane = (kDataInt4 + kWarpSize - 1) / kWarpSize;
+    constexpr int kRowsFit = (kReceiveRegs - 48) / (4 * (kRowInt4PerLane + kTailPerLane));  // 48 for the rest
+    constexpr int kReceiveRows = !kShiftRegisters || kRowsFit < 1 ? 1 : kRowsFit > 4 ? 4 : kRowsFit;
+    auto receive_rows = [&](const uint8_t* src, int64_t out, int count) {
+        constexpr int kRows = kReceiveRows;
+        int4 v[kRows][kRowInt4PerLane], tail[kRows][kTailPerLane];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            if (r >= count)
+                break;
+            const int4* in = reinterpret_cast<const int4*>(src + static_cast<int64_t>(r) * p.row_bytes);
+#pragma unroll
+            for (int u = 0; u < kRowInt4PerLane; ++u)
+                if (u * kWarpSize + lane < kDataInt4)
+                    v[r][u] = ptx::ld_na_v4(in + u * kWarpSize + lane);
+#pragma unroll
+            for (int u = 0; u < kTailPerLane; ++u)
+                if (u * kWarpSize + lane < kTailInt4)
+                    tail[r][u] = ptx::ld_na_v4(in + kDataInt4 + u * kWarpSize + lane);
+        }
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            if (r >= count)
+                break;
+            int4* data_out = p.recv_x + (out + r) * kDataInt4;
+#pragma unroll
+            for (int u = 0; u < kRowInt4PerLane; ++u)
+                if (u * kWarpSize + lane < kDataInt4)
+                    ptx::st_na_v4(data_out + u * kWarpSize + lane, v[r][u]);
+            scatter_tail(tail[r], out + r);
+        }
+    };
 
     // Publish tokens [t0, t1) of a sender's piece in slot `index` at destination dest (one lane): its rows
     // first (fence), then the sequence number, with the sender's launch width for the receiver to check.
@@ -349,6 +413,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     };
 
     if (warp < kSendWarps) {
+        if constexpr (kSetRegisters)  // NOTE [receiver registers]: this warpgroup's code from here on fits kSendRegs
+            ptx::give_back_registers<kSendRegs>();
         const int send_warp = blockIdx.x * kSendWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
@@ -383,7 +449,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
     const int items_per_piece = p.num_send_warps * num_sources, num_items = most_pieces * items_per_piece;
     // Item `item`'s rows copied out; false: the wait for its slot failed (recorded).
-    auto receive_item = [&](int item) {
+    // `many`: kReceiveRows rows at a time (a constant where it is called, so each call keeps one of the paths).
+    auto receive_item = [&](bool many, int item) {
         const int piece = item / items_per_piece, sender = item % items_per_piece / num_sources;
         const int other = item % num_sources;
         const int source = p.local_direct && other >= p.rank ? other + 1 : other;
@@ -415,8 +482,13 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, first + end, p.num_worst_tokens);
             end = max(begin, p.num_worst_tokens - first);
         }
-        for (int j = begin; j < end; ++j)
-            receive_row(buffers.row(p.rank, source, j), first + j);
+        if (many) {
+            for (int j = begin; j < end; j += kReceiveRows)
+                receive_rows(buffers.row(p.rank, source, j), first + j, min(kReceiveRows, end - j));
+        } else {
+            for (int j = begin; j < end; ++j)
+                receive_row(buffers.row(p.rank, source, j), first + j);
+        }
         phase_clock.mark(kPhaseCopy, lane);
         return true;
     };
@@ -428,13 +500,29 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     else if (lane == 0)
         item = num_items;  // the counter never became this launch's: recorded, nothing claimed
     item = __shfl_sync(0xffffffffu, item, 0);
-    while (item < num_items) {
-        // The next item's claim goes out before this one's rows are copied.
-        const int next = lane == 0 ? static_cast<int>(atomicAdd(claims, 1ull)) : 0;
-        if (!receive_item(item))
-            return;
-        item = __shfl_sync(0xffffffffu, next, 0);
+    // The claimed items' rows copied out; false: a wait failed (recorded).
+    auto receive_claimed = [&](bool many) {
+        while (item < num_items) {
+            // The next item's claim goes out before this one's rows are copied.
+            const int next = lane == 0 ? static_cast<int>(atomicAdd(claims, 1ull)) : 0;
+            if (!receive_item(many, item))
+                return false;
+            item = __shfl_sync(0xffffffffu, next, 0);
+        }
+        return true;
+    };
+    // NOTE [receiver registers]: the receiving warpgroups take their registers where they start receiving, so that
+    // ptxas gives the code it reaches (kReceiveRows rows at a time) kReceiveRegs; the sending warps, with fewer, one.
+    bool received;
+    if (kShiftRegisters && warp >= kSendWarps) {
+        if constexpr (kSetRegisters)
+            ptx::take_registers<kReceiveRegs>();
+        received = receive_claimed(kRowsFit >= 1);  // a row too large for the registers: a batch at a time
+    } else {
+        received = receive_claimed(false);
     }
+    if (!received)
+        return;
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
         const int stride = gridDim.x * kNumThreads;
