@@ -17,6 +17,7 @@
 #   TOKENYARD_COMMIT=<hash> [TOKENYARD_BEFORE=<hash>] bash benchmarks/run_device.sh stream_stress
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [compat [pytest args]|sanitizer [test files]|main_bench|faults_gpus|ll_hooks]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [sm_sweep|moe_step]
+#   TOKENYARD_COMMIT=<hash> [TOKENYARD_BEFORE=<hash>] [TOKENYARD_TUNING_VARIANTS=...] bash benchmarks/run_device.sh proxy
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -44,6 +45,12 @@
 # `sm_sweep` (issue 50's record, on 4 GPUs) runs the normal-mode kernels at 4-32 SMs beside the copy limit and NCCL
 # (normal_sm.json, normal_sm.png; `python -m tokenyard.tools.bench --mode compare_sm`); `moe_step` (issue 52's) the
 # MoE layer step on the GPUs there are (moe_step.json, moe_step.png; benchmarks/moe_step.py).
+#
+# `proxy` (one GPU, between 4-GPU sessions) runs the normal-mode kernels at TOKENYARD_SM_COUNTS (default 8,24) with
+# TOKENYARD_PROXY_RANKS ranks (default "2 4") sharing the GPU under MPS: the peers' buffers are then the same GPU's
+# memory, so it shows what the SMs issue, not the links (at 4 ranks and 8 SMs its cached dispatch and combine came
+# within 10% of 4 x H200's: benchmarks/results/normal_tuning.md). TOKENYARD_BEFORE's tree first (in_tree), then the defaults and each
+# TOKENYARD_TUNING_VARIANTS entry, alternately per rank count; benchmarks/tuning_table.py prints them (proxy*.json).
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -297,6 +304,22 @@ if [ "$what" = ll_hooks ]; then
             2>&1 | tail -2
     fi
     timeout 200 python3 benchmarks/low_latency.py --tokens 128 --json "$out/low_latency.json" 2>&1 | tail -2
+fi
+if [ "$what" = proxy ]; then
+    start_mps
+    for ranks in ${TOKENYARD_PROXY_RANKS:-2 4}; do
+        compare="python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda --num_ranks $ranks
+                 --sm_counts ${TOKENYARD_SM_COUNTS:-8,24}"
+        if [ -n "${TOKENYARD_BEFORE:-}" ]; then
+            in_tree before timeout 150 $compare --json "$out/proxy${ranks}_before.json" > "$out/proxy${ranks}_before.log" 2>&1
+        fi
+        timeout 150 $compare --json "$out/proxy${ranks}_defaults.json" > "$out/proxy${ranks}_defaults.log" 2>&1
+        for tuning in ${TOKENYARD_TUNING_VARIANTS:-}; do
+            TOKENYARD_TUNING="$tuning" timeout 150 $compare --json "$out/proxy${ranks}_${tuning//[=,]/_}.json" \
+                > "$out/proxy${ranks}_${tuning//[=,]/_}.log" 2>&1
+        done
+    done
+    python3 benchmarks/tuning_table.py "$out"/proxy*.json
 fi
 if [ "$what" = sm_sweep ]; then
     timeout "${TOKENYARD_SWEEP_TIMEOUT_S:-500}" python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda \

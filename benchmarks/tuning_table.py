@@ -1,9 +1,9 @@
-"""One table of `run_device.sh tuning`'s runs: the normal-mode kernels at 8 and 24 SMs per TOKENYARD_TUNING variant.
+"""One table of `run_device.sh tuning`'s (or `proxy`'s) runs: the normal-mode kernels per TOKENYARD_TUNING variant.
 
     python benchmarks/tuning_table.py out/tuning_*.json [--merge benchmarks/results/normal_tuning.json]
 
 Prints, per run, the kernel times (µs) and NVLink GB/s of dispatch, cached dispatch and combine at each SM count,
-beside the same run's NCCL all_to_all_single kernels and copy limit. `--merge` writes the runs into one JSON, a key
+beside the same run's NCCL all_to_all_single kernels and copy limit (times only where the ranks shared a GPU). `--merge` writes the runs into one JSON, a key
 per run named as its file was (benchmarks/results/README.md).
 """
 
@@ -18,14 +18,18 @@ KERNELS = ("dispatch_kernel", "dispatch_cached_kernel", "combine_kernel")
 
 def label(doc: dict, path: pathlib.Path) -> str:
     tuning = (doc.get("env") or {}).get("TOKENYARD_TUNING")
-    return tuning or path.stem.removeprefix("tuning_")
+    return f"{tuning or path.stem.removeprefix('tuning_')} ({doc.get('num_ranks')} ranks, {doc.get('device')})"
+
+
+def cell(entry: dict) -> str:
+    gbps = entry.get("nvlink_gbps")
+    return f"{entry['us']:7.1f} ({gbps:5.1f})" if gbps is not None else f"{entry['us']:7.1f}        "
 
 
 def rows(doc: dict) -> list:
     lines = []
     for point in sorted(doc["compare_sm"]["tokenyard"], key=lambda p: p["num_sms"]):
-        cells = [f"{point[k]['us']:7.1f} ({point[k]['nvlink_gbps']:5.1f})" for k in KERNELS]
-        lines.append(f"    {point['num_sms']:>3} SMs  " + "  ".join(cells))
+        lines.append(f"    {point['num_sms']:>3} SMs  " + "  ".join(cell(point[k]) for k in KERNELS))
     return lines
 
 
@@ -40,9 +44,9 @@ def main() -> None:
         doc = json.loads(path.read_text())
         merged[path.stem] = doc
         nccl = doc.get("nccl") or {}
+        dispatch, combine = (nccl.get(k) or {} for k in ("dispatch_kernel", "combine_kernel"))
         print(f"{label(doc, path)}  [commit {doc.get('commit')}, copy limit {doc.get('copy_limit_gbps') or 0:.0f} GB/s, "
-              f"NCCL kernels {nccl.get('dispatch_kernel', {}).get('us', 0):.0f} / "
-              f"{nccl.get('combine_kernel', {}).get('us', 0):.0f} µs]")
+              f"NCCL kernels {dispatch.get('us', 0):.0f} / {combine.get('us', 0):.0f} µs]")
         print("\n".join(rows(doc)))
     if args.merge:
         args.merge.write_text(json.dumps(merged, indent=1) + "\n")
