@@ -72,6 +72,7 @@ TUNING_KEYS = {
     "combine_stages": _parse_count,            # COMBINE_STAGES
     "combine_reduce_loads": _parse_count,      # COMBINE_REDUCE_LOADS
     "dispatch_receive_regs": int,              # DISPATCH_RECEIVE_REGS
+    "combine_lagged_publish": _parse_bool,     # COMBINE_LAGGED_PUBLISH
 }
 
 

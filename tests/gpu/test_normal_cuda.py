@@ -196,6 +196,13 @@ def _compare_ranks_receivers_with_more_registers(seed, cases):
     return _compare_ranks(seed, cases)
 
 
+def _compare_ranks_combine_published_lagged(seed, cases):
+    from tokenyard.backends.cuda import heuristics
+
+    heuristics.COMBINE_LAGGED_PUBLISH = True  # NOTE [lagged combine publish]
+    return _compare_ranks(seed, cases)
+
+
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_cuda_normal_mode_matches_reference(num_ranks, seed):
     for line in spawn.run(num_ranks, _compare_ranks, seed, CASES)[0]:
@@ -213,6 +220,13 @@ def test_own_rows_taken_the_other_way_match_reference(num_ranks, seed):
 def test_receivers_that_take_the_senders_registers_match_reference(num_ranks, seed):
     # heuristics.DISPATCH_RECEIVE_REGS, off by default: the dispatch's receiving warpgroups copy several rows at once.
     for line in spawn.run(num_ranks, _compare_ranks_receivers_with_more_registers, seed, CASES)[0]:
+        print(line)
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
+def test_combine_chunks_published_a_chunk_late_match_reference(num_ranks, seed):
+    # heuristics.COMBINE_LAGGED_PUBLISH, off by default: a combine chunk published once the warp's next one is issued.
+    for line in spawn.run(num_ranks, _compare_ranks_combine_published_lagged, seed, CASES)[0]:
         print(line)
 
 
