@@ -47,10 +47,15 @@
 # MoE layer step on the GPUs there are (moe_step.json, moe_step.png; benchmarks/moe_step.py).
 #
 # `proxy` (one GPU, between 4-GPU sessions) runs the normal-mode kernels at TOKENYARD_SM_COUNTS (default 8,24) with
-# TOKENYARD_PROXY_RANKS ranks (default "2 4") sharing the GPU under MPS: the peers' buffers are then the same GPU's
+# TOKENYARD_PROXY_RANKS ranks (default 4) sharing the GPU under MPS: the peers' buffers are then the same GPU's
 # memory, so it shows what the SMs issue, not the links (at 4 ranks and 8 SMs its cached dispatch and combine came
-# within 10% of 4 x H200's: benchmarks/results/normal_tuning.md). TOKENYARD_BEFORE's tree first (in_tree), then the defaults and each
-# TOKENYARD_TUNING_VARIANTS entry, alternately per rank count; benchmarks/tuning_table.py prints them (proxy*.json).
+# within 10% of 4 x H200's: benchmarks/results/normal_tuning.md). TOKENYARD_BEFORE's tree first (in_tree), then the
+# defaults and each TOKENYARD_TUNING_VARIANTS entry (default: the candidates, below), per rank count;
+# benchmarks/tuning_table.py prints them (proxy*.json).
+#
+# The candidates: launch choices built but off by default until a run decides them (issue 50), which `tuning` and
+# `proxy` try when TOKENYARD_TUNING_VARIANTS is not given: NOTE [receiver registers] and NOTE [dispatch block width]
+# (kernels/dispatch.cuh, heuristics.py), NOTE [lagged combine publish] and the combine's sending warps at 4 ranks.
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -74,6 +79,9 @@ stop_mps() {
     echo quit | PATH="$PATH:/usr/local/nvidia/bin" nvidia-cuda-mps-control
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$out/mps_control.log" 2>/dev/null || true
 }
+
+CANDIDATES="dispatch_receive_regs=232 dispatch_receive_regs=200 dispatch_threads=1024 combine_lagged_publish=1
+            combine_send_warps=4"
 
 in_tree() {
     # in_tree before|after CMD...: CMD in that side's tree of an A/B, recording its commit. The earlier tree
@@ -168,18 +176,15 @@ if [ "$what" = ep8_bench ]; then
     timeout 100 python3 benchmarks/bounded.py --num_ranks 8 --json "$out/bounded_ep8.json" 2>&1 | tail -10
 fi
 if [ "$what" = tuning ]; then
-    # The normal-mode kernels at 8 and 24 SMs, at the defaults and at each TOKENYARD_TUNING variant (the
-    # defaults' neighbours: send warps of dispatch and combine, whole tail pieces, own rows through the buffer);
-    # with TOKENYARD_BEFORE, the kernels of that commit first (in_tree). benchmarks/tuning_table.py prints one
-    # table of them.
+    # The normal-mode kernels at 8 and 24 SMs, at the defaults and at each TOKENYARD_TUNING variant (default: the
+    # candidates); with TOKENYARD_BEFORE, the kernels of that commit first (in_tree). benchmarks/tuning_table.py
+    # prints one table of them.
     compare="python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda --sm_counts 8,24"
     if [ -n "${TOKENYARD_BEFORE:-}" ]; then
         in_tree before timeout 150 $compare --json "$out/tuning_before.json" > "$out/tuning_before.log" 2>&1
     fi
     timeout 150 $compare --json "$out/tuning_defaults.json" > "$out/tuning_defaults.log" 2>&1
-    for tuning in ${TOKENYARD_TUNING_VARIANTS:-dispatch_send_warps=8 dispatch_send_warps=10 dispatch_send_warps=14 \
-                  combine_send_warps=2 combine_send_warps=4 dispatch_tail=8 dispatch_own_rows_direct=0 \
-                  combine_own_rows_direct=0}; do
+    for tuning in ${TOKENYARD_TUNING_VARIANTS:-$CANDIDATES}; do
         TOKENYARD_TUNING="$tuning" timeout 100 $compare --json "$out/tuning_${tuning//[=,]/_}.json" \
             > "$out/tuning_${tuning//[=,]/_}.log" 2>&1
     done
@@ -307,14 +312,14 @@ if [ "$what" = ll_hooks ]; then
 fi
 if [ "$what" = proxy ]; then
     start_mps
-    for ranks in ${TOKENYARD_PROXY_RANKS:-2 4}; do
+    for ranks in ${TOKENYARD_PROXY_RANKS:-4}; do
         compare="python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda --num_ranks $ranks
                  --sm_counts ${TOKENYARD_SM_COUNTS:-8,24}"
         if [ -n "${TOKENYARD_BEFORE:-}" ]; then
             in_tree before timeout 150 $compare --json "$out/proxy${ranks}_before.json" > "$out/proxy${ranks}_before.log" 2>&1
         fi
         timeout 150 $compare --json "$out/proxy${ranks}_defaults.json" > "$out/proxy${ranks}_defaults.log" 2>&1
-        for tuning in ${TOKENYARD_TUNING_VARIANTS:-}; do
+        for tuning in ${TOKENYARD_TUNING_VARIANTS:-$CANDIDATES}; do
             TOKENYARD_TUNING="$tuning" timeout 150 $compare --json "$out/proxy${ranks}_${tuning//[=,]/_}.json" \
                 > "$out/proxy${ranks}_${tuning//[=,]/_}.log" 2>&1
         done
