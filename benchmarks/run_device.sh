@@ -95,6 +95,19 @@ structure_bench() {  # structure_bench SIDE RUN, in_tree's CMD: trees older than
     [ -d tokenyard/tools/bench ] && module=tokenyard.tools.bench
     timeout 240 python3 -m $module --quiet --backends cuda --json "$out/ab_$1_$2.json" 2>&1 | tail -3
 }
+compare_variants() {  # compare_variants PREFIX [bench args]: compare_sm before (TOKENYARD_BEFORE), defaults, variants
+    local prefix=$1
+    shift
+    local compare="python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda $*"
+    if [ -n "${TOKENYARD_BEFORE:-}" ]; then
+        in_tree before timeout 150 $compare --json "$out/${prefix}_before.json" > "$out/${prefix}_before.log" 2>&1
+    fi
+    timeout 150 $compare --json "$out/${prefix}_defaults.json" > "$out/${prefix}_defaults.log" 2>&1
+    for tuning in ${TOKENYARD_TUNING_VARIANTS:-$CANDIDATES}; do
+        TOKENYARD_TUNING="$tuning" timeout 150 $compare --json "$out/${prefix}_${tuning//[=,]/_}.json" \
+            > "$out/${prefix}_${tuning//[=,]/_}.log" 2>&1
+    done
+}
 host_cost_run() {  # host_cost_run SIDE RUN, in_tree's CMD
     timeout 150 python3 benchmarks/host_cost.py --json "$out/host_cost_$1_$2.json" > "$out/host_cost_$1_$2.log" 2>&1
     grep -v Warn "$out/host_cost_$1_$2.log" | head -8
@@ -179,15 +192,7 @@ if [ "$what" = tuning ]; then
     # The normal-mode kernels at 8 and 24 SMs, at the defaults and at each TOKENYARD_TUNING variant (default: the
     # candidates); with TOKENYARD_BEFORE, the kernels of that commit first (in_tree). benchmarks/tuning_table.py
     # prints one table of them.
-    compare="python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda --sm_counts 8,24"
-    if [ -n "${TOKENYARD_BEFORE:-}" ]; then
-        in_tree before timeout 150 $compare --json "$out/tuning_before.json" > "$out/tuning_before.log" 2>&1
-    fi
-    timeout 150 $compare --json "$out/tuning_defaults.json" > "$out/tuning_defaults.log" 2>&1
-    for tuning in ${TOKENYARD_TUNING_VARIANTS:-$CANDIDATES}; do
-        TOKENYARD_TUNING="$tuning" timeout 100 $compare --json "$out/tuning_${tuning//[=,]/_}.json" \
-            > "$out/tuning_${tuning//[=,]/_}.log" 2>&1
-    done
+    compare_variants tuning --sm_counts 8,24
     python3 benchmarks/tuning_table.py "$out"/tuning_*.json
 fi
 if [ "$what" = host_cost ]; then
@@ -313,16 +318,7 @@ fi
 if [ "$what" = proxy ]; then
     start_mps
     for ranks in ${TOKENYARD_PROXY_RANKS:-4}; do
-        compare="python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda --num_ranks $ranks
-                 --sm_counts ${TOKENYARD_SM_COUNTS:-8,24}"
-        if [ -n "${TOKENYARD_BEFORE:-}" ]; then
-            in_tree before timeout 150 $compare --json "$out/proxy${ranks}_before.json" > "$out/proxy${ranks}_before.log" 2>&1
-        fi
-        timeout 150 $compare --json "$out/proxy${ranks}_defaults.json" > "$out/proxy${ranks}_defaults.log" 2>&1
-        for tuning in ${TOKENYARD_TUNING_VARIANTS:-$CANDIDATES}; do
-            TOKENYARD_TUNING="$tuning" timeout 150 $compare --json "$out/proxy${ranks}_${tuning//[=,]/_}.json" \
-                > "$out/proxy${ranks}_${tuning//[=,]/_}.log" 2>&1
-        done
+        compare_variants "proxy$ranks" --num_ranks "$ranks" --sm_counts "${TOKENYARD_SM_COUNTS:-8,24}"
     done
     python3 benchmarks/tuning_table.py "$out"/proxy*.json
 fi

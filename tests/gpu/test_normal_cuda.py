@@ -181,26 +181,31 @@ def _different_sms_then_recover(seed):
     return f"{errors[0]}; a new Buffer then dispatched {recv.size(0)} rows"
 
 
-def _compare_ranks_own_rows_the_other_way(seed, cases):
+# Launch choices taken the other way (tokenyard/backends/cuda/heuristics.py): what each sets there, from its values.
+# Each path a token's row for its own rank can take, in both kernels; and the candidates built but off by default:
+# NOTE [receiver registers] (3 rows in flight for DeepSeek-V3's FP8 rows) and NOTE [lagged combine publish].
+OTHER_WAYS = ("own_rows", "receiver_registers", "lagged_combine_publish")
+
+
+def _other_way(way: str, heuristics) -> dict:
+    return {"own_rows": {"DISPATCH_OWN_ROWS_DIRECT": not heuristics.DISPATCH_OWN_ROWS_DIRECT,
+                         "COMBINE_OWN_ROWS_DIRECT": not heuristics.COMBINE_OWN_ROWS_DIRECT},
+            "receiver_registers": {"DISPATCH_RECEIVE_REGS": 232},
+            "lagged_combine_publish": {"COMBINE_LAGGED_PUBLISH": True}}[way]
+
+
+def _compare_ranks_the_other_way(seed, cases, way):
     from tokenyard.backends.cuda import heuristics
 
-    heuristics.DISPATCH_OWN_ROWS_DIRECT = not heuristics.DISPATCH_OWN_ROWS_DIRECT
-    heuristics.COMBINE_OWN_ROWS_DIRECT = not heuristics.COMBINE_OWN_ROWS_DIRECT
-    return _compare_ranks(seed, cases)
-
-
-def _compare_ranks_receivers_with_more_registers(seed, cases):
-    from tokenyard.backends.cuda import heuristics
-
-    heuristics.DISPATCH_RECEIVE_REGS = 232  # NOTE [receiver registers]: 3 rows in flight for DeepSeek-V3's FP8 rows
-    return _compare_ranks(seed, cases)
-
-
-def _compare_ranks_combine_published_lagged(seed, cases):
-    from tokenyard.backends.cuda import heuristics
-
-    heuristics.COMBINE_LAGGED_PUBLISH = True  # NOTE [lagged combine publish]
-    return _compare_ranks(seed, cases)
+    changes = _other_way(way, heuristics)
+    before = {name: getattr(heuristics, name) for name in changes}
+    try:  # the pool's ranks run the tests after this one (NOTE [rank pool]): put the choices back
+        for name, value in changes.items():
+            setattr(heuristics, name, value)
+        return _compare_ranks(seed, cases)
+    finally:
+        for name, value in before.items():
+            setattr(heuristics, name, value)
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
@@ -209,24 +214,10 @@ def test_cuda_normal_mode_matches_reference(num_ranks, seed):
         print(line)
 
 
+@pytest.mark.parametrize("way", OTHER_WAYS)
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
-def test_own_rows_taken_the_other_way_match_reference(num_ranks, seed):
-    # heuristics.*_OWN_ROWS_DIRECT: each path a token's row for its own rank can take, in both kernels.
-    for line in spawn.run(num_ranks, _compare_ranks_own_rows_the_other_way, seed, CASES)[0]:
-        print(line)
-
-
-@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
-def test_receivers_that_take_the_senders_registers_match_reference(num_ranks, seed):
-    # heuristics.DISPATCH_RECEIVE_REGS, off by default: the dispatch's receiving warpgroups copy several rows at once.
-    for line in spawn.run(num_ranks, _compare_ranks_receivers_with_more_registers, seed, CASES)[0]:
-        print(line)
-
-
-@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
-def test_combine_chunks_published_a_chunk_late_match_reference(num_ranks, seed):
-    # heuristics.COMBINE_LAGGED_PUBLISH, off by default: a combine chunk published once the warp's next one is issued.
-    for line in spawn.run(num_ranks, _compare_ranks_combine_published_lagged, seed, CASES)[0]:
+def test_launch_choices_taken_the_other_way_match_reference(num_ranks, way, seed):
+    for line in spawn.run(num_ranks, _compare_ranks_the_other_way, seed, CASES, way)[0]:
         print(line)
 
 
