@@ -73,6 +73,7 @@ TUNING_KEYS = {
     "combine_reduce_loads": _parse_count,      # COMBINE_REDUCE_LOADS
     "dispatch_receive_regs": int,              # DISPATCH_RECEIVE_REGS
     "combine_lagged_publish": _parse_bool,     # COMBINE_LAGGED_PUBLISH
+    "combine_reduce_regs": int,                # COMBINE_REDUCE_REGS
 }
 
 

@@ -89,6 +89,10 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     assert heuristics.combine_lagged_publish() is heuristics.COMBINE_LAGGED_PUBLISH is False
     tokenyard_env("TOKENYARD_TUNING", "combine_lagged_publish=1")
     assert heuristics.combine_lagged_publish() is True
+    tokenyard_env("TOKENYARD_TUNING", "combine_reduce_regs=144")  # NOTE [reducer registers]: 4 sending warps, 80 kept
+    assert heuristics.combine_reduce_regs(512, 4) == 144
+    with pytest.raises(ValueError, match="whole warpgroups sending"):
+        heuristics.combine_reduce_regs(512, 3)
 
 
 def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():

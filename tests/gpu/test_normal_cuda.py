@@ -183,15 +183,17 @@ def _different_sms_then_recover(seed):
 
 # Launch choices taken the other way (tokenyard/backends/cuda/heuristics.py): what each sets there, from its values.
 # Each path a token's row for its own rank can take, in both kernels; and the candidates built but off by default:
-# NOTE [receiver registers] (3 rows in flight for DeepSeek-V3's FP8 rows) and NOTE [lagged combine publish].
-OTHER_WAYS = ("own_rows", "receiver_registers", "lagged_combine_publish")
+# NOTE [receiver registers] (3 rows in flight for DeepSeek-V3's FP8 rows), NOTE [lagged combine publish] and NOTE
+# [reducer registers].
+OTHER_WAYS = ("own_rows", "receiver_registers", "lagged_combine_publish", "reducer_registers")
 
 
 def _other_way(way: str, heuristics) -> dict:
     return {"own_rows": {"DISPATCH_OWN_ROWS_DIRECT": not heuristics.DISPATCH_OWN_ROWS_DIRECT,
                          "COMBINE_OWN_ROWS_DIRECT": not heuristics.COMBINE_OWN_ROWS_DIRECT},
             "receiver_registers": {"DISPATCH_RECEIVE_REGS": 232},
-            "lagged_combine_publish": {"COMBINE_LAGGED_PUBLISH": True}}[way]
+            "lagged_combine_publish": {"COMBINE_LAGGED_PUBLISH": True},
+            "reducer_registers": {"COMBINE_SEND_WARPS": 4, "COMBINE_REDUCE_LOADS": 20, "COMBINE_REDUCE_REGS": 144}}[way]
 
 
 def _compare_ranks_the_other_way(seed, cases, way):

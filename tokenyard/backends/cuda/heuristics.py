@@ -34,16 +34,22 @@ _REGISTER_FILE = headers.constant("types.cuh", "kRegisterFile")
 _WARP_GROUP = headers.constant("types.cuh", "kWarpGroupSize")
 
 
-def dispatch_receive_regs(threads: int, send_warps: int) -> int:
-    regs = tuned("dispatch_receive_regs", DISPATCH_RECEIVE_REGS)
+def _shifted_regs(key: str, default: int, threads: int, send_warps: int) -> int:
+    """The registers a thread of a data kernel's other warpgroups takes from its sending ones (TOKENYARD_TUNING
+    `key`), 0 for none, checked as the kernels' static_asserts check it."""
+    regs = tuned(key, default)
     block_warps = threads // 32  # a thread's share of the register file: 128 at 512 threads
     send_regs = (_REGISTER_FILE // threads * block_warps - regs * (block_warps - send_warps)) // max(send_warps, 1)
     if regs and not (threads == 512 and send_warps % _WARP_GROUP == 0 and 136 <= regs <= 256 and regs % 8 == 0 and
                      send_regs // 8 * 8 >= 24):
-        raise ValueError(f"TOKENYARD_TUNING dispatch_receive_regs={regs}: 0, or 136 to 256 in steps of 8 with 512 "
-                         f"threads a block, whole warpgroups sending and 24 registers left to them (got {threads} "
-                         f"threads, {send_warps} sending warps)")
+        raise ValueError(f"TOKENYARD_TUNING {key}={regs}: 0, or 136 to 256 in steps of 8 with 512 threads a block, "
+                         f"whole warpgroups sending and 24 registers left to them (got {threads} threads, "
+                         f"{send_warps} sending warps)")
     return regs
+
+
+def dispatch_receive_regs(threads: int, send_warps: int) -> int:
+    return _shifted_regs("dispatch_receive_regs", DISPATCH_RECEIVE_REGS, threads, send_warps)
 
 
 def dispatch_threads() -> int:
@@ -132,6 +138,16 @@ COMBINE_LAGGED_PUBLISH = False
 
 def combine_lagged_publish() -> bool:
     return tuned("combine_lagged_publish", COMBINE_LAGGED_PUBLISH)
+
+
+# NOTE [reducer registers] (kernels/combine.cuh): the registers a thread of the combine's reducing warpgroups takes
+# from the sending one (4 sending warps, combine_send_warps=4), with more loads in flight (combine_reduce_loads). Off
+# until measured: at 2 ranks and 8 SMs the reducers set the combine's time (benchmarks/results/normal_tuning.md).
+COMBINE_REDUCE_REGS = 0
+
+
+def combine_reduce_regs(threads: int, send_warps: int) -> int:
+    return _shifted_regs("combine_reduce_regs", COMBINE_REDUCE_REGS, threads, send_warps)
 
 
 # The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the

@@ -57,8 +57,18 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // measures it), a chunk is published after the warp's next chunk has been issued: every chunk commits exactly
 // kChunkGroups bulk groups (empty ones after a short chunk), so waiting until at most kChunkGroups groups remain
 // (`wait_done`) finds the previous chunk's stores done while the current one's are in flight.
+//
+// NOTE [reducer registers]
+// A reducing lane keeps kReduceLoads loads in flight, as many as 128 registers a thread hold (heuristics.
+// COMBINE_REDUCE_LOADS), and at 2 ranks and 8 SMs the reducers summed for 322 of the combine's 427 µs. With
+// kReduceRegs (TOKENYARD_TUNING combine_reduce_regs; off until measured), as NOTE [receiver registers] in
+// dispatch.cuh does for the dispatch's receivers: the sending warpgroups (kSendWarps a multiple of 4) give registers
+// back where their code starts (setmaxnreg.dec, sm_90a) and the reducing ones take them where theirs starts, so that
+// a larger kReduceLoads fits: with 4 sending warps, 144 registers hold 20 loads at 2, 4 and 8 ranks without a spill
+// (ptxas; 24 spilled at 152), the sending warps keeping 80.
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
-          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, bool kLaggedPublish, typename Params>
+          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, bool kLaggedPublish, int kReduceRegs,
+          typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
     static_assert(kSendWarps >= 1 && kSendWarps < kNumThreads / kWarpSize, "every block sends and reduces");
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
@@ -81,8 +91,22 @@ __device__ __forceinline__ void combine(const Params& p) {
     const uint32_t seq = numbers[0];
     if (!normal_barrier<kNumRanks, kSignatureInts>(buffers, wait, numbers[1], p.signature))
         return;
+    // NOTE [reducer registers]
+    constexpr bool kShiftRegisters = kReduceRegs > 0;
+    constexpr int kSendRegs = kShiftRegisters ? (kRegisterFile / kNumThreads * kNumWarps -
+                                                 kReduceRegs * (kNumWarps - kSendWarps)) / kSendWarps / 8 * 8 : 0;
+    static_assert(!kShiftRegisters || (kSendWarps % kWarpGroupSize == 0 && kNumWarps % kWarpGroupSize == 0 &&
+                                       kReduceRegs % 8 == 0 && kReduceRegs <= 256 && kSendRegs >= 24),
+                  "registers move between whole warpgroups, in steps of 8, 24 to 256 a thread");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr bool kSetRegisters = kShiftRegisters;  // sm_90a; elsewhere the reducers' loads spill, as ptxas says
+#else
+    constexpr bool kSetRegisters = false;
+#endif
 
     if (warp < kSendWarps) {
+        if constexpr (kSetRegisters)
+            ptx::give_back_registers<kSendRegs>();
         int most_chunks = 0;
         for (int s = 0; s < kNumRanks; ++s) {
             const int rows = p.rank_prefix_matrix[s * kNumRanks + p.rank] - round_first(s);
@@ -164,6 +188,8 @@ __device__ __forceinline__ void combine(const Params& p) {
     }
 
     // Reducers.
+    if constexpr (kSetRegisters)
+        ptx::take_registers<kReduceRegs>();
     const int reducer_warp = blockIdx.x * (kNumWarps - kSendWarps) + warp - kSendWarps;
     const int num_reducer_warps = gridDim.x * (kNumWarps - kSendWarps);
     phase_clock.mark(kPhaseStart, lane);
