@@ -56,7 +56,7 @@
 # The candidates: launch choices built but off by default until a run decides them (issue 50), which `tuning` and
 # `proxy` try when TOKENYARD_TUNING_VARIANTS is not given: NOTE [receiver registers] and NOTE [dispatch block width]
 # (kernels/dispatch.cuh, heuristics.py), NOTE [lagged combine publish], the combine's sending warps at 4 ranks and
-# NOTE [reducer registers] (kernels/combine.cuh).
+# NOTE [reducer registers] (kernels/combine.cuh), NOTE [tail in the bulk copy] (kernels/dispatch.cuh).
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -82,7 +82,8 @@ stop_mps() {
 }
 
 CANDIDATES="dispatch_receive_regs=232 dispatch_receive_regs=200 dispatch_threads=1024 combine_lagged_publish=1
-            combine_send_warps=4 combine_send_warps=4,combine_reduce_loads=20,combine_reduce_regs=144"
+            combine_send_warps=4 combine_send_warps=4,combine_reduce_loads=20,combine_reduce_regs=144
+            dispatch_tail_in_bulk=1"
 
 in_tree() {
     # in_tree before|after CMD...: CMD in that side's tree of an A/B, recording its commit. The earlier tree

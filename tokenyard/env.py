@@ -74,6 +74,7 @@ TUNING_KEYS = {
     "dispatch_receive_regs": int,              # DISPATCH_RECEIVE_REGS
     "combine_lagged_publish": _parse_bool,     # COMBINE_LAGGED_PUBLISH
     "combine_reduce_regs": int,                # COMBINE_REDUCE_REGS
+    "dispatch_tail_in_bulk": _parse_bool,      # DISPATCH_TAIL_IN_BULK
 }
 
 

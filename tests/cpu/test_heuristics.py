@@ -93,6 +93,8 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     assert heuristics.combine_reduce_regs(512, 4) == 144
     with pytest.raises(ValueError, match="whole warpgroups sending"):
         heuristics.combine_reduce_regs(512, 3)
+    tokenyard_env("TOKENYARD_TUNING", "dispatch_tail_in_bulk=1")  # NOTE [tail in the bulk copy]
+    assert heuristics.dispatch_tail_in_bulk() is not heuristics.DISPATCH_TAIL_IN_BULK
 
 
 def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():

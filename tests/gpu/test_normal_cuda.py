@@ -183,9 +183,10 @@ def _different_sms_then_recover(seed):
 
 # Launch choices taken the other way (tokenyard/backends/cuda/heuristics.py): what each sets there, from its values.
 # Each path a token's row for its own rank can take, in both kernels; and the candidates built but off by default:
-# NOTE [receiver registers] (3 rows in flight for DeepSeek-V3's FP8 rows), NOTE [lagged combine publish] and NOTE
-# [reducer registers].
-OTHER_WAYS = ("own_rows", "receiver_registers", "lagged_combine_publish", "reducer_registers")
+# NOTE [receiver registers] (3 rows in flight for DeepSeek-V3's FP8 rows), NOTE [lagged combine publish], NOTE
+# [reducer registers] and NOTE [tail in the bulk copy] (where the tail fits in the row's last stage: not the BF16
+# rows of 7168).
+OTHER_WAYS = ("own_rows", "receiver_registers", "lagged_combine_publish", "reducer_registers", "tail_in_bulk")
 
 
 def _other_way(way: str, heuristics) -> dict:
@@ -193,7 +194,8 @@ def _other_way(way: str, heuristics) -> dict:
                          "COMBINE_OWN_ROWS_DIRECT": not heuristics.COMBINE_OWN_ROWS_DIRECT},
             "receiver_registers": {"DISPATCH_RECEIVE_REGS": 232},
             "lagged_combine_publish": {"COMBINE_LAGGED_PUBLISH": True},
-            "reducer_registers": {"COMBINE_SEND_WARPS": 4, "COMBINE_REDUCE_LOADS": 20, "COMBINE_REDUCE_REGS": 144}}[way]
+            "reducer_registers": {"COMBINE_SEND_WARPS": 4, "COMBINE_REDUCE_LOADS": 20, "COMBINE_REDUCE_REGS": 144},
+            "tail_in_bulk": {"DISPATCH_TAIL_IN_BULK": True}}[way]
 
 
 def _compare_ranks_the_other_way(seed, cases, way):

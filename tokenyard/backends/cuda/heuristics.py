@@ -52,6 +52,15 @@ def dispatch_receive_regs(threads: int, send_warps: int) -> int:
     return _shifted_regs("dispatch_receive_regs", DISPATCH_RECEIVE_REGS, threads, send_warps)
 
 
+# NOTE [tail in the bulk copy] (kernels/dispatch.cuh): the dispatch row's tail (scales, global ids, every weight) goes
+# in the row's bulk copies instead of by SM stores per destination. Off until measured (normal_tuning.md).
+DISPATCH_TAIL_IN_BULK = False
+
+
+def dispatch_tail_in_bulk() -> bool:
+    return tuned("dispatch_tail_in_bulk", DISPATCH_TAIL_IN_BULK)
+
+
 def dispatch_threads() -> int:
     threads = tuned("dispatch_threads", DISPATCH_THREADS)
     if threads not in DISPATCH_THREAD_CHOICES:

@@ -95,20 +95,25 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
              all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS,
              stages: int = heuristics.DISPATCH_STAGES, threads: int = heuristics.DISPATCH_THREADS,
-             receive_regs: int = heuristics.DISPATCH_RECEIVE_REGS) -> KernelSpec:
+             receive_regs: int = heuristics.DISPATCH_RECEIVE_REGS,
+             tail_in_bulk: bool = heuristics.DISPATCH_TAIL_IN_BULK) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
     weight arrives (DeepEP V2), not only the local slots'; `send_warps`: a block's warps that send (the others
     receive), each through `stages` stages; `threads`: the block's (NOTE [dispatch block width]); `receive_regs`: the
-    registers a receiving thread takes from the sending warps, 0 for none (NOTE [receiver registers])."""
+    registers a receiving thread takes from the sending warps, 0 for none (NOTE [receiver registers]); `tail_in_bulk`:
+    the row's tail in its bulk copies (NOTE [tail in the bulk copy])."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
-    stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, stages)
+    # NOTE [tail in the bulk copy]: stages sized for the data and the tail after it where that fits in one.
+    tail_bytes = workspace.align(num_scales * 4) + workspace.align(num_topk * 8 + 4) if tail_in_bulk else 0
+    stage_bytes = data_stage_bytes(data_int4 * 16 + tail_bytes, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, threads, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
-         "true" if all_weights else "false", stages, stage_bytes, send_warps, receive_regs),
+         "true" if all_weights else "false", stages, stage_bytes, send_warps, receive_regs,
+         "true" if tail_in_bulk else "false"),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -353,6 +358,7 @@ def every_kernel():
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64)   # FP8 with scales, DeepSeek-V3
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, all_weights=True)  # ElasticBuffer's
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, receive_regs=232)  # NOTE [receiver registers]
+        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, all_weights=True, tail_in_bulk=True)
         yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64)    # bf16
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k
         yield combine(ranks, 7168 * 2 // 16, 8)

@@ -118,7 +118,7 @@ struct SenderRanges {
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
           int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, int kSendWarps,
-          int kReceiveRegs, typename Params>
+          int kReceiveRegs, bool kTailInBulk, typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -173,7 +173,20 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // registers (the metadata once per destination, from the top-k lanes by shuffles) and each destination
     // gets the tail in one store instruction, where scalar stores would have sent many small NVLink writes;
     // the receiver loads it with the data, one vector per lane, and scatters the words to the outputs.
+    //
+    // NOTE [tail in the bulk copy]
+    // With kTailInBulk (heuristics.DISPATCH_TAIL_IN_BULK, TOKENYARD_TUNING dispatch_tail_in_bulk; off until measured),
+    // the tail is the same for every destination: the ids as they came (global) and every slot's weight, the
+    // receiver turning them into its own (a weight kept where its id is local, unless kAllWeights). The lanes write
+    // it into the row's last stage, after the data there, and the row's bulk copies carry it to every destination:
+    // no per-destination shuffles, no SM stores to the peers (at 4 ranks and 8 SMs the senders' tails took 102 of
+    // their 460 µs, benchmarks/results/normal_tuning.md). Where the data fills its last stage, or the tail does not
+    // fit after it (or the row is more pieces than the stages hold), the tails go as without it.
 
+    constexpr int kDataPieces = (kDataInt4 * 16 + kStageBytes - 1) / kStageBytes;
+    constexpr int kLastPieceBytes = kDataInt4 * 16 - (kDataPieces - 1) * kStageBytes;
+    constexpr bool kBulkTail = kTailInBulk && kDataPieces <= kStages && kLastPieceBytes < kStageBytes &&
+                               kLastPieceBytes + kTailInt4 * 16 <= kStageBytes;  // NOTE [tail in the bulk copy]
     // Metadata word w of destination `dest` for this lane, built from lane w (or w - kNumTopk) of the top-k.
     auto meta_word = [&](int w, int dest, int64_t expert, float weight, int t) {
         const int64_t first = static_cast<int64_t>(dest) * p.num_local_experts;
@@ -181,6 +194,12 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int id = __shfl_sync(0xffffffffu, local ? static_cast<int>(expert - first) : -1, w % kWarpSize);
         const int bits = __shfl_sync(0xffffffffu, kAllWeights || local ? __float_as_int(weight) : 0,
                                      (w - kNumTopk) & (kWarpSize - 1));
+        return w < kNumTopk ? id : w < 2 * kNumTopk ? bits : w == 2 * kNumTopk ? t : 0;
+    };
+    // The same for every destination (NOTE [tail in the bulk copy]): the global id and the weight as given.
+    auto bulk_meta_word = [&](int w, int64_t expert, float weight, int t) {
+        const int id = __shfl_sync(0xffffffffu, static_cast<int>(expert), w % kWarpSize);
+        const int bits = __shfl_sync(0xffffffffu, __float_as_int(weight), (w - kNumTopk) & (kWarpSize - 1));
         return w < kNumTopk ? id : w < 2 * kNumTopk ? bits : w == 2 * kNumTopk ? t : 0;
     };
 
@@ -241,7 +260,44 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         // too. Its store of every own row was no faster (benchmarks/results/normal_tuning.md, issue 50's sweep).
         constexpr bool kDirectFromStages = kDataInt4 * 16 <= kStages * kStageBytes;
         uint32_t first_piece = 0;
-        if (lane == 0) {
+        if constexpr (kBulkTail) {
+            // The row's data in the stages (loaded ahead, or now: nothing else is loaded then), its tail after it in
+            // its last piece's stage, then data and tail to every destination by the same bulk copies.
+            const bool any = (mask & ~(direct != nullptr ? 1u << p.rank : 0u)) != 0 || direct != nullptr;
+            if (lane == 0 && !ahead && any)
+                stages.prefetch(p.x + token * kDataInt4, kDataInt4 * 16);
+            if (ahead || any) {
+                const uint32_t last = __shfl_sync(0xffffffffu, stages.stored, 0) + kDataPieces - 1;
+                int4* tail_at = reinterpret_cast<int4*>(stages.stage(last) + kLastPieceBytes);
+#pragma unroll
+                for (int u = 0; u < kTailPerLane; ++u) {
+                    const int i = u * kWarpSize + lane;
+                    int4 vec = tail[u];
+                    if (u * kWarpSize + kWarpSize > kScaleInt4) {  // this slot holds metadata for some lanes
+                        int words[4];
+#pragma unroll
+                        for (int c = 0; c < 4; ++c)
+                            words[c] = bulk_meta_word(4 * (i - kScaleInt4) + c, expert, weight, t);
+                        if (i >= kScaleInt4)
+                            vec = make_int4(words[0], words[1], words[2], words[3]);
+                    }
+                    if (i < kTailInt4)
+                        tail_at[i] = vec;
+                }
+                tma::fence_shared_for_async();
+                __syncwarp();
+            }
+            if (lane == 0) {
+                void* to[kNumRanks + 1];
+#pragma unroll
+                for (int dest = 0; dest < kNumRanks; ++dest)
+                    to[dest] = dst[dest];
+                to[kNumRanks] = nullptr;
+                first_piece = stages.stored;
+                if (ahead || any)  // a row nobody wants is stored nowhere: its stages freed
+                    stages.send(kDataInt4 * 16 + kTailInt4 * 16, to);
+            }
+        } else if (lane == 0) {
             void* to[kNumRanks + 1];
             bool any = direct != nullptr;
 #pragma unroll
@@ -294,7 +350,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
 #pragma unroll
         for (int dest = 0; dest < kNumRanks; ++dest) {
-            if (((mask >> dest) & 1u) == 0)
+            if (kBulkTail || ((mask >> dest) & 1u) == 0)
                 continue;  // uniform over the warp: every lane takes part in the shuffles
 #pragma unroll
             for (int u = 0; u < kTailPerLane; ++u) {
@@ -316,25 +372,56 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         phase_clock.mark(kPhaseTail, lane);
     };
 
-    // The row's tail, loaded one vector a lane, into the outputs of row `out` (NOTE [row tail]).
+    // The row's tail, loaded one vector a lane, into the outputs of row `out` (NOTE [row tail]). A tail that came in
+    // the bulk copy holds global ids and every weight (NOTE [tail in the bulk copy]): the lane of weight k learns
+    // from the lane of id k whether the expert is this rank's.
     auto scatter_tail = [&](const int4 (&tail)[kTailPerLane], int64_t out) {
+        const int64_t first_expert = static_cast<int64_t>(p.rank) * p.num_local_experts;
+        uint32_t local_ids[kTailPerLane];  // bit c: word c of the lane's vector u is an id of this rank's
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
             const int i = u * kWarpSize + lane;
-            if (i >= kTailInt4)
-                continue;
+            const int* words = reinterpret_cast<const int*>(&tail[u]);
+            local_ids[u] = 0;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int w = (i - kScaleInt4) * 4 + c;
+                const bool local = words[c] >= first_expert && words[c] < first_expert + p.num_local_experts;
+                if (i < kTailInt4 && w >= 0 && w < kNumTopk && local)
+                    local_ids[u] |= 1u << c;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kTailPerLane; ++u) {
+            const int i = u * kWarpSize + lane;
             const int* words = reinterpret_cast<const int*>(&tail[u]);
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int j = i * 4 + c, w = (i - kScaleInt4) * 4 + c;
+                bool weight_local = true;
+                if constexpr (kBulkTail) {  // every lane shuffles: the id of weight w - kNumTopk
+                    const int id_vector = kScaleInt4 + max(w - kNumTopk, 0) / 4;
+                    uint32_t owner = 0;
+#pragma unroll
+                    for (int v = 0; v < kTailPerLane; ++v) {
+                        const uint32_t got = __shfl_sync(0xffffffffu, local_ids[v], id_vector % kWarpSize);
+                        owner = v == id_vector / kWarpSize ? got : owner;
+                    }
+                    weight_local = (owner >> (max(w - kNumTopk, 0) % 4)) & 1u;
+                }
+                if (i >= kTailInt4)
+                    continue;
                 if (i < kScaleInt4) {
                     if (j < kNumScales)
                         p.recv_scales[out * kNumScales + j] = static_cast<uint32_t>(words[c]);
                 } else if (w < kNumTopk) {
-                    p.recv_topk_idx[out * kNumTopk + w] = static_cast<TopkT>(words[c]);
+                    const bool local = (local_ids[u] >> c) & 1u;
+                    p.recv_topk_idx[out * kNumTopk + w] =
+                        static_cast<TopkT>(!kBulkTail ? words[c] : local ? words[c] - first_expert : -1);
                 } else if (w < 2 * kNumTopk) {
                     if (p.recv_topk_weights != nullptr)
-                        p.recv_topk_weights[out * kNumTopk + w - kNumTopk] = __int_as_float(words[c]);
+                        p.recv_topk_weights[out * kNumTopk + w - kNumTopk] =
+                            !kBulkTail || kAllWeights || weight_local ? __int_as_float(words[c]) : 0.0f;
                 } else if (w == 2 * kNumTopk && p.recv_src_idx != nullptr) {
                     p.recv_src_idx[out] = p.src_idx_base + words[c];
                 }
