@@ -49,7 +49,7 @@
 # `proxy` (one GPU, between 4-GPU sessions) runs the normal-mode kernels at TOKENYARD_SM_COUNTS (default 8,24) with
 # TOKENYARD_PROXY_RANKS ranks (default 4) sharing the GPU under MPS: the peers' buffers are then the same GPU's
 # memory, so it shows what the SMs issue, not the links (at 4 ranks and 8 SMs its cached dispatch and combine came
-# within 10% of 4 x H200's: benchmarks/results/normal_tuning.md). TOKENYARD_BEFORE's tree first (in_tree), then the
+# close to 4 x H200's: benchmarks/results/normal_tuning.md). TOKENYARD_BEFORE's tree first (in_tree), then the
 # defaults and each TOKENYARD_TUNING_VARIANTS entry (default: the candidates, below), per rank count;
 # benchmarks/tuning_table.py prints them (proxy*.json).
 #

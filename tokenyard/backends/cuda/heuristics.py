@@ -20,7 +20,7 @@ def data_blocks(num_sms: int, device_sms: int) -> int:
 # sending ones receive, each with one row's loads in flight, as many as the registers of a block that wide hold
 # (kernels/dispatch.cuh, receive_row): a wider block receives with more warps, each with fewer loads in flight.
 # 512: at 2 ranks 768 and 1024 were no faster (benchmarks/results/normal_tuning.md, `claims_call`); at 4 ranks, where
-# the receivers set the 8-SM dispatch's time, 1024 was 7% faster at 8 SMs with the ranks sharing one GPU (the same
+# the receivers set the 8-SM dispatch's time, 1024 was faster at 8 SMs with the ranks sharing one GPU (the same
 # page, `widths_4_ranks_proxy`): a 4-GPU run at 8 and 24 SMs decides.
 DISPATCH_THREADS = 512
 DISPATCH_THREAD_CHOICES = (512, 768, 1024)

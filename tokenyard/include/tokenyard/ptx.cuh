@@ -108,8 +108,7 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 }
 
 // sm_90a: this warpgroup's registers a thread become kRegs, given back to the SM's pool or taken from it (every warp
-// of the warpgroup executes it; a take waits until the pool has them): NOTE [receiver registers] in
-// kernels/dispatch.cuh.
+// of the warpgroup executes it; a take waits until the pool has them): RegisterShift in registers.cuh.
 template <int kRegs>
 __device__ __forceinline__ void give_back_registers() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));

@@ -4,6 +4,7 @@
 
 #include "../bf16.cuh"
 #include "../phases.cuh"
+#include "../registers.cuh"
 #include "../signatures.cuh"
 #include "../staging.cuh"
 
@@ -52,7 +53,7 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // NOTE [lagged combine publish]
 // A sending warp publishes a chunk once its rows' stores are done (`drain`: every bulk group of the warp), and waits
 // for that round trip to the peer before it starts the next chunk: at 4 ranks and 8 SMs the senders set the combine's
-// time and drained and published for 297 of their 951 µs (benchmarks/results/normal_tuning.md). With
+// time, and that wait is a large share of theirs (benchmarks/results/normal_tuning.md). With
 // kLaggedPublish (heuristics.COMBINE_LAGGED_PUBLISH, TOKENYARD_TUNING combine_lagged_publish; off until a 4-GPU run
 // measures it), a chunk is published after the warp's next chunk has been issued: every chunk commits exactly
 // kChunkGroups bulk groups (empty ones after a short chunk), so waiting until at most kChunkGroups groups remain
@@ -60,12 +61,12 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 //
 // NOTE [reducer registers]
 // A reducing lane keeps kReduceLoads loads in flight, as many as 128 registers a thread hold (heuristics.
-// COMBINE_REDUCE_LOADS), and at 2 ranks and 8 SMs the reducers summed for 322 of the combine's 427 µs. With
-// kReduceRegs (TOKENYARD_TUNING combine_reduce_regs; off until measured), as NOTE [receiver registers] in
-// dispatch.cuh does for the dispatch's receivers: the sending warpgroups (kSendWarps a multiple of 4) give registers
-// back where their code starts (setmaxnreg.dec, sm_90a) and the reducing ones take them where theirs starts, so that
-// a larger kReduceLoads fits: with 4 sending warps, 144 registers hold 20 loads at 2, 4 and 8 ranks without a spill
-// (ptxas; 24 spilled at 152), the sending warps keeping 80.
+// COMBINE_REDUCE_LOADS), and at 2 ranks and 8 SMs the reducers set the combine's time
+// (benchmarks/results/normal_tuning.md). With kReduceRegs (TOKENYARD_TUNING combine_reduce_regs; off until
+// measured), as NOTE [receiver registers] in dispatch.cuh does for the dispatch's receivers: the sending warpgroup
+// (kSendWarps 4) gives registers back and the reducing ones take them (RegisterShift in registers.cuh), so that a
+// larger kReduceLoads fits: 144 registers hold 20 loads at 2, 4 and 8 ranks without a spill (ptxas; 24 spilled at
+// 152).
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
           int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, bool kLaggedPublish, int kReduceRegs,
           typename Params>
@@ -91,22 +92,10 @@ __device__ __forceinline__ void combine(const Params& p) {
     const uint32_t seq = numbers[0];
     if (!normal_barrier<kNumRanks, kSignatureInts>(buffers, wait, numbers[1], p.signature))
         return;
-    // NOTE [reducer registers]
-    constexpr bool kShiftRegisters = kReduceRegs > 0;
-    constexpr int kSendRegs = kShiftRegisters ? (kRegisterFile / kNumThreads * kNumWarps -
-                                                 kReduceRegs * (kNumWarps - kSendWarps)) / kSendWarps / 8 * 8 : 0;
-    static_assert(!kShiftRegisters || (kSendWarps % kWarpGroupSize == 0 && kNumWarps % kWarpGroupSize == 0 &&
-                                       kReduceRegs % 8 == 0 && kReduceRegs <= 256 && kSendRegs >= 24),
-                  "registers move between whole warpgroups, in steps of 8, 24 to 256 a thread");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr bool kSetRegisters = kShiftRegisters;  // sm_90a; elsewhere the reducers' loads spill, as ptxas says
-#else
-    constexpr bool kSetRegisters = false;
-#endif
+    using Registers = RegisterShift<kNumThreads, kSendWarps, kReduceRegs>;  // NOTE [reducer registers]
 
     if (warp < kSendWarps) {
-        if constexpr (kSetRegisters)
-            ptx::give_back_registers<kSendRegs>();
+        Registers::give();
         int most_chunks = 0;
         for (int s = 0; s < kNumRanks; ++s) {
             const int rows = p.rank_prefix_matrix[s * kNumRanks + p.rank] - round_first(s);
@@ -188,8 +177,7 @@ __device__ __forceinline__ void combine(const Params& p) {
     }
 
     // Reducers.
-    if constexpr (kSetRegisters)
-        ptx::take_registers<kReduceRegs>();
+    Registers::take();
     const int reducer_warp = blockIdx.x * (kNumWarps - kSendWarps) + warp - kSendWarps;
     const int num_reducer_warps = gridDim.x * (kNumWarps - kSendWarps);
     phase_clock.mark(kPhaseStart, lane);

@@ -5,6 +5,7 @@
 #include "../copy.cuh"
 #include "../layout.cuh"
 #include "../phases.cuh"
+#include "../registers.cuh"
 #include "../staging.cuh"
 #include "../sync.cuh"
 
@@ -77,15 +78,12 @@ namespace tokenyard::kernels {
 // NOTE [receiver registers]
 // A receiving warp copies a row with its loads in registers (receive_row), and the block's registers bound how many
 // it has in flight: at 512 threads the kernel gets 128 a thread, and a row's loads (16 vectors a lane) are all a
-// warp holds. The sending warps need fewer: lane 0 drives their bulk copies. With kReceiveRegs (sm_90a's
-// setmaxnreg; heuristics.dispatch_receive_regs, TOKENYARD_TUNING dispatch_receive_regs), the sending warpgroups
-// give registers back (setmaxnreg.dec to kSendRegs) and the receiving ones take them (setmaxnreg.inc to
-// kReceiveRegs), so that a receiving warp loads kReceiveRows rows before it stores any (receive_rows). The roles
-// must be whole warpgroups (the sending warps a multiple of 4). ptxas fixes a kernel with setmaxnreg at its launch
-// bound's registers (128 at 512 threads), which is what the exchange assumes: the registers given back cover those
-// taken. The sending warps, once their range is sent, receive one row at a time, as without it. At 4 ranks and 8 SMs
-// the receivers copied for 430 of the dispatch's 633 µs (benchmarks/results/normal_tuning.md); off by default until
-// a 4-GPU run measures it.
+// warp holds. The sending warps need fewer: lane 0 drives their bulk copies. With kReceiveRegs (RegisterShift in
+// registers.cuh; heuristics.dispatch_receive_regs, TOKENYARD_TUNING dispatch_receive_regs), the sending warpgroups
+// give registers back and the receiving ones take them, so that a receiving warp loads kReceiveRows rows before it
+// stores any (receive_rows). The sending warps, once their range is sent, receive one row at a time, as without it.
+// At 4 ranks and 8 SMs the receivers set the dispatch's time (benchmarks/results/normal_tuning.md); off by default
+// until a 4-GPU run measures it.
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
@@ -135,18 +133,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     using Ranges = SenderRanges<kChunkTokens, kTailTokens>;
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    // NOTE [receiver registers]
-    constexpr bool kShiftRegisters = kReceiveRegs > 0;
-    constexpr int kSendRegs = kShiftRegisters ? (kRegisterFile / kNumThreads * kNumWarps -
-                                                 kReceiveRegs * (kNumWarps - kSendWarps)) / kSendWarps / 8 * 8 : 0;
-    static_assert(!kShiftRegisters || (kSendWarps % kWarpGroupSize == 0 && kNumWarps % kWarpGroupSize == 0 &&
-                                       kReceiveRegs % 8 == 0 && kReceiveRegs <= 256 && kSendRegs >= 24),
-                  "registers move between whole warpgroups, in steps of 8, 24 to 256 a thread");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr bool kSetRegisters = kShiftRegisters;  // sm_90a; elsewhere the receivers' rows spill, as ptxas says
-#else
-    constexpr bool kSetRegisters = false;
-#endif
+    using Registers = RegisterShift<kNumThreads, kSendWarps, kReceiveRegs>;  // NOTE [receiver registers]
+    constexpr bool kShiftRegisters = Registers::kOn;
     // The row's tail (scales, then metadata) moves as whole 16-byte vectors, one per lane (NOTE [row tail]).
     constexpr int kScaleInt4 = (kNumScales + 3) / 4;
     constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
@@ -179,8 +167,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // the tail is the same for every destination: the ids as they came (global) and every slot's weight, the
     // receiver turning them into its own (a weight kept where its id is local, unless kAllWeights). The lanes write
     // it into the row's last stage, after the data there, and the row's bulk copies carry it to every destination:
-    // no per-destination shuffles, no SM stores to the peers (at 4 ranks and 8 SMs the senders' tails took 102 of
-    // their 460 µs, benchmarks/results/normal_tuning.md). Where the data fills its last stage, or the tail does not
+    // no per-destination shuffles, no SM stores to the peers (at 4 ranks and 8 SMs the tails are a large share of the
+    // senders' time, benchmarks/results/normal_tuning.md). Where the data fills its last stage, or the tail does not
     // fit after it (or the row is more pieces than the stages hold), the tails go as without it.
 
     constexpr int kDataPieces = (kDataInt4 * 16 + kStageBytes - 1) / kStageBytes;
@@ -377,12 +365,11 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // from the lane of id k whether the expert is this rank's.
     auto scatter_tail = [&](const int4 (&tail)[kTailPerLane], int64_t out) {
         const int64_t first_expert = static_cast<int64_t>(p.rank) * p.num_local_experts;
-        uint32_t local_ids[kTailPerLane];  // bit c: word c of the lane's vector u is an id of this rank's
+        uint32_t local_ids[kTailPerLane] = {};  // bit c: word c of the lane's vector u is an id of this rank's
 #pragma unroll
-        for (int u = 0; u < kTailPerLane; ++u) {
+        for (int u = 0; u < kTailPerLane && kBulkTail; ++u) {
             const int i = u * kWarpSize + lane;
             const int* words = reinterpret_cast<const int*>(&tail[u]);
-            local_ids[u] = 0;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int w = (i - kScaleInt4) * 4 + c;
@@ -500,8 +487,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     };
 
     if (warp < kSendWarps) {
-        if constexpr (kSetRegisters)  // NOTE [receiver registers]: this warpgroup's code from here on fits kSendRegs
-            ptx::give_back_registers<kSendRegs>();
+        Registers::give();  // NOTE [receiver registers]: this warpgroup's code from here on fits kGiveRegs
         const int send_warp = blockIdx.x * kSendWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
@@ -602,8 +588,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // ptxas gives the code it reaches (kReceiveRows rows at a time) kReceiveRegs; the sending warps, with fewer, one.
     bool received;
     if (kShiftRegisters && warp >= kSendWarps) {
-        if constexpr (kSetRegisters)
-            ptx::take_registers<kReceiveRegs>();
+        Registers::take();
         received = receive_claimed(kRowsFit >= 1);  // a row too large for the registers: a batch at a time
     } else {
         received = receive_claimed(false);
