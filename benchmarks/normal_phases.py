@@ -59,12 +59,12 @@ def rank_main(sm_counts, iters: int, num_tokens: int):
     from tokenyard import Buffer
     from tokenyard.backends.cuda import heuristics, kernels
 
-    rank = dist.get_rank()
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
     buffer, x, topk_idx, weights = profile_normal.deepseek_buffer(num_tokens)
     backend = buffer.runtime
-    block_warps = {"dispatch": heuristics.dispatch_threads() // 32, "combine": kernels.DATA_THREADS // 32}
+    block_warps = {"dispatch": heuristics.dispatch_threads(num_ranks) // 32, "combine": kernels.DATA_THREADS // 32}
     send_warps = {"dispatch": heuristics.dispatch_send_warps(block_warps["dispatch"]),
-                  "combine": heuristics.combine_send_warps(block_warps["combine"])}
+                  "combine": heuristics.combine_send_warps(block_warps["combine"], num_ranks)}
     report = {}
     for num_sms in sm_counts:
         Buffer.set_num_sms(num_sms)

@@ -49,14 +49,13 @@
 # `proxy` (one GPU, between 4-GPU sessions) runs the normal-mode kernels at TOKENYARD_SM_COUNTS (default 8,24) with
 # TOKENYARD_PROXY_RANKS ranks (default 4) sharing the GPU under MPS: the peers' buffers are then the same GPU's
 # memory, so it shows what the SMs issue, not the links (at 4 ranks and 8 SMs its cached dispatch and combine came
-# close to 4 x H200's: benchmarks/results/normal_tuning.md). TOKENYARD_BEFORE's tree first (in_tree), then the
+# within 10% of 4 x H200's: benchmarks/results/normal_tuning.md). TOKENYARD_BEFORE's tree first (in_tree), then the
 # defaults and each TOKENYARD_TUNING_VARIANTS entry (default: the candidates, below), per rank count;
 # benchmarks/tuning_table.py prints them (proxy*.json).
 #
-# The candidates: launch choices built but off by default until a run decides them (issue 50), which `tuning` and
-# `proxy` try when TOKENYARD_TUNING_VARIANTS is not given: NOTE [receiver registers] and NOTE [dispatch block width]
-# (kernels/dispatch.cuh, heuristics.py), NOTE [lagged combine publish], the combine's sending warps at 4 ranks and
-# NOTE [reducer registers] (kernels/combine.cuh), NOTE [tail in the bulk copy] (kernels/dispatch.cuh).
+# The candidates, which `tuning` and `proxy` try when TOKENYARD_TUNING_VARIANTS is not given: the neighbours of the
+# 4-rank block shapes (NOTE [block shapes by ranks] in heuristics.py), chosen by the proxy until a 4-GPU run confirms
+# them.
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -81,9 +80,7 @@ stop_mps() {
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$out/mps_control.log" 2>/dev/null || true
 }
 
-CANDIDATES="dispatch_receive_regs=232 dispatch_receive_regs=200 dispatch_threads=1024 combine_lagged_publish=1
-            combine_send_warps=4 combine_send_warps=4,combine_reduce_loads=20,combine_reduce_regs=144
-            dispatch_tail_in_bulk=1"
+CANDIDATES="dispatch_threads=512 dispatch_threads=1024 combine_send_warps=3 combine_send_warps=5"
 
 in_tree() {
     # in_tree before|after CMD...: CMD in that side's tree of an A/B, recording its commit. The earlier tree

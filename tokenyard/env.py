@@ -71,10 +71,6 @@ TUNING_KEYS = {
     "dispatch_stages": _parse_count,           # DISPATCH_STAGES
     "combine_stages": _parse_count,            # COMBINE_STAGES
     "combine_reduce_loads": _parse_count,      # COMBINE_REDUCE_LOADS
-    "dispatch_receive_regs": int,              # DISPATCH_RECEIVE_REGS
-    "combine_lagged_publish": _parse_bool,     # COMBINE_LAGGED_PUBLISH
-    "combine_reduce_regs": int,                # COMBINE_REDUCE_REGS
-    "dispatch_tail_in_bulk": _parse_bool,      # DISPATCH_TAIL_IN_BULK
 }
 
 

@@ -39,16 +39,17 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
 
     tokenyard_env("TOKENYARD_TUNING", None)
     assert heuristics.dispatch_send_warps(16) == heuristics.DISPATCH_SEND_WARPS
-    assert heuristics.combine_send_warps(16) == heuristics.COMBINE_SEND_WARPS
+    assert heuristics.combine_send_warps(16, 2) == heuristics.COMBINE_SEND_WARPS
+    assert heuristics.combine_send_warps(16, 8) == heuristics.COMBINE_SEND_WARPS_MANY_RANKS
     assert heuristics.combine_own_rows_direct() is heuristics.COMBINE_OWN_ROWS_DIRECT
     flipped = "off" if heuristics.COMBINE_OWN_ROWS_DIRECT else "on"
     tokenyard_env("TOKENYARD_TUNING", f"dispatch_send_warps=5, combine_send_warps=7,combine_own_rows_direct={flipped}")
-    assert (heuristics.dispatch_send_warps(16), heuristics.combine_send_warps(16)) == (5, 7)
+    assert (heuristics.dispatch_send_warps(16), heuristics.combine_send_warps(16, 4)) == (5, 7)
     assert heuristics.combine_own_rows_direct() is not heuristics.COMBINE_OWN_ROWS_DIRECT
     assert heuristics.dispatch_own_rows_direct() is heuristics.DISPATCH_OWN_ROWS_DIRECT  # not overridden
     tokenyard_env("TOKENYARD_TUNING", "combine_send_warps=16")  # a block of 16 warps keeps one to reduce
     with pytest.raises(ValueError, match="1 to 15 sending warps"):
-        heuristics.combine_send_warps(16)
+        heuristics.combine_send_warps(16, 2)
     assert (heuristics.dispatch_stages(), heuristics.combine_stages()) == (heuristics.DISPATCH_STAGES,
                                                                           heuristics.COMBINE_STAGES)
     tokenyard_env("TOKENYARD_TUNING", "dispatch_stages=2,combine_stages=5")  # WarpStages takes 2 to 4
@@ -56,12 +57,13 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     with pytest.raises(ValueError, match="2 to 4 stages"):
         heuristics.combine_stages()
     tokenyard_env("TOKENYARD_TUNING", None)
-    assert heuristics.dispatch_threads() == heuristics.DISPATCH_THREADS
+    assert [heuristics.dispatch_threads(n) for n in (2, 3, 4, 8)] == [heuristics.DISPATCH_THREADS] * 2 + [
+        heuristics.DISPATCH_THREADS_MANY_RANKS] * 2  # NOTE [block shapes by ranks]
     tokenyard_env("TOKENYARD_TUNING", "dispatch_threads=1024")
-    assert heuristics.dispatch_threads() == 1024
+    assert heuristics.dispatch_threads(2) == heuristics.dispatch_threads(4) == 1024
     tokenyard_env("TOKENYARD_TUNING", "dispatch_threads=640")
     with pytest.raises(ValueError, match="512, 768 or 1024"):
-        heuristics.dispatch_threads()
+        heuristics.dispatch_threads(4)
     tokenyard_env("TOKENYARD_TUNING", None)
     assert heuristics.combine_reduce_loads() == heuristics.COMBINE_REDUCE_LOADS
     tokenyard_env("TOKENYARD_TUNING", "combine_reduce_loads=8")
@@ -74,27 +76,6 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
         tokenyard_env("TOKENYARD_TUNING", bad)
         with pytest.raises(ValueError, match="TOKENYARD_TUNING"):
             env.settings()
-    tokenyard_env("TOKENYARD_TUNING", None)  # NOTE [receiver registers]: off unless asked for
-    assert heuristics.dispatch_receive_regs(512, 12) == heuristics.DISPATCH_RECEIVE_REGS == 0
-    tokenyard_env("TOKENYARD_TUNING", "dispatch_receive_regs=232")
-    assert heuristics.dispatch_receive_regs(512, 12) == 232
-    for threads, send_warps in ((1024, 12), (512, 6), (512, 4)):  # wider blocks; part of a warpgroup; 24 left over
-        with pytest.raises(ValueError, match="whole warpgroups sending"):
-            heuristics.dispatch_receive_regs(threads, send_warps)
-    for regs in (128, 236, 264):
-        tokenyard_env("TOKENYARD_TUNING", f"dispatch_receive_regs={regs}")
-        with pytest.raises(ValueError, match="136 to 256 in steps of 8"):
-            heuristics.dispatch_receive_regs(512, 12)
-    tokenyard_env("TOKENYARD_TUNING", None)  # NOTE [lagged combine publish]: off unless asked for
-    assert heuristics.combine_lagged_publish() is heuristics.COMBINE_LAGGED_PUBLISH is False
-    tokenyard_env("TOKENYARD_TUNING", "combine_lagged_publish=1")
-    assert heuristics.combine_lagged_publish() is True
-    tokenyard_env("TOKENYARD_TUNING", "combine_reduce_regs=144")  # NOTE [reducer registers]: 4 sending warps, 80 kept
-    assert heuristics.combine_reduce_regs(512, 4) == 144
-    with pytest.raises(ValueError, match="whole warpgroups sending"):
-        heuristics.combine_reduce_regs(512, 3)
-    tokenyard_env("TOKENYARD_TUNING", "dispatch_tail_in_bulk=1")  # NOTE [tail in the bulk copy]
-    assert heuristics.dispatch_tail_in_bulk() is not heuristics.DISPATCH_TAIL_IN_BULK
 
 
 def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():

@@ -182,26 +182,28 @@ def _different_sms_then_recover(seed):
 
 
 # Launch choices taken the other way (tokenyard/backends/cuda/heuristics.py): what each sets there, from its values.
-# Each path a token's row for its own rank can take, in both kernels; and the candidates built but off by default:
-# NOTE [receiver registers] (3 rows in flight for DeepSeek-V3's FP8 rows), NOTE [lagged combine publish], NOTE
-# [reducer registers] and NOTE [tail in the bulk copy] (where the tail fits in the row's last stage: not the BF16
-# rows of 7168).
-OTHER_WAYS = ("own_rows", "receiver_registers", "lagged_combine_publish", "reducer_registers", "tail_in_bulk")
+# Each path a token's row for its own rank can take, in both kernels; the blocks shaped for the other side of
+# heuristics.MANY_RANKS (NOTE [block shapes by ranks]).
+OTHER_WAYS = ("own_rows", "block_shapes")
 
 
-def _other_way(way: str, heuristics) -> dict:
-    return {"own_rows": {"DISPATCH_OWN_ROWS_DIRECT": not heuristics.DISPATCH_OWN_ROWS_DIRECT,
-                         "COMBINE_OWN_ROWS_DIRECT": not heuristics.COMBINE_OWN_ROWS_DIRECT},
-            "receiver_registers": {"DISPATCH_RECEIVE_REGS": 232},
-            "lagged_combine_publish": {"COMBINE_LAGGED_PUBLISH": True},
-            "reducer_registers": {"COMBINE_SEND_WARPS": 4, "COMBINE_REDUCE_LOADS": 20, "COMBINE_REDUCE_REGS": 144},
-            "tail_in_bulk": {"DISPATCH_TAIL_IN_BULK": True}}[way]
+def _other_way(way: str, heuristics, num_ranks: int) -> dict:
+    if way == "own_rows":
+        return {"DISPATCH_OWN_ROWS_DIRECT": not heuristics.DISPATCH_OWN_ROWS_DIRECT,
+                "COMBINE_OWN_ROWS_DIRECT": not heuristics.COMBINE_OWN_ROWS_DIRECT}
+    if num_ranks >= heuristics.MANY_RANKS:
+        return {"DISPATCH_THREADS_MANY_RANKS": heuristics.DISPATCH_THREADS,
+                "COMBINE_SEND_WARPS_MANY_RANKS": heuristics.COMBINE_SEND_WARPS}
+    return {"DISPATCH_THREADS": heuristics.DISPATCH_THREADS_MANY_RANKS,
+            "COMBINE_SEND_WARPS": heuristics.COMBINE_SEND_WARPS_MANY_RANKS}
 
 
 def _compare_ranks_the_other_way(seed, cases, way):
+    import torch.distributed as dist
+
     from tokenyard.backends.cuda import heuristics
 
-    changes = _other_way(way, heuristics)
+    changes = _other_way(way, heuristics, dist.get_world_size())
     before = {name: getattr(heuristics, name) for name in changes}
     try:  # the pool's ranks run the tests after this one (NOTE [rank pool]): put the choices back
         for name, value in changes.items():

@@ -344,7 +344,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         num_blocks = heuristics.data_blocks(m.num_sms, self.device_sms)
         makes_outputs = m.placed_rows is None
         cpu_wait = not m.cached and m.num_rows is None and makes_outputs
-        threads = heuristics.dispatch_threads()
+        threads = heuristics.dispatch_threads(num_ranks)
         send_warps = heuristics.dispatch_send_warps(threads // 32)
         num_send_warps = num_blocks * send_warps
         chunk_tokens, tail_tokens = heuristics.DISPATCH_CHUNK_TOKENS, heuristics.dispatch_tail_tokens()
@@ -357,9 +357,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
                                                chunk_tokens, tail_tokens, m.all_weights, send_warps,
-                                               heuristics.dispatch_stages(), threads,
-                                               heuristics.dispatch_receive_regs(threads, send_warps),
-                                               heuristics.dispatch_tail_in_bulk()))
+                                               heuristics.dispatch_stages(), threads))
         rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
         own_rows_direct = heuristics.dispatch_own_rows_direct()
         T = m.num_tokens
@@ -560,11 +558,9 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 combined_x = b.part(whole, "combined_x", (num_tokens, hidden), torch.bfloat16)
                 combined_w = b.part(whole, "combined_topk_weights", (num_tokens, num_topk), torch.float32) \
                     if num_topk else 0
-            send_warps = heuristics.combine_send_warps(kernels.DATA_THREADS // 32)
+            send_warps = heuristics.combine_send_warps(kernels.DATA_THREADS // 32, num_ranks)
             kernel = self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps,
-                                                  heuristics.combine_stages(), heuristics.combine_reduce_loads(),
-                                                  heuristics.combine_lagged_publish(),
-                                                  heuristics.combine_reduce_regs(kernels.DATA_THREADS, send_warps)))
+                                                  heuristics.combine_stages(), heuristics.combine_reduce_loads()))
             b.launch(kernel, num_blocks, dict(
                 x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),
                 rank_prefix_matrix=b.inp("rank_prefix_matrix"), recv_first=b.inp("recv_first"),

@@ -6,7 +6,6 @@ import functools
 import math
 
 from ... import env
-from ...plan import headers
 
 
 def data_blocks(num_sms: int, device_sms: int) -> int:
@@ -15,54 +14,31 @@ def data_blocks(num_sms: int, device_sms: int) -> int:
     return max(2, min(num_sms, device_sms))
 
 
+# NOTE [block shapes by ranks]
+# A block's rows go to more peers as the ranks grow, and the work that sets a kernel's time moves: at 2 ranks the
+# dispatch's senders set it, from 4 ranks on its receivers (their rows come from 3 or more sources) and the combine's
+# senders (benchmarks/results/normal_tuning.md, `shapes_4_ranks_proxy`). So the blocks are shaped by the rank
+# count: from MANY_RANKS on, a wider dispatch block and one more sending warp in the combine's.
+MANY_RANKS = 4
+
+
+def _by_ranks(num_ranks: int, few: int, many: int) -> int:
+    return many if num_ranks >= MANY_RANKS else few
+
+
 # NOTE [dispatch block width]
 # A dispatch block's threads (512, 768 or 1024; the combine's block is kernels.DATA_THREADS). The warps past the
 # sending ones receive, each with one row's loads in flight, as many as the registers of a block that wide hold
 # (kernels/dispatch.cuh, receive_row): a wider block receives with more warps, each with fewer loads in flight.
-# 512: at 2 ranks 768 and 1024 were no faster (benchmarks/results/normal_tuning.md, `claims_call`); at 4 ranks, where
-# the receivers set the 8-SM dispatch's time, 1024 was faster at 8 SMs with the ranks sharing one GPU (the same
-# page, `widths_4_ranks_proxy`): a 4-GPU run at 8 and 24 SMs decides.
+# 512 at 2 ranks (768 and 1024 no faster: normal_tuning.md, `claims_call`), 768 from 4 ranks on (faster than 512
+# and 1024 from 4 to 16 SMs, by the MPS proxy: `shapes_4_ranks_proxy`).
 DISPATCH_THREADS = 512
+DISPATCH_THREADS_MANY_RANKS = 768
 DISPATCH_THREAD_CHOICES = (512, 768, 1024)
 
 
-# NOTE [receiver registers] (kernels/dispatch.cuh): the registers a thread of the dispatch's receiving warpgroups takes
-# from the sending ones (sm_90a's setmaxnreg), 0 for none. Off until a 4-GPU run at 8 and 24 SMs measures it
-# (benchmarks/results/normal_tuning.md): at 4 ranks and 8 SMs the receivers set the dispatch's time.
-DISPATCH_RECEIVE_REGS = 0
-_REGISTER_FILE = headers.constant("types.cuh", "kRegisterFile")
-_WARP_GROUP = headers.constant("types.cuh", "kWarpGroupSize")
-
-
-def _shifted_regs(key: str, default: int, threads: int, send_warps: int) -> int:
-    """The registers a thread of a data kernel's other warpgroups takes from its sending ones (TOKENYARD_TUNING
-    `key`), 0 for none, checked as the kernels' static_asserts check it."""
-    regs = tuned(key, default)
-    block_warps = threads // 32  # a thread's share of the register file: 128 at 512 threads
-    send_regs = (_REGISTER_FILE // threads * block_warps - regs * (block_warps - send_warps)) // max(send_warps, 1)
-    if regs and not (threads == 512 and send_warps % _WARP_GROUP == 0 and 136 <= regs <= 256 and regs % 8 == 0 and
-                     send_regs // 8 * 8 >= 24):
-        raise ValueError(f"TOKENYARD_TUNING {key}={regs}: 0, or 136 to 256 in steps of 8 with 512 threads a block, "
-                         f"whole warpgroups sending and 24 registers left to them (got {threads} threads, "
-                         f"{send_warps} sending warps)")
-    return regs
-
-
-def dispatch_receive_regs(threads: int, send_warps: int) -> int:
-    return _shifted_regs("dispatch_receive_regs", DISPATCH_RECEIVE_REGS, threads, send_warps)
-
-
-# NOTE [tail in the bulk copy] (kernels/dispatch.cuh): the dispatch row's tail (scales, global ids, every weight) goes
-# in the row's bulk copies instead of by SM stores per destination. Off until measured (normal_tuning.md).
-DISPATCH_TAIL_IN_BULK = False
-
-
-def dispatch_tail_in_bulk() -> bool:
-    return tuned("dispatch_tail_in_bulk", DISPATCH_TAIL_IN_BULK)
-
-
-def dispatch_threads() -> int:
-    threads = tuned("dispatch_threads", DISPATCH_THREADS)
+def dispatch_threads(num_ranks: int) -> int:
+    threads = tuned("dispatch_threads", _by_ranks(num_ranks, DISPATCH_THREADS, DISPATCH_THREADS_MANY_RANKS))
     if threads not in DISPATCH_THREAD_CHOICES:
         raise ValueError(f"TOKENYARD_TUNING dispatch_threads={threads}: a dispatch block has "
                          f"{', '.join(map(str, DISPATCH_THREAD_CHOICES[:-1]))} or {DISPATCH_THREAD_CHOICES[-1]} threads")
@@ -71,9 +47,11 @@ def dispatch_threads() -> int:
 
 # The warps of each data-kernel block that send (by TMA bulk copies, NOTE [warp stages]); its other warps
 # receive (dispatch) or reduce (combine). The fastest at 8 SMs of the counts swept, and no slower at 24
-# (benchmarks/results/normal_tuning.md).
+# (benchmarks/results/normal_tuning.md): at 2 ranks 12 and 3, from 4 ranks on the combine's 4 (NOTE [block shapes
+# by ranks]).
 DISPATCH_SEND_WARPS = 12
 COMBINE_SEND_WARPS = 3
+COMBINE_SEND_WARPS_MANY_RANKS = 4
 
 
 def _send_warps(key: str, default: int, block_warps: int) -> int:
@@ -88,8 +66,9 @@ def dispatch_send_warps(block_warps: int) -> int:
     return _send_warps("dispatch_send_warps", DISPATCH_SEND_WARPS, block_warps)
 
 
-def combine_send_warps(block_warps: int) -> int:
-    return _send_warps("combine_send_warps", COMBINE_SEND_WARPS, block_warps)
+def combine_send_warps(block_warps: int, num_ranks: int) -> int:
+    return _send_warps("combine_send_warps", _by_ranks(num_ranks, COMBINE_SEND_WARPS, COMBINE_SEND_WARPS_MANY_RANKS),
+                       block_warps)
 
 
 # The stages of shared memory per sending warp (NOTE [warp stages]; WarpStages takes 2 to 4): 2 and 4 were alike,
@@ -137,26 +116,6 @@ def dispatch_own_rows_direct() -> bool:
 
 def combine_own_rows_direct() -> bool:
     return tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
-
-
-# NOTE [lagged combine publish] (kernels/combine.cuh): a combine sending warp publishes a chunk once its next one is
-# issued, not after waiting for the chunk's stores. Off until a 4-GPU run at 8 and 24 SMs measures it
-# (benchmarks/results/normal_tuning.md): at 4 ranks the senders set the combine's time.
-COMBINE_LAGGED_PUBLISH = False
-
-
-def combine_lagged_publish() -> bool:
-    return tuned("combine_lagged_publish", COMBINE_LAGGED_PUBLISH)
-
-
-# NOTE [reducer registers] (kernels/combine.cuh): the registers a thread of the combine's reducing warpgroups takes
-# from the sending one (4 sending warps, combine_send_warps=4), with more loads in flight (combine_reduce_loads). Off
-# until measured: at 2 ranks and 8 SMs the reducers set the combine's time (benchmarks/results/normal_tuning.md).
-COMBINE_REDUCE_REGS = 0
-
-
-def combine_reduce_regs(threads: int, send_warps: int) -> int:
-    return _shifted_regs("combine_reduce_regs", COMBINE_REDUCE_REGS, threads, send_warps)
 
 
 # The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the

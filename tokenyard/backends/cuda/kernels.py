@@ -94,26 +94,19 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
              all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS,
-             stages: int = heuristics.DISPATCH_STAGES, threads: int = heuristics.DISPATCH_THREADS,
-             receive_regs: int = heuristics.DISPATCH_RECEIVE_REGS,
-             tail_in_bulk: bool = heuristics.DISPATCH_TAIL_IN_BULK) -> KernelSpec:
+             stages: int = heuristics.DISPATCH_STAGES, threads: int = heuristics.DISPATCH_THREADS) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
     weight arrives (DeepEP V2), not only the local slots'; `send_warps`: a block's warps that send (the others
-    receive), each through `stages` stages; `threads`: the block's (NOTE [dispatch block width]); `receive_regs`: the
-    registers a receiving thread takes from the sending warps, 0 for none (NOTE [receiver registers]); `tail_in_bulk`:
-    the row's tail in its bulk copies (NOTE [tail in the bulk copy])."""
+    receive), each through `stages` stages; `threads`: the block's (NOTE [dispatch block width])."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
-    # NOTE [tail in the bulk copy]: stages sized for the data and the tail after it where that fits in one.
-    tail_bytes = workspace.align(num_scales * 4) + workspace.align(num_topk * 8 + 4) if tail_in_bulk else 0
-    stage_bytes = data_stage_bytes(data_int4 * 16 + tail_bytes, send_warps, stages)
+    stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, threads, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
-         "true" if all_weights else "false", stages, stage_bytes, send_warps, receive_regs,
-         "true" if tail_in_bulk else "false"),
+         "true" if all_weights else "false", stages, stage_bytes, send_warps),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -132,18 +125,14 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 @functools.lru_cache(maxsize=None)
 def combine(num_ranks: int, hidden_int4: int, num_topk: int,
             send_warps: int = heuristics.COMBINE_SEND_WARPS, stages: int = heuristics.COMBINE_STAGES,
-            reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS,
-            lagged_publish: bool = heuristics.COMBINE_LAGGED_PUBLISH,
-            reduce_regs: int = heuristics.COMBINE_REDUCE_REGS) -> KernelSpec:
+            reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS) -> KernelSpec:
     """`send_warps`: a block's warps that send (the others reduce), each through `stages` stages;
-    `reduce_loads`: the loads a reducing lane keeps in flight; `lagged_publish`: a chunk published once the warp's
-    next one is issued (NOTE [lagged combine publish]); `reduce_regs`: the registers a reducing thread takes from the
-    sending warps, 0 for none (NOTE [reducer registers])."""
+    `reduce_loads`: the loads a reducing lane keeps in flight."""
     stage_bytes = data_stage_bytes(hidden_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
         (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, stages, stage_bytes,
-         send_warps, reduce_loads, "true" if lagged_publish else "false", reduce_regs),
+         send_warps, reduce_loads),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
          Param("const int*", "send_head"),
@@ -357,13 +346,9 @@ def every_kernel():
             yield dispatch_notify(ranks, dtype)
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64)   # FP8 with scales, DeepSeek-V3
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, all_weights=True)  # ElasticBuffer's
-        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, receive_regs=232)  # NOTE [receiver registers]
-        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, all_weights=True, tail_in_bulk=True)
         yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64)    # bf16
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k
         yield combine(ranks, 7168 * 2 // 16, 8)
-        yield combine(ranks, 7168 * 2 // 16, 8, lagged_publish=True)  # NOTE [lagged combine publish]
-        yield combine(ranks, 7168 * 2 // 16, 8, send_warps=4, reduce_loads=20, reduce_regs=144)  # [reducer registers]
         yield combine(ranks, 4096 * 2 // 16, 0)
     yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)  # TOKENYARD_TUNING combine_reduce_loads's sweep
     yield expand_count(8, torch.int64)

@@ -107,18 +107,6 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
     return ns;
 }
 
-// sm_90a: this warpgroup's registers a thread become kRegs, given back to the SM's pool or taken from it (every warp
-// of the warpgroup executes it; a take waits until the pool has them): RegisterShift in registers.cuh.
-template <int kRegs>
-__device__ __forceinline__ void give_back_registers() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
-}
-
-template <int kRegs>
-__device__ __forceinline__ void take_registers() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
-}
-
 // 16-byte accesses. Rows are 16-byte aligned by construction (workspace.py pads every part).
 __device__ __forceinline__ int4 ld_nc_v4(const int4* ptr) {
     int4 v;

@@ -48,9 +48,6 @@ struct WarpStages {
 
     __device__ __forceinline__ static uint32_t pieces(uint32_t bytes) { return (bytes + kStageBytes - 1) / kStageBytes; }
 
-    // The stage piece k goes through (every lane may ask; lane 0 alone counts the pieces).
-    __device__ __forceinline__ uint8_t* stage(uint32_t k) const { return stages + k % kStages * kStageBytes; }
-
     __device__ __forceinline__ bool fits(uint32_t bytes) const { return pieces(bytes) + (loaded - stored) <= kStages; }
 
     // Load row `src` of `bytes` (a multiple of 16) into the next stages; `fits(bytes)` must hold.

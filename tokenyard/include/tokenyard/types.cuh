@@ -17,7 +17,5 @@ typedef unsigned long long uint64_t;
 namespace tokenyard {
 
 constexpr int kWarpSize = 32;
-constexpr int kWarpGroupSize = 4;      // warps that setmaxnreg moves registers for together (sm_90a)
-constexpr int kRegisterFile = 65536;   // 32-bit registers of an SM, shared by a block's threads (sm_90)
 
 }  // namespace tokenyard

@@ -5,7 +5,6 @@
 #include "../copy.cuh"
 #include "../layout.cuh"
 #include "../phases.cuh"
-#include "../registers.cuh"
 #include "../staging.cuh"
 #include "../sync.cuh"
 
@@ -74,16 +73,6 @@ namespace tokenyard::kernels {
 // last sender is done: that copy is the dispatch's tail. So a range goes in pieces of kChunkTokens but
 // its last kChunkTokens tokens (or fewer) in pieces of kTailTokens: a small last wave, for a few more
 // slots. Example, 28 tokens, pieces of 8 and tail pieces of 2: 8 8 4 | 2 2 2 2.
-//
-// NOTE [receiver registers]
-// A receiving warp copies a row with its loads in registers (receive_row), and the block's registers bound how many
-// it has in flight: at 512 threads the kernel gets 128 a thread, and a row's loads (16 vectors a lane) are all a
-// warp holds. The sending warps need fewer: lane 0 drives their bulk copies. With kReceiveRegs (RegisterShift in
-// registers.cuh; heuristics.dispatch_receive_regs, TOKENYARD_TUNING dispatch_receive_regs), the sending warpgroups
-// give registers back and the receiving ones take them, so that a receiving warp loads kReceiveRows rows before it
-// stores any (receive_rows). The sending warps, once their range is sent, receive one row at a time, as without it.
-// At 4 ranks and 8 SMs the receivers set the dispatch's time (benchmarks/results/normal_tuning.md); off by default
-// until a 4-GPU run measures it.
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
@@ -116,7 +105,7 @@ struct SenderRanges {
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
           int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, int kSendWarps,
-          int kReceiveRegs, bool kTailInBulk, typename Params>
+          typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -132,15 +121,13 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     }
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     using Ranges = SenderRanges<kChunkTokens, kTailTokens>;
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    using Registers = RegisterShift<kNumThreads, kSendWarps, kReceiveRegs>;  // NOTE [receiver registers]
-    constexpr bool kShiftRegisters = Registers::kOn;
     // The row's tail (scales, then metadata) moves as whole 16-byte vectors, one per lane (NOTE [row tail]).
     constexpr int kScaleInt4 = (kNumScales + 3) / 4;
     constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
     constexpr int kTailPerLane = (kTailInt4 + kWarpSize - 1) / kWarpSize;
     const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
                                 p.slots_offset, p.max_chunks, p.row_bytes};
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     PhaseClock phase_clock(p.phases, warp, kNumWarps);  // NOTE [normal-mode phases]
     extern __shared__ __align__(128) uint8_t shared[];
     static_assert(kSendWarps >= 1 && kSendWarps < kNumWarps, "every block sends and receives");
@@ -161,20 +148,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // registers (the metadata once per destination, from the top-k lanes by shuffles) and each destination
     // gets the tail in one store instruction, where scalar stores would have sent many small NVLink writes;
     // the receiver loads it with the data, one vector per lane, and scatters the words to the outputs.
-    //
-    // NOTE [tail in the bulk copy]
-    // With kTailInBulk (heuristics.DISPATCH_TAIL_IN_BULK, TOKENYARD_TUNING dispatch_tail_in_bulk; off until measured),
-    // the tail is the same for every destination: the ids as they came (global) and every slot's weight, the
-    // receiver turning them into its own (a weight kept where its id is local, unless kAllWeights). The lanes write
-    // it into the row's last stage, after the data there, and the row's bulk copies carry it to every destination:
-    // no per-destination shuffles, no SM stores to the peers (at 4 ranks and 8 SMs the tails are a large share of the
-    // senders' time, benchmarks/results/normal_tuning.md). Where the data fills its last stage, or the tail does not
-    // fit after it (or the row is more pieces than the stages hold), the tails go as without it.
 
-    constexpr int kDataPieces = (kDataInt4 * 16 + kStageBytes - 1) / kStageBytes;
-    constexpr int kLastPieceBytes = kDataInt4 * 16 - (kDataPieces - 1) * kStageBytes;
-    constexpr bool kBulkTail = kTailInBulk && kDataPieces <= kStages && kLastPieceBytes < kStageBytes &&
-                               kLastPieceBytes + kTailInt4 * 16 <= kStageBytes;  // NOTE [tail in the bulk copy]
     // Metadata word w of destination `dest` for this lane, built from lane w (or w - kNumTopk) of the top-k.
     auto meta_word = [&](int w, int dest, int64_t expert, float weight, int t) {
         const int64_t first = static_cast<int64_t>(dest) * p.num_local_experts;
@@ -182,12 +156,6 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int id = __shfl_sync(0xffffffffu, local ? static_cast<int>(expert - first) : -1, w % kWarpSize);
         const int bits = __shfl_sync(0xffffffffu, kAllWeights || local ? __float_as_int(weight) : 0,
                                      (w - kNumTopk) & (kWarpSize - 1));
-        return w < kNumTopk ? id : w < 2 * kNumTopk ? bits : w == 2 * kNumTopk ? t : 0;
-    };
-    // The same for every destination (NOTE [tail in the bulk copy]): the global id and the weight as given.
-    auto bulk_meta_word = [&](int w, int64_t expert, float weight, int t) {
-        const int id = __shfl_sync(0xffffffffu, static_cast<int>(expert), w % kWarpSize);
-        const int bits = __shfl_sync(0xffffffffu, __float_as_int(weight), (w - kNumTopk) & (kWarpSize - 1));
         return w < kNumTopk ? id : w < 2 * kNumTopk ? bits : w == 2 * kNumTopk ? t : 0;
     };
 
@@ -248,44 +216,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         // too. Its store of every own row was no faster (benchmarks/results/normal_tuning.md, issue 50's sweep).
         constexpr bool kDirectFromStages = kDataInt4 * 16 <= kStages * kStageBytes;
         uint32_t first_piece = 0;
-        if constexpr (kBulkTail) {
-            // The row's data in the stages (loaded ahead, or now: nothing else is loaded then), its tail after it in
-            // its last piece's stage, then data and tail to every destination by the same bulk copies.
-            const bool any = (mask & ~(direct != nullptr ? 1u << p.rank : 0u)) != 0 || direct != nullptr;
-            if (lane == 0 && !ahead && any)
-                stages.prefetch(p.x + token * kDataInt4, kDataInt4 * 16);
-            if (ahead || any) {
-                const uint32_t last = __shfl_sync(0xffffffffu, stages.stored, 0) + kDataPieces - 1;
-                int4* tail_at = reinterpret_cast<int4*>(stages.stage(last) + kLastPieceBytes);
-#pragma unroll
-                for (int u = 0; u < kTailPerLane; ++u) {
-                    const int i = u * kWarpSize + lane;
-                    int4 vec = tail[u];
-                    if (u * kWarpSize + kWarpSize > kScaleInt4) {  // this slot holds metadata for some lanes
-                        int words[4];
-#pragma unroll
-                        for (int c = 0; c < 4; ++c)
-                            words[c] = bulk_meta_word(4 * (i - kScaleInt4) + c, expert, weight, t);
-                        if (i >= kScaleInt4)
-                            vec = make_int4(words[0], words[1], words[2], words[3]);
-                    }
-                    if (i < kTailInt4)
-                        tail_at[i] = vec;
-                }
-                tma::fence_shared_for_async();
-                __syncwarp();
-            }
-            if (lane == 0) {
-                void* to[kNumRanks + 1];
-#pragma unroll
-                for (int dest = 0; dest < kNumRanks; ++dest)
-                    to[dest] = dst[dest];
-                to[kNumRanks] = nullptr;
-                first_piece = stages.stored;
-                if (ahead || any)  // a row nobody wants is stored nowhere: its stages freed
-                    stages.send(kDataInt4 * 16 + kTailInt4 * 16, to);
-            }
-        } else if (lane == 0) {
+        if (lane == 0) {
             void* to[kNumRanks + 1];
             bool any = direct != nullptr;
 #pragma unroll
@@ -338,7 +269,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
 #pragma unroll
         for (int dest = 0; dest < kNumRanks; ++dest) {
-            if (kBulkTail || ((mask >> dest) & 1u) == 0)
+            if (((mask >> dest) & 1u) == 0)
                 continue;  // uniform over the warp: every lane takes part in the shuffles
 #pragma unroll
             for (int u = 0; u < kTailPerLane; ++u) {
@@ -360,69 +291,13 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         phase_clock.mark(kPhaseTail, lane);
     };
 
-    // The row's tail, loaded one vector a lane, into the outputs of row `out` (NOTE [row tail]). A tail that came in
-    // the bulk copy holds global ids and every weight (NOTE [tail in the bulk copy]): the lane of weight k learns
-    // from the lane of id k whether the expert is this rank's.
-    auto scatter_tail = [&](const int4 (&tail)[kTailPerLane], int64_t out) {
-        const int64_t first_expert = static_cast<int64_t>(p.rank) * p.num_local_experts;
-        uint32_t local_ids[kTailPerLane] = {};  // bit c: word c of the lane's vector u is an id of this rank's
-#pragma unroll
-        for (int u = 0; u < kTailPerLane && kBulkTail; ++u) {
-            const int i = u * kWarpSize + lane;
-            const int* words = reinterpret_cast<const int*>(&tail[u]);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int w = (i - kScaleInt4) * 4 + c;
-                const bool local = words[c] >= first_expert && words[c] < first_expert + p.num_local_experts;
-                if (i < kTailInt4 && w >= 0 && w < kNumTopk && local)
-                    local_ids[u] |= 1u << c;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kTailPerLane; ++u) {
-            const int i = u * kWarpSize + lane;
-            const int* words = reinterpret_cast<const int*>(&tail[u]);
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int j = i * 4 + c, w = (i - kScaleInt4) * 4 + c;
-                bool weight_local = true;
-                if constexpr (kBulkTail) {  // every lane shuffles: the id of weight w - kNumTopk
-                    const int id_vector = kScaleInt4 + max(w - kNumTopk, 0) / 4;
-                    uint32_t owner = 0;
-#pragma unroll
-                    for (int v = 0; v < kTailPerLane; ++v) {
-                        const uint32_t got = __shfl_sync(0xffffffffu, local_ids[v], id_vector % kWarpSize);
-                        owner = v == id_vector / kWarpSize ? got : owner;
-                    }
-                    weight_local = (owner >> (max(w - kNumTopk, 0) % 4)) & 1u;
-                }
-                if (i >= kTailInt4)
-                    continue;
-                if (i < kScaleInt4) {
-                    if (j < kNumScales)
-                        p.recv_scales[out * kNumScales + j] = static_cast<uint32_t>(words[c]);
-                } else if (w < kNumTopk) {
-                    const bool local = (local_ids[u] >> c) & 1u;
-                    p.recv_topk_idx[out * kNumTopk + w] =
-                        static_cast<TopkT>(!kBulkTail ? words[c] : local ? words[c] - first_expert : -1);
-                } else if (w < 2 * kNumTopk) {
-                    if (p.recv_topk_weights != nullptr)
-                        p.recv_topk_weights[out * kNumTopk + w - kNumTopk] =
-                            !kBulkTail || kAllWeights || weight_local ? __int_as_float(words[c]) : 0.0f;
-                } else if (w == 2 * kNumTopk && p.recv_src_idx != nullptr) {
-                    p.recv_src_idx[out] = p.src_idx_base + words[c];
-                }
-            }
-        }
-    };
     // One warp copies row `src` of this rank's buffer to output row `out` with its load/store units (the copy
     // engine stays with the sending warps). Every load of a batch (up to kBatch data vectors per lane, plus the
     // row's tail with the first batch) is issued before any store, so a row costs about one memory round trip
     // rather than one per field. The batch is what the block's registers hold without spilling (ptxas, the
-    // DeepSeek-V3 dispatch: 16 vectors at 512 threads, 8 at 768, 4 at 1024; 4 in the sending warps that gave
-    // registers back, NOTE [receiver registers]; NOTE [dispatch block width]).
+    // DeepSeek-V3 dispatch: 16 vectors at 512 threads, 8 at 768, 4 at 1024; NOTE [dispatch block width]).
     auto receive_row = [&](const uint8_t* src, int64_t out) {
-        constexpr int kBatch = kShiftRegisters || kNumThreads > 768 ? 4 : kNumThreads > 512 ? 8 : 16;
+        constexpr int kBatch = kNumThreads <= 512 ? 16 : kNumThreads <= 768 ? 8 : 4;
         const int4* data_in = reinterpret_cast<const int4*>(src);
         const int4* tail_in = data_in + kDataInt4;
         int4* data_out = p.recv_x + out * kDataInt4;
@@ -438,40 +313,27 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
             store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
         }
-        scatter_tail(tail, out);
-    };
-    // With the receivers' registers (NOTE [receiver registers]): rows src, src + row_bytes, ... (count of them, at
-    // most kRows) to output rows out, out + 1, ..., every row's loads issued before any store.
-    constexpr int kRowInt4PerLane = (kDataInt4 + kWarpSize - 1) / kWarpSize;
-    constexpr int kRowsFit = (kReceiveRegs - 48) / (4 * (kRowInt4PerLane + kTailPerLane));  // 48 for the rest
-    constexpr int kReceiveRows = !kShiftRegisters || kRowsFit < 1 ? 1 : kRowsFit > 4 ? 4 : kRowsFit;
-    auto receive_rows = [&](const uint8_t* src, int64_t out, int count) {
-        constexpr int kRows = kReceiveRows;
-        int4 v[kRows][kRowInt4PerLane], tail[kRows][kTailPerLane];
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-            if (r >= count)
-                break;
-            const int4* in = reinterpret_cast<const int4*>(src + static_cast<int64_t>(r) * p.row_bytes);
+        for (int u = 0; u < kTailPerLane; ++u) {
+            const int i = u * kWarpSize + lane;
+            if (i >= kTailInt4)
+                continue;
+            const int* words = reinterpret_cast<const int*>(&tail[u]);
 #pragma unroll
-            for (int u = 0; u < kRowInt4PerLane; ++u)
-                if (u * kWarpSize + lane < kDataInt4)
-                    v[r][u] = ptx::ld_na_v4(in + u * kWarpSize + lane);
-#pragma unroll
-            for (int u = 0; u < kTailPerLane; ++u)
-                if (u * kWarpSize + lane < kTailInt4)
-                    tail[r][u] = ptx::ld_na_v4(in + kDataInt4 + u * kWarpSize + lane);
-        }
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-            if (r >= count)
-                break;
-            int4* data_out = p.recv_x + (out + r) * kDataInt4;
-#pragma unroll
-            for (int u = 0; u < kRowInt4PerLane; ++u)
-                if (u * kWarpSize + lane < kDataInt4)
-                    ptx::st_na_v4(data_out + u * kWarpSize + lane, v[r][u]);
-            scatter_tail(tail[r], out + r);
+            for (int c = 0; c < 4; ++c) {
+                const int j = i * 4 + c, w = (i - kScaleInt4) * 4 + c;
+                if (i < kScaleInt4) {
+                    if (j < kNumScales)
+                        p.recv_scales[out * kNumScales + j] = static_cast<uint32_t>(words[c]);
+                } else if (w < kNumTopk) {
+                    p.recv_topk_idx[out * kNumTopk + w] = static_cast<TopkT>(words[c]);
+                } else if (w < 2 * kNumTopk) {
+                    if (p.recv_topk_weights != nullptr)
+                        p.recv_topk_weights[out * kNumTopk + w - kNumTopk] = __int_as_float(words[c]);
+                } else if (w == 2 * kNumTopk && p.recv_src_idx != nullptr) {
+                    p.recv_src_idx[out] = p.src_idx_base + words[c];
+                }
+            }
         }
     };
 
@@ -487,7 +349,6 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     };
 
     if (warp < kSendWarps) {
-        Registers::give();  // NOTE [receiver registers]: this warpgroup's code from here on fits kGiveRegs
         const int send_warp = blockIdx.x * kSendWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
@@ -522,8 +383,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
     const int items_per_piece = p.num_send_warps * num_sources, num_items = most_pieces * items_per_piece;
     // Item `item`'s rows copied out; false: the wait for its slot failed (recorded).
-    // `many`: kReceiveRows rows at a time (a constant where it is called, so each call keeps one of the paths).
-    auto receive_item = [&](bool many, int item) {
+    auto receive_item = [&](int item) {
         const int piece = item / items_per_piece, sender = item % items_per_piece / num_sources;
         const int other = item % num_sources;
         const int source = p.local_direct && other >= p.rank ? other + 1 : other;
@@ -555,13 +415,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, first + end, p.num_worst_tokens);
             end = max(begin, p.num_worst_tokens - first);
         }
-        if (many) {
-            for (int j = begin; j < end; j += kReceiveRows)
-                receive_rows(buffers.row(p.rank, source, j), first + j, min(kReceiveRows, end - j));
-        } else {
-            for (int j = begin; j < end; ++j)
-                receive_row(buffers.row(p.rank, source, j), first + j);
-        }
+        for (int j = begin; j < end; ++j)
+            receive_row(buffers.row(p.rank, source, j), first + j);
         phase_clock.mark(kPhaseCopy, lane);
         return true;
     };
@@ -573,28 +428,13 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     else if (lane == 0)
         item = num_items;  // the counter never became this launch's: recorded, nothing claimed
     item = __shfl_sync(0xffffffffu, item, 0);
-    // The claimed items' rows copied out; false: a wait failed (recorded).
-    auto receive_claimed = [&](bool many) {
-        while (item < num_items) {
-            // The next item's claim goes out before this one's rows are copied.
-            const int next = lane == 0 ? static_cast<int>(atomicAdd(claims, 1ull)) : 0;
-            if (!receive_item(many, item))
-                return false;
-            item = __shfl_sync(0xffffffffu, next, 0);
-        }
-        return true;
-    };
-    // NOTE [receiver registers]: the receiving warpgroups take their registers where they start receiving, so that
-    // ptxas gives the code it reaches (kReceiveRows rows at a time) kReceiveRegs; the sending warps, with fewer, one.
-    bool received;
-    if (kShiftRegisters && warp >= kSendWarps) {
-        Registers::take();
-        received = receive_claimed(kRowsFit >= 1);  // a row too large for the registers: a batch at a time
-    } else {
-        received = receive_claimed(false);
+    while (item < num_items) {
+        // The next item's claim goes out before this one's rows are copied.
+        const int next = lane == 0 ? static_cast<int>(atomicAdd(claims, 1ull)) : 0;
+        if (!receive_item(item))
+            return;
+        item = __shfl_sync(0xffffffffu, next, 0);
     }
-    if (!received)
-        return;
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
         const int stride = gridDim.x * kNumThreads;
