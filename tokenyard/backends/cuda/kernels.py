@@ -17,6 +17,7 @@ from . import heuristics
 
 LAYOUT_THREADS = 256
 NOTIFY_THREADS = 512
+DATA_THREADS = 512
 LOW_LATENCY_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
 NORMAL_MAX_TOPK = headers.constant("types.cuh", "kWarpSize")  # the normal-mode kernels: a lane per top-k entry
@@ -124,14 +125,13 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 @functools.lru_cache(maxsize=None)
 def combine(num_ranks: int, hidden_int4: int, num_topk: int,
             send_warps: int = heuristics.COMBINE_SEND_WARPS, stages: int = heuristics.COMBINE_STAGES,
-            reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS,
-            threads: int = heuristics.COMBINE_THREADS) -> KernelSpec:
+            reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS) -> KernelSpec:
     """`send_warps`: a block's warps that send (the others reduce), each through `stages` stages;
-    `reduce_loads`: the loads a reducing lane keeps in flight; `threads`: the block's (NOTE [combine block width])."""
+    `reduce_loads`: the loads a reducing lane keeps in flight."""
     stage_bytes = data_stage_bytes(hidden_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
-        (num_ranks, threads, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, stages, stage_bytes,
+        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, stages, stage_bytes,
          send_warps, reduce_loads),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
@@ -139,7 +139,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int,
          Param("int", "num_tokens"), Param("int4*", "combined_x"),
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
         + _BUFFERS + (Param("const int*", "signature"),) + _WAIT + _PHASES,
-        threads, name="tokenyard::normal::combine",
+        DATA_THREADS, name="tokenyard::normal::combine",
         shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))
 
 
