@@ -98,7 +98,7 @@ def test_run_fills_slots_allocates_and_orders_streams(driver):
     timeout = rng.randrange(1 << 63)
     kernel = FakeKernel(SPEC, handle)
     b = plans.PlanBuilder(torch.device("cpu"), ("src", "maybe"), ("seq", "rows"), poison_outputs=True)
-    counts = b.output("counts", (4,), torch.int32, zero=True)
+    b.output("counts", (4,), torch.int32, zero=True)  # the first output, zeroed; read back below
     dst = b.output("dst", (b.scalar("rows"), 3), torch.int64)
     # Given out of order: the names place them.
     b.launch(kernel, 7, dict(rows=b.scalar("rows"), timeout=timeout, maybe=b.inp("maybe"), seq=b.scalar("seq"), dst=dst,
