@@ -88,8 +88,9 @@ class Buffer(NormalCalls, LowLatencyCalls):
     tokenyard's own, keyword only:
         backend: "auto" (CUDA where it works, else reference), "reference" or "cuda"; default from
             TOKENYARD_BACKEND.
-        timeout_s: deadline of every wait for a peer (default TOKENYARD_TIMEOUT_S, 100 s); making and destroying
-            the Buffer wait at least HOST_SKEW_FLOOR_S (5 s, backends/collectives.py).
+        timeout_s: deadline of every wait for a peer (default TOKENYARD_TIMEOUT_S, 100 s); destroying the Buffer
+            waits at least HOST_SKEW_FLOOR_S (5 s), making it twice as long as that (backends/collectives.py,
+            making_wait_s).
         check_inputs: debug mode: also check values (expert ids, layout tensors) on the host before any
             communication, at the cost of a device sync per call (default TOKENYARD_CHECK_INPUTS, off: the
             dispatch's count exchange judges them, NOTE [input verdict] in checks.py).
@@ -256,7 +257,7 @@ class Buffer(NormalCalls, LowLatencyCalls):
     def destroy(self) -> None:
         """Release the buffers; later calls raise. Safe to call twice. Every rank calls it, as DeepEP's (NOTE
         [symmetric lifetime] in backends/cuda/memory.py: the ranks meet, bounded by timeout_s but never less
-        than HOST_SKEW_FLOOR_S)."""
+        than HOST_SKEW_FLOOR_S, collectives.meeting_wait_s)."""
         self._destroy(together=True)
 
     def _destroy(self, together: bool) -> None:

@@ -297,22 +297,21 @@ def late_peer(seed, what, backend="reference") -> dict:
     return {"error": error, "detected_s": detected_s, "recovered": correct_call(group, seed + 1, backend)}
 
 
-SKEW_S = 1.0  # how late the last rank comes to a Buffer made with a deadline of microseconds
-
-
 def skewed_buffer(seed, what, backend="reference") -> dict:
     """Every rank makes a Buffer with a deadline of 10 us, as a decoder that masks late peers sets, the last rank
-    SKEW_S late ("buffer_late_rank"): the constructor's agreement and the destroy meeting wait for it (NOTE
-    [call agreement]: HOST_SKEW_FLOOR_S), and a correct call follows."""
+    a whole destroy meeting and a second late ("buffer_late_rank"), as a survivor may come after a meeting that
+    a lost peer ended on the others at once: the constructor's agreement waits for it (NOTE [making after a
+    meeting] in collectives.py), so does the destroy meeting, and a correct call follows."""
     import torch.distributed as dist
 
     from tokenyard import Buffer, TokenyardError
+    from tokenyard.backends.collectives import meeting_wait_s
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     if what != "buffer_late_rank":
         raise ValueError(f"unknown scenario {what!r}")
     if rank == num_ranks - 1:
-        time.sleep(SKEW_S)
+        time.sleep(meeting_wait_s(1e-5) + 1.0)
     error = None
     try:
         buffer = Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=1e-5)

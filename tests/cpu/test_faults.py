@@ -21,7 +21,7 @@ def test_a_rank_that_makes_a_buffer_alone_makes_every_rank_raise_and_none_abort(
     print(scenarios.expect_buffer_mismatch(seen))
 
 
-def test_a_buffer_with_a_deadline_of_microseconds_waits_for_a_rank_a_second_late(seed):
+def test_a_buffer_with_a_deadline_of_microseconds_waits_for_a_rank_a_whole_destroy_meeting_late(seed):
     seen = scenarios.run(scenarios.NUM_RANKS, scenarios.skewed_buffer, seed, "buffer_late_rank")
     assert all(s["error"] is None and s["recovered"] for s in seen.values()), seen
 

@@ -36,8 +36,8 @@ constructor's object exchange would have met another collective's data, which gl
 process. The header goes over the group as a Buffer's calls send theirs (CUDA tensors over an NCCL group, else
 CPU tensors), so it meets them, except where those go over the private NCCL group of NOTE [device collectives];
 nor does it meet the CUDA backend's one-node calls, which exchange nothing on the host. Where it meets nothing,
-the constructor's wait ends at `timeout_s` (but no sooner than HOST_SKEW_FLOOR_S) over gloo, and only at the
-group's own timeout over NCCL.
+the constructor's wait ends at making_wait_s (twice a destroy meeting's: NOTE [making after a meeting]) over gloo,
+and only at the group's own timeout over NCCL.
 The CUDA backend's kernels carry the same signature, without the call number, in their own first exchange
 (NOTE [call signatures] in include/tokenyard/layout.cuh); both name the disagreement with `mismatch_error`.
 Its internode kernels do not: each rank sizes the rows it moves from its own call, so ranks that disagree
@@ -166,6 +166,18 @@ _CONNECTION_FAILED = re.compile(r"gloo/transport/|connection|closed|reset by pee
 HOST_SKEW_FLOOR_S = 5.0
 
 
+def meeting_wait_s(timeout_s: float) -> float:
+    """How long a Buffer's destroy meeting waits for the ranks (NOTE [symmetric lifetime])."""
+    return max(timeout_s, HOST_SKEW_FLOOR_S)
+
+
+def making_wait_s(timeout_s: float) -> float:
+    """How long making a Buffer waits for the ranks over gloo: twice a destroy meeting's wait. NOTE [making after a
+    meeting]: a rank may come to its next Buffer a whole meeting after its peers, where a lost peer ended the
+    meeting at once on the ranks gloo told (their connection to it closed) and at its deadline on the others."""
+    return 2 * meeting_wait_s(timeout_s)
+
+
 def finish(work, rank: int, stage: str, timeout_s: float) -> None:
     """Wait for a gloo collective's `work` until `timeout_s`, and say how it failed, if it did.
 
@@ -196,8 +208,7 @@ def agree_on_buffer(group: Optional[dist.ProcessGroup], rank: int, device: torch
 
     Raises:
         RankMismatchError: on every rank alike, where some rank makes another Buffer or another call.
-        CommTimeoutError: a peer made no exchange within `timeout_s`, or HOST_SKEW_FLOOR_S where longer (over
-            gloo).
+        CommTimeoutError: a peer made no exchange within making_wait_s(timeout_s) (over gloo).
     """
     if group is None:  # an mpi4py comm: its exchanges are of objects, which it sizes itself
         return
@@ -206,8 +217,7 @@ def agree_on_buffer(group: Optional[dist.ProcessGroup], rank: int, device: torch
     # Where a Buffer's calls send their headers (Collectives.agree): over the group, CUDA tensors where it is NCCL's.
     if device.type == "cpu" or "nccl" not in str(dist.get_backend(group)).lower():
         pieces = [torch.empty_like(mine) for _ in range(group.size())]
-        finish(dist.all_gather(pieces, mine, group=group, async_op=True), rank, stage,
-               max(timeout_s, HOST_SKEW_FLOOR_S))
+        finish(dist.all_gather(pieces, mine, group=group, async_op=True), rank, stage, making_wait_s(timeout_s))
     else:  # bounded by the group's own timeout, as the constructor's exchanges of objects are
         mine = mine.to(device)
         pieces = [torch.empty_like(mine) for _ in range(group.size())]

@@ -8,7 +8,7 @@ import torch
 
 from ...errors import TokenyardError
 from ..base import GroupContext
-from ..collectives import HOST_SKEW_FLOOR_S
+from ..collectives import meeting_wait_s
 from . import runtime
 
 
@@ -56,7 +56,7 @@ def meet(ctx: GroupContext) -> bool:
     -> whether every rank came."""
     try:
         ctx.collectives.op = "destroy"
-        ctx.collectives.barrier("meeting", max(ctx.timeout_s, HOST_SKEW_FLOOR_S))
+        ctx.collectives.barrier("meeting", meeting_wait_s(ctx.timeout_s))
     except (TokenyardError, RuntimeError, ValueError):  # ValueError: the group was destroyed first
         return False
     return True
