@@ -59,8 +59,11 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     tokenyard_env("TOKENYARD_TUNING", None)
     assert [heuristics.dispatch_threads(n) for n in (2, 3, 4, 8)] == [heuristics.DISPATCH_THREADS] * 2 + [
         heuristics.DISPATCH_THREADS_MANY_RANKS] * 2  # NOTE [block shapes by ranks]
-    tokenyard_env("TOKENYARD_TUNING", "dispatch_threads=1024")
+    assert heuristics.dispatch_meta_ahead() is heuristics.DISPATCH_META_AHEAD
+    flipped = int(not heuristics.DISPATCH_META_AHEAD)
+    tokenyard_env("TOKENYARD_TUNING", f"dispatch_threads=1024,dispatch_meta_ahead={flipped}")
     assert heuristics.dispatch_threads(2) == heuristics.dispatch_threads(4) == 1024
+    assert heuristics.dispatch_meta_ahead() is not heuristics.DISPATCH_META_AHEAD
     tokenyard_env("TOKENYARD_TUNING", "dispatch_threads=640")
     with pytest.raises(ValueError, match="512, 768 or 1024"):
         heuristics.dispatch_threads(4)

@@ -71,6 +71,15 @@ def combine_send_warps(block_warps: int, num_ranks: int) -> int:
                        block_warps)
 
 
+# NOTE [metadata ahead] (kernels/dispatch.cuh): a dispatch sending warp loads the next token's metadata as it begins
+# a token. Off until a run at 8 and 24 SMs measures it (benchmarks/results/normal_tuning.md).
+DISPATCH_META_AHEAD = False
+
+
+def dispatch_meta_ahead() -> bool:
+    return tuned("dispatch_meta_ahead", DISPATCH_META_AHEAD)
+
+
 # The stages of shared memory per sending warp (NOTE [warp stages]; WarpStages takes 2 to 4): 2 and 4 were alike,
 # 3 slower for the dispatch (its pieces not lined up with rows) (benchmarks/results/normal_tuning.md).
 DISPATCH_STAGES = 4

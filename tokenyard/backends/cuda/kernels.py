@@ -94,19 +94,21 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
              all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS,
-             stages: int = heuristics.DISPATCH_STAGES, threads: int = heuristics.DISPATCH_THREADS) -> KernelSpec:
+             stages: int = heuristics.DISPATCH_STAGES, threads: int = heuristics.DISPATCH_THREADS,
+             meta_ahead: bool = heuristics.DISPATCH_META_AHEAD) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
     weight arrives (DeepEP V2), not only the local slots'; `send_warps`: a block's warps that send (the others
-    receive), each through `stages` stages; `threads`: the block's (NOTE [dispatch block width])."""
+    receive), each through `stages` stages; `threads`: the block's (NOTE [dispatch block width]); `meta_ahead`:
+    a sending warp loads the next token's metadata as it begins a token (NOTE [metadata ahead])."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
     stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, threads, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
-         "true" if all_weights else "false", stages, stage_bytes, send_warps),
+         "true" if all_weights else "false", stages, stage_bytes, send_warps, "true" if meta_ahead else "false"),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -344,13 +346,17 @@ def every_kernel():
         for dtype in (torch.int64, torch.int32):
             yield dispatch_layout(ranks, dtype)
             yield dispatch_notify(ranks, dtype)
-        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64)   # FP8 with scales, DeepSeek-V3
-        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, all_weights=True)  # ElasticBuffer's
-        yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64)    # bf16
-        yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64)    # cached: no top-k
-        yield combine(ranks, 7168 * 2 // 16, 8)
-        yield combine(ranks, 4096 * 2 // 16, 0)
+        # The blocks shaped as the backend launches them (NOTE [block shapes by ranks]).
+        threads = heuristics.dispatch_threads(ranks)
+        send_warps = heuristics.combine_send_warps(DATA_THREADS // 32, ranks)
+        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, threads=threads)   # FP8 with scales, DeepSeek-V3
+        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, all_weights=True, threads=threads)  # ElasticBuffer's
+        yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64, threads=threads)    # bf16
+        yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64, threads=threads)    # cached: no top-k
+        yield combine(ranks, 7168 * 2 // 16, 8, send_warps)
+        yield combine(ranks, 4096 * 2 // 16, 0, send_warps)
     yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)  # TOKENYARD_TUNING combine_reduce_loads's sweep
+    yield dispatch(4, 7168 * 1 // 16, 56, 8, torch.int64, threads=768, meta_ahead=True)  # NOTE [metadata ahead]
     yield expand_count(8, torch.int64)
     yield expand_place(8, torch.int64)
     yield expand_psum()

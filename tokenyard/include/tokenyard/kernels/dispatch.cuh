@@ -73,6 +73,14 @@ namespace tokenyard::kernels {
 // last sender is done: that copy is the dispatch's tail. So a range goes in pieces of kChunkTokens but
 // its last kChunkTokens tokens (or fewer) in pieces of kTailTokens: a small last wave, for a few more
 // slots. Example, 28 tokens, pieces of 8 and tail pieces of 2: 8 8 4 | 2 2 2 2.
+//
+// NOTE [metadata ahead]
+// Before a sender warp can address a token's rows it loads the token's metadata (its scales, top-k, ranks and
+// slots), one memory round trip of small loads the warp can do nothing else during: at 4 ranks that was about
+// 2.5 µs a token, 35 of a sender's 232 µs at 24 SMs (benchmarks/results/normal_tuning.md, "The senders' shapes
+// as TMA writers"). With kMetaAhead the warp loads the next token's metadata as it begins a token, so the loads
+// are in flight while the token's rows go, as the next token's data is (NOTE [warp stages]). Off until a run
+// measures it (heuristics.DISPATCH_META_AHEAD).
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
@@ -105,7 +113,7 @@ struct SenderRanges {
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
           int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, int kSendWarps,
-          typename Params>
+          bool kMetaAhead, typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -164,9 +172,18 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // destination while lane 0 stores its data, loaded ahead with the previous token where it fits, and loads
     // the next token of the warp's range (`next`, or -1) ahead (NOTE [warp stages]).
     bool ahead = false;  // lane 0's: whether the token it is at was loaded ahead
-    auto send_token = [&](int t, int next) {
+    // A token's metadata as this lane holds it: the tail's scale vectors (metadata vectors are filled per
+    // destination), its top-k entry, and whether (and in which slot) it goes to rank `lane`.
+    struct TokenMeta {
+        int4 tail[kTailPerLane];
+        int64_t expert;
+        float weight;
+        bool hit;
+        int slot_index;
+    };
+    auto load_meta = [&](int t) {
         const int64_t token = t;
-        int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
+        TokenMeta m;
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
             int words[4] = {0, 0, 0, 0};
@@ -176,23 +193,40 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 if (u * kWarpSize + lane < kScaleInt4 && j < kNumScales)
                     words[c] = static_cast<int>(p.x_scales[token * p.scale_token_stride + j * p.scale_hidden_stride]);
             }
-            tail[u] = make_int4(words[0], words[1], words[2], words[3]);
+            m.tail[u] = make_int4(words[0], words[1], words[2], words[3]);
         }
-        int64_t expert = -1;
-        float weight = 0.0f;
+        m.expert = -1;
+        m.weight = 0.0f;
         if (lane < kNumTopk) {
-            expert = static_cast<int64_t>(p.topk_idx[token * kNumTopk + lane]);
-            weight = p.topk_weights != nullptr ? p.topk_weights[token * kNumTopk + lane] : 0.0f;
+            m.expert = static_cast<int64_t>(p.topk_idx[token * kNumTopk + lane]);
+            m.weight = p.topk_weights != nullptr ? p.topk_weights[token * kNumTopk + lane] : 0.0f;
         }
-        const bool hit = lane < kNumRanks && p.is_token_in_rank[token * kNumRanks + lane];
-        const int slot_index = lane < kNumRanks ? p.prefix_excl[token * kNumRanks + lane] : 0;
+        m.hit = lane < kNumRanks && p.is_token_in_rank[token * kNumRanks + lane];
+        m.slot_index = lane < kNumRanks ? p.prefix_excl[token * kNumRanks + lane] : 0;
+        return m;
+    };
+    // Where rank `lane`'s rows from this rank begin in its receive order, and this rank's own rows in its outputs.
+    const int first_at_lane =
+        lane < kNumRanks ? first_row_in_order(p.rank_prefix_matrix, kNumRanks, lane, p.rank) : 0;
+    const int64_t own_first = out_first(p.rank);
+    // `meta`: token t's, loaded before (kMetaAhead; then next's replaces it) or here (NOTE [metadata ahead]).
+    auto send_token = [&](int t, int next, TokenMeta& meta) {
+        const int64_t token = t;
+        TokenMeta after = meta;
+        if (kMetaAhead && next >= 0)
+            after = load_meta(next);
+        if (!kMetaAhead)
+            meta = load_meta(t);
+        const int4(&tail)[kTailPerLane] = meta.tail;
+        const int64_t expert = meta.expert;
+        const float weight = meta.weight;
+        const bool hit = meta.hit;
+        const int slot_index = meta.slot_index;
 
         const uint32_t mask = __ballot_sync(0xffffffffu, hit);
         const int index = hit ? slot_index : -1;
-        if (p.send_head != nullptr && lane < kNumRanks) {
-            const int before = first_row_in_order(p.rank_prefix_matrix, kNumRanks, lane, p.rank);
-            p.send_head[token * kNumRanks + lane] = hit ? before + index : -1;
-        }
+        if (p.send_head != nullptr && lane < kNumRanks)
+            p.send_head[token * kNumRanks + lane] = hit ? first_at_lane + index : -1;
         uint8_t* dst[kNumRanks];
 #pragma unroll
         for (int dest = 0; dest < kNumRanks; ++dest)
@@ -203,7 +237,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         int64_t direct_row = -1;
         if (p.local_direct && dst[p.rank] != nullptr) {
             dst[p.rank] = nullptr;
-            direct_row = out_first(p.rank) + __shfl_sync(0xffffffffu, index, p.rank);
+            direct_row = own_first + __shfl_sync(0xffffffffu, index, p.rank);
             if (p.num_worst_tokens > 0 && direct_row >= p.num_worst_tokens) {
                 if (lane == 0)
                     record_error(wait, kErrorOverflow, -1, kStageDispatchRecv, direct_row + 1, p.num_worst_tokens);
@@ -289,6 +323,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
         }
         phase_clock.mark(kPhaseTail, lane);
+        if (kMetaAhead)
+            meta = after;
     };
 
     // One warp copies row `src` of this rank's buffer to output row `out` with its load/store units (the copy
@@ -352,12 +388,15 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int send_warp = blockIdx.x * kSendWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
+        TokenMeta meta;
+        if (kMetaAhead && num_pieces > 0)
+            meta = load_meta(ranges.begin(send_warp));
         phase_clock.mark(kPhaseStart, lane);
         for (int piece = 0; piece < num_pieces; ++piece) {
             int t0, t1;
             ranges.piece(send_warp, piece, t0, t1);
             for (int t = t0; t < t1; ++t)
-                send_token(t, t + 1 < range_end ? t + 1 : -1);
+                send_token(t, t + 1 < range_end ? t + 1 : -1, meta);
             if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
                 stages.drain();
             __syncwarp();
