@@ -330,10 +330,14 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // One warp copies row `src` of this rank's buffer to output row `out` with its load/store units (the copy
     // engine stays with the sending warps). Every load of a batch (up to kBatch data vectors per lane, plus the
     // row's tail with the first batch) is issued before any store, so a row costs about one memory round trip
-    // rather than one per field. The batch is what the block's registers hold without spilling (ptxas, the
-    // DeepSeek-V3 dispatch: 16 vectors at 512 threads, 8 at 768, 4 at 1024; NOTE [dispatch block width]).
+    // rather than one per field. A batch holds at most what the block's registers hold (16 vectors at 512 threads,
+    // 8 at 768, 4 at 1024; NOTE [dispatch block width]), and a row goes in as few batches as that allows, of equal
+    // size: a 7168-byte FP8 row (14 vectors a lane) as 7 + 7 at 768 threads, the round trips of 8 + 6.
     auto receive_row = [&](const uint8_t* src, int64_t out) {
-        constexpr int kBatch = kNumThreads <= 512 ? 16 : kNumThreads <= 768 ? 8 : 4;
+        constexpr int kMostBatch = kNumThreads <= 512 ? 16 : kNumThreads <= 768 ? 8 : 4;
+        constexpr int kLaneInt4 = (kDataInt4 + kWarpSize - 1) / kWarpSize;
+        constexpr int kBatches = (kLaneInt4 + kMostBatch - 1) / kMostBatch;
+        constexpr int kBatch = (kLaneInt4 + kBatches - 1) / kBatches;
         const int4* data_in = reinterpret_cast<const int4*>(src);
         const int4* tail_in = data_in + kDataInt4;
         int4* data_out = p.recv_x + out * kDataInt4;
