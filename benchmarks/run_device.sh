@@ -54,7 +54,7 @@
 # benchmarks/tuning_table.py prints them (proxy*.json).
 #
 # The candidates, which `tuning` and `proxy` try when TOKENYARD_TUNING_VARIANTS is not given: NOTE [metadata ahead]
-# (kernels/dispatch.cuh, built but off), and the neighbours of the 4-rank block shapes (NOTE [block shapes by ranks]
+# and NOTE [lagged combine publish] (kernels/dispatch.cuh, kernels/combine.cuh: built but off), and the neighbours of the 4-rank block shapes (NOTE [block shapes by ranks]
 # in heuristics.py), chosen by the proxy until a 4-GPU run confirms them.
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
@@ -80,7 +80,8 @@ stop_mps() {
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$out/mps_control.log" 2>/dev/null || true
 }
 
-CANDIDATES="dispatch_meta_ahead=1 dispatch_threads=512 dispatch_threads=1024 combine_send_warps=3 combine_send_warps=5"
+CANDIDATES="dispatch_meta_ahead=1 combine_lagged_publish=1
+            dispatch_threads=512 dispatch_threads=1024 combine_send_warps=3 combine_send_warps=5"
 
 in_tree() {
     # in_tree before|after CMD...: CMD in that side's tree of an A/B, recording its commit. The earlier tree

@@ -72,6 +72,7 @@ TUNING_KEYS = {
     "dispatch_stages": _parse_count,           # DISPATCH_STAGES
     "combine_stages": _parse_count,            # COMBINE_STAGES
     "combine_reduce_loads": _parse_count,      # COMBINE_REDUCE_LOADS
+    "combine_lagged_publish": _parse_bool,     # COMBINE_LAGGED_PUBLISH
 }
 
 

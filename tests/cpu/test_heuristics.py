@@ -79,6 +79,10 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
         tokenyard_env("TOKENYARD_TUNING", bad)
         with pytest.raises(ValueError, match="TOKENYARD_TUNING"):
             env.settings()
+    tokenyard_env("TOKENYARD_TUNING", None)  # NOTE [lagged combine publish]: off unless asked for
+    assert heuristics.combine_lagged_publish() is heuristics.COMBINE_LAGGED_PUBLISH is False
+    tokenyard_env("TOKENYARD_TUNING", "combine_lagged_publish=1")
+    assert heuristics.combine_lagged_publish() is True
 
 
 def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():

@@ -127,6 +127,17 @@ def combine_own_rows_direct() -> bool:
     return tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
 
 
+# NOTE [lagged combine publish] (kernels/combine.cuh): a combine sending warp publishes a chunk once its next one is
+# issued, not after waiting for the chunk's stores. Off until a 4-GPU run at 8 and 24 SMs measures it: the MPS proxy
+# found it 2% slower at 8 SMs, but there the reducers set the combine's time, and on 4 GPUs its senders do
+# (benchmarks/results/normal_tuning.md, `candidates_proxy` and "The senders' shapes as TMA writers").
+COMBINE_LAGGED_PUBLISH = False
+
+
+def combine_lagged_publish() -> bool:
+    return tuned("combine_lagged_publish", COMBINE_LAGGED_PUBLISH)
+
+
 # The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the
 # reducers sum three quarters of the kernel). 12 fits in the 128 registers at 2, 4 and 8 ranks where 16 spills;
 # its combine was 4% faster than 16's at 8 SMs and 2% at 24 on 2 ranks, the same on 4; 8 and 32 slower

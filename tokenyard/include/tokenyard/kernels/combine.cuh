@@ -48,8 +48,17 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // In a placed round (NOTE [placed rounds] in tokenyard/rounds.py), `x` and `topk_weights` are the whole call's and
 // the round's rows from source s start at row recv_first[s] of them (else rank_prefix_matrix gives it);
 // send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
+//
+// NOTE [lagged combine publish]
+// A sending warp publishes a chunk once its rows' stores are done (`drain`: every bulk group of the warp), and waits
+// for that round trip to the peer before it starts the next chunk: at 4 ranks and 8 SMs the senders set the combine's
+// time and drained and published for 297 of their 951 µs (benchmarks/results/normal_tuning.md). With
+// kLaggedPublish (heuristics.COMBINE_LAGGED_PUBLISH, TOKENYARD_TUNING combine_lagged_publish; off until a 4-GPU run
+// measures it), a chunk is published after the warp's next chunk has been issued: every chunk commits exactly
+// kChunkGroups bulk groups (empty ones after a short chunk), so waiting until at most kChunkGroups groups remain
+// (`wait_done`) finds the previous chunk's stores done while the current one's are in flight.
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
-          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, typename Params>
+          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, bool kLaggedPublish, typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
     static_assert(kSendWarps >= 1 && kSendWarps < kNumThreads / kWarpSize, "every block sends and reduces");
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
@@ -86,6 +95,16 @@ __device__ __forceinline__ void combine(const Params& p) {
             stages.init();
         // With local_direct the items cover the other sources only (as the dispatch's receivers do).
         const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
+        // NOTE [lagged combine publish]: the chunk whose publish waits (source -1: none), and the bulk groups a
+        // chunk commits (its rows' pieces, NOTE [warp stages]).
+        constexpr int kChunkGroups = kChunkRows * ((kHiddenInt4 * 16 + kStageBytes - 1) / kStageBytes);
+        int lagged_source = -1, lagged_chunk = 0;
+        auto publish = [&](int source, int chunk) {
+            if (lane == 0) {
+                ptx::fence_acq_rel_sys();
+                ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, seq);
+            }
+        };
         phase_clock.mark(kPhaseStart, lane);
         for (int item = blockIdx.x * kSendWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
             const int chunk = item / num_sources, other = item % num_sources;
@@ -114,17 +133,32 @@ __device__ __forceinline__ void combine(const Params& p) {
                     reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = p.topk_weights[from * kNumTopk + lane];
                 phase_clock.mark(kPhaseTail, lane);
             }
-            if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
-                stages.drain();
-            __syncwarp();
-            if (lane == 0) {
-                ptx::fence_acq_rel_sys();
-                ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, seq);
+            if constexpr (kLaggedPublish) {
+                if (lane == 0) {
+                    for (int j = j1 - chunk * kChunkRows; j < kChunkRows; ++j)  // a short chunk: empty groups
+                        for (int g = 0; g < kChunkGroups / kChunkRows; ++g)
+                            tma::commit();
+                    tma::wait_done<kChunkGroups>();  // the previous chunk's rows written; this one's may go on
+                    tma::fence_global_proxies();
+                }
+                __syncwarp();
+                if (lagged_source >= 0)
+                    publish(lagged_source, lagged_chunk);
+                lagged_source = source;
+                lagged_chunk = chunk;
+            } else {
+                if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
+                    stages.drain();
+                __syncwarp();
+                publish(source, chunk);
             }
             phase_clock.mark(kPhasePublish, lane);
         }
         if (lane == 0)
             stages.retire();
+        __syncwarp();
+        if (kLaggedPublish && lagged_source >= 0)  // retire drained every store
+            publish(lagged_source, lagged_chunk);
         phase_clock.end(lane);
         return;
     }
