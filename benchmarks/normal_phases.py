@@ -91,7 +91,8 @@ def rank_main(sm_counts, iters: int, num_tokens: int):
                            for i, kind in enumerate(KINDS)}
     backend.normal_phases = None
     buffer.destroy()
-    return {"rank": rank, "send_warps": send_warps, "phases": report}
+    return {"rank": rank, "commit": os.environ.get("TOKENYARD_COMMIT"), "tuning": os.environ.get("TOKENYARD_TUNING"),
+            "send_warps": send_warps, "phases": report}
 
 
 def main() -> None:
@@ -107,6 +108,7 @@ def main() -> None:
     sm_counts = [int(n) for n in args.sm_counts.split(",")]
     reports = spawn.run(args.num_ranks, rank_main, sm_counts, args.iters, args.num_tokens)
     for report in reports[:1]:
+        print(f"TOKENYARD_TUNING={report['tuning'] or ''} (commit {report['commit']})")
         for num_sms, kinds in report["phases"].items():
             for kind, roles in kinds.items():
                 for role, values in roles.items():

@@ -18,6 +18,7 @@
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [compat [pytest args]|sanitizer [test files]|main_bench|faults_gpus|ll_hooks]
 #   TOKENYARD_COMMIT=<hash> bash benchmarks/run_device.sh [sm_sweep|moe_step]
 #   TOKENYARD_COMMIT=<hash> [TOKENYARD_BEFORE=<hash>] [TOKENYARD_TUNING_VARIANTS=...] bash benchmarks/run_device.sh proxy
+#   TOKENYARD_COMMIT=<hash> [TOKENYARD_TUNING_VARIANTS=...] bash benchmarks/run_device.sh proxy_phases
 #
 # `ep8_tests` and `ep8_bench` (issue 8, on nvidia-h200-x8, a call each) run the GPU tests, and the normal-mode
 # benchmark, the low-latency sweep and phases and the bounded buffers, at 8 ranks (JSON: *_ep8.json).
@@ -51,7 +52,8 @@
 # memory, so it shows what the SMs issue, not the links (at 4 ranks and 8 SMs its cached dispatch and combine came
 # within 10% of 4 x H200's: benchmarks/results/normal_tuning.md). TOKENYARD_BEFORE's tree first (in_tree), then the
 # defaults and each TOKENYARD_TUNING_VARIANTS entry (default: the candidates, below), per rank count;
-# benchmarks/tuning_table.py prints them (proxy*.json).
+# benchmarks/tuning_table.py prints them (proxy*.json). `proxy_phases` runs benchmarks/normal_phases.py the same way
+# (TOKENYARD_SM_COUNTS default 8), at the defaults and each variant (phases_*.json).
 #
 # The candidates, which `tuning` and `proxy` try when TOKENYARD_TUNING_VARIANTS is not given: NOTE [metadata ahead]
 # and NOTE [lagged combine publish] (kernels/dispatch.cuh, kernels/combine.cuh: built but off), and the neighbours of the 4-rank block shapes (NOTE [block shapes by ranks]
@@ -321,6 +323,18 @@ if [ "$what" = proxy ]; then
         compare_variants "proxy$ranks" --num_ranks "$ranks" --sm_counts "${TOKENYARD_SM_COUNTS:-8,24}"
     done
     python3 benchmarks/tuning_table.py "$out"/proxy*.json
+fi
+if [ "$what" = proxy_phases ]; then
+    # Where the warps' time goes (benchmarks/normal_phases.py) at the defaults and each variant, ranks sharing the GPU
+    # as in `proxy`: a change to the senders shows in their phases even where the receivers or reducers set the
+    # kernel's time, as they do in the proxy at 8 SMs (benchmarks/results/normal_tuning.md).
+    start_mps
+    for tuning in defaults ${TOKENYARD_TUNING_VARIANTS:-$CANDIDATES}; do
+        [ "$tuning" = defaults ] && variant="" || variant="$tuning"
+        TOKENYARD_TUNING="$variant" timeout 100 python3 benchmarks/normal_phases.py \
+            --num_ranks "${TOKENYARD_PROXY_RANKS:-4}" --sm_counts "${TOKENYARD_SM_COUNTS:-8}" \
+            --json "$out/phases_${tuning//[=,]/_}.json" 2>&1 | grep -v Warn
+    done
 fi
 if [ "$what" = sm_sweep ]; then
     timeout "${TOKENYARD_SWEEP_TIMEOUT_S:-500}" python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda \
