@@ -73,6 +73,7 @@ TUNING_KEYS = {
     "combine_stages": _parse_count,            # COMBINE_STAGES
     "combine_reduce_loads": _parse_count,      # COMBINE_REDUCE_LOADS
     "combine_lagged_publish": _parse_bool,     # COMBINE_LAGGED_PUBLISH
+    "combine_chunk_weights": _parse_bool,      # COMBINE_CHUNK_WEIGHTS
 }
 
 

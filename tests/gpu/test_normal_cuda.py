@@ -183,19 +183,16 @@ def _different_sms_then_recover(seed):
 
 # Launch choices taken the other way (tokenyard/backends/cuda/heuristics.py): what each sets there, from its values.
 # Each path a token's row for its own rank can take, in both kernels; the blocks shaped for the other side of
-# heuristics.MANY_RANKS (NOTE [block shapes by ranks]); the candidates built but off, NOTE [metadata ahead] and
-# NOTE [lagged combine publish].
-OTHER_WAYS = ("own_rows", "block_shapes", "meta_ahead", "lagged_combine_publish")
+# heuristics.MANY_RANKS (NOTE [block shapes by ranks]); the candidates built but off, NOTE [metadata ahead],
+# NOTE [lagged combine publish] and NOTE [chunk weights].
+FLIPPED = {"own_rows": ("DISPATCH_OWN_ROWS_DIRECT", "COMBINE_OWN_ROWS_DIRECT"), "meta_ahead": ("DISPATCH_META_AHEAD",),
+           "lagged_combine_publish": ("COMBINE_LAGGED_PUBLISH",), "chunk_weights": ("COMBINE_CHUNK_WEIGHTS",)}
+OTHER_WAYS = (*FLIPPED, "block_shapes")
 
 
 def _other_way(way: str, heuristics, num_ranks: int) -> dict:
-    if way == "meta_ahead":
-        return {"DISPATCH_META_AHEAD": not heuristics.DISPATCH_META_AHEAD}
-    if way == "lagged_combine_publish":
-        return {"COMBINE_LAGGED_PUBLISH": not heuristics.COMBINE_LAGGED_PUBLISH}
-    if way == "own_rows":
-        return {"DISPATCH_OWN_ROWS_DIRECT": not heuristics.DISPATCH_OWN_ROWS_DIRECT,
-                "COMBINE_OWN_ROWS_DIRECT": not heuristics.COMBINE_OWN_ROWS_DIRECT}
+    if way in FLIPPED:
+        return {name: not getattr(heuristics, name) for name in FLIPPED[way]}
     if num_ranks >= heuristics.MANY_RANKS:
         return {"DISPATCH_THREADS_MANY_RANKS": heuristics.DISPATCH_THREADS,
                 "COMBINE_SEND_WARPS_MANY_RANKS": heuristics.COMBINE_SEND_WARPS}

@@ -562,7 +562,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             send_warps = heuristics.combine_send_warps(kernels.DATA_THREADS // 32, num_ranks)
             kernel = self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps,
                                                   heuristics.combine_stages(), heuristics.combine_reduce_loads(),
-                                                  heuristics.combine_lagged_publish()))
+                                                  heuristics.combine_lagged_publish(),
+                                                  heuristics.combine_chunk_weights()))
             b.launch(kernel, num_blocks, dict(
                 x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),
                 rank_prefix_matrix=b.inp("rank_prefix_matrix"), recv_first=b.inp("recv_first"),

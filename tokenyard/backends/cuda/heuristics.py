@@ -138,6 +138,15 @@ def combine_lagged_publish() -> bool:
     return tuned("combine_lagged_publish", COMBINE_LAGGED_PUBLISH)
 
 
+# NOTE [chunk weights] (kernels/combine.cuh): a combine sending warp loads a chunk's weights at once, not a row's at a
+# time. Off until a run measures it (on one GPU, `run_device.sh proxy_phases`: the senders' tail phase).
+COMBINE_CHUNK_WEIGHTS = False
+
+
+def combine_chunk_weights() -> bool:
+    return tuned("combine_chunk_weights", COMBINE_CHUNK_WEIGHTS)
+
+
 # The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the
 # reducers sum three quarters of the kernel). 12 fits in the 128 registers at 2, 4 and 8 ranks where 16 spills;
 # its combine was 4% faster than 16's at 8 SMs and 2% at 24 on 2 ranks, the same on 4; 8 and 32 slower

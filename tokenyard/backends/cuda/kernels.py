@@ -128,15 +128,17 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 def combine(num_ranks: int, hidden_int4: int, num_topk: int,
             send_warps: int = heuristics.COMBINE_SEND_WARPS, stages: int = heuristics.COMBINE_STAGES,
             reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS,
-            lagged_publish: bool = heuristics.COMBINE_LAGGED_PUBLISH) -> KernelSpec:
+            lagged_publish: bool = heuristics.COMBINE_LAGGED_PUBLISH,
+            chunk_weights: bool = heuristics.COMBINE_CHUNK_WEIGHTS) -> KernelSpec:
     """`send_warps`: a block's warps that send (the others reduce), each through `stages` stages;
     `reduce_loads`: the loads a reducing lane keeps in flight; `lagged_publish`: a chunk published once the warp's
-    next one is issued (NOTE [lagged combine publish])."""
+    next one is issued (NOTE [lagged combine publish]); `chunk_weights`: a chunk's weights loaded at once (NOTE
+    [chunk weights])."""
     stage_bytes = data_stage_bytes(hidden_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
         (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, stages, stage_bytes,
-         send_warps, reduce_loads, "true" if lagged_publish else "false"),
+         send_warps, reduce_loads, "true" if lagged_publish else "false", "true" if chunk_weights else "false"),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
          Param("const int*", "send_head"),
@@ -358,6 +360,7 @@ def every_kernel():
         yield combine(ranks, 7168 * 2 // 16, 8, send_warps)
         yield combine(ranks, 4096 * 2 // 16, 0, send_warps)
         yield combine(ranks, 7168 * 2 // 16, 8, send_warps, lagged_publish=True)  # NOTE [lagged combine publish]
+        yield combine(ranks, 7168 * 2 // 16, 8, send_warps, chunk_weights=True)  # NOTE [chunk weights]
     yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)  # TOKENYARD_TUNING combine_reduce_loads's sweep
     yield dispatch(4, 7168 * 1 // 16, 56, 8, torch.int64, threads=768, meta_ahead=True)  # NOTE [metadata ahead]
     yield expand_count(8, torch.int64)

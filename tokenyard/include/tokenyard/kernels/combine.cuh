@@ -57,8 +57,17 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // measures it), a chunk is published after the warp's next chunk has been issued: every chunk commits exactly
 // kChunkGroups bulk groups (empty ones after a short chunk), so waiting until at most kChunkGroups groups remain
 // (`wait_done`) finds the previous chunk's stores done while the current one's are in flight.
+//
+// NOTE [chunk weights]
+// A row's top-k weights go after its data in the peer's buffer, stored by the lanes: loaded from topk_weights, a round
+// trip a row that holds the warp (and lane 0's next bulk copy) back; at 4 ranks and 8 SMs the senders spent 135 of
+// their 951 µs on them (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). With
+// kChunkWeights the lanes load a chunk's weights at once (its rows are consecutive in x, so their weights are one
+// run of topk_weights) once the chunk's rows are issued, and store them, before the chunk is published. Off until a
+// run measures it (heuristics.COMBINE_CHUNK_WEIGHTS).
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
-          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, bool kLaggedPublish, typename Params>
+          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, bool kLaggedPublish, bool kChunkWeights,
+          typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
     static_assert(kSendWarps >= 1 && kSendWarps < kNumThreads / kWarpSize, "every block sends and reduces");
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
@@ -129,8 +138,28 @@ __device__ __forceinline__ void combine(const Params& p) {
                         stages.prefetch(p.x + (from + 1) * kHiddenInt4, kHiddenInt4 * 16);
                 }
                 phase_clock.mark(kPhaseData, lane);
-                if (lane < kNumTopk)
+                if (!kChunkWeights && lane < kNumTopk)
                     reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = p.topk_weights[from * kNumTopk + lane];
+                phase_clock.mark(kPhaseTail, lane);
+            }
+            if constexpr (kChunkWeights && kNumTopk > 0) {  // NOTE [chunk weights]
+                constexpr int kPerLane = (kChunkRows * kNumTopk + kWarpSize - 1) / kWarpSize;
+                const int j0 = chunk * kChunkRows, count = (j1 - j0) * kNumTopk;
+                const float* run = p.topk_weights + static_cast<int64_t>(first + j0) * kNumTopk;
+                float w[kPerLane];
+#pragma unroll
+                for (int u = 0; u < kPerLane; ++u) {
+                    const int i = u * kWarpSize + lane;
+                    if (i < count)
+                        w[u] = run[i];
+                }
+#pragma unroll
+                for (int u = 0; u < kPerLane; ++u) {
+                    const int i = u * kWarpSize + lane;
+                    if (i < count)
+                        reinterpret_cast<float*>(buffers.row(source, p.rank, j0 + i / kNumTopk) +
+                                                 kWeightsOffset)[i % kNumTopk] = w[u];
+                }
                 phase_clock.mark(kPhaseTail, lane);
             }
             if constexpr (kLaggedPublish) {
