@@ -68,6 +68,7 @@ TUNING_KEYS = {
     "dispatch_send_warps": _parse_count,       # DISPATCH_SEND_WARPS
     "dispatch_threads": _parse_count,          # DISPATCH_THREADS
     "dispatch_meta_ahead": _parse_bool,        # DISPATCH_META_AHEAD
+    "dispatch_lagged_publish": _parse_bool,    # DISPATCH_LAGGED_PUBLISH
     "combine_send_warps": _parse_count,        # COMBINE_SEND_WARPS
     "dispatch_stages": _parse_count,           # DISPATCH_STAGES
     "combine_stages": _parse_count,            # COMBINE_STAGES

@@ -84,8 +84,9 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     tokenyard_env("TOKENYARD_TUNING", "combine_lagged_publish=1")
     assert heuristics.combine_lagged_publish() is True
     assert heuristics.combine_chunk_weights() is heuristics.COMBINE_CHUNK_WEIGHTS is False  # NOTE [chunk weights]
-    tokenyard_env("TOKENYARD_TUNING", "combine_chunk_weights=1")
-    assert heuristics.combine_chunk_weights() is True
+    assert heuristics.dispatch_lagged_publish() is heuristics.DISPATCH_LAGGED_PUBLISH is False
+    tokenyard_env("TOKENYARD_TUNING", "combine_chunk_weights=1,dispatch_lagged_publish=1")
+    assert heuristics.combine_chunk_weights() is heuristics.dispatch_lagged_publish() is True
 
 
 def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():

@@ -358,7 +358,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
                                                chunk_tokens, tail_tokens, m.all_weights, send_warps,
                                                heuristics.dispatch_stages(), threads,
-                                               heuristics.dispatch_meta_ahead()))
+                                               heuristics.dispatch_meta_ahead(),
+                                               heuristics.dispatch_lagged_publish()))
         rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
         own_rows_direct = heuristics.dispatch_own_rows_direct()
         T = m.num_tokens

@@ -80,6 +80,15 @@ def dispatch_meta_ahead() -> bool:
     return tuned("dispatch_meta_ahead", DISPATCH_META_AHEAD)
 
 
+# NOTE [lagged dispatch publish] (kernels/dispatch.cuh): a dispatch sending warp publishes a piece once its next one is
+# issued. Off until a run measures it (on one GPU, `run_device.sh proxy_phases`: the senders' publish phase).
+DISPATCH_LAGGED_PUBLISH = False
+
+
+def dispatch_lagged_publish() -> bool:
+    return tuned("dispatch_lagged_publish", DISPATCH_LAGGED_PUBLISH)
+
+
 # The stages of shared memory per sending warp (NOTE [warp stages]; WarpStages takes 2 to 4): 2 and 4 were alike,
 # 3 slower for the dispatch (its pieces not lined up with rows) (benchmarks/results/normal_tuning.md).
 DISPATCH_STAGES = 4

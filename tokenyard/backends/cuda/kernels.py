@@ -95,20 +95,23 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
              all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS,
              stages: int = heuristics.DISPATCH_STAGES, threads: int = heuristics.DISPATCH_THREADS,
-             meta_ahead: bool = heuristics.DISPATCH_META_AHEAD) -> KernelSpec:
+             meta_ahead: bool = heuristics.DISPATCH_META_AHEAD,
+             lagged_publish: bool = heuristics.DISPATCH_LAGGED_PUBLISH) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
     weight arrives (DeepEP V2), not only the local slots'; `send_warps`: a block's warps that send (the others
     receive), each through `stages` stages; `threads`: the block's (NOTE [dispatch block width]); `meta_ahead`:
-    a sending warp loads the next token's metadata as it begins a token (NOTE [metadata ahead])."""
+    a sending warp loads the next token's metadata as it begins a token (NOTE [metadata ahead]); `lagged_publish`: a
+    piece published once the warp's next one is issued (NOTE [lagged dispatch publish])."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
     stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, threads, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
-         "true" if all_weights else "false", stages, stage_bytes, send_warps, "true" if meta_ahead else "false"),
+         "true" if all_weights else "false", stages, stage_bytes, send_warps, "true" if meta_ahead else "false",
+         "true" if lagged_publish else "false"),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -363,6 +366,11 @@ def every_kernel():
         yield combine(ranks, 7168 * 2 // 16, 8, send_warps, chunk_weights=True)  # NOTE [chunk weights]
     yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)  # TOKENYARD_TUNING combine_reduce_loads's sweep
     yield dispatch(4, 7168 * 1 // 16, 56, 8, torch.int64, threads=768, meta_ahead=True)  # NOTE [metadata ahead]
+    for ranks in (2, 4, 8):  # NOTE [lagged dispatch publish]: FP8 rows in 2 pieces, BF16 rows in 3
+        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, 8, 2, threads=heuristics.dispatch_threads(ranks),
+                       lagged_publish=True)
+        yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64, 8, 2, threads=heuristics.dispatch_threads(ranks),
+                       lagged_publish=True)
     yield expand_count(8, torch.int64)
     yield expand_place(8, torch.int64)
     yield expand_psum()

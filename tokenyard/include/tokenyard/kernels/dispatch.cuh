@@ -81,6 +81,17 @@ namespace tokenyard::kernels {
 // as TMA writers"). With kMetaAhead the warp loads the next token's metadata as it begins a token, so the loads
 // are in flight while the token's rows go, as the next token's data is (NOTE [warp stages]). Off until a run
 // measures it (heuristics.DISPATCH_META_AHEAD).
+//
+// NOTE [lagged dispatch publish]
+// A sending warp publishes a piece once its rows' stores are done (`drain`: every bulk group of the warp), and waits
+// for that round trip to the peers before it starts the next piece: at 4 ranks and 24 SMs the senders drained and
+// published for 65 of their 232 µs, and set the kernel's time (benchmarks/results/normal_tuning.md, "The senders'
+// shapes as TMA writers"). With kLaggedPublish (heuristics.DISPATCH_LAGGED_PUBLISH; off until a run measures it) a
+// piece is published once the warp's next piece is issued, as the combine's chunks are (NOTE [lagged combine
+// publish] in combine.cuh): every token commits the row's kRowPieces bulk groups (empty ones for a token that goes
+// nowhere) and every piece kChunkTokens tokens' worth (empty ones after a short piece), so that waiting until at
+// most that many groups remain (`wait_done`) finds the previous piece's stores done while this one's are in flight.
+// (Empty groups only make the stages' `wait_read` wait longer, never shorter.)
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
@@ -113,7 +124,7 @@ struct SenderRanges {
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
           int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, int kSendWarps,
-          bool kMetaAhead, typename Params>
+          bool kMetaAhead, bool kLaggedPublish, typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -133,6 +144,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     constexpr int kScaleInt4 = (kNumScales + 3) / 4;
     constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
     constexpr int kTailPerLane = (kTailInt4 + kWarpSize - 1) / kWarpSize;
+    constexpr int kRowPieces = (kDataInt4 * 16 + kStageBytes - 1) / kStageBytes;  // a row's bulk groups, as stored
     const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
                                 p.slots_offset, p.max_chunks, p.row_bytes};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -264,6 +276,9 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 stages.send(kDataInt4 * 16, to);  // to nowhere: the row's stage is freed
             else if (any)
                 stages.copy(p.x + token * kDataInt4, kDataInt4 * 16, to);
+            else if (kLaggedPublish)  // NOTE [lagged dispatch publish]: every token commits kRowPieces groups
+                for (int k = 0; k < kRowPieces; ++k)
+                    tma::commit();
         }
         phase_clock.mark(kPhaseData, lane);
         if (kDirectFromStages && direct != nullptr) {
@@ -389,6 +404,9 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     };
 
     if (warp < kSendWarps) {
+        // NOTE [lagged dispatch publish]: the piece whose publish waits (-1: none), and the groups a piece commits.
+        constexpr int kPieceGroups = kChunkTokens * kRowPieces;
+        int lagged_piece = -1, lagged_t0 = 0, lagged_t1 = 0;
         const int send_warp = blockIdx.x * kSendWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
@@ -401,15 +419,33 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             ranges.piece(send_warp, piece, t0, t1);
             for (int t = t0; t < t1; ++t)
                 send_token(t, t + 1 < range_end ? t + 1 : -1, meta);
-            if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
-                stages.drain();
-            __syncwarp();
-            if (lane < kNumRanks)  // the piece at every destination
-                publish(lane, ranges.slot(send_warp, piece), t0, t1);
+            if constexpr (kLaggedPublish) {
+                if (lane == 0) {
+                    for (int k = (t1 - t0) * kRowPieces; k < kPieceGroups; ++k)  // a short piece: empty groups
+                        tma::commit();
+                    tma::wait_done<kPieceGroups>();  // the previous piece's rows written; this one's may go on
+                    tma::fence_global_proxies();
+                }
+                __syncwarp();
+                if (lagged_piece >= 0 && lane < kNumRanks)
+                    publish(lane, ranges.slot(send_warp, lagged_piece), lagged_t0, lagged_t1);
+                lagged_piece = piece;
+                lagged_t0 = t0;
+                lagged_t1 = t1;
+            } else {
+                if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
+                    stages.drain();
+                __syncwarp();
+                if (lane < kNumRanks)  // the piece at every destination
+                    publish(lane, ranges.slot(send_warp, piece), t0, t1);
+            }
             phase_clock.mark(kPhasePublish, lane);
         }
         if (lane == 0)
             stages.retire();
+        __syncwarp();
+        if (kLaggedPublish && lagged_piece >= 0 && lane < kNumRanks)  // retire drained every store
+            publish(lane, ranges.slot(send_warp, lagged_piece), lagged_t0, lagged_t1);
     }
 
     // Receiving, every warp (a sender once its range is sent): each claims (piece, sender warp, source) items
