@@ -224,10 +224,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // `meta`: token t's, loaded before (kMetaAhead; then next's replaces it) or here (NOTE [metadata ahead]).
     auto send_token = [&](int t, int next, TokenMeta& meta) {
         const int64_t token = t;
-        TokenMeta after = meta;
-        if (kMetaAhead && next >= 0)
-            after = load_meta(next);
-        if (!kMetaAhead)
+        TokenMeta after;  // the next token's (kMetaAhead)
+        if (kMetaAhead)
+            after = next >= 0 ? load_meta(next) : meta;
+        else
             meta = load_meta(t);
         const int4(&tail)[kTailPerLane] = meta.tail;
         const int64_t expert = meta.expert;
