@@ -53,7 +53,8 @@
 # within 10% of 4 x H200's: benchmarks/results/normal_tuning.md). TOKENYARD_BEFORE's tree first (in_tree), then the
 # defaults and each TOKENYARD_TUNING_VARIANTS entry (default: the candidates, below), per rank count;
 # benchmarks/tuning_table.py prints them (proxy*.json). `proxy_phases` runs benchmarks/normal_phases.py the same way
-# (TOKENYARD_SM_COUNTS default 8), at the defaults and each variant (phases_*.json).
+# (TOKENYARD_SM_COUNTS default 8), at the defaults and each variant (phases_*.json; benchmarks/phases_table.py prints
+# them).
 #
 # The candidates, which `tuning`, `proxy` and `proxy_phases` try when TOKENYARD_TUNING_VARIANTS is not given: NOTE
 # [metadata ahead], NOTE [lagged dispatch publish], NOTE [lagged combine publish] and NOTE [chunk weights]
@@ -334,8 +335,9 @@ if [ "$what" = proxy_phases ]; then
         [ "$tuning" = defaults ] && variant="" || variant="$tuning"
         TOKENYARD_TUNING="$variant" timeout 100 python3 benchmarks/normal_phases.py \
             --num_ranks "${TOKENYARD_PROXY_RANKS:-4}" --sm_counts "${TOKENYARD_SM_COUNTS:-8}" \
-            --json "$out/phases_${tuning//[=,]/_}.json" 2>&1 | grep -v Warn
+            --json "$out/phases_${tuning//[=,]/_}.json" > "$out/phases_${tuning//[=,]/_}.log" 2>&1
     done
+    python3 benchmarks/phases_table.py "$out"/phases_*.json
 fi
 if [ "$what" = sm_sweep ]; then
     timeout "${TOKENYARD_SWEEP_TIMEOUT_S:-500}" python3 -m tokenyard.tools.bench --quiet --mode compare_sm --backends cuda \
