@@ -137,8 +137,8 @@ def combine_own_rows_direct() -> bool:
 
 
 # NOTE [lagged combine publish] (kernels/combine.cuh): a combine sending warp publishes a chunk once its next one is
-# issued, not after waiting for the chunk's stores. Off until a 4-GPU run at 8 and 24 SMs measures it: the MPS proxy
-# found it 2% slower at 8 SMs, but there the reducers set the combine's time, and on 4 GPUs its senders do
+# issued, not after waiting for the chunk's stores. Off until a 4-GPU run at 8 and 24 SMs measures it: the MPS proxy,
+# where the reducers set the combine's time, cannot judge it, and on 4 GPUs its senders do
 # (benchmarks/results/normal_tuning.md, `candidates_proxy` and "The senders' shapes as TMA writers").
 COMBINE_LAGGED_PUBLISH = False
 

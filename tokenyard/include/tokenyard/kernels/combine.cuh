@@ -50,18 +50,16 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
 //
 // NOTE [lagged combine publish]
-// A sending warp publishes a chunk once its rows' stores are done (`drain`: every bulk group of the warp), and waits
-// for that round trip to the peer before it starts the next chunk: at 4 ranks and 8 SMs the senders set the combine's
-// time and drained and published for 297 of their 951 µs (benchmarks/results/normal_tuning.md). With
-// kLaggedPublish (heuristics.COMBINE_LAGGED_PUBLISH, TOKENYARD_TUNING combine_lagged_publish; off until a 4-GPU run
-// measures it), a chunk is published after the warp's next chunk has been issued: every chunk commits exactly
-// kChunkGroups bulk groups (empty ones after a short chunk), so waiting until at most kChunkGroups groups remain
-// (`wait_done`) finds the previous chunk's stores done while the current one's are in flight.
+// A sending warp publishes a chunk once its rows' stores are done (`drain`), waiting for that round trip to the peer
+// before it starts the next chunk; on 4 GPUs at 8 SMs the senders set the combine's time, and draining and publishing
+// is a large share of it (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). With
+// kLaggedPublish (heuristics.COMBINE_LAGGED_PUBLISH; off until a 4-GPU run measures it) a chunk is published once the
+// warp's next chunk is issued (NOTE [lagged publish] in staging.cuh: a chunk's kChunkGroups groups).
 //
 // NOTE [chunk weights]
 // A row's top-k weights go after its data in the peer's buffer, stored by the lanes: loaded from topk_weights, a round
-// trip a row that holds the warp (and lane 0's next bulk copy) back; at 4 ranks and 8 SMs the senders spent 135 of
-// their 951 µs on them (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). With
+// trip a row that holds the warp (and lane 0's next bulk copy) back, a share of the senders' time on 4 GPUs
+// (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). With
 // kChunkWeights the lanes load a chunk's weights at once (its rows are consecutive in x, so their weights are one
 // run of topk_weights) once the chunk's rows are issued, and store them, before the chunk is published. Off until a
 // run measures it (heuristics.COMBINE_CHUNK_WEIGHTS).
@@ -163,13 +161,8 @@ __device__ __forceinline__ void combine(const Params& p) {
                 phase_clock.mark(kPhaseTail, lane);
             }
             if constexpr (kLaggedPublish) {
-                if (lane == 0) {
-                    for (int j = j1 - chunk * kChunkRows; j < kChunkRows; ++j)  // a short chunk: empty groups
-                        for (int g = 0; g < kChunkGroups / kChunkRows; ++g)
-                            tma::commit();
-                    tma::wait_done<kChunkGroups>();  // the previous chunk's rows written; this one's may go on
-                    tma::fence_global_proxies();
-                }
+                if (lane == 0)  // the previous chunk's rows written; this one's may go on
+                    stages.drain_older<kChunkGroups>((j1 - chunk * kChunkRows) * (kChunkGroups / kChunkRows));
                 __syncwarp();
                 if (lagged_source >= 0)
                     publish(lagged_source, lagged_chunk);

@@ -76,22 +76,18 @@ namespace tokenyard::kernels {
 //
 // NOTE [metadata ahead]
 // Before a sender warp can address a token's rows it loads the token's metadata (its scales, top-k, ranks and
-// slots), one memory round trip of small loads the warp can do nothing else during: at 4 ranks that was about
-// 2.5 µs a token, 35 of a sender's 232 µs at 24 SMs (benchmarks/results/normal_tuning.md, "The senders' shapes
-// as TMA writers"). With kMetaAhead the warp loads the next token's metadata as it begins a token, so the loads
-// are in flight while the token's rows go, as the next token's data is (NOTE [warp stages]). Off until a run
-// measures it (heuristics.DISPATCH_META_AHEAD).
+// slots), one memory round trip of small loads the warp can do nothing else during, a share of a sender's time at 4
+// ranks (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). With kMetaAhead the warp loads
+// the next token's metadata as it begins a token, so the loads are in flight while the token's rows go, as the next
+// token's data is (NOTE [warp stages]). Off until a run measures it (heuristics.DISPATCH_META_AHEAD).
 //
 // NOTE [lagged dispatch publish]
-// A sending warp publishes a piece once its rows' stores are done (`drain`: every bulk group of the warp), and waits
-// for that round trip to the peers before it starts the next piece: at 4 ranks and 24 SMs the senders drained and
-// published for 65 of their 232 µs, and set the kernel's time (benchmarks/results/normal_tuning.md, "The senders'
-// shapes as TMA writers"). With kLaggedPublish (heuristics.DISPATCH_LAGGED_PUBLISH; off until a run measures it) a
-// piece is published once the warp's next piece is issued, as the combine's chunks are (NOTE [lagged combine
-// publish] in combine.cuh): every token commits the row's kRowPieces bulk groups (empty ones for a token that goes
-// nowhere) and every piece kChunkTokens tokens' worth (empty ones after a short piece), so that waiting until at
-// most that many groups remain (`wait_done`) finds the previous piece's stores done while this one's are in flight.
-// (Empty groups only make the stages' `wait_read` wait longer, never shorter.)
+// A sending warp publishes a piece once its rows' stores are done (`drain`), waiting for that round trip to the peers
+// before it starts the next piece; on 4 GPUs at 24 SMs the senders set the dispatch's time, and draining and
+// publishing is a large share of it (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). With
+// kLaggedPublish (heuristics.DISPATCH_LAGGED_PUBLISH; off until a run measures it) a piece is published once the
+// warp's next piece is issued (NOTE [lagged publish] in staging.cuh): every token commits its row's kRowPieces groups
+// (empty ones for a token that goes nowhere), every piece kChunkTokens tokens' worth.
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
@@ -277,8 +273,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             else if (any)
                 stages.copy(p.x + token * kDataInt4, kDataInt4 * 16, to);
             else if (kLaggedPublish)  // NOTE [lagged dispatch publish]: every token commits kRowPieces groups
-                for (int k = 0; k < kRowPieces; ++k)
-                    tma::commit();
+                stages.commit_empty(kRowPieces);
         }
         phase_clock.mark(kPhaseData, lane);
         if (kDirectFromStages && direct != nullptr) {
@@ -420,12 +415,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             for (int t = t0; t < t1; ++t)
                 send_token(t, t + 1 < range_end ? t + 1 : -1, meta);
             if constexpr (kLaggedPublish) {
-                if (lane == 0) {
-                    for (int k = (t1 - t0) * kRowPieces; k < kPieceGroups; ++k)  // a short piece: empty groups
-                        tma::commit();
-                    tma::wait_done<kPieceGroups>();  // the previous piece's rows written; this one's may go on
-                    tma::fence_global_proxies();
-                }
+                if (lane == 0)  // the previous piece's rows written; this one's may go on
+                    stages.drain_older<kPieceGroups>((t1 - t0) * kRowPieces);
                 __syncwarp();
                 if (lagged_piece >= 0 && lane < kNumRanks)
                     publish(lane, ranges.slot(send_warp, lagged_piece), lagged_t0, lagged_t1);
