@@ -56,10 +56,9 @@
 # (TOKENYARD_SM_COUNTS default 8), at the defaults and each variant (phases_*.json; benchmarks/phases_table.py prints
 # them).
 #
-# The candidates, which `tuning`, `proxy` and `proxy_phases` try when TOKENYARD_TUNING_VARIANTS is not given: NOTE
-# [metadata ahead], NOTE [lagged dispatch publish], NOTE [lagged combine publish] and NOTE [chunk weights]
-# (kernels/dispatch.cuh, kernels/combine.cuh: built but off), and the neighbours of the 4-rank block shapes (NOTE
-# [block shapes by ranks] in heuristics.py), chosen by the proxy until a 4-GPU run confirms them.
+# The candidates, which `tuning`, `proxy` and `proxy_phases` try when TOKENYARD_TUNING_VARIANTS is not given: the
+# neighbours of the 4-rank block shapes (NOTE [block shapes by ranks] in heuristics.py), chosen by the proxy until a
+# 4-GPU run confirms them.
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -84,8 +83,7 @@ stop_mps() {
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$out/mps_control.log" 2>/dev/null || true
 }
 
-CANDIDATES="dispatch_meta_ahead=1 dispatch_lagged_publish=1 combine_lagged_publish=1 combine_chunk_weights=1
-            dispatch_threads=512 dispatch_threads=1024 combine_send_warps=3 combine_send_warps=5"
+CANDIDATES="dispatch_threads=512 dispatch_threads=1024 combine_send_warps=3 combine_send_warps=5"
 
 in_tree() {
     # in_tree before|after CMD...: CMD in that side's tree of an A/B, recording its commit. The earlier tree

@@ -67,14 +67,10 @@ TUNING_KEYS = {
     "low_latency_local_share": _parse_share,   # low_latency_local_blocks: share of the grid for the own rank
     "dispatch_send_warps": _parse_count,       # DISPATCH_SEND_WARPS
     "dispatch_threads": _parse_count,          # DISPATCH_THREADS
-    "dispatch_meta_ahead": _parse_bool,        # DISPATCH_META_AHEAD
-    "dispatch_lagged_publish": _parse_bool,    # DISPATCH_LAGGED_PUBLISH
     "combine_send_warps": _parse_count,        # COMBINE_SEND_WARPS
     "dispatch_stages": _parse_count,           # DISPATCH_STAGES
     "combine_stages": _parse_count,            # COMBINE_STAGES
     "combine_reduce_loads": _parse_count,      # COMBINE_REDUCE_LOADS
-    "combine_lagged_publish": _parse_bool,     # COMBINE_LAGGED_PUBLISH
-    "combine_chunk_weights": _parse_bool,      # COMBINE_CHUNK_WEIGHTS
 }
 
 

@@ -59,11 +59,8 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     tokenyard_env("TOKENYARD_TUNING", None)
     assert [heuristics.dispatch_threads(n) for n in (2, 3, 4, 8)] == [heuristics.DISPATCH_THREADS] * 2 + [
         heuristics.DISPATCH_THREADS_MANY_RANKS] * 2  # NOTE [block shapes by ranks]
-    assert heuristics.dispatch_meta_ahead() is heuristics.DISPATCH_META_AHEAD
-    flipped = int(not heuristics.DISPATCH_META_AHEAD)
-    tokenyard_env("TOKENYARD_TUNING", f"dispatch_threads=1024,dispatch_meta_ahead={flipped}")
+    tokenyard_env("TOKENYARD_TUNING", "dispatch_threads=1024")
     assert heuristics.dispatch_threads(2) == heuristics.dispatch_threads(4) == 1024
-    assert heuristics.dispatch_meta_ahead() is not heuristics.DISPATCH_META_AHEAD
     tokenyard_env("TOKENYARD_TUNING", "dispatch_threads=640")
     with pytest.raises(ValueError, match="512, 768 or 1024"):
         heuristics.dispatch_threads(4)
@@ -79,14 +76,6 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
         tokenyard_env("TOKENYARD_TUNING", bad)
         with pytest.raises(ValueError, match="TOKENYARD_TUNING"):
             env.settings()
-    tokenyard_env("TOKENYARD_TUNING", None)  # NOTE [lagged combine publish]: off unless asked for
-    assert heuristics.combine_lagged_publish() is heuristics.COMBINE_LAGGED_PUBLISH is False
-    tokenyard_env("TOKENYARD_TUNING", "combine_lagged_publish=1")
-    assert heuristics.combine_lagged_publish() is True
-    assert heuristics.combine_chunk_weights() is heuristics.COMBINE_CHUNK_WEIGHTS is False  # NOTE [chunk weights]
-    assert heuristics.dispatch_lagged_publish() is heuristics.DISPATCH_LAGGED_PUBLISH is False
-    tokenyard_env("TOKENYARD_TUNING", "combine_chunk_weights=1,dispatch_lagged_publish=1")
-    assert heuristics.combine_chunk_weights() is heuristics.dispatch_lagged_publish() is True
 
 
 def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():

@@ -183,11 +183,8 @@ def _different_sms_then_recover(seed):
 
 # Launch choices taken the other way (tokenyard/backends/cuda/heuristics.py): what each sets there, from its values.
 # Each path a token's row for its own rank can take, in both kernels; the blocks shaped for the other side of
-# heuristics.MANY_RANKS (NOTE [block shapes by ranks]); the candidates built but off, NOTE [metadata ahead],
-# NOTE [lagged dispatch publish], NOTE [lagged combine publish] and NOTE [chunk weights].
-FLIPPED = {"own_rows": ("DISPATCH_OWN_ROWS_DIRECT", "COMBINE_OWN_ROWS_DIRECT"), "meta_ahead": ("DISPATCH_META_AHEAD",),
-           "lagged_dispatch_publish": ("DISPATCH_LAGGED_PUBLISH",),
-           "lagged_combine_publish": ("COMBINE_LAGGED_PUBLISH",), "chunk_weights": ("COMBINE_CHUNK_WEIGHTS",)}
+# heuristics.MANY_RANKS (NOTE [block shapes by ranks]).
+FLIPPED = {"own_rows": ("DISPATCH_OWN_ROWS_DIRECT", "COMBINE_OWN_ROWS_DIRECT")}
 OTHER_WAYS = (*FLIPPED, "block_shapes")
 
 

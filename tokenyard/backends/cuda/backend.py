@@ -357,9 +357,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
                                                chunk_tokens, tail_tokens, m.all_weights, send_warps,
-                                               heuristics.dispatch_stages(), threads,
-                                               heuristics.dispatch_meta_ahead(),
-                                               heuristics.dispatch_lagged_publish()))
+                                               heuristics.dispatch_stages(), threads))
         rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
         own_rows_direct = heuristics.dispatch_own_rows_direct()
         T = m.num_tokens
@@ -562,9 +560,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                     if num_topk else 0
             send_warps = heuristics.combine_send_warps(kernels.DATA_THREADS // 32, num_ranks)
             kernel = self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps,
-                                                  heuristics.combine_stages(), heuristics.combine_reduce_loads(),
-                                                  heuristics.combine_lagged_publish(),
-                                                  heuristics.combine_chunk_weights()))
+                                                  heuristics.combine_stages(), heuristics.combine_reduce_loads()))
             b.launch(kernel, num_blocks, dict(
                 x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),
                 rank_prefix_matrix=b.inp("rank_prefix_matrix"), recv_first=b.inp("recv_first"),

@@ -71,24 +71,6 @@ def combine_send_warps(block_warps: int, num_ranks: int) -> int:
                        block_warps)
 
 
-# NOTE [metadata ahead] (kernels/dispatch.cuh): a dispatch sending warp loads the next token's metadata as it begins
-# a token. Off until a run at 8 and 24 SMs measures it (benchmarks/results/normal_tuning.md).
-DISPATCH_META_AHEAD = False
-
-
-def dispatch_meta_ahead() -> bool:
-    return tuned("dispatch_meta_ahead", DISPATCH_META_AHEAD)
-
-
-# NOTE [lagged dispatch publish] (kernels/dispatch.cuh): a dispatch sending warp publishes a piece once its next one is
-# issued. Off until a run measures it (on one GPU, `run_device.sh proxy_phases`: the senders' publish phase).
-DISPATCH_LAGGED_PUBLISH = False
-
-
-def dispatch_lagged_publish() -> bool:
-    return tuned("dispatch_lagged_publish", DISPATCH_LAGGED_PUBLISH)
-
-
 # The stages of shared memory per sending warp (NOTE [warp stages]; WarpStages takes 2 to 4): 2 and 4 were alike,
 # 3 slower for the dispatch (its pieces not lined up with rows) (benchmarks/results/normal_tuning.md).
 DISPATCH_STAGES = 4
@@ -134,26 +116,6 @@ def dispatch_own_rows_direct() -> bool:
 
 def combine_own_rows_direct() -> bool:
     return tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
-
-
-# NOTE [lagged combine publish] (kernels/combine.cuh): a combine sending warp publishes a chunk once its next one is
-# issued, not after waiting for the chunk's stores. Off until a 4-GPU run at 8 and 24 SMs measures it: the MPS proxy,
-# where the reducers set the combine's time, cannot judge it, and on 4 GPUs its senders do
-# (benchmarks/results/normal_tuning.md, `candidates_proxy` and "The senders' shapes as TMA writers").
-COMBINE_LAGGED_PUBLISH = False
-
-
-def combine_lagged_publish() -> bool:
-    return tuned("combine_lagged_publish", COMBINE_LAGGED_PUBLISH)
-
-
-# NOTE [chunk weights] (kernels/combine.cuh): a combine sending warp loads a chunk's weights at once, not a row's at a
-# time. Off until a run measures it (on one GPU, `run_device.sh proxy_phases`: the senders' tail phase).
-COMBINE_CHUNK_WEIGHTS = False
-
-
-def combine_chunk_weights() -> bool:
-    return tuned("combine_chunk_weights", COMBINE_CHUNK_WEIGHTS)
 
 
 # The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the

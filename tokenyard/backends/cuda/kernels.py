@@ -94,24 +94,19 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
 def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, topk_dtype: torch.dtype,
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
              all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS,
-             stages: int = heuristics.DISPATCH_STAGES, threads: int = heuristics.DISPATCH_THREADS,
-             meta_ahead: bool = heuristics.DISPATCH_META_AHEAD,
-             lagged_publish: bool = heuristics.DISPATCH_LAGGED_PUBLISH) -> KernelSpec:
+             stages: int = heuristics.DISPATCH_STAGES, threads: int = heuristics.DISPATCH_THREADS) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
     weight arrives (DeepEP V2), not only the local slots'; `send_warps`: a block's warps that send (the others
-    receive), each through `stages` stages; `threads`: the block's (NOTE [dispatch block width]); `meta_ahead`:
-    a sending warp loads the next token's metadata as it begins a token (NOTE [metadata ahead]); `lagged_publish`: a
-    piece published once the warp's next one is issued (NOTE [lagged dispatch publish])."""
+    receive), each through `stages` stages; `threads`: the block's (NOTE [dispatch block width])."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
     stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, threads, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
-         "true" if all_weights else "false", stages, stage_bytes, send_warps, "true" if meta_ahead else "false",
-         "true" if lagged_publish else "false"),
+         "true" if all_weights else "false", stages, stage_bytes, send_warps),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -130,18 +125,14 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 @functools.lru_cache(maxsize=None)
 def combine(num_ranks: int, hidden_int4: int, num_topk: int,
             send_warps: int = heuristics.COMBINE_SEND_WARPS, stages: int = heuristics.COMBINE_STAGES,
-            reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS,
-            lagged_publish: bool = heuristics.COMBINE_LAGGED_PUBLISH,
-            chunk_weights: bool = heuristics.COMBINE_CHUNK_WEIGHTS) -> KernelSpec:
+            reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS) -> KernelSpec:
     """`send_warps`: a block's warps that send (the others reduce), each through `stages` stages;
-    `reduce_loads`: the loads a reducing lane keeps in flight; `lagged_publish`: a chunk published once the warp's
-    next one is issued (NOTE [lagged combine publish]); `chunk_weights`: a chunk's weights loaded at once (NOTE
-    [chunk weights])."""
+    `reduce_loads`: the loads a reducing lane keeps in flight."""
     stage_bytes = data_stage_bytes(hidden_int4 * 16, send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
         (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, stages, stage_bytes,
-         send_warps, reduce_loads, "true" if lagged_publish else "false", "true" if chunk_weights else "false"),
+         send_warps, reduce_loads),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
          Param("const int*", "send_head"),
@@ -362,15 +353,7 @@ def every_kernel():
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64, threads=threads)    # cached: no top-k
         yield combine(ranks, 7168 * 2 // 16, 8, send_warps)
         yield combine(ranks, 4096 * 2 // 16, 0, send_warps)
-        yield combine(ranks, 7168 * 2 // 16, 8, send_warps, lagged_publish=True)  # NOTE [lagged combine publish]
-        yield combine(ranks, 7168 * 2 // 16, 8, send_warps, chunk_weights=True)  # NOTE [chunk weights]
     yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)  # TOKENYARD_TUNING combine_reduce_loads's sweep
-    yield dispatch(4, 7168 * 1 // 16, 56, 8, torch.int64, threads=768, meta_ahead=True)  # NOTE [metadata ahead]
-    for ranks in (2, 4, 8):  # NOTE [lagged dispatch publish]: FP8 rows in 2 pieces, BF16 rows in 3
-        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, 8, 2, threads=heuristics.dispatch_threads(ranks),
-                       lagged_publish=True)
-        yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64, 8, 2, threads=heuristics.dispatch_threads(ranks),
-                       lagged_publish=True)
     yield expand_count(8, torch.int64)
     yield expand_place(8, torch.int64)
     yield expand_psum()

@@ -23,13 +23,6 @@ namespace tokenyard {
 // Before the warp publishes what it stored (a release at system scope), lane 0 `drain`s: every store complete, then
 // a proxy fence, so that the generic release covers the bytes the async proxy wrote. Before a warp returns, lane 0
 // `retire`s: no bulk copy, load or store, may still use the block's shared memory.
-//
-// NOTE [lagged publish]
-// A warp may instead publish a batch of rows (a dispatch piece, a combine chunk) once its next batch is issued, so
-// that it need not wait for a batch's stores before it starts the next. Every batch then commits the same kGroups
-// bulk groups (`commit_empty` for the groups a short batch or a row sent nowhere did not commit), and `drain_older`,
-// with the newest batch committed, waits until at most its kGroups groups remain: every older batch's stores done
-// (then the proxy fence, as `drain`). Empty groups only make `prefetch`'s wait_read wait longer, never shorter.
 template <int kStages, int kStageBytes>
 struct WarpStages {
     static_assert(kStages >= 2 && kStages <= 4, "wait_read_newer's cases");
@@ -111,19 +104,6 @@ struct WarpStages {
 
     __device__ __forceinline__ void drain() {
         tma::wait_all();
-        tma::fence_global_proxies();
-    }
-
-    // NOTE [lagged publish]
-    __device__ __forceinline__ static void commit_empty(int groups) {
-        for (int k = 0; k < groups; ++k)
-            tma::commit();
-    }
-
-    template <int kGroups>
-    __device__ __forceinline__ static void drain_older(int committed) {
-        commit_empty(kGroups - committed);
-        tma::wait_done<kGroups>();
         tma::fence_global_proxies();
     }
 

@@ -48,24 +48,8 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // In a placed round (NOTE [placed rounds] in tokenyard/rounds.py), `x` and `topk_weights` are the whole call's and
 // the round's rows from source s start at row recv_first[s] of them (else rank_prefix_matrix gives it);
 // send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
-//
-// NOTE [lagged combine publish]
-// A sending warp publishes a chunk once its rows' stores are done (`drain`), waiting for that round trip to the peer
-// before it starts the next chunk; on 4 GPUs at 8 SMs the senders set the combine's time, and draining and publishing
-// is a large share of it (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). With
-// kLaggedPublish (heuristics.COMBINE_LAGGED_PUBLISH; off until a 4-GPU run measures it) a chunk is published once the
-// warp's next chunk is issued (NOTE [lagged publish] in staging.cuh: a chunk's kChunkGroups groups).
-//
-// NOTE [chunk weights]
-// A row's top-k weights go after its data in the peer's buffer, stored by the lanes: loaded from topk_weights, a round
-// trip a row that holds the warp (and lane 0's next bulk copy) back, a share of the senders' time on 4 GPUs
-// (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). With
-// kChunkWeights the lanes load a chunk's weights at once (its rows are consecutive in x, so their weights are one
-// run of topk_weights) once the chunk's rows are issued, and store them, before the chunk is published. Off until a
-// run measures it (heuristics.COMBINE_CHUNK_WEIGHTS).
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
-          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, bool kLaggedPublish, bool kChunkWeights,
-          typename Params>
+          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
     static_assert(kSendWarps >= 1 && kSendWarps < kNumThreads / kWarpSize, "every block sends and reduces");
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
@@ -102,16 +86,6 @@ __device__ __forceinline__ void combine(const Params& p) {
             stages.init();
         // With local_direct the items cover the other sources only (as the dispatch's receivers do).
         const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
-        // NOTE [lagged combine publish]: the chunk whose publish waits (source -1: none), and the bulk groups a
-        // chunk commits (its rows' pieces, NOTE [warp stages]).
-        constexpr int kChunkGroups = kChunkRows * ((kHiddenInt4 * 16 + kStageBytes - 1) / kStageBytes);
-        int lagged_source = -1, lagged_chunk = 0;
-        auto publish = [&](int source, int chunk) {
-            if (lane == 0) {
-                ptx::fence_acq_rel_sys();
-                ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, seq);
-            }
-        };
         phase_clock.mark(kPhaseStart, lane);
         for (int item = blockIdx.x * kSendWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
             const int chunk = item / num_sources, other = item % num_sources;
@@ -136,51 +110,21 @@ __device__ __forceinline__ void combine(const Params& p) {
                         stages.prefetch(p.x + (from + 1) * kHiddenInt4, kHiddenInt4 * 16);
                 }
                 phase_clock.mark(kPhaseData, lane);
-                if (!kChunkWeights && lane < kNumTopk)
+                if (lane < kNumTopk)
                     reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = p.topk_weights[from * kNumTopk + lane];
                 phase_clock.mark(kPhaseTail, lane);
             }
-            if constexpr (kChunkWeights && kNumTopk > 0) {  // NOTE [chunk weights]
-                constexpr int kPerLane = (kChunkRows * kNumTopk + kWarpSize - 1) / kWarpSize;
-                const int j0 = chunk * kChunkRows, count = (j1 - j0) * kNumTopk;
-                const float* run = p.topk_weights + static_cast<int64_t>(first + j0) * kNumTopk;
-                float w[kPerLane];
-#pragma unroll
-                for (int u = 0; u < kPerLane; ++u) {
-                    const int i = u * kWarpSize + lane;
-                    if (i < count)
-                        w[u] = run[i];
-                }
-#pragma unroll
-                for (int u = 0; u < kPerLane; ++u) {
-                    const int i = u * kWarpSize + lane;
-                    if (i < count)
-                        reinterpret_cast<float*>(buffers.row(source, p.rank, j0 + i / kNumTopk) +
-                                                 kWeightsOffset)[i % kNumTopk] = w[u];
-                }
-                phase_clock.mark(kPhaseTail, lane);
-            }
-            if constexpr (kLaggedPublish) {
-                if (lane == 0)  // the previous chunk's rows written; this one's may go on
-                    stages.drain_older<kChunkGroups>((j1 - chunk * kChunkRows) * (kChunkGroups / kChunkRows));
-                __syncwarp();
-                if (lagged_source >= 0)
-                    publish(lagged_source, lagged_chunk);
-                lagged_source = source;
-                lagged_chunk = chunk;
-            } else {
-                if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
-                    stages.drain();
-                __syncwarp();
-                publish(source, chunk);
+            if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
+                stages.drain();
+            __syncwarp();
+            if (lane == 0) {
+                ptx::fence_acq_rel_sys();
+                ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, seq);
             }
             phase_clock.mark(kPhasePublish, lane);
         }
         if (lane == 0)
             stages.retire();
-        __syncwarp();
-        if (kLaggedPublish && lagged_source >= 0)  // retire drained every store
-            publish(lagged_source, lagged_chunk);
         phase_clock.end(lane);
         return;
     }

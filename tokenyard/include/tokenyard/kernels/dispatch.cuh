@@ -73,21 +73,6 @@ namespace tokenyard::kernels {
 // last sender is done: that copy is the dispatch's tail. So a range goes in pieces of kChunkTokens but
 // its last kChunkTokens tokens (or fewer) in pieces of kTailTokens: a small last wave, for a few more
 // slots. Example, 28 tokens, pieces of 8 and tail pieces of 2: 8 8 4 | 2 2 2 2.
-//
-// NOTE [metadata ahead]
-// Before a sender warp can address a token's rows it loads the token's metadata (its scales, top-k, ranks and
-// slots), one memory round trip of small loads the warp can do nothing else during, a share of a sender's time at 4
-// ranks (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). With kMetaAhead the warp loads
-// the next token's metadata as it begins a token, so the loads are in flight while the token's rows go, as the next
-// token's data is (NOTE [warp stages]). Off until a run measures it (heuristics.DISPATCH_META_AHEAD).
-//
-// NOTE [lagged dispatch publish]
-// A sending warp publishes a piece once its rows' stores are done (`drain`), waiting for that round trip to the peers
-// before it starts the next piece; on 4 GPUs at 24 SMs the senders set the dispatch's time, and draining and
-// publishing is a large share of it (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). With
-// kLaggedPublish (heuristics.DISPATCH_LAGGED_PUBLISH; off until a run measures it) a piece is published once the
-// warp's next piece is issued (NOTE [lagged publish] in staging.cuh): every token commits its row's kRowPieces groups
-// (empty ones for a token that goes nowhere), every piece kChunkTokens tokens' worth.
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
@@ -120,7 +105,7 @@ struct SenderRanges {
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
           int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, int kSendWarps,
-          bool kMetaAhead, bool kLaggedPublish, typename Params>
+          typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -140,7 +125,6 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     constexpr int kScaleInt4 = (kNumScales + 3) / 4;
     constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
     constexpr int kTailPerLane = (kTailInt4 + kWarpSize - 1) / kWarpSize;
-    constexpr int kRowPieces = (kDataInt4 * 16 + kStageBytes - 1) / kStageBytes;  // a row's bulk groups, as stored
     const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
                                 p.slots_offset, p.max_chunks, p.row_bytes};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -180,18 +164,13 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // destination while lane 0 stores its data, loaded ahead with the previous token where it fits, and loads
     // the next token of the warp's range (`next`, or -1) ahead (NOTE [warp stages]).
     bool ahead = false;  // lane 0's: whether the token it is at was loaded ahead
-    // A token's metadata as this lane holds it: the tail's scale vectors (metadata vectors are filled per
-    // destination), its top-k entry, and whether (and in which slot) it goes to rank `lane`.
-    struct TokenMeta {
-        int4 tail[kTailPerLane];
-        int64_t expert;
-        float weight;
-        bool hit;
-        int slot_index;
-    };
-    auto load_meta = [&](int t) {
+    // Where rank `lane`'s rows from this rank begin in its receive order, and this rank's own rows in its outputs.
+    const int first_at_lane =
+        lane < kNumRanks ? first_row_in_order(p.rank_prefix_matrix, kNumRanks, lane, p.rank) : 0;
+    const int64_t own_first = out_first(p.rank);
+    auto send_token = [&](int t, int next) {
         const int64_t token = t;
-        TokenMeta m;
+        int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
             int words[4] = {0, 0, 0, 0};
@@ -201,35 +180,16 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 if (u * kWarpSize + lane < kScaleInt4 && j < kNumScales)
                     words[c] = static_cast<int>(p.x_scales[token * p.scale_token_stride + j * p.scale_hidden_stride]);
             }
-            m.tail[u] = make_int4(words[0], words[1], words[2], words[3]);
+            tail[u] = make_int4(words[0], words[1], words[2], words[3]);
         }
-        m.expert = -1;
-        m.weight = 0.0f;
+        int64_t expert = -1;
+        float weight = 0.0f;
         if (lane < kNumTopk) {
-            m.expert = static_cast<int64_t>(p.topk_idx[token * kNumTopk + lane]);
-            m.weight = p.topk_weights != nullptr ? p.topk_weights[token * kNumTopk + lane] : 0.0f;
+            expert = static_cast<int64_t>(p.topk_idx[token * kNumTopk + lane]);
+            weight = p.topk_weights != nullptr ? p.topk_weights[token * kNumTopk + lane] : 0.0f;
         }
-        m.hit = lane < kNumRanks && p.is_token_in_rank[token * kNumRanks + lane];
-        m.slot_index = lane < kNumRanks ? p.prefix_excl[token * kNumRanks + lane] : 0;
-        return m;
-    };
-    // Where rank `lane`'s rows from this rank begin in its receive order, and this rank's own rows in its outputs.
-    const int first_at_lane =
-        lane < kNumRanks ? first_row_in_order(p.rank_prefix_matrix, kNumRanks, lane, p.rank) : 0;
-    const int64_t own_first = out_first(p.rank);
-    // `meta`: token t's, loaded before (kMetaAhead; then next's replaces it) or here (NOTE [metadata ahead]).
-    auto send_token = [&](int t, int next, TokenMeta& meta) {
-        const int64_t token = t;
-        TokenMeta after;  // the next token's (kMetaAhead)
-        if (kMetaAhead)
-            after = next >= 0 ? load_meta(next) : meta;
-        else
-            meta = load_meta(t);
-        const int4(&tail)[kTailPerLane] = meta.tail;
-        const int64_t expert = meta.expert;
-        const float weight = meta.weight;
-        const bool hit = meta.hit;
-        const int slot_index = meta.slot_index;
+        const bool hit = lane < kNumRanks && p.is_token_in_rank[token * kNumRanks + lane];
+        const int slot_index = lane < kNumRanks ? p.prefix_excl[token * kNumRanks + lane] : 0;
 
         const uint32_t mask = __ballot_sync(0xffffffffu, hit);
         const int index = hit ? slot_index : -1;
@@ -272,8 +232,6 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 stages.send(kDataInt4 * 16, to);  // to nowhere: the row's stage is freed
             else if (any)
                 stages.copy(p.x + token * kDataInt4, kDataInt4 * 16, to);
-            else if (kLaggedPublish)  // NOTE [lagged dispatch publish]: every token commits kRowPieces groups
-                stages.commit_empty(kRowPieces);
         }
         phase_clock.mark(kPhaseData, lane);
         if (kDirectFromStages && direct != nullptr) {
@@ -333,8 +291,6 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
         }
         phase_clock.mark(kPhaseTail, lane);
-        if (kMetaAhead)
-            meta = after;
     };
 
     // One warp copies row `src` of this rank's buffer to output row `out` with its load/store units (the copy
@@ -399,44 +355,24 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     };
 
     if (warp < kSendWarps) {
-        // NOTE [lagged dispatch publish]: the piece whose publish waits (-1: none), and the groups a piece commits.
-        constexpr int kPieceGroups = kChunkTokens * kRowPieces;
-        int lagged_piece = -1, lagged_t0 = 0, lagged_t1 = 0;
         const int send_warp = blockIdx.x * kSendWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
-        TokenMeta meta;
-        if (kMetaAhead && num_pieces > 0)
-            meta = load_meta(ranges.begin(send_warp));
         phase_clock.mark(kPhaseStart, lane);
         for (int piece = 0; piece < num_pieces; ++piece) {
             int t0, t1;
             ranges.piece(send_warp, piece, t0, t1);
             for (int t = t0; t < t1; ++t)
-                send_token(t, t + 1 < range_end ? t + 1 : -1, meta);
-            if constexpr (kLaggedPublish) {
-                if (lane == 0)  // the previous piece's rows written; this one's may go on
-                    stages.drain_older<kPieceGroups>((t1 - t0) * kRowPieces);
-                __syncwarp();
-                if (lagged_piece >= 0 && lane < kNumRanks)
-                    publish(lane, ranges.slot(send_warp, lagged_piece), lagged_t0, lagged_t1);
-                lagged_piece = piece;
-                lagged_t0 = t0;
-                lagged_t1 = t1;
-            } else {
-                if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
-                    stages.drain();
-                __syncwarp();
-                if (lane < kNumRanks)  // the piece at every destination
-                    publish(lane, ranges.slot(send_warp, piece), t0, t1);
-            }
+                send_token(t, t + 1 < range_end ? t + 1 : -1);
+            if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
+                stages.drain();
+            __syncwarp();
+            if (lane < kNumRanks)  // the piece at every destination
+                publish(lane, ranges.slot(send_warp, piece), t0, t1);
             phase_clock.mark(kPhasePublish, lane);
         }
         if (lane == 0)
             stages.retire();
-        __syncwarp();
-        if (kLaggedPublish && lagged_piece >= 0 && lane < kNumRanks)  // retire drained every store
-            publish(lane, ranges.slot(send_warp, lagged_piece), lagged_t0, lagged_t1);
     }
 
     // Receiving, every warp (a sender once its range is sent): each claims (piece, sender warp, source) items
