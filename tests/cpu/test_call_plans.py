@@ -23,6 +23,7 @@ _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *([ctypes.c_uint] * 7)
 _RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 _MEMSET8 = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p)
+_CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
 
 
 class FakeDriver:
@@ -31,6 +32,7 @@ class FakeDriver:
     def __init__(self, fail_launch: int = 0):
         self.calls = []
         self.fail_launch = fail_launch
+        self.capturing = False
 
         def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
             words = (ctypes.c_void_p * 5).from_address(extra)
@@ -51,7 +53,11 @@ class FakeDriver:
             self.calls.append(("memset", value, count, stream))
             return 0
 
-        self._keep = (_LAUNCH(launch), _RECORD(record), _WAIT(wait), _MEMSET8(memset8))
+        def capturing(stream, status):
+            status[0] = int(self.capturing)
+            return 0
+
+        self._keep = (_LAUNCH(launch), _RECORD(record), _WAIT(wait), _MEMSET8(memset8), _CAPTURING(capturing))
         self.addresses = [ctypes.cast(f, ctypes.c_void_p).value for f in self._keep]
 
 
@@ -207,7 +213,48 @@ def test_ordered_parts_are_handed_back_permuted_and_orders_must_be_permutations(
     assert launch[6] == bytes(SPEC.args_type(plain_t.data_ptr(), 1, 0, 0, ordered_t.data_ptr(), 0, 2))
     for bad in ([0, 0, 1, 2], [0, 1, 2], [1, 2, 3, 4]):
         with pytest.raises(ValueError, match="no permutation"):
-            b.build().native.add_output(dims, torch.float32, -1, 0, True, bad)
+            b.build().native.add_output(dims, torch.float32, -1, 0, True, bad, False)
+
+
+def test_arena_outputs_take_free_blocks_name_their_offset_and_give_them_back(driver, extension):
+    """NOTE [output arena]: an arena output is a block of the arena (its offset in the launch's slot) while one is
+    free, else an ordinary allocation with offset -1; a block comes back, merged with its free neighbours, when its
+    last tensor dies, and none is taken while the launch stream is capturing a graph."""
+    rng = random.Random()
+    memory = torch.empty(1 << 16, dtype=torch.uint8)  # the arena's memory: the test keeps it alive
+    arena = extension.OutputArena(torch.device("cpu"), memory.data_ptr(), memory.numel(), 0)
+    spec = KernelSpec("h.cuh", "ns::kernel", (), (Param("int64_t*", "dst"), Param("int64_t", "at")), 32)
+    b = plans.PlanBuilder(torch.device("cpu"), (), ("rows",), arena=arena)
+    dst = b.output("dst", (b.scalar("rows"), 16), torch.int64, in_arena=True)
+    b.launch(FakeKernel(spec, 5), 1, dict(dst=dst, at=b.arena_offset(dst)))
+    plan = b.build()
+
+    def run(rows):
+        driver.calls.clear()
+        (out,) = plan.native.run((), [rows], 11, 0, 0, 0, 0, False, False, 0)
+        packed = [c for c in driver.calls if c[0] == "launch"][0][6]
+        ptr, at = spec.args_type.from_buffer_copy(packed).dst, spec.args_type.from_buffer_copy(packed).at
+        assert ptr == out.data_ptr() and tuple(out.shape) == (rows, 16) and out.is_contiguous()
+        inside = memory.data_ptr() <= out.data_ptr() < memory.data_ptr() + memory.numel()
+        assert inside == (at >= 0) and (at < 0 or out.data_ptr() == memory.data_ptr() + at)
+        out.copy_(torch.randint(-9, 9, out.shape))  # the block is memory to write
+        return out, at
+
+    total = arena.free_bytes()
+    rows = [rng.randrange(1, 40) for _ in range(3)]
+    held = [run(r) for r in rows]
+    assert all(at >= 0 for _, at in held) and len({at for _, at in held}) == 3
+    assert arena.free_bytes() == total - sum(-(-r * 128 // 512) * 512 for r in rows)  # 512-byte blocks
+    _, too_big = run(memory.numel() // 128)  # no block that large is free: allocated elsewhere
+    assert too_big == -1
+    middle = held.pop(1)[1]
+    held.append(run(rows[1]))  # the freed block, first fit
+    assert held[-1][1] == middle
+    driver.capturing = True
+    assert run(1)[1] == -1  # under capture: no block
+    driver.capturing = False
+    held.clear()
+    assert arena.free_bytes() == total and run(memory.numel() // 128)[1] == 0  # merged back into one
 
 
 def test_signatures_tell_apart_what_the_checks_read(extension):

@@ -15,6 +15,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -29,12 +32,14 @@ using LaunchKernelFn = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigne
 using EventRecordFn = CUresult (*)(void*, void*);
 using StreamWaitEventFn = CUresult (*)(void*, void*, unsigned);
 using MemsetD8AsyncFn = CUresult (*)(uint64_t, unsigned char, size_t, void*);
+using StreamIsCapturingFn = CUresult (*)(void*, int*);
 
 struct Driver {
     LaunchKernelFn launch = nullptr;
     EventRecordFn record = nullptr;
     StreamWaitEventFn wait = nullptr;
     MemsetD8AsyncFn memset8 = nullptr;
+    StreamIsCapturingFn capturing = nullptr;
 };
 
 Driver& driver() {
@@ -42,12 +47,13 @@ Driver& driver() {
     return d;
 }
 
-void set_driver(int64_t launch, int64_t record, int64_t wait, int64_t memset8) {
+void set_driver(int64_t launch, int64_t record, int64_t wait, int64_t memset8, int64_t capturing) {
     Driver& d = driver();
     d.launch = reinterpret_cast<LaunchKernelFn>(launch);
     d.record = reinterpret_cast<EventRecordFn>(record);
     d.wait = reinterpret_cast<StreamWaitEventFn>(wait);
     d.memset8 = reinterpret_cast<MemsetD8AsyncFn>(memset8);
+    d.capturing = reinterpret_cast<StreamIsCapturingFn>(capturing);
 }
 
 void check(CUresult status, const char* what) {
@@ -172,7 +178,8 @@ py::object signature(const py::tuple& items) {
 }
 
 // Where a run writes a per-call value into an argument block.
-enum SlotKind : int { kInputPointer = 0, kOutputPointer = 1, kScalar = 2 };
+// kArenaOffset: the byte offset of an output's block in the output arena, -1 where it has none (NOTE [output arena]).
+enum SlotKind : int { kInputPointer = 0, kOutputPointer = 1, kScalar = 2, kArenaOffset = 3 };
 
 struct Slot {
     int64_t offset;
@@ -195,6 +202,190 @@ struct Output {
     int within;  // >= 0: a part of that earlier output (a whole), not allocated
     bool returned;  // false: a whole, bytes enough for its parts (each 16-byte aligned), handed back only as them
     std::vector<int64_t> order;  // non-empty: handed back as the contiguous tensor of `shape` permuted so
+    bool in_arena;  // a block of the plan's output arena where one is free (NOTE [output arena])
+};
+
+// NOTE [output arena]
+// A dispatch's senders place each row's data straight into its destination's recv_x (NOTE [placed rows] in
+// kernels/dispatch.cuh), so recv_x must lie in memory every peer maps: the Buffer's output arena, one allocation per
+// rank shared by CUDA IPC as its buffer is (backends/cuda/memory.py). A plan's output marked for the arena is a
+// block of it (first fit, kArenaAlign-aligned), handed out as a tensor whose storage gives the block back when its
+// last user lets go; where no block is free the output is allocated as any other, and the call takes the staged
+// path. Reuse follows the caching allocator's stream rule: a block given back records an event on the device's
+// current stream of the thread that let go of it, and the next run that takes the block first makes its own launch
+// stream wait for that event; peers write a block only once this rank's data kernel, later on that stream, has
+// published it. (The allocator's record_stream does nothing for these storages, as for any storage it did not
+// make.) The memory is freed (`free_fn`, the runtime's cudaFree) once the Buffer has let go of the arena
+// (the backend's destroy, after its peers unmapped it) and no tensor holds a block of it. Under CUDA-graph capture
+// no block is taken: a captured call keeps the staged path.
+class OutputArena : public std::enable_shared_from_this<OutputArena> {
+public:
+    static constexpr int64_t kArenaAlign = 512;
+
+    OutputArena(c10::Device device, int64_t base, int64_t bytes, int64_t free_fn)
+        : device_(device), guard_(c10::impl::getDeviceGuardImpl(device.type())), base_(base), bytes_(bytes),
+          free_fn_(reinterpret_cast<FreeFn>(free_fn)) {
+        if (bytes > 0)
+            free_[0] = bytes;
+    }
+
+    ~OutputArena() {
+        for (const Pending& pending : pending_)
+            destroy_event(pending.event);
+        for (void* event : spare_events_)
+            destroy_event(event);
+        if (free_fn_ != nullptr && base_ != 0)
+            free_fn_(reinterpret_cast<void*>(base_));
+    }
+
+    // A tensor of `shape` and `dtype` in a block of the arena, and the block's byte offset; an undefined tensor
+    // and -1 where no block is free (or `stream` is capturing). `stream` waits for the block's last users.
+    std::pair<at::Tensor, int64_t> take(const std::vector<int64_t>& shape, at::ScalarType dtype,
+                                        c10::DispatchKeySet keys, void* stream) {
+        int64_t numel = 1;
+        for (int64_t size : shape)
+            numel *= size;
+        const int64_t bytes = std::max<int64_t>(kArenaAlign, (numel * static_cast<int64_t>(c10::elementSize(dtype)) +
+                                                              kArenaAlign - 1) / kArenaAlign * kArenaAlign);
+        const Driver& d = driver();
+        int capture_status = 0;
+        if (d.capturing != nullptr && stream != nullptr) {
+            check(d.capturing(stream, &capture_status), "cuStreamIsCapturing");
+            if (capture_status != 0)
+                return {at::Tensor(), -1};
+        }
+        std::lock_guard<std::mutex> lock(mutex_);
+        collect(false, stream);
+        int64_t offset = fit(bytes);
+        if (offset < 0) {
+            collect(true, stream);  // blocks still in use on the GPU: the launch stream waits for them
+            offset = fit(bytes);
+        }
+        if (offset < 0)
+            return {at::Tensor(), -1};
+        auto* block = new Block{shared_from_this(), offset, bytes};
+        c10::DataPtr data(reinterpret_cast<void*>(base_ + offset), block, &OutputArena::give_back, device_);
+        c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), nullptr, false);
+        at::Tensor tensor = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys,
+                                                                     caffe2::TypeMeta::fromScalarType(dtype));
+        tensor.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+        return {std::move(tensor), offset};
+    }
+
+    // Bytes no tensor holds (read by tests).
+    int64_t free_bytes() {
+        std::lock_guard<std::mutex> lock(mutex_);
+        int64_t total = 0;
+        for (const auto& [offset, size] : free_)
+            total += size;
+        for (const Pending& pending : pending_)
+            total += pending.bytes;
+        return total;
+    }
+
+private:
+    using FreeFn = int (*)(void*);
+    struct Block {
+        std::shared_ptr<OutputArena> arena;
+        int64_t offset, bytes;
+    };
+    struct Pending {
+        int64_t offset, bytes;
+        void* event;
+    };
+
+    static void give_back(void* context) {
+        std::unique_ptr<Block> block(static_cast<Block*>(context));
+        block->arena->returned(block->offset, block->bytes);
+    }
+
+    void returned(int64_t offset, int64_t bytes) {
+        if (device_.is_cpu()) {  // no streams: free at once (the allocator's logic, tested on the CPU)
+            std::lock_guard<std::mutex> lock(mutex_);
+            release_range(offset, bytes);
+            return;
+        }
+        void* event = nullptr;
+        try {  // after the uses the current stream has queued (a deleter must not throw)
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (!spare_events_.empty()) {
+                event = spare_events_.back();
+                spare_events_.pop_back();
+            }
+            guard_->record(&event, guard_->getStream(device_), device_.index(), c10::EventFlag::PYTORCH_DEFAULT);
+            pending_.push_back({offset, bytes, event});
+        } catch (...) {  // no stream to record on (the process is ending): the block stays out of use
+            destroy_event(event);
+        }
+    }
+
+    // Blocks given back return to the free list: those whose event has passed, or with `all` every one, the
+    // launch `stream` waiting for its event. Under mutex_.
+    void collect(bool all, void* stream) {
+        for (size_t i = 0; i < pending_.size();) {
+            Pending& pending = pending_[i];
+            const bool passed = guard_->queryEvent(pending.event);
+            if (!passed && !all) {
+                ++i;
+                continue;
+            }
+            if (!passed)
+                check(driver().wait(stream, pending.event, 0), "cuStreamWaitEvent");
+            release_range(pending.offset, pending.bytes);
+            spare_events_.push_back(pending.event);
+            pending = pending_.back();
+            pending_.pop_back();
+        }
+    }
+
+    // First fit; -1: none. Under mutex_.
+    int64_t fit(int64_t bytes) {
+        for (auto it = free_.begin(); it != free_.end(); ++it) {
+            if (it->second < bytes)
+                continue;
+            const int64_t offset = it->first, rest = it->second - bytes;
+            free_.erase(it);
+            if (rest > 0)
+                free_[offset + bytes] = rest;
+            return offset;
+        }
+        return -1;
+    }
+
+    // The range back in the free list, merged with its neighbours. Under mutex_.
+    void release_range(int64_t offset, int64_t bytes) {
+        auto next = free_.lower_bound(offset);
+        if (next != free_.end() && next->first == offset + bytes) {
+            bytes += next->second;
+            next = free_.erase(next);
+        }
+        if (next != free_.begin()) {
+            auto before = std::prev(next);
+            if (before->first + before->second == offset) {
+                before->second += bytes;
+                return;
+            }
+        }
+        free_[offset] = bytes;
+    }
+
+    void destroy_event(void* event) {
+        if (event == nullptr)
+            return;
+        try {
+            guard_->destroyEvent(event, device_.index());
+        } catch (...) {
+        }
+    }
+
+    c10::Device device_;
+    const c10::impl::DeviceGuardImplInterface* guard_;
+    int64_t base_, bytes_;
+    FreeFn free_fn_;
+    std::mutex mutex_;
+    std::map<int64_t, int64_t> free_;  // offset -> bytes
+    std::vector<Pending> pending_;
+    std::vector<void*> spare_events_;
 };
 
 // NOTE [plan allocations]: at::empty is among the dearest steps of a call's host time (the dispatcher, a device
@@ -212,11 +403,13 @@ public:
           guard_(c10::impl::getDeviceGuardImpl(device.type())) {}
 
     void add_output(std::vector<int64_t> shape, at::ScalarType dtype, int64_t fill, int64_t within, bool returned,
-                    std::vector<int64_t> order) {
+                    std::vector<int64_t> order, bool in_arena) {
         const bool part_of_a_whole = within >= 0 && within < static_cast<int64_t>(outputs_.size()) &&
                                      !outputs_[within].returned;
         if ((within >= 0 && !part_of_a_whole) || (within >= 0 && !returned))
             throw std::invalid_argument("tokenyard: a plan output is a part of no earlier whole");
+        if (in_arena && (within >= 0 || !returned || !order.empty()))
+            throw std::invalid_argument("tokenyard: an arena output is a returned tensor of its own, in order");
         std::vector<int64_t> sorted(order);
         std::sort(sorted.begin(), sorted.end());
         for (size_t d = 0; d < sorted.size(); ++d) {
@@ -224,9 +417,11 @@ public:
                 throw std::invalid_argument("tokenyard: a plan output's order is no permutation of its dimensions");
         }
         outputs_.push_back({std::move(shape), dtype, static_cast<int>(fill), static_cast<int>(within), returned,
-                            std::move(order)});
+                            std::move(order), in_arena});
         num_returned_ += returned;
     }
+
+    void set_arena(std::shared_ptr<OutputArena> arena) { arena_ = std::move(arena); }
 
     void add_launch(int64_t function, int64_t grid, int64_t block, int64_t shared_bytes, const std::string& args,
                     const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& slots) {
@@ -282,8 +477,18 @@ public:
         }
         std::vector<at::Tensor> outputs;
         outputs.reserve(n);
+        std::vector<int64_t> arena_offsets(n, -1);
+        void* stream = reinterpret_cast<void*>(comm != 0 ? comm : compute);
         for (size_t i = 0; i < n; ++i) {
             const Output& out = outputs_[i];
+            if (out.in_arena && arena_ != nullptr && here) {
+                auto [tensor, offset] = arena_->take(shapes[i], out.dtype, keys_, stream);
+                if (tensor.defined()) {
+                    arena_offsets[i] = offset;
+                    outputs.push_back(std::move(tensor));
+                    continue;
+                }
+            }
             if (out.within >= 0) {
                 const at::Tensor& whole = outputs[out.within];
                 at::Tensor part = at::detail::make_tensor<c10::TensorImpl>(
@@ -315,7 +520,6 @@ public:
             outputs[i].unsafeGetTensorImpl()->set_sizes_and_strides(sizes_seen, strides_seen);
         }
         profile.step(kOutputs);
-        void* stream = reinterpret_cast<void*>(comm != 0 ? comm : compute);
         if (comm != 0 && wait_event >= 0) {
             void* waited = reinterpret_cast<void*>(wait_event);
             if (waited == nullptr) {
@@ -339,6 +543,8 @@ public:
                     value = input_ptrs.at(slot.index);
                 else if (slot.kind == kOutputPointer)
                     value = reinterpret_cast<uint64_t>(outputs.at(slot.index).data_ptr());
+                else if (slot.kind == kArenaOffset)
+                    value = static_cast<uint64_t>(arena_offsets.at(slot.index));
                 else
                     value = static_cast<uint64_t>(scalars.at(slot.index));
                 std::memcpy(launch.args.data() + slot.offset, &value, slot.bytes);  // little-endian: low bytes
@@ -386,6 +592,7 @@ private:
     std::vector<Output> outputs_;
     int64_t num_returned_ = 0;
     std::vector<Launch> launches_;
+    std::shared_ptr<OutputArena> arena_;
 };
 
 // NOTE [fast calls]: the C++ half of a Buffer's fast paths (NOTE [fast paths] in backends/cuda/fast_paths.py),
@@ -690,8 +897,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("signature", &tokenyard::host::signature);
     m.def("set_profiling", &tokenyard::host::set_profiling);
     m.def("take_profile", &tokenyard::host::take_profile);
+    using tokenyard::host::OutputArena;
+    py::class_<OutputArena, std::shared_ptr<OutputArena>>(m, "OutputArena")
+        .def(py::init<c10::Device, int64_t, int64_t, int64_t>())
+        .def("free_bytes", &OutputArena::free_bytes);
     py::class_<Plan>(m, "Plan")
         .def(py::init<c10::Device>())
+        .def("set_arena", &Plan::set_arena)
         .def("add_output", &Plan::add_output)
         .def("add_launch", &Plan::add_launch)
         .def("num_outputs", &Plan::num_outputs)

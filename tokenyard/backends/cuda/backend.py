@@ -24,7 +24,7 @@ from ..requests import CombineRequest, DispatchRequest, DispatchResult
 from . import failures, heuristics, kernels, plans, runtime
 from .expand import ExpandCalls
 from .internode import InternodeCalls
-from .memory import SymmetricBuffer, meet
+from .memory import OutputArena, SymmetricBuffer, meet
 
 HOST_COUNTS_INTS = 6 + 4096  # NOTE [notify]: the ticket, three counts, the verdict (two), per-local-expert counts
 # Where host_counts holds each of them (index 0: the ticket)
@@ -116,7 +116,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 f"{ctx.topology.ranks_per_gpu} ranks of its GPU), fewer than the {heuristics.fewest_sms(ctx.num_ranks)} "
                 "the kernels need: run fewer ranks per GPU, or without an MPS share "
                 "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), which caps the SMs a rank sees (NOTE [shared GPUs] in devices.py)")
-        self.low_latency_buffer = None
+        self.low_latency_buffer = self.output_arena = None
         # NOTE [several hosts]: across hosts only the internode kernels run; each rank maps its host's buffers.
         hosts, nodes = ctx.topology.num_hosts, ctx.num_ranks // ctx.topology.ranks_per_node
         missing = self.internode_missing() if hosts > 1 or (ctx.num_rdma_bytes > 0 and nodes > 1) else None
@@ -138,6 +138,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             self.normal = SymmetricBuffer(ctx, ctx.num_nvl_bytes, ctx.topology.same_host() if hosts > 1 else None)
             if ctx.num_rdma_bytes > 0 and hosts == 1 and not internode_low_latency:
                 self.low_latency_buffer = SymmetricBuffer(ctx, ctx.num_rdma_bytes)
+            if hosts == 1 and ctx.num_nvl_bytes > 0:  # NOTE [placed rows]: as large as the buffer (docs/semantics.md)
+                self.output_arena = OutputArena(ctx, ctx.num_nvl_bytes)
         except runtime.RuntimeError_ as exc:
             raise BackendUnavailableError(f"could not map the peers' buffers: {exc}") from exc
         self.heap_buffer = None
@@ -275,7 +277,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         return self._plans.get((self.poison_outputs,) + key, build)
 
     def _builder(self, inputs, scalars=()) -> plans.PlanBuilder:
-        return plans.PlanBuilder(self.ctx.device, inputs, scalars, poison_outputs=self.poison_outputs)
+        return plans.PlanBuilder(self.ctx.device, inputs, scalars, poison_outputs=self.poison_outputs,
+                                 arena=None if self.output_arena is None else self.output_arena.native)
 
     def layout_plan(self, topk_dtype: torch.dtype, num_tokens: int, num_topk: int, num_experts: int) -> plans.Plan:
         """Inputs (topk_idx,) -> (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)."""
@@ -400,7 +403,9 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             shared_bytes=num_local_experts * 4 + kernels.JUDGE_WINDOW if m.judged else 0)
 
         # 2. The rows.
-        def launch(b: plans.PlanBuilder, outputs, made_by_first: bool) -> None:
+        def launch(b: plans.PlanBuilder, outputs, made_by_first: bool, made_outputs: bool, recv_rows=0) -> None:
+            """`made_outputs`: `b` made `outputs` (recv_x in the output arena where it has room: NOTE [placed rows]),
+            of `recv_rows` rows; else they are the whole call's, given."""
             def made(ref):  # an output of the first plan, seen from `b`
                 return ref if made_by_first or ref == 0 else b.inp(first.outputs[ref.index][0])
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
@@ -415,12 +420,14 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 recv_src_idx=recv_src_idx, send_head=made(send_head), num_worst_tokens=b.scalar("num_worst"),
                 recv_first=b.inp("recv_first") if rows_placed else 0, src_idx_base=b.scalar("token_base"),
                 local_direct=int(own_rows_direct), num_send_warps=num_send_warps,
+                place_bases=0 if self.output_arena is None else self.output_arena.bases_tensor.data_ptr(),
+                place_offset=b.arena_offset(recv_x) if made_outputs else -1, recv_rows=recv_rows,
                 **self._normal_buffer_args(layout),
                 verdict=0 if m.cached else self.verdict.data_ptr(), **self._wait_args(), phases=self._phases_ptr(0)))
 
         def make_outputs(b: plans.PlanBuilder, num_rows):
             rows = rows_whole if b is first else b.whole()
-            recv_x = b.part(rows, "recv_x", (num_rows, m.hidden), m.dtype)
+            recv_x = b.output("recv_x", (num_rows, m.hidden), m.dtype, in_arena=True)  # NOTE [placed rows]
             recv_scales = b.part(rows, "recv_x_scales", (num_rows, m.num_scales), m.scale_dtype) if m.num_scales else 0
             recv_topk_idx = recv_topk_weights = 0
             if m.num_topk:
@@ -434,14 +441,15 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         if not makes_outputs:  # a placed round: the whole call's tensors are inputs
             placed_outputs = tuple(first.inp(n) for n in ("recv_x", "recv_x_scales", "recv_topk_idx",
                                                          "recv_topk_weights", "recv_src_idx"))
-            launch(first, placed_outputs, True)
+            launch(first, placed_outputs, True, False)
             return first.build(), None
         if not cpu_wait:
-            launch(first, make_outputs(first, m.num_rows), True)
+            launch(first, make_outputs(first, m.num_rows), True, True, m.num_rows)
             return first.build(), None
         first_plan = first.build()
         second = self._builder(DISPATCH_INPUTS + first_plan.output_names, DISPATCH_SCALARS)
-        launch(second, make_outputs(second, second.scalar("num_rows")), False)
+        num_rows = second.scalar("num_rows")
+        launch(second, make_outputs(second, num_rows), False, True, num_rows)
         return first_plan, second.build()
 
     def _dispatch_signature(self, m: plans.DispatchShape) -> int:
@@ -644,13 +652,17 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 user.transport.abandon()
         self._internode = self.heap_buffer = None
         held = [b for b in (self.normal, self.low_latency_buffer) if b is not None]
+        arena, self.output_arena = self.output_arena, None
         self.normal = self.low_latency_buffer = None
-        for buffer in held:
+        for buffer in held + ([arena.memory] if arena is not None else []):
             buffer.unmap_peers()
-        if held and together:  # NOTE [symmetric lifetime] in memory.py
+        if (held or arena is not None) and together:  # NOTE [symmetric lifetime] in memory.py
             meet(self.ctx)
         for buffer in held:
             buffer.free()
+        # The arena's memory goes once no tensor holds a block (memory.OutputArena): the plans let go of it here.
+        self._plans = plans.PlanCache()
+        self.calls.forget()
         self.calls.set_host_counts(0, 0, 0, 0.0)  # NOTE [counted finish]: no fast call reads them after this
         for ptr in (self.host_record_ptr, self.host_counts_ptr):
             runtime.host_free(ptr)

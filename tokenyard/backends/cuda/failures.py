@@ -21,7 +21,8 @@ STAGE_NAMES = {"kStageBarrier": "combine/barrier", "kStageNotify": "dispatch/not
                 "kStageLowLatencyDispatchCounts": "low_latency_dispatch/expert_counts",
                 "kStageLowLatencyDispatchSend": "low_latency_dispatch/send",
                 "kStageInternodeSignal": "internode/signal", "kStageInternodeBarrier": "internode/barrier",
-                "kStageLowLatencyCombineOverlap": "low_latency_combine/overlap"}
+                "kStageLowLatencyCombineOverlap": "low_latency_combine/overlap",
+                "kStageDispatchPlace": "dispatch/place"}
 STAGES = {value: STAGE_NAMES[member] for member, value in headers.enum("sync.cuh", "Stage").items()}
 MASK32 = 0xFFFFFFFF
 MAX_RANKS = headers.constant("layout.cuh", "kMaxRanks")

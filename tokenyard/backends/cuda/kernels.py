@@ -116,7 +116,8 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param(f"{topk_t}*", "recv_topk_idx"), Param("float*", "recv_topk_weights"), Param("int*", "recv_src_idx"),
          Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("const int*", "recv_first"),
          Param("int", "src_idx_base"), Param("int", "local_direct"),
-         Param("int", "num_send_warps"))
+         Param("int", "num_send_warps"), Param("uint8_t* const*", "place_bases"), Param("int64_t", "place_offset"),
+         Param("int", "recv_rows"))
         + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT + _PHASES,
         threads, name="tokenyard::normal::dispatch",
         shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))

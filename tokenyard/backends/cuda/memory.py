@@ -1,7 +1,9 @@
-"""Memory every rank of a host maps: a buffer per rank, shared by CUDA IPC (NOTE [symmetric lifetime])."""
+"""Memory every rank of a host maps: a buffer per rank, shared by CUDA IPC (NOTE [symmetric lifetime]), and the
+output arena dispatches place their rows in (NOTE [output arena] in csrc/call_plan.cpp)."""
 
 from __future__ import annotations
 
+import ctypes
 from typing import Optional, Sequence
 
 import torch
@@ -9,7 +11,7 @@ import torch
 from ...errors import TokenyardError
 from ..base import GroupContext
 from ..collectives import meeting_wait_s
-from . import runtime
+from . import plans, runtime
 
 
 class SymmetricBuffer:
@@ -60,3 +62,21 @@ def meet(ctx: GroupContext) -> bool:
     except (TokenyardError, RuntimeError, ValueError):  # ValueError: the group was destroyed first
         return False
     return True
+
+
+class OutputArena:
+    """A dispatch's recv_x comes from here where it fits (NOTE [output arena] in csrc/call_plan.cpp, NOTE [placed
+    rows] in kernels/dispatch.cuh): `num_bytes` on every rank, mapped by every other as a SymmetricBuffer is, whose
+    blocks the host extension's OutputArena (`native`) hands out as tensors. At the Buffer's destroy the peers'
+    mappings close and the ranks meet as for the buffers (`memory`), but the memory is freed by `native` once no
+    tensor holds a block of it: a recv_x may outlive its Buffer."""
+
+    def __init__(self, ctx: GroupContext, num_bytes: int):
+        self.memory = SymmetricBuffer(ctx, num_bytes)
+        cuda_free = ctypes.cast(runtime.libcudart().cudaFree, ctypes.c_void_p).value
+        self.native = plans.module().OutputArena(ctx.device, self.memory.local, num_bytes, cuda_free)
+        self.bases_tensor = self.memory.bases_tensor
+
+    def free_bytes(self) -> int:
+        """The bytes no tensor holds (tests)."""
+        return self.native.free_bytes()

@@ -26,14 +26,15 @@ import torch
 from ...jit.driver import Kernel, check, libcuda
 from ...jit.host import call_plans
 
-_INPUT, _OUTPUT, _SCALAR = 0, 1, 2
+_INPUT, _OUTPUT, _SCALAR, _ARENA_OFFSET = 0, 1, 2, 3  # csrc/call_plan.cpp's SlotKind
 NO_FILL, POISON = -1, 0xAB
 _EVENT_DISABLE_TIMING = 0x2
 
 
 @dataclasses.dataclass(frozen=True)
 class Ref:
-    """A per-call value of a plan: an input tensor's address, an output's, or a scalar."""
+    """A per-call value of a plan: an input tensor's address, an output's, a scalar, or where an output lies in the
+    output arena (`PlanBuilder.arena_offset`)."""
 
     kind: int
     index: int
@@ -45,7 +46,8 @@ def module():
     extension = call_plans()
     lib = libcuda()
     addresses = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-                 for name in ("cuLaunchKernel", "cuEventRecord", "cuStreamWaitEvent", "cuMemsetD8Async")]
+                 for name in ("cuLaunchKernel", "cuEventRecord", "cuStreamWaitEvent", "cuMemsetD8Async",
+                              "cuStreamIsCapturing")]
     extension.set_driver(*addresses)
     return extension
 
@@ -71,13 +73,17 @@ class PlanBuilder:
     """Collects a plan's outputs and launches; `build()` -> a `Plan`."""
 
     def __init__(self, device: torch.device, inputs: Sequence[str], scalars: Sequence[str] = (),
-                 poison_outputs: bool = False):
+                 poison_outputs: bool = False, arena=None):
+        """`arena`: the backend's output arena (module().OutputArena, NOTE [output arena] in csrc/call_plan.cpp), or
+        None: `output(..., in_arena=True)` then allocates as any other output."""
         self.device = device
+        self.arena = arena
         self.input_names = tuple(inputs)
         self.scalar_names = tuple(scalars)
         self.poison_outputs = poison_outputs
-        # (name, dims, dtype, fill, within, returned, order): `within` >= 0 a part of that whole (`whole`, `part`);
-        # `order` non-empty: handed back as the contiguous tensor of `dims` permuted so (`part`)
+        # (name, dims, dtype, fill, within, returned, order, in_arena): `within` >= 0 a part of that whole (`whole`,
+        # `part`); `order` non-empty: handed back as the contiguous tensor of `dims` permuted so (`part`); `in_arena`:
+        # a block of the output arena where one is free
         self.outputs: List[Tuple[str, Tuple[int, ...], torch.dtype, int, int, bool]] = []
         self.launches = []
 
@@ -91,23 +97,30 @@ class PlanBuilder:
         return Ref(_OUTPUT, [o[0] for o in self.outputs].index(name))
 
     def output(self, name: str, shape: Sequence, dtype: torch.dtype, zero: bool = False,
-               fill: Optional[int] = None) -> Ref:
+               fill: Optional[int] = None, in_arena: bool = False) -> Ref:
         """A tensor the run allocates; a dimension may be a scalar `Ref` (its value at the run). `fill`: a
-        byte every byte of it starts as (0xFF: int32 -1), whatever `zero` and poisoning say."""
-        self.outputs.append((name, self._dims(shape), dtype, self._fill(zero) if fill is None else fill, -1, True, ()))
+        byte every byte of it starts as (0xFF: int32 -1), whatever `zero` and poisoning say. `in_arena`: in a block
+        of the output arena where the builder has one and a block is free (`arena_offset` says which)."""
+        self.outputs.append((name, self._dims(shape), dtype, self._fill(zero) if fill is None else fill, -1, True, (),
+                             in_arena and self.arena is not None))
         return Ref(_OUTPUT, len(self.outputs) - 1)
+
+    @staticmethod
+    def arena_offset(output: Ref) -> Ref:
+        """The byte offset of `output`'s block in the output arena at each run, -1 where it got none."""
+        return Ref(_ARENA_OFFSET, output.index)
 
     def whole(self, zero: bool = False) -> int:
         """An allocation for tensors that live together (NOTE [plan allocations] in csrc/call_plan.cpp): as
         many bytes as its parts need (`part`, each 16-byte aligned), filled once. One allocation and at most
         one fill instead of one each; its memory is free when the last part is."""
-        self.outputs.append((f"whole{len(self.outputs)}", (0,), torch.uint8, self._fill(zero), -1, False, ()))
+        self.outputs.append((f"whole{len(self.outputs)}", (0,), torch.uint8, self._fill(zero), -1, False, (), False))
         return len(self.outputs) - 1
 
     def part(self, whole: int, name: str, shape: Sequence, dtype: torch.dtype, order: Sequence[int] = ()) -> Ref:
         """A tensor the run makes as a part of `whole`; a dimension may be a scalar `Ref`. With `order`, the
         caller gets the contiguous tensor of `shape` as `.permute(*order)` would show it (made so in C++)."""
-        self.outputs.append((name, self._dims(shape), dtype, NO_FILL, whole, True, tuple(order)))
+        self.outputs.append((name, self._dims(shape), dtype, NO_FILL, whole, True, tuple(order), False))
         return Ref(_OUTPUT, len(self.outputs) - 1)
 
     def outputs_in_one(self, outputs: Sequence[Tuple[str, Sequence, torch.dtype]], zero: bool = False) -> Tuple[Ref, ...]:
@@ -141,8 +154,10 @@ class PlanBuilder:
 
     def build(self) -> "Plan":
         native = module().Plan(self.device)
-        for _, dims, dtype, fill, within, returned, order in self.outputs:
-            native.add_output(list(dims), dtype, fill, within, returned, list(order))
+        if any(o[7] for o in self.outputs):
+            native.set_arena(self.arena)
+        for _, dims, dtype, fill, within, returned, order, in_arena in self.outputs:
+            native.add_output(list(dims), dtype, fill, within, returned, list(order), in_arena)
         for launch in self.launches:
             native.add_launch(*launch)
         return Plan(native, tuple(o[0] for o in self.outputs if o[5]), self.input_names, self.scalar_names)

@@ -10,10 +10,23 @@ namespace tokenyard {
 constexpr int64_t kBarrierOffset = 0;        // uint32 [num_ranks]: slot s counts rank s's barrier arrivals
 constexpr int64_t kNotifyFlagOffset = 256;   // uint32 [num_ranks]: slot s counts rank s's notify pieces
 constexpr int64_t kSignaturesOffset = 1024;  // int32 [4][kMaxRanks][kMaxSignatureInts] (NOTE [call signatures])
+constexpr int64_t kPlaceOffset = 6144;       // PlaceSlot: where this rank takes a dispatch's rows (NOTE [placed rows])
 constexpr int64_t kNotifyDataOffset = 8192;  // int32 [num_ranks][3 * num_ranks + 2 + num_local_experts] (NOTE [notify])
 constexpr int kMaxRanks = 32;
 constexpr int kMaxSignatureInts = 8;
-static_assert(kSignaturesOffset + 4 * kMaxRanks * kMaxSignatureInts * 4 <= kNotifyDataOffset, "the tables fit");
+static_assert(kSignaturesOffset + 4 * kMaxRanks * kMaxSignatureInts * 4 <= kPlaceOffset, "the tables fit");
+
+// NOTE [placed rows] (kernels/dispatch.cuh): where a rank's recv_x of the current dispatch lies in its output arena,
+// which its data kernel writes at its start for the peers' senders: `offset` (bytes from the arena's base; -1: this
+// call's rows go through the buffer), the rows recv_x holds, and the output row of the first row from each source;
+// `seq` (the launch's number, stored last with release) says which call they are for.
+struct alignas(16) PlaceSlot {
+    uint32_t seq;
+    int rows;
+    int64_t offset;
+    int first[kMaxRanks];
+};
+static_assert(kPlaceOffset + static_cast<int64_t>(sizeof(PlaceSlot)) <= kNotifyDataOffset, "the place slot fits");
 
 // NOTE [call signatures]
 // Ranks that disagree on a call's shape would read each other's rows at the wrong offsets, so each normal-mode
@@ -56,6 +69,9 @@ struct NormalBuffers {
     }
     __device__ __forceinline__ int* notify_data(int owner) const {
         return reinterpret_cast<int*>(peer_bases[owner] + kNotifyDataOffset);
+    }
+    __device__ __forceinline__ PlaceSlot* place(int owner) const {
+        return reinterpret_cast<PlaceSlot*>(peer_bases[owner] + kPlaceOffset);
     }
     // Table `table` of call signatures in the buffer of `owner`: a row of kMaxSignatureInts per source rank.
     __device__ __forceinline__ int* signatures(int owner, int table) const {

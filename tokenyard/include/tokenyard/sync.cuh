@@ -33,6 +33,7 @@ enum Stage : int {
     kStageInternodeSignal = 10,
     kStageInternodeBarrier = 11,
     kStageLowLatencyCombineOverlap = 12,
+    kStageDispatchPlace = 13,  // a dispatch sender waits for where a peer takes its rows (NOTE [placed rows])
 };
 
 enum ErrorKind : int {

@@ -138,6 +138,18 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     auto out_first = [&](int source) {
         return first_row_placed(p.recv_first, p.rank_prefix_matrix, kNumRanks, p.rank, source);
     };
+    // NOTE [placed rows]: where this call's rows go in this rank's recv_x, for the peers' senders (the fields, then
+    // the launch's number with release).
+    const bool placed = p.place_offset >= 0;
+    if (p.place_bases != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+        PlaceSlot* mine = buffers.place(p.rank);
+        mine->offset = p.place_offset;
+        mine->rows = p.recv_rows;
+        for (int source = 0; source < kNumRanks; ++source)
+            mine->first[source] = out_first(source);
+        ptx::fence_acq_rel_sys();
+        ptx::st_release_sys(&mine->seq, seq[0]);
+    }
 
     // NOTE [row tail]
     // After its data, a row holds its scales (padded to 16 bytes) and its metadata: kNumTopk int32 local
@@ -164,6 +176,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // destination while lane 0 stores its data, loaded ahead with the previous token where it fits, and loads
     // the next token of the warp's range (`next`, or -1) ahead (NOTE [warp stages]).
     bool ahead = false;  // lane 0's: whether the token it is at was loaded ahead
+    // Lane d's (NOTE [placed rows]): rank d's recv_x where it placed this call (else null), its rows, and the row in
+    // it of this rank's first row.
+    uint8_t* place_base = nullptr;
+    int place_rows = 0, place_first = 0;
     // Where rank `lane`'s rows from this rank begin in its receive order, and this rank's own rows in its outputs.
     const int first_at_lane =
         lane < kNumRanks ? first_row_in_order(p.rank_prefix_matrix, kNumRanks, lane, p.rank) : 0;
@@ -195,11 +211,23 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int index = hit ? slot_index : -1;
         if (p.send_head != nullptr && lane < kNumRanks)
             p.send_head[token * kNumRanks + lane] = hit ? first_at_lane + index : -1;
+        // Lane d: where rank d takes the token's data: its recv_x row where it placed this call (NOTE [placed
+        // rows]; dropped past its rows, which its receivers record), else the row in its buffer, whose tail it takes.
+        uint8_t* const row_at_lane = hit ? buffers.row(lane, p.rank, index) : nullptr;
+        uint8_t* data_at_lane = row_at_lane;
+        if (hit && place_base != nullptr) {
+            const int row = place_first + index;
+            data_at_lane = row < place_rows ? place_base + static_cast<int64_t>(row) * (kDataInt4 * 16) : nullptr;
+        }
         uint8_t* dst[kNumRanks];
+        uint8_t* data_to[kNumRanks];
 #pragma unroll
-        for (int dest = 0; dest < kNumRanks; ++dest)
-            dst[dest] = ((mask >> dest) & 1u) ? buffers.row(dest, p.rank, __shfl_sync(0xffffffffu, index, dest))
-                                              : nullptr;
+        for (int dest = 0; dest < kNumRanks; ++dest) {
+            dst[dest] = reinterpret_cast<uint8_t*>(
+                __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row_at_lane), dest));
+            data_to[dest] = reinterpret_cast<uint8_t*>(
+                __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(data_at_lane), dest));
+        }
         phase_clock.mark(kPhaseMeta, lane);
         // This rank's own row, written straight into the outputs (NOTE [dispatch roles]).
         int64_t direct_row = -1;
@@ -223,8 +251,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             bool any = direct != nullptr;
 #pragma unroll
             for (int dest = 0; dest < kNumRanks; ++dest) {
-                to[dest] = dst[dest];
-                any |= dst[dest] != nullptr;
+                to[dest] = data_to[dest];
+                any |= data_to[dest] != nullptr;
             }
             to[kNumRanks] = kDirectFromStages ? nullptr : direct;
             first_piece = stages.stored;
@@ -308,7 +336,13 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int4* tail_in = data_in + kDataInt4;
         int4* data_out = p.recv_x + out * kDataInt4;
         int4 tail[kTailPerLane];
-        for (int base = 0; base < kDataInt4; base += kBatch * kWarpSize) {
+        if (placed) {  // NOTE [placed rows]: the senders wrote the data in place; the tail alone moves
+#pragma unroll
+            for (int u = 0; u < kTailPerLane; ++u)
+                if (u * kWarpSize + lane < kTailInt4)
+                    tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
+        }
+        for (int base = 0; !placed && base < kDataInt4; base += kBatch * kWarpSize) {
             int4 v[kBatch];
             load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
             if (base == 0) {
@@ -355,6 +389,18 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     };
 
     if (warp < kSendWarps) {
+        // NOTE [placed rows]: lane d reads where rank d takes this rank's rows, once rank d's kernel has said.
+        bool told = true;
+        if (p.place_bases != nullptr && lane < kNumRanks) {
+            const PlaceSlot* slot = buffers.place(lane);
+            told = wait_at_least(wait, &slot->seq, seq[0], lane, kStageDispatchPlace);
+            const int64_t offset = slot->offset;
+            place_base = told && offset >= 0 ? p.place_bases[lane] + offset : nullptr;
+            place_rows = slot->rows;
+            place_first = slot->first[p.rank];
+        }
+        if (!__all_sync(0xffffffffu, told))  // recorded: the kernel moves nothing more
+            return;
         const int send_warp = blockIdx.x * kSendWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
