@@ -21,7 +21,8 @@ namespace tokenyard::kernels {
 // global -> shared -> every destination, lane 0 driving the warp's stages (NOTE [warp stages] in staging.cuh),
 // while the lanes write its tail. Receiving warps claim (piece, sender warp, source) items piece-major, following
 // the senders' progress (NOTE [receive claims]). A receiver waits for the item's slot, then copies its rows to the
-// output rows that follow the rows of lower source ranks (rank_prefix_matrix),
+// output rows that follow the rows of lower source ranks (rank_prefix_matrix; only their tails where the senders
+// placed the data there: NOTE [placed rows]),
 // turning the metadata into recv_topk_idx / recv_topk_weights / recv_src_idx (the data by its load/store units, a
 // batch of loads before their stores).
 // A token's row for this rank itself skips the buffer when `local_direct` is set: the sender writes it
@@ -73,6 +74,20 @@ namespace tokenyard::kernels {
 // last sender is done: that copy is the dispatch's tail. So a range goes in pieces of kChunkTokens but
 // its last kChunkTokens tokens (or fewer) in pieces of kTailTokens: a small last wave, for a few more
 // slots. Example, 28 tokens, pieces of 8 and tail pieces of 2: 8 8 4 | 2 2 2 2.
+//
+// NOTE [placed rows]
+// A row that went into its destination's buffer had to be copied out again by the destination's receivers, with
+// their own loads and stores: at 8 SMs that copy set the dispatch's time (benchmarks/results/normal_tuning.md,
+// "Placed rows"). So where the destination's recv_x lies in its output arena (NOTE [output arena] in
+// csrc/call_plan.cpp; `place_offset` >= 0), the senders' bulk copies write each row's data straight into its recv_x
+// row, and the receivers only scatter the rows' tails, which still come through the buffer with the slots that say
+// the rows have landed. Each rank's data kernel first writes, in its buffer's PlaceSlot, its recv_x's offset in the
+// arena (-1: its rows come through the buffer, as for a call in rounds, under graph capture, or where the arena had
+// no free block), its rows and the output row of each source's first row, then the launch's number; a sender's
+// lane d waits for rank d's (bounded, kStageDispatchPlace) before its first token. A row past the destination's
+// rows is dropped, and its receivers record the overflow from the tails, as they do for rows through the buffer.
+// Rank d's slot of one call cannot be overwritten while a peer still reads it: its next call's data kernel starts
+// after that call's count exchange, which every rank reaches only after its own data kernel of this call ended.
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
