@@ -58,7 +58,8 @@
 #
 # The candidates, which `tuning`, `proxy` and `proxy_phases` try when TOKENYARD_TUNING_VARIANTS is not given: the
 # neighbours of the 4-rank block shapes (NOTE [block shapes by ranks] in heuristics.py), chosen by the proxy until a
-# 4-GPU run confirms them.
+# 4-GPU run confirms them, and more sending warps in a dispatch block, which placed rows left the proxy unable to
+# decide (benchmarks/results/normal_tuning.md, "Placed rows").
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -83,7 +84,8 @@ stop_mps() {
     cp "$CUDA_MPS_LOG_DIRECTORY/control.log" "$out/mps_control.log" 2>/dev/null || true
 }
 
-CANDIDATES="dispatch_threads=512 dispatch_threads=1024 combine_send_warps=3 combine_send_warps=5"
+CANDIDATES="dispatch_threads=512 dispatch_threads=1024 combine_send_warps=3 combine_send_warps=5
+            dispatch_send_warps=16 dispatch_send_warps=20"
 
 in_tree() {
     # in_tree before|after CMD...: CMD in that side's tree of an A/B, recording its commit. The earlier tree
