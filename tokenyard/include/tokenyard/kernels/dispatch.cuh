@@ -82,10 +82,11 @@ namespace tokenyard::kernels {
 // csrc/call_plan.cpp; `place_offset` >= 0), the senders' bulk copies write each row's data straight into its recv_x
 // row, and the receivers only scatter the rows' tails, which still come through the buffer with the slots that say
 // the rows have landed. Each rank's data kernel first writes, in its buffer's PlaceSlot, its recv_x's offset in the
-// arena (-1: its rows come through the buffer, as for a call in rounds, under graph capture, or where the arena had
-// no free block), its rows and the output row of each source's first row, then the launch's number; a sender's
-// lane d waits for rank d's (bounded, kStageDispatchPlace) before its first token. A row past the destination's
-// rows is dropped, and its receivers record the overflow from the tails, as they do for rows through the buffer.
+// arena (-1: its rows come through the buffer, as for the rounds after a call's first, under graph capture, or where
+// the arena had no free block), its rows and the output row of each source's first row, then the launch's number;
+// a sender's lane d waits for rank d's (bounded, kStageDispatchPlace) before its first token. A row past the
+// destination's rows is dropped, and its receivers record the overflow from the tails, as they do for rows through
+// the buffer.
 // Rank d's slot of one call cannot be overwritten while a peer still reads it: its next call's data kernel starts
 // after that call's count exchange, which every rank reaches only after its own data kernel of this call ended.
 template <int kChunkTokens, int kTailTokens>
