@@ -223,7 +223,7 @@ public:
     static constexpr int64_t kArenaAlign = 512;
 
     OutputArena(c10::Device device, int64_t base, int64_t bytes, int64_t free_fn)
-        : device_(device), guard_(c10::impl::getDeviceGuardImpl(device.type())), base_(base), bytes_(bytes),
+        : device_(device), guard_(c10::impl::getDeviceGuardImpl(device.type())), base_(base),
           free_fn_(reinterpret_cast<FreeFn>(free_fn)) {
         if (bytes > 0)
             free_[0] = bytes;
@@ -380,7 +380,7 @@ private:
 
     c10::Device device_;
     const c10::impl::DeviceGuardImplInterface* guard_;
-    int64_t base_, bytes_;
+    int64_t base_;
     FreeFn free_fn_;
     std::mutex mutex_;
     std::map<int64_t, int64_t> free_;  // offset -> bytes

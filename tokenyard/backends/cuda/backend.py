@@ -403,9 +403,9 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             shared_bytes=num_local_experts * 4 + kernels.JUDGE_WINDOW if m.judged else 0)
 
         # 2. The rows.
-        def launch(b: plans.PlanBuilder, outputs, made_by_first: bool, made_outputs: bool, recv_rows=0) -> None:
-            """`made_outputs`: `b` made `outputs` (recv_x in the output arena where it has room: NOTE [placed rows]),
-            of `recv_rows` rows; else they are the whole call's, given."""
+        def launch(b: plans.PlanBuilder, outputs, made_by_first: bool, recv_rows=0) -> None:
+            """With `makes_outputs`, `b` made `outputs`, of `recv_rows` rows (recv_x in the output arena where it has
+            room: NOTE [placed rows]); else they are the whole call's, given."""
             def made(ref):  # an output of the first plan, seen from `b`
                 return ref if made_by_first or ref == 0 else b.inp(first.outputs[ref.index][0])
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
@@ -420,8 +420,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 recv_src_idx=recv_src_idx, send_head=made(send_head), num_worst_tokens=b.scalar("num_worst"),
                 recv_first=b.inp("recv_first") if rows_placed else 0, src_idx_base=b.scalar("token_base"),
                 local_direct=int(own_rows_direct), num_send_warps=num_send_warps,
-                place_bases=0 if self.output_arena is None else self.output_arena.bases_tensor.data_ptr(),
-                place_offset=b.arena_offset(recv_x) if made_outputs else -1, recv_rows=recv_rows,
+                place_bases=0 if self.output_arena is None else self.output_arena.memory.bases_tensor.data_ptr(),
+                place_offset=b.arena_offset(recv_x) if makes_outputs else -1, recv_rows=recv_rows,
                 **self._normal_buffer_args(layout),
                 verdict=0 if m.cached else self.verdict.data_ptr(), **self._wait_args(), phases=self._phases_ptr(0)))
 
@@ -441,15 +441,15 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         if not makes_outputs:  # a placed round: the whole call's tensors are inputs
             placed_outputs = tuple(first.inp(n) for n in ("recv_x", "recv_x_scales", "recv_topk_idx",
                                                          "recv_topk_weights", "recv_src_idx"))
-            launch(first, placed_outputs, True, False)
+            launch(first, placed_outputs, True)
             return first.build(), None
         if not cpu_wait:
-            launch(first, make_outputs(first, m.num_rows), True, True, m.num_rows)
+            launch(first, make_outputs(first, m.num_rows), True, m.num_rows)
             return first.build(), None
         first_plan = first.build()
         second = self._builder(DISPATCH_INPUTS + first_plan.output_names, DISPATCH_SCALARS)
         num_rows = second.scalar("num_rows")
-        launch(second, make_outputs(second, num_rows), False, True, num_rows)
+        launch(second, make_outputs(second, num_rows), False, num_rows)
         return first_plan, second.build()
 
     def _dispatch_signature(self, m: plans.DispatchShape) -> int:
@@ -652,11 +652,12 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 user.transport.abandon()
         self._internode = self.heap_buffer = None
         held = [b for b in (self.normal, self.low_latency_buffer) if b is not None]
-        arena, self.output_arena = self.output_arena, None
-        self.normal = self.low_latency_buffer = None
-        for buffer in held + ([arena.memory] if arena is not None else []):
+        # The arena's memory is unmapped and met over as the buffers', but freed by its last tensor (OutputArena).
+        mapped = held + ([self.output_arena.memory] if self.output_arena is not None else [])
+        self.normal = self.low_latency_buffer = self.output_arena = None
+        for buffer in mapped:
             buffer.unmap_peers()
-        if (held or arena is not None) and together:  # NOTE [symmetric lifetime] in memory.py
+        if mapped and together:  # NOTE [symmetric lifetime] in memory.py
             meet(self.ctx)
         for buffer in held:
             buffer.free()

@@ -75,8 +75,3 @@ class OutputArena:
         self.memory = SymmetricBuffer(ctx, num_bytes)
         cuda_free = ctypes.cast(runtime.libcudart().cudaFree, ctypes.c_void_p).value
         self.native = plans.module().OutputArena(ctx.device, self.memory.local, num_bytes, cuda_free)
-        self.bases_tensor = self.memory.bases_tensor
-
-    def free_bytes(self) -> int:
-        """The bytes no tensor holds (tests)."""
-        return self.native.free_bytes()

@@ -352,21 +352,19 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int4* tail_in = data_in + kDataInt4;
         int4* data_out = p.recv_x + out * kDataInt4;
         int4 tail[kTailPerLane];
-        if (placed) {  // NOTE [placed rows]: the senders wrote the data in place; the tail alone moves
+        auto load_tail = [&]() {
 #pragma unroll
             for (int u = 0; u < kTailPerLane; ++u)
                 if (u * kWarpSize + lane < kTailInt4)
                     tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
-        }
+        };
+        if (placed)  // NOTE [placed rows]: the senders wrote the data in place; the tail alone moves
+            load_tail();
         for (int base = 0; !placed && base < kDataInt4; base += kBatch * kWarpSize) {
             int4 v[kBatch];
             load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
-            if (base == 0) {
-#pragma unroll
-                for (int u = 0; u < kTailPerLane; ++u)
-                    if (u * kWarpSize + lane < kTailInt4)
-                        tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
-            }
+            if (base == 0)
+                load_tail();
             store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
         }
 #pragma unroll
