@@ -82,6 +82,11 @@ def _compare_ranks(seed, cases):
         error = (rc[0].float() - cc[0].float()).abs().max().item() if rc[0].numel() else 0.0
         assert torch.equal(rc[0], cc[0]), f"{what}: combine differs (max abs error {error})"
         assert torch.equal(rc[1], cc[1]), f"{what}: combined weights differ"
+        # The same weights 4 bytes off a 16-byte boundary: the lanes store them, not TMA (NOTE [combine weights]).
+        shifted = torch.empty(cw.numel() + 1, dtype=torch.float32, device=device)[1:].view_as(cw).copy_(cw)
+        cs = cuda.combine(y, ch, topk_weights=shifted, bias=bias)
+        torch.cuda.synchronize()
+        assert torch.equal(rc[0], cs[0]) and torch.equal(rc[1], cs[1]), f"{what}: combine of unaligned weights differs"
 
         # num_worst_tokens: same rows, padded.
         worst = num_tokens * num_ranks

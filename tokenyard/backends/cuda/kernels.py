@@ -127,9 +127,10 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 def combine(num_ranks: int, hidden_int4: int, num_topk: int,
             send_warps: int = heuristics.COMBINE_SEND_WARPS, stages: int = heuristics.COMBINE_STAGES,
             reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS) -> KernelSpec:
-    """`send_warps`: a block's warps that send (the others reduce), each through `stages` stages;
-    `reduce_loads`: the loads a reducing lane keeps in flight."""
-    stage_bytes = data_stage_bytes(hidden_int4 * 16, send_warps, stages)
+    """`send_warps`: a block's warps that send (the others reduce), each through `stages` stages, a row's data and
+    its weights a stage where the shared memory allows (NOTE [combine weights]); `reduce_loads`: the loads a reducing
+    lane keeps in flight."""
+    stage_bytes = data_stage_bytes(hidden_int4 * 16 + workspace.align(num_topk * 4), send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
         (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, stages, stage_bytes,

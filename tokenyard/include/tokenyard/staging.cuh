@@ -9,19 +9,20 @@
 namespace tokenyard {
 
 // NOTE [warp stages]
-// Each warp of a block owns kStages stages of kStageBytes of the block's dynamic shared memory (all the warps'
-// stages first, then a barrier per stage: kSharedBytesPerWarp each). Lane 0 moves rows through them, a piece of at
-// most kStageBytes per stage: piece k goes to stage k % kStages once the stores that last read that stage are done
-// reading it (a bulk group per piece stored), is loaded, and is then stored to every destination as one group.
-// Piece numbers run on across rows; the barrier phases follow them.
-// A row may be loaded ahead (`prefetch`, where `fits`: its pieces and those loaded but not yet stored fit the
-// stages) and stored later (`send`, the oldest loaded row first), so that the next row's load is in flight while
-// the warp reads the metadata of the row it is at and waits for its load: a warp keeps rows moving instead of
-// waiting a memory round trip per row. `copy` loads and stores a row of any size piece by piece. A row that the
-// stages hold whole may also be copied out of them by the warp's lanes (`copy_out`, before lane 0 loads anything
-// more): a sender's own rank's row goes so to the outputs.
-// Before the warp publishes what it stored (a release at system scope), lane 0 `drain`s: every store complete, then
-// a proxy fence, so that the generic release covers the bytes the async proxy wrote. Before a warp returns, lane 0
+// Each warp of a block owns kStages stages of kStageBytes of the block's dynamic shared memory (all the warps' stages
+// first, then a barrier per stage: kSharedBytesPerWarp each). Lane 0 moves rows through them, a piece of at most
+// kStageBytes per stage: piece k goes to stage k % kStages once the stores that last read that stage are done reading
+// it (a bulk group per piece stored), is loaded, and is then stored to every destination as one group. Piece numbers
+// run on across rows; the barrier phases follow them. A row may be loaded ahead (`prefetch`, where `fits`: its pieces
+// and those loaded but not yet stored fit the stages) and stored later (`send`, the oldest loaded row first), so that
+// the next row's load is in flight while the warp reads the metadata of the row it is at and waits for its load: a warp
+// keeps rows moving instead of waiting a memory round trip per row. `copy` loads and stores a row of any size piece by
+// piece. A row may be followed by a tail from elsewhere (the combine's top-k weights after the row's data), loaded into
+// the same pieces and stored with it. A row that the stages hold whole may also be copied out of them by the warp's
+// lanes (`copy_out`, before lane 0 loads anything more): a sender's own rank's row goes so to the outputs. Before the
+// warp publishes what it stored (a release at system scope), lane 0 `drain`s: every store complete, then a proxy fence,
+// so that the generic release covers the bytes the async proxy wrote (or `drain_older`s: the same for all but the
+// newest pieces, so that it may publish older rows without emptying its stages). Before a warp returns, lane 0
 // `retire`s: no bulk copy, load or store, may still use the block's shared memory.
 template <int kStages, int kStageBytes>
 struct WarpStages {
@@ -50,18 +51,12 @@ struct WarpStages {
 
     __device__ __forceinline__ bool fits(uint32_t bytes) const { return pieces(bytes) + (loaded - stored) <= kStages; }
 
-    // Load row `src` of `bytes` (a multiple of 16) into the next stages; `fits(bytes)` must hold.
-    __device__ __forceinline__ void prefetch(const void* src, uint32_t bytes) {
-        const uint8_t* from = static_cast<const uint8_t*>(src);
-        for (uint32_t offset = 0; offset < bytes; offset += kStageBytes) {
-            const uint32_t n = min(bytes - offset, static_cast<uint32_t>(kStageBytes));
-            const int s = static_cast<int>(loaded % kStages);
-            if (loaded >= kStages)  // the stage's last piece, loaded - kStages, was stored: its group done reading
-                wait_read_newer(stored - (loaded - kStages) - 1);
-            tma::expect_bytes(barriers + s, n);
-            tma::load(stages + s * kStageBytes, from + offset, n, barriers + s);
-            ++loaded;
-        }
+    // Load row `src` of `bytes`, followed by `tail_bytes` from `tail` (both multiples of 16; the row's pieces cut
+    // across the two as they fall), into the next stages; `fits(bytes + tail_bytes)` must hold.
+    __device__ __forceinline__ void prefetch(const void* src, uint32_t bytes, const void* tail = nullptr,
+                                             uint32_t tail_bytes = 0) {
+        for (uint32_t offset = 0; offset < bytes + tail_bytes; offset += kStageBytes)
+            load_piece(src, bytes, tail, tail_bytes, offset);
     }
 
     // Store the oldest loaded row, of `bytes`, to each non-null `dst[i]` (none: the row is dropped).
@@ -80,12 +75,13 @@ struct WarpStages {
         }
     }
 
-    // `bytes` from `src` to each non-null `dst[i]`, piece by piece (a row of any size; nothing loaded ahead).
+    // `bytes` from `src`, then `tail_bytes` from `tail`, to each non-null `dst[i]`, piece by piece (a row of any
+    // size; nothing loaded ahead).
     template <int kMaxDsts>
-    __device__ __forceinline__ void copy(const void* src, uint32_t bytes, void* const (&dst)[kMaxDsts]) {
-        for (uint32_t offset = 0; offset < bytes; offset += kStageBytes) {
-            const uint32_t n = min(bytes - offset, static_cast<uint32_t>(kStageBytes));
-            prefetch(static_cast<const uint8_t*>(src) + offset, n);
+    __device__ __forceinline__ void copy(const void* src, uint32_t bytes, void* const (&dst)[kMaxDsts],
+                                         const void* tail = nullptr, uint32_t tail_bytes = 0) {
+        for (uint32_t offset = 0; offset < bytes + tail_bytes; offset += kStageBytes) {
+            const uint32_t n = load_piece(src, bytes, tail, tail_bytes, offset);
             send(n, dst, offset);
         }
     }
@@ -107,6 +103,14 @@ struct WarpStages {
         tma::fence_global_proxies();
     }
 
+    // As `drain`, but for the stores of every piece except the newest kNewer stored: what those older pieces wrote
+    // may be published while the newer ones are still on their way.
+    template <int kNewer>
+    __device__ __forceinline__ void drain_older() {
+        tma::wait_written<kNewer>();
+        tma::fence_global_proxies();
+    }
+
     __device__ __forceinline__ void retire() {
         for (uint32_t k = stored; k != loaded; ++k)  // rows loaded ahead and never sent
             tma::wait_phase(barriers + k % kStages, (k / kStages) & 1u);
@@ -114,6 +118,27 @@ struct WarpStages {
     }
 
   private:
+    // Piece `offset / kStageBytes` of the row `src` (`bytes`) then `tail` (`tail_bytes`) into the next stage, once
+    // the stores that last read that stage are done reading it -> the piece's bytes.
+    __device__ __forceinline__ uint32_t load_piece(const void* src, uint32_t bytes, const void* tail,
+                                                   uint32_t tail_bytes, uint32_t offset) {
+        const uint32_t n = min(bytes + tail_bytes - offset, static_cast<uint32_t>(kStageBytes));
+        const int s = static_cast<int>(loaded % kStages);
+        if (loaded >= kStages)  // the stage's last piece, loaded - kStages, was stored: its group done reading
+            wait_read_newer(stored - (loaded - kStages) - 1);
+        tma::expect_bytes(barriers + s, n);
+        uint8_t* stage = stages + s * kStageBytes;
+        if (offset < bytes)
+            tma::load(stage, static_cast<const uint8_t*>(src) + offset, min(n, bytes - offset), barriers + s);
+        if (offset + n > bytes) {
+            const uint32_t from = max(offset, bytes);  // where in the row the tail's part of the piece starts
+            tma::load(stage + (from - offset), static_cast<const uint8_t*>(tail) + (from - bytes), offset + n - from,
+                      barriers + s);
+        }
+        ++loaded;
+        return n;
+    }
+
     // Until at most `newer` bulk groups (0 <= newer < kStages) may still read their shared memory.
     __device__ __forceinline__ static void wait_read_newer(uint32_t newer) {
         switch (newer) {

@@ -4,9 +4,9 @@
 // Loads (global -> shared) complete on an mbarrier: the issuing thread announces the bytes (`expect_bytes`), the
 // copy counts them down, `wait_phase` sees the phase flip. Stores (shared -> global, a peer's IPC-mapped memory
 // included) complete by bulk groups: `commit` closes a group, `wait_read<N>` returns once at most N groups may still
-// read their shared source (it may then be overwritten), `wait_all` once every store is done. Sizes and addresses
-// are multiples of 16 bytes. Shared memory written by threads must be made visible to the copy engine with
-// `fence_shared_for_async` before a store reads it.
+// read their shared source (it may then be overwritten), `wait_written<N>` once at most N may still be writing,
+// `wait_all` once every store is done. Sizes and addresses are multiples of 16 bytes. Shared memory written by
+// threads must be made visible to the copy engine with `fence_shared_for_async` before a store reads it.
 #pragma once
 
 #include "types.cuh"
@@ -64,7 +64,13 @@ __device__ __forceinline__ void wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 }
 
-__device__ __forceinline__ void wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Until at most kPending groups (the newest) may still be writing: the older groups' stores are done.
+template <int kPending>
+__device__ __forceinline__ void wait_written() {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void wait_all() { wait_written<0>(); }
 
 // Between the generic and the async proxy for global memory: after `wait_all`, before the thread publishes the
 // stores' bytes with a generic release (NOTE [warp stages] in staging.cuh); after a generic acquire, before a bulk

@@ -38,8 +38,8 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // load/store units). The rows from source s are cut into chunks of kChunkRows,
 // taken chunk-major over sources (as in NOTE [dispatch roles]); row j goes to row j of this rank's region
 // in rank s's buffer (its data by TMA bulk copies through the warp's stages, NOTE [warp stages] in
-// staging.cuh), and each finished chunk is published in its slot; each sender warp takes its own
-// (chunk, source) items, as dispatch's senders do. The reducing warps: a warp
+// staging.cuh), and each finished chunk is published in its slot (NOTE [rolling publish]); each sender warp takes its
+// own (chunk, source) items, as dispatch's senders do. The reducing warps: a warp
 // takes one token at a time in increasing order; lane q finds the token's row at rank q from send_head,
 // waits for the chunk that holds it, and the warp then sums bias_0, bias_1 and the rows of ranks
 // 0, 1, ... in float32, as the semantics fix the order. With `local_direct`, the rows this rank returns to
@@ -48,6 +48,21 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // In a placed round (NOTE [placed rounds] in tokenyard/rounds.py), `x` and `topk_weights` are the whole call's and
 // the round's rows from source s start at row recv_first[s] of them (else rank_prefix_matrix gives it);
 // send_head and rank_prefix_matrix are the round's, `combined_x` the round's tokens of the whole output.
+//
+// NOTE [combine weights]
+// A row's top-k weights follow its data in the peer's buffer. Where TMA can move them (kNumTopk * 4 a multiple of 16
+// bytes and `topk_weights` 16-byte aligned: DeepSeek-V3's top-8 is one 32-byte run a row), lane 0 loads them into the
+// row's last stage behind its data and they go out in the row's bulk store; else the lanes store them, a load's round
+// trip a row that holds the warp (and lane 0's next bulk copy) back, and a generic store that the publish's release
+// then waits for behind the link's queue (on 4 GPUs at 8 SMs the senders spent 135 of their 951 µs on the weights
+// and 297 draining and publishing: benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers").
+//
+// NOTE [rolling publish]
+// A chunk is published once its rows' stores are done. Rather than wait for that round trip to the peer at the
+// chunk's end, emptying its stages, a sending warp goes on with its next chunk and publishes the finished one once
+// kPublishLag more pieces are stored (`drain_older`: by then its stores are long done, so the wait costs nothing),
+// or before a chunk too short to get there ends, or at its end (`retire`). A chunk's rows reach the reducers a few
+// rows later; the link stays busy.
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
           int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
@@ -55,6 +70,8 @@ __device__ __forceinline__ void combine(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     constexpr int kWeightsOffset = kHiddenInt4 * 16;
+    constexpr int kWeightsBytes = kNumTopk * static_cast<int>(sizeof(float));
+    constexpr int kPublishLag = 2 * kStages;  // NOTE [rolling publish]
     const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
                                 p.slots_offset, p.max_chunks, p.row_bytes};
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -86,6 +103,16 @@ __device__ __forceinline__ void combine(const Params& p) {
             stages.init();
         // With local_direct the items cover the other sources only (as the dispatch's receivers do).
         const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
+        // NOTE [combine weights]: a row's weights follow its data through the stages where TMA can move them.
+        const bool weights_in_stages = kWeightsBytes > 0 && kWeightsBytes % 16 == 0 &&
+                                       reinterpret_cast<uint64_t>(p.topk_weights) % 16 == 0;
+        const uint32_t tail_bytes = weights_in_stages ? kWeightsBytes : 0;
+        // NOTE [rolling publish]: the chunk stored but not yet published (source -1: none), and its last piece.
+        int pending_source = -1, pending_chunk = 0;
+        uint32_t pending_last = 0;
+        auto publish = [&](int source, int chunk) {  // lane 0, its rows' stores done
+            ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, seq);
+        };
         phase_clock.mark(kPhaseStart, lane);
         for (int item = blockIdx.x * kSendWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
             const int chunk = item / num_sources, other = item % num_sources;
@@ -102,29 +129,45 @@ __device__ __forceinline__ void combine(const Params& p) {
                 if (lane == 0) {
                     void* to[1] = {dst};
                     if (ahead)
-                        stages.send(kHiddenInt4 * 16, to);
+                        stages.send(kHiddenInt4 * 16 + tail_bytes, to);
                     else
-                        stages.copy(p.x + from * kHiddenInt4, kHiddenInt4 * 16, to);
-                    ahead = j + 1 < j1 && stages.fits(kHiddenInt4 * 16);
+                        stages.copy(p.x + from * kHiddenInt4, kHiddenInt4 * 16, to, p.topk_weights + from * kNumTopk,
+                                    tail_bytes);
+                    ahead = j + 1 < j1 && stages.fits(kHiddenInt4 * 16 + tail_bytes);
                     if (ahead)
-                        stages.prefetch(p.x + (from + 1) * kHiddenInt4, kHiddenInt4 * 16);
+                        stages.prefetch(p.x + (from + 1) * kHiddenInt4, kHiddenInt4 * 16,
+                                        p.topk_weights + (from + 1) * kNumTopk, tail_bytes);
                 }
                 phase_clock.mark(kPhaseData, lane);
-                if (lane < kNumTopk)
+                if (!weights_in_stages && lane < kNumTopk) {
                     reinterpret_cast<float*>(dst + kWeightsOffset)[lane] = p.topk_weights[from * kNumTopk + lane];
-                phase_clock.mark(kPhaseTail, lane);
+                    phase_clock.mark(kPhaseTail, lane);
+                }
+                // NOTE [warp acquire] in sync.cuh: the lanes' weights ordered before lane 0's release
+                __syncwarp();
+                if (lane == 0 && pending_source >= 0 && stages.stored - 1 - pending_last >= kPublishLag) {
+                    stages.template drain_older<kPublishLag>();
+                    publish(pending_source, pending_chunk);
+                    pending_source = -1;
+                }
+                phase_clock.mark(kPhasePublish, lane);
             }
-            if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
-                stages.drain();
-            __syncwarp();
             if (lane == 0) {
-                ptx::fence_acq_rel_sys();
-                ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, seq);
+                if (pending_source >= 0) {  // a short chunk came between: the older one's stores may still be out
+                    stages.drain();
+                    publish(pending_source, pending_chunk);
+                }
+                pending_source = source;
+                pending_chunk = chunk;
+                pending_last = stages.stored - 1;
             }
             phase_clock.mark(kPhasePublish, lane);
         }
-        if (lane == 0)
+        if (lane == 0) {
             stages.retire();
+            if (pending_source >= 0)
+                publish(pending_source, pending_chunk);
+        }
         phase_clock.end(lane);
         return;
     }

@@ -163,8 +163,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         mine->rows = p.recv_rows;
         for (int source = 0; source < kNumRanks; ++source)
             mine->first[source] = out_first(source);
-        ptx::fence_acq_rel_sys();
-        ptx::st_release_sys(&mine->seq, seq[0]);
+        ptx::st_release_sys(&mine->seq, seq[0]);  // the fields before the number
     }
 
     // NOTE [row tail]
@@ -391,11 +390,11 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
     };
 
-    // Publish tokens [t0, t1) of a sender's piece in slot `index` at destination dest (one lane): its rows
-    // first (fence), then the sequence number, with the sender's launch width for the receiver to check.
+    // Publish tokens [t0, t1) of a sender's piece in slot `index` at destination dest (one lane): its bounds and the
+    // sender's launch width (for the receiver to check), then the sequence number, whose release orders the rows and
+    // those fields before it (the receiver reads them after its acquire).
     auto publish = [&](int dest, int index, int t0, int t1) {
         ChunkSlot* slot = buffers.slot(dest, p.rank, index);
-        ptx::fence_acq_rel_sys();
         ptx::st_relaxed_sys(&slot->begin, p.prefix_excl[static_cast<int64_t>(t0) * kNumRanks + dest]);
         ptx::st_relaxed_sys(&slot->end, p.prefix_excl[static_cast<int64_t>(t1) * kNumRanks + dest]);
         ptx::st_relaxed_sys(&slot->send_warps, p.num_send_warps);  // the receiver checks it is its own W
