@@ -157,7 +157,7 @@ class LowLatencyCalls:
         backend = self._backend()
         checks.wait_recv_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
                                     num_ranks=self.group_size, device=self.device)
-        checks.tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self.device)
+        checks.tensor("x", x, dtypes=(torch.bfloat16,), dim=2, device=self.device, aligned=True)
         num_tokens, hidden = x.shape
         checks.topk_idx(topk_idx, num_tokens=num_tokens, device=self.device, max_topk=workspace.LOW_LATENCY_MAX_TOPK)
         num_max_dispatch_tokens_per_rank, num_experts = self._low_latency_checks(num_max_dispatch_tokens_per_rank,
@@ -275,7 +275,7 @@ class LowLatencyCalls:
         if zero_copy:
             x = backend.next_low_latency_combine_buffer(num_max, hidden, num_experts)
         checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(num_local_experts, self.group_size * num_max, hidden),
-                      device=self.device, contiguous=not zero_copy)  # the zero-copy tensor has DeepEP's strides
+                      device=self.device, contiguous=not zero_copy, aligned=True)  # zero-copy: DeepEP's strides
         checks.topk_idx(topk_idx, num_tokens=None, device=self.device, max_topk=workspace.LOW_LATENCY_MAX_TOPK)
         if topk_idx.size(0) > num_max:
             raise InvalidInputError(f"topk_idx has {topk_idx.size(0)} rows, more than the dispatch's "
@@ -288,7 +288,8 @@ class LowLatencyCalls:
                                     "tokens: pass the dispatch's topk_idx")
         checks.topk_weights(topk_weights, like=topk_idx, device=self.device)
         if out is not None:
-            checks.tensor("out", out, dtypes=(torch.bfloat16,), shape=(topk_idx.size(0), hidden), device=self.device)
+            checks.tensor("out", out, dtypes=(torch.bfloat16,), shape=(topk_idx.size(0), hidden), device=self.device,
+                          aligned=True)
         overlap = _combine_overlap(*overlap_args, return_recv_hook, num_local_experts, self.group_size * num_max,
                                    handle[1], self.device)
         if backend.wants_call_agreement(True):  # NOTE [call agreement] in collectives.py

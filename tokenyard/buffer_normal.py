@@ -400,7 +400,8 @@ class NormalCalls:
     def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream):
         backend = self._normal_backend()
         handle = self._handle_for_nodes(checks.dispatch_handle(handle, num_ranks=self.group_size, device=self.device))
-        checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(handle.num_rows, None), device=self.device)
+        checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(handle.num_rows, None), device=self.device,
+                      aligned=True)
         if topk_weights is not None:
             checks.tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(handle.num_rows, None),
                           device=self.device, contiguous=False)
@@ -408,7 +409,7 @@ class NormalCalls:
         for name, b in (("bias", bias_0), ("bias[1]", bias_1)):
             if b is not None:
                 checks.tensor(name, b, dtypes=(torch.bfloat16,), shape=(handle.num_tokens, x.size(1)),
-                              device=self.device)
+                              device=self.device, aligned=True)
         num_topk = 0 if topk_weights is None else topk_weights.size(1)
         round_tokens = self._round_tokens(handle.num_tokens, workspace.normal_combine_row_bytes(x.size(1), num_topk),
                                           "combine")

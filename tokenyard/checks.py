@@ -25,8 +25,10 @@ def _fail(message: str):
 
 def tensor(name: str, t, *, dtypes: Optional[Iterable[torch.dtype]] = None, dim: Optional[int] = None,
            shape: Optional[Sequence[Optional[int]]] = None, device: Optional[torch.device] = None,
-           contiguous: bool = True) -> torch.Tensor:
-    """Check one tensor argument; ``None`` in `shape` means any size on that axis."""
+           contiguous: bool = True, aligned: bool = False) -> torch.Tensor:
+    """Check one tensor argument; ``None`` in `shape` means any size on that axis. `aligned`: rows the kernels move
+    16 bytes at a time (TMA included) must start on a 16-byte boundary, as every allocation does; a view into a
+    larger tensor may not, and would fault on the GPU (docs/semantics.md, "Inputs")."""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None:
@@ -43,6 +45,9 @@ def tensor(name: str, t, *, dtypes: Optional[Iterable[torch.dtype]] = None, dim:
         _fail(f"{name} is on {t.device}, but this Buffer works on {device}")
     if contiguous and not t.is_contiguous():
         _fail(f"{name} must be contiguous (call .contiguous() first)")
+    if aligned and t.data_ptr() % workspace.ALIGN_BYTES:
+        _fail(f"{name} starts {t.data_ptr() % workspace.ALIGN_BYTES} bytes past a {workspace.ALIGN_BYTES}-byte "
+              "boundary; the kernels read its rows 16 bytes at a time (a view into a larger tensor: .clone() it)")
     return t
 
 
@@ -204,7 +209,7 @@ def dispatch_x(x, *, device):
         if len(x) != 2:
             _fail(f"a tuple x must be (data, scales), got {len(x)} elements")
         x, x_scales = x
-    tensor("x", x, dim=2, device=device)
+    tensor("x", x, dim=2, device=device, aligned=True)
     if x.size(1) * x.element_size() % 16 != 0:
         _fail(f"x rows are {x.size(1) * x.element_size()} bytes; they must be a multiple of 16 bytes")
     if x_scales is not None:

@@ -487,6 +487,23 @@ def _bad_row_bytes():
     buffer.dispatch(x[:, :4].contiguous(), topk_idx=topk_idx, topk_weights=weights, **layout)
 
 
+def _unaligned(t):
+    """`t`'s values in a contiguous view that starts one element past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    return flat[1:].view(t.shape).copy_(t)
+
+
+def _bad_x_unaligned():
+    buffer, x, topk_idx, weights, layout = _bad_setup()
+    buffer.dispatch(_unaligned(x), topk_idx=topk_idx, topk_weights=weights, **layout)
+
+
+def _bad_combine_x_unaligned():
+    buffer, x, topk_idx, weights, layout = _bad_setup()
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
+    buffer.combine(_unaligned(recv_x), handle)
+
+
 def _bad_weights_shape():
     buffer, x, topk_idx, weights, layout = _bad_setup()
     buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights[:, :1].contiguous(), **layout)
@@ -670,6 +687,8 @@ BAD_CALLS = {
     "combine x not bf16": _bad_x_dtype_combine,
     "x not contiguous": _bad_x_noncontiguous,
     "row not a multiple of 16 bytes": _bad_row_bytes,
+    "x not 16-byte aligned": _bad_x_unaligned,
+    "combine x not 16-byte aligned": _bad_combine_x_unaligned,
     "topk_weights wrong shape": _bad_weights_shape,
     "topk_weights wrong dtype": _bad_weights_dtype,
     "layout disagrees with is_token_in_rank": _bad_layout_mismatch,

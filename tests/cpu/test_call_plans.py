@@ -258,7 +258,8 @@ def test_arena_outputs_take_free_blocks_name_their_offset_and_give_them_back(dri
 
 
 def test_signatures_tell_apart_what_the_checks_read(extension):
-    """NOTE [call signatures]: equal exactly where dtype, device, sizes, strides and the plain values are."""
+    """NOTE [call signatures]: equal exactly where dtype, device, sizes, strides, the data's offset past a 16-byte
+    boundary and the plain values are."""
     sign = extension.signature
     rows, cols = random.randrange(2, 9), random.randrange(2, 9)
     x = torch.randn(rows, cols)
@@ -266,7 +267,7 @@ def test_signatures_tell_apart_what_the_checks_read(extension):
     others = [(1, x.double(), None, True, 7), (1, x[:-1], None, True, 7), (1, x.t(), None, True, 7),
               (1, torch.randn(rows, cols + 1)[:, :cols], None, True, 7), (1, x, x, True, 7), (1, x, None, 1, 7),
               (1, x, None, False, 7), (1, x, None, True, 8), (2, x, None, True, 7), (1, (x, None), None, True, 7),
-              (1, (x,), None, True, 7)]
+              (1, (x,), None, True, 7), (1, torch.randn(rows * cols + 1)[1:].view(rows, cols), None, True, 7)]
     signatures = {sign(args) for args in others} | {sign((1, x, None, True, 7))}
     assert None not in signatures and len(signatures) == len(others) + 1
     for unsigned in ([x], 1.5, "x", 1 << 70, object()):  # the full path decides what these mean

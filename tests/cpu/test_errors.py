@@ -12,6 +12,8 @@ EXPECTED = {
     "combine x not bf16": ("InvalidInputError", "dtype torch.bfloat16"),
     "x not contiguous": ("InvalidInputError", "contiguous"),
     "row not a multiple of 16 bytes": ("InvalidInputError", "multiple of 16 bytes"),
+    "x not 16-byte aligned": ("InvalidInputError", "x starts 2 bytes past a 16-byte boundary"),
+    "combine x not 16-byte aligned": ("InvalidInputError", "x starts 2 bytes past a 16-byte boundary"),
     "topk_weights wrong shape": ("InvalidInputError", "shape"),
     "topk_weights wrong dtype": ("InvalidInputError", "torch.float32"),
     "layout disagrees with is_token_in_rank": ("InvalidInputError", "disagrees"),

@@ -143,6 +143,55 @@ def test_fast_paths_match_the_reference_with_fresh_inputs(num_ranks, seed):
     print(spawn.run(num_ranks, _fast_paths_match, seed)[0])
 
 
+def _unaligned(t):
+    """`t`'s values in a contiguous view that starts one element past a 16-byte boundary."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+
+
+def _unaligned_rows_refused(seed):
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, Config, InvalidInputError
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    nvl_bytes = Config(num_max_tokens_per_rank=NUM_TOKENS).get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks)
+    buffer = Buffer(dist.group.WORLD, nvl_bytes, 0, backend="cuda", timeout_s=30)
+    other = Buffer(dist.group.WORLD, nvl_bytes, 0, backend="reference")
+    x, topk_idx, weights = make_rank_inputs(seed, num_ranks, NUM_TOKENS, HIDDEN, NUM_EXPERTS, NUM_TOPK, "uniform",
+                                            "bf16", device)[rank]
+    results = []
+    for b in (buffer, other):
+        per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(topk_idx, NUM_EXPERTS)
+        recv_x, _, recv_w, _, handle, _ = b.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
+                                                     num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                     num_tokens_per_expert=per_expert)
+        y = (recv_x.float() * 0.5 + 1.0).to(torch.bfloat16)
+        for _ in range(2):  # the second of each takes the fast path on the CUDA Buffer
+            b.dispatch(x, handle=handle)
+            b.combine(y, handle, topk_weights=recv_w)
+        # The same calls with rows 2 bytes past a 16-byte boundary: refused before any kernel, on every rank.
+        for call in (lambda: b.dispatch(_unaligned(x), handle=handle),
+                     lambda: b.combine(_unaligned(y), handle, topk_weights=recv_w)):
+            with pytest.raises(InvalidInputError, match="16-byte boundary"):
+                call()
+        results.append((b.dispatch(x, handle=handle)[0], b.combine(y, handle, topk_weights=recv_w)[0]))
+    torch.cuda.synchronize()
+    assert buffer._fast.hits >= 2, f"the fast paths were not taken ({buffer._fast.hits} calls)"
+    (got_x, got_y), (want_x, want_y) = results
+    assert torch.equal(got_x, want_x), "the cached dispatch after the refusals differs"
+    assert_within_bf16_rounding(got_y, want_y, "the combine after the refusals")
+    for b in (buffer, other):
+        b.destroy()
+    return "refused on every rank; the Buffer goes on"
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts())
+def test_rows_off_a_16_byte_boundary_are_refused_on_the_fast_paths_too(num_ranks, seed):
+    print(spawn.run(num_ranks, _unaligned_rows_refused, seed)[0])
+
+
 def _fresh_call_in_rounds(seed):
     """A fresh dispatch whose shape every rank recorded in one round, made again with fresh inputs while rank 0
     sends more tokens than a round holds: the other ranks take the fast path (NOTE [fresh calls]) and go on

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -117,8 +118,8 @@ py::dict take_profile() {
 }
 
 // NOTE [call signatures]: the key of a fast path (NOTE [fast paths] in backends/cuda/fast_paths.py) is what
-// the full path's checks read of a call's arguments, as bytes: of a tensor its dtype, device, sizes and
-// strides; of None, a bool or an int its value; of a tuple its items. Any other object (a list, a float, a
+// the full path's checks read of a call's arguments, as bytes: of a tensor its dtype, device, sizes, strides
+// and where its data starts past a 16-byte boundary (checks.tensor's `aligned`); of None, a bool or an int its value; of a tuple its items. Any other object (a list, a float, a
 // tensor without strides) makes no signature: None, and the call takes the full path.
 void append_word(std::string& out, int64_t word) { out.append(reinterpret_cast<const char*>(&word), sizeof word); }
 
@@ -155,6 +156,7 @@ bool append_signature(std::string& out, PyObject* obj) {
             append_word(out, kTensor);
             append_word(out, static_cast<int64_t>(t.scalar_type()));
             append_word(out, static_cast<int64_t>(t.device().type()) << 32 | static_cast<uint8_t>(t.device().index()));
+            append_word(out, static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16));
             append_word(out, static_cast<int64_t>(sizes.size()));
             for (size_t d = 0; d < sizes.size(); ++d) {
                 append_word(out, sizes[d]);

@@ -64,7 +64,7 @@ class ExpandCalls:
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # also where no row was received
         if rows.device.type != "cuda" or rows.dim() == 1 or row_bytes % 16 or not rows.is_contiguous() or \
-                source_row.dtype != torch.int32 or not source_row.is_contiguous():
+                rows.data_ptr() % 16 or source_row.dtype != torch.int32 or not source_row.is_contiguous():
             return super().gather_rows(rows, source_row, zero_fill)
         tail = tuple(rows.shape[1:])
 
