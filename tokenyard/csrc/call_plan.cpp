@@ -257,12 +257,10 @@ public:
                 return {at::Tensor(), -1};
         }
         std::lock_guard<std::mutex> lock(mutex_);
-        collect(false, stream);
+        collect();
         int64_t offset = fit(bytes);
-        if (offset < 0) {
-            collect(true, stream);  // blocks still in use on the GPU: the launch stream waits for them
-            offset = fit(bytes);
-        }
+        if (offset < 0)
+            offset = wait_for_fit(bytes, stream);
         if (offset < 0)
             return {at::Tensor(), -1};
         auto* block = new Block{shared_from_this(), offset, bytes};
@@ -321,23 +319,37 @@ private:
         }
     }
 
-    // Blocks given back return to the free list: those whose event has passed, or with `all` every one, the
-    // launch `stream` waiting for its event. Under mutex_.
-    void collect(bool all, void* stream) {
+    // Blocks given back whose event has passed return to the free list. Under mutex_.
+    void collect() {
         for (size_t i = 0; i < pending_.size();) {
-            Pending& pending = pending_[i];
-            const bool passed = guard_->queryEvent(pending.event);
-            if (!passed && !all) {
+            if (!guard_->queryEvent(pending_[i].event)) {
                 ++i;
                 continue;
             }
-            if (!passed)
-                check(driver().wait(stream, pending.event, 0), "cuStreamWaitEvent");
-            release_range(pending.offset, pending.bytes);
-            spare_events_.push_back(pending.event);
-            pending = pending_.back();
-            pending_.pop_back();
+            release(i);
         }
+    }
+
+    // Blocks given back but still in use on the GPU return to the free list, the oldest first, the launch `stream`
+    // waiting for each one's event, until `bytes` fit -> the offset, or -1. The stream waits for no more uses than
+    // the fit needs. Under mutex_.
+    int64_t wait_for_fit(int64_t bytes, void* stream) {
+        while (!pending_.empty()) {
+            check(driver().wait(stream, pending_.front().event, 0), "cuStreamWaitEvent");
+            release(0);
+            const int64_t offset = fit(bytes);
+            if (offset >= 0)
+                return offset;
+        }
+        return -1;
+    }
+
+    // pending_[i]'s block back in the free list and its event spare; the others keep their order (oldest first).
+    // Under mutex_.
+    void release(size_t i) {
+        release_range(pending_[i].offset, pending_[i].bytes);
+        spare_events_.push_back(pending_[i].event);
+        pending_.erase(pending_.begin() + static_cast<std::ptrdiff_t>(i));
     }
 
     // First fit; -1: none. Under mutex_.
@@ -386,7 +398,7 @@ private:
     FreeFn free_fn_;
     std::mutex mutex_;
     std::map<int64_t, int64_t> free_;  // offset -> bytes
-    std::vector<Pending> pending_;
+    std::vector<Pending> pending_;  // in the order given back
     std::vector<void*> spare_events_;
 };
 
