@@ -62,7 +62,8 @@ def rank_main(sm_counts, iters: int, num_tokens: int):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     buffer, x, topk_idx, weights = profile_normal.deepseek_buffer(num_tokens)
     backend = buffer.runtime
-    block_warps = {"dispatch": heuristics.dispatch_threads(num_ranks) // 32, "combine": kernels.DATA_THREADS // 32}
+    block_warps = {"dispatch": heuristics.dispatch_threads(num_ranks) // 32,
+                   "combine": heuristics.combine_threads(num_ranks) // 32}
     send_warps = {"dispatch": heuristics.dispatch_send_warps(block_warps["dispatch"]),
                   "combine": heuristics.combine_send_warps(block_warps["combine"], num_ranks)}
     report = {}

@@ -58,8 +58,9 @@
 #
 # The candidates, which `tuning`, `proxy` and `proxy_phases` try when TOKENYARD_TUNING_VARIANTS is not given: the
 # neighbours of the 4-rank block shapes (NOTE [block shapes by ranks] in heuristics.py), chosen by the proxy until a
-# 4-GPU run confirms them, and more sending warps in a dispatch block, which placed rows left the proxy unable to
-# decide (benchmarks/results/normal_tuning.md, "Placed rows").
+# 4-GPU run confirms them, more sending warps in a dispatch block, which placed rows left the proxy unable to
+# decide (benchmarks/results/normal_tuning.md, "Placed rows"), and wider combine blocks (NOTE [combine block width]),
+# which the proxy, bound by its one GPU's memory, cannot judge ("Wider combine blocks").
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles
@@ -85,7 +86,8 @@ stop_mps() {
 }
 
 CANDIDATES="dispatch_threads=512 dispatch_threads=1024 combine_send_warps=3 combine_send_warps=5
-            dispatch_send_warps=16 dispatch_send_warps=20"
+            dispatch_send_warps=16 dispatch_send_warps=20 combine_threads=1024,combine_reduce_loads=8
+            combine_threads=1024,combine_reduce_loads=8,combine_send_warps=6"
 
 in_tree() {
     # in_tree before|after CMD...: CMD in that side's tree of an A/B, recording its commit. The earlier tree

@@ -67,6 +67,7 @@ TUNING_KEYS = {
     "low_latency_local_share": _parse_share,   # low_latency_local_blocks: share of the grid for the own rank
     "dispatch_send_warps": _parse_count,       # DISPATCH_SEND_WARPS
     "dispatch_threads": _parse_count,          # DISPATCH_THREADS
+    "combine_threads": _parse_count,           # COMBINE_THREADS
     "combine_send_warps": _parse_count,        # COMBINE_SEND_WARPS
     "dispatch_stages": _parse_count,           # DISPATCH_STAGES
     "combine_stages": _parse_count,            # COMBINE_STAGES

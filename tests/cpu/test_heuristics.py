@@ -64,6 +64,13 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     tokenyard_env("TOKENYARD_TUNING", "dispatch_threads=640")
     with pytest.raises(ValueError, match="512, 768 or 1024"):
         heuristics.dispatch_threads(4)
+    tokenyard_env("TOKENYARD_TUNING", None)  # NOTE [combine block width]
+    assert heuristics.combine_threads(2) == heuristics.combine_threads(8) == heuristics.COMBINE_THREADS
+    tokenyard_env("TOKENYARD_TUNING", "combine_threads=1024")
+    assert heuristics.combine_threads(4) == 1024
+    tokenyard_env("TOKENYARD_TUNING", "combine_threads=256")
+    with pytest.raises(ValueError, match="combine_threads=256: a block has 512, 768 or 1024"):
+        heuristics.combine_threads(4)
     tokenyard_env("TOKENYARD_TUNING", None)
     assert heuristics.combine_reduce_loads() == heuristics.COMBINE_REDUCE_LOADS
     tokenyard_env("TOKENYARD_TUNING", "combine_reduce_loads=8")

@@ -205,7 +205,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         warp's span in ns and in cycles): kernel k's ``[blocks, its block's warps, kNumPhaseSlots]`` from the start
         of row k, room for the widest block's warps; a diagnostic (benchmarks/normal_phases.py), never on in
         production."""
-        most_warps = max(heuristics.DISPATCH_THREAD_CHOICES + (kernels.DATA_THREADS,)) // 32
+        most_warps = max(heuristics.BLOCK_THREAD_CHOICES) // 32
         self.normal_phases = torch.zeros(2, self.device_sms * most_warps * kernels.PHASES["kNumPhaseSlots"],
                                          dtype=torch.int64, device=self.ctx.device)
         self._plans = plans.PlanCache()  # the plans hold the address
@@ -566,9 +566,11 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 combined_x = b.part(whole, "combined_x", (num_tokens, hidden), torch.bfloat16)
                 combined_w = b.part(whole, "combined_topk_weights", (num_tokens, num_topk), torch.float32) \
                     if num_topk else 0
-            send_warps = heuristics.combine_send_warps(kernels.DATA_THREADS // 32, num_ranks)
+            threads = heuristics.combine_threads(num_ranks)
+            send_warps = heuristics.combine_send_warps(threads // 32, num_ranks)
             kernel = self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps,
-                                                  heuristics.combine_stages(), heuristics.combine_reduce_loads()))
+                                                  heuristics.combine_stages(), heuristics.combine_reduce_loads(),
+                                                  threads))
             b.launch(kernel, num_blocks, dict(
                 x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),
                 rank_prefix_matrix=b.inp("rank_prefix_matrix"), recv_first=b.inp("recv_first"),

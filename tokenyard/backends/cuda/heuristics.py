@@ -27,22 +27,36 @@ def _by_ranks(num_ranks: int, few: int, many: int) -> int:
 
 
 # NOTE [dispatch block width]
-# A dispatch block's threads (512, 768 or 1024; the combine's block is kernels.DATA_THREADS). The warps past the
-# sending ones receive, each with one row's loads in flight, as many as the registers of a block that wide hold
-# (kernels/dispatch.cuh, receive_row): a wider block receives with more warps, each with fewer loads in flight.
-# 512 at 2 ranks (768 and 1024 no faster: normal_tuning.md, `claims_call`), 768 from 4 ranks on (faster than 512
-# and 1024 from 4 to 16 SMs, by the MPS proxy: `shapes_4_ranks_proxy`).
+# A dispatch block's threads (BLOCK_THREAD_CHOICES). The warps past the sending ones receive, each with one row's
+# loads in flight, as many as the registers of a block that wide hold (kernels/dispatch.cuh, receive_row): a wider
+# block receives with more warps, each with fewer loads in flight. 512 at 2 ranks (768 and 1024 no faster:
+# normal_tuning.md, `claims_call`), 768 from 4 ranks on (faster than 512 and 1024 from 4 to 16 SMs, by the MPS
+# proxy: `shapes_4_ranks_proxy`).
 DISPATCH_THREADS = 512
 DISPATCH_THREADS_MANY_RANKS = 768
-DISPATCH_THREAD_CHOICES = (512, 768, 1024)
+# NOTE [combine block width]: the same for the combine's block, whose warps past the sending ones reduce, each lane
+# with combine_reduce_loads loads in flight: a reducer reads as fast as it keeps loads in flight, so a wider block
+# (1024 threads: more reducing warps of 8 loads each) may read faster on 4 GPUs, where the MPS proxy, bound by its
+# one GPU's memory, found 768 no faster and 1024 2-4% slower (normal_tuning.md, "Wider combine blocks"). 512 until
+# a 4-GPU run (run_device.sh's CANDIDATES) decides.
+COMBINE_THREADS = 512
+BLOCK_THREAD_CHOICES = (512, 768, 1024)
+
+
+def _block_threads(key: str, default: int) -> int:
+    threads = tuned(key, default)
+    if threads not in BLOCK_THREAD_CHOICES:
+        raise ValueError(f"TOKENYARD_TUNING {key}={threads}: a block has "
+                         f"{', '.join(map(str, BLOCK_THREAD_CHOICES[:-1]))} or {BLOCK_THREAD_CHOICES[-1]} threads")
+    return threads
 
 
 def dispatch_threads(num_ranks: int) -> int:
-    threads = tuned("dispatch_threads", _by_ranks(num_ranks, DISPATCH_THREADS, DISPATCH_THREADS_MANY_RANKS))
-    if threads not in DISPATCH_THREAD_CHOICES:
-        raise ValueError(f"TOKENYARD_TUNING dispatch_threads={threads}: a dispatch block has "
-                         f"{', '.join(map(str, DISPATCH_THREAD_CHOICES[:-1]))} or {DISPATCH_THREAD_CHOICES[-1]} threads")
-    return threads
+    return _block_threads("dispatch_threads", _by_ranks(num_ranks, DISPATCH_THREADS, DISPATCH_THREADS_MANY_RANKS))
+
+
+def combine_threads(num_ranks: int) -> int:
+    return _block_threads("combine_threads", COMBINE_THREADS)
 
 
 # The warps of each data-kernel block that send (by TMA bulk copies, NOTE [warp stages]); its other warps

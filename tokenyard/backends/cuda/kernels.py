@@ -17,7 +17,6 @@ from . import heuristics
 
 LAYOUT_THREADS = 256
 NOTIFY_THREADS = 512
-DATA_THREADS = 512
 LOW_LATENCY_THREADS = 512
 CHUNK_TOKENS = workspace.CHUNK_ROWS  # dispatch chunk (tokens) and combine chunk (rows)
 NORMAL_MAX_TOPK = headers.constant("types.cuh", "kWarpSize")  # the normal-mode kernels: a lane per top-k entry
@@ -126,14 +125,15 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 @functools.lru_cache(maxsize=None)
 def combine(num_ranks: int, hidden_int4: int, num_topk: int,
             send_warps: int = heuristics.COMBINE_SEND_WARPS, stages: int = heuristics.COMBINE_STAGES,
-            reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS) -> KernelSpec:
+            reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS,
+            threads: int = heuristics.COMBINE_THREADS) -> KernelSpec:
     """`send_warps`: a block's warps that send (the others reduce), each through `stages` stages, a row's data and
     its weights a stage where the shared memory allows (NOTE [combine weights]); `reduce_loads`: the loads a reducing
-    lane keeps in flight."""
+    lane keeps in flight; `threads`: the block's (NOTE [combine block width])."""
     stage_bytes = data_stage_bytes(hidden_int4 * 16 + workspace.align(num_topk * 4), send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
-        (num_ranks, DATA_THREADS, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, stages, stage_bytes,
+        (num_ranks, threads, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, stages, stage_bytes,
          send_warps, reduce_loads),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
@@ -141,7 +141,7 @@ def combine(num_ranks: int, hidden_int4: int, num_topk: int,
          Param("int", "num_tokens"), Param("int4*", "combined_x"),
          Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
         + _BUFFERS + (Param("const int*", "signature"),) + _WAIT + _PHASES,
-        DATA_THREADS, name="tokenyard::normal::combine",
+        threads, name="tokenyard::normal::combine",
         shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))
 
 
@@ -348,7 +348,7 @@ def every_kernel():
             yield dispatch_notify(ranks, dtype)
         # The blocks shaped as the backend launches them (NOTE [block shapes by ranks]).
         threads = heuristics.dispatch_threads(ranks)
-        send_warps = heuristics.combine_send_warps(DATA_THREADS // 32, ranks)
+        send_warps = heuristics.combine_send_warps(heuristics.combine_threads(ranks) // 32, ranks)
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, threads=threads)   # FP8 with scales, DeepSeek-V3
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, all_weights=True, threads=threads)  # ElasticBuffer's
         yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64, threads=threads)    # bf16
@@ -356,6 +356,7 @@ def every_kernel():
         yield combine(ranks, 7168 * 2 // 16, 8, send_warps)
         yield combine(ranks, 4096 * 2 // 16, 0, send_warps)
     yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)  # TOKENYARD_TUNING combine_reduce_loads's sweep
+    yield combine(4, 7168 * 2 // 16, 8, 6, reduce_loads=8, threads=1024)  # and combine_threads' candidates
     yield expand_count(8, torch.int64)
     yield expand_place(8, torch.int64)
     yield expand_psum()
