@@ -141,9 +141,6 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     constexpr int kScaleInt4 = (kNumScales + 3) / 4;
     constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
     constexpr int kTailPerLane = (kTailInt4 + kWarpSize - 1) / kWarpSize;
-    // NOTE [rolling publish] in combine.cuh: a piece is published kPublishLag stored pieces of the stages after its
-    // last (a tail piece, kTailTokens rows of one or more pieces each, should not outlast it).
-    constexpr int kPublishLag = kStages;
     const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
                                 p.slots_offset, p.max_chunks, p.row_bytes};
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -420,48 +417,21 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int send_warp = blockIdx.x * kSendWarps + warp;
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
-        // NOTE [rolling publish] in combine.cuh, with pieces of tokens: the piece sent but not yet published (-1:
-        // none), and (lane 0's) its last stored piece of the stages.
-        int pending = -1;
-        uint32_t pending_last = 0;
-        auto publish_pending = [&]() {  // its rows' stores done (lane 0), every lane's tails before the release
-            __syncwarp();
-            if (lane < kNumRanks) {  // the piece at every destination
-                int t0, t1;
-                ranges.piece(send_warp, pending, t0, t1);
-                publish(lane, ranges.slot(send_warp, pending), t0, t1);
-            }
-            pending = -1;
-        };
         phase_clock.mark(kPhaseStart, lane);
         for (int piece = 0; piece < num_pieces; ++piece) {
             int t0, t1;
             ranges.piece(send_warp, piece, t0, t1);
-            for (int t = t0; t < t1; ++t) {
+            for (int t = t0; t < t1; ++t)
                 send_token(t, t + 1 < range_end ? t + 1 : -1);
-                bool due = false;
-                if (lane == 0 && pending >= 0 && stages.stored - 1 - pending_last >= kPublishLag) {
-                    stages.template drain_older<kPublishLag>();
-                    due = true;
-                }
-                if (__shfl_sync(0xffffffffu, due, 0))
-                    publish_pending();
-                phase_clock.mark(kPhasePublish, lane);
-            }
-            if (pending >= 0) {  // a piece too short to publish the one before it
-                if (lane == 0)
-                    stages.drain();
-                publish_pending();
-            }
-            pending = piece;
-            if (lane == 0)
-                pending_last = stages.stored - 1;
+            if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
+                stages.drain();
+            __syncwarp();
+            if (lane < kNumRanks)  // the piece at every destination
+                publish(lane, ranges.slot(send_warp, piece), t0, t1);
             phase_clock.mark(kPhasePublish, lane);
         }
         if (lane == 0)
             stages.retire();
-        if (pending >= 0)
-            publish_pending();
     }
 
     // Receiving, every warp (a sender once its range is sent): each claims (piece, sender warp, source) items
