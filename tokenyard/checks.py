@@ -28,7 +28,7 @@ def tensor(name: str, t, *, dtypes: Optional[Iterable[torch.dtype]] = None, dim:
            contiguous: bool = True, aligned: bool = False) -> torch.Tensor:
     """Check one tensor argument; ``None`` in `shape` means any size on that axis. `aligned`: rows the kernels move
     16 bytes at a time (TMA included) must start on a 16-byte boundary, as every allocation does; a view into a
-    larger tensor may not, and would fault on the GPU (docs/semantics.md, "Inputs")."""
+    larger tensor may not, and would fault on the GPU (docs/semantics.md, "Errors")."""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None:

@@ -119,8 +119,9 @@ py::dict take_profile() {
 
 // NOTE [call signatures]: the key of a fast path (NOTE [fast paths] in backends/cuda/fast_paths.py) is what
 // the full path's checks read of a call's arguments, as bytes: of a tensor its dtype, device, sizes, strides
-// and where its data starts past a 16-byte boundary (checks.tensor's `aligned`); of None, a bool or an int its value; of a tuple its items. Any other object (a list, a float, a
-// tensor without strides) makes no signature: None, and the call takes the full path.
+// and how far past a 16-byte boundary its data starts (checks.tensor's `aligned`); of None, a bool or an int its
+// value; of a tuple its items. Any other object (a list, a float, a tensor without strides) makes no signature:
+// None, and the call takes the full path.
 void append_word(std::string& out, int64_t word) { out.append(reinterpret_cast<const char*>(&word), sizeof word); }
 
 bool append_signature(std::string& out, PyObject* obj) {

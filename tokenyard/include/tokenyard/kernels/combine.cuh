@@ -60,9 +60,11 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // NOTE [rolling publish]
 // A chunk is published once its rows' stores are done. Rather than wait for that round trip to the peer at the
 // chunk's end, emptying its stages, a sending warp goes on with its next chunk and publishes the finished one once
-// kPublishLag more pieces are stored (`drain_older`: by then its stores are long done, so the wait costs nothing),
-// or before a chunk too short to get there ends, or at its end (`retire`). A chunk's rows reach the reducers a few
-// rows later; the link stays busy.
+// kPublishLag more pieces are stored (`drain_older`: it waits for stores issued that many pieces before, not for the
+// newest), or before a chunk too short to get there ends, or at its end (`retire`). A chunk's rows reach the
+// reducers a few rows later. On one GPU shared by 4 ranks the senders then waited as long in that wait as they had
+// in the drain, their time being that GPU's memory throughput; the dispatch's senders publishing so were no faster
+// there and drain a piece (benchmarks/results/normal_tuning.md, "Weights in the bulk store, ...").
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
           int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
