@@ -2,7 +2,7 @@
 
 import pytest
 
-from tokenyard.backends.cuda import heuristics
+from tokenyard.backends.cuda import heuristics, kernels
 
 
 def test_data_blocks_take_one_block_per_allowed_sm_and_at_least_two():
@@ -118,3 +118,14 @@ def test_the_sm_model_sits_at_the_knee_of_the_committed_sweep():
         filled[kernel] = gbps[max(below)] >= 0.95 * best
         assert gbps[at] >= 0.95 * best, (kernel, at, gbps)
     assert not all(filled.values()), (max(below), filled)
+
+
+def test_the_combine_stages_hold_a_deepseek_row_and_its_weights_whole():
+    """NOTE [combine weights]: at the default block shapes a BF16 row of hidden 7168 and its 8 weights are one piece
+    of a stage (one bulk store a row), within the block's shared memory."""
+    for ranks in (2, 4, 8):
+        threads = heuristics.combine_threads(ranks)
+        send_warps = heuristics.combine_send_warps(threads // 32, ranks)
+        spec = kernels.combine(ranks, 7168 * 2 // 16, 8, send_warps)
+        assert spec.template_args[7] == 7168 * 2 + 8 * 4, f"{ranks} ranks: stages of {spec.template_args[7]} bytes"
+        assert spec.shared_bytes <= kernels.SM90_MAX_SHARED - kernels.SHARED_RESERVE
