@@ -36,9 +36,9 @@ DISPATCH_THREADS = 512
 DISPATCH_THREADS_MANY_RANKS = 768
 # NOTE [combine block width]: the same for the combine's block, whose warps past the sending ones reduce, each lane
 # with combine_reduce_loads loads in flight: a reducer reads as fast as it keeps loads in flight, so a wider block
-# (1024 threads: more reducing warps of 8 loads each) may read faster on 4 GPUs, where the MPS proxy, bound by its
-# one GPU's memory, found 768 no faster and 1024 2-4% slower (normal_tuning.md, "Wider combine blocks"). 512 until
-# a 4-GPU run (run_device.sh's CANDIDATES) decides.
+# (1024 threads: more reducing warps of 8 loads each) may read faster on 4 GPUs, though the MPS proxy, bound by its
+# one GPU's memory, found neither 768 nor 1024 faster (normal_tuning.md, "Wider combine blocks"). 512 until a 4-GPU
+# run (run_device.sh's CANDIDATES) decides.
 COMBINE_THREADS = 512
 BLOCK_THREAD_CHOICES = (512, 768, 1024)
 

@@ -84,7 +84,7 @@ class PlanBuilder:
         # (name, dims, dtype, fill, within, returned, order, in_arena): `within` >= 0 a part of that whole (`whole`,
         # `part`); `order` non-empty: handed back as the contiguous tensor of `dims` permuted so (`part`); `in_arena`:
         # a block of the output arena where one is free
-        self.outputs: List[Tuple[str, Tuple[int, ...], torch.dtype, int, int, bool]] = []
+        self.outputs: List[Tuple[str, Tuple[int, ...], torch.dtype, int, int, bool, Tuple[int, ...], bool]] = []
         self.launches = []
 
     def inp(self, name: str) -> Ref:

@@ -54,8 +54,8 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // bytes and `topk_weights` 16-byte aligned: DeepSeek-V3's top-8 is one 32-byte run a row), lane 0 loads them into the
 // row's last stage behind its data and they go out in the row's bulk store; else the lanes store them, a load's round
 // trip a row that holds the warp (and lane 0's next bulk copy) back, and a generic store that the publish's release
-// then waits for behind the link's queue (on 4 GPUs at 8 SMs the senders spent 135 of their 951 µs on the weights
-// and 297 draining and publishing: benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers").
+// then waits for behind the link's queue: on 4 GPUs at 8 SMs a large share of the senders' time
+// (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers").
 //
 // NOTE [rolling publish]
 // A chunk is published once its rows' stores are done. Rather than wait for that round trip to the peer at the
