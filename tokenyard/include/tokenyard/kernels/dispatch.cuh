@@ -199,9 +199,22 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     const int first_at_lane =
         lane < kNumRanks ? first_row_in_order(p.rank_prefix_matrix, kNumRanks, lane, p.rank) : 0;
     const int64_t own_first = out_first(p.rank);
-    auto send_token = [&](int t, int next) {
-        const int64_t token = t;
+    // NOTE [routes ahead]
+    // A sending warp's lanes load the next token's routing (its scales, top-k, ranks and rows there) before they
+    // send the token they are at, and hold it in registers: those loads' round trip, which each token waited for
+    // before its row could go (on 4 GPUs at 8 SMs a fifth of the senders' time: benchmarks/results/normal_tuning.md,
+    // "The senders' shapes as TMA writers"), now passes while the previous row is stored.
+    // A token's routing, as the lanes hold it.
+    struct Route {
         int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
+        int64_t expert;           // lane k < kNumTopk: top-k slot k's expert (-1 elsewhere)
+        float weight;             // and its weight
+        bool hit;                 // lane d < kNumRanks: whether the token goes to rank d
+        int slot_index;           // and its row among this rank's rows there
+    };
+    auto load_route = [&](int t) {
+        const int64_t token = t;
+        Route r;
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
             int words[4] = {0, 0, 0, 0};
@@ -211,17 +224,25 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 if (u * kWarpSize + lane < kScaleInt4 && j < kNumScales)
                     words[c] = static_cast<int>(p.x_scales[token * p.scale_token_stride + j * p.scale_hidden_stride]);
             }
-            tail[u] = make_int4(words[0], words[1], words[2], words[3]);
+            r.tail[u] = make_int4(words[0], words[1], words[2], words[3]);
         }
-        int64_t expert = -1;
-        float weight = 0.0f;
+        r.expert = -1;
+        r.weight = 0.0f;
         if (lane < kNumTopk) {
-            expert = static_cast<int64_t>(p.topk_idx[token * kNumTopk + lane]);
-            weight = p.topk_weights != nullptr ? p.topk_weights[token * kNumTopk + lane] : 0.0f;
+            r.expert = static_cast<int64_t>(p.topk_idx[token * kNumTopk + lane]);
+            r.weight = p.topk_weights != nullptr ? p.topk_weights[token * kNumTopk + lane] : 0.0f;
         }
-        const bool hit = lane < kNumRanks && p.is_token_in_rank[token * kNumRanks + lane];
-        const int slot_index = lane < kNumRanks ? p.prefix_excl[token * kNumRanks + lane] : 0;
-
+        r.hit = lane < kNumRanks && p.is_token_in_rank[token * kNumRanks + lane];
+        r.slot_index = lane < kNumRanks ? p.prefix_excl[token * kNumRanks + lane] : 0;
+        return r;
+    };
+    auto send_token = [&](int t, int next, const Route& route) {
+        const int64_t token = t;
+        const int4* tail = route.tail;
+        const int64_t expert = route.expert;
+        const float weight = route.weight;
+        const bool hit = route.hit;
+        const int slot_index = route.slot_index;
         const uint32_t mask = __ballot_sync(0xffffffffu, hit);
         const int index = hit ? slot_index : -1;
         if (p.send_head != nullptr && lane < kNumRanks)
@@ -418,11 +439,18 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const Ranges ranges(p.num_tokens, p.num_send_warps);
         const int num_pieces = ranges.pieces_of(send_warp), range_end = ranges.begin(send_warp + 1);
         phase_clock.mark(kPhaseStart, lane);
+        Route route{};
+        if (num_pieces > 0)
+            route = load_route(ranges.begin(send_warp));
         for (int piece = 0; piece < num_pieces; ++piece) {
             int t0, t1;
             ranges.piece(send_warp, piece, t0, t1);
-            for (int t = t0; t < t1; ++t)
-                send_token(t, t + 1 < range_end ? t + 1 : -1);
+            for (int t = t0; t < t1; ++t) {
+                const int next = t + 1 < range_end ? t + 1 : -1;
+                const Route next_route = load_route(next >= 0 ? next : t);  // NOTE [routes ahead]
+                send_token(t, next, route);
+                route = next_route;
+            }
             if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
                 stages.drain();
             __syncwarp();
