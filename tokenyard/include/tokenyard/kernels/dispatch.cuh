@@ -177,13 +177,15 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // the receiver loads it with the data, one vector per lane, and scatters the words to the outputs.
 
     // Metadata word w of destination `dest` for this lane, built from lane w (or w - kNumTopk) of the top-k.
-    auto meta_word = [&](int w, int dest, int64_t expert, float weight, int t) {
-        const int64_t first = static_cast<int64_t>(dest) * p.num_local_experts;
-        const bool local = lane < kNumTopk && expert >= first && expert < first + p.num_local_experts;
-        const int id = __shfl_sync(0xffffffffu, local ? static_cast<int>(expert - first) : -1, w % kWarpSize);
-        const int bits = __shfl_sync(0xffffffffu, kAllWeights || local ? __float_as_int(weight) : 0,
-                                     (w - kNumTopk) & (kWarpSize - 1));
-        return w < kNumTopk ? id : w < 2 * kNumTopk ? bits : w == 2 * kNumTopk ? t : 0;
+    // Metadata word w of destination `dest`, from the expert and weight bits of the top-k slot the word holds (word w
+    // < kNumTopk: slot w's local id; < 2 * kNumTopk: slot w - kNumTopk's weight). The lanes gather their words' slots
+    // once a token (`slot_expert`, `slot_bits`: two shuffles a word), not once a destination.
+    auto meta_word = [&](int w, int dest, int slot_expert, int slot_bits, int t) {
+        const int first = dest * p.num_local_experts;
+        const bool local = slot_expert >= first && slot_expert < first + p.num_local_experts;
+        return w < kNumTopk ? (local ? slot_expert - first : -1)
+               : w < 2 * kNumTopk ? (kAllWeights || local ? slot_bits : 0)
+               : w == 2 * kNumTopk ? t : 0;
     };
 
     // One warp sends token t to every rank it goes to: one read of x (into the warp's stages), up to kNumRanks
@@ -333,10 +335,21 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             if (lane == 0 && p.recv_src_idx != nullptr)
                 p.recv_src_idx[direct_row] = p.src_idx_base + t;
         }
+        int slot_expert[kTailPerLane][4], slot_bits[kTailPerLane][4];
+#pragma unroll
+        for (int u = 0; u < kTailPerLane; ++u) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int w = 4 * (u * kWarpSize + lane - kScaleInt4) + c;
+                const int k = (w < kNumTopk ? w : w - kNumTopk) & (kWarpSize - 1);
+                slot_expert[u][c] = __shfl_sync(0xffffffffu, static_cast<int>(expert), k);
+                slot_bits[u][c] = __shfl_sync(0xffffffffu, __float_as_int(weight), k);
+            }
+        }
 #pragma unroll
         for (int dest = 0; dest < kNumRanks; ++dest) {
             if (((mask >> dest) & 1u) == 0)
-                continue;  // uniform over the warp: every lane takes part in the shuffles
+                continue;
 #pragma unroll
             for (int u = 0; u < kTailPerLane; ++u) {
                 const int i = u * kWarpSize + lane;
@@ -346,7 +359,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                     int words[4];
 #pragma unroll
                     for (int c = 0; c < 4; ++c)
-                        words[c] = meta_word(4 * m + c, dest, expert, weight, t);
+                        words[c] = meta_word(4 * m + c, dest, slot_expert[u][c], slot_bits[u][c], t);
                     if (m >= 0)
                         vec = make_int4(words[0], words[1], words[2], words[3]);
                 }
