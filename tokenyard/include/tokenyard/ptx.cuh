@@ -135,9 +135,6 @@ __device__ __forceinline__ int ld_na_s32(const int* ptr) {
     return v;
 }
 
-// The 128-byte line at `ptr` into L2 (a hint; no register waits for it).
-__device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
-
 __device__ __forceinline__ void st_na_v4(int4* ptr, const int4& v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
                  :: "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
