@@ -57,11 +57,6 @@ __device__ __forceinline__ void store(void* dst, const void* src_shared, uint32_
                  : "memory");
 }
 
-// Into L2, with no thread waiting and no shared memory: `bytes` from `src` (global), a hint the hardware may drop.
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-
 __device__ __forceinline__ void commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 template <int kPending>

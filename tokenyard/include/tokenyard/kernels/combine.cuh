@@ -204,11 +204,6 @@ __device__ __forceinline__ void combine(const Params& p) {
                          : p.local_direct && q == p.rank ? p.x + own_row * kHiddenInt4
                          : reinterpret_cast<const int4*>(buffers.row(p.rank, q, indices[q]));
         }
-        // NOTE [reducer prefetch]: lane q brings rank q's row into L2 as a whole while the lanes load its first vectors.
-#pragma unroll
-        for (int q = 0; q < kNumRanks; ++q)
-            if (lane == q && rows_in[q] != nullptr)
-                tma::prefetch_l2(rows_in[q], kHiddenInt4 * 16);
         // kUnroll vectors per lane, each with its kNumRanks loads issued before any is summed (kReduceLoads
         // loads in flight per lane); the sum of every element still runs bias_0, bias_1, rank 0, rank 1, ... as
         // the semantics fix.
