@@ -205,7 +205,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // A sending warp's lanes load the next token's routing (its scales, top-k, ranks and rows there) before they
     // send the token they are at, and hold it in registers: those loads' round trip, which each token waited for
     // before its row could go (on 4 GPUs at 8 SMs a fifth of the senders' time: benchmarks/results/normal_tuning.md,
-    // "The senders' shapes as TMA writers"), now passes while the previous row is stored.
+    // "The senders' shapes as TMA writers"), now passes while the previous row is stored. On one GPU shared by 4
+    // ranks, whose senders wait on their bulk copies, the time moved into that wait ("Routes ahead, ...").
     // A token's routing, as the lanes hold it.
     struct Route {
         int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
