@@ -190,10 +190,9 @@ __device__ __forceinline__ void dispatch(const Params& p) {
 
     // One warp sends token t to every rank it goes to: one read of x (into the warp's stages), up to kNumRanks
     // writes. The lanes load the token's scales and top-k and where it goes, then write its tail to every
-    // destination while lane 0 stores its data, loaded ahead where it fit, and loads the next tokens of the warp's
-    // range (up to `range_end`) ahead, as many rows as the stages hold (NOTE [warp stages]).
-    // Lane 0's: the rows loaded ahead, tokens [next_load - rows_ahead, next_load) of the warp's range.
-    int rows_ahead = 0, next_load = 0;
+    // destination while lane 0 stores its data, loaded ahead with the previous token where it fits, and loads
+    // the next token of the warp's range (`next`, or -1) ahead (NOTE [warp stages]).
+    bool ahead = false;  // lane 0's: whether the token it is at was loaded ahead
     // Lane d's (NOTE [placed rows]): rank d's recv_x where it placed this call (else null), its rows, and the row in
     // it of this rank's first row.
     uint8_t* place_base = nullptr;
@@ -240,7 +239,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         r.slot_index = lane < kNumRanks ? p.prefix_excl[token * kNumRanks + lane] : 0;
         return r;
     };
-    auto send_token = [&](int t, int range_end, const Route& route) {
+    auto send_token = [&](int t, int next, const Route& route) {
         const int64_t token = t;
         const int4* tail = route.tail;
         const int64_t expert = route.expert;
@@ -296,12 +295,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
             to[kNumRanks] = kDirectFromStages ? nullptr : direct;
             first_piece = stages.stored;
-            if (rows_ahead > 0) {  // the oldest of them is this token's
+            if (ahead)
                 stages.send(kDataInt4 * 16, to);  // to nowhere: the row's stage is freed
-                --rows_ahead;
-            } else if (any) {
+            else if (any)
                 stages.copy(p.x + token * kDataInt4, kDataInt4 * 16, to);
-            }
         }
         phase_clock.mark(kPhaseData, lane);
         if (kDirectFromStages && direct != nullptr) {
@@ -311,11 +308,11 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
         phase_clock.mark(kPhaseOwnRow, lane);
         if (lane == 0) {
-            next_load = max(next_load, t + 1);
-            if (next_load < range_end && stages.fits(kDataInt4 * 16))
-                tma::fence_shared_for_async();  // the lanes' reads of the stages before the loads into them
-            for (; next_load < range_end && stages.fits(kDataInt4 * 16); ++next_load, ++rows_ahead)
-                stages.prefetch(p.x + static_cast<int64_t>(next_load) * kDataInt4, kDataInt4 * 16);
+            ahead = next >= 0 && stages.fits(kDataInt4 * 16);
+            if (ahead) {
+                tma::fence_shared_for_async();
+                stages.prefetch(p.x + static_cast<int64_t>(next) * kDataInt4, kDataInt4 * 16);
+            }
         }
         phase_clock.mark(kPhaseAhead, lane);
         if (direct != nullptr) {
@@ -465,7 +462,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             for (int t = t0; t < t1; ++t) {
                 const int next = t + 1 < range_end ? t + 1 : -1;
                 const Route next_route = load_route(next >= 0 ? next : t);  // NOTE [routes ahead]
-                send_token(t, range_end, route);
+                send_token(t, next, route);
                 route = next_route;
             }
             if (lane == 0)  // NOTE [warp stages]: the rows' data written before they are published
