@@ -290,8 +290,9 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             bool any = direct != nullptr;
 #pragma unroll
             for (int dest = 0; dest < kNumRanks; ++dest) {
-                to[dest] = data_to[dest];
-                any |= data_to[dest] != nullptr;
+                // this rank's own row goes by `direct` alone, never by the copy engine too
+                to[dest] = p.local_direct && dest == p.rank ? nullptr : data_to[dest];
+                any |= to[dest] != nullptr;
             }
             to[kNumRanks] = kDirectFromStages ? nullptr : direct;
             first_piece = stages.stored;
