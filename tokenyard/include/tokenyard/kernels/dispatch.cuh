@@ -64,9 +64,9 @@ namespace tokenyard::kernels {
 // each, the next claimed while the current one's rows are copied; a sender warp joins them once its range is sent.
 // Dealt in turn among the receiving warps only, the rows that landed after the last senders had finished waited
 // for the few receivers (4 warps a block), whose copying set the time of the 4-rank dispatch at 8 SMs
-// (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). Block 0 clears the counter at the launch's start and then
-// stores the launch's number beside it (release, kRecvClaimsLaunch); a warp claims once it has read that number
-// (acquire, bounded): the previous launch's claims all ended before this launch began (stream order).
+// (benchmarks/results/normal_tuning.md, "The senders' shapes as TMA writers"). Block 0 clears the counter at the
+// launch's start and then stores the launch's number beside it (release, kRecvClaimsLaunch); a warp claims once it has
+// read that number (acquire, bounded): the previous launch's claims all ended before this launch began (stream order).
 //
 // NOTE [tail pieces]
 // Every sender warp moves its range at about the same pace, so the pieces with one index land on the
@@ -172,11 +172,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // DeepEP V2 delivers every slot's weight) and the int32
     // source index, padded to 16 bytes. Lane i of a warp owns the tail's 16-byte vector i: the scales
     // 4i..4i+3, or metadata words 4m..4m+3 with m = i - kScaleInt4. The sender builds the vectors in
-    // registers (the metadata once per destination, from the top-k lanes by shuffles) and each destination
+    // registers (the metadata per destination, from the top-k slots its lanes gather once a token) and each destination
     // gets the tail in one store instruction, where scalar stores would have sent many small NVLink writes;
     // the receiver loads it with the data, one vector per lane, and scatters the words to the outputs.
 
-    // Metadata word w of destination `dest` for this lane, built from lane w (or w - kNumTopk) of the top-k.
     // Metadata word w of destination `dest`, from the expert and weight bits of the top-k slot the word holds (word w
     // < kNumTopk: slot w's local id; < 2 * kNumTopk: slot w - kNumTopk's weight). The lanes gather their words' slots
     // once a token (`slot_expert`, `slot_bits`: two shuffles a word), not once a destination.
@@ -206,7 +205,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // send the token they are at, and hold it in registers: those loads' round trip, which each token waited for
     // before its row could go (on 4 GPUs at 8 SMs a fifth of the senders' time: benchmarks/results/normal_tuning.md,
     // "The senders' shapes as TMA writers"), now passes while the previous row is stored. On one GPU shared by 4
-    // ranks, whose senders wait on their bulk copies, the time moved into that wait ("Routes ahead, ...").
+    // ranks the time moved into the wait for the next row's bulk load ("Routes ahead, ...").
     // A token's routing, as the lanes hold it.
     struct Route {
         int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
