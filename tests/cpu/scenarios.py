@@ -12,7 +12,7 @@ import torch.distributed as dist
 import tokenyard
 from tokenyard import Buffer, Config
 from tokenyard.semantics import quant, routing
-from tokenyard.tools.testing import make_rank_inputs
+from tokenyard.tools.testing import make_rank_inputs, unaligned_copy
 
 
 def _world():
@@ -487,21 +487,15 @@ def _bad_row_bytes():
     buffer.dispatch(x[:, :4].contiguous(), topk_idx=topk_idx, topk_weights=weights, **layout)
 
 
-def _unaligned(t):
-    """`t`'s values in a contiguous view that starts one element past a 16-byte boundary."""
-    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    return flat[1:].view(t.shape).copy_(t)
-
-
 def _bad_x_unaligned():
     buffer, x, topk_idx, weights, layout = _bad_setup()
-    buffer.dispatch(_unaligned(x), topk_idx=topk_idx, topk_weights=weights, **layout)
+    buffer.dispatch(unaligned_copy(x), topk_idx=topk_idx, topk_weights=weights, **layout)
 
 
 def _bad_combine_x_unaligned():
     buffer, x, topk_idx, weights, layout = _bad_setup()
     recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
-    buffer.combine(_unaligned(recv_x), handle)
+    buffer.combine(unaligned_copy(recv_x), handle)
 
 
 def _bad_weights_shape():

@@ -143,16 +143,11 @@ def test_fast_paths_match_the_reference_with_fresh_inputs(num_ranks, seed):
     print(spawn.run(num_ranks, _fast_paths_match, seed)[0])
 
 
-def _unaligned(t):
-    """`t`'s values in a contiguous view that starts one element past a 16-byte boundary."""
-    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
-
-
 def _unaligned_rows_refused(seed):
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config, InvalidInputError
-    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
+    from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs, unaligned_copy
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -172,8 +167,8 @@ def _unaligned_rows_refused(seed):
             b.dispatch(x, handle=handle)
             b.combine(y, handle, topk_weights=recv_w)
         # The same calls with rows 2 bytes past a 16-byte boundary: refused before any kernel, on every rank.
-        for call in (lambda: b.dispatch(_unaligned(x), handle=handle),
-                     lambda: b.combine(_unaligned(y), handle, topk_weights=recv_w)):
+        for call in (lambda: b.dispatch(unaligned_copy(x), handle=handle),
+                     lambda: b.combine(unaligned_copy(y), handle, topk_weights=recv_w)):
             with pytest.raises(InvalidInputError, match="16-byte boundary"):
                 call()
         results.append((b.dispatch(x, handle=handle)[0], b.combine(y, handle, topk_weights=recv_w)[0]))

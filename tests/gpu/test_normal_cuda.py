@@ -30,7 +30,7 @@ def _compare_ranks(seed, cases):
     import torch.distributed as dist
 
     from tokenyard import Buffer, Config
-    from tokenyard.tools.testing import make_rank_inputs
+    from tokenyard.tools.testing import make_rank_inputs, unaligned_copy
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -83,8 +83,7 @@ def _compare_ranks(seed, cases):
         assert torch.equal(rc[0], cc[0]), f"{what}: combine differs (max abs error {error})"
         assert torch.equal(rc[1], cc[1]), f"{what}: combined weights differ"
         # The same weights 4 bytes off a 16-byte boundary: the lanes store them, not TMA (NOTE [combine weights]).
-        shifted = torch.empty(cw.numel() + 1, dtype=torch.float32, device=device)[1:].view_as(cw).copy_(cw)
-        cs = cuda.combine(y, ch, topk_weights=shifted, bias=bias)
+        cs = cuda.combine(y, ch, topk_weights=unaligned_copy(cw), bias=bias)
         torch.cuda.synchronize()
         assert torch.equal(rc[0], cs[0]) and torch.equal(rc[1], cs[1]), f"{what}: combine of unaligned weights differs"
 

@@ -77,6 +77,12 @@ def make_rank_inputs(seed: int, num_ranks: int, num_tokens: int, hidden: int, nu
     return inputs
 
 
+def unaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values in a contiguous tensor that starts one element past a 16-byte boundary (a view into a larger
+    allocation): what checks.tensor's `aligned` refuses and the kernels' fallbacks must take."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+
+
 def assert_within_bf16_rounding(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Two bf16 results of the same sums, rounded at different points (a combine pre-reduced per rank, as
     the CUDA low-latency kernels do, against one sum): elementwise within a few bf16 roundings of the row's
