@@ -12,7 +12,7 @@ import torch
 
 from . import checks, ops, rounds
 from .backends import internode
-from .backends.requests import CombineRequest, DispatchRequest, LayoutCheck
+from .backends.requests import CombineRequest, DispatchRequest, Expansion, LayoutCheck
 from .config import Config
 from .errors import HandleError, InvalidInputError
 from .event import EventOverlap
@@ -257,9 +257,24 @@ class NormalCalls:
         return isinstance(x, torch.Tensor) and x.device == self.device
 
     @devices.runs_where_tensors_are("x")
+    def _expands_in_kernel(self, handle, x: XLike, num_topk: int) -> bool:
+        """Whether ElasticBuffer's cached expanded dispatch of `x` (top-k `num_topk`) with the V1 `handle` runs in the
+        dispatch kernel (NOTE [expanded rows] in kernels/dispatch.cuh): on one node, in the one round the handle's
+        dispatch ran in, on a backend whose kernel takes it; else the rows are gathered after a dispatch."""
+        if self._internode or not self._normal_backend().expands_in_dispatch:
+            return False
+        data, scales, _ = checks.dispatch_x(x, device=self.device)
+        scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()
+        row_bytes = workspace.normal_dispatch_row_bytes(data.size(1) * data.element_size(), scale_bytes, num_topk)
+        stored = getattr(handle, "rounds", None)
+        return stored is not None and stored.num_rounds == 1 and \
+            stored.fits(self._round_tokens(data.size(0), row_bytes, "dispatch"))
+
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                  allocate_on_comm_stream, all_topk_weights: bool = False):
+                  allocate_on_comm_stream, all_topk_weights: bool = False, expansion: Optional[Expansion] = None):
+        """`expansion`: a cached dispatch straight into the handle's expanded layout (`_expands_in_kernel`), with
+        `topk_weights` the slots' weights; its recv_x and weights are the expanded ones."""
         backend = self._normal_backend()
         x, x_scales, scales_1d = checks.dispatch_x(x, device=self.device)
         num_tokens = x.size(0)
@@ -269,13 +284,15 @@ class NormalCalls:
         if handle is not None:
             handle = checks.dispatch_handle(handle, num_ranks=self.group_size, device=self.device)
             handle = self._handle_for_nodes(handle)
-            if topk_idx is not None or topk_weights is not None:
+            if topk_idx is not None or (topk_weights is not None and expansion is None):
                 raise InvalidInputError("a cached dispatch (handle given) takes no topk_idx/topk_weights")
             num_worst_tokens = 0  # as in DeepEP: the handle's rows (its num_worst_tokens, if it had one)
             if handle.num_tokens != num_tokens:
                 raise InvalidInputError(f"the handle was made for {handle.num_tokens} tokens, x has {num_tokens}")
             is_token_in_rank = handle.is_token_in_rank
-            num_topk = 0
+            num_topk = 0 if expansion is None else expansion.topk_idx.size(1)
+            if topk_weights is not None:
+                checks.topk_weights(topk_weights, like=expansion.topk_idx, device=self.device)
         else:
             if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
                 raise InvalidInputError("dispatch needs num_tokens_per_rank, is_token_in_rank and "
@@ -317,17 +334,19 @@ class NormalCalls:
                                      expert_alignment=expert_alignment, with_weights=int(topk_weights is not None))
             else:
                 self._exchange.agree("cached_dispatch", hidden_bytes=x.size(1) * x.element_size(),
-                                     num_scales=0 if x_scales is None else x_scales.size(1))
+                                     num_scales=0 if x_scales is None else x_scales.size(1),
+                                     expanded=int(expansion is not None))
         request = DispatchRequest(x=x, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
                                   num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
                                   num_tokens_per_expert=num_tokens_per_expert, handle=handle,
                                   expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                                  config=config, all_topk_weights=all_topk_weights,
+                                  config=config, all_topk_weights=all_topk_weights, expansion=expansion,
                                   check=None if handle is not None else LayoutCheck(
                                       topk_idx, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert))
         # What the fast paths record (NOTE [fast paths]); a fresh dispatch's only without check_inputs, the one
         # setting whose fast paths take it.
-        if self._fast is not None and not self._internode and (handle is not None or not self.check_inputs):
+        if self._fast is not None and not self._internode and expansion is None and \
+                (handle is not None or not self.check_inputs):
             recorded = request if handle is not None or num_worst_tokens else \
                 rounds.first_round(request, round_tokens)[0]  # a fresh dispatch's fast path runs its round 0
             self._learnable_shape = self.runtime.dispatch_shape(recorded)
@@ -356,8 +375,8 @@ class NormalCalls:
         if scales_1d:  # [N] scales come back as [N], as in DeepEP
             recv_scales = recv_scales.view(-1)
         recv_x = result.recv_x if x_scales is None else (result.recv_x, recv_scales)
-        if handle is not None:
-            return recv_x, None, None, None, None, scope.event
+        if handle is not None:  # expanded: the expanded rows' weights
+            return recv_x, None, result.recv_topk_weights, None, None, scope.event
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
                 new_handle, scope.event)
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import checks
+from .backends.requests import Expansion
 from .buffer import Buffer
 from .config import Config
 from .errors import HandleError, InvalidInputError
@@ -446,6 +447,14 @@ class ElasticBuffer:
         if do_expand != handle.do_expand:
             raise InvalidInputError(f"do_expand = {do_expand}, but the handle's dispatch had {handle.do_expand}")
         config = self._config(num_sms or handle.num_sms)
+        if do_expand and self.buffer._expands_in_kernel(handle.dispatch_handle, x, handle.topk_idx.size(1)):
+            # NOTE [expanded rows] in kernels/dispatch.cuh: the rows and their weights straight to the expanded layout
+            expansion = Expansion(handle.row_of, handle.source_row, handle.topk_idx, handle.num_experts,
+                                  do_zero_padding)
+            recv_x, _, weights = self.buffer._dispatch(
+                x, handle.dispatch_handle, None, None, None, None, topk_weights, 1, 0, config, None, False, False,
+                expansion=expansion)[:3]
+            return self._laid_out(recv_x, col_major_sf), None, weights, handle
         recv_x = self.buffer.dispatch(x, handle.dispatch_handle, config=config)[0]
         recv_weights = self._send_weights(topk_weights, handle.dispatch_handle, config)
         if do_expand:

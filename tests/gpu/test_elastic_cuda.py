@@ -57,14 +57,19 @@ def _elastic_matches(seed):
                 x, topk_idx, weights, stats, num_experts, expert_alignment=alignment, do_cpu_sync=do_cpu_sync,
                 do_expand=do_expand, do_zero_padding=do_expand, **side)
             event.current_stream_wait()
-            again = buffer.dispatch(x, topk_weights=weights, handle=handle, do_expand=do_expand,
+            # a cached dispatch with other weights; expanded also without zeroed padding (NOTE [expanded rows])
+            again = buffer.dispatch(x, topk_weights=weights * 0.5 + 0.25, handle=handle, do_expand=do_expand,
                                     do_zero_padding=do_expand, **side)
             again[-1].current_stream_wait()
+            loose = buffer.dispatch(x, topk_weights=weights, handle=handle, do_expand=True, **side) if do_expand \
+                else None
+            if loose is not None:
+                loose[-1].current_stream_wait()
             expert_out = (_split(recv_x)[0].float() * 0.5 - 0.25).to(torch.bfloat16)
             bias = (x[0] if isinstance(x, tuple) else x).float().mul(0.125).to(torch.bfloat16)
             combined, combined_w, event = buffer.combine(expert_out, handle, recv_w, bias, **side)
             event.current_stream_wait()
-            out.update(x=recv_x, idx=recv_idx, w=recv_w, handle=handle, stats=stats, again=again,
+            out.update(x=recv_x, idx=recv_idx, w=recv_w, handle=handle, stats=stats, again=again, loose=loose,
                        combined=combined, combined_w=combined_w)
         torch.cuda.synchronize()
         h, hr = got["handle"], want["handle"]
@@ -82,6 +87,13 @@ def _elastic_matches(seed):
             _same(f"case {case}: cached recv_x[{i}]", None if a is None else _split(got["again"][0])[i][rows],
                   None if b is None else _split(want["again"][0])[i][rows])
         _same(f"case {case}: recv_topk_weights", got["w"][rows], want["w"][rows])
+        _same(f"case {case}: cached recv_topk_weights", got["again"][2][rows], want["again"][2][rows])
+        if do_expand:  # without zeroed padding: the rows that hold a pair
+            held = hr.source_row >= 0
+            for i, (a, b) in enumerate(zip(_split(got["loose"][0]), _split(want["loose"][0]))):
+                _same(f"case {case}: cached recv_x[{i}], padding not zeroed", None if a is None else a[held],
+                      None if b is None else b[held])
+            _same(f"case {case}: cached weights, padding not zeroed", got["loose"][2][held], want["loose"][2][held])
         if not do_expand:
             _same(f"case {case}: recv_topk_idx", got["idx"], want["idx"])
         assert_within_bf16_rounding(got["combined"], want["combined"], f"case {case}: combine")

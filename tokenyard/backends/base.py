@@ -42,6 +42,7 @@ class Backend(abc.ABC):
     """One implementation of the tokenyard operations."""
 
     name: str = "?"
+    expands_in_dispatch: bool = False  # takes DispatchRequest.expansion (NOTE [expanded rows])
     # Normal-mode calls that wait for no count on the host may be captured in a CUDA graph (NOTE [graph
     # capture] in buffer.py): what they signal is counted on the GPU.
     CAPTURES_NORMAL_MODE = False

@@ -64,7 +64,7 @@ MODES = ("direct", "nccl", "host")
 CALL_FIELDS = {
     "dispatch": ("hidden_bytes", "num_scales", "num_topk", "num_experts", "num_worst_tokens", "expert_alignment",
                  "with_weights"),
-    "cached_dispatch": ("hidden_bytes", "num_scales"),
+    "cached_dispatch": ("hidden_bytes", "num_scales", "expanded"),
     "combine": ("hidden", "num_topk", "num_biases"),
     "low_latency_dispatch": ("hidden", "num_topk", "num_experts", "num_max", "cast", "round_scale", "use_ue8m0"),
     "low_latency_combine": ("hidden", "num_topk", "num_experts", "num_max"),

@@ -55,6 +55,24 @@ class LayoutCheck:
 
 
 @dataclasses.dataclass(frozen=True)
+class Expansion:
+    """ElasticBuffer's cached expanded dispatch in the dispatch kernel (NOTE [expanded rows] in kernels/dispatch.cuh):
+    the rows go to their pairs' rows of the handle's expanded layout, and the result's recv_x, recv_x_scales and
+    recv_topk_weights are the expanded ones (`num_rows` rows; weights one an expanded row). One round of one node on
+    the CUDA backend only (`Buffer._expands_in_kernel`)."""
+
+    row_of: torch.Tensor                     # [N, K] int32: each received row's pairs' expanded rows, -1 where none
+    source_row: torch.Tensor                 # [M] int32: each expanded row's received row, -1 on padding
+    topk_idx: torch.Tensor                   # [T, K]: the handle's, which slots' weights go to which rank
+    num_experts: int
+    zero_fill: bool                          # padding rows zero, else unspecified
+
+    @property
+    def num_rows(self) -> int:
+        return self.source_row.size(0)
+
+
+@dataclasses.dataclass(frozen=True)
 class DispatchRequest:
     x: torch.Tensor                          # [T, H] any dtype, rows a multiple of 16 bytes
     x_scales: Optional[torch.Tensor]         # [T, S] float32/int32 (any strides) or None
@@ -71,6 +89,7 @@ class DispatchRequest:
     call: Optional[WholeCall] = None         # round 0 of a call in rounds: the result reports most_call_tokens
     check: Optional[LayoutCheck] = None      # a fresh dispatch's one-shot request or round 0
     all_topk_weights: bool = False           # every slot's weight arrives, not only the local ones' (DeepEP V2)
+    expansion: Optional[Expansion] = None    # a cached dispatch straight into the handle's expanded layout
 
     @property
     def num_experts(self) -> int:

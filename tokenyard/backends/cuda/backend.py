@@ -36,11 +36,11 @@ _MASK32 = 0xFFFFFFFF
 DISPATCH_INPUTS = ("x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "num_tokens_per_expert",
                    "call_tokens_per_rank", "call_prefix_matrix", "recv_first", "cursor", "recv_x", "recv_x_scales",
                    "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "check_topk_idx", "check_in_rank",
-                   "check_per_rank", "check_per_expert")
+                   "check_per_rank", "check_per_expert", "expand_row_of", "expand_source_row")
 # The call numbers the kernels signal with are the GPU's (NOTE [normal-mode call numbers] in
 # include/tokenyard/sync.cuh), so a captured call replays with new ones; the host's `ticket` only tells the CPU
 # wait which call's counts have arrived.
-DISPATCH_SCALARS = ("ticket", "call_num_tokens", "num_worst", "token_base", "num_rows", "check_tokens")
+DISPATCH_SCALARS = ("ticket", "call_num_tokens", "num_worst", "token_base", "num_rows", "check_tokens", "expand_rows")
 _NUM_WORST, _NUM_ROWS = DISPATCH_SCALARS.index("num_worst"), DISPATCH_SCALARS.index("num_rows")
 # The scalars a dispatch's counts set, (slot, index of host_counts): one-shot, its received rows; round 0 of a call
 # in rounds (a placement), the whole call's, which it allocates (NOTE [placed rounds] in rounds.py).
@@ -360,9 +360,10 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
                                                chunk_tokens, tail_tokens, m.all_weights, send_warps,
-                                               heuristics.dispatch_stages(), threads))
+                                               heuristics.dispatch_stages(), threads, m.expanded))
         rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
-        own_rows_direct = heuristics.dispatch_own_rows_direct()
+        # NOTE [expanded rows]: the receivers write every row, their own rank's too, where its pairs go.
+        own_rows_direct = heuristics.dispatch_own_rows_direct() and not m.expanded
         T = m.num_tokens
 
         # 1. Count exchange (also the barrier before rows land in the peers' buffers).
@@ -421,12 +422,23 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 recv_first=b.inp("recv_first") if rows_placed else 0, src_idx_base=b.scalar("token_base"),
                 local_direct=int(own_rows_direct), num_send_warps=num_send_warps,
                 place_bases=0 if self.output_arena is None else self.output_arena.memory.bases_tensor.data_ptr(),
-                place_offset=b.arena_offset(recv_x) if makes_outputs else -1, recv_rows=recv_rows,
+                place_offset=b.arena_offset(recv_x) if makes_outputs and not m.expanded else -1, recv_rows=recv_rows,
+                expand_row_of=b.inp("expand_row_of") if m.expanded else 0,
+                expand_source_row=b.inp("expand_source_row") if m.expanded else 0,
+                expand_rows=b.scalar("expand_rows"), expand_zero_fill=int(m.expanded and m.zero_fill),
                 **self._normal_buffer_args(layout),
                 verdict=0 if m.cached else self.verdict.data_ptr(), **self._wait_args(), phases=self._phases_ptr(0)))
 
         def make_outputs(b: plans.PlanBuilder, num_rows):
             rows = rows_whole if b is first else b.whole()
+            if m.expanded:  # NOTE [expanded rows]: the expanded layout's rows, one weight each
+                expanded_rows = b.scalar("expand_rows")
+                recv_x = b.output("recv_x", (expanded_rows, m.hidden), m.dtype)
+                recv_scales = b.part(rows, "recv_x_scales", (expanded_rows, m.num_scales), m.scale_dtype) \
+                    if m.num_scales else 0
+                recv_weights = b.part(rows, "recv_topk_weights", (expanded_rows,), torch.float32) \
+                    if m.with_weights else 0
+                return recv_x, recv_scales, 0, recv_weights, 0
             recv_x = b.output("recv_x", (num_rows, m.hidden), m.dtype, in_arena=True)  # NOTE [placed rows]
             recv_scales = b.part(rows, "recv_x_scales", (num_rows, m.num_scales), m.scale_dtype) if m.num_scales else 0
             recv_topk_idx = recv_topk_weights = 0
@@ -455,18 +467,21 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
     def _dispatch_signature(self, m: plans.DispatchShape) -> int:
         """A dispatch's signature, as the front-end agrees on it for the reference backend (buffer.py)."""
         hidden_bytes = m.hidden * m.element_size
-        if m.cached:
-            return self._signature("cached_dispatch", hidden_bytes=hidden_bytes, num_scales=m.num_scales)
+        if m.cached:  # an expanded one's rows carry its tails (NOTE [expanded rows]): it differs from one that is not
+            return self._signature("cached_dispatch", hidden_bytes=hidden_bytes, num_scales=m.num_scales,
+                                   expanded=int(m.expanded))
         return self._signature("dispatch", hidden_bytes=hidden_bytes, num_scales=m.num_scales, num_topk=m.num_topk,
                                num_experts=m.num_experts, num_worst_tokens=m.num_rows or 0,
                                expert_alignment=m.expert_alignment, with_weights=int(m.with_weights))
 
     def dispatch_scalars(self, num_tokens: int, call_num_tokens: Optional[int] = None, num_worst: int = 0,
-                         token_base: int = 0, check_tokens: int = 0, ticket: Optional[int] = None) -> list:
+                         token_base: int = 0, check_tokens: int = 0, ticket: Optional[int] = None,
+                         expand_rows: int = 0) -> list:
         """A dispatch's per-call values, DISPATCH_SCALARS, with a new ticket (or `ticket`: a recorded call's
         placeholder, which each of its runs replaces with a new one, NOTE [fast calls])."""
         return [self.calls.next_ticket() if ticket is None else ticket,
-                num_tokens if call_num_tokens is None else call_num_tokens, num_worst, token_base, 0, check_tokens]
+                num_tokens if call_num_tokens is None else call_num_tokens, num_worst, token_base, 0, check_tokens,
+                expand_rows]
 
     def note_judged(self, num_experts: int) -> None:
         """A dispatch whose values the notify kernel judges: its expert count names the range in the message
@@ -489,7 +504,9 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         """A dispatch's inputs (DISPATCH_INPUTS) and per-call values (DISPATCH_SCALARS, with a new ticket)."""
         placement, call, handle, check = request.placement, request.call, request.handle, request.check
         outputs = None if placement is None else placement.outputs
-        inputs = (request.x, request.x_scales, None if handle is not None else request.topk_idx,
+        expansion = request.expansion
+        topk_idx = expansion.topk_idx if expansion is not None else None if handle is not None else request.topk_idx
+        inputs = (request.x, request.x_scales, topk_idx,
                   request.topk_weights, request.is_token_in_rank.contiguous(), request.num_tokens_per_expert,
                   None if call is None else call.tokens_per_rank, None if call is None else call.prefix_matrix,
                   None if placement is None else placement.recv_first,
@@ -500,10 +517,12 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             inputs += (check.topk_idx, check.is_token_in_rank.contiguous(), check.num_tokens_per_rank,
                        check.num_tokens_per_expert)
             self.note_judged(request.num_experts)
+        inputs += (None, None) if expansion is None else (expansion.row_of, expansion.source_row)
         scalars = self.dispatch_scalars(request.x.size(0), None if call is None else call.num_tokens,
                                         request.num_worst_tokens if outputs is None else outputs[0].size(0),
                                         0 if outputs is None else placement.token_base,
-                                        0 if check is None else check.is_token_in_rank.size(0))
+                                        0 if check is None else check.is_token_in_rank.size(0),
+                                        expand_rows=0 if expansion is None else expansion.num_rows)
         return inputs, scalars
 
     def counts_arrived(self, request: DispatchRequest, scalars: list,

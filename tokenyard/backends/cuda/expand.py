@@ -11,6 +11,8 @@ from . import kernels
 
 
 class ExpandCalls:
+    expands_in_dispatch = True  # NOTE [expanded rows] in kernels/dispatch.cuh
+
     # -- DeepEP V2's expanded layout (tokenyard/semantics/expand.py) ------------------------------------------
     # Each runs as a plan (NOTE [call plans]) whose row counts are scalars, so a dispatch with the CPU sync,
     # whose counts change at every call, reuses it too; the kernels stride over their rows, so the grids are

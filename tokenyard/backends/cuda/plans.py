@@ -223,14 +223,17 @@ class DispatchShape:
     judged: bool                       # the count exchange judges the whole call's values (request.check)
     judged_topk: bool                  # ... with its topk_idx
     all_weights: bool                  # every slot's weight arrives (DispatchRequest.all_topk_weights)
+    expanded: bool                     # a cached dispatch into the expanded layout (DispatchRequest.expansion)
+    zero_fill: bool                    # ... whose padding rows are zeroed
 
     @classmethod
     def of(cls, request, num_ranks: int) -> "DispatchShape":
         """What decides the plans of `request` (a DispatchRequest) on `num_ranks` ranks, from its metadata (no value
         read)."""
         x, scales, placement = request.x, request.x_scales, request.placement
-        cached = request.handle is not None
-        topk_idx = None if cached else request.topk_idx
+        cached, expansion = request.handle is not None, request.expansion
+        # An expanded cached dispatch's tails carry the slots' local experts and weights, as a fresh one's do.
+        topk_idx = expansion.topk_idx if expansion is not None else None if cached else request.topk_idx
         outputs = None if placement is None else placement.outputs
         return cls(
             num_tokens=x.size(0), hidden=x.size(1), dtype=x.dtype, element_size=x.element_size(),
@@ -238,8 +241,8 @@ class DispatchShape:
             scale_strides=(0, 0) if scales is None else (scales.stride(0), scales.stride(1)),
             num_topk=0 if topk_idx is None else topk_idx.size(1),
             topk_dtype=torch.int64 if topk_idx is None else topk_idx.dtype,
-            with_weights=not cached and request.topk_weights is not None,
-            num_experts=num_ranks if cached else request.num_experts,
+            with_weights=(not cached or expansion is not None) and request.topk_weights is not None,
+            num_experts=expansion.num_experts if expansion is not None else num_ranks if cached else request.num_experts,
             expert_alignment=request.expert_alignment,
             num_rows=request.handle.num_rows if cached else (request.num_worst_tokens or None),
             cached=cached, num_sms=request.config.num_sms,
@@ -248,4 +251,5 @@ class DispatchShape:
             placed_by_notify=placement is not None and placement.cursor is not None,
             whole_call=request.call is not None, judged=request.check is not None,
             judged_topk=request.check is not None and request.check.topk_idx is not None,
-            all_weights=request.all_topk_weights)
+            all_weights=request.all_topk_weights, expanded=expansion is not None,
+            zero_fill=expansion is not None and expansion.zero_fill)

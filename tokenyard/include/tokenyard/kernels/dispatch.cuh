@@ -89,6 +89,15 @@ namespace tokenyard::kernels {
 // the buffer.
 // Rank d's slot of one call cannot be overwritten while a peer still reads it: its next call's data kernel starts
 // after that call's count exchange, which every rank reaches only after its own data kernel of this call ended.
+//
+// NOTE [expanded rows]
+// ElasticBuffer's cached expanded dispatch (kExpand; tokenyard/elastic.py) writes each received row straight to the
+// rows of its (row, local expert) pairs in the expanded outputs, where a separate pass copied them out of recv_x
+// (`expand_rows`): the handle's row_of[out][k] is slot k's expanded row (-1: no local expert), recv_x / recv_scales
+// are the expanded data and scales, and recv_topk_weights holds one weight an expanded row (the slot's, which the
+// tail carries). The receivers load a row once and store it to each of its pairs' rows, so the rows come through
+// the buffer (no placed rows, no own row written by the senders), and the outputs the handle holds are not written.
+// Then the padding rows (source_row < 0) are zeroed where the caller asks.
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
@@ -121,7 +130,7 @@ struct SenderRanges {
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
           int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, int kSendWarps,
-          typename Params>
+          bool kExpand, typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -385,6 +394,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int4* data_in = reinterpret_cast<const int4*>(src);
         const int4* tail_in = data_in + kDataInt4;
         int4* data_out = p.recv_x + out * kDataInt4;
+        // NOTE [expanded rows]: lane k < kNumTopk holds slot k's row in the expanded outputs (-1: no local expert),
+        // which the warp reads by shuffles where it stores (held by every lane, they spilled at 768 threads).
+        const int of_lane = kExpand && lane < kNumTopk ? p.expand_row_of[out * kNumTopk + lane] : -1;
+        auto expanded = [&](int k) { return __shfl_sync(0xffffffffu, of_lane, k); };
         int4 tail[kTailPerLane];
         auto load_tail = [&]() {
 #pragma unroll
@@ -399,12 +412,44 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
             if (base == 0)
                 load_tail();
-            store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
+            if constexpr (kExpand) {
+#pragma unroll
+                for (int k = 0; k < kNumTopk; ++k) {
+                    const int row = expanded(k);
+                    if (row >= 0)
+                        store_batch<kBatch>(p.recv_x + static_cast<int64_t>(row) * kDataInt4, v, base, kDataInt4,
+                                            lane);
+                }
+            } else {
+                store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
+            }
+        }
+        if constexpr (kExpand) {  // the scales to each pair's row, a slot's weight to its pair's
+#pragma unroll
+            for (int k = 0; k < kNumTopk; ++k) {
+                const int row = expanded(k);
+                if (row < 0)
+                    continue;
+#pragma unroll
+                for (int u = 0; u < kTailPerLane; ++u) {
+                    const int i = u * kWarpSize + lane;
+                    const int* words = reinterpret_cast<const int*>(&tail[u]);
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const int j = i * 4 + c;
+                        if (i < kScaleInt4 && j < kNumScales)
+                            p.recv_scales[static_cast<int64_t>(row) * kNumScales + j] = static_cast<uint32_t>(words[c]);
+                        else if (i >= kScaleInt4 && i < kTailInt4 && (i - kScaleInt4) * 4 + c == kNumTopk + k &&
+                                 p.recv_topk_weights != nullptr)
+                            p.recv_topk_weights[row] = __int_as_float(words[c]);
+                    }
+                }
+            }
         }
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
             const int i = u * kWarpSize + lane;
-            if (i >= kTailInt4)
+            if (kExpand || i >= kTailInt4)
                 continue;
             const int* words = reinterpret_cast<const int*>(&tail[u]);
 #pragma unroll
@@ -541,6 +586,19 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         if (!receive_item(item))
             return;
         item = __shfl_sync(0xffffffffu, next, 0);
+    }
+    // NOTE [expanded rows]: the padding rows, zero where asked (the handle's source_row says which).
+    if (kExpand && p.expand_zero_fill) {
+        for (int64_t r = blockIdx.x * kNumWarps + warp; r < p.expand_rows; r += gridDim.x * kNumWarps) {
+            if (p.expand_source_row[r] >= 0)
+                continue;
+            for (int i = lane; i < kDataInt4; i += kWarpSize)
+                p.recv_x[r * kDataInt4 + i] = make_int4(0, 0, 0, 0);
+            for (int i = lane; i < kNumScales; i += kWarpSize)
+                p.recv_scales[r * kNumScales + i] = 0;
+            if (lane == 0 && p.recv_topk_weights != nullptr)
+                p.recv_topk_weights[r] = 0.0f;
+        }
     }
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
