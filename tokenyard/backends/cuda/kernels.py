@@ -103,7 +103,8 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
     to their pairs' expanded rows (NOTE [expanded rows])."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
-    stage_bytes = data_stage_bytes(data_int4 * 16, send_warps, stages)
+    staged_warps = threads // 32 if expand else send_warps  # expanded: the receivers' bulk copies too
+    stage_bytes = data_stage_bytes(data_int4 * 16, staged_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, threads, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
@@ -122,7 +123,7 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int64_t", "expand_rows"), Param("int", "expand_zero_fill"))
         + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT + _PHASES,
         threads, name="tokenyard::normal::dispatch",
-        shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))
+        shared_bytes=data_shared_bytes(stage_bytes, staged_warps, stages))
 
 
 @functools.lru_cache(maxsize=None)

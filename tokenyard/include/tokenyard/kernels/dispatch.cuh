@@ -156,8 +156,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     PhaseClock phase_clock(p.phases, warp, kNumWarps);  // NOTE [normal-mode phases]
     extern __shared__ __align__(128) uint8_t shared[];
     static_assert(kSendWarps >= 1 && kSendWarps < kNumWarps, "every block sends and receives");
-    WarpStages<kStages, kStageBytes> stages(shared, warp, kSendWarps);  // the sending warps'
-    if (warp < kSendWarps && lane == 0)
+    // The sending warps', and with kExpand every warp's (the receivers' bulk copies: NOTE [expanded rows]).
+    constexpr int kStagedWarps = kExpand ? kNumWarps : kSendWarps;
+    WarpStages<kStages, kStageBytes> stages(shared, warp, kStagedWarps);
+    if (warp < kStagedWarps && lane == 0)
         stages.init();
     // The output row of the first row from `source` (NOTE [placed rounds]).
     auto out_first = [&](int source) {
@@ -405,24 +407,24 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 if (u * kWarpSize + lane < kTailInt4)
                     tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
         };
-        if (placed)  // NOTE [placed rows]: the senders wrote the data in place; the tail alone moves
+        if (placed || kExpand)  // NOTE [placed rows]: the senders wrote the data in place; the tail alone moves
             load_tail();
-        for (int base = 0; !placed && base < kDataInt4; base += kBatch * kWarpSize) {
+        if constexpr (kExpand) {  // NOTE [expanded rows]: the data by lane 0's bulk copies, to each pair's row
+            void* to[kNumTopk];
+#pragma unroll
+            for (int k = 0; k < kNumTopk; ++k) {
+                const int row = expanded(k);
+                to[k] = row >= 0 ? p.recv_x + static_cast<int64_t>(row) * kDataInt4 : nullptr;
+            }
+            if (lane == 0)
+                stages.copy(src, kDataInt4 * 16, to);
+        }
+        for (int base = 0; !placed && !kExpand && base < kDataInt4; base += kBatch * kWarpSize) {
             int4 v[kBatch];
             load_batch<kBatch, true>(v, data_in, base, kDataInt4, lane);
             if (base == 0)
                 load_tail();
-            if constexpr (kExpand) {
-#pragma unroll
-                for (int k = 0; k < kNumTopk; ++k) {
-                    const int row = expanded(k);
-                    if (row >= 0)
-                        store_batch<kBatch>(p.recv_x + static_cast<int64_t>(row) * kDataInt4, v, base, kDataInt4,
-                                            lane);
-                }
-            } else {
-                store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
-            }
+            store_batch<kBatch>(data_out, v, base, kDataInt4, lane);
         }
         if constexpr (kExpand) {  // the scales to each pair's row, a slot's weight to its pair's
 #pragma unroll
@@ -555,6 +557,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 ok = false;
             }
         }
+        if (kExpand && lane == 0)  // the rows' bulk loads (async proxy) after the acquire (generic)
+            tma::fence_global_proxies();
         __syncwarp();  // NOTE [warp acquire] in sync.cuh: lane 0's acquire covers every lane's reads of the rows
         if (!__shfl_sync(0xffffffffu, ok, 0))
             return false;
@@ -583,10 +587,15 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     while (item < num_items) {
         // The next item's claim goes out before this one's rows are copied.
         const int next = lane == 0 ? static_cast<int>(atomicAdd(claims, 1ull)) : 0;
-        if (!receive_item(item))
+        if (!receive_item(item)) {
+            if (kExpand && lane == 0)  // no bulk store may outlive the block's shared memory
+                stages.retire();
             return;
+        }
         item = __shfl_sync(0xffffffffu, next, 0);
     }
+    if (kExpand && lane == 0)  // NOTE [expanded rows]: the receivers' bulk stores done
+        stages.retire();
     // NOTE [expanded rows]: the padding rows, zero where asked (the handle's source_row says which).
     if (kExpand && p.expand_zero_fill) {
         for (int64_t r = blockIdx.x * kNumWarps + warp; r < p.expand_rows; r += gridDim.x * kNumWarps) {
