@@ -416,8 +416,14 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 const int row = expanded(k);
                 to[k] = row >= 0 ? p.recv_x + static_cast<int64_t>(row) * kDataInt4 : nullptr;
             }
-            if (lane == 0)
-                stages.copy(src, kDataInt4 * 16, to);
+            // As many pieces' loads in flight at once as the stages hold, then their stores: copied piece by
+            // piece, a row waited for a load's round trip a piece and the receivers set the proxy's time.
+            constexpr uint32_t kRowBytes = kDataInt4 * 16, kHeld = kStages * kStageBytes;
+            for (uint32_t at = 0; lane == 0 && at < kRowBytes; at += kHeld) {
+                const uint32_t n = min(kRowBytes - at, kHeld);
+                stages.prefetch(src + at, n);
+                stages.send(n, to, at);
+            }
         }
         for (int base = 0; !placed && !kExpand && base < kDataInt4; base += kBatch * kWarpSize) {
             int4 v[kBatch];
