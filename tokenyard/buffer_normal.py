@@ -257,11 +257,12 @@ class NormalCalls:
         return isinstance(x, torch.Tensor) and x.device == self.device
 
     @devices.runs_where_tensors_are("x")
-    def _expands_in_kernel(self, handle, x: XLike, num_topk: int) -> bool:
-        """Whether ElasticBuffer's cached expanded dispatch of `x` (top-k `num_topk`) with the V1 `handle` runs in the
-        dispatch kernel (NOTE [expanded rows] in kernels/dispatch.cuh): on one node, in the one round the handle's
-        dispatch ran in, on a backend whose kernel takes it; else the rows are gathered after a dispatch."""
-        if self._internode or not self._normal_backend().expands_in_dispatch:
+    def _expands_in_kernel(self, handle, x: XLike, num_topk: int, num_sms: int) -> bool:
+        """Whether ElasticBuffer's cached expanded dispatch of `x` (top-k `num_topk`) with the V1 `handle` on
+        `num_sms` SMs runs in the dispatch kernel (NOTE [expanded rows] in kernels/dispatch.cuh): on one node, in the
+        one round the handle's dispatch ran in, where the backend's kernel takes it; else the rows are gathered after a
+        dispatch."""
+        if self._internode or not self._normal_backend().expands_in_dispatch(num_sms):
             return False
         data, scales, _ = checks.dispatch_x(x, device=self.device)
         scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()

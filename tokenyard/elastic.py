@@ -447,7 +447,8 @@ class ElasticBuffer:
         if do_expand != handle.do_expand:
             raise InvalidInputError(f"do_expand = {do_expand}, but the handle's dispatch had {handle.do_expand}")
         config = self._config(num_sms or handle.num_sms)
-        if do_expand and self.buffer._expands_in_kernel(handle.dispatch_handle, x, handle.topk_idx.size(1)):
+        if do_expand and self.buffer._expands_in_kernel(handle.dispatch_handle, x, handle.topk_idx.size(1),
+                                                        config.num_sms):
             # NOTE [expanded rows] in kernels/dispatch.cuh: the rows and their weights straight to the expanded layout
             expansion = Expansion(handle.row_of, handle.source_row, handle.topk_idx, handle.num_experts,
                                   do_zero_padding)

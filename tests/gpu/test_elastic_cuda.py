@@ -34,6 +34,7 @@ def _elastic_matches(seed):
     import torch.distributed as dist
 
     from tokenyard import ElasticBuffer
+    from tokenyard.backends.cuda import heuristics
     from tokenyard.tools.testing import assert_within_bf16_rounding, make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
@@ -45,6 +46,7 @@ def _elastic_matches(seed):
     ref = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=NUM_TOKENS, hidden=HIDDEN, num_topk=NUM_TOPK,
                         backend="reference", check_inputs=False)
     reports = []
+    in_kernel, after = heuristics.EXPAND_IN_DISPATCH_MIN_SMS, heuristics.EXPAND_IN_DISPATCH_MIN_SMS // 2
     for case, (dtype, do_expand, alignment, do_cpu_sync, kind) in enumerate(CASES):
         x, topk_idx, weights = make_rank_inputs(seed + case, num_ranks, NUM_TOKENS, HIDDEN, num_experts, NUM_TOPK,
                                                 kind, dtype, device)[rank]
@@ -57,12 +59,13 @@ def _elastic_matches(seed):
                 x, topk_idx, weights, stats, num_experts, expert_alignment=alignment, do_cpu_sync=do_cpu_sync,
                 do_expand=do_expand, do_zero_padding=do_expand, **side)
             event.current_stream_wait()
-            # a cached dispatch with other weights; expanded also without zeroed padding (NOTE [expanded rows])
+            # A cached dispatch with other weights, expanded in the dispatch kernel (NOTE [expanded rows]); expanded
+            # also on fewer SMs (the rows gathered after it) without zeroed padding.
             again = buffer.dispatch(x, topk_weights=weights * 0.5 + 0.25, handle=handle, do_expand=do_expand,
-                                    do_zero_padding=do_expand, **side)
+                                    do_zero_padding=do_expand, num_sms=in_kernel, **side)
             again[-1].current_stream_wait()
-            loose = buffer.dispatch(x, topk_weights=weights, handle=handle, do_expand=True, **side) if do_expand \
-                else None
+            loose = buffer.dispatch(x, topk_weights=weights, handle=handle, do_expand=True, num_sms=after, **side) \
+                if do_expand else None
             if loose is not None:
                 loose[-1].current_stream_wait()
             expert_out = (_split(recv_x)[0].float() * 0.5 - 0.25).to(torch.bfloat16)
@@ -73,6 +76,9 @@ def _elastic_matches(seed):
                        combined=combined, combined_w=combined_w)
         torch.cuda.synchronize()
         h, hr = got["handle"], want["handle"]
+        assert cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, in_kernel) and \
+            not cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, after), "the paths under test"
+
         valid = hr.psum_num_recv_tokens_per_scaleup_rank[-1].item()
         for name in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
                      "num_unaligned_recv_tokens_per_expert"):

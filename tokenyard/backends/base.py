@@ -42,7 +42,6 @@ class Backend(abc.ABC):
     """One implementation of the tokenyard operations."""
 
     name: str = "?"
-    expands_in_dispatch: bool = False  # takes DispatchRequest.expansion (NOTE [expanded rows])
     # Normal-mode calls that wait for no count on the host may be captured in a CUDA graph (NOTE [graph
     # capture] in buffer.py): what they signal is counted on the GPU.
     CAPTURES_NORMAL_MODE = False
@@ -97,6 +96,12 @@ class Backend(abc.ABC):
             source_row = expand.source_rows(row_of, num_expanded)
         return counts, psum, row_of, source_row, expand.source_metadata(recv_topk_idx, recv_src_idx, psum_per_rank,
                                                                         num_max, row_of)
+
+    def expands_in_dispatch(self, num_sms: int) -> bool:
+        """Whether a cached dispatch on `num_sms` SMs takes DispatchRequest.expansion (NOTE [expanded rows] in
+        kernels/dispatch.cuh), rather than `gather_rows` after it."""
+        del num_sms
+        return False
 
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
         return expand.gather_rows(rows, source_row, zero_fill)

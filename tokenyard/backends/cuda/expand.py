@@ -7,12 +7,10 @@ import math
 
 import torch
 
-from . import kernels
+from . import heuristics, kernels
 
 
 class ExpandCalls:
-    expands_in_dispatch = True  # NOTE [expanded rows] in kernels/dispatch.cuh
-
     # -- DeepEP V2's expanded layout (tokenyard/semantics/expand.py) ------------------------------------------
     # Each runs as a plan (NOTE [call plans]) whose row counts are scalars, so a dispatch with the CPU sync,
     # whose counts change at every call, reuses it too; the kernels stride over their rows, so the grids are
@@ -62,6 +60,9 @@ class ExpandCalls:
                                         (num_rows, num_expanded or 0)))
         return made["counts"], made["psum_per_expert"], made["row_of"] if expanded else None, \
             made.get("source_row"), made["metadata"]
+
+    def expands_in_dispatch(self, num_sms: int) -> bool:
+        return num_sms >= heuristics.EXPAND_IN_DISPATCH_MIN_SMS
 
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # also where no row was received

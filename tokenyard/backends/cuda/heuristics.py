@@ -132,6 +132,13 @@ def combine_own_rows_direct() -> bool:
     return tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
 
 
+# ElasticBuffer's cached expanded dispatch writes the expanded rows in the dispatch kernel (NOTE [expanded rows] in
+# kernels/dispatch.cuh) from this many SMs, else a kernel after the dispatch gathers them. On one GPU shared by 4
+# ranks the kernel's time equalled the two kernels' at 16 and 24 SMs and its calls were 15-25% faster, while at 8 SMs
+# its receivers' copies made it 30% slower (benchmarks/results/elastic.md, "Expanded rows in the dispatch kernel").
+EXPAND_IN_DISPATCH_MIN_SMS = 16
+
+
 # The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the
 # reducers sum three quarters of the kernel). 12 fits in the 128 registers at 2, 4 and 8 ranks where 16 spills;
 # its combine was 4% faster than 16's at 8 SMs and 2% at 24 on 2 ranks, the same on 4; 8 and 32 slower
