@@ -72,6 +72,7 @@ TUNING_KEYS = {
     "dispatch_stages": _parse_count,           # DISPATCH_STAGES
     "combine_stages": _parse_count,            # COMBINE_STAGES
     "combine_reduce_loads": _parse_count,      # COMBINE_REDUCE_LOADS
+    "expand_in_dispatch_min_sms": _parse_count,  # EXPAND_IN_DISPATCH_MIN_SMS
 }
 
 

@@ -78,6 +78,10 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     tokenyard_env("TOKENYARD_TUNING", "combine_reduce_loads=65")
     with pytest.raises(ValueError, match="1 to 64 loads"):
         heuristics.combine_reduce_loads()
+    tokenyard_env("TOKENYARD_TUNING", None)  # NOTE [expanded rows]
+    assert heuristics.expand_in_dispatch_min_sms() == heuristics.EXPAND_IN_DISPATCH_MIN_SMS
+    tokenyard_env("TOKENYARD_TUNING", "expand_in_dispatch_min_sms=2")
+    assert heuristics.expand_in_dispatch_min_sms() == 2
     for bad in ("dispatch_send_warps=0", "share=0.5", "low_latency_local_share=1.0", "combine_own_rows_direct",
                 "combine_own_rows_direct=maybe"):
         tokenyard_env("TOKENYARD_TUNING", bad)

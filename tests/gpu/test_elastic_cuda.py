@@ -46,7 +46,8 @@ def _elastic_matches(seed):
     ref = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=NUM_TOKENS, hidden=HIDDEN, num_topk=NUM_TOPK,
                         backend="reference", check_inputs=False)
     reports = []
-    in_kernel, after = heuristics.EXPAND_IN_DISPATCH_MIN_SMS, heuristics.EXPAND_IN_DISPATCH_MIN_SMS // 2
+    in_kernel = heuristics.expand_in_dispatch_min_sms()  # NOTE [expanded rows]: from this many SMs
+    after = max(2, in_kernel - 2)
     for case, (dtype, do_expand, alignment, do_cpu_sync, kind) in enumerate(CASES):
         x, topk_idx, weights = make_rank_inputs(seed + case, num_ranks, NUM_TOKENS, HIDDEN, num_experts, NUM_TOPK,
                                                 kind, dtype, device)[rank]
@@ -77,7 +78,8 @@ def _elastic_matches(seed):
         torch.cuda.synchronize()
         h, hr = got["handle"], want["handle"]
         assert cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, in_kernel) and \
-            not cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, after), "the paths under test"
+            (after == in_kernel or not cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, after)), \
+            "the paths under test"
 
         valid = hr.psum_num_recv_tokens_per_scaleup_rank[-1].item()
         for name in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",

@@ -62,7 +62,7 @@ class ExpandCalls:
             made.get("source_row"), made["metadata"]
 
     def expands_in_dispatch(self, num_sms: int) -> bool:
-        return num_sms >= heuristics.EXPAND_IN_DISPATCH_MIN_SMS
+        return num_sms >= heuristics.expand_in_dispatch_min_sms()
 
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # also where no row was received

@@ -139,6 +139,10 @@ def combine_own_rows_direct() -> bool:
 EXPAND_IN_DISPATCH_MIN_SMS = 16
 
 
+def expand_in_dispatch_min_sms() -> int:
+    return tuned("expand_in_dispatch_min_sms", EXPAND_IN_DISPATCH_MIN_SMS)
+
+
 # The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the
 # reducers sum three quarters of the kernel). 12 fits in the 128 registers at 2, 4 and 8 ranks where 16 spills;
 # its combine was 4% faster than 16's at 8 SMs and 2% at 24 on 2 ranks, the same on 4; 8 and 32 slower
