@@ -95,9 +95,13 @@ namespace tokenyard::kernels {
 // rows of its (row, local expert) pairs in the expanded outputs, where a separate pass copied them out of recv_x
 // (`expand_rows`): the handle's row_of[out][k] is slot k's expanded row (-1: no local expert), recv_x / recv_scales
 // are the expanded data and scales, and recv_topk_weights holds one weight an expanded row (the slot's, which the
-// tail carries). The receivers load a row once and store it to each of its pairs' rows, so the rows come through
-// the buffer (no placed rows, no own row written by the senders), and the outputs the handle holds are not written.
-// Then the padding rows (source_row < 0) are zeroed where the caller asks.
+// tail carries). The rows come through the buffer (no placed rows, no own row written by the senders): a receiver's
+// lane 0 loads a row into its warp's stages by TMA once (every warp of this kernel has stages, half the size of the
+// sending warps' in the plain kernel) and stores it to each of its pairs' rows, the lanes its scales and weights; the
+// outputs the handle holds are not written. Then the padding rows (source_row < 0) are zeroed where the caller asks.
+// The backend takes this path from heuristics.EXPAND_IN_DISPATCH_MIN_SMS SMs; on fewer, the receivers' copies made
+// it slower than the gather after a plain dispatch (benchmarks/results/elastic.md, "Expanded rows in the dispatch
+// kernel").
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
@@ -407,7 +411,9 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 if (u * kWarpSize + lane < kTailInt4)
                     tail[u] = ptx::ld_na_v4(tail_in + u * kWarpSize + lane);
         };
-        if (placed || kExpand)  // NOTE [placed rows]: the senders wrote the data in place; the tail alone moves
+        // NOTE [placed rows]: the senders wrote the data in place, or (kExpand) lane 0 moves it by TMA: the lanes
+        // load the tail alone.
+        if (placed || kExpand)
             load_tail();
         if constexpr (kExpand) {  // NOTE [expanded rows]: the data by lane 0's bulk copies, to each pair's row
             void* to[kNumTopk];
@@ -416,8 +422,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 const int row = expanded(k);
                 to[k] = row >= 0 ? p.recv_x + static_cast<int64_t>(row) * kDataInt4 : nullptr;
             }
-            // As many pieces' loads in flight at once as the stages hold, then their stores: copied piece by
-            // piece, a row waited for a load's round trip a piece and the receivers set the proxy's time.
+            // As many pieces' loads in flight at once as the stages hold, then their stores: a round trip a row
+            // rather than a piece (in the proxy no faster, elastic.md: the copies are bound elsewhere there).
             constexpr uint32_t kRowBytes = kDataInt4 * 16, kHeld = kStages * kStageBytes;
             for (uint32_t at = 0; lane == 0 && at < kRowBytes; at += kHeld) {
                 const uint32_t n = min(kRowBytes - at, kHeld);
