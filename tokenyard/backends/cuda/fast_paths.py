@@ -59,6 +59,8 @@ class FastPaths:
         from .backend import DISPATCH_INPUTS
 
         self.unused_dispatch_inputs = (None,) * (len(DISPATCH_INPUTS) - 5)  # a cached dispatch's, after the fifth
+        # A worst-case dispatch's, after its check inputs (the expanded layout's, NOTE [expanded rows]).
+        self.unused_after_checks = (None,) * (len(DISPATCH_INPUTS) - DISPATCH_INPUTS.index("check_per_expert") - 1)
         self.buffer = buffer
         self.backend = buffer.runtime
         self.device_index = buffer.device.index
@@ -139,7 +141,8 @@ class FastPaths:
         ran = self.calls.run(self._worst_key(x, layout, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
                                              config, async_finish, all_weights),
                              (data, scales, topk_idx, topk_weights, in_rank, per_expert) + _NINE_NONES +
-                             (topk_idx, in_rank, per_rank, per_expert), _raw_stream(self.device_index), previous_event,
+                             (topk_idx, in_rank, per_rank, per_expert) + self.unused_after_checks,
+                             _raw_stream(self.device_index), previous_event,
                              async_finish, 0)
         if ran is None:
             return None
