@@ -256,13 +256,14 @@ class NormalCalls:
             return len(x) == 2 and x[1].dim() == 2 and x[0].device == self.device
         return isinstance(x, torch.Tensor) and x.device == self.device
 
-    @devices.runs_where_tensors_are("x")
     def _expands_in_kernel(self, handle, x: XLike, num_topk: int, num_sms: int) -> bool:
         """Whether ElasticBuffer's cached expanded dispatch of `x` (top-k `num_topk`) with the V1 `handle` on
         `num_sms` SMs runs in the dispatch kernel (NOTE [expanded rows] in kernels/dispatch.cuh): on one node, in the
         one round the handle's dispatch ran in, where the backend's kernel takes it; else the rows are gathered after a
         dispatch."""
-        if self._internode or not self._normal_backend().expands_in_dispatch(num_sms):
+        first = x[0] if isinstance(x, tuple) and x else x
+        if self._internode or not isinstance(first, torch.Tensor) or first.device != self.device or \
+                not self._normal_backend().expands_in_dispatch(num_sms):  # (NOTE [device rule]: a CPU twin's gather)
             return False
         data, scales, _ = checks.dispatch_x(x, device=self.device)
         scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()
@@ -271,6 +272,7 @@ class NormalCalls:
         return stored is not None and stored.num_rounds == 1 and \
             stored.fits(self._round_tokens(data.size(0), row_bytes, "dispatch"))
 
+    @devices.runs_where_tensors_are("x")
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                   allocate_on_comm_stream, all_topk_weights: bool = False, expansion: Optional[Expansion] = None):
