@@ -71,6 +71,37 @@ def expand_rows(recv_topk_idx: torch.Tensor, num_local_experts: int,
     return row_of.view(num_rows, num_topk).to(torch.int32), counts.to(torch.int32), ends.to(torch.int32)
 
 
+def source_ranks(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 [T, K], at a dispatch's source: slot k's rank among this rank's tokens whose top-k names expert
+    ``topk_idx[t, k]``, in token order (-1 where the slot names none). With `expanded_bases` at the destination it
+    gives each pair's expanded row before any row arrives: ``row_of[j, k] = bases[s, e] + source_ranks[t, k]`` for
+    received row j from source s, token t, whose slot k names local expert e (a token names an expert once)."""
+    num_tokens, num_topk = topk_idx.shape
+    device = topk_idx.device
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    experts = torch.where(valid, topk_idx, num_experts).long()
+    tokens = torch.arange(num_tokens, dtype=torch.int64, device=device).unsqueeze(1).expand(num_tokens, num_topk)
+    order = torch.argsort((experts * max(num_tokens, 1) + tokens).flatten())
+    sorted_experts = experts.flatten()[order]
+    counts = torch.bincount(sorted_experts, minlength=num_experts + 1)
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank_sorted = torch.arange(order.numel(), dtype=torch.int64, device=device) - first_of_expert[sorted_experts]
+    ranks = torch.empty_like(rank_sorted)
+    ranks[order] = torch.where(sorted_experts < num_experts, rank_sorted, -1)
+    return ranks.view(num_tokens, num_topk).to(torch.int32)
+
+
+def expanded_bases(counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
+    """int32 [R, L], at a destination, from ``counts [R, L]`` (the pairs of its local expert l that source s sends):
+    where source s's pairs of expert l begin in the expanded layout, ``starts[l] + sum over s' < s of counts[s',
+    l]``, ``starts`` as in `expand_rows` (each expert's block aligned)."""
+    counts = counts.long()
+    totals = counts.sum(0)
+    aligned = align(totals, expert_alignment)
+    starts = torch.cumsum(aligned, 0) - aligned
+    return (starts.unsqueeze(0) + torch.cumsum(counts, 0) - counts).to(torch.int32)
+
+
 def _pair_of(row_of: torch.Tensor, num_expanded: int) -> torch.Tensor:
     """int64 [num_expanded]: the pair ``j * K + k`` each expanded row holds, ``N * K`` on padding rows."""
     num_pairs = row_of.numel()
