@@ -118,3 +118,37 @@ def _elastic_matches(seed):
 def test_elastic_buffer_on_cuda_matches_the_reference(num_ranks, seed):
     for line in spawn.run(num_ranks, _elastic_matches, seed)[0]:
         print(line)
+
+
+def _source_ranks_match(seed):
+    import torch.distributed as dist
+
+    from tokenyard import ElasticBuffer
+    from tokenyard.semantics import expand
+    from tokenyard.tools.testing import make_rank_inputs
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    cuda = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=NUM_TOKENS, hidden=HIDDEN, num_topk=NUM_TOPK,
+                         backend="cuda", check_inputs=False)
+    backend = cuda.buffer.runtime
+    backend.poison_outputs = True
+    reports = []
+    for case, (num_tokens, num_experts, kind, dtype) in enumerate(
+            ((1, 8 * num_ranks, "uniform", torch.int64), (37, 8 * num_ranks, "masked", torch.int64),
+             (1000, 4 * num_ranks, "skewed", torch.int32), (4096, 256, "uniform", torch.int64))):
+        topk_idx = make_rank_inputs(seed + case, num_ranks, num_tokens, 128, num_experts, NUM_TOPK, kind, "bf16",
+                                    device)[rank][1].to(dtype)
+        got = backend.source_ranks(topk_idx, num_experts)
+        want = expand.source_ranks(topk_idx.cpu(), num_experts)
+        assert torch.equal(got.cpu(), want), f"case {case}: source ranks differ"
+        reports.append(f"case {case}: {num_tokens} tokens, {num_experts} experts, {kind}: matches")
+    cuda.destroy()
+    return reports
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts())
+def test_source_ranks_on_cuda_match_the_semantics(num_ranks, seed):
+    """semantics.expand.source_ranks (each slot's rank among the tokens naming its expert) by its kernel."""
+    for line in spawn.run(num_ranks, _source_ranks_match, seed)[0]:
+        print(line)

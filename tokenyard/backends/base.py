@@ -97,6 +97,9 @@ class Backend(abc.ABC):
         return counts, psum, row_of, source_row, expand.source_metadata(recv_topk_idx, recv_src_idx, psum_per_rank,
                                                                         num_max, row_of)
 
+    def source_ranks(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+        return expand.source_ranks(topk_idx, num_experts)
+
     def expands_in_dispatch(self, num_sms: int) -> bool:
         """Whether a cached dispatch on `num_sms` SMs takes DispatchRequest.expansion (NOTE [expanded rows] in
         kernels/dispatch.cuh), rather than `gather_rows` after it."""

@@ -61,6 +61,24 @@ class ExpandCalls:
         return made["counts"], made["psum_per_expert"], made["row_of"] if expanded else None, \
             made.get("source_row"), made["metadata"]
 
+    def source_ranks(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+        if topk_idx.device.type != "cuda" or not topk_idx.is_contiguous() or topk_idx.dim() != 2:
+            return super().source_ranks(topk_idx, num_experts)
+        (num_tokens, num_topk), topk_dtype = topk_idx.shape, topk_idx.dtype
+        threads = kernels.SOURCE_RANKS_THREADS
+
+        def build():
+            b = self._builder(("topk_idx",), ())
+            out = b.output("ranks", (num_tokens, num_topk), torch.int32)
+            if num_tokens:
+                b.launch(self._kernel(kernels.source_ranks(num_topk, topk_dtype)), -(-num_tokens // threads),
+                         dict(topk_idx=b.inp("topk_idx"), num_tokens=num_tokens, num_experts=num_experts, ranks=out),
+                         shared_bytes=(threads // 32 + 1) * num_experts * 4)
+            return b.build()
+
+        plan = self.plan(("source_ranks", num_tokens, num_topk, topk_dtype, num_experts), build)
+        return plan.run_here(self._stream(), (topk_idx,))[0]
+
     def expands_in_dispatch(self, num_sms: int) -> bool:
         return num_sms >= heuristics.expand_in_dispatch_min_sms()
 

@@ -241,6 +241,20 @@ def expand_psum() -> KernelSpec:
         EXPAND_THREADS, name="tokenyard::elastic::expand_psum")
 
 
+SOURCE_RANKS_THREADS = 256  # tokens a block (its warps' running counts: (warps + 1) * num_experts ints)
+
+
+@functools.lru_cache(maxsize=None)
+def source_ranks(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
+    """Each slot's rank among the tokens naming its expert (semantics.expand.source_ranks; kernels/expand.cuh)."""
+    topk_t = topk_ctype(topk_dtype)
+    return KernelSpec(
+        "tokenyard/kernels/expand.cuh", "tokenyard::kernels::source_ranks", (num_topk, topk_t),
+        (Param(f"const {topk_t}*", "topk_idx"), Param("int64_t", "num_tokens"), Param("int", "num_experts"),
+         Param("int*", "ranks")),
+        SOURCE_RANKS_THREADS, name="tokenyard::elastic::source_ranks")
+
+
 @functools.lru_cache(maxsize=None)
 def expand_rows(row_int4: int) -> KernelSpec:
     """ElasticBuffer's expanded rows: each a copy of the received row it holds, or zeros (padding)."""
@@ -365,6 +379,7 @@ def every_kernel():
     yield expand_count(8, torch.int64)
     yield expand_place(8, torch.int64)
     yield expand_psum()
+    yield source_ranks(8, torch.int64)
     yield expand_rows(7168 // 16)       # FP8 rows, DeepSeek-V3
     yield expand_rows(56 * 4 // 16)     # their scales
     yield reduce_expanded(7168 * 2 // 16, 8)

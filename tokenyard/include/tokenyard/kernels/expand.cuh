@@ -120,6 +120,59 @@ __device__ __forceinline__ void expand_psum(const Params& p) {
     }
 }
 
+// source_ranks (tokenyard/semantics/expand.py): slot k's rank among this rank's tokens whose top-k names the same
+// expert, in token order (-1 where it names none), a thread per token. Each block counts each expert's pairs in the
+// tokens before its own (shared-memory atomics: a count's order does not matter), each warp its own tokens' pairs;
+// a thread per expert turns the warps' counts into where each warp's pairs of the expert begin; then a warp's lanes
+// take turns in token order, each numbering its slots' pairs from the warp's running counts (a token names an expert
+// once, so a lane's slots never share one). Dynamic shared memory: (warps + 1) * num_experts ints.
+template <int kNumTopk, typename TopkT, typename Params>
+__device__ __forceinline__ void source_ranks(const Params& p) {
+    extern __shared__ int expert_counts[];  // [num_experts]: before the block's tokens; then [warps][num_experts]
+    const int warps = blockDim.x / kWarpSize, warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    int* before = expert_counts;
+    int* running = expert_counts + p.num_experts + warp * p.num_experts;  // this warp's
+    for (int i = threadIdx.x; i < (warps + 1) * p.num_experts; i += blockDim.x)
+        expert_counts[i] = 0;
+    __syncthreads();
+    const auto expert = [&](int64_t f) {  // pair f's expert, -1 where it names none
+        const int64_t e = static_cast<int64_t>(p.topk_idx[f]);
+        return e >= 0 && e < p.num_experts ? static_cast<int>(e) : -1;
+    };
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x, t = first + threadIdx.x;
+    for (int64_t f = threadIdx.x; f < first * kNumTopk; f += blockDim.x) {
+        const int e = expert(f);
+        if (e >= 0)
+            atomicAdd(&before[e], 1);
+    }
+    int experts[kNumTopk];
+#pragma unroll
+    for (int k = 0; k < kNumTopk; ++k) {
+        experts[k] = t < p.num_tokens ? expert(t * kNumTopk + k) : -1;
+        if (experts[k] >= 0)
+            atomicAdd(&running[experts[k]], 1);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
+        int start = before[e];
+        for (int w = 0; w < warps; ++w) {
+            int* count = expert_counts + p.num_experts + w * p.num_experts + e;
+            const int pairs = *count;
+            *count = start;
+            start += pairs;
+        }
+    }
+    __syncthreads();
+    for (int turn = 0; turn < kWarpSize; ++turn) {
+        if (lane == turn && t < p.num_tokens) {
+#pragma unroll
+            for (int k = 0; k < kNumTopk; ++k)
+                p.ranks[t * kNumTopk + k] = experts[k] >= 0 ? running[experts[k]]++ : -1;
+        }
+        __syncwarp();
+    }
+}
+
 // A combine's weights where the dispatch is not expanded (every slot's weight arrived): a pair's weight where its
 // expert is local, 0 elsewhere, so that each token's slot comes back from the one rank that owns its expert. A
 // thread per pair.
