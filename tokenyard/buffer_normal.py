@@ -245,8 +245,9 @@ class NormalCalls:
 
     def _fresh_handle(self, result, plan, num_worst_tokens: int) -> DispatchHandle:
         """A fresh one-node dispatch's handle: the backend's fields, this Buffer's, the rounds."""
+        rows = result.recv_x if result.expanded is None else result.recv_topk_idx  # expanded: recv_x is [M, H]
         return DispatchHandle.of(result.handle, dict(
-            buffer_id=self._id, rounds=plan, num_recv_tokens=None if num_worst_tokens else result.recv_x.size(0),
+            buffer_id=self._id, rounds=plan, num_recv_tokens=None if num_worst_tokens else rows.size(0),
             fast_for=self._id if plan.num_rounds == 1 else None))
 
     def _learnable_x(self, x) -> bool:
@@ -272,12 +273,29 @@ class NormalCalls:
         return stored is not None and stored.num_rounds == 1 and \
             stored.fits(self._round_tokens(data.size(0), row_bytes, "dispatch"))
 
+    def _expands_fresh_in_kernel(self, x: XLike, num_topk: int, num_max_tokens: int, num_sms: int) -> bool:
+        """Whether ElasticBuffer's fresh expanded dispatch of `x` (top-k `num_topk`, at most `num_max_tokens` tokens on
+        any rank) on `num_sms` SMs makes the expanded layout in the dispatch kernel (NOTE [expanded rows] in
+        kernels/dispatch.cuh): on one node, where the backend's kernel takes it and every rank's call is one round
+        (which `num_max_tokens` decides alike on every rank, before any exchange)."""
+        first = x[0] if isinstance(x, tuple) and x else x
+        if self._internode or not isinstance(first, torch.Tensor) or first.device != self.device or \
+                not self._normal_backend().expands_in_dispatch(num_sms):  # (NOTE [device rule]: a CPU twin's pass)
+            return False
+        data, scales, _ = checks.dispatch_x(x, device=self.device)
+        scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()
+        row_bytes = workspace.normal_dispatch_row_bytes(data.size(1) * data.element_size(), scale_bytes, num_topk,
+                                                        source_ranks=True)
+        paired = workspace.normal_combine_row_bytes(data.size(1), num_topk)
+        return self._round_tokens(num_max_tokens, row_bytes, "dispatch", paired) >= num_max_tokens
+
     @devices.runs_where_tensors_are("x")
     def _dispatch(self, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                   topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                   allocate_on_comm_stream, all_topk_weights: bool = False, expansion: Optional[Expansion] = None):
-        """`expansion`: a cached dispatch straight into the handle's expanded layout (`_expands_in_kernel`), with
-        `topk_weights` the slots' weights; its recv_x and weights are the expanded ones."""
+        """`expansion`: a dispatch straight into the expanded layout, cached (the handle's: `_expands_in_kernel`,
+        with `topk_weights` the slots' weights) or fresh (`_expands_fresh_in_kernel`, one round: the result then
+        ends with the layout made, DispatchResult.expanded); its recv_x and weights are the expanded ones."""
         backend = self._normal_backend()
         x, x_scales, scales_1d = checks.dispatch_x(x, device=self.device)
         num_tokens = x.size(0)
@@ -323,7 +341,9 @@ class NormalCalls:
                 checks.layout_agrees(topk_idx, num_experts, num_tokens_per_rank, is_token_in_rank,
                                      num_tokens_per_expert)
         scale_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
-        row_bytes = workspace.normal_dispatch_row_bytes(x.size(1) * x.element_size(), scale_bytes, num_topk)
+        fresh_expansion = expansion is not None and expansion.fresh
+        row_bytes = workspace.normal_dispatch_row_bytes(x.size(1) * x.element_size(), scale_bytes, num_topk,
+                                                        fresh_expansion)
         paired_row_bytes = None if handle is not None else workspace.normal_combine_row_bytes(x.size(1), num_topk)
         round_tokens = self._round_tokens(num_tokens, row_bytes, "dispatch", paired_row_bytes)
         self._refuse_capture(backend, "dispatch", cpu_wait=handle is None and not num_worst_tokens)
@@ -334,7 +354,8 @@ class NormalCalls:
                 self._exchange.agree("dispatch", hidden_bytes=x.size(1) * x.element_size(),
                                      num_scales=0 if x_scales is None else x_scales.size(1), num_topk=num_topk,
                                      num_experts=num_tokens_per_expert.size(0), num_worst_tokens=num_worst_tokens,
-                                     expert_alignment=expert_alignment, with_weights=int(topk_weights is not None))
+                                     expert_alignment=expert_alignment, with_weights=int(topk_weights is not None),
+                                     expanded=int(fresh_expansion))
             else:
                 self._exchange.agree("cached_dispatch", hidden_bytes=x.size(1) * x.element_size(),
                                      num_scales=0 if x_scales is None else x_scales.size(1),
@@ -358,6 +379,10 @@ class NormalCalls:
             if self._internode:  # whole calls (NOTE [internode stages] in backends/internode.py)
                 result = backend.internode_dispatch(request)
                 plan = None
+            elif fresh_expansion:  # one round on every rank (`_expands_fresh_in_kernel`), so no round 0 first
+                result = backend.dispatch(request)
+                most = result.most_call_tokens
+                plan = rounds.Rounds(round_tokens, 1, round_tokens if most is None else min(round_tokens, most), most)
             elif handle is None:
                 result, plan = rounds.dispatch(backend, request, round_tokens=round_tokens, exchange=self._exchange,
                                                check_values=check_values)
@@ -381,7 +406,7 @@ class NormalCalls:
         if handle is not None:  # expanded: the expanded rows' weights
             return recv_x, None, result.recv_topk_weights, None, None, scope.event
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
-                new_handle, scope.event)
+                new_handle, scope.event) + ((result.expanded,) if fresh_expansion else ())
 
     def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None,

@@ -401,6 +401,10 @@ class ElasticBuffer:
         weights = topk_weights  # num_worst_tokens wants some: zeros where the caller has none
         if weights is None and not do_cpu_sync:
             weights = torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        if do_expand and buffer._expands_fresh_in_kernel(x, topk_idx.size(1), num_max, config.num_sms):
+            return self._fresh_in_kernel(x, topk_idx, weights, topk_weights is not None, stats, num_experts, num_max,
+                                         expert_alignment, num_sms, config, (per_rank, in_rank, per_expert),
+                                         num_worst, do_handle_copy, do_zero_padding, col_major_sf)
         recv_x, recv_topk_idx, recv_weights, per_expert_list, v1, _ = buffer._dispatch_call(
             x, None, per_rank, in_rank, per_expert, topk_idx, weights, expert_alignment, num_worst, config, None,
             False, False, all_topk_weights=True)
@@ -429,6 +433,36 @@ class ElasticBuffer:
             return self._expanded(recv_x, recv_weights, handle, do_zero_padding, col_major_sf) + (handle,)
         return (self._laid_out(recv_x, col_major_sf), recv_topk_idx, recv_weights, handle)
 
+    def _fresh_in_kernel(self, x, topk_idx, weights, with_weights: bool, stats, num_experts, num_max,
+                         expert_alignment, num_sms, config, layout, num_worst, do_handle_copy, do_zero_padding,
+                         col_major_sf):
+        """A fresh expanded dispatch whose kernel makes the expanded layout as the rows land (NOTE [expanded rows] in
+        kernels/dispatch.cuh): each slot's source rank goes with its row, and the receivers place it past where its
+        source's pairs of the expert begin (semantics.expand.source_ranks, expanded_bases)."""
+        num_topk, num_local = topk_idx.size(1), num_experts // self.num_ranks
+        num_worst_expanded = 0 if not num_worst else expanded.worst_expanded_rows(num_worst, num_topk, num_local,
+                                                                                  expert_alignment)
+        expansion = Expansion(topk_idx, num_experts, do_zero_padding,
+                              source_ranks=self.buffer._backend().source_ranks(topk_idx, num_experts),
+                              expanded_rows=num_worst_expanded, num_max_tokens_per_rank=num_max)
+        per_rank, in_rank, per_expert = layout
+        recv_x, recv_topk_idx, recv_weights, per_expert_list, v1, _, made = self.buffer._dispatch(
+            x, None, per_rank, in_rank, per_expert, topk_idx, weights, expert_alignment, num_worst, config, None,
+            False, False, all_topk_weights=True, expansion=expansion)
+        if stats is not None:
+            stats += made["counts"].to(stats.device)
+        num_rows = recv_topk_idx.size(0)
+        psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx].contiguous()  # contiguous: as in _fresh_dispatch
+        handle = EPHandle(True, num_experts, expert_alignment, num_max, num_sms,
+                          topk_idx.clone() if do_handle_copy else topk_idx,
+                          num_rows if num_worst else v1.num_recv_tokens,
+                          num_worst_expanded or sum(per_expert_list), [] if num_worst else per_expert_list,
+                          psum_per_rank, made["ends"], made["counts"], made["metadata"])
+        handle.dispatch_handle, handle.recv_topk_idx, handle.row_of = v1, recv_topk_idx, made["row_of"]
+        handle.source_row = made["source_row"]
+        handle.buffer_id = id(self)
+        return self._laid_out(recv_x, col_major_sf), None, recv_weights if with_weights else None, handle
+
     def _cached_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max, expert_alignment, num_sms, handle,
                          do_cpu_sync, do_expand, do_zero_padding, col_major_sf):
         if not isinstance(handle, EPHandle) or handle.dispatch_handle is None:
@@ -450,8 +484,8 @@ class ElasticBuffer:
         if do_expand and self.buffer._expands_in_kernel(handle.dispatch_handle, x, handle.topk_idx.size(1),
                                                         config.num_sms):
             # NOTE [expanded rows] in kernels/dispatch.cuh: the rows and their weights straight to the expanded layout
-            expansion = Expansion(handle.row_of, handle.source_row, handle.topk_idx, handle.num_experts,
-                                  do_zero_padding)
+            expansion = Expansion(handle.topk_idx, handle.num_experts, do_zero_padding, row_of=handle.row_of,
+                                  source_row=handle.source_row)
             recv_x, _, weights = self.buffer._dispatch(
                 x, handle.dispatch_handle, None, None, None, None, topk_weights, 1, 0, config, None, False, False,
                 expansion=expansion)[:3]

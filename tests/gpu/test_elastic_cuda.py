@@ -56,9 +56,12 @@ def _elastic_matches(seed):
             # NOTE [elastic streams]: odd cases run the CUDA calls on the comm stream, waited for by event
             side = dict(async_with_compute_stream=buffer is cuda and case % 2 == 1)
             stats = torch.zeros(num_experts // num_ranks, dtype=torch.int32, device=device)
+            # Expanded: the layout made in the dispatch kernel (NOTE [expanded rows]), with and without the CPU sync;
+            # in the last case after it.
             recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(
                 x, topk_idx, weights, stats, num_experts, expert_alignment=alignment, do_cpu_sync=do_cpu_sync,
-                do_expand=do_expand, do_zero_padding=do_expand, **side)
+                do_expand=do_expand, do_zero_padding=do_expand,
+                num_sms=after if case == len(CASES) - 1 else in_kernel, **side)
             event.current_stream_wait()
             # A cached dispatch with other weights, expanded in the dispatch kernel (NOTE [expanded rows]); expanded
             # also on fewer SMs (the rows gathered after it) without zeroed padding.
@@ -77,6 +80,9 @@ def _elastic_matches(seed):
                        combined=combined, combined_w=combined_w)
         torch.cuda.synchronize()
         h, hr = got["handle"], want["handle"]
+        assert cuda.buffer._expands_fresh_in_kernel(x, NUM_TOPK, NUM_TOKENS, in_kernel) and \
+            (after == in_kernel or not cuda.buffer._expands_fresh_in_kernel(x, NUM_TOPK, NUM_TOKENS, after)), \
+            "the fresh paths under test"
         assert cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, in_kernel) and \
             (after == in_kernel or not cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, after)), \
             "the paths under test"

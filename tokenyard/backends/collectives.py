@@ -63,7 +63,7 @@ MODES = ("direct", "nccl", "host")
 # NOTE [call agreement]: each operation's shape signature, the fields every rank's call must agree on.
 CALL_FIELDS = {
     "dispatch": ("hidden_bytes", "num_scales", "num_topk", "num_experts", "num_worst_tokens", "expert_alignment",
-                 "with_weights"),
+                 "with_weights", "expanded"),
     "cached_dispatch": ("hidden_bytes", "num_scales", "expanded"),
     "combine": ("hidden", "num_topk", "num_biases"),
     "low_latency_dispatch": ("hidden", "num_topk", "num_experts", "num_max", "cast", "round_scale", "use_ue8m0"),

@@ -56,20 +56,28 @@ class LayoutCheck:
 
 @dataclasses.dataclass(frozen=True)
 class Expansion:
-    """ElasticBuffer's cached expanded dispatch in the dispatch kernel (NOTE [expanded rows] in kernels/dispatch.cuh):
-    the rows go to their pairs' rows of the handle's expanded layout, and the result's recv_x, recv_x_scales and
-    recv_topk_weights are the expanded ones (`num_rows` rows; weights one an expanded row). One round of one node on
-    the CUDA backend only (`Buffer._expands_in_kernel`)."""
+    """ElasticBuffer's expanded dispatch in the dispatch kernel (NOTE [expanded rows] in kernels/dispatch.cuh): the
+    rows go to their pairs' rows of the expanded layout, and the result's recv_x, recv_x_scales and
+    recv_topk_weights are the expanded ones (`num_rows` rows; weights one an expanded row). Cached: the handle's
+    layout (`row_of`, `source_row`). Fresh (`source_ranks` given): the layout made as the rows land, returned in
+    DispatchResult.expanded. One round of one node on the CUDA backend only (`Buffer._expands_in_kernel`)."""
 
-    row_of: torch.Tensor                     # [N, K] int32: each received row's pairs' expanded rows, -1 where none
-    source_row: torch.Tensor                 # [M] int32: each expanded row's received row, -1 on padding
-    topk_idx: torch.Tensor                   # [T, K]: the handle's, which slots' weights go to which rank
+    topk_idx: torch.Tensor                   # [T, K]: which slots' weights go to which rank (the handle's if cached)
     num_experts: int
     zero_fill: bool                          # padding rows zero, else unspecified
+    row_of: Optional[torch.Tensor] = None    # cached, [N, K] int32: each received row's pairs' rows, -1 where none
+    source_row: Optional[torch.Tensor] = None  # cached, [M] int32: each expanded row's received row, -1 on padding
+    source_ranks: Optional[torch.Tensor] = None  # fresh, [T, K] int32: semantics.expand.source_ranks
+    expanded_rows: int = 0                   # fresh: M where no CPU wait sizes it (the worst case); 0: the counts'
+    num_max_tokens_per_rank: int = 0         # fresh: for the handle's recv_src_metadata
+
+    @property
+    def fresh(self) -> bool:
+        return self.source_ranks is not None
 
     @property
     def num_rows(self) -> int:
-        return self.source_row.size(0)
+        return self.expanded_rows if self.fresh else self.source_row.size(0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +123,9 @@ class DispatchResult:
     # The largest whole-call (`request.call`, else this call's) token count of any rank, where the count
     # exchange learned it on the host (a fresh dispatch that waited for the CPU); None elsewhere.
     most_call_tokens: Optional[int] = None
+    # A fresh expanded dispatch's layout (Expansion): "counts" [L], "ends" [L], "row_of" [N, K], "source_row" [M],
+    # "metadata" [N, K + 2] (int32, the EPHandle's fields); None elsewhere.
+    expanded: Optional[dict] = None
 
 
 @dataclasses.dataclass(frozen=True)

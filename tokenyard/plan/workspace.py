@@ -68,9 +68,11 @@ def align(num_bytes: int, alignment: int = ALIGN_BYTES) -> int:
     return (num_bytes + alignment - 1) // alignment * alignment
 
 
-def normal_dispatch_row_bytes(data_bytes: int, scale_bytes: int, num_topk: int) -> int:
-    """Bytes of one dispatch row (see NOTE [normal-mode buffer])."""
-    return align(align(data_bytes) + align(scale_bytes) + align(num_topk * 8 + 4), ROW_ALIGN_BYTES)
+def normal_dispatch_row_bytes(data_bytes: int, scale_bytes: int, num_topk: int, source_ranks: bool = False) -> int:
+    """Bytes of one dispatch row (see NOTE [normal-mode buffer]); `source_ranks`: a fresh expanded dispatch's rows
+    carry each slot's source rank too (NOTE [row tail] in kernels/dispatch.cuh)."""
+    return align(align(data_bytes) + align(scale_bytes) + align(num_topk * (12 if source_ranks else 8) + 4),
+                 ROW_ALIGN_BYTES)
 
 
 def normal_combine_row_bytes(hidden: int, num_topk: int) -> int:

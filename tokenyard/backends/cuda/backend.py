@@ -36,12 +36,13 @@ _MASK32 = 0xFFFFFFFF
 DISPATCH_INPUTS = ("x", "x_scales", "topk_idx", "topk_weights", "is_token_in_rank", "num_tokens_per_expert",
                    "call_tokens_per_rank", "call_prefix_matrix", "recv_first", "cursor", "recv_x", "recv_x_scales",
                    "recv_topk_idx", "recv_topk_weights", "recv_src_idx", "check_topk_idx", "check_in_rank",
-                   "check_per_rank", "check_per_expert", "expand_row_of", "expand_source_row")
+                   "check_per_rank", "check_per_expert", "expand_row_of", "expand_source_row", "source_ranks")
 # The call numbers the kernels signal with are the GPU's (NOTE [normal-mode call numbers] in
 # include/tokenyard/sync.cuh), so a captured call replays with new ones; the host's `ticket` only tells the CPU
 # wait which call's counts have arrived.
 DISPATCH_SCALARS = ("ticket", "call_num_tokens", "num_worst", "token_base", "num_rows", "check_tokens", "expand_rows")
 _NUM_WORST, _NUM_ROWS = DISPATCH_SCALARS.index("num_worst"), DISPATCH_SCALARS.index("num_rows")
+_EXPAND_ROWS = DISPATCH_SCALARS.index("expand_rows")
 # The scalars a dispatch's counts set, (slot, index of host_counts): one-shot, its received rows; round 0 of a call
 # in rounds (a placement), the whole call's, which it allocates (NOTE [placed rounds] in rounds.py).
 _COUNT_READS = [(_NUM_ROWS, _HOST_ROWS_AT)]
@@ -341,7 +342,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                     f"{num_ranks} ranks, got {num_local_experts}")
         data_bytes = m.hidden * m.element_size
         layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
-                                         workspace.normal_dispatch_row_bytes(data_bytes, m.num_scales * 4, m.num_topk))
+                                         workspace.normal_dispatch_row_bytes(data_bytes, m.num_scales * 4, m.num_topk,
+                                                                             m.expanded_fresh))
         # The data kernel's shape is decided (and refused) before any kernel runs; where the CPU must wait for
         # the counts to size the outputs, the data kernel is the second plan's, launched after the wait.
         num_blocks = heuristics.data_blocks(m.num_sms, self.device_sms)
@@ -360,7 +362,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                     f"the {layout.max_chunks} the buffer has: use fewer SMs (Buffer.set_num_sms)")
         kernel = self._kernel(kernels.dispatch(num_ranks, data_bytes // 16, m.num_scales, m.num_topk, m.topk_dtype,
                                                chunk_tokens, tail_tokens, m.all_weights, send_warps,
-                                               heuristics.dispatch_stages(), threads, m.expanded))
+                                               heuristics.dispatch_stages(), threads, m.expanded, m.expanded_fresh))
         rows_placed = not makes_outputs or (m.round_0 and cpu_wait)  # rows go where recv_first says
         # NOTE [expanded rows]: the receivers write every row, their own rank's too, where its pairs go.
         own_rows_direct = heuristics.dispatch_own_rows_direct() and not m.expanded
@@ -377,6 +379,11 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         prefix_excl = first.part(rows_whole, "prefix_excl", ((T + 1) * num_ranks,), torch.int32)
         source_num_tokens = first.part(rows_whole, "source_num_tokens", (num_ranks,), torch.int32)
         rank_prefix_matrix = first.part(handle_whole, "rank_prefix_matrix", (num_ranks, num_ranks), torch.int32)
+        expand_bases = expand_counts = expand_ends = 0
+        if m.expanded_fresh:  # NOTE [expanded rows]: where each source's pairs of each expert begin; the handle's
+            expand_bases = first.part(rows_whole, "expand_bases", (num_ranks, num_local_experts), torch.int32)
+            expand_counts = first.part(handle_whole, "expand_counts", (num_local_experts,), torch.int32)
+            expand_ends = first.part(handle_whole, "expand_ends", (num_local_experts,), torch.int32)
         if not m.cached:
             counts = first.part(handle_whole, "counts", (num_ranks, 1), torch.int32)
             source_first = first.part(handle_whole, "source_first", (num_ranks, 1), torch.int32)
@@ -400,7 +407,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             verdict=self.verdict.data_ptr(), record_verdict=int(m.judged and not cpu_wait),
             host_counts=self.host_counts_ptr, signature=self._dispatch_signature(m), ticket=first.scalar("ticket"),
             peer_bases=self.normal.bases_tensor.data_ptr(), rank=rank, call_counts=self.call_counts.data_ptr(),
-            **self._wait_args()),
+            expand_bases=expand_bases, expand_counts=expand_counts, expand_ends=expand_ends, **self._wait_args()),
             shared_bytes=num_local_experts * 4 + kernels.JUDGE_WINDOW if m.judged else 0)
 
         # 2. The rows.
@@ -409,7 +416,9 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             room: NOTE [placed rows]); else they are the whole call's, given."""
             def made(ref):  # an output of the first plan, seen from `b`
                 return ref if made_by_first or ref == 0 else b.inp(first.outputs[ref.index][0])
-            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs
+            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = outputs[:5]
+            row_of, source_row, metadata = outputs[5:] if m.expanded_fresh else (
+                b.inp("expand_row_of"), b.inp("expand_source_row"), 0) if m.expanded else (0, 0, 0)
             b.launch(kernel, num_blocks, dict(
                 x=b.inp("x"), x_scales=b.inp("x_scales"), scale_token_stride=m.scale_strides[0],
                 scale_hidden_stride=m.scale_strides[1], topk_idx=b.inp("topk_idx"),
@@ -423,9 +432,10 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                 local_direct=int(own_rows_direct), num_send_warps=num_send_warps,
                 place_bases=0 if self.output_arena is None else self.output_arena.memory.bases_tensor.data_ptr(),
                 place_offset=b.arena_offset(recv_x) if makes_outputs and not m.expanded else -1, recv_rows=recv_rows,
-                expand_row_of=b.inp("expand_row_of") if m.expanded else 0,
-                expand_source_row=b.inp("expand_source_row") if m.expanded else 0,
+                expand_row_of=row_of, expand_source_row=source_row,
                 expand_rows=b.scalar("expand_rows"), expand_zero_fill=int(m.expanded and m.zero_fill),
+                source_ranks=b.inp("source_ranks") if m.expanded_fresh else 0, expand_bases=made(expand_bases),
+                expand_ends=made(expand_ends), expand_metadata=metadata, expand_num_max=m.num_max_tokens_per_rank,
                 **self._normal_buffer_args(layout),
                 verdict=0 if m.cached else self.verdict.data_ptr(), **self._wait_args(), phases=self._phases_ptr(0)))
 
@@ -438,7 +448,14 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                     if m.num_scales else 0
                 recv_weights = b.part(rows, "recv_topk_weights", (expanded_rows,), torch.float32) \
                     if m.with_weights else 0
-                return recv_x, recv_scales, 0, recv_weights, 0
+                if not m.expanded_fresh:
+                    return recv_x, recv_scales, 0, recv_weights, 0
+                handle = handle_whole if b is first else b.whole()  # the layout the kernel makes: handle fields
+                return (recv_x, recv_scales, b.part(handle, "recv_topk_idx", (num_rows, m.num_topk), m.topk_dtype),
+                        recv_weights, b.part(handle, "recv_src_idx", (num_rows,), torch.int32),
+                        b.part(handle, "expand_row_of", (num_rows, m.num_topk), torch.int32),
+                        b.part(handle, "expand_source_row", (expanded_rows,), torch.int32),
+                        b.part(handle, "expand_metadata", (num_rows, m.num_topk + 2), torch.int32))
             recv_x = b.output("recv_x", (num_rows, m.hidden), m.dtype, in_arena=True)  # NOTE [placed rows]
             recv_scales = b.part(rows, "recv_x_scales", (num_rows, m.num_scales), m.scale_dtype) if m.num_scales else 0
             recv_topk_idx = recv_topk_weights = 0
@@ -472,7 +489,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                    expanded=int(m.expanded))
         return self._signature("dispatch", hidden_bytes=hidden_bytes, num_scales=m.num_scales, num_topk=m.num_topk,
                                num_experts=m.num_experts, num_worst_tokens=m.num_rows or 0,
-                               expert_alignment=m.expert_alignment, with_weights=int(m.with_weights))
+                               expert_alignment=m.expert_alignment, with_weights=int(m.with_weights),
+                               expanded=int(m.expanded_fresh))
 
     def dispatch_scalars(self, num_tokens: int, call_num_tokens: Optional[int] = None, num_worst: int = 0,
                          token_base: int = 0, check_tokens: int = 0, ticket: Optional[int] = None,
@@ -517,7 +535,8 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             inputs += (check.topk_idx, check.is_token_in_rank.contiguous(), check.num_tokens_per_rank,
                        check.num_tokens_per_expert)
             self.note_judged(request.num_experts)
-        inputs += (None, None) if expansion is None else (expansion.row_of, expansion.source_row)
+        inputs += (None, None, None) if expansion is None else (expansion.row_of, expansion.source_row,
+                                                                 expansion.source_ranks)
         scalars = self.dispatch_scalars(request.x.size(0), None if call is None else call.num_tokens,
                                         request.num_worst_tokens if outputs is None else outputs[0].size(0),
                                         0 if outputs is None else placement.token_base,
@@ -537,7 +556,11 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
                                        int(self.host_counts[_HOST_VERDICT_BITS_AT]), request.num_experts)
         for slot, at in self.count_reads(request):
             scalars[slot] = int(self.host_counts[at])
-        return self.counts_read(request)
+        per_expert_list, most = self.counts_read(request)
+        expansion = request.expansion
+        if expansion is not None and expansion.fresh and not expansion.expanded_rows:  # the layout's rows
+            scalars[_EXPAND_ROWS] = sum(per_expert_list)  # each expert's count aligned (NOTE [notify])
+        return per_expert_list, most
 
     @staticmethod
     def count_reads(request: DispatchRequest) -> list:
@@ -565,7 +588,10 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         if handle is None:
             handle = DispatchHandle(made["rank_prefix_matrix"], made["counts"], made["source_first"], outputs[4],
                                     in_rank, made["send_head"])
-        return DispatchResult(*outputs[:4], per_expert_list, handle, most_call_tokens)
+        expanded = None
+        if request.expansion is not None and request.expansion.fresh:  # NOTE [expanded rows]: the layout made
+            expanded = {name: made["expand_" + name] for name in ("counts", "ends", "row_of", "source_row", "metadata")}
+        return DispatchResult(*outputs[:4], per_expert_list, handle, most_call_tokens, expanded)
 
     def combine_plan(self, num_tokens: int, hidden: int, num_topk: int, num_biases: int, num_sms: int,
                      placed: bool) -> plans.Plan:

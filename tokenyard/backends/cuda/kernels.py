@@ -85,7 +85,8 @@ def dispatch_notify(num_ranks: int, topk_dtype: torch.dtype) -> KernelSpec:
          Param("const int*", "check_per_expert"), Param("int*", "verdict"), Param("int", "record_verdict"),
          Param("int*", "host_counts"), Param("const int*", "signature"), Param("uint32_t", "ticket"),
          Param("uint8_t* const*", "peer_bases"), Param("int", "rank"),
-         Param("unsigned long long*", "call_counts")) + _WAIT,
+         Param("unsigned long long*", "call_counts"), Param("int*", "expand_bases"), Param("int*", "expand_counts"),
+         Param("int*", "expand_ends")) + _WAIT,
         NOTIFY_THREADS, name="tokenyard::normal::notify")
 
 
@@ -94,13 +95,14 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
              chunk_tokens: int = CHUNK_TOKENS, tail_tokens: int = CHUNK_TOKENS,
              all_weights: bool = False, send_warps: int = heuristics.DISPATCH_SEND_WARPS,
              stages: int = heuristics.DISPATCH_STAGES, threads: int = heuristics.DISPATCH_THREADS,
-             expand: bool = False) -> KernelSpec:
+             expand: bool = False, expand_fresh: bool = False) -> KernelSpec:
     """`chunk_tokens`: the most tokens a sender warp publishes at once (NOTE [sender ranges]), a multiple
     of CHUNK_TOKENS, for which workspace.MAX_CHUNKS is sized; `tail_tokens`: the same for the last
     `chunk_tokens` of its range (NOTE [tail pieces]), at most chunk_tokens; `all_weights`: every slot's
     weight arrives (DeepEP V2), not only the local slots'; `send_warps`: a block's warps that send (the others
     receive), each through `stages` stages; `threads`: the block's (NOTE [dispatch block width]); `expand`: the rows go
-    to their pairs' expanded rows (NOTE [expanded rows])."""
+    to their pairs' expanded rows (NOTE [expanded rows]): the handle's (cached) or, `expand_fresh`, those the rows'
+    source ranks give."""
     assert chunk_tokens % CHUNK_TOKENS == 0 and 1 <= tail_tokens <= chunk_tokens, (chunk_tokens, tail_tokens)
     topk_t = topk_ctype(topk_dtype)
     staged_warps = threads // 32 if expand else send_warps  # expanded: the receivers' bulk copies too
@@ -108,7 +110,8 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
     return KernelSpec(
         "tokenyard/kernels/dispatch.cuh", "tokenyard::kernels::dispatch",
         (num_ranks, threads, data_int4, num_scales, num_topk, topk_t, chunk_tokens, tail_tokens,
-         "true" if all_weights else "false", stages, stage_bytes, send_warps, "true" if expand else "false"),
+         "true" if all_weights else "false", stages, stage_bytes, send_warps, "true" if expand else "false",
+         "true" if expand_fresh else "false"),
         (Param("const int4*", "x"), Param("const uint32_t*", "x_scales"), Param("int64_t", "scale_token_stride"),
          Param("int64_t", "scale_hidden_stride"), Param(f"const {topk_t}*", "topk_idx"),
          Param("const float*", "topk_weights"), Param("const bool*", "is_token_in_rank"),
@@ -119,8 +122,10 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
          Param("int*", "send_head"), Param("int", "num_worst_tokens"), Param("const int*", "recv_first"),
          Param("int", "src_idx_base"), Param("int", "local_direct"),
          Param("int", "num_send_warps"), Param("uint8_t* const*", "place_bases"), Param("int64_t", "place_offset"),
-         Param("int", "recv_rows"), Param("const int*", "expand_row_of"), Param("const int*", "expand_source_row"),
-         Param("int64_t", "expand_rows"), Param("int", "expand_zero_fill"))
+         Param("int", "recv_rows"), Param("int*", "expand_row_of"), Param("int*", "expand_source_row"),
+         Param("int64_t", "expand_rows"), Param("int", "expand_zero_fill"), Param("const int*", "source_ranks"),
+         Param("const int*", "expand_bases"), Param("const int*", "expand_ends"), Param("int*", "expand_metadata"),
+         Param("int", "expand_num_max"))
         + _BUFFERS + (Param("const int*", "verdict"),) + _WAIT + _PHASES,
         threads, name="tokenyard::normal::dispatch",
         shared_bytes=data_shared_bytes(stage_bytes, staged_warps, stages))
@@ -370,6 +375,7 @@ def every_kernel():
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, threads=threads)   # FP8 with scales, DeepSeek-V3
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, all_weights=True, threads=threads)  # ElasticBuffer's
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, threads=threads, expand=True)  # and its expanded
+        yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, threads=threads, expand=True, expand_fresh=True)
         yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64, threads=threads)    # bf16
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64, threads=threads)    # cached: no top-k
         yield combine(ranks, 7168 * 2 // 16, 8, send_warps)

@@ -223,8 +223,10 @@ class DispatchShape:
     judged: bool                       # the count exchange judges the whole call's values (request.check)
     judged_topk: bool                  # ... with its topk_idx
     all_weights: bool                  # every slot's weight arrives (DispatchRequest.all_topk_weights)
-    expanded: bool                     # a cached dispatch into the expanded layout (DispatchRequest.expansion)
+    expanded: bool                     # a dispatch into the expanded layout (DispatchRequest.expansion)
+    expanded_fresh: bool               # ... that makes the layout (not cached)
     zero_fill: bool                    # ... whose padding rows are zeroed
+    num_max_tokens_per_rank: int       # ... fresh: for the handle's metadata
 
     @classmethod
     def of(cls, request, num_ranks: int) -> "DispatchShape":
@@ -234,6 +236,7 @@ class DispatchShape:
         cached, expansion = request.handle is not None, request.expansion
         # An expanded cached dispatch's tails carry the slots' local experts and weights, as a fresh one's do.
         topk_idx = expansion.topk_idx if expansion is not None else None if cached else request.topk_idx
+        fresh = expansion is not None and expansion.fresh
         outputs = None if placement is None else placement.outputs
         return cls(
             num_tokens=x.size(0), hidden=x.size(1), dtype=x.dtype, element_size=x.element_size(),
@@ -251,5 +254,6 @@ class DispatchShape:
             placed_by_notify=placement is not None and placement.cursor is not None,
             whole_call=request.call is not None, judged=request.check is not None,
             judged_topk=request.check is not None and request.check.topk_idx is not None,
-            all_weights=request.all_topk_weights, expanded=expansion is not None,
-            zero_fill=expansion is not None and expansion.zero_fill)
+            all_weights=request.all_topk_weights, expanded=expansion is not None, expanded_fresh=fresh,
+            zero_fill=expansion is not None and expansion.zero_fill,
+            num_max_tokens_per_rank=expansion.num_max_tokens_per_rank if fresh else 0)

@@ -13,7 +13,7 @@ constexpr int64_t kSignaturesOffset = 1024;  // int32 [4][kMaxRanks][kMaxSignatu
 constexpr int64_t kPlaceOffset = 6144;       // PlaceSlot: where this rank takes a dispatch's rows (NOTE [placed rows])
 constexpr int64_t kNotifyDataOffset = 8192;  // int32 [num_ranks][3 * num_ranks + 2 + num_local_experts] (NOTE [notify])
 constexpr int kMaxRanks = 32;
-constexpr int kMaxSignatureInts = 8;
+constexpr int kMaxSignatureInts = 9;
 static_assert(kSignaturesOffset + 4 * kMaxRanks * kMaxSignatureInts * 4 <= kPlaceOffset, "the tables fit");
 
 // NOTE [placed rows] (kernels/dispatch.cuh): where a rank's recv_x of the current dispatch lies in its output arena,

@@ -99,6 +99,11 @@ namespace tokenyard::kernels {
 // lane 0 loads a row into its warp's stages by TMA once (every warp of this kernel has stages, half the size of the
 // sending warps' in the plain kernel) and stores it to each of its pairs' rows, the lanes its scales and weights; the
 // outputs the handle holds are not written. Then the padding rows (source_row < 0) are zeroed where the caller asks.
+// A fresh expanded dispatch (kExpandFresh) makes that layout as the rows land, with no pass after: each slot's
+// source rank (semantics.expand.source_ranks; kernels/expand.cuh source_ranks) rides in the row's tail, the count
+// exchange gives where each source's pairs of each local expert begin (expand_bases, NOTE [notify]), and a pair's
+// row is its base plus its rank; the receivers also write the handle's fields (local ids, source indices, row_of,
+// source_row, recv_src_metadata), and the padding rows lie between an expert's end and the next one's start.
 // The backend takes this path from heuristics.EXPAND_IN_DISPATCH_MIN_SMS SMs; on fewer, the receivers' copies made
 // it slower than the gather after a plain dispatch (benchmarks/results/elastic.md, "Expanded rows in the dispatch
 // kernel").
@@ -134,7 +139,7 @@ struct SenderRanges {
 
 template <int kNumRanks, int kNumThreads, int kDataInt4, int kNumScales, int kNumTopk, typename TopkT,
           int kChunkTokens, int kTailTokens, bool kAllWeights, int kStages, int kStageBytes, int kSendWarps,
-          bool kExpand, typename Params>
+          bool kExpand, bool kExpandFresh, typename Params>
 __device__ __forceinline__ void dispatch(const Params& p) {
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
     const WaitContext wait{p.error_flag, p.host_record, p.rank, p.timeout_ns};
@@ -152,7 +157,9 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     using Ranges = SenderRanges<kChunkTokens, kTailTokens>;
     // The row's tail (scales, then metadata) moves as whole 16-byte vectors, one per lane (NOTE [row tail]).
     constexpr int kScaleInt4 = (kNumScales + 3) / 4;
-    constexpr int kTailInt4 = kScaleInt4 + (2 * kNumTopk + 1 + 3) / 4;
+    static_assert(kExpand || !kExpandFresh, "a fresh expanded dispatch is an expanded one");
+    constexpr int kMetaWords = 2 * kNumTopk + 1 + (kExpandFresh ? kNumTopk : 0);  // NOTE [row tail]
+    constexpr int kTailInt4 = kScaleInt4 + (kMetaWords + 3) / 4;
     constexpr int kTailPerLane = (kTailInt4 + kWarpSize - 1) / kWarpSize;
     const NormalBuffers buffers{p.peer_bases, p.rank, p.control_bytes, p.region_bytes,
                                 p.slots_offset, p.max_chunks, p.row_bytes};
@@ -184,22 +191,25 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // NOTE [row tail]
     // After its data, a row holds its scales (padded to 16 bytes) and its metadata: kNumTopk int32 local
     // expert ids (-1 where the expert lives elsewhere), kNumTopk float32 weights (0 there, unless kAllWeights:
-    // DeepEP V2 delivers every slot's weight) and the int32
-    // source index, padded to 16 bytes. Lane i of a warp owns the tail's 16-byte vector i: the scales
+    // DeepEP V2 delivers every slot's weight), the int32 source index and, in a fresh expanded dispatch (NOTE [expanded
+    // rows]), kNumTopk int32 source ranks (semantics.expand.source_ranks, -1 where a slot names no expert), padded to
+    // 16 bytes. Lane i of a warp owns the tail's 16-byte vector i: the scales
     // 4i..4i+3, or metadata words 4m..4m+3 with m = i - kScaleInt4. The sender builds the vectors in
     // registers (the metadata per destination, from the top-k slots its lanes gather once a token) and each destination
     // gets the tail in one store instruction, where scalar stores would have sent many small NVLink writes;
     // the receiver loads it with the data, one vector per lane, and scatters the words to the outputs.
 
     // Metadata word w of destination `dest`, from the expert and weight bits of the top-k slot the word holds (word w
-    // < kNumTopk: slot w's local id; < 2 * kNumTopk: slot w - kNumTopk's weight). The lanes gather their words' slots
-    // once a token (`slot_expert`, `slot_bits`: two shuffles a word), not once a destination.
-    auto meta_word = [&](int w, int dest, int slot_expert, int slot_bits, int t) {
+    // < kNumTopk: slot w's local id; < 2 * kNumTopk: slot w - kNumTopk's weight; past the source index: slot w - 2 *
+    // kNumTopk - 1's source rank). The lanes gather their words' slots once a token (`slot_expert`, `slot_bits`,
+    // `slot_rank`: a shuffle each a word), not once a destination.
+    auto meta_word = [&](int w, int dest, int slot_expert, int slot_bits, int slot_rank, int t) {
         const int first = dest * p.num_local_experts;
         const bool local = slot_expert >= first && slot_expert < first + p.num_local_experts;
         return w < kNumTopk ? (local ? slot_expert - first : -1)
                : w < 2 * kNumTopk ? (kAllWeights || local ? slot_bits : 0)
-               : w == 2 * kNumTopk ? t : 0;
+               : w == 2 * kNumTopk ? t
+               : w < kMetaWords ? slot_rank : 0;
     };
 
     // One warp sends token t to every rank it goes to: one read of x (into the warp's stages), up to kNumRanks
@@ -228,6 +238,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         float weight;             // and its weight
         bool hit;                 // lane d < kNumRanks: whether the token goes to rank d
         int slot_index;           // and its row among this rank's rows there
+        int rank;                 // kExpandFresh, lane k < kNumTopk: slot k's source rank
     };
     auto load_route = [&](int t) {
         const int64_t token = t;
@@ -251,6 +262,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         }
         r.hit = lane < kNumRanks && p.is_token_in_rank[token * kNumRanks + lane];
         r.slot_index = lane < kNumRanks ? p.prefix_excl[token * kNumRanks + lane] : 0;
+        r.rank = kExpandFresh && lane < kNumTopk ? p.source_ranks[token * kNumTopk + lane] : -1;
         return r;
     };
     auto send_token = [&](int t, int next, const Route& route) {
@@ -351,7 +363,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             if (lane == 0 && p.recv_src_idx != nullptr)
                 p.recv_src_idx[direct_row] = p.src_idx_base + t;
         }
-        int slot_expert[kTailPerLane][4], slot_bits[kTailPerLane][4];
+        int slot_expert[kTailPerLane][4], slot_bits[kTailPerLane][4], slot_rank[kTailPerLane][4];
 #pragma unroll
         for (int u = 0; u < kTailPerLane; ++u) {
 #pragma unroll
@@ -360,6 +372,8 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                 const int k = (w < kNumTopk ? w : w - kNumTopk) & (kWarpSize - 1);
                 slot_expert[u][c] = __shfl_sync(0xffffffffu, static_cast<int>(expert), k);
                 slot_bits[u][c] = __shfl_sync(0xffffffffu, __float_as_int(weight), k);
+                slot_rank[u][c] = kExpandFresh ? __shfl_sync(0xffffffffu, route.rank, (w - 2 * kNumTopk - 1) &
+                                                                                      (kWarpSize - 1)) : 0;
             }
         }
 #pragma unroll
@@ -375,7 +389,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
                     int words[4];
 #pragma unroll
                     for (int c = 0; c < 4; ++c)
-                        words[c] = meta_word(4 * m + c, dest, slot_expert[u][c], slot_bits[u][c], t);
+                        words[c] = meta_word(4 * m + c, dest, slot_expert[u][c], slot_bits[u][c], slot_rank[u][c], t);
                     if (m >= 0)
                         vec = make_int4(words[0], words[1], words[2], words[3]);
                 }
@@ -392,7 +406,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // rather than one per field. A batch holds at most what the block's registers hold (16 vectors at 512 threads,
     // 8 at 768, 4 at 1024; NOTE [dispatch block width]), and a row goes in as few batches as that allows, of equal
     // size: a 7168-byte FP8 row (14 vectors a lane) as 7 + 7 at 768 threads, the round trips of 8 + 6.
-    auto receive_row = [&](const uint8_t* src, int64_t out) {
+    auto receive_row = [&](const uint8_t* src, int64_t out, int source) {
         constexpr int kMostBatch = kNumThreads <= 512 ? 16 : kNumThreads <= 768 ? 8 : 4;
         constexpr int kLaneInt4 = (kDataInt4 + kWarpSize - 1) / kWarpSize;
         constexpr int kBatches = (kLaneInt4 + kMostBatch - 1) / kMostBatch;
@@ -400,10 +414,6 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int4* data_in = reinterpret_cast<const int4*>(src);
         const int4* tail_in = data_in + kDataInt4;
         int4* data_out = p.recv_x + out * kDataInt4;
-        // NOTE [expanded rows]: lane k < kNumTopk holds slot k's row in the expanded outputs (-1: no local expert),
-        // which the warp reads by shuffles where it stores (held by every lane, they spilled at 768 threads).
-        const int of_lane = kExpand && lane < kNumTopk ? p.expand_row_of[out * kNumTopk + lane] : -1;
-        auto expanded = [&](int k) { return __shfl_sync(0xffffffffu, of_lane, k); };
         int4 tail[kTailPerLane];
         auto load_tail = [&]() {
 #pragma unroll
@@ -415,6 +425,47 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         // load the tail alone.
         if (placed || kExpand)
             load_tail();
+        // Metadata word w of the tail, to every lane (lane kScaleInt4 + w / 4 holds it; w a constant once unrolled).
+        auto tail_word = [&](int w) {
+            const int i = kScaleInt4 + w / 4;
+            return __shfl_sync(0xffffffffu, reinterpret_cast<const int*>(&tail[i / kWarpSize])[w % 4], i % kWarpSize);
+        };
+        // NOTE [expanded rows]: lane k < kNumTopk holds slot k's row in the expanded outputs (-1: no local expert),
+        // which the warp reads by shuffles where it stores (held by every lane, they spilled at 768 threads): the
+        // handle's (cached), or where the pair's source rank puts it past its source's base (fresh), which the
+        // lanes write to the handle's fields.
+        int of_lane = -1;
+        if constexpr (kExpandFresh) {
+            int local_id = -1, rank = 0;
+#pragma unroll
+            for (int k = 0; k < kNumTopk; ++k) {
+                const int id = tail_word(k), pair_rank = tail_word(2 * kNumTopk + 1 + k);
+                if (lane == k) {
+                    local_id = id;
+                    rank = pair_rank;
+                }
+            }
+            const int token = p.src_idx_base + tail_word(2 * kNumTopk);
+            if (lane < kNumTopk && local_id >= 0)
+                of_lane = p.expand_bases[source * p.num_local_experts + local_id] + rank;
+            const unsigned local_slots = __ballot_sync(0xffffffffu, lane < kNumTopk && local_id >= 0);
+            int* metadata = p.expand_metadata + out * (kNumTopk + 2);
+            if (lane < kNumTopk) {
+                p.recv_topk_idx[out * kNumTopk + lane] = static_cast<TopkT>(local_id);
+                p.expand_row_of[out * kNumTopk + lane] = of_lane;
+                metadata[2 + lane] = of_lane;
+                if (of_lane >= 0)
+                    p.expand_source_row[of_lane] = static_cast<int>(out);
+            }
+            if (lane == 0) {
+                p.recv_src_idx[out] = token;
+                metadata[0] = source * p.expand_num_max + token;
+                metadata[1] = local_slots != 0 ? source * kNumTopk + __ffs(local_slots) - 1 : -1;
+            }
+        } else if constexpr (kExpand) {
+            of_lane = lane < kNumTopk ? p.expand_row_of[out * kNumTopk + lane] : -1;
+        }
+        auto expanded = [&](int k) { return __shfl_sync(0xffffffffu, of_lane, k); };
         if constexpr (kExpand) {  // NOTE [expanded rows]: the data by lane 0's bulk copies, to each pair's row
             void* to[kNumTopk];
 #pragma unroll
@@ -584,7 +635,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             end = max(begin, p.num_worst_tokens - first);
         }
         for (int j = begin; j < end; ++j)
-            receive_row(buffers.row(p.rank, source, j), first + j);
+            receive_row(buffers.row(p.rank, source, j), first + j, source);
         phase_clock.mark(kPhaseCopy, lane);
         return true;
     };
@@ -608,11 +659,11 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     }
     if (kExpand && lane == 0)  // NOTE [expanded rows]: the receivers' bulk stores done
         stages.retire();
-    // NOTE [expanded rows]: the padding rows, zero where asked (the handle's source_row says which).
-    if (kExpand && p.expand_zero_fill) {
-        for (int64_t r = blockIdx.x * kNumWarps + warp; r < p.expand_rows; r += gridDim.x * kNumWarps) {
-            if (p.expand_source_row[r] >= 0)
-                continue;
+    // NOTE [expanded rows]: the padding rows, zero where asked: those the handle's source_row marks (cached), or
+    // between an expert's end and the next one's start, and past the last (fresh: each one's source_row -1 too).
+    const int64_t first_warp = blockIdx.x * kNumWarps + warp, num_warps = gridDim.x * kNumWarps;
+    auto pad = [&](int64_t r) {
+        if (p.expand_zero_fill) {
             for (int i = lane; i < kDataInt4; i += kWarpSize)
                 p.recv_x[r * kDataInt4 + i] = make_int4(0, 0, 0, 0);
             for (int i = lane; i < kNumScales; i += kWarpSize)
@@ -620,6 +671,19 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             if (lane == 0 && p.recv_topk_weights != nullptr)
                 p.recv_topk_weights[r] = 0.0f;
         }
+        if (kExpandFresh && lane == 0)
+            p.expand_source_row[r] = -1;
+    };
+    if (kExpandFresh) {
+        for (int l = 0; l < p.num_local_experts; ++l) {
+            const int64_t end = l + 1 < p.num_local_experts ? p.expand_bases[l + 1] : p.expand_rows;  // source 0's
+            for (int64_t r = p.expand_ends[l] + first_warp; r < end; r += num_warps)
+                pad(r);
+        }
+    } else if (kExpand && p.expand_zero_fill) {
+        for (int64_t r = first_warp; r < p.expand_rows; r += num_warps)
+            if (p.expand_source_row[r] < 0)
+                pad(r);
     }
     // Padding rows of a worst-case-sized output (docs/semantics.md); a placed round's caller wrote them.
     if (p.num_worst_tokens > 0 && p.recv_first == nullptr) {
@@ -628,9 +692,13 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             p.recv_src_idx[r] = -1;
             for (int k = 0; k < kNumTopk; ++k) {
                 p.recv_topk_idx[r * kNumTopk + k] = static_cast<TopkT>(-1);
-                if (p.recv_topk_weights != nullptr)
+                if (!kExpand && p.recv_topk_weights != nullptr)  // expanded: one a pair, written above
                     p.recv_topk_weights[r * kNumTopk + k] = 0.0f;
+                if (kExpandFresh)
+                    p.expand_row_of[r * kNumTopk + k] = -1;
             }
+            for (int c = 0; kExpandFresh && c < kNumTopk + 2; ++c)
+                p.expand_metadata[r * (kNumTopk + 2) + c] = -1;
         }
     }
     phase_clock.end(lane);

@@ -114,7 +114,9 @@ __device__ __forceinline__ int judge_column(int dest, const TopkT* topk_idx, int
 // inputs were judged bad, their Verdict bits, per-local-expert counts...].
 // A fresh dispatch's handle also gets, where given, `counts[dest]` = the tokens this rank sends to rank dest and
 // `source_first[s]` = the first received row from source s (both [kNumRanks], written here rather than by
-// kernels of their own).
+// kernels of their own). A fresh expanded one (NOTE [expanded rows] in dispatch.cuh) gets `expand_bases[s][l]` =
+// where source s's pairs of local expert l begin in the expanded layout (semantics.expand.expanded_bases), and its
+// handle's `expand_counts[l]` (the pairs of expert l) and `expand_ends[l]` (where they end).
 // A round of a fresh dispatch in rounds (NOTE [placed rounds] in rounds.py) also gets `recv_first` and
 // `cursor` (both or neither): recv_first[s] = where the round's rows from source s start in the whole
 // call's receive order, computed from the whole call's counts in round 0 (given call_tokens_per_rank) and
@@ -317,6 +319,19 @@ __device__ __forceinline__ void dispatch_notify(const Params& p) {
         for (int s = 0; s < kNumRanks; ++s)
             count += ptx::ld_na_s32(data + s * stride + kExpertsAt + l);
         p.host_counts[kHostExpertsAt + l] = (count + p.expert_alignment - 1) / p.expert_alignment * p.expert_alignment;
+    }
+    if (p.expand_bases != nullptr && threadIdx.x == 0) {  // one thread: a few hundred counts, in expert order
+        int start = 0;
+        for (int l = 0; l < num_local_experts; ++l) {
+            int base = start;
+            for (int s = 0; s < kNumRanks; ++s) {
+                p.expand_bases[s * num_local_experts + l] = base;
+                base += ptx::ld_na_s32(data + s * stride + kExpertsAt + l);
+            }
+            p.expand_counts[l] = base - start;
+            p.expand_ends[l] = base;
+            start += (base - start + p.expert_alignment - 1) / p.expert_alignment * p.expert_alignment;
+        }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
