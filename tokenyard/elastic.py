@@ -564,22 +564,30 @@ class ElasticBuffer:
         # Before the sums (device work) that may precede the V1 call's own checks.
         checks.tensor("x", x, dtypes=(torch.bfloat16,), device=self.buffer.device)
         backend = self.buffer._backend()
+        config = self._config(num_sms or handle.num_sms)
+        # NOTE [expanded sums] in kernels/combine.cuh: the combine kernel sums each row's pairs itself.
+        in_kernel = handle.do_expand and self.buffer._combine_expands_in_kernel(
+            handle.dispatch_handle, x, handle.recv_topk_idx.size(1), config.num_sms)
         sums, weights = None, None
         # NOTE [expanded sums first]: with nothing to wait for, the expanded rows are summed on the caller's stream.
-        if handle.do_expand and previous_event is None and previous_event_before_epilogue is None:
+        if handle.do_expand and not in_kernel and previous_event is None and previous_event_before_epilogue is None:
             sums = backend.reduce_expanded(x, handle.row_of)
             weights = None if topk_weights is None else backend.gather_weights(topk_weights, handle.row_of)
         inputs = (x, topk_weights, sums, weights) + (bias if isinstance(bias, tuple) else (bias,))
         with self._scope(previous_event, previous_event_before_epilogue, async_with_compute_stream,
                          allocate_on_comm_stream) as scope:
-            if handle.do_expand and sums is None:
+            if in_kernel:
                 weights = None if topk_weights is None else backend.gather_weights(topk_weights, handle.row_of)
-                sums = backend.reduce_expanded(x, handle.row_of)
-            elif not handle.do_expand:
-                weights = None if topk_weights is None else backend.local_weights(topk_weights,
-                                                                                  handle.recv_topk_idx)
-            combined_x, combined_weights, _ = self.buffer.combine(
-                x if sums is None else sums, handle.dispatch_handle, weights, bias,
-                self._config(num_sms or handle.num_sms))
+                combined_x, combined_weights, _ = self.buffer._combine(
+                    x, handle.dispatch_handle, weights, bias, config, None, False, False, expand_row_of=handle.row_of)
+            else:
+                if handle.do_expand and sums is None:
+                    weights = None if topk_weights is None else backend.gather_weights(topk_weights, handle.row_of)
+                    sums = backend.reduce_expanded(x, handle.row_of)
+                elif not handle.do_expand:
+                    weights = None if topk_weights is None else backend.local_weights(topk_weights,
+                                                                                      handle.recv_topk_idx)
+                combined_x, combined_weights, _ = self.buffer.combine(
+                    x if sums is None else sums, handle.dispatch_handle, weights, bias, config)
         return combined_x, combined_weights, self._finish(scope, (combined_x, combined_weights), inputs,
                                                           async_with_compute_stream)
