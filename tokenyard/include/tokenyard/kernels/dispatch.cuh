@@ -423,6 +423,11 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         };
         // NOTE [placed rows]: the senders wrote the data in place, or (kExpand) lane 0 moves it by TMA: the lanes
         // load the tail alone.
+        // NOTE [expanded rows]: as many of the row's pieces as the stages hold loaded (lane 0) before the tail and the
+        // pairs' rows are read, so that those loads' round trips pass together.
+        constexpr uint32_t kRowBytes = kDataInt4 * 16, kHeld = kStages * kStageBytes;
+        if (kExpand && lane == 0)
+            stages.prefetch(src, min(kRowBytes, kHeld));
         if (placed || kExpand)
             load_tail();
         // Metadata word w of the tail, to every lane (lane kScaleInt4 + w / 4 holds it; w a constant once unrolled).
@@ -475,10 +480,10 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             }
             // As many pieces' loads in flight at once as the stages hold, then their stores: a round trip a row
             // rather than a piece (in the proxy no faster, elastic.md: the copies are bound elsewhere there).
-            constexpr uint32_t kRowBytes = kDataInt4 * 16, kHeld = kStages * kStageBytes;
             for (uint32_t at = 0; lane == 0 && at < kRowBytes; at += kHeld) {
                 const uint32_t n = min(kRowBytes - at, kHeld);
-                stages.prefetch(src + at, n);
+                if (at > 0)  // the first pieces went out before the metadata
+                    stages.prefetch(src + at, n);
                 stages.send(n, to, at);
             }
         }
