@@ -18,20 +18,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.gpu import spawn  # noqa: E402  (sets the NVLink-multicast-off variables first)
 
 
-def deepseek_buffer(num_tokens: int):
-    """This rank's CUDA Buffer sized for `num_tokens` tokens of the DeepSeek-V3 setting (FP8 dispatch, hidden 7168,
-    top-8 of 256, uniform routing, seed 7) and its inputs -> (buffer, x, topk_idx, weights)."""
+HIDDEN, NUM_EXPERTS, NUM_TOPK = 7168, 256, 8  # DeepSeek-V3's
+
+
+def deepseek_inputs(num_tokens: int):
+    """This rank's inputs of `num_tokens` tokens in the DeepSeek-V3 setting (FP8 dispatch, hidden 7168, top-8 of 256,
+    uniform routing, seed 7) -> (x, topk_idx, weights)."""
     import torch
     import torch.distributed as dist
 
-    from tokenyard import Buffer, Config
     from tokenyard.tools.testing import make_rank_inputs
 
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
-    x, topk_idx, weights = make_rank_inputs(7, num_ranks, num_tokens, 7168, 256, 8, "uniform", "fp8", device)[rank]
-    size = Config(num_max_tokens_per_rank=num_tokens).get_nvl_buffer_size_hint(7168 * 2, num_ranks)
-    return Buffer(dist.group.WORLD, size, 0, backend="cuda", check_inputs=False), x, topk_idx, weights
+    return make_rank_inputs(7, num_ranks, num_tokens, HIDDEN, NUM_EXPERTS, NUM_TOPK, "uniform", "fp8", device)[rank]
+
+
+def deepseek_buffer(num_tokens: int):
+    """This rank's CUDA Buffer sized for `num_tokens` tokens of the DeepSeek-V3 setting and its inputs
+    (`deepseek_inputs`) -> (buffer, x, topk_idx, weights)."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, Config
+
+    size = Config(num_max_tokens_per_rank=num_tokens).get_nvl_buffer_size_hint(HIDDEN * 2, dist.get_world_size())
+    return (Buffer(dist.group.WORLD, size, 0, backend="cuda", check_inputs=False),) + tuple(deepseek_inputs(num_tokens))
 
 
 def first_dispatch(buffer, x, topk_idx, weights):
@@ -39,11 +50,11 @@ def first_dispatch(buffer, x, topk_idx, weights):
     random bf16 rows, one per received row)."""
     import torch
 
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 256)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)
     recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights,
                                                  num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                  num_tokens_per_expert=per_expert)
-    y = torch.randn(recv_x[0].size(0), 7168, device=recv_x[0].device).to(torch.bfloat16)
+    y = torch.randn(recv_x[0].size(0), HIDDEN, device=recv_x[0].device).to(torch.bfloat16)
     return handle, y
 
 

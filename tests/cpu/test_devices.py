@@ -66,6 +66,19 @@ def test_calls_with_cpu_tensors_on_a_gpu_buffer_run_on_its_cpu_twin_whatever_pos
     assert [who for who, _ in buffer.calls] == ["twin", "twin", "twin", "own"]
 
 
+def test_every_call_that_takes_tensors_keeps_the_device_rule():
+    """NOTE [device rule]: the Buffer's inner calls that take tensors are the ones wrapped (5f185e9 once left the
+    wrapper of `_dispatch` on a helper defined above it)."""
+    from tokenyard.buffer_low_latency import LowLatencyCalls
+    from tokenyard.buffer_normal import NormalCalls
+
+    for owner, name in ((NormalCalls, "_get_dispatch_layout"), (NormalCalls, "_dispatch"), (NormalCalls, "_combine"),
+                        (LowLatencyCalls, "_low_latency_dispatch"), (LowLatencyCalls, "_low_latency_combine")):
+        assert hasattr(getattr(owner, name), "__wrapped__"), f"{owner.__name__}.{name} runs wherever it is called"
+    for name in ("_expands_in_kernel",):
+        assert not hasattr(getattr(NormalCalls, name), "__wrapped__"), f"NormalCalls.{name} is no call of tensors"
+
+
 def test_ranks_that_share_a_gpu_divide_the_sms_each_sees_so_their_grids_fit_whatever_mps_shares_they_have():
     topology = make_topology(1, [_gpu("h", "GPU-a"), _gpu("h", "GPU-a")])  # no MPS share: each sees 132
     assert (topology.ranks_per_gpu, topology.shares_gpu, topology.sm_budget) == (2, True, 49)
