@@ -257,6 +257,15 @@ class NormalCalls:
             return len(x) == 2 and x[1].dim() == 2 and x[0].device == self.device
         return isinstance(x, torch.Tensor) and x.device == self.device
 
+    @staticmethod
+    def _dispatch_row_bytes(data: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int,
+                            source_ranks: bool = False) -> int:
+        """A dispatch row's bytes in the buffer, for `data` and `scales` as checks.dispatch_x gives them
+        (`source_ranks`: a fresh expanded dispatch's tail, which carries each slot's source rank)."""
+        scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()
+        return workspace.normal_dispatch_row_bytes(data.size(1) * data.element_size(), scale_bytes, num_topk,
+                                                   source_ranks)
+
     def _expands_in_kernel(self, handle, x: XLike, num_topk: int, num_sms: int) -> bool:
         """Whether ElasticBuffer's cached expanded dispatch of `x` (top-k `num_topk`) with the V1 `handle` on
         `num_sms` SMs runs in the dispatch kernel (NOTE [expanded rows] in kernels/dispatch.cuh): on one node, in the
@@ -267,8 +276,7 @@ class NormalCalls:
                 not self._normal_backend().expands_in_dispatch(num_sms):  # (NOTE [device rule]: a CPU twin's gather)
             return False
         data, scales, _ = checks.dispatch_x(x, device=self.device)
-        scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()
-        row_bytes = workspace.normal_dispatch_row_bytes(data.size(1) * data.element_size(), scale_bytes, num_topk)
+        row_bytes = self._dispatch_row_bytes(data, scales, num_topk)
         stored = getattr(handle, "rounds", None)
         return stored is not None and stored.num_rounds == 1 and \
             stored.fits(self._round_tokens(data.size(0), row_bytes, "dispatch"))
@@ -283,9 +291,7 @@ class NormalCalls:
                 not self._normal_backend().expands_in_dispatch(num_sms):  # (NOTE [device rule]: a CPU twin's pass)
             return False
         data, scales, _ = checks.dispatch_x(x, device=self.device)
-        scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()
-        row_bytes = workspace.normal_dispatch_row_bytes(data.size(1) * data.element_size(), scale_bytes, num_topk,
-                                                        source_ranks=True)
+        row_bytes = self._dispatch_row_bytes(data, scales, num_topk, source_ranks=True)
         paired = workspace.normal_combine_row_bytes(data.size(1), num_topk)
         return self._round_tokens(num_max_tokens, row_bytes, "dispatch", paired) >= num_max_tokens
 
@@ -340,10 +346,8 @@ class NormalCalls:
                     checks.topk_values(topk_idx, num_experts)
                 checks.layout_agrees(topk_idx, num_experts, num_tokens_per_rank, is_token_in_rank,
                                      num_tokens_per_expert)
-        scale_bytes = 0 if x_scales is None else x_scales.size(1) * x_scales.element_size()
         fresh_expansion = expansion is not None and expansion.fresh
-        row_bytes = workspace.normal_dispatch_row_bytes(x.size(1) * x.element_size(), scale_bytes, num_topk,
-                                                        fresh_expansion)
+        row_bytes = self._dispatch_row_bytes(x, x_scales, num_topk, fresh_expansion)
         paired_row_bytes = None if handle is not None else workspace.normal_combine_row_bytes(x.size(1), num_topk)
         round_tokens = self._round_tokens(num_tokens, row_bytes, "dispatch", paired_row_bytes)
         self._refuse_capture(backend, "dispatch", cpu_wait=handle is None and not num_worst_tokens)

@@ -112,11 +112,6 @@ struct WarpStages {
         }
     }
 
-    __device__ __forceinline__ void drain() {
-        tma::wait_all();
-        tma::fence_global_proxies();
-    }
-
     // As `drain`, but for the stores of every piece except the newest kNewer stored: what those older pieces wrote
     // may be published while the newer ones are still on their way.
     template <int kNewer>
@@ -124,6 +119,8 @@ struct WarpStages {
         tma::wait_written<kNewer>();
         tma::fence_global_proxies();
     }
+
+    __device__ __forceinline__ void drain() { drain_older<0>(); }
 
     __device__ __forceinline__ void retire() {
         for (uint32_t k = stored; k != loaded; ++k)  // rows loaded ahead and never sent
