@@ -347,8 +347,9 @@ class ElasticBuffer:
         reads.
 
         NOTE [expanded sums first]
-        One exception: an expanded combine given neither event sums each received token's expanded rows (and
-        gathers their weights) on the caller's stream, before the scope; the communication stream then holds the
+        One exception: an expanded combine given neither event whose combine kernel does not sum the expanded rows
+        itself (NOTE [expanded sums] in kernels/combine.cuh) sums each received token's rows (and gathers their
+        weights) on the caller's stream, before the scope; the communication stream then holds the
         combine kernel alone. A persistent GEMM queued after the call holds every SM until it ends, so a
         communication kernel not yet running when the GEMM starts (one waiting for an earlier kernel of its call)
         runs after it: with the sums on the communication stream the combine kernel ran after the next GEMM, with
