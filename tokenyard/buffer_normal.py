@@ -448,10 +448,10 @@ class NormalCalls:
         return result
 
     def _combine_expands_in_kernel(self, handle, x: torch.Tensor, num_topk: int, num_sms: int) -> bool:
-        """Whether ElasticBuffer's expanded combine of `x` (its expanded rows; top-k `num_topk`) with the V1 `handle` on
-        `num_sms` SMs sums each row's pairs in the combine kernel (NOTE [expanded sums] in kernels/combine.cuh): on one
-        node, in the one round the handle's dispatch ran in, where the backend takes expanded rows in its kernels
-        (the dispatch's threshold); else the sums are a kernel of their own before it."""
+        """Whether ElasticBuffer's expanded combine of `x` (its expanded rows; `num_topk` weights a row, 0 without)
+        with the V1 `handle` on `num_sms` SMs sums each row's pairs in the combine kernel (NOTE [expanded sums] in
+        kernels/combine.cuh): on one node, in the one round the handle's dispatch ran in, where the backend takes
+        expanded rows in its kernels (the dispatch's threshold); else the sums are a kernel of their own before it."""
         if self._internode or x.device != self.device or not self._normal_backend().expands_in_dispatch(num_sms):
             return False  # (NOTE [device rule]: a CPU twin sums before its combine)
         stored = getattr(handle, "rounds", None)

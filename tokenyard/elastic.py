@@ -568,7 +568,7 @@ class ElasticBuffer:
         config = self._config(num_sms or handle.num_sms)
         # NOTE [expanded sums] in kernels/combine.cuh: the combine kernel sums each row's pairs itself.
         in_kernel = handle.do_expand and self.buffer._combine_expands_in_kernel(
-            handle.dispatch_handle, x, handle.recv_topk_idx.size(1), config.num_sms)
+            handle.dispatch_handle, x, 0 if topk_weights is None else handle.recv_topk_idx.size(1), config.num_sms)
         sums, weights = None, None
         # NOTE [expanded sums first]: with nothing to wait for, the expanded rows are summed on the caller's stream.
         if handle.do_expand and not in_kernel and previous_event is None and previous_event_before_epilogue is None:

@@ -1,7 +1,7 @@
 """DeepEP V2's `ElasticBuffer` on the CUDA backend against the same calls on the reference backend over the same
 group (docs/semantics.md, "ElasticBuffer"), device machine only: dispatch bit for bit (the CUDA Buffer's
 outputs poisoned before its kernels write them), combine within bf16 rounding, expanded and not, bf16 and FP8,
-with and without the CPU sync, cached dispatches, bias, -1 entries and a rank that receives nothing, on the
+with and without the CPU sync and weights, cached dispatches, bias, -1 entries and a rank that receives nothing, on the
 current stream and (async_with_compute_stream) on the communication stream."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ pytestmark = spawn.needs_ranks()
 
 NUM_TOKENS, HIDDEN, NUM_TOPK = 96, 2048, 8
 
-# (dtype, do_expand, expert_alignment, do_cpu_sync, routing kind)
-CASES = (("bf16", False, 1, True, "uniform"), ("fp8", True, 128, True, "masked"),
-         ("fp8", False, 64, False, "skewed"), ("bf16", True, 16, False, "masked"),
-         ("fp8", True, 64, True, "empty_rank"))  # the last rank receives no row
+# (dtype, do_expand, expert_alignment, do_cpu_sync, routing kind, the fresh dispatch and the combine with weights)
+CASES = (("bf16", False, 1, True, "uniform", True), ("fp8", True, 128, True, "masked", True),
+         ("fp8", False, 64, False, "skewed", True), ("bf16", True, 16, False, "masked", False),
+         ("fp8", True, 64, True, "empty_rank", True))  # the last rank receives no row
 
 
 def _same(what, a, b):
@@ -48,7 +48,7 @@ def _elastic_matches(seed):
     reports = []
     in_kernel = heuristics.expand_in_dispatch_min_sms()  # NOTE [expanded rows]: from this many SMs
     after = max(2, in_kernel - 2)
-    for case, (dtype, do_expand, alignment, do_cpu_sync, kind) in enumerate(CASES):
+    for case, (dtype, do_expand, alignment, do_cpu_sync, kind, with_weights) in enumerate(CASES):
         x, topk_idx, weights = make_rank_inputs(seed + case, num_ranks, NUM_TOKENS, HIDDEN, num_experts, NUM_TOPK,
                                                 kind, dtype, device)[rank]
         got, want = {}, {}
@@ -59,7 +59,7 @@ def _elastic_matches(seed):
             # Expanded: the layout made in the dispatch kernel (NOTE [expanded rows]), with and without the CPU sync;
             # in the last case after it.
             recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(
-                x, topk_idx, weights, stats, num_experts, expert_alignment=alignment, do_cpu_sync=do_cpu_sync,
+                x, topk_idx, weights if with_weights else None, stats, num_experts, expert_alignment=alignment, do_cpu_sync=do_cpu_sync,
                 do_expand=do_expand, do_zero_padding=do_expand,
                 num_sms=after if case == len(CASES) - 1 else in_kernel, **side)
             event.current_stream_wait()
@@ -74,7 +74,8 @@ def _elastic_matches(seed):
                 loose[-1].current_stream_wait()
             expert_out = (_split(recv_x)[0].float() * 0.5 - 0.25).to(torch.bfloat16)
             bias = (x[0] if isinstance(x, tuple) else x).float().mul(0.125).to(torch.bfloat16)
-            # Expanded: the pairs summed in the combine kernel (NOTE [expanded sums]), in the last case before it.
+            # Expanded: the pairs summed in the combine kernel (NOTE [expanded sums]), in the last case before it;
+            # without weights where the dispatch had none (the kernel's slots are then the handle's top-k alone).
             combined, combined_w, event = buffer.combine(expert_out, handle, recv_w, bias,
                                                          num_sms=after if case == len(CASES) - 1 else in_kernel, **side)
             event.current_stream_wait()
@@ -87,9 +88,10 @@ def _elastic_matches(seed):
             "the fresh paths under test"
         if do_expand:
             expert_rows = _split(got["x"])[0]
-            assert cuda.buffer._combine_expands_in_kernel(h.dispatch_handle, expert_rows, NUM_TOPK, in_kernel) and (
+            num_weights = NUM_TOPK if with_weights else 0
+            assert cuda.buffer._combine_expands_in_kernel(h.dispatch_handle, expert_rows, num_weights, in_kernel) and (
                 after == in_kernel or not cuda.buffer._combine_expands_in_kernel(h.dispatch_handle, expert_rows,
-                                                                                 NUM_TOPK, after)), "combine paths"
+                                                                                 num_weights, after)), "combine paths"
         assert cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, in_kernel) and \
             (after == in_kernel or not cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, after)), \
             "the paths under test"
@@ -107,7 +109,8 @@ def _elastic_matches(seed):
             _same(f"case {case}: recv_x[{i}]", None if a is None else a[rows], None if b is None else b[rows])
             _same(f"case {case}: cached recv_x[{i}]", None if a is None else _split(got["again"][0])[i][rows],
                   None if b is None else _split(want["again"][0])[i][rows])
-        _same(f"case {case}: recv_topk_weights", got["w"][rows], want["w"][rows])
+        _same(f"case {case}: recv_topk_weights", got["w"] if got["w"] is None else got["w"][rows],
+              want["w"] if want["w"] is None else want["w"][rows])
         _same(f"case {case}: cached recv_topk_weights", got["again"][2][rows], want["again"][2][rows])
         if do_expand:  # without zeroed padding: the rows that hold a pair
             held = hr.source_row >= 0
@@ -118,7 +121,7 @@ def _elastic_matches(seed):
         if not do_expand:
             _same(f"case {case}: recv_topk_idx", got["idx"], want["idx"])
         assert_within_bf16_rounding(got["combined"], want["combined"], f"case {case}: combine")
-        assert torch.equal(got["combined_w"], want["combined_w"]), f"case {case}: combined weights"
+        _same(f"case {case}: combined weights", got["combined_w"], want["combined_w"])
         reports.append(f"case {case} {CASES[case]}: {valid} rows received, "
                        f"{h.num_expanded_tokens} expanded rows: matches")
     cuda.buffer.runtime.check_failures()

@@ -67,14 +67,16 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // there and drain a piece (benchmarks/results/normal_tuning.md, "Weights in the bulk store, ...").
 //
 // NOTE [expanded sums]
-// ElasticBuffer's expanded combine (kExpand; tokenyard/elastic.py) takes `x` as the expanded rows ([M, H]) and sums
-// each received row's pairs in the senders: the row a sender returns for received row j is the bf16 rounding of the
-// float32 sum, in slot order, of the rows expand_row_of[j][k] >= 0 (zeros where none), as `reduce_expanded` makes it
+// ElasticBuffer's expanded combine (kExpandSlots > 0; tokenyard/elastic.py) takes `x` as the expanded rows ([M, H])
+// and sums each received row's pairs in the senders: the row a sender returns for received row j is the bf16
+// rounding of the float32 sum, in slot order, of the rows expand_row_of[j][k] >= 0, k < kExpandSlots (the handle's
+// top-k, whether or not the call has weights: kNumTopk is the weights' count, 0 without), zeros where none, as
+// `reduce_expanded` makes it
 // in a kernel of its own (kernels/expand.cuh). The lanes load the pairs' rows and write the sums into the warp's next
 // stage, piece by piece (WarpStages' take_stage / written), the row's weights behind them; lane 0 stores each piece
 // as a loaded one. Every row goes through the buffer (no own rows read by the reducers from `x`).
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
-          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, bool kExpand, typename Params>
+          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, int kExpandSlots, typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
     static_assert(kSendWarps >= 1 && kSendWarps < kNumThreads / kWarpSize, "every block sends and reduces");
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
@@ -126,11 +128,11 @@ __device__ __forceinline__ void combine(const Params& p) {
         // NOTE [expanded sums]: received row `from`'s sum of its pairs (and its weights, `tail_bytes` of them) to
         // `dst`, piece by piece through the stages.
         auto send_sums = [&](int64_t from, uint8_t* dst, uint32_t tail_bytes) {
-            const int of_lane = lane < kNumTopk ? p.expand_row_of[from * kNumTopk + lane] : -1;
-            constexpr int kSlots = kNumTopk > 0 ? kNumTopk : 1;  // (no top-k, no expanded rows: never called)
+            const int of_lane = lane < kExpandSlots ? p.expand_row_of[from * kExpandSlots + lane] : -1;
+            constexpr int kSlots = kExpandSlots > 0 ? kExpandSlots : 1;  // (not expanded: never called)
             int rows[kSlots];
 #pragma unroll
-            for (int k = 0; k < kNumTopk; ++k)
+            for (int k = 0; k < kExpandSlots; ++k)
                 rows[k] = __shfl_sync(0xffffffffu, of_lane, k);
             const uint32_t row_bytes = kHiddenInt4 * 16 + tail_bytes;
             for (uint32_t at = 0; at < row_bytes; at += kStageBytes) {
@@ -146,12 +148,12 @@ __device__ __forceinline__ void combine(const Params& p) {
                     if (i < kHiddenInt4) {
                         int4 loaded[kSlots];
 #pragma unroll
-                        for (int k = 0; k < kNumTopk; ++k)
+                        for (int k = 0; k < kExpandSlots; ++k)
                             if (rows[k] >= 0)
                                 loaded[k] = ptx::ld_nc_v4(p.x + static_cast<int64_t>(rows[k]) * kHiddenInt4 + i);
                         float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-                        for (int k = 0; k < kNumTopk; ++k)
+                        for (int k = 0; k < kExpandSlots; ++k)
                             if (rows[k] >= 0)
                                 add_bf16x8(acc, loaded[k]);
                         out = to_bf16x8(acc);
@@ -183,7 +185,7 @@ __device__ __forceinline__ void combine(const Params& p) {
             for (int j = chunk * kChunkRows; j < j1; ++j) {
                 uint8_t* dst = buffers.row(source, p.rank, j);
                 const int64_t from = first + j;
-                if constexpr (kExpand) {
+                if constexpr (kExpandSlots > 0) {
                     send_sums(from, dst, tail_bytes);
                 } else if (lane == 0) {
                     void* to[1] = {dst};
