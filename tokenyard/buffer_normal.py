@@ -447,27 +447,12 @@ class NormalCalls:
             fast.learn_combine(x, handle, topk_weights, bias, config, async_finish, self._last_round_tokens)
         return result
 
-    def _combine_expands_in_kernel(self, handle, x: torch.Tensor, num_topk: int, num_sms: int) -> bool:
-        """Whether ElasticBuffer's expanded combine of `x` (its expanded rows; `num_topk` weights a row, 0 without)
-        with the V1 `handle` on `num_sms` SMs sums each row's pairs in the combine kernel (NOTE [expanded sums] in
-        kernels/combine.cuh): on one node, in the one round the handle's dispatch ran in, where the backend takes
-        expanded rows in its kernels (the dispatch's threshold); else the sums are a kernel of their own before it."""
-        if self._internode or x.device != self.device or not self._normal_backend().expands_in_dispatch(num_sms):
-            return False  # (NOTE [device rule]: a CPU twin sums before its combine)
-        stored = getattr(handle, "rounds", None)
-        row_bytes = workspace.normal_combine_row_bytes(x.size(1), num_topk)
-        return stored is not None and stored.num_rounds == 1 and \
-            stored.fits(self._round_tokens(handle.num_tokens, row_bytes, "combine"))
-
     @devices.runs_where_tensors_are("x")
-    def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream,
-                 expand_row_of: Optional[torch.Tensor] = None):
-        """`expand_row_of`: x holds the expanded rows, which the kernel sums per received row by the handle's row_of
-        (`_combine_expands_in_kernel`)."""
+    def _combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream):
         backend = self._normal_backend()
         handle = self._handle_for_nodes(checks.dispatch_handle(handle, num_ranks=self.group_size, device=self.device))
-        checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(None if expand_row_of is not None else handle.num_rows,
-                                                                 None), device=self.device, aligned=True)
+        checks.tensor("x", x, dtypes=(torch.bfloat16,), shape=(handle.num_rows, None), device=self.device,
+                      aligned=True)
         if topk_weights is not None:
             checks.tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=(handle.num_rows, None),
                           device=self.device, contiguous=False)
@@ -489,7 +474,7 @@ class NormalCalls:
             # any strides (an autograd gradient may be expanded): copied inside the scope, after the event
             weights = None if topk_weights is None else topk_weights.contiguous()
             request = CombineRequest(x=x, handle=handle, topk_weights=weights, bias_0=bias_0, bias_1=bias_1,
-                                     config=config, expand_row_of=expand_row_of)
+                                     config=config)
             if self._internode:  # whole calls (NOTE [internode stages] in backends/internode.py)
                 combined_x, combined_topk_weights = backend.internode_combine(request)
                 num_rounds = 1

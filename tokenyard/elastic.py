@@ -347,9 +347,8 @@ class ElasticBuffer:
         reads.
 
         NOTE [expanded sums first]
-        One exception: an expanded combine given neither event whose combine kernel does not sum the expanded rows
-        itself (NOTE [expanded sums] in kernels/combine.cuh) sums each received token's rows (and gathers their
-        weights) on the caller's stream, before the scope; the communication stream then holds the
+        One exception: an expanded combine given neither event sums each received token's expanded rows (and
+        gathers their weights) on the caller's stream, before the scope; the communication stream then holds the
         combine kernel alone. A persistent GEMM queued after the call holds every SM until it ends, so a
         communication kernel not yet running when the GEMM starts (one waiting for an earlier kernel of its call)
         runs after it: with the sums on the communication stream the combine kernel ran after the next GEMM, with
@@ -565,30 +564,22 @@ class ElasticBuffer:
         # Before the sums (device work) that may precede the V1 call's own checks.
         checks.tensor("x", x, dtypes=(torch.bfloat16,), device=self.buffer.device)
         backend = self.buffer._backend()
-        config = self._config(num_sms or handle.num_sms)
-        # NOTE [expanded sums] in kernels/combine.cuh: the combine kernel sums each row's pairs itself.
-        in_kernel = handle.do_expand and self.buffer._combine_expands_in_kernel(
-            handle.dispatch_handle, x, 0 if topk_weights is None else handle.recv_topk_idx.size(1), config.num_sms)
         sums, weights = None, None
         # NOTE [expanded sums first]: with nothing to wait for, the expanded rows are summed on the caller's stream.
-        if handle.do_expand and not in_kernel and previous_event is None and previous_event_before_epilogue is None:
+        if handle.do_expand and previous_event is None and previous_event_before_epilogue is None:
             sums = backend.reduce_expanded(x, handle.row_of)
             weights = None if topk_weights is None else backend.gather_weights(topk_weights, handle.row_of)
         inputs = (x, topk_weights, sums, weights) + (bias if isinstance(bias, tuple) else (bias,))
         with self._scope(previous_event, previous_event_before_epilogue, async_with_compute_stream,
                          allocate_on_comm_stream) as scope:
-            if in_kernel:
+            if handle.do_expand and sums is None:
                 weights = None if topk_weights is None else backend.gather_weights(topk_weights, handle.row_of)
-                combined_x, combined_weights, _ = self.buffer._combine(
-                    x, handle.dispatch_handle, weights, bias, config, None, False, False, expand_row_of=handle.row_of)
-            else:
-                if handle.do_expand and sums is None:
-                    weights = None if topk_weights is None else backend.gather_weights(topk_weights, handle.row_of)
-                    sums = backend.reduce_expanded(x, handle.row_of)
-                elif not handle.do_expand:
-                    weights = None if topk_weights is None else backend.local_weights(topk_weights,
-                                                                                      handle.recv_topk_idx)
-                combined_x, combined_weights, _ = self.buffer.combine(
-                    x if sums is None else sums, handle.dispatch_handle, weights, bias, config)
+                sums = backend.reduce_expanded(x, handle.row_of)
+            elif not handle.do_expand:
+                weights = None if topk_weights is None else backend.local_weights(topk_weights,
+                                                                                  handle.recv_topk_idx)
+            combined_x, combined_weights, _ = self.buffer.combine(
+                x if sums is None else sums, handle.dispatch_handle, weights, bias,
+                self._config(num_sms or handle.num_sms))
         return combined_x, combined_weights, self._finish(scope, (combined_x, combined_weights), inputs,
                                                           async_with_compute_stream)

@@ -74,10 +74,8 @@ def _elastic_matches(seed):
                 loose[-1].current_stream_wait()
             expert_out = (_split(recv_x)[0].float() * 0.5 - 0.25).to(torch.bfloat16)
             bias = (x[0] if isinstance(x, tuple) else x).float().mul(0.125).to(torch.bfloat16)
-            # Expanded: the pairs summed in the combine kernel (NOTE [expanded sums]), in the last case before it;
-            # without weights where the dispatch had none (the kernel's slots are then the handle's top-k alone).
-            combined, combined_w, event = buffer.combine(expert_out, handle, recv_w, bias,
-                                                         num_sms=after if case == len(CASES) - 1 else in_kernel, **side)
+            # Without weights where the dispatch had none.
+            combined, combined_w, event = buffer.combine(expert_out, handle, recv_w, bias, **side)
             event.current_stream_wait()
             out.update(x=recv_x, idx=recv_idx, w=recv_w, handle=handle, stats=stats, again=again, loose=loose,
                        combined=combined, combined_w=combined_w)
@@ -86,12 +84,6 @@ def _elastic_matches(seed):
         assert cuda.buffer._expands_fresh_in_kernel(x, NUM_TOPK, NUM_TOKENS, in_kernel) and \
             (after == in_kernel or not cuda.buffer._expands_fresh_in_kernel(x, NUM_TOPK, NUM_TOKENS, after)), \
             "the fresh paths under test"
-        if do_expand:
-            expert_rows = _split(got["x"])[0]
-            num_weights = NUM_TOPK if with_weights else 0
-            assert cuda.buffer._combine_expands_in_kernel(h.dispatch_handle, expert_rows, num_weights, in_kernel) and (
-                after == in_kernel or not cuda.buffer._combine_expands_in_kernel(h.dispatch_handle, expert_rows,
-                                                                                 num_weights, after)), "combine paths"
         assert cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, in_kernel) and \
             (after == in_kernel or not cuda.buffer._expands_in_kernel(h.dispatch_handle, x, NUM_TOPK, after)), \
             "the paths under test"

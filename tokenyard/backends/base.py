@@ -102,8 +102,7 @@ class Backend(abc.ABC):
 
     def expands_in_dispatch(self, num_sms: int) -> bool:
         """Whether a dispatch on `num_sms` SMs takes DispatchRequest.expansion (NOTE [expanded rows] in
-        kernels/dispatch.cuh), rather than `gather_rows` (or the expanded layout's kernels) after it, and a combine
-        CombineRequest.expand_row_of, rather than `reduce_expanded` before it."""
+        kernels/dispatch.cuh), rather than `gather_rows` (or the expanded layout's kernels) after it."""
         del num_sms
         return False
 

@@ -137,9 +137,6 @@ class CombineRequest:
     bias_1: Optional[torch.Tensor]
     config: Config
     placement: Optional[Placement] = None    # a placed round: x and topk_weights are the whole call's
-    # ElasticBuffer's expanded combine in the combine kernel (NOTE [expanded sums] in kernels/combine.cuh): x is the
-    # expanded rows [M, H], this the handle's row_of [N, K] int32 (one round of one node on the CUDA backend only)
-    expand_row_of: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ _EXPAND_ROWS = DISPATCH_SCALARS.index("expand_rows")
 _COUNT_READS = [(_NUM_ROWS, _HOST_ROWS_AT)]
 _PLACED_COUNT_READS = [(_NUM_ROWS, _HOST_CALL_ROWS_AT), (_NUM_WORST, _HOST_CALL_ROWS_AT)]
 COMBINE_INPUTS = ("x", "topk_weights", "bias_0", "bias_1", "rank_prefix_matrix", "recv_first", "send_head",
-                  "combined_x", "combined_topk_weights", "expand_row_of")
+                  "combined_x", "combined_topk_weights")
 
 
 class CudaBackend(ExpandCalls, InternodeCalls, Backend):
@@ -594,12 +594,10 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         return DispatchResult(*outputs[:4], per_expert_list, handle, most_call_tokens, expanded)
 
     def combine_plan(self, num_tokens: int, hidden: int, num_topk: int, num_biases: int, num_sms: int,
-                     placed: bool, expand_slots: int = 0) -> plans.Plan:
+                     placed: bool) -> plans.Plan:
         """Inputs COMBINE_INPUTS -> (combined_x, combined_topk_weights) unless
         `placed` (a round of a call in rounds writes into the whole call's tensors, given as inputs).
-        `num_biases` only enters the call's signature (NOTE [call signatures]); `num_topk`: the weights' columns (0:
-        none); `expand_slots`: where not 0, x holds expanded rows that the senders sum over a received row's
-        `expand_slots` slots (NOTE [expanded sums]), with or without weights."""
+        `num_biases` only enters the call's signature (NOTE [call signatures])."""
         def build():
             num_ranks = self.ctx.num_ranks
             layout = workspace.normal_layout(self.ctx.num_nvl_bytes, num_ranks,
@@ -617,32 +615,29 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             send_warps = heuristics.combine_send_warps(threads // 32, num_ranks)
             kernel = self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps,
                                                   heuristics.combine_stages(), heuristics.combine_reduce_loads(),
-                                                  threads, expand_slots))
+                                                  threads))
             b.launch(kernel, num_blocks, dict(
                 x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),
                 rank_prefix_matrix=b.inp("rank_prefix_matrix"), recv_first=b.inp("recv_first"),
                 send_head=b.inp("send_head"), num_tokens=num_tokens,
                 combined_x=combined_x, combined_topk_weights=combined_w,
-                local_direct=int(heuristics.combine_own_rows_direct() and not expand_slots),  # NOTE [expanded sums]
-                expand_row_of=b.inp("expand_row_of") if expand_slots else 0,
+                local_direct=int(heuristics.combine_own_rows_direct()),
                 **self._normal_buffer_args(layout),
                 signature=self._signature("combine", hidden=hidden, num_topk=num_topk, num_biases=num_biases),
                 **self._wait_args(), phases=self._phases_ptr(1)))
             return b.build()
 
-        return self.plan(("combine", num_tokens, hidden, num_topk, num_biases, num_sms, placed, expand_slots), build)
+        return self.plan(("combine", num_tokens, hidden, num_topk, num_biases, num_sms, placed), build)
 
     def combine(self, request: CombineRequest):
         self.check_failures()
         x, handle, weights, placement = request.x, request.handle, request.topk_weights, request.placement
         plan = self.combine_plan(handle.num_tokens, x.size(1), 0 if weights is None else weights.size(1),
                                  (request.bias_0 is not None) + (request.bias_1 is not None),
-                                 request.config.num_sms, placement is not None,
-                                 0 if request.expand_row_of is None else request.expand_row_of.size(1))
+                                 request.config.num_sms, placement is not None)
         placed = (None, None) if placement is None else placement.outputs
         inputs = (x, weights, request.bias_0, request.bias_1, handle.rank_prefix_matrix,
-                  None if placement is None else placement.recv_first, handle.send_head) + tuple(placed) + (
-                  request.expand_row_of,)
+                  None if placement is None else placement.recv_first, handle.send_head) + tuple(placed)
         made = plan.run_here(self._stream(), inputs)
         if placement is not None:
             return placement.outputs

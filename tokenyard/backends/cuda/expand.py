@@ -80,7 +80,7 @@ class ExpandCalls:
         return plan.run_here(self._stream(), (topk_idx,))[0]
 
     def expands_in_dispatch(self, num_sms: int) -> bool:
-        return heuristics.expands_in_kernels(num_sms, self.ctx.num_ranks)
+        return heuristics.expands_in_dispatch(num_sms, self.ctx.num_ranks)
 
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # also where no row was received

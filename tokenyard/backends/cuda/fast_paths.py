@@ -225,8 +225,7 @@ class FastPaths:
             return None
         bias_0, bias_1 = split_x(bias)
         ran = self.calls.run(self._combine_key(x, handle, topk_weights, bias, config, async_finish),
-                             (x, topk_weights, bias_0, bias_1, handle[0], None, handle[5],  # handle fields
-                              None, None, None),
+                             (x, topk_weights, bias_0, bias_1, handle[0], None, handle[5], None, None),  # handle fields
                              _raw_stream(self.device_index), previous_event, async_finish,
                              handle.rounds.max_round_tokens)
         if ran is None:

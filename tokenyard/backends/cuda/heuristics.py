@@ -132,16 +132,13 @@ def combine_own_rows_direct() -> bool:
     return tuned("combine_own_rows_direct", COMBINE_OWN_ROWS_DIRECT)
 
 
-# ElasticBuffer's expanded layout in the normal-mode kernels (the dispatch's receivers write the expanded rows, NOTE
-# [expanded rows] in kernels/dispatch.cuh; the combine's senders sum them, NOTE [expanded sums] in
-# kernels/combine.cuh) from this many SMs and with peers; else kernels of their own over the whole GPU gather the
-# rows after the dispatch and sum them before the combine. On one GPU shared by 4 ranks the cached dispatch's kernel
-# took as long as the two kernels at 16 and 24 SMs and its calls were 15-25% faster; at 8 SMs its receivers' copies
-# made it 30% slower; the fresh dispatch's calls were 20% faster and the combine's kernels 2.3-2.7 times. At one rank
-# no row leaves the GPU and the whole-GPU kernels won: at 24 SMs the cached dispatch took 175 us against 250, the
-# fresh 254 against 386, the combine 254 against 1559 (its senders' lanes read a received row's 8 pairs), and
-# moe_step.py's train step 21.9 ms against 25.2 (benchmarks/results/elastic.md, "Expanded rows in the dispatch
-# kernel", "The fresh expanded dispatch and the expanded combine in the kernels").
+# ElasticBuffer's expanded dispatch writes the expanded rows in the dispatch kernel (NOTE [expanded rows] in
+# kernels/dispatch.cuh) from this many SMs and with peers, else kernels of their own over the whole GPU gather them
+# after a plain dispatch. On one GPU shared by 4 ranks the cached dispatch's kernel took as long as the two kernels at
+# 16 and 24 SMs and its calls were 15-25% faster, at 8 SMs 30% slower (its receivers' copies); the fresh dispatch's
+# calls were 20% faster. At one rank no row leaves the GPU and the whole-GPU kernels won: at 24 SMs the cached
+# dispatch took 175 us against 250, the fresh 254 against 386 (benchmarks/results/elastic.md, "Expanded rows in the
+# dispatch kernel", "The fresh expanded dispatch in the kernel").
 EXPAND_IN_DISPATCH_MIN_SMS = 16
 
 
@@ -149,8 +146,8 @@ def expand_in_dispatch_min_sms() -> int:
     return tuned("expand_in_dispatch_min_sms", EXPAND_IN_DISPATCH_MIN_SMS)
 
 
-def expands_in_kernels(num_sms: int, num_ranks: int) -> bool:
-    """Whether the normal-mode kernels on `num_sms` SMs over `num_ranks` ranks take the expanded layout."""
+def expands_in_dispatch(num_sms: int, num_ranks: int) -> bool:
+    """Whether the dispatch kernel on `num_sms` SMs over `num_ranks` ranks writes the expanded rows."""
     return num_ranks > 1 and num_sms >= expand_in_dispatch_min_sms()
 
 

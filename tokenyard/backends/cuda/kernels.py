@@ -135,22 +135,20 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 def combine(num_ranks: int, hidden_int4: int, num_topk: int,
             send_warps: int = heuristics.COMBINE_SEND_WARPS, stages: int = heuristics.COMBINE_STAGES,
             reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS,
-            threads: int = heuristics.COMBINE_THREADS, expand_slots: int = 0) -> KernelSpec:
-    """`num_topk`: the weights' columns (0: no weights); `send_warps`: a block's warps that send (the others reduce),
-    each through `stages` stages, a row's data and its weights a stage where the shared memory allows (NOTE [combine
-    weights]); `reduce_loads`: the loads a reducing lane keeps in flight; `threads`: the block's (NOTE [combine block
-    width]); `expand_slots`: where not 0, `x` holds expanded rows, which the senders sum per received row over its
-    `expand_slots` slots, weights or none (NOTE [expanded sums])."""
+            threads: int = heuristics.COMBINE_THREADS) -> KernelSpec:
+    """`send_warps`: a block's warps that send (the others reduce), each through `stages` stages, a row's data and
+    its weights a stage where the shared memory allows (NOTE [combine weights]); `reduce_loads`: the loads a reducing
+    lane keeps in flight; `threads`: the block's (NOTE [combine block width])."""
     stage_bytes = data_stage_bytes(hidden_int4 * 16 + workspace.align(num_topk * 4), send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
         (num_ranks, threads, hidden_int4, num_topk, CHUNK_TOKENS, SIGNATURE_INTS, stages, stage_bytes,
-         send_warps, reduce_loads, expand_slots),
+         send_warps, reduce_loads),
         (Param("const int4*", "x"), Param("const float*", "topk_weights"), Param("const int4*", "bias_0"),
          Param("const int4*", "bias_1"), Param("const int*", "rank_prefix_matrix"), Param("const int*", "recv_first"),
          Param("const int*", "send_head"),
          Param("int", "num_tokens"), Param("int4*", "combined_x"),
-         Param("float*", "combined_topk_weights"), Param("int", "local_direct"), Param("const int*", "expand_row_of"))
+         Param("float*", "combined_topk_weights"), Param("int", "local_direct"))
         + _BUFFERS + (Param("const int*", "signature"),) + _WAIT + _PHASES,
         threads, name="tokenyard::normal::combine",
         shared_bytes=data_shared_bytes(stage_bytes, send_warps, stages))
@@ -381,8 +379,6 @@ def every_kernel():
         yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64, threads=threads)    # bf16
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64, threads=threads)    # cached: no top-k
         yield combine(ranks, 7168 * 2 // 16, 8, send_warps)
-        yield combine(ranks, 7168 * 2 // 16, 8, send_warps, expand_slots=8)  # ElasticBuffer's expanded
-        yield combine(ranks, 7168 * 2 // 16, 0, send_warps, expand_slots=8)  # and without weights
         yield combine(ranks, 4096 * 2 // 16, 0, send_warps)
     yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)  # TOKENYARD_TUNING combine_reduce_loads's sweep
     yield combine(4, 7168 * 2 // 16, 8, 6, reduce_loads=8, threads=1024)  # and combine_threads' candidates

@@ -86,20 +86,6 @@ struct WarpStages {
         }
     }
 
-    // A piece the lanes write rather than a load (the expanded combine's sums, NOTE [expanded sums] in
-    // kernels/combine.cuh): lane 0 takes the next stage once the stores that last read it are done reading (-> its
-    // address, for the lanes), the lanes write it and fence it for the copy engine (`fence_shared_for_async`), then
-    // lane 0 marks it `written`: a loaded piece from then on, which `send` stores.
-    __device__ __forceinline__ uint8_t* take_stage() {
-        if (loaded >= kStages)
-            wait_read_newer(stored - (loaded - kStages) - 1);
-        return stages + static_cast<int>(loaded % kStages) * kStageBytes;
-    }
-    __device__ __forceinline__ void written() {
-        tma::expect_bytes(barriers + loaded % kStages, 0);  // an arrival with no bytes: the phase completes
-        ++loaded;
-    }
-
     // The whole warp copies a row of `bytes` that lane 0 has sent from the stages (its pieces `first`, first + 1,
     // ...; all resident: a row of at most kStages pieces, and nothing loaded since) to `dst` with 16-byte stores:
     // a local copy through the SM's load/store units, leaving the copy engine to the peers' stores.

@@ -65,18 +65,8 @@ __device__ __forceinline__ bool normal_barrier(const NormalBuffers& buffers, con
 // reducers a few rows later. On one GPU shared by 4 ranks the senders then waited as long in that wait as they had
 // in the drain, their time being that GPU's memory throughput; the dispatch's senders publishing so were no faster
 // there and drain a piece (benchmarks/results/normal_tuning.md, "Weights in the bulk store, ...").
-//
-// NOTE [expanded sums]
-// ElasticBuffer's expanded combine (kExpandSlots > 0; tokenyard/elastic.py) takes `x` as the expanded rows ([M, H])
-// and sums each received row's pairs in the senders: the row a sender returns for received row j is the bf16
-// rounding of the float32 sum, in slot order, of the rows expand_row_of[j][k] >= 0, k < kExpandSlots (the handle's
-// top-k, whether or not the call has weights: kNumTopk is the weights' count, 0 without), zeros where none, as
-// `reduce_expanded` makes it
-// in a kernel of its own (kernels/expand.cuh). The lanes load the pairs' rows and write the sums into the warp's next
-// stage, piece by piece (WarpStages' take_stage / written), the row's weights behind them; lane 0 stores each piece
-// as a loaded one. Every row goes through the buffer (no own rows read by the reducers from `x`).
 template <int kNumRanks, int kNumThreads, int kHiddenInt4, int kNumTopk, int kChunkRows, int kSignatureInts,
-          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, int kExpandSlots, typename Params>
+          int kStages, int kStageBytes, int kSendWarps, int kReduceLoads, typename Params>
 __device__ __forceinline__ void combine(const Params& p) {
     static_assert(kSendWarps >= 1 && kSendWarps < kNumThreads / kWarpSize, "every block sends and reduces");
     static_assert(kNumRanks <= kWarpSize, "one lane per rank");
@@ -125,53 +115,6 @@ __device__ __forceinline__ void combine(const Params& p) {
         auto publish = [&](int source, int chunk) {  // lane 0, its rows' stores done
             ptx::st_release_sys(&buffers.slot(source, p.rank, chunk)->seq, seq);
         };
-        // NOTE [expanded sums]: received row `from`'s sum of its pairs (and its weights, `tail_bytes` of them) to
-        // `dst`, piece by piece through the stages.
-        auto send_sums = [&](int64_t from, uint8_t* dst, uint32_t tail_bytes) {
-            const int of_lane = lane < kExpandSlots ? p.expand_row_of[from * kExpandSlots + lane] : -1;
-            constexpr int kSlots = kExpandSlots > 0 ? kExpandSlots : 1;  // (not expanded: never called)
-            int rows[kSlots];
-#pragma unroll
-            for (int k = 0; k < kExpandSlots; ++k)
-                rows[k] = __shfl_sync(0xffffffffu, of_lane, k);
-            const uint32_t row_bytes = kHiddenInt4 * 16 + tail_bytes;
-            for (uint32_t at = 0; at < row_bytes; at += kStageBytes) {
-                const uint32_t n = min(row_bytes - at, static_cast<uint32_t>(kStageBytes));
-                uint8_t* stage = nullptr;
-                if (lane == 0)
-                    stage = stages.take_stage();
-                stage = reinterpret_cast<uint8_t*>(
-                    __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(stage), 0));
-                for (uint32_t v = lane; v < n / 16; v += kWarpSize) {
-                    const int i = static_cast<int>(at / 16 + v);
-                    int4 out;
-                    if (i < kHiddenInt4) {
-                        int4 loaded[kSlots];
-#pragma unroll
-                        for (int k = 0; k < kExpandSlots; ++k)
-                            if (rows[k] >= 0)
-                                loaded[k] = ptx::ld_nc_v4(p.x + static_cast<int64_t>(rows[k]) * kHiddenInt4 + i);
-                        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                        for (int k = 0; k < kExpandSlots; ++k)
-                            if (rows[k] >= 0)
-                                add_bf16x8(acc, loaded[k]);
-                        out = to_bf16x8(acc);
-                    } else {  // the weights behind the data (tail_bytes: a multiple of 16)
-                        out = reinterpret_cast<const int4*>(p.topk_weights + from * kNumTopk)[i - kHiddenInt4];
-                    }
-                    *reinterpret_cast<int4*>(stage + v * 16) = out;
-                }
-                tma::fence_shared_for_async();
-                __syncwarp();
-                if (lane == 0) {
-                    stages.written();
-                    void* to[1] = {dst};
-                    stages.send(n, to, at);
-                }
-                __syncwarp();
-            }
-        };
         phase_clock.mark(kPhaseStart, lane);
         for (int item = blockIdx.x * kSendWarps + warp; item < most_chunks * num_sources; item += num_send_warps) {
             const int chunk = item / num_sources, other = item % num_sources;
@@ -185,9 +128,7 @@ __device__ __forceinline__ void combine(const Params& p) {
             for (int j = chunk * kChunkRows; j < j1; ++j) {
                 uint8_t* dst = buffers.row(source, p.rank, j);
                 const int64_t from = first + j;
-                if constexpr (kExpandSlots > 0) {
-                    send_sums(from, dst, tail_bytes);
-                } else if (lane == 0) {
+                if (lane == 0) {
                     void* to[1] = {dst};
                     if (ahead)
                         stages.send(kHiddenInt4 * 16 + tail_bytes, to);

@@ -104,7 +104,7 @@ namespace tokenyard::kernels {
 // exchange gives where each source's pairs of each local expert begin (expand_bases, NOTE [notify]), and a pair's
 // row is its base plus its rank; the receivers also write the handle's fields (local ids, source indices, row_of,
 // source_row, recv_src_metadata), and the padding rows lie between an expert's end and the next one's start.
-// The backend takes this path with peers, from heuristics.EXPAND_IN_DISPATCH_MIN_SMS SMs (expands_in_kernels); on
+// The backend takes this path with peers, from heuristics.EXPAND_IN_DISPATCH_MIN_SMS SMs (expands_in_dispatch); on
 // fewer, or at one rank, the receivers' copies made it slower than the gather after a plain dispatch
 // (benchmarks/results/elastic.md).
 template <int kChunkTokens, int kTailTokens>
