@@ -134,11 +134,9 @@ def combine_own_rows_direct() -> bool:
 
 # ElasticBuffer's expanded dispatch writes the expanded rows in the dispatch kernel (NOTE [expanded rows] in
 # kernels/dispatch.cuh) from this many SMs and with peers, else kernels of their own over the whole GPU gather them
-# after a plain dispatch. On one GPU shared by 4 ranks the cached dispatch's kernel took as long as the two kernels at
-# 16 and 24 SMs and its calls were 15-25% faster, at 8 SMs 30% slower (its receivers' copies); the fresh dispatch's
-# calls were 20% faster. At one rank no row leaves the GPU and the whole-GPU kernels won: at 24 SMs the cached
-# dispatch took 175 us against 250, the fresh 254 against 386 (benchmarks/results/elastic.md, "Expanded rows in the
-# dispatch kernel", "The fresh expanded dispatch in the kernel").
+# after a plain dispatch: with peers the one kernel was as fast or faster from 16 SMs and slower below (its
+# receivers' copies); at one rank, where no row leaves the GPU, the whole-GPU kernels won (benchmarks/results/
+# elastic.md, "Expanded rows in the dispatch kernel", "The fresh expanded dispatch in the kernel").
 EXPAND_IN_DISPATCH_MIN_SMS = 16
 
 
