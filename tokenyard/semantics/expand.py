@@ -43,32 +43,43 @@ def expert_counts(recv_topk_idx: torch.Tensor, num_local_experts: int) -> torch.
     return counts.to(torch.int32)
 
 
+def _aligned_starts(counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
+    """int64 [L]: where each expert's block starts, ``align(end of block i-1)``, from ``counts [L]``; with aligned
+    sizes a[i] = align(counts[i]) the starts are the exclusive prefix sums of a (every start is aligned, so
+    align(start + count) = start + a)."""
+    aligned = align(counts.long(), expert_alignment)
+    return torch.cumsum(aligned, 0) - aligned
+
+
+def _ranks_in_group(ids: torch.Tensor, valid: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """int64 [N, K]: each valid slot's rank among the valid slots naming the same id, in row order (a row names an
+    id at most once); -1 where not valid."""
+    num_rows, num_topk = ids.shape
+    device = ids.device
+    groups = torch.where(valid, ids, num_ids).long()
+    rows = torch.arange(num_rows, dtype=torch.int64, device=device).unsqueeze(1).expand(num_rows, num_topk)
+    order = torch.argsort((groups * max(num_rows, 1) + rows).flatten())
+    sorted_groups = groups.flatten()[order]
+    counts = torch.bincount(sorted_groups, minlength=num_ids + 1)
+    first_of_group = torch.cumsum(counts, 0) - counts
+    rank_sorted = torch.arange(order.numel(), dtype=torch.int64, device=device) - first_of_group[sorted_groups]
+    ranks = torch.empty_like(rank_sorted)
+    ranks[order] = torch.where(sorted_groups < num_ids, rank_sorted, -1)
+    return ranks.view(num_rows, num_topk)
+
+
 def expand_rows(recv_topk_idx: torch.Tensor, num_local_experts: int,
                 expert_alignment: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (``row_of`` int32 [N, K]: each pair's expanded row, -1 where no local expert; ``counts`` int32 [L];
     ``ends`` int32 [L]: where each expert's pairs end, ``align(ends[i-1]) + counts[i]``)."""
-    num_rows, num_topk = recv_topk_idx.shape
-    device = recv_topk_idx.device
     counts = expert_counts(recv_topk_idx, num_local_experts).long()
-    # starts[i] = align(ends[i-1]); with aligned sizes a[i] = align(counts[i]), starts are the exclusive
-    # prefix sums of a (every start is aligned, so align(start + count) = start + a).
-    aligned = align(counts, expert_alignment)
-    starts = torch.cumsum(aligned, 0) - aligned
+    starts = _aligned_starts(counts, expert_alignment)
     ends = starts + counts
-    # The rank of pair (j, k) within its expert: pairs sorted by (expert, j); a row holds an expert at most once.
+    # The rank of pair (j, k) within its expert, past the expert's start.
     valid = recv_topk_idx >= 0
-    experts = torch.where(valid, recv_topk_idx, num_local_experts).long()
-    rows = torch.arange(num_rows, dtype=torch.int64, device=device).unsqueeze(1).expand(num_rows, num_topk)
-    key = (experts * max(num_rows, 1) + rows).flatten()
-    order = torch.argsort(key)
-    sorted_experts = experts.flatten()[order]
-    first_of_expert = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long, device=device), counts]), 0)
-    rank_in_expert = torch.arange(order.numel(), dtype=torch.int64, device=device) - first_of_expert[sorted_experts]
-    starts_ext = torch.cat([starts, torch.zeros(1, dtype=torch.long, device=device)])
-    row_sorted = torch.where(sorted_experts < num_local_experts, starts_ext[sorted_experts] + rank_in_expert, -1)
-    row_of = torch.empty_like(row_sorted)
-    row_of[order] = row_sorted
-    return row_of.view(num_rows, num_topk).to(torch.int32), counts.to(torch.int32), ends.to(torch.int32)
+    ranks = _ranks_in_group(recv_topk_idx, valid, num_local_experts)
+    row_of = torch.where(valid, starts[torch.where(valid, recv_topk_idx, 0).long()] + ranks, -1)
+    return row_of.to(torch.int32), counts.to(torch.int32), ends.to(torch.int32)
 
 
 def source_ranks(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -76,19 +87,8 @@ def source_ranks(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     ``topk_idx[t, k]``, in token order (-1 where the slot names none). With `expanded_bases` at the destination it
     gives each pair's expanded row before any row arrives: ``row_of[j, k] = bases[s, e] + source_ranks[t, k]`` for
     received row j from source s, token t, whose slot k names local expert e (a token names an expert once)."""
-    num_tokens, num_topk = topk_idx.shape
-    device = topk_idx.device
     valid = (topk_idx >= 0) & (topk_idx < num_experts)
-    experts = torch.where(valid, topk_idx, num_experts).long()
-    tokens = torch.arange(num_tokens, dtype=torch.int64, device=device).unsqueeze(1).expand(num_tokens, num_topk)
-    order = torch.argsort((experts * max(num_tokens, 1) + tokens).flatten())
-    sorted_experts = experts.flatten()[order]
-    counts = torch.bincount(sorted_experts, minlength=num_experts + 1)
-    first_of_expert = torch.cumsum(counts, 0) - counts
-    rank_sorted = torch.arange(order.numel(), dtype=torch.int64, device=device) - first_of_expert[sorted_experts]
-    ranks = torch.empty_like(rank_sorted)
-    ranks[order] = torch.where(sorted_experts < num_experts, rank_sorted, -1)
-    return ranks.view(num_tokens, num_topk).to(torch.int32)
+    return _ranks_in_group(topk_idx, valid, num_experts).to(torch.int32)
 
 
 def expanded_bases(counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
@@ -96,9 +96,7 @@ def expanded_bases(counts: torch.Tensor, expert_alignment: int) -> torch.Tensor:
     where source s's pairs of expert l begin in the expanded layout, ``starts[l] + sum over s' < s of counts[s',
     l]``, ``starts`` as in `expand_rows` (each expert's block aligned)."""
     counts = counts.long()
-    totals = counts.sum(0)
-    aligned = align(totals, expert_alignment)
-    starts = torch.cumsum(aligned, 0) - aligned
+    starts = _aligned_starts(counts.sum(0), expert_alignment)
     return (starts.unsqueeze(0) + torch.cumsum(counts, 0) - counts).to(torch.int32)
 
 
