@@ -266,16 +266,26 @@ class NormalCalls:
         return workspace.normal_dispatch_row_bytes(data.size(1) * data.element_size(), scale_bytes, num_topk,
                                                    source_ranks)
 
+    def _kernel_expands(self, x: XLike, num_sms: int):
+        """Where the dispatch kernel may take an expanded dispatch of `x` on `num_sms` SMs (one node, `x` on this
+        Buffer's device: NOTE [device rule], a CPU twin makes the layout after its pass; the backend's threshold):
+        `x`'s data and scales as checks.dispatch_x gives them; else None."""
+        first = x[0] if isinstance(x, tuple) and x else x
+        if self._internode or not isinstance(first, torch.Tensor) or first.device != self.device or \
+                not self._normal_backend().expands_in_dispatch(num_sms):
+            return None
+        data, scales, _ = checks.dispatch_x(x, device=self.device)
+        return data, scales
+
     def _expands_in_kernel(self, handle, x: XLike, num_topk: int, num_sms: int) -> bool:
         """Whether ElasticBuffer's cached expanded dispatch of `x` (top-k `num_topk`) with the V1 `handle` on
         `num_sms` SMs runs in the dispatch kernel (NOTE [expanded rows] in kernels/dispatch.cuh): on one node, in the
         one round the handle's dispatch ran in, where the backend's kernel takes it; else the rows are gathered after a
         dispatch."""
-        first = x[0] if isinstance(x, tuple) and x else x
-        if self._internode or not isinstance(first, torch.Tensor) or first.device != self.device or \
-                not self._normal_backend().expands_in_dispatch(num_sms):  # (NOTE [device rule]: a CPU twin's gather)
+        checked = self._kernel_expands(x, num_sms)
+        if checked is None:
             return False
-        data, scales, _ = checks.dispatch_x(x, device=self.device)
+        data, scales = checked
         row_bytes = self._dispatch_row_bytes(data, scales, num_topk)
         stored = getattr(handle, "rounds", None)
         return stored is not None and stored.num_rounds == 1 and \
@@ -286,11 +296,10 @@ class NormalCalls:
         any rank) on `num_sms` SMs makes the expanded layout in the dispatch kernel (NOTE [expanded rows] in
         kernels/dispatch.cuh): on one node, where the backend's kernel takes it and every rank's call is one round
         (which `num_max_tokens` decides alike on every rank, before any exchange)."""
-        first = x[0] if isinstance(x, tuple) and x else x
-        if self._internode or not isinstance(first, torch.Tensor) or first.device != self.device or \
-                not self._normal_backend().expands_in_dispatch(num_sms):  # (NOTE [device rule]: a CPU twin's pass)
+        checked = self._kernel_expands(x, num_sms)
+        if checked is None:
             return False
-        data, scales, _ = checks.dispatch_x(x, device=self.device)
+        data, scales = checked
         row_bytes = self._dispatch_row_bytes(data, scales, num_topk, source_ranks=True)
         paired = workspace.normal_combine_row_bytes(data.size(1), num_topk)
         return self._round_tokens(num_max_tokens, row_bytes, "dispatch", paired) >= num_max_tokens
