@@ -422,16 +422,25 @@ class ElasticBuffer:
             num_expanded if do_expand else None)
         if stats is not None:
             stats += counts.to(stats.device)
-        handle = EPHandle(do_expand, num_experts, expert_alignment, num_max, num_sms,
-                          topk_idx.clone() if do_handle_copy else topk_idx,
-                          v1.num_recv_tokens if do_cpu_sync else num_rows, num_expanded,
-                          per_expert_list if do_cpu_sync else [], psum_per_rank, psum_per_expert, counts, metadata)
-        handle.dispatch_handle, handle.recv_topk_idx, handle.row_of = v1, recv_topk_idx, row_of
-        handle.source_row = source_row
-        handle.buffer_id = id(self)
+        handle = self._handle(
+            v1, recv_topk_idx, row_of, source_row, topk_idx, do_handle_copy, do_expand=do_expand,
+            num_experts=num_experts, expert_alignment=expert_alignment, num_max_tokens_per_rank=num_max,
+            num_sms=num_sms, num_recv_tokens=v1.num_recv_tokens if do_cpu_sync else num_rows,
+            num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=per_expert_list if do_cpu_sync else [],
+            psum_num_recv_tokens_per_scaleup_rank=psum_per_rank, psum_num_recv_tokens_per_expert=psum_per_expert,
+            num_unaligned_recv_tokens_per_expert=counts, recv_src_metadata=metadata)
         if do_expand:
             return self._expanded(recv_x, recv_weights, handle, do_zero_padding, col_major_sf) + (handle,)
         return (self._laid_out(recv_x, col_major_sf), recv_topk_idx, recv_weights, handle)
+
+    def _handle(self, v1, recv_topk_idx, row_of, source_row, topk_idx, do_handle_copy: bool, **fields) -> EPHandle:
+        """A fresh dispatch's EPHandle: DeepEP V2's `fields` by name, the routing (a copy with `do_handle_copy`),
+        and tokenyard's own: the V1 handle `v1`, the local top-k ids, each pair's expanded row and each row's source."""
+        handle = EPHandle(topk_idx=topk_idx.clone() if do_handle_copy else topk_idx, **fields)
+        handle.dispatch_handle, handle.recv_topk_idx, handle.row_of = v1, recv_topk_idx, row_of
+        handle.source_row = source_row
+        handle.buffer_id = id(self)
+        return handle
 
     def _fresh_in_kernel(self, x, topk_idx, weights, with_weights: bool, stats, num_experts, num_max,
                          expert_alignment, num_sms, config, layout, num_worst, do_handle_copy, do_zero_padding,
@@ -453,14 +462,14 @@ class ElasticBuffer:
             stats += made["counts"].to(stats.device)
         num_rows = recv_topk_idx.size(0)
         psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx].contiguous()  # contiguous: as in _fresh_dispatch
-        handle = EPHandle(True, num_experts, expert_alignment, num_max, num_sms,
-                          topk_idx.clone() if do_handle_copy else topk_idx,
-                          num_rows if num_worst else v1.num_recv_tokens,
-                          num_worst_expanded or sum(per_expert_list), [] if num_worst else per_expert_list,
-                          psum_per_rank, made["ends"], made["counts"], made["metadata"])
-        handle.dispatch_handle, handle.recv_topk_idx, handle.row_of = v1, recv_topk_idx, made["row_of"]
-        handle.source_row = made["source_row"]
-        handle.buffer_id = id(self)
+        handle = self._handle(
+            v1, recv_topk_idx, made["row_of"], made["source_row"], topk_idx, do_handle_copy, do_expand=True,
+            num_experts=num_experts, expert_alignment=expert_alignment, num_max_tokens_per_rank=num_max,
+            num_sms=num_sms, num_recv_tokens=num_rows if num_worst else v1.num_recv_tokens,
+            num_expanded_tokens=num_worst_expanded or sum(per_expert_list),
+            num_recv_tokens_per_expert_list=[] if num_worst else per_expert_list,
+            psum_num_recv_tokens_per_scaleup_rank=psum_per_rank, psum_num_recv_tokens_per_expert=made["ends"],
+            num_unaligned_recv_tokens_per_expert=made["counts"], recv_src_metadata=made["metadata"])
         return self._laid_out(recv_x, col_major_sf), None, recv_weights if with_weights else None, handle
 
     def _cached_dispatch(self, x, topk_idx, topk_weights, num_experts, num_max, expert_alignment, num_sms, handle,
