@@ -10,7 +10,8 @@ namespace tokenyard {
 
 // The 8 bf16 values of `v` as float32 (exact: a bf16 is the high half of a float32), taken from its four 32-bit
 // words. Reading its bytes through its address instead let the compiler split a shared-memory vector load into 8
-// 2-byte loads, each 4-way bank-conflicted (benchmarks/results/elastic.md, "The expanded combine's sums staged by TMA").
+// 2-byte loads, each 4-way bank-conflicted (benchmarks/results/elastic.md, "The expanded combine's sums staged by
+// TMA").
 __device__ __forceinline__ void unpack_bf16x8(const int4 v, float (&f)[8]) {
     const uint32_t words[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
                                static_cast<uint32_t>(v.w)};
