@@ -97,11 +97,19 @@ class DispatchRequest:
     call: Optional[WholeCall] = None         # round 0 of a call in rounds: the result reports most_call_tokens
     check: Optional[LayoutCheck] = None      # a fresh dispatch's one-shot request or round 0
     all_topk_weights: bool = False           # every slot's weight arrives, not only the local ones' (DeepEP V2)
-    expansion: Optional[Expansion] = None    # a cached dispatch straight into the handle's expanded layout
+    expansion: Optional[Expansion] = None    # a dispatch straight into the expanded layout, cached or fresh
 
     @property
     def num_experts(self) -> int:
         return self.num_tokens_per_expert.size(0)
+
+    @property
+    def kernel_topk_idx(self) -> Optional[torch.Tensor]:
+        """The top-k ids the dispatch kernel reads: an expanded dispatch's (the handle's when cached: its tails carry
+        the slots' local experts and weights, as a fresh one's do), none for another cached dispatch."""
+        if self.expansion is not None:
+            return self.expansion.topk_idx
+        return None if self.handle is not None else self.topk_idx
 
     def whole_round(self, placement: Placement, call: WholeCall) -> DispatchRequest:
         """This request as round 0 of a call that one round holds (rounds.first_round): `dataclasses.replace`

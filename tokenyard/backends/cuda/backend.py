@@ -520,11 +520,10 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
 
     def dispatch_values(self, request: DispatchRequest) -> Tuple[tuple, list]:
         """A dispatch's inputs (DISPATCH_INPUTS) and per-call values (DISPATCH_SCALARS, with a new ticket)."""
-        placement, call, handle, check = request.placement, request.call, request.handle, request.check
+        placement, call, check = request.placement, request.call, request.check
         outputs = None if placement is None else placement.outputs
         expansion = request.expansion
-        topk_idx = expansion.topk_idx if expansion is not None else None if handle is not None else request.topk_idx
-        inputs = (request.x, request.x_scales, topk_idx,
+        inputs = (request.x, request.x_scales, request.kernel_topk_idx,
                   request.topk_weights, request.is_token_in_rank.contiguous(), request.num_tokens_per_expert,
                   None if call is None else call.tokens_per_rank, None if call is None else call.prefix_matrix,
                   None if placement is None else placement.recv_first,

@@ -234,8 +234,7 @@ class DispatchShape:
         read)."""
         x, scales, placement = request.x, request.x_scales, request.placement
         cached, expansion = request.handle is not None, request.expansion
-        # An expanded cached dispatch's tails carry the slots' local experts and weights, as a fresh one's do.
-        topk_idx = expansion.topk_idx if expansion is not None else None if cached else request.topk_idx
+        topk_idx = request.kernel_topk_idx
         fresh = expansion is not None and expansion.fresh
         outputs = None if placement is None else placement.outputs
         return cls(
