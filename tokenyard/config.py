@@ -50,8 +50,13 @@ class Config:
         backends/cuda/internode.py: each half holds, at most, a row from every token of every rank plus a row per
         node for each of this rank's tokens; a combine row, the larger). The reference backend's hierarchical path
         needs none."""
-        if num_ranks <= 8:
+        return self.internode_region_bytes(hidden_bytes, num_ranks, 8)
+
+    def internode_region_bytes(self, hidden_bytes: int, num_ranks: int, ranks_per_node: int) -> int:
+        """tokenyard's own: `get_rdma_buffer_size_hint` for nodes of `ranks_per_node` ranks (virtual nodes
+        included, NOTE [virtual nodes] in plan/devices.py); 0 where the group is one node."""
+        num_nodes = num_ranks // ranks_per_node if 0 < ranks_per_node < num_ranks else 1
+        if num_nodes == 1:
             return 0
-        num_nodes = num_ranks // 8
         row = hidden_bytes + 32 * 4 + 64  # a combine row: the data, up to 32 weights, padding
         return 2 * (num_ranks + num_nodes) * self.num_max_tokens_per_rank * row

@@ -115,6 +115,9 @@ def test_config_takes_deepeps_positional_arguments_and_gives_hints():
     assert config.num_sms == 24
     assert config.get_nvl_buffer_size_hint(7168 * 2, 8) > 4096 * 8 * 7168 * 2
     assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 16) == config.internode_region_bytes(7168 * 2, 16, 8) > 0
+    assert config.internode_region_bytes(7168 * 2, 4, 2) > 0  # 2 virtual nodes of 2
+    assert config.internode_region_bytes(7168 * 2, 4, 4) == config.internode_region_bytes(7168 * 2, 4, 0) == 0
     for ranks in (2, 3, 4, 6, 8, 16):
         assert deep_ep.Buffer.get_dispatch_config(ranks).num_sms == deep_ep.Buffer.num_sms
 

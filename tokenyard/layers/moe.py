@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import env
 from ..buffer import Buffer
 from ..config import Config
 from ..elastic import ElasticBuffer
@@ -131,8 +132,10 @@ def make_buffer(group: dist.ProcessGroup, hidden_size: int, num_max_tokens_per_r
                 elastic: bool = False) -> Union[Buffer, ElasticBuffer]:
     """A normal-mode `Buffer` (or, with `elastic`, an `ElasticBuffer`) for an MoE layer's forward and backward.
 
-    Naive equivalent: ``Buffer(group, Config(num_max_tokens_per_rank=N).get_nvl_buffer_size_hint(
-    hidden_size * max(element_size, 2), R), 0)``; ``ElasticBuffer(group, that many bytes,
+    Naive equivalent: ``Buffer(group, config.get_nvl_buffer_size_hint(hidden_bytes, R),
+    config.get_rdma_buffer_size_hint(hidden_bytes, R))`` with ``config = Config(num_max_tokens_per_rank=N)`` and
+    ``hidden_bytes = hidden_size * max(element_size, 2)`` (under TOKENYARD_RANKS_PER_NODE, the NVSHMEM bytes of
+    nodes of that many ranks: `Config.internode_region_bytes`); ``ElasticBuffer(group, the NVLink bytes,
     num_max_tokens_per_rank=N, hidden=hidden_size)``.
 
     Arguments:
@@ -148,10 +151,15 @@ def make_buffer(group: dist.ProcessGroup, hidden_size: int, num_max_tokens_per_r
     """
     hidden_bytes = hidden_size * max(dtype.itemsize, 2)
     num_max = max(int(num_max_tokens_per_rank), 1)
-    num_bytes = Config(num_max_tokens_per_rank=num_max).get_nvl_buffer_size_hint(hidden_bytes, group.size())
+    config = Config(num_max_tokens_per_rank=num_max)
+    num_bytes = config.get_nvl_buffer_size_hint(hidden_bytes, group.size())
     if elastic:
         return ElasticBuffer(group, num_bytes, num_max_tokens_per_rank=num_max, hidden=hidden_size, backend=backend)
-    return Buffer(group, num_bytes, 0, backend=backend)
+    # Across nodes normal mode keeps its rows in NVSHMEM memory (NOTE [internode region]): nodes of 8 ranks as
+    # DeepEP's hint assumes, or of TOKENYARD_RANKS_PER_NODE where set, as the Buffer sees them.
+    ranks_per_node = env.settings().ranks_per_node or 8
+    return Buffer(group, num_bytes, config.internode_region_bytes(hidden_bytes, group.size(), ranks_per_node),
+                  backend=backend)
 
 
 class TopKRouter(nn.Module):
