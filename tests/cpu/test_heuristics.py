@@ -65,19 +65,21 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
     with pytest.raises(ValueError, match="512, 768 or 1024"):
         heuristics.dispatch_threads(4)
     tokenyard_env("TOKENYARD_TUNING", None)  # NOTE [combine block width]
-    assert heuristics.combine_threads(2) == heuristics.combine_threads(8) == heuristics.COMBINE_THREADS
+    assert [heuristics.combine_threads(n) for n in (2, 3, 4, 8)] == [heuristics.COMBINE_THREADS] * 2 + [
+        heuristics.COMBINE_THREADS_MANY_RANKS] * 2
     tokenyard_env("TOKENYARD_TUNING", "combine_threads=1024")
     assert heuristics.combine_threads(4) == 1024
     tokenyard_env("TOKENYARD_TUNING", "combine_threads=256")
     with pytest.raises(ValueError, match="combine_threads=256: a block has 512, 768 or 1024"):
         heuristics.combine_threads(4)
     tokenyard_env("TOKENYARD_TUNING", None)
-    assert heuristics.combine_reduce_loads() == heuristics.COMBINE_REDUCE_LOADS
-    tokenyard_env("TOKENYARD_TUNING", "combine_reduce_loads=8")
-    assert heuristics.combine_reduce_loads() == 8
+    assert [heuristics.combine_reduce_loads(t) for t in (512, 768, 1024)] == [heuristics.COMBINE_REDUCE_LOADS] * 2 + [
+        heuristics.COMBINE_REDUCE_LOADS_WIDE]
+    tokenyard_env("TOKENYARD_TUNING", "combine_reduce_loads=6")
+    assert heuristics.combine_reduce_loads(512) == heuristics.combine_reduce_loads(1024) == 6
     tokenyard_env("TOKENYARD_TUNING", "combine_reduce_loads=65")
     with pytest.raises(ValueError, match="1 to 64 loads"):
-        heuristics.combine_reduce_loads()
+        heuristics.combine_reduce_loads(512)
     tokenyard_env("TOKENYARD_TUNING", None)  # NOTE [expanded rows]
     assert heuristics.expand_in_dispatch_min_sms() == heuristics.EXPAND_IN_DISPATCH_MIN_SMS
     assert heuristics.expands_in_dispatch(heuristics.EXPAND_IN_DISPATCH_MIN_SMS, 2)
@@ -133,6 +135,6 @@ def test_the_combine_stages_hold_a_deepseek_row_and_its_weights_whole():
     for ranks in (2, 4, 8):
         threads = heuristics.combine_threads(ranks)
         send_warps = heuristics.combine_send_warps(threads // 32, ranks)
-        spec = kernels.combine(ranks, 7168 * 2 // 16, 8, send_warps)
+        spec = kernels.combine(ranks, 7168 * 2 // 16, 8, send_warps, threads=threads)
         assert spec.template_args[7] == 7168 * 2 + 8 * 4, f"{ranks} ranks: stages of {spec.template_args[7]} bytes"
         assert spec.shared_bytes <= kernels.SM90_MAX_SHARED - kernels.SHARED_RESERVE

@@ -197,9 +197,11 @@ def _other_way(way: str, heuristics, num_ranks: int) -> dict:
         return {name: not getattr(heuristics, name) for name in FLIPPED[way]}
     if num_ranks >= heuristics.MANY_RANKS:
         return {"DISPATCH_THREADS_MANY_RANKS": heuristics.DISPATCH_THREADS,
-                "COMBINE_SEND_WARPS_MANY_RANKS": heuristics.COMBINE_SEND_WARPS}
+                "COMBINE_SEND_WARPS_MANY_RANKS": heuristics.COMBINE_SEND_WARPS,
+                "COMBINE_THREADS_MANY_RANKS": heuristics.COMBINE_THREADS}
     return {"DISPATCH_THREADS": heuristics.DISPATCH_THREADS_MANY_RANKS,
-            "COMBINE_SEND_WARPS": heuristics.COMBINE_SEND_WARPS_MANY_RANKS}
+            "COMBINE_SEND_WARPS": heuristics.COMBINE_SEND_WARPS_MANY_RANKS,
+            "COMBINE_THREADS": heuristics.COMBINE_THREADS_MANY_RANKS}
 
 
 def _compare_ranks_the_other_way(seed, cases, way):

@@ -613,7 +613,7 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
             threads = heuristics.combine_threads(num_ranks)
             send_warps = heuristics.combine_send_warps(threads // 32, num_ranks)
             kernel = self._kernel(kernels.combine(num_ranks, hidden * 2 // 16, num_topk, send_warps,
-                                                  heuristics.combine_stages(), heuristics.combine_reduce_loads(),
+                                                  heuristics.combine_stages(), heuristics.combine_reduce_loads(threads),
                                                   threads))
             b.launch(kernel, num_blocks, dict(
                 x=b.inp("x"), topk_weights=b.inp("topk_weights"), bias_0=b.inp("bias_0"), bias_1=b.inp("bias_1"),

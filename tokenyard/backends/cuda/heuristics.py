@@ -36,10 +36,12 @@ DISPATCH_THREADS = 512
 DISPATCH_THREADS_MANY_RANKS = 768
 # NOTE [combine block width]: the same for the combine's block, whose warps past the sending ones reduce, each lane
 # with combine_reduce_loads loads in flight: a reducer reads as fast as it keeps loads in flight, so a wider block
-# (1024 threads: more reducing warps of 8 loads each) may read faster on 4 GPUs, though the MPS proxy, bound by its
-# one GPU's memory, found neither 768 nor 1024 faster (normal_tuning.md, "Wider combine blocks"). 512 until a 4-GPU
-# run (run_device.sh's CANDIDATES) decides.
-COMBINE_THREADS = 512
+# (more reducing warps, each with fewer loads: COMBINE_REDUCE_LOADS) reads faster. 1024 threads at 2 ranks, where
+# its combine was 3-5% faster than 512's at 8, 16 and 24 SMs on 2 x H200 (benchmarks/results/normal_tuning.md,
+# "Wider combine blocks on 2 GPUs"); 512 from 4 ranks on, where the MPS proxy, bound by its one GPU's memory, found
+# neither 768 nor 1024 faster ("Wider combine blocks"), until a 4-GPU run (run_device.sh's CANDIDATES) decides.
+COMBINE_THREADS = 1024
+COMBINE_THREADS_MANY_RANKS = 512
 BLOCK_THREAD_CHOICES = (512, 768, 1024)
 
 
@@ -56,7 +58,7 @@ def dispatch_threads(num_ranks: int) -> int:
 
 
 def combine_threads(num_ranks: int) -> int:
-    return _block_threads("combine_threads", COMBINE_THREADS)
+    return _block_threads("combine_threads", _by_ranks(num_ranks, COMBINE_THREADS, COMBINE_THREADS_MANY_RANKS))
 
 
 # The warps of each data-kernel block that send (by TMA bulk copies, NOTE [warp stages]); its other warps
@@ -150,14 +152,21 @@ def expands_in_dispatch(num_sms: int, num_ranks: int) -> bool:
 
 
 # The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the
-# reducers sum three quarters of the kernel). 12 fits in the 128 registers at 2, 4 and 8 ranks where 16 spills;
-# its combine was 4% faster than 16's at 8 SMs and 2% at 24 on 2 ranks, the same on 4; 8 and 32 slower
-# (benchmarks/results/normal_tuning.md, issue 50's sweep).
+# reducers sum three quarters of the kernel). In a block of 512 or 768 threads, 12: it fits in the 128 registers at
+# 2, 4 and 8 ranks where 16 spills; its combine was 4% faster than 16's at 8 SMs and 2% at 24 on 2 ranks, the same on
+# 4; 8 and 32 slower (benchmarks/results/normal_tuning.md, issue 50's sweep). In a block of 1024 threads (64
+# registers a thread), 8 (NOTE [combine block width]; no spills at 2 ranks, 24 bytes at 3 by `ptxas -v`).
 COMBINE_REDUCE_LOADS = 12
+COMBINE_REDUCE_LOADS_WIDE = 8
 
 
-def combine_reduce_loads() -> int:
-    loads = tuned("combine_reduce_loads", COMBINE_REDUCE_LOADS)
+def default_reduce_loads(threads: int) -> int:
+    """COMBINE_REDUCE_LOADS for a combine block of `threads` threads."""
+    return COMBINE_REDUCE_LOADS_WIDE if threads > 768 else COMBINE_REDUCE_LOADS
+
+
+def combine_reduce_loads(threads: int) -> int:
+    loads = tuned("combine_reduce_loads", default_reduce_loads(threads))
     if not 1 <= loads <= 64:
         raise ValueError(f"TOKENYARD_TUNING combine_reduce_loads={loads}: 1 to 64 loads in flight per lane")
     return loads

@@ -7,6 +7,7 @@ compiler checks that whenever a unit is built (CI builds every kernel, see token
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -134,11 +135,13 @@ def dispatch(num_ranks: int, data_int4: int, num_scales: int, num_topk: int, top
 @functools.lru_cache(maxsize=None)
 def combine(num_ranks: int, hidden_int4: int, num_topk: int,
             send_warps: int = heuristics.COMBINE_SEND_WARPS, stages: int = heuristics.COMBINE_STAGES,
-            reduce_loads: int = heuristics.COMBINE_REDUCE_LOADS,
-            threads: int = heuristics.COMBINE_THREADS) -> KernelSpec:
+            reduce_loads: Optional[int] = None, threads: int = heuristics.COMBINE_THREADS) -> KernelSpec:
     """`send_warps`: a block's warps that send (the others reduce), each through `stages` stages, a row's data and
     its weights a stage where the shared memory allows (NOTE [combine weights]); `reduce_loads`: the loads a reducing
-    lane keeps in flight; `threads`: the block's (NOTE [combine block width])."""
+    lane keeps in flight (default: heuristics.default_reduce_loads); `threads`: the block's (NOTE [combine block
+    width])."""
+    if reduce_loads is None:
+        reduce_loads = heuristics.default_reduce_loads(threads)
     stage_bytes = data_stage_bytes(hidden_int4 * 16 + workspace.align(num_topk * 4), send_warps, stages)
     return KernelSpec(
         "tokenyard/kernels/combine.cuh", "tokenyard::kernels::combine",
@@ -371,16 +374,17 @@ def every_kernel():
             yield dispatch_notify(ranks, dtype)
         # The blocks shaped as the backend launches them (NOTE [block shapes by ranks]).
         threads = heuristics.dispatch_threads(ranks)
-        send_warps = heuristics.combine_send_warps(heuristics.combine_threads(ranks) // 32, ranks)
+        combine_threads = heuristics.combine_threads(ranks)
+        send_warps = heuristics.combine_send_warps(combine_threads // 32, ranks)
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, threads=threads)   # FP8 with scales, DeepSeek-V3
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, all_weights=True, threads=threads)  # ElasticBuffer's
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, threads=threads, expand=True)  # and its expanded
         yield dispatch(ranks, 7168 * 1 // 16, 56, 8, torch.int64, threads=threads, expand=True, expand_fresh=True)
         yield dispatch(ranks, 7168 * 2 // 16, 0, 8, torch.int64, threads=threads)    # bf16
         yield dispatch(ranks, 2048 * 2 // 16, 0, 0, torch.int64, threads=threads)    # cached: no top-k
-        yield combine(ranks, 7168 * 2 // 16, 8, send_warps)
-        yield combine(ranks, 4096 * 2 // 16, 0, send_warps)
-    yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32)  # TOKENYARD_TUNING combine_reduce_loads's sweep
+        yield combine(ranks, 7168 * 2 // 16, 8, send_warps, threads=combine_threads)
+        yield combine(ranks, 4096 * 2 // 16, 0, send_warps, threads=combine_threads)
+    yield combine(2, 7168 * 2 // 16, 8, reduce_loads=32, threads=512)  # TOKENYARD_TUNING combine_reduce_loads's sweep
     yield combine(4, 7168 * 2 // 16, 8, 6, reduce_loads=8, threads=1024)  # and combine_threads' candidates
     yield expand_count(8, torch.int64)
     yield expand_place(8, torch.int64)
