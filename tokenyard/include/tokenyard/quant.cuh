@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "bf16.cuh"
 #include "types.cuh"
 
 namespace tokenyard {
@@ -19,14 +20,16 @@ __device__ __forceinline__ float round_scale_up_pow2(float scale) {
     return __uint_as_float(exponent << 23);
 }
 
-// The 16 bf16 channels a lane holds, as float32 in `v`; returns their largest magnitude.
+// The 16 bf16 channels a lane holds, as float32 in `v` (bf16.cuh's unpack_bf16x8); returns their largest magnitude.
 __device__ __forceinline__ float unpack_16(const int4 (&raw)[2], float (&v)[16]) {
-    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
+    float low[8], high[8];
+    unpack_bf16x8(raw[0], low);
+    unpack_bf16x8(raw[1], high);
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        v[i] = __bfloat162float(h[i]);
-        amax = fmaxf(amax, fabsf(v[i]));
+    for (int i = 0; i < 8; ++i) {
+        v[i] = low[i], v[i + 8] = high[i];
+        amax = fmaxf(amax, fmaxf(fabsf(low[i]), fabsf(high[i])));
     }
     return amax;
 }
