@@ -266,13 +266,13 @@ class NormalCalls:
         return workspace.normal_dispatch_row_bytes(data.size(1) * data.element_size(), scale_bytes, num_topk,
                                                    source_ranks)
 
-    def _kernel_expands(self, x: XLike, num_sms: int):
-        """Where the dispatch kernel may take an expanded dispatch of `x` on `num_sms` SMs (one node, `x` on this
-        Buffer's device: NOTE [device rule], a CPU twin makes the layout after its pass; the backend's threshold):
-        `x`'s data and scales as checks.dispatch_x gives them; else None."""
+    def _kernel_expands(self, x: XLike, num_sms: int, fresh: bool):
+        """Where the dispatch kernel may take an expanded dispatch (`fresh`, else cached) of `x` on `num_sms` SMs (one
+        node, `x` on this Buffer's device: NOTE [device rule], a CPU twin makes the layout after its pass; the
+        backend's threshold): `x`'s data and scales as checks.dispatch_x gives them; else None."""
         first = x[0] if isinstance(x, tuple) and x else x
         if self._internode or not isinstance(first, torch.Tensor) or first.device != self.device or \
-                not self._normal_backend().expands_in_dispatch(num_sms):
+                not self._normal_backend().expands_in_dispatch(num_sms, fresh):
             return None
         data, scales, _ = checks.dispatch_x(x, device=self.device)
         return data, scales
@@ -282,7 +282,7 @@ class NormalCalls:
         `num_sms` SMs runs in the dispatch kernel (NOTE [expanded rows] in kernels/dispatch.cuh): on one node, in the
         one round the handle's dispatch ran in, where the backend's kernel takes it; else the rows are gathered after a
         dispatch."""
-        checked = self._kernel_expands(x, num_sms)
+        checked = self._kernel_expands(x, num_sms, fresh=False)
         if checked is None:
             return False
         data, scales = checked
@@ -296,7 +296,7 @@ class NormalCalls:
         any rank) on `num_sms` SMs makes the expanded layout in the dispatch kernel (NOTE [expanded rows] in
         kernels/dispatch.cuh): on one node, where the backend's kernel takes it and every rank's call is one round
         (which `num_max_tokens` decides alike on every rank, before any exchange)."""
-        checked = self._kernel_expands(x, num_sms)
+        checked = self._kernel_expands(x, num_sms, fresh=True)
         if checked is None:
             return False
         data, scales = checked

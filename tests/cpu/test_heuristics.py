@@ -82,11 +82,14 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
         heuristics.combine_reduce_loads(512)
     tokenyard_env("TOKENYARD_TUNING", None)  # NOTE [expanded rows]
     assert heuristics.expand_in_dispatch_min_sms() == heuristics.EXPAND_IN_DISPATCH_MIN_SMS
-    assert heuristics.expands_in_dispatch(heuristics.EXPAND_IN_DISPATCH_MIN_SMS, 2)
-    assert not heuristics.expands_in_dispatch(heuristics.EXPAND_IN_DISPATCH_MIN_SMS - 1, 8)
+    cached_ranks = heuristics.EXPAND_CACHED_IN_DISPATCH_MIN_RANKS
+    assert heuristics.expands_in_dispatch(heuristics.EXPAND_IN_DISPATCH_MIN_SMS, cached_ranks, fresh=False)
+    assert heuristics.expands_in_dispatch(heuristics.EXPAND_IN_DISPATCH_MIN_SMS, 2, fresh=True)
+    assert not heuristics.expands_in_dispatch(132, cached_ranks - 1, fresh=False)  # cached at few ranks: the gather
+    assert not heuristics.expands_in_dispatch(heuristics.EXPAND_IN_DISPATCH_MIN_SMS - 1, 8, fresh=True)
     tokenyard_env("TOKENYARD_TUNING", "expand_in_dispatch_min_sms=2")
     assert heuristics.expand_in_dispatch_min_sms() == 2
-    assert heuristics.expands_in_dispatch(2, 4) and not heuristics.expands_in_dispatch(132, 1)  # one rank: never
+    assert heuristics.expands_in_dispatch(2, 4, fresh=False) and not heuristics.expands_in_dispatch(132, 1, fresh=True)
     for bad in ("dispatch_send_warps=0", "share=0.5", "low_latency_local_share=1.0", "combine_own_rows_direct",
                 "combine_own_rows_direct=maybe"):
         tokenyard_env("TOKENYARD_TUNING", bad)

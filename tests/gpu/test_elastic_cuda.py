@@ -31,6 +31,20 @@ def _split(x):
 
 
 def _elastic_matches(seed):
+    from tokenyard.backends.cuda import heuristics
+
+    # NOTE [expanded rows]: both paths under test at any rank count (the backend writes a cached dispatch's expanded
+    # rows in the dispatch kernel from EXPAND_CACHED_IN_DISPATCH_MIN_RANKS ranks); put back for the pool's next tests
+    # (NOTE [rank pool])
+    before = heuristics.EXPAND_CACHED_IN_DISPATCH_MIN_RANKS
+    heuristics.EXPAND_CACHED_IN_DISPATCH_MIN_RANKS = 2
+    try:
+        return _elastic_matches_both_paths(seed)
+    finally:
+        heuristics.EXPAND_CACHED_IN_DISPATCH_MIN_RANKS = before
+
+
+def _elastic_matches_both_paths(seed):
     import torch.distributed as dist
 
     from tokenyard import ElasticBuffer

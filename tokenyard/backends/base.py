@@ -100,10 +100,11 @@ class Backend(abc.ABC):
     def source_ranks(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
         return expand.source_ranks(topk_idx, num_experts)
 
-    def expands_in_dispatch(self, num_sms: int) -> bool:
-        """Whether a dispatch on `num_sms` SMs takes DispatchRequest.expansion (NOTE [expanded rows] in
-        kernels/dispatch.cuh), rather than `gather_rows` (or the expanded layout's kernels) after it."""
-        del num_sms
+    def expands_in_dispatch(self, num_sms: int, fresh: bool) -> bool:
+        """Whether a dispatch (`fresh`, else cached) on `num_sms` SMs takes DispatchRequest.expansion (NOTE
+        [expanded rows] in kernels/dispatch.cuh), rather than `gather_rows` (or the expanded layout's kernels) after
+        it."""
+        del num_sms, fresh
         return False
 
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:

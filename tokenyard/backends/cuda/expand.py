@@ -79,8 +79,8 @@ class ExpandCalls:
         plan = self.plan(("source_ranks", num_tokens, num_topk, topk_dtype, num_experts), build)
         return plan.run_here(self._stream(), (topk_idx,))[0]
 
-    def expands_in_dispatch(self, num_sms: int) -> bool:
-        return heuristics.expands_in_dispatch(num_sms, self.ctx.num_ranks)
+    def expands_in_dispatch(self, num_sms: int, fresh: bool) -> bool:
+        return heuristics.expands_in_dispatch(num_sms, self.ctx.num_ranks, fresh)
 
     def gather_rows(self, rows: torch.Tensor, source_row: torch.Tensor, zero_fill: bool) -> torch.Tensor:
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()  # also where no row was received

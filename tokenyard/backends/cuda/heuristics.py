@@ -135,20 +135,27 @@ def combine_own_rows_direct() -> bool:
 
 
 # ElasticBuffer's expanded dispatch writes the expanded rows in the dispatch kernel (NOTE [expanded rows] in
-# kernels/dispatch.cuh) from this many SMs and with peers, else kernels of their own over the whole GPU gather them
-# after a plain dispatch: with peers the one kernel was as fast or faster from 16 SMs and slower below (its
-# receivers' copies); at one rank, where no row leaves the GPU, the whole-GPU kernels won (benchmarks/results/
-# elastic.md, "Expanded rows in the dispatch kernel", "The fresh expanded dispatch in the kernel").
+# kernels/dispatch.cuh) from EXPAND_IN_DISPATCH_MIN_SMS SMs, a fresh one with peers and a cached one from
+# EXPAND_CACHED_IN_DISPATCH_MIN_RANKS ranks; else kernels of their own over the whole GPU gather them after a plain
+# dispatch. On 2 x H200 at 2 ranks (benchmarks/results/elastic.md, "Expanded rows on 2 GPUs"), at 16 and 24 SMs: a
+# cached one gathered was faster in kernel and call time (252 / 259 us kernel against 413 / 306); a fresh one
+# gathered took less kernel time (398 / 396 against 540 / 446) but longer calls back to back (663 / 646 against
+# 580 / 486: the gather waits for the counts on the CPU). Ranks sharing one GPU under MPS had the one kernel faster
+# for both from 16 SMs and slower below (its receivers' copies); from 4 ranks on only that proxy has measured it. At
+# one rank, where no row leaves the GPU, the whole-GPU kernels won ("The fresh expanded dispatch in the kernel").
 EXPAND_IN_DISPATCH_MIN_SMS = 16
+EXPAND_CACHED_IN_DISPATCH_MIN_RANKS = MANY_RANKS
 
 
 def expand_in_dispatch_min_sms() -> int:
     return tuned("expand_in_dispatch_min_sms", EXPAND_IN_DISPATCH_MIN_SMS)
 
 
-def expands_in_dispatch(num_sms: int, num_ranks: int) -> bool:
-    """Whether the dispatch kernel on `num_sms` SMs over `num_ranks` ranks writes the expanded rows."""
-    return num_ranks > 1 and num_sms >= expand_in_dispatch_min_sms()
+def expands_in_dispatch(num_sms: int, num_ranks: int, fresh: bool) -> bool:
+    """Whether the dispatch kernel on `num_sms` SMs over `num_ranks` ranks writes the expanded rows of a `fresh`
+    (else cached) expanded dispatch."""
+    min_ranks = 2 if fresh else EXPAND_CACHED_IN_DISPATCH_MIN_RANKS
+    return num_ranks >= min_ranks and num_sms >= expand_in_dispatch_min_sms()
 
 
 # The loads a combine reducer's lane keeps in flight, rounded down to whole vectors of every rank (at 8 SMs the

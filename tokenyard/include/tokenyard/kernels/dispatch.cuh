@@ -104,9 +104,9 @@ namespace tokenyard::kernels {
 // exchange gives where each source's pairs of each local expert begin (expand_bases, NOTE [notify]), and a pair's
 // row is its base plus its rank; the receivers also write the handle's fields (local ids, source indices, row_of,
 // source_row, recv_src_metadata), and the padding rows lie between an expert's end and the next one's start.
-// The backend takes this path with peers, from heuristics.EXPAND_IN_DISPATCH_MIN_SMS SMs (expands_in_dispatch); on
-// fewer, or at one rank, the receivers' copies made it slower than the gather after a plain dispatch
-// (benchmarks/results/elastic.md).
+// The backend takes these paths from heuristics.EXPAND_IN_DISPATCH_MIN_SMS SMs, a fresh one with peers and a cached
+// one from EXPAND_CACHED_IN_DISPATCH_MIN_RANKS ranks (expands_in_dispatch): on fewer SMs, at one rank, and for a
+// cached one at 2 ranks on 2 GPUs the gather after a plain dispatch was faster (benchmarks/results/elastic.md).
 template <int kChunkTokens, int kTailTokens>
 struct SenderRanges {
     static_assert(kTailTokens >= 1 && kTailTokens <= kChunkTokens, "tail pieces are at most a chunk");
