@@ -36,7 +36,7 @@ DISPATCH_THREADS = 512
 DISPATCH_THREADS_MANY_RANKS = 768
 # NOTE [combine block width]: the same for the combine's block, whose warps past the sending ones reduce, each lane
 # with combine_reduce_loads loads in flight: a reducer reads as fast as it keeps loads in flight, so a wider block
-# (more reducing warps, each with fewer loads: COMBINE_REDUCE_LOADS) reads faster. 1024 threads at 2 ranks, where
+# (more reducing warps, each with fewer loads: COMBINE_REDUCE_LOADS) reads faster. 1024 threads below 4 ranks: at 2
 # its combine was 3-5% faster than 512's at 8, 16 and 24 SMs on 2 x H200 (benchmarks/results/normal_tuning.md,
 # "Wider combine blocks on 2 GPUs"); 512 from 4 ranks on, where the MPS proxy, bound by its one GPU's memory, found
 # neither 768 nor 1024 faster ("Wider combine blocks"), until a 4-GPU run (run_device.sh's CANDIDATES) decides.
