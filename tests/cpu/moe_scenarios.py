@@ -460,6 +460,29 @@ def packed_experts_match_dense(seed, num_tokens, hidden, intermediate, num_exper
     return error
 
 
+def layer_on_virtual_nodes_matches_dense(seed, ranks_per_node):
+    """`make_buffer` across virtual nodes (TOKENYARD_RANKS_PER_NODE): the Buffer holds the NVSHMEM bytes its nodes
+    need (`Config.internode_region_bytes`; with none the CUDA backend's first dispatch there raised CapacityError),
+    and the layer through it still matches the dense experts."""
+    import os
+
+    from tokenyard import Config, env
+
+    os.environ["TOKENYARD_RANKS_PER_NODE"] = str(ranks_per_node)
+    env.settings.cache_clear()
+    try:
+        _, num_ranks = _world()
+        buffer = _buffer(16, 64, torch.bfloat16)
+        want = Config(num_max_tokens_per_rank=16).internode_region_bytes(64 * 2, num_ranks, ranks_per_node)
+        assert buffer.topology.num_nodes == num_ranks // ranks_per_node and buffer._internode
+        assert buffer.num_rdma_bytes == want > 0, (buffer.num_rdma_bytes, want)
+        buffer.destroy()
+        layer_with_given_routing_matches_dense(seed, 16, 64, 96, 8, 2, "skewed")
+    finally:
+        del os.environ["TOKENYARD_RANKS_PER_NODE"]
+        env.settings.cache_clear()
+
+
 def layer_with_given_routing_matches_dense(seed, num_tokens, hidden, intermediate, num_experts, num_topk, kind):
     """The layer with precomputed routing (router None) against the dense experts on one process.
 

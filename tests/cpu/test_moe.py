@@ -72,6 +72,10 @@ def test_combine_refuses_dtypes_other_than_bf16_and_float32(ranks):
 
 # -- the MoE layer -----------------------------------------------------------------------------------------
 
+def test_layer_across_virtual_nodes_gets_the_nvshmem_bytes_they_need_and_matches_dense(ranks, seed):
+    ranks(4).run(moe_scenarios.layer_on_virtual_nodes_matches_dense, seed, 2)
+
+
 @pytest.mark.parametrize("kind", ["empty_rank", "no_tokens"])
 def test_layer_backward_completes_and_matches_dense_when_a_rank_gets_no_tokens(ranks, seed, kind):
     ranks(4).run(moe_scenarios.layer_with_given_routing_matches_dense, seed, 16, 64, 96, 8, 2, kind)
