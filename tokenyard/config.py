@@ -7,6 +7,10 @@ import dataclasses
 from .plan import workspace
 
 
+# The ranks of a node as DeepEP's size hints assume (its NUM_MAX_NVL_PEERS): a group of more spans several nodes.
+DEEPEP_RANKS_PER_NODE = 8
+
+
 @dataclasses.dataclass
 class Config:
     """Performance settings for normal-mode dispatch/combine.
@@ -50,7 +54,7 @@ class Config:
         backends/cuda/internode.py: each half holds, at most, a row from every token of every rank plus a row per
         node for each of this rank's tokens; a combine row, the larger). The reference backend's hierarchical path
         needs none."""
-        return self.internode_region_bytes(hidden_bytes, num_ranks, 8)
+        return self.internode_region_bytes(hidden_bytes, num_ranks, DEEPEP_RANKS_PER_NODE)
 
     def internode_region_bytes(self, hidden_bytes: int, num_ranks: int, ranks_per_node: int) -> int:
         """tokenyard's own: `get_rdma_buffer_size_hint` for nodes of `ranks_per_node` ranks (virtual nodes

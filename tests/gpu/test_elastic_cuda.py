@@ -73,8 +73,8 @@ def _elastic_matches_both_paths(seed):
             # Expanded: the layout made in the dispatch kernel (NOTE [expanded rows]), with and without the CPU sync;
             # in the last case after it.
             recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(
-                x, topk_idx, weights if with_weights else None, stats, num_experts, expert_alignment=alignment, do_cpu_sync=do_cpu_sync,
-                do_expand=do_expand, do_zero_padding=do_expand,
+                x, topk_idx, weights if with_weights else None, stats, num_experts, expert_alignment=alignment,
+                do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_expand,
                 num_sms=after if case == len(CASES) - 1 else in_kernel, **side)
             event.current_stream_wait()
             # A cached dispatch with other weights, expanded in the dispatch kernel (NOTE [expanded rows]); expanded

@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import env
 from ..buffer import Buffer
-from ..config import Config
+from ..config import DEEPEP_RANKS_PER_NODE, Config
 from ..elastic import ElasticBuffer
 from ..errors import InvalidInputError
 from . import autograd
@@ -157,7 +157,7 @@ def make_buffer(group: dist.ProcessGroup, hidden_size: int, num_max_tokens_per_r
         return ElasticBuffer(group, num_bytes, num_max_tokens_per_rank=num_max, hidden=hidden_size, backend=backend)
     # Across nodes normal mode keeps its rows in NVSHMEM memory (NOTE [internode region]): nodes of 8 ranks as
     # DeepEP's hint assumes, or of TOKENYARD_RANKS_PER_NODE where set, as the Buffer sees them.
-    ranks_per_node = env.settings().ranks_per_node or 8
+    ranks_per_node = env.settings().ranks_per_node or DEEPEP_RANKS_PER_NODE
     return Buffer(group, num_bytes, config.internode_region_bytes(hidden_bytes, group.size(), ranks_per_node),
                   backend=backend)
 

@@ -37,7 +37,7 @@ DISPATCH_THREADS_MANY_RANKS = 768
 # NOTE [combine block width]: the same for the combine's block, whose warps past the sending ones reduce, each lane
 # with combine_reduce_loads loads in flight: a reducer reads as fast as it keeps loads in flight, so a wider block
 # (more reducing warps, each with fewer loads: COMBINE_REDUCE_LOADS) reads faster. 1024 threads below 4 ranks: at 2
-# its combine was 3-5% faster than 512's at 8, 16 and 24 SMs on 2 x H200 (benchmarks/results/normal_tuning.md,
+# its combine was faster than 512's at every SM count measured on 2 GPUs (benchmarks/results/normal_tuning.md,
 # "Wider combine blocks on 2 GPUs"); 512 from 4 ranks on, where the MPS proxy, bound by its one GPU's memory, found
 # neither 768 nor 1024 faster ("Wider combine blocks"), until a 4-GPU run (run_device.sh's CANDIDATES) decides.
 COMBINE_THREADS = 1024
@@ -137,12 +137,12 @@ def combine_own_rows_direct() -> bool:
 # ElasticBuffer's expanded dispatch writes the expanded rows in the dispatch kernel (NOTE [expanded rows] in
 # kernels/dispatch.cuh) from EXPAND_IN_DISPATCH_MIN_SMS SMs, a fresh one with peers and a cached one from
 # EXPAND_CACHED_IN_DISPATCH_MIN_RANKS ranks; else kernels of their own over the whole GPU gather them after a plain
-# dispatch. On 2 x H200 at 2 ranks (benchmarks/results/elastic.md, "Expanded rows on 2 GPUs"), at 16 and 24 SMs: a
-# cached one gathered was faster in kernel and call time (252 / 259 us kernel against 413 / 306); a fresh one
-# gathered took less kernel time (398 / 396 against 540 / 446) but longer calls back to back (663 / 646 against
-# 580 / 486: the gather waits for the counts on the CPU). Ranks sharing one GPU under MPS had the one kernel faster
-# for both from 16 SMs and slower below (its receivers' copies); from 4 ranks on only that proxy has measured it. At
-# one rank, where no row leaves the GPU, the whole-GPU kernels won ("The fresh expanded dispatch in the kernel").
+# dispatch. On 2 GPUs at 2 ranks a cached one gathered was faster in kernel and call time, and a fresh one gathered
+# took less kernel time but longer calls back to back, its gather waiting for the counts on the CPU
+# (benchmarks/results/elastic.md, "Expanded rows on 2 GPUs"). Ranks sharing one GPU under MPS had the one kernel
+# faster for both from 16 SMs and slower below (its receivers' copies); from 4 ranks on only that proxy has measured
+# it. At one rank, where no row leaves the GPU, the whole-GPU kernels won ("The fresh expanded dispatch in the
+# kernel").
 EXPAND_IN_DISPATCH_MIN_SMS = 16
 EXPAND_CACHED_IN_DISPATCH_MIN_RANKS = MANY_RANKS
 
@@ -162,7 +162,7 @@ def expands_in_dispatch(num_sms: int, num_ranks: int, fresh: bool) -> bool:
 # reducers sum three quarters of the kernel). In a block of 512 or 768 threads, 12: it fits in the 128 registers at
 # 2, 4 and 8 ranks where 16 spills; its combine was 4% faster than 16's at 8 SMs and 2% at 24 on 2 ranks, the same on
 # 4; 8 and 32 slower (benchmarks/results/normal_tuning.md, issue 50's sweep). In a block of 1024 threads (64
-# registers a thread), 8 (NOTE [combine block width]; no spills at 2 ranks, 24 bytes at 3 by `ptxas -v`).
+# registers a thread), 8 (NOTE [combine block width]; its spills: normal_tuning.md, "Wider combine blocks on 2 GPUs").
 COMBINE_REDUCE_LOADS = 12
 COMBINE_REDUCE_LOADS_WIDE = 8
 
