@@ -1,6 +1,7 @@
 """How fast can a GPU write to all its peers at once, by how the writes are issued (NOTE [copy patterns]).
 
-    python benchmarks/copy_patterns.py [--num_ranks 4] [--blocks 4,8,24,0] [--bytes_per_peer N] [--json OUT.json]
+    python benchmarks/copy_patterns.py [--num_ranks 4] [--blocks 4,8,24,0] [--bytes_per_peer N] [--repeats 8]
+                                       [--json OUT.json]
                                        [--patterns tma --tma_shapes senders]
 
 Every rank writes one rank's share of the DeepSeek-V3 normal-mode bytes (4096 tokens of 7168 FP8 channels
@@ -44,7 +45,7 @@ def runs(patterns, tma_shapes):
             yield name, pattern, shape
 
 
-def rank_main(blocks, num_bytes_per_peer: int, patterns, tma_shapes):
+def rank_main(blocks, num_bytes_per_peer: int, patterns, tma_shapes, repeats: int):
     import torch
     import torch.distributed as dist
 
@@ -58,7 +59,7 @@ def rank_main(blocks, num_bytes_per_peer: int, patterns, tma_shapes):
     for name, pattern, shape in runs(patterns, tma_shapes):
         for num_blocks in blocks:
             result[f"{name}/{num_blocks or 'all'}"] = measure_copy_limit_gbps(
-                buffer, num_bytes_per_peer, pattern=pattern, num_blocks=num_blocks, tma=shape)
+                buffer, num_bytes_per_peer, pattern=pattern, num_blocks=num_blocks, tma=shape, repeats=repeats)
     torch.cuda.synchronize()
     dist.barrier()
     buffer.destroy()
@@ -73,12 +74,14 @@ def main() -> None:
                         help="bytes to each peer (default: one rank's share of the normal-mode setting)")
     parser.add_argument("--patterns", default="", help="comma-separated (default: every pattern)")
     parser.add_argument("--tma_shapes", default="", help="WxSxB,... or senders (default: the copy limit's writer)")
+    parser.add_argument("--repeats", type=int, default=0,
+                        help="launches back to back a timed sample (default: the benchmark's, copy_limit.REPEATS)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     import torch
 
     from tokenyard.tools.bench import bandwidth
-    from tokenyard.tools.bench.copy_limit import COPY_PATTERNS, TMA_WRITERS
+    from tokenyard.tools.bench.copy_limit import COPY_PATTERNS, REPEATS, TMA_WRITERS
     from tokenyard.tools.bench.report import git_commit
     from tokenyard.tools.launch import run_on_ranks
 
@@ -89,9 +92,11 @@ def main() -> None:
     tma_shapes = (SENDER_SHAPES if args.tma_shapes == "senders" else
                   [tuple(int(n) for n in s.split("x")) for s in args.tma_shapes.split(",")] if args.tma_shapes
                   else [TMA_WRITERS])
-    per_rank = run_on_ranks(num_ranks, rank_main, blocks, num_bytes, patterns, tma_shapes, use_cuda=True)
+    repeats = args.repeats or REPEATS
+    per_rank = run_on_ranks(num_ranks, rank_main, blocks, num_bytes, patterns, tma_shapes, repeats, use_cuda=True)
     gbps = {key: min(r[key] for r in per_rank) for key in per_rank[0]}
-    print(f"egress GB/s per GPU, {num_ranks} ranks, {num_bytes / 1e6:.1f} MB to each peer (slowest rank):")
+    print(f"egress GB/s per GPU, {num_ranks} ranks, {num_bytes / 1e6:.1f} MB to each peer, {repeats} launches a sample "
+          "(slowest rank):")
     for key, value in gbps.items():
         print(f"  {key:<22} {value:7.1f}")
     if args.json:
@@ -103,7 +108,7 @@ def main() -> None:
             json.dump({"commit": git_commit(), "device": device,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "command": "python benchmarks/copy_patterns.py " + " ".join(sys.argv[1:]),
-                       "num_ranks": num_ranks, "bytes_per_peer": num_bytes, "egress_gbps": gbps}, f, indent=1)
+                       "num_ranks": num_ranks, "bytes_per_peer": num_bytes, "repeats": repeats, "egress_gbps": gbps}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ THREADS = 512
 # of every pattern (the others ignore them); the copy limit's is one writer of four 32 KB stages a block.
 TMA_WRITERS = (1, 4, 32 << 10)
 BULK_SHARED_BYTES = THREADS // 32 * 2 * 4096  # the "bulk" pattern: two 4 KB stages per warp
+# Launches back to back in one timed sample: one launch of a rank's ~30 MB took about 0.1 ms, so the ranks' skew after
+# the host barrier and the launch's start entered each sample (the 2-GPU limit came out 280 then 228 GB/s in two runs
+# of one commit, under NCCL's own 242: benchmarks/results/normal.md, "The copy limit, launches back to back").
+REPEATS = 8
 
 
 def shared_bytes(pattern: str, tma: tuple = TMA_WRITERS) -> int:
@@ -49,12 +53,14 @@ def every_kernel():
 
 
 def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, warmup: int = 3,
-                            pattern: str = "interleaved", num_blocks: int = 0, tma: tuple = TMA_WRITERS) -> float:
+                            pattern: str = "interleaved", num_blocks: int = 0, tma: tuple = TMA_WRITERS,
+                            repeats: int = REPEATS) -> float:
     """Egress GB/s per GPU while every rank writes `num_bytes_per_peer` into each peer's buffer.
 
     Uses the Buffer's normal-mode memory (its rows are overwritten) and every SM of the GPU (or
     `num_blocks` blocks), writing the way `pattern` says (NOTE [copy patterns] in copy_limit.cuh; `tma`: the "tma"
-    pattern's writers, TMA_WRITERS' form); the median over `iters` launches, each started after a group barrier.
+    pattern's writers, TMA_WRITERS' form); the median over `iters` samples, each `repeats` launches back to back
+    started after a group barrier.
     """
     backend = buffer.runtime
     ctx = backend.ctx
@@ -74,13 +80,14 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
         torch.cuda.synchronize()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        kernel(grid, torch.cuda.current_stream().cuda_stream, shared_bytes=shared, src=src.data_ptr(),
-               num_int4=num_bytes // 16, peer_bases=backend.normal.bases_tensor.data_ptr(), rank=ctx.rank,
-               offset_bytes=control, stride_bytes=stride)
+        for _ in range(repeats):
+            kernel(grid, torch.cuda.current_stream().cuda_stream, shared_bytes=shared, src=src.data_ptr(),
+                   num_int4=num_bytes // 16, peer_bases=backend.normal.bases_tensor.data_ptr(), rank=ctx.rank,
+                   offset_bytes=control, stride_bytes=stride)
         stop.record()
         stop.synchronize()
         if i >= warmup:
-            times.append(start.elapsed_time(stop) / 1e3)
+            times.append(start.elapsed_time(stop) / 1e3 / repeats)
     dist.barrier(group=ctx.group)
     median = sorted(times)[len(times) // 2]
     return (num_ranks - 1) * num_bytes / median / 1e9
