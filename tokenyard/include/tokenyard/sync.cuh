@@ -125,26 +125,14 @@ __device__ __forceinline__ void launch_numbers(unsigned long long* counters, uin
 // reads what the flag guards, the warp passes __syncwarp() (a memory barrier among its lanes) between the
 // wait and the reads, so the acquire's order reaches every lane.
 
-// NOTE [relaxed spins]
-// An acquire load at system scope is a strong load followed by an invalidation of the SM's whole L1 (CCTL.IVALL),
-// which every other warp of the SM then pays for in the loads it had cached (the senders' routes, the reducers'
-// heads). A wait reads the flag once with acquire, and only where that finds it short spins with relaxed loads,
-// then reads it once more with acquire: a flag that was already set costs what it did, a wait two invalidations
-// however long it spins. The second acquire read sees the value the relaxed one saw or a later one (coherence),
-// so the wait ends as it did, in the order an acquire read gives.
-
-// Spin until *flag >= expected (wrap-safe comparison of sequence numbers) with acquire order (NOTE [relaxed spins]).
+// Spin until *flag >= expected (wrap-safe comparison of sequence numbers) with acquire order.
 __device__ __forceinline__ bool wait_at_least(const WaitContext& ctx, const uint32_t* flag, uint32_t expected,
                                               int peer, int stage) {
-    if (static_cast<int32_t>(ptx::ld_acquire_sys(flag) - expected) >= 0)
-        return true;
     uint64_t start = 0;
     for (int spin = 0;; ++spin) {
-        const uint32_t seen = ptx::ld_relaxed_sys(flag);
-        if (static_cast<int32_t>(seen - expected) >= 0) {
-            ptx::ld_acquire_sys(flag);  // the acquire order, reading `seen` or later
+        uint32_t seen = ptx::ld_acquire_sys(flag);
+        if (static_cast<int32_t>(seen - expected) >= 0)
             return true;
-        }
         if ((spin & 255) == 0) {
             uint64_t now = ptx::global_timer_ns();
             if (start == 0) {
