@@ -267,12 +267,19 @@ class Rank:
     def train_overlap(self):
         """OVERLAP_MICRO_BATCHES micro-batches of the step's tokens (NOTE [whole micro-batches]) through the
         expanded layout (NOTE [expanded train layer]); each communication call runs on the communication stream
-        (async_with_compute_stream) while another micro-batch's GEMMs run. A call is launched before the GEMMs
-        it overlaps: a kernel launched after them waits for the SMs they hold. So every micro-batch's dispatch
-        goes first (a fresh dispatch makes the host wait for its counts; the first one's transfer runs
-        meanwhile), each combine right after its GEMMs are queued, and in the backward every cached dispatch of
-        the output gradient before the GEMMs' backward. -> the micro-batches' outputs and input gradients,
-        stacked."""
+        (async_with_compute_stream) while another micro-batch's GEMMs run, in the order of NOTE [overlap order].
+        -> the micro-batches' outputs and input gradients, stacked.
+
+        NOTE [overlap order]
+        A call is launched before the GEMMs it overlaps: a kernel launched after them waits for the SMs they hold.
+        The communication stream runs its calls in the order they are launched, so a call queued behind one that
+        waits for GEMMs waits too. Every micro-batch's dispatch goes first (a fresh dispatch makes the host wait for
+        its counts; the first one's transfer runs meanwhile); then, micro-batch by micro-batch, its forward GEMMs,
+        its combine and the cached dispatch of its output gradient, as a schedule that interleaves one
+        micro-batch's backward with the next one's forward (1F1B, DualPipe) has that gradient; then each
+        backward's GEMMs and its combine. So only the first dispatch and the last combine run with no GEMMs beside
+        them. (With every gradient's dispatch after the last forward combine, that combine and the first of them
+        ran alone too: benchmarks/results/moe_step.md, "The overlap order".)"""
         from ...buffer import Buffer
 
         buffer, E = self.buffer, self.shape.num_experts
@@ -289,10 +296,9 @@ class Rank:
             b["y"] = grouped_experts(b["recv_x"], b["handle"].psum_num_recv_tokens_per_expert, self.gate_up,
                                      self.down, self.kind, b["recv_w"])
             b["out"], _, b["event"] = buffer.combine(b["y"].detach(), b["handle"], **on_comm)
-        for b in reversed(batches):
             b["grad_y"], _, _, _, b["grad_event"] = buffer.dispatch(self.grad_out, handle=b["handle"], do_expand=True,
                                                                     **on_comm)
-        for b in reversed(batches):
+        for b in batches:
             b["grad_event"].current_stream_wait()
             b["y"].backward(b["grad_y"])
             b["grad_x"], _, b["grad_event"] = buffer.combine(b["recv_x"].grad, b["handle"], **on_comm)
