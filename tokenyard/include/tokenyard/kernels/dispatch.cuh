@@ -230,13 +230,15 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // send the token they are at, and hold it in registers: those loads' round trip, which each token waited for
     // before its row could go (on 4 GPUs at 8 SMs a fifth of the senders' time: benchmarks/results/normal_tuning.md,
     // "The senders' shapes as TMA writers"), now passes while the previous row is stored. On one GPU shared by 4
-    // ranks the time moved into the wait for the next row's bulk load ("Routes ahead, ...").
+    // ranks the time moved into the wait for the next row's bulk load ("Routes ahead, ..."). The routing is held as
+    // loaded, the rank's byte of is_token_in_rank as an int: held as a bool, it was made 0 or 1 right after its load,
+    // so every token's warp waited there for the load's round trip (the kernel's SASS; "Routes held as loaded").
     // A token's routing, as the lanes hold it.
     struct Route {
         int4 tail[kTailPerLane];  // the scale vectors; metadata vectors are filled per destination
         int64_t expert;           // lane k < kNumTopk: top-k slot k's expert (-1 elsewhere)
         float weight;             // and its weight
-        bool hit;                 // lane d < kNumRanks: whether the token goes to rank d
+        int hit;                  // lane d < kNumRanks: whether the token goes to rank d (the byte as loaded)
         int slot_index;           // and its row among this rank's rows there
         int rank;                 // kExpandFresh, lane k < kNumTopk: slot k's source rank
     };
@@ -260,7 +262,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
             r.expert = static_cast<int64_t>(p.topk_idx[token * kNumTopk + lane]);
             r.weight = p.topk_weights != nullptr ? p.topk_weights[token * kNumTopk + lane] : 0.0f;
         }
-        r.hit = lane < kNumRanks && p.is_token_in_rank[token * kNumRanks + lane];
+        r.hit = lane < kNumRanks ? static_cast<int>(p.is_token_in_rank[token * kNumRanks + lane]) : 0;
         r.slot_index = lane < kNumRanks ? p.prefix_excl[token * kNumRanks + lane] : 0;
         r.rank = kExpandFresh && lane < kNumTopk ? p.source_ranks[token * kNumTopk + lane] : -1;
         return r;
@@ -270,7 +272,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         const int4* tail = route.tail;
         const int64_t expert = route.expert;
         const float weight = route.weight;
-        const bool hit = route.hit;
+        const bool hit = route.hit != 0;
         const int slot_index = route.slot_index;
         const uint32_t mask = __ballot_sync(0xffffffffu, hit);
         const int index = hit ? slot_index : -1;
@@ -296,8 +298,11 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         phase_clock.mark(kPhaseMeta, lane);
         // This rank's own row, written straight into the outputs (NOTE [dispatch roles]).
         int64_t direct_row = -1;
-        if (p.local_direct && dst[p.rank] != nullptr) {
-            dst[p.rank] = nullptr;
+        if (p.local_direct && ((mask >> p.rank) & 1u) != 0) {
+#pragma unroll
+            for (int dest = 0; dest < kNumRanks; ++dest)  // a constant index: dst stays in registers
+                if (dest == p.rank)
+                    dst[dest] = nullptr;
             direct_row = own_first + __shfl_sync(0xffffffffu, index, p.rank);
             if (p.num_worst_tokens > 0 && direct_row >= p.num_worst_tokens) {
                 if (lane == 0)
