@@ -108,7 +108,8 @@ def main() -> None:
             json.dump({"commit": git_commit(), "device": device,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "command": "python benchmarks/copy_patterns.py " + " ".join(sys.argv[1:]),
-                       "num_ranks": num_ranks, "bytes_per_peer": num_bytes, "repeats": repeats, "egress_gbps": gbps}, f, indent=1)
+                       "num_ranks": num_ranks, "bytes_per_peer": num_bytes, "repeats": repeats,
+                       "egress_gbps": gbps}, f, indent=1)
 
 
 if __name__ == "__main__":

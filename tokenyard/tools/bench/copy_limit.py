@@ -21,8 +21,8 @@ THREADS = 512
 TMA_WRITERS = (1, 4, 32 << 10)
 BULK_SHARED_BYTES = THREADS // 32 * 2 * 4096  # the "bulk" pattern: two 4 KB stages per warp
 # Launches back to back in one timed sample: one launch of a rank's ~30 MB took about 0.1 ms, so the ranks' skew after
-# the host barrier and the launch's start entered each sample (the 2-GPU limit came out 280 then 228 GB/s in two runs
-# of one commit, under NCCL's own 242: benchmarks/results/normal.md, "The copy limit, launches back to back").
+# the host barrier and the launch's start entered each sample (the 2-GPU limit came out 228-280 GB/s from run to run,
+# at times under NCCL's own 242: benchmarks/results/normal.md, "The copy limit, launches back to back").
 REPEATS = 8
 
 

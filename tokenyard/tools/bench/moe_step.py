@@ -277,9 +277,10 @@ class Rank:
         its counts; the first one's transfer runs meanwhile); then, micro-batch by micro-batch, its forward GEMMs,
         its combine and the cached dispatch of its output gradient, as a schedule that interleaves one
         micro-batch's backward with the next one's forward (1F1B, DualPipe) has that gradient; then each
-        backward's GEMMs and its combine. So only the first dispatch and the last combine run with no GEMMs beside
-        them. (With every gradient's dispatch after the last forward combine, that combine and the first of them
-        ran alone too: benchmarks/results/moe_step.md, "The overlap order".)"""
+        backward's GEMMs and its combine. So only the first dispatches (the host waits for each one's counts before
+        it queues the first GEMMs) and the last combine run with no GEMMs beside them. (With every gradient's
+        dispatch after the last forward combine, that combine and the first of them ran alone too:
+        benchmarks/results/moe_step.md, "The overlap order".)"""
         from ...buffer import Buffer
 
         buffer, E = self.buffer, self.shape.num_experts
