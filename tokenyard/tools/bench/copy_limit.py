@@ -20,9 +20,9 @@ THREADS = 512
 # of every pattern (the others ignore them); the copy limit's is one writer of four 32 KB stages a block.
 TMA_WRITERS = (1, 4, 32 << 10)
 BULK_SHARED_BYTES = THREADS // 32 * 2 * 4096  # the "bulk" pattern: two 4 KB stages per warp
-# Launches back to back in one timed sample: one launch of a rank's ~30 MB took about 0.1 ms, so the ranks' skew after
-# the host barrier and the launch's start entered each sample (the 2-GPU limit came out 228-280 GB/s from run to run,
-# at times under NCCL's own 242: benchmarks/results/normal.md, "The copy limit, launches back to back").
+# Launches back to back in one timed sample, so that the ranks' skew after the host barrier and the launch's start
+# are a small part of it: timed one launch a sample, the limit moved from run to run, at times below NCCL's own rate
+# (benchmarks/results/normal.md, "The copy limit, launches back to back").
 REPEATS = 8
 
 
