@@ -89,6 +89,11 @@ namespace tokenyard::kernels {
 // the buffer.
 // Rank d's slot of one call cannot be overwritten while a peer still reads it: its next call's data kernel starts
 // after that call's count exchange, which every rank reaches only after its own data kernel of this call ended.
+// A rank whose data kernel never starts (killed after its count exchange) stalls every peer's senders at their wait
+// for its slot, so the receivers of a third rank wait for rows that those senders never send. With place waits, a
+// receiver's deadline is kVerdictSlackNs later than theirs: the rank's own wait for the missing slot records first,
+// and the error names the rank that never came, not a peer held up by it (at 4 ranks on 4 GPUs the two deadlines
+// raced: benchmarks/results/faults.md).
 //
 // NOTE [expanded rows]
 // ElasticBuffer's cached expanded dispatch (kExpand; tokenyard/elastic.py) writes each received row straight to the
@@ -609,6 +614,9 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     // numbers, a warp count that is a multiple of kNumRanks would leave every warp landing on it idle.
     const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
     const int items_per_piece = p.num_send_warps * num_sources, num_items = most_pieces * items_per_piece;
+    // NOTE [placed rows]: behind the place waits, a source's rows are waited for kVerdictSlackNs longer.
+    const WaitContext rows_wait{wait.error_flag, wait.host_record, wait.rank,
+                                wait.timeout_ns + (p.place_bases != nullptr ? kVerdictSlackNs : 0)};
     // Item `item`'s rows copied out; false: the wait for its slot failed (recorded).
     auto receive_item = [&](int item) {
         const int piece = item / items_per_piece, sender = item % items_per_piece / num_sources;
@@ -621,7 +629,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
         bool ok = true;
         if (lane == 0) {
             ChunkSlot* slot = buffers.slot(p.rank, source, ranges.slot(sender, piece));
-            ok = wait_at_least(wait, &slot->seq, seq[0], source, kStageDispatchRecv);
+            ok = wait_at_least(rows_wait, &slot->seq, seq[0], source, kStageDispatchRecv);
             begin = ptx::ld_na_s32(&slot->begin);
             end = ptx::ld_na_s32(&slot->end);
             const int sender_warps = ptx::ld_na_s32(&slot->send_warps);
