@@ -57,10 +57,10 @@
 # them).
 #
 # The candidates, which `tuning`, `proxy` and `proxy_phases` try when TOKENYARD_TUNING_VARIANTS is not given: the
-# neighbours of the 4-rank block shapes (NOTE [block shapes by ranks] in heuristics.py), chosen by the proxy until a
-# 4-GPU run confirms them, more sending warps in a dispatch block, which placed rows left the proxy unable to
-# decide (benchmarks/results/normal_tuning.md, "Placed rows"), and wider combine blocks (NOTE [combine block width]),
-# which the proxy, bound by its one GPU's memory, cannot judge ("Wider combine blocks").
+# neighbours of the 4-rank block shapes (NOTE [block shapes by ranks] in heuristics.py), more sending warps in a
+# dispatch block and wider combine blocks (NOTE [combine block width]); on 4 GPUs none was faster than the defaults
+# (benchmarks/results/normal_tuning.md, "Block shapes on 4 GPUs"), so they stay the neighbours a kernel change
+# is checked against.
 #
 # The device copy of the tree has no git metadata: pass the commit so the JSON records it. Carry the
 # kernel cache (.jit_cache) with the call and bring back $out/jit_cache.tgz: a header change recompiles

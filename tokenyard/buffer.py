@@ -314,8 +314,8 @@ class Buffer(NormalCalls, LowLatencyCalls):
     def get_dispatch_config(num_ranks: int) -> Config:
         """The default dispatch `Config` for `num_ranks` ranks (any count works). One for every count: its chunk
         sizes mean nothing here (each source writes a region of its own, docs/semantics.md), which leaves the
-        SM count, `Buffer.num_sms`: 24, where the SM sweep's kernels reach 92-95% of their best
-        (benchmarks/results/sm_model.md, which also says which rank counts it covers)."""
+        SM count, `Buffer.num_sms`: 20, DeepEP's (the kernels' times by SM count at 2 and 4 ranks:
+        benchmarks/results/normal.md, "The SM sweep")."""
         del num_ranks
         return Config(Buffer.num_sms, 6, 256, 6, 128)
 

@@ -93,7 +93,7 @@ namespace tokenyard::kernels {
 // for its slot, so the receivers of a third rank wait for rows that those senders never send. With place waits, a
 // receiver's deadline is kVerdictSlackNs later than theirs: the rank's own wait for the missing slot records first,
 // and the error names the rank that never came, not a peer held up by it (at 4 ranks on 4 GPUs the two deadlines
-// raced: benchmarks/results/faults.md).
+// raced: benchmarks/results/gpu_suite.md, "Every test at 4 and at 2 ranks").
 //
 // NOTE [expanded rows]
 // ElasticBuffer's cached expanded dispatch (kExpand; tokenyard/elastic.py) writes each received row straight to the
