@@ -241,8 +241,8 @@ class ElasticBuffer:
                 one sending SM writes to the peers; DeepEP V2's defaults, 200 and 50 (0: our kernels' figures).
             num_experts, num_topk: accepted (the rates above do not depend on them). num_scaleout_topk,
                 rdma_gbs: ignored (one NVLink domain).
-        A call given ``num_sms=0`` takes the model at our kernels' own rates (`_default_num_sms`: 28 SMs), which
-        DeepEP's defaults (a sending SM's 50 GB/s, ours measure 11 at 8 SMs) would undercount.
+        A call given ``num_sms=0`` takes the model at our kernels' own rates (`_default_num_sms`: 12 SMs), which
+        DeepEP's defaults (a sending SM's 50 GB/s, ours measure 25 at 8 SMs) would undercount.
         """
         del num_experts, num_topk, num_scaleout_topk, rdma_gbs
         from .backends.cuda import heuristics

@@ -15,10 +15,10 @@ def data_blocks(num_sms: int, device_sms: int) -> int:
 
 
 # NOTE [block shapes by ranks]
-# A block's rows go to more peers as the ranks grow, and the work that sets a kernel's time moves: at 2 ranks the
-# dispatch's senders set it, from 4 ranks on its receivers (their rows come from 3 or more sources) and the combine's
-# senders (benchmarks/results/normal_tuning.md, `shapes_4_ranks_proxy`). So the blocks are shaped by the rank
-# count: from MANY_RANKS on, a wider dispatch block and one more sending warp in the combine's.
+# A block's rows go to more peers as the ranks grow, and the shapes that serve them best change: from MANY_RANKS on,
+# a wider dispatch block and one more sending warp in the combine's. The MPS proxy chose them
+# (benchmarks/results/normal_tuning.md, `shapes_4_ranks_proxy`); on 4 GPUs none of their neighbours was faster
+# ("Block shapes on 4 GPUs").
 MANY_RANKS = 4
 
 
@@ -30,16 +30,16 @@ def _by_ranks(num_ranks: int, few: int, many: int) -> int:
 # A dispatch block's threads (BLOCK_THREAD_CHOICES). The warps past the sending ones receive, each with one row's
 # loads in flight, as many as the registers of a block that wide hold (kernels/dispatch.cuh, receive_row): a wider
 # block receives with more warps, each with fewer loads in flight. 512 at 2 ranks (768 and 1024 no faster:
-# normal_tuning.md, `claims_call`), 768 from 4 ranks on (faster than 512 and 1024 from 4 to 16 SMs, by the MPS
-# proxy: `shapes_4_ranks_proxy`).
+# normal_tuning.md, `claims_call`), 768 from 4 ranks on (faster than 512 and 1024 at 8 SMs, by the MPS proxy and on
+# 4 GPUs: `shapes_4_ranks_proxy`, `shapes_4_gpus`).
 DISPATCH_THREADS = 512
 DISPATCH_THREADS_MANY_RANKS = 768
 # NOTE [combine block width]: the same for the combine's block, whose warps past the sending ones reduce, each lane
 # with combine_reduce_loads loads in flight: a reducer reads as fast as it keeps loads in flight, so a wider block
 # (more reducing warps, each with fewer loads: COMBINE_REDUCE_LOADS) reads faster. 1024 threads below 4 ranks: at 2
 # its combine was faster than 512's at every SM count measured on 2 GPUs (benchmarks/results/normal_tuning.md,
-# "Wider combine blocks on 2 GPUs"); 512 from 4 ranks on, where the MPS proxy, bound by its one GPU's memory, found
-# neither 768 nor 1024 faster ("Wider combine blocks"), until a 4-GPU run (run_device.sh's CANDIDATES) decides.
+# "Wider combine blocks on 2 GPUs"); 512 from 4 ranks on, where neither the MPS proxy found 768 or 1024 faster
+# ("Wider combine blocks") nor 4 GPUs 1024 ("Block shapes on 4 GPUs").
 COMBINE_THREADS = 1024
 COMBINE_THREADS_MANY_RANKS = 512
 BLOCK_THREAD_CHOICES = (512, 768, 1024)
@@ -217,11 +217,12 @@ def fewest_sms(num_ranks: int) -> int:
 # block of a kernel of n SMs sends rows to the peers, at about `sm_write_gbs` per SM, and copies the rows that
 # arrive out of the local buffer (reduces them, in a combine) at about `sm_read_gbs` per SM (data_blocks). A
 # GPU's NVLink carries about `nvlink_gbs` out of it. So n is the fewest SMs whose sending fills NVLink and whose
-# receiving keeps up, rounded up to even (DeepEP's SM counts are even). Example at the defaults: 300 / 11 -> 28.
-# The figures: a sending SM's from the SM sweep where NVLink was not yet full (the slowest kernel's at 8 SMs),
-# NVLink's from the copy limits measured on 2, 4 and 8 GPUs, a receiving SM's DeepEP V2's (not measured alone
-# here); benchmarks/results/sm_model.md gives where each comes from and sets the model beside the sweep.
-SM_WRITE_GBS = 11.0
+# receiving keeps up, rounded up to even (DeepEP's SM counts are even). Example at the defaults: 300 / 25 -> 12.
+# The figures: a sending SM's from the SM sweep at 4 ranks on 4 GPUs where NVLink was not yet full (the slowest
+# kernel's at 8 SMs), NVLink's from the copy limits measured on 2, 4 and 8 GPUs, a receiving SM's DeepEP V2's (not
+# measured alone here); benchmarks/results/sm_model.md gives where each comes from, sets the model beside the
+# sweep, and says what it leaves out (at 2 ranks the kernels fill NVLink from 16 SMs).
+SM_WRITE_GBS = 25.0
 SM_READ_GBS = 200.0
 NVLINK_GBS = 300.0
 
@@ -231,7 +232,7 @@ def theoretical_num_sms(num_ranks: int, nvlink_gbs: float = NVLINK_GBS, sm_write
                         sm_read_gbs: float = SM_READ_GBS) -> int:
     """NOTE [SM model]: the SMs at which the normal-mode kernels of `num_ranks` ranks fill NVLink.
 
-    Example: 4 ranks -> 28; with sm_write_gbs=50 -> 6 (NVLink full from 6 sending SMs).
+    Example: 4 ranks -> 12; with sm_write_gbs=50 -> 6 (NVLink full from 6 sending SMs).
     """
     if min(nvlink_gbs, sm_write_gbs, sm_read_gbs) <= 0:
         raise ValueError("the SM model's rates must be positive")
