@@ -16,6 +16,8 @@ given as `--tma_shapes`, or `senders`: the copy limit's writer, smaller pieces o
 normal-mode senders (the dispatch: 12 warps of four 4800-byte stages; the combine: 3 warps of 14336-byte rows) and
 their neighbours, each storing every piece to every peer as a sender stores a row: what each shape reaches when
 routing costs nothing (issue 50). Keys: pattern/blocks, and "tma WxSxB/blocks" for a shape not the copy limit's.
+`--patterns tma_add` (not run by default) adds bf16 into the peers' memory by bulk reduce-adds where "tma" stores:
+what a combine summing its rows at the destination could send (issue 50); `--tma_shapes` applies to it too.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ def runs(patterns, tma_shapes):
     from tokenyard.tools.bench.copy_limit import TMA_WRITERS
 
     for pattern in patterns:
-        for shape in (tma_shapes if pattern == "tma" else (TMA_WRITERS,)):
-            name = pattern if shape == TMA_WRITERS else f"tma {'x'.join(map(str, shape))}"
+        for shape in (tma_shapes if pattern in ("tma", "tma_add") else (TMA_WRITERS,)):
+            name = pattern if shape == TMA_WRITERS else f"{pattern} {'x'.join(map(str, shape))}"
             yield name, pattern, shape
 
 

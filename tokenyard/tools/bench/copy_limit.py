@@ -15,6 +15,9 @@ from ...plan import workspace
 
 # NOTE [copy patterns] in copy_limit.cuh
 COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_peer_major": 4, "tma": 5}
+# Writers that add into the peers' memory rather than copy (benchmarks/copy_patterns.py --patterns tma_add): never
+# the copy limit.
+ADD_PATTERNS = {"tma_add": 6}
 THREADS = 512
 # The "tma" pattern's writers: (warps a block, stages of shared memory per warp, their size), template arguments
 # of every pattern (the others ignore them); the copy limit's is one writer of four 32 KB stages a block.
@@ -29,7 +32,8 @@ REPEATS = 8
 def shared_bytes(pattern: str, tma: tuple = TMA_WRITERS) -> int:
     """The dynamic shared memory a pattern's launch takes (the "tma" writers' stages with a barrier each)."""
     warps, stages, stage_bytes = tma
-    return {"bulk": BULK_SHARED_BYTES, "tma": warps * stages * (stage_bytes + 8)}.get(pattern, 0)
+    tma_bytes = warps * stages * (stage_bytes + 8)
+    return {"bulk": BULK_SHARED_BYTES, "tma": tma_bytes, "tma_add": tma_bytes}.get(pattern, 0)
 
 
 _INCLUDE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
@@ -39,16 +43,16 @@ _INCLUDE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "includ
 def copy_to_peers(num_ranks: int, pattern: str = "interleaved", tma: tuple = TMA_WRITERS) -> KernelSpec:
     return KernelSpec(
         "tokenyard_bench/copy_limit.cuh", "tokenyard::bench::copy_to_peers",
-        (num_ranks, THREADS, COPY_PATTERNS[pattern], *tma),
+        (num_ranks, THREADS, {**COPY_PATTERNS, **ADD_PATTERNS}[pattern], *tma),
         (Param("const int4*", "src"), Param("int64_t", "num_int4"), Param("uint8_t* const*", "peer_bases"),
          Param("int", "rank"), Param("int64_t", "offset_bytes"), Param("int64_t", "stride_bytes")),
         THREADS, include_root=_INCLUDE_ROOT)
 
 
 def every_kernel():
-    """Every copy pattern at 2, 4 and 8 ranks, for CI's compile check."""
+    """Every pattern at 2, 4 and 8 ranks, for CI's compile check."""
     for ranks in (2, 4, 8):
-        for pattern in COPY_PATTERNS:
+        for pattern in {**COPY_PATTERNS, **ADD_PATTERNS}:
             yield copy_to_peers(ranks, pattern)
 
 
