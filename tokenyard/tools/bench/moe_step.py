@@ -42,13 +42,14 @@ DATASHEETS = {"H100": ("H100 SXM datasheet: HBM3", 3.35e12, 989e12),
               "H200": ("H200 SXM datasheet: HBM3e", 4.8e12, 989e12)}
 BF16_BYTES = 2
 # NOTE [whole micro-batches]
-# The overlapped variants run OVERLAP_MICRO_BATCHES micro-batches, each of the step's tokens (the same ones, so each
-# is checked against the reference), and their time is per micro-batch: micro-batches as a trainer's gradient
-# accumulation or a server's concurrent batches have them, each already paying for its own pass over the experts'
-# weights. Halves of one step's tokens, the first design, make each half read (decode) or write (train, the
-# weight gradients) every local expert's weights again, which costs more than the overlap hides
-# (benchmarks/results/moe_step.md).
-OVERLAP_MICRO_BATCHES = 2
+# The overlapped variants run `--micro_batches` micro-batches (MICRO_BATCHES unless given), each of the step's tokens
+# (the same ones, so each is checked against the reference), and their time is per micro-batch: micro-batches as a
+# trainer's gradient accumulation or a server's concurrent batches have them, each already paying for its own pass
+# over the experts' weights. Halves of one step's tokens, the first design, make each half read (decode) or write
+# (train, the weight gradients) every local expert's weights again, which costs more than the overlap hides
+# (benchmarks/results/moe_step.md). More micro-batches leave the first dispatch and the last combine, which nothing
+# overlaps, a smaller share of each.
+MICRO_BATCHES = 2
 SWEEP_NUM_SMS = 24  # the issue's second SM count for the overlapped step and the GEMM slowdown
 
 
@@ -77,6 +78,7 @@ class MoeStepSettings:
     gpu: bool
     seed: int
     timeout_s: float
+    micro_batches: int = MICRO_BATCHES
     json: Optional[str] = None
     plot: Optional[str] = None
     corrupt: Optional[str] = None  # a variant whose output is perturbed, so a test can see the check fail
@@ -93,10 +95,14 @@ def parse(argv: Optional[Sequence[str]], num_gpus: int, prog: str = "benchmarks/
     parser.add_argument("--iters", type=int, default=None, help="timed steps (default 20 on GPU, 3 on CPU)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5 on GPU, 1 on CPU)")
     parser.add_argument("--seed", type=int, default=None, help="default: fresh, from the clock")
+    parser.add_argument("--micro_batches", type=int, default=MICRO_BATCHES,
+                        help="micro-batches in flight in the overlapped variants (NOTE [whole micro-batches])")
     parser.add_argument("--timeout_s", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="write the record here")
     parser.add_argument("--plot", default=None, help="draw each step's four bars into this PNG (matplotlib)")
     args = parser.parse_args(argv)
+    if args.micro_batches < 2:
+        parser.error(f"--micro_batches {args.micro_batches}: an overlap needs 2 or more")
     gpu = num_gpus > 0 and not args.cpu
     shapes = GPU_SHAPES if gpu else CPU_SHAPES
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(StepShape)
@@ -110,7 +116,7 @@ def parse(argv: Optional[Sequence[str]], num_gpus: int, prog: str = "benchmarks/
     return MoeStepSettings(num_ranks, steps, shapes, args.iters or (20 if gpu else 3),
                            args.warmup if args.warmup is not None else (5 if gpu else 1), gpu,
                            args.seed if args.seed is not None else time.time_ns() % (1 << 31), args.timeout_s,
-                           args.json, args.plot)
+                           args.micro_batches, args.json, args.plot)
 
 
 # -- bytes, FLOPs and their floors ---------------------------------------------------------------------------
@@ -206,6 +212,7 @@ class Rank:
         self.gate_up = gate_up.requires_grad_(step == "train")
         self.down = down.requires_grad_(step == "train")
         self.corrupt = settings.corrupt
+        self.micro_batches = settings.micro_batches
         if step == "train":
             self.buffer = ElasticBuffer(self.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K)
             self.reference = moe.make_buffer(self.group, H, T, torch.bfloat16, backend="reference")
@@ -265,7 +272,7 @@ class Rank:
         return out.detach(), x.grad, (recv_x.detach()[:sum(counts)], counts)
 
     def train_overlap(self):
-        """OVERLAP_MICRO_BATCHES micro-batches of the step's tokens (NOTE [whole micro-batches]) through the
+        """`micro_batches` micro-batches of the step's tokens (NOTE [whole micro-batches]) through the
         expanded layout (NOTE [expanded train layer]); each communication call runs on the communication stream
         (async_with_compute_stream) while another micro-batch's GEMMs run, in the order of NOTE [overlap order].
         -> the micro-batches' outputs and input gradients, stacked.
@@ -286,7 +293,7 @@ class Rank:
         buffer, E = self.buffer, self.shape.num_experts
         on_comm = dict(async_with_compute_stream=True, allocate_on_comm_stream=True, num_sms=Buffer.num_sms)
         batches = []
-        for _ in range(OVERLAP_MICRO_BATCHES):
+        for _ in range(self.micro_batches):
             recv_x, _, recv_w, handle, event = buffer.dispatch(self.x, self.topk_idx, self.topk_weights,
                                                                num_experts=E, do_expand=True, do_handle_copy=False,
                                                                **on_comm)
@@ -363,12 +370,12 @@ class Rank:
         return self._finish(variant, out), None, (packed_x, packed_count, handle)
 
     def decode_overlap(self):
-        """SGLang's two-batch overlap with OVERLAP_MICRO_BATCHES micro-batches of the step's tokens (NOTE [whole
+        """SGLang's two-batch overlap with `micro_batches` micro-batches of the step's tokens (NOTE [whole
         micro-batches]): each call returns at once with return_recv_hook and the receive runs when the hook is
         called, so one micro-batch's GEMMs run while another's transfers are in flight."""
         T, E = self.shape.num_tokens, self.shape.num_experts
         sends = [self.buffer.low_latency_dispatch(self.x, self.topk_idx, T, E, use_fp8=False, return_recv_hook=True)
-                 for _ in range(OVERLAP_MICRO_BATCHES)]
+                 for _ in range(self.micro_batches)]
         combines = []
         for packed_x, _, handle, _, receive in sends:
             receive()
@@ -452,7 +459,7 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
     timer = Timer(rank.group, device)
     medians = timer.medians(list(calls.values()), settings.iters, settings.warmup)
     record = {f"{name}_us": seconds * 1e6 for name, seconds in zip(calls, medians)}
-    record["tokenyard_overlap_us"] /= OVERLAP_MICRO_BATCHES  # per micro-batch (NOTE [whole micro-batches])
+    record["tokenyard_overlap_us"] /= settings.micro_batches  # per micro-batch (NOTE [whole micro-batches])
     overlap_by_num_sms = {Buffer.num_sms: record["tokenyard_overlap_us"]}
     slowdown, communication = {}, {}  # per SM count: the GEMMs' slowdown beside the communication, its time alone
     if settings.gpu:  # nothing runs beside anything on CPU ranks
@@ -464,7 +471,7 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
         try:
             Buffer.set_num_sms(SWEEP_NUM_SMS)
             overlap_by_num_sms[SWEEP_NUM_SMS] = timer.medians([variants["tokenyard_overlap"]], settings.iters,
-                                                              settings.warmup)[0] * 1e6 / OVERLAP_MICRO_BATCHES
+                                                              settings.warmup)[0] * 1e6 / settings.micro_batches
             slowdown[SWEEP_NUM_SMS], communication[SWEEP_NUM_SMS] = gemm_slowdown(
                 timer, calls["gemm_only"], rank.communication(), settings.iters)
         finally:
@@ -476,7 +483,7 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
             record["breakdown"][name] = moe_trace.breakdown(moe_trace.traced_kernels(call, device))
     record.update(num_sms=Buffer.num_sms, tokenyard_overlap_us_by_num_sms=overlap_by_num_sms,
                   gemm_slowdown_by_num_sms=slowdown or None, communication_us_by_num_sms=communication or None,
-                  checks=checks, micro_batches=OVERLAP_MICRO_BATCHES,
+                  checks=checks, micro_batches=settings.micro_batches,
                   cuda_graph=graphs or None, gemm=rank.kind if train else "torch.bmm over padded slots")
     rank.destroy()
     return record
