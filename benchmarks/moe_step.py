@@ -1,7 +1,7 @@
 """A DeepSeek-V3 routed MoE layer step (issue 52): tokenyard against the expert GEMMs alone and an all-to-all
 dispatcher, train and decode, checked against the reference backend before timing.
 
-    python benchmarks/moe_step.py [--num_ranks N] [--step train|decode|both] [--json OUT]
+    python benchmarks/moe_step.py [--num_ranks N] [--step train|decode|both] [--micro_batches M] [--json OUT]
 
 The work is in tokenyard/tools/bench/moe_step.py; on a machine without GPUs it runs CPU-sized on gloo ranks.
 """
