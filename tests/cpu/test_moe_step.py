@@ -31,11 +31,12 @@ def test_both_steps_write_the_issue_record_after_checking_every_variant(tmp_path
     assert "overlaps nothing" in capsys.readouterr().out
 
 
-def test_three_micro_batches_are_each_checked_and_the_record_says_how_many(tmp_path):
+def test_three_train_micro_batches_are_each_checked_and_the_record_says_how_many(tmp_path):
+    """Train takes --micro_batches; decode keeps two (SGLang's two-batch overlap, NOTE [whole micro-batches])."""
     out = tmp_path / "moe_step.json"
-    assert moe_step.main(FEW_ITERS + ["--step", "train", "--micro_batches", "3", "--json", str(out)]) == 0
+    assert moe_step.main(FEW_ITERS + ["--micro_batches", "3", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["train"]["micro_batches"] == 3
+    assert doc["train"]["micro_batches"] == 3 and doc["decode"]["micro_batches"] == 2
     assert {"tokenyard_overlap output", "tokenyard_overlap input gradient"} <= set(doc["train"]["checks"])
     with pytest.raises(SystemExit):
         moe_step.parse(FEW_ITERS + ["--micro_batches", "1"], 0)

@@ -42,13 +42,14 @@ DATASHEETS = {"H100": ("H100 SXM datasheet: HBM3", 3.35e12, 989e12),
               "H200": ("H200 SXM datasheet: HBM3e", 4.8e12, 989e12)}
 BF16_BYTES = 2
 # NOTE [whole micro-batches]
-# The overlapped variants run `--micro_batches` micro-batches (MICRO_BATCHES unless given), each of the step's tokens
-# (the same ones, so each is checked against the reference), and their time is per micro-batch: micro-batches as a
-# trainer's gradient accumulation or a server's concurrent batches have them, each already paying for its own pass
-# over the experts' weights. Halves of one step's tokens, the first design, make each half read (decode) or write
-# (train, the weight gradients) every local expert's weights again, which costs more than the overlap hides
-# (benchmarks/results/moe_step.md). More micro-batches leave the first dispatch and the last combine, which nothing
-# overlaps, a smaller share of each.
+# The overlapped train step runs `--micro_batches` micro-batches (MICRO_BATCHES unless given), decode MICRO_BATCHES,
+# each of the step's tokens (the same ones, so each is checked against the reference), and their time is per
+# micro-batch: micro-batches as a trainer's gradient accumulation or a server's concurrent batches have them, each
+# already paying for its own pass over the experts' weights. Halves of one step's tokens, the first design, make each
+# half read (decode) or write (train, the weight gradients) every local expert's weights again, which costs more than
+# the overlap hides (benchmarks/results/moe_step.md). More micro-batches in train leave the first dispatch and the
+# last combine, which nothing overlaps, a smaller share of each; decode keeps two, SGLang's two-batch overlap (the
+# low-latency buffer holds two calls' data, as DeepEP's).
 MICRO_BATCHES = 2
 SWEEP_NUM_SMS = 24  # the issue's second SM count for the overlapped step and the GEMM slowdown
 
@@ -96,7 +97,7 @@ def parse(argv: Optional[Sequence[str]], num_gpus: int, prog: str = "benchmarks/
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5 on GPU, 1 on CPU)")
     parser.add_argument("--seed", type=int, default=None, help="default: fresh, from the clock")
     parser.add_argument("--micro_batches", type=int, default=MICRO_BATCHES,
-                        help="micro-batches in flight in the overlapped variants (NOTE [whole micro-batches])")
+                        help="micro-batches in flight in the overlapped train step (NOTE [whole micro-batches])")
     parser.add_argument("--timeout_s", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="write the record here")
     parser.add_argument("--plot", default=None, help="draw each step's four bars into this PNG (matplotlib)")
@@ -212,7 +213,7 @@ class Rank:
         self.gate_up = gate_up.requires_grad_(step == "train")
         self.down = down.requires_grad_(step == "train")
         self.corrupt = settings.corrupt
-        self.micro_batches = settings.micro_batches
+        self.micro_batches = settings.micro_batches if step == "train" else MICRO_BATCHES
         if step == "train":
             self.buffer = ElasticBuffer(self.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K)
             self.reference = moe.make_buffer(self.group, H, T, torch.bfloat16, backend="reference")
@@ -370,12 +371,12 @@ class Rank:
         return self._finish(variant, out), None, (packed_x, packed_count, handle)
 
     def decode_overlap(self):
-        """SGLang's two-batch overlap with `micro_batches` micro-batches of the step's tokens (NOTE [whole
+        """SGLang's two-batch overlap, two micro-batches of the step's tokens (NOTE [whole
         micro-batches]): each call returns at once with return_recv_hook and the receive runs when the hook is
         called, so one micro-batch's GEMMs run while another's transfers are in flight."""
         T, E = self.shape.num_tokens, self.shape.num_experts
         sends = [self.buffer.low_latency_dispatch(self.x, self.topk_idx, T, E, use_fp8=False, return_recv_hook=True)
-                 for _ in range(self.micro_batches)]
+                 for _ in range(MICRO_BATCHES)]
         combines = []
         for packed_x, _, handle, _, receive in sends:
             receive()
@@ -459,7 +460,7 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
     timer = Timer(rank.group, device)
     medians = timer.medians(list(calls.values()), settings.iters, settings.warmup)
     record = {f"{name}_us": seconds * 1e6 for name, seconds in zip(calls, medians)}
-    record["tokenyard_overlap_us"] /= settings.micro_batches  # per micro-batch (NOTE [whole micro-batches])
+    record["tokenyard_overlap_us"] /= rank.micro_batches  # per micro-batch (NOTE [whole micro-batches])
     overlap_by_num_sms = {Buffer.num_sms: record["tokenyard_overlap_us"]}
     slowdown, communication = {}, {}  # per SM count: the GEMMs' slowdown beside the communication, its time alone
     if settings.gpu:  # nothing runs beside anything on CPU ranks
@@ -471,7 +472,7 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
         try:
             Buffer.set_num_sms(SWEEP_NUM_SMS)
             overlap_by_num_sms[SWEEP_NUM_SMS] = timer.medians([variants["tokenyard_overlap"]], settings.iters,
-                                                              settings.warmup)[0] * 1e6 / settings.micro_batches
+                                                              settings.warmup)[0] * 1e6 / rank.micro_batches
             slowdown[SWEEP_NUM_SMS], communication[SWEEP_NUM_SMS] = gemm_slowdown(
                 timer, calls["gemm_only"], rank.communication(), settings.iters)
         finally:
@@ -483,7 +484,7 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
             record["breakdown"][name] = moe_trace.breakdown(moe_trace.traced_kernels(call, device))
     record.update(num_sms=Buffer.num_sms, tokenyard_overlap_us_by_num_sms=overlap_by_num_sms,
                   gemm_slowdown_by_num_sms=slowdown or None, communication_us_by_num_sms=communication or None,
-                  checks=checks, micro_batches=settings.micro_batches,
+                  checks=checks, micro_batches=rank.micro_batches,
                   cuda_graph=graphs or None, gemm=rank.kind if train else "torch.bmm over padded slots")
     rank.destroy()
     return record
