@@ -61,6 +61,12 @@ struct WaitContext {
     int* host_record;         // pinned, host-mapped
     int rank;
     uint64_t timeout_ns;
+
+    // The same record with a deadline `slack_ns` later: a wait behind another's deadline, whose own timeout is to be
+    // the one recorded (NOTE [one verdict]; NOTE [placed rows] in kernels/dispatch.cuh).
+    __device__ __forceinline__ WaitContext later_by(uint64_t slack_ns) const {
+        return {error_flag, host_record, rank, timeout_ns + slack_ns};
+    }
 };
 
 __device__ __forceinline__ void record_error(const WaitContext& ctx, int kind, int peer, int stage, uint32_t seen,
@@ -382,6 +388,11 @@ __device__ __forceinline__ int wait_or_mask(const WaitContext& wait, const uint6
 // that misses a word records the timeout, and the call fails as a whole.
 constexpr uint64_t kVerdictSlackNs = 10'000'000;
 
+// A verdict's follower's wait: two deadlines and kVerdictSlackNs.
+__device__ __forceinline__ WaitContext follower_wait(const WaitContext& wait) {
+    return wait.later_by(wait.timeout_ns + kVerdictSlackNs);
+}
+
 __device__ __forceinline__ void publish_verdict(const LowLatencyBuffers& b, int which, int peer, uint32_t tag,
                                                 bool came) {
     ptx::st_release_sys(b.verdict(which, peer), (static_cast<uint64_t>(tag) << 32) | (came ? 1u : 0u));
@@ -389,7 +400,7 @@ __device__ __forceinline__ void publish_verdict(const LowLatencyBuffers& b, int 
 
 __device__ __forceinline__ bool follow_verdict(const LowLatencyBuffers& b, const WaitContext& wait, int which,
                                                int peer, uint32_t tag, int stage) {
-    const WaitContext patient{wait.error_flag, wait.host_record, wait.rank, 2 * wait.timeout_ns + kVerdictSlackNs};
+    const WaitContext patient = follower_wait(wait);
     uint32_t came = 0;
     if (wait_for_tag<true>(patient, b.verdict(which, peer), tag, peer, stage, false, came))
         return came != 0;

@@ -615,8 +615,7 @@ __device__ __forceinline__ void dispatch(const Params& p) {
     const int num_sources = p.local_direct ? kNumRanks - 1 : kNumRanks;
     const int items_per_piece = p.num_send_warps * num_sources, num_items = most_pieces * items_per_piece;
     // NOTE [placed rows]: behind the place waits, a source's rows are waited for kVerdictSlackNs longer.
-    const WaitContext rows_wait{wait.error_flag, wait.host_record, wait.rank,
-                                wait.timeout_ns + (p.place_bases != nullptr ? kVerdictSlackNs : 0)};
+    const WaitContext rows_wait = wait.later_by(p.place_bases != nullptr ? kVerdictSlackNs : 0);
     // Item `item`'s rows copied out; false: the wait for its slot failed (recorded).
     auto receive_item = [&](int item) {
         const int piece = item / items_per_piece, sender = item % items_per_piece / num_sources;

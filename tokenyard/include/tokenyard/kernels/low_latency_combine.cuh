@@ -502,7 +502,7 @@ __device__ __forceinline__ void combine_launch(const Params& p) {
     // wait for a late peer's weights first (masking it under a mask): their wait has two deadlines, as a verdict's
     // follower has (NOTE [one verdict]), so that a late peer is the rank a timeout names, and it never masks this
     // rank itself.
-    const WaitContext patient{wait.error_flag, wait.host_record, wait.rank, 2 * wait.timeout_ns + kVerdictSlackNs};
+    const WaitContext patient = follower_wait(wait);
     __shared__ bool rows_here[kWarpSize];
     bool missed = false;  // recorded (no mask): the host raises it, and the block has nothing more to do
     if (threadIdx.x < p.num_ranks) {
