@@ -18,6 +18,7 @@ COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_
 # Writers that add into the peers' memory rather than copy (benchmarks/copy_patterns.py --patterns tma_add): never
 # the copy limit.
 ADD_PATTERNS = {"tma_add": 6}
+PATTERNS = {**COPY_PATTERNS, **ADD_PATTERNS}  # copy_limit.cuh's CopyPattern, by name
 THREADS = 512
 # The "tma" pattern's writers: (warps a block, stages of shared memory per warp, their size), template arguments
 # of every pattern (the others ignore them); the copy limit's is one writer of four 32 KB stages a block.
@@ -43,7 +44,7 @@ _INCLUDE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "includ
 def copy_to_peers(num_ranks: int, pattern: str = "interleaved", tma: tuple = TMA_WRITERS) -> KernelSpec:
     return KernelSpec(
         "tokenyard_bench/copy_limit.cuh", "tokenyard::bench::copy_to_peers",
-        (num_ranks, THREADS, {**COPY_PATTERNS, **ADD_PATTERNS}[pattern], *tma),
+        (num_ranks, THREADS, PATTERNS[pattern], *tma),
         (Param("const int4*", "src"), Param("int64_t", "num_int4"), Param("uint8_t* const*", "peer_bases"),
          Param("int", "rank"), Param("int64_t", "offset_bytes"), Param("int64_t", "stride_bytes")),
         THREADS, include_root=_INCLUDE_ROOT)
@@ -52,7 +53,7 @@ def copy_to_peers(num_ranks: int, pattern: str = "interleaved", tma: tuple = TMA
 def every_kernel():
     """Every pattern at 2, 4 and 8 ranks, for CI's compile check."""
     for ranks in (2, 4, 8):
-        for pattern in {**COPY_PATTERNS, **ADD_PATTERNS}:
+        for pattern in PATTERNS:
             yield copy_to_peers(ranks, pattern)
 
 

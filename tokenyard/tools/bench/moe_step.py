@@ -376,7 +376,7 @@ class Rank:
         called, so one micro-batch's GEMMs run while another's transfers are in flight."""
         T, E = self.shape.num_tokens, self.shape.num_experts
         sends = [self.buffer.low_latency_dispatch(self.x, self.topk_idx, T, E, use_fp8=False, return_recv_hook=True)
-                 for _ in range(MICRO_BATCHES)]
+                 for _ in range(self.micro_batches)]
         combines = []
         for packed_x, _, handle, _, receive in sends:
             receive()
