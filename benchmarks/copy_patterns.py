@@ -16,8 +16,10 @@ given as `--tma_shapes`, or `senders`: the copy limit's writer, smaller pieces o
 normal-mode senders (the dispatch: 12 warps of four 4800-byte stages; the combine: 3 warps of 14336-byte rows) and
 their neighbours, each storing every piece to every peer as a sender stores a row: what each shape reaches when
 routing costs nothing (issue 50). Keys: pattern/blocks, and "tma WxSxB/blocks" for a shape not the copy limit's.
-`--patterns tma_add` (not run by default) adds bf16 into the peers' memory by bulk reduce-adds where "tma" stores:
-what a combine summing its rows at the destination could send (issue 50); `--tma_shapes` applies to it too.
+Two writers not run by default take `--tma_shapes` too: `--patterns tma_add` adds bf16 into the peers' memory by
+bulk reduce-adds where "tma" stores (what a combine summing its rows at the destination could send), and
+`--patterns tma_self` stores every piece into the own rank's memory as well (whether an SM's local writes, such as
+the dispatch's own rows and the combine's sums, share the rate of its writes to the peers) (issue 50).
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ SENDER_SHAPES = ((1, 4, 32768), (1, 4, 16384), (1, 4, 8192), (1, 4, 4800), (3, 4
 
 def runs(patterns, tma_shapes):
     """(key prefix, pattern, tma shape) of every measurement of a block count."""
-    from tokenyard.tools.bench.copy_limit import TMA_WRITERS
+    from tokenyard.tools.bench.copy_limit import TMA_PATTERNS, TMA_WRITERS
 
     for pattern in patterns:
-        for shape in (tma_shapes if pattern in ("tma", "tma_add") else (TMA_WRITERS,)):
+        for shape in (tma_shapes if pattern in TMA_PATTERNS else (TMA_WRITERS,)):
             name = pattern if shape == TMA_WRITERS else f"{pattern} {'x'.join(map(str, shape))}"
             yield name, pattern, shape
 

@@ -229,8 +229,8 @@ def test_gpu_suite_reads_each_tests_seconds_and_outcome_from_junit(tmp_path):
 def test_every_tma_writer_shape_fits_a_block_and_moves_whole_vectors():
     """benchmarks/copy_patterns.py's sender shapes: each writer a warp of the block, its stages of 16-byte multiples,
     all of them (with their barriers) in the shared memory a block may have; the first is the copy limit's writer,
-    keyed as the pattern alone. The bulk reduce-add writer ("tma_add") takes the same shapes, and is never a
-    candidate for the copy limit."""
+    keyed as the pattern alone. The bulk reduce-add writer ("tma_add") and the one that writes its own memory too
+    ("tma_self") take the same shapes, and are never candidates for the copy limit."""
     import importlib.util
 
     from tokenyard.backends.cuda import kernels
@@ -244,11 +244,12 @@ def test_every_tma_writer_shape_fits_a_block_and_moves_whole_vectors():
         assert 1 <= warps <= copy_limit.THREADS // 32 and stage_bytes % 16 == 0
         assert copy_limit.shared_bytes("tma", (warps, stages, stage_bytes)) <= \
             kernels.SM90_MAX_SHARED - kernels.SHARED_RESERVE
-        for pattern in ("tma", "tma_add"):
+        for pattern in copy_limit.TMA_PATTERNS:
             assert copy_limit.copy_to_peers(4, pattern, (warps, stages, stage_bytes)).template_args[3:] == \
                 (warps, stages, stage_bytes)
-        assert copy_limit.shared_bytes("tma_add", (warps, stages, stage_bytes)) == \
-            copy_limit.shared_bytes("tma", (warps, stages, stage_bytes))
-    names = [name for name, _, _ in patterns.runs(["interleaved", "tma", "tma_add"], patterns.SENDER_SHAPES)]
+            assert copy_limit.shared_bytes(pattern, (warps, stages, stage_bytes)) == \
+                copy_limit.shared_bytes("tma", (warps, stages, stage_bytes))
+    names = [name for name, _, _ in patterns.runs(["interleaved", *copy_limit.TMA_PATTERNS], patterns.SENDER_SHAPES)]
     assert names[:3] == ["interleaved", "tma", "tma 1x4x16384"] and len(set(names)) == len(names)
-    assert "tma_add 12x4x4800" in names and "tma_add" not in copy_limit.COPY_PATTERNS
+    assert "tma_add 12x4x4800" in names and "tma_self 3x4x14336" in names
+    assert not set(copy_limit.PROBE_PATTERNS) & set(copy_limit.COPY_PATTERNS)

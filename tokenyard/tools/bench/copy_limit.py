@@ -15,10 +15,11 @@ from ...plan import workspace
 
 # NOTE [copy patterns] in copy_limit.cuh
 COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_peer_major": 4, "tma": 5}
-# Writers that add into the peers' memory rather than copy (benchmarks/copy_patterns.py --patterns tma_add): never
-# the copy limit.
-ADD_PATTERNS = {"tma_add": 6}
-PATTERNS = {**COPY_PATTERNS, **ADD_PATTERNS}  # copy_limit.cuh's CopyPattern, by name
+# Writers that do more or other than copy to the peers (benchmarks/copy_patterns.py --patterns): never the copy
+# limit. tma_add adds into the peers' memory; tma_self also stores every piece into the own rank's memory.
+PROBE_PATTERNS = {"tma_add": 6, "tma_self": 7}
+PATTERNS = {**COPY_PATTERNS, **PROBE_PATTERNS}  # copy_limit.cuh's CopyPattern, by name
+TMA_PATTERNS = ("tma", "tma_add", "tma_self")  # the patterns of TMA writers, which take a shape (TMA_WRITERS)
 THREADS = 512
 # The "tma" pattern's writers: (warps a block, stages of shared memory per warp, their size), template arguments
 # of every pattern (the others ignore them); the copy limit's is one writer of four 32 KB stages a block.
@@ -34,7 +35,7 @@ def shared_bytes(pattern: str, tma: tuple = TMA_WRITERS) -> int:
     """The dynamic shared memory a pattern's launch takes (the "tma" writers' stages with a barrier each)."""
     warps, stages, stage_bytes = tma
     tma_bytes = warps * stages * (stage_bytes + 8)
-    return {"bulk": BULK_SHARED_BYTES, "tma": tma_bytes, "tma_add": tma_bytes}.get(pattern, 0)
+    return tma_bytes if pattern in TMA_PATTERNS else BULK_SHARED_BYTES if pattern == "bulk" else 0
 
 
 _INCLUDE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")

@@ -20,7 +20,10 @@
 //       More warps of smaller stages are the normal-mode senders' shape (copy_patterns.py --tma_shapes senders).
 //   kCopyTmaAdd (6): kCopyTma with bulk reduce-adds of bf16 to the peers (cp.reduce.async.bulk .add.noftz.bf16)
 //       instead of bulk stores: how fast a combine that sums its rows in the peers' memory could send them
-//       (issue 50); not a copy, so never the copy limit (ADD_PATTERNS in tools/bench/copy_limit.py).
+//       (issue 50); not a copy, so never the copy limit (PROBE_PATTERNS in tools/bench/copy_limit.py).
+//   kCopyTmaSelf (7): kCopyTma storing every piece into the own rank's memory as well: whether an SM's local writes
+//       (the dispatch's own rows, the combine's sums) share the rate of its writes to the peers; its egress is the
+//       peers' bytes alone, so never the copy limit either.
 #pragma once
 
 #include <tokenyard/copy.cuh>
@@ -36,6 +39,7 @@ enum CopyPattern : int {
     kCopyPullPeerMajor = 4,
     kCopyTma = 5,
     kCopyTmaAdd = 6,
+    kCopyTmaSelf = 7,
 };
 
 // kCopyTmaAdd's peer write: `bytes` of bf16 from shared memory added into global memory (bulk group, as tma::store).
@@ -50,7 +54,7 @@ constexpr int kBulkPieceInt4 = kCopyUnroll * kWarpSize;     // 4 KB per warp and
 
 // kCopyTma: writer `writer` of `num_writers` (lane 0 of a warp) takes every num_writers-th piece from `writer`,
 // through kTmaStages stages of shared memory at `stages` and as many barriers at `barriers`.
-template <int kNumRanks, int kTmaStages, int kTmaStageBytes, bool kAdd, typename Params>
+template <int kNumRanks, int kTmaStages, int kTmaStageBytes, int kPattern, typename Params>
 __device__ __forceinline__ void copy_to_peers_tma(const Params& p, int4* const (&dst)[kNumRanks], int4* stages,
                                                   uint64_t* barriers, int64_t writer, int64_t num_writers) {
     constexpr int kStageInt4 = kTmaStageBytes / 16;
@@ -74,8 +78,8 @@ __device__ __forceinline__ void copy_to_peers_tma(const Params& p, int4* const (
         tma::wait_phase(barriers + j % kTmaStages, static_cast<uint32_t>(j / kTmaStages) & 1u);
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q)
-            if (q != p.rank) {
-                if constexpr (kAdd)
+            if (q != p.rank || kPattern == kCopyTmaSelf) {
+                if constexpr (kPattern == kCopyTmaAdd)
                     bulk_add_bf16(dst[q] + first_of(j), stages + (j % kTmaStages) * kStageInt4, bytes_of(j));
                 else
                     tma::store(dst[q] + first_of(j), stages + (j % kTmaStages) * kStageInt4, bytes_of(j));
@@ -99,14 +103,14 @@ __device__ __forceinline__ void copy_to_peers(const Params& p) {
     for (int q = 0; q < kNumRanks; ++q)
         dst[q] = reinterpret_cast<int4*>(p.peer_bases[q] + p.offset_bytes + p.rank * p.stride_bytes);
 
-    if constexpr (kPattern == kCopyTma || kPattern == kCopyTmaAdd) {
+    if constexpr (kPattern == kCopyTma || kPattern == kCopyTmaAdd || kPattern == kCopyTmaSelf) {
         static_assert(kTmaWarps >= 1 && kTmaWarps <= kNumThreads / kWarpSize, "a writer is a warp's lane 0");
         extern __shared__ int4 tma_stages[];  // every writer's stages, then every writer's barriers
         const int warp = threadIdx.x / kWarpSize;
         constexpr int kWriterInt4 = kTmaStages * (kTmaStageBytes / 16);
         uint64_t* barriers = reinterpret_cast<uint64_t*>(tma_stages + kTmaWarps * kWriterInt4) + warp * kTmaStages;
         if (warp < kTmaWarps && threadIdx.x % kWarpSize == 0)
-            copy_to_peers_tma<kNumRanks, kTmaStages, kTmaStageBytes, kPattern == kCopyTmaAdd>(
+            copy_to_peers_tma<kNumRanks, kTmaStages, kTmaStageBytes, kPattern>(
                 p, dst, tma_stages + warp * kWriterInt4, barriers, static_cast<int64_t>(blockIdx.x) * kTmaWarps + warp,
                 static_cast<int64_t>(gridDim.x) * kTmaWarps);
         return;
