@@ -16,10 +16,11 @@ given as `--tma_shapes`, or `senders`: the copy limit's writer, smaller pieces o
 normal-mode senders (the dispatch: 12 warps of four 4800-byte stages; the combine: 3 warps of 14336-byte rows) and
 their neighbours, each storing every piece to every peer as a sender stores a row: what each shape reaches when
 routing costs nothing (issue 50). Keys: pattern/blocks, and "tma WxSxB/blocks" for a shape not the copy limit's.
-Two writers not run by default take `--tma_shapes` too: `--patterns tma_add` adds bf16 into the peers' memory by
-bulk reduce-adds where "tma" stores (what a combine summing its rows at the destination could send), and
-`--patterns tma_self` stores every piece into the own rank's memory as well (whether an SM's local writes, such as
-the dispatch's own rows and the combine's sums, share the rate of its writes to the peers) (issue 50).
+Three writers not run by default take `--tma_shapes` too: `--patterns tma_add` adds bf16 into the peers' memory by
+bulk reduce-adds where "tma" stores (what a combine summing its rows at the destination could send), `--patterns
+tma_self` stores every piece into the own rank's memory as well (whether an SM's local writes, such as the
+dispatch's own rows and the combine's sums, share the rate of its writes to the peers), and `--patterns tma_load`
+only loads (the rate the SMs read at; its figure is the bytes it would have sent over the time) (issue 50).
 """
 
 from __future__ import annotations

@@ -229,8 +229,9 @@ def test_gpu_suite_reads_each_tests_seconds_and_outcome_from_junit(tmp_path):
 def test_every_tma_writer_shape_fits_a_block_and_moves_whole_vectors():
     """benchmarks/copy_patterns.py's sender shapes: each writer a warp of the block, its stages of 16-byte multiples,
     all of them (with their barriers) in the shared memory a block may have; the first is the copy limit's writer,
-    keyed as the pattern alone. The bulk reduce-add writer ("tma_add") and the one that writes its own memory too
-    ("tma_self") take the same shapes, and are never candidates for the copy limit."""
+    keyed as the pattern alone. The bulk reduce-add writer ("tma_add"), the one that writes its own memory too
+    ("tma_self") and the loads alone ("tma_load") take the same shapes, and are never candidates for the copy
+    limit."""
     import importlib.util
 
     from tokenyard.backends.cuda import kernels
@@ -251,5 +252,5 @@ def test_every_tma_writer_shape_fits_a_block_and_moves_whole_vectors():
                 copy_limit.shared_bytes("tma", (warps, stages, stage_bytes))
     names = [name for name, _, _ in patterns.runs(["interleaved", *copy_limit.TMA_PATTERNS], patterns.SENDER_SHAPES)]
     assert names[:3] == ["interleaved", "tma", "tma 1x4x16384"] and len(set(names)) == len(names)
-    assert "tma_add 12x4x4800" in names and "tma_self 3x4x14336" in names
+    assert "tma_add 12x4x4800" in names and "tma_self 3x4x14336" in names and "tma_load 1x4x4800" in names
     assert not set(copy_limit.PROBE_PATTERNS) & set(copy_limit.COPY_PATTERNS)

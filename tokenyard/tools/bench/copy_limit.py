@@ -16,10 +16,11 @@ from ...plan import workspace
 # NOTE [copy patterns] in copy_limit.cuh
 COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_peer_major": 4, "tma": 5}
 # Writers that do more or other than copy to the peers (benchmarks/copy_patterns.py --patterns): never the copy
-# limit. tma_add adds into the peers' memory; tma_self also stores every piece into the own rank's memory.
-PROBE_PATTERNS = {"tma_add": 6, "tma_self": 7}
+# limit. tma_add adds into the peers' memory; tma_self also stores every piece into the own rank's memory; tma_load
+# only loads.
+PROBE_PATTERNS = {"tma_add": 6, "tma_self": 7, "tma_load": 8}
 PATTERNS = {**COPY_PATTERNS, **PROBE_PATTERNS}  # copy_limit.cuh's CopyPattern, by name
-TMA_PATTERNS = ("tma", "tma_add", "tma_self")  # the patterns of TMA writers, which take a shape (TMA_WRITERS)
+TMA_PATTERNS = ("tma", "tma_add", "tma_self", "tma_load")  # the patterns of TMA writers, which take a shape (TMA_WRITERS)
 THREADS = 512
 # The "tma" pattern's writers: (warps a block, stages of shared memory per warp, their size), template arguments
 # of every pattern (the others ignore them); the copy limit's is one writer of four 32 KB stages a block.

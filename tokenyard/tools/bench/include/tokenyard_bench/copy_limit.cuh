@@ -24,6 +24,8 @@
 //   kCopyTmaSelf (7): kCopyTma storing every piece into the own rank's memory as well: whether an SM's local writes
 //       (the dispatch's own rows, the combine's sums) share the rate of its writes to the peers; its egress is the
 //       peers' bytes alone, so never the copy limit either.
+//   kCopyTmaLoad (8): kCopyTma's loads alone, nothing stored: the rate an SM reads at, beside the rates it writes at
+//       (its figure is the bytes it would have sent over the time; never the copy limit).
 #pragma once
 
 #include <tokenyard/copy.cuh>
@@ -40,6 +42,7 @@ enum CopyPattern : int {
     kCopyTma = 5,
     kCopyTmaAdd = 6,
     kCopyTmaSelf = 7,
+    kCopyTmaLoad = 8,
 };
 
 // kCopyTmaAdd's peer write: `bytes` of bf16 from shared memory added into global memory (bulk group, as tma::store).
@@ -78,7 +81,7 @@ __device__ __forceinline__ void copy_to_peers_tma(const Params& p, int4* const (
         tma::wait_phase(barriers + j % kTmaStages, static_cast<uint32_t>(j / kTmaStages) & 1u);
 #pragma unroll
         for (int q = 0; q < kNumRanks; ++q)
-            if (q != p.rank || kPattern == kCopyTmaSelf) {
+            if ((q != p.rank || kPattern == kCopyTmaSelf) && kPattern != kCopyTmaLoad) {
                 if constexpr (kPattern == kCopyTmaAdd)
                     bulk_add_bf16(dst[q] + first_of(j), stages + (j % kTmaStages) * kStageInt4, bytes_of(j));
                 else
@@ -103,7 +106,8 @@ __device__ __forceinline__ void copy_to_peers(const Params& p) {
     for (int q = 0; q < kNumRanks; ++q)
         dst[q] = reinterpret_cast<int4*>(p.peer_bases[q] + p.offset_bytes + p.rank * p.stride_bytes);
 
-    if constexpr (kPattern == kCopyTma || kPattern == kCopyTmaAdd || kPattern == kCopyTmaSelf) {
+    if constexpr (kPattern == kCopyTma || kPattern == kCopyTmaAdd || kPattern == kCopyTmaSelf ||
+                  kPattern == kCopyTmaLoad) {
         static_assert(kTmaWarps >= 1 && kTmaWarps <= kNumThreads / kWarpSize, "a writer is a warp's lane 0");
         extern __shared__ int4 tma_stages[];  // every writer's stages, then every writer's barriers
         const int warp = threadIdx.x / kWarpSize;
