@@ -20,7 +20,8 @@ COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_
 # only loads.
 PROBE_PATTERNS = {"tma_add": 6, "tma_self": 7, "tma_load": 8}
 PATTERNS = {**COPY_PATTERNS, **PROBE_PATTERNS}  # copy_limit.cuh's CopyPattern, by name
-TMA_PATTERNS = ("tma", "tma_add", "tma_self", "tma_load")  # the patterns of TMA writers, which take a shape (TMA_WRITERS)
+# The patterns of TMA writers, which take a shape (TMA_WRITERS): "tma" and every probe (copy_limit.cuh's from kCopyTma).
+TMA_PATTERNS = ("tma", *PROBE_PATTERNS)
 THREADS = 512
 # The "tma" pattern's writers: (warps a block, stages of shared memory per warp, their size), template arguments
 # of every pattern (the others ignore them); the copy limit's is one writer of four 32 KB stages a block.

@@ -106,8 +106,7 @@ __device__ __forceinline__ void copy_to_peers(const Params& p) {
     for (int q = 0; q < kNumRanks; ++q)
         dst[q] = reinterpret_cast<int4*>(p.peer_bases[q] + p.offset_bytes + p.rank * p.stride_bytes);
 
-    if constexpr (kPattern == kCopyTma || kPattern == kCopyTmaAdd || kPattern == kCopyTmaSelf ||
-                  kPattern == kCopyTmaLoad) {
+    if constexpr (kPattern >= kCopyTma) {  // the TMA writers: kCopyTma and the probes after it
         static_assert(kTmaWarps >= 1 && kTmaWarps <= kNumThreads / kWarpSize, "a writer is a warp's lane 0");
         extern __shared__ int4 tma_stages[];  // every writer's stages, then every writer's barriers
         const int warp = threadIdx.x / kWarpSize;
