@@ -81,7 +81,11 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
     grid = num_blocks or backend.device_sms
     if pattern in ("peer_major", "pull_peer_major") and grid < num_ranks - 1:
         raise ValueError(f"the peer-major pattern needs a block per peer: {grid} blocks for {num_ranks - 1} peers")
-    shared = shared_bytes(pattern, tma)
+    stream = torch.cuda.current_stream().cuda_stream
+    # The launch's arguments, made once: the host builds nothing between the launches a sample times.
+    args = dict(shared_bytes=shared_bytes(pattern, tma), src=src.data_ptr(), num_int4=num_bytes // 16,
+                peer_bases=backend.normal.bases_tensor.data_ptr(), rank=ctx.rank, offset_bytes=control,
+                stride_bytes=stride)
     times = []
     for i in range(warmup + iters):
         dist.barrier(group=ctx.group)
@@ -89,9 +93,7 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(repeats):
-            kernel(grid, torch.cuda.current_stream().cuda_stream, shared_bytes=shared, src=src.data_ptr(),
-                   num_int4=num_bytes // 16, peer_bases=backend.normal.bases_tensor.data_ptr(), rank=ctx.rank,
-                   offset_bytes=control, stride_bytes=stride)
+            kernel(grid, stream, **args)
         stop.record()
         stop.synchronize()
         if i >= warmup:
