@@ -238,11 +238,12 @@ class ElasticBuffer:
         Arguments:
             nvlink_gbs: what NVLink carries out of a GPU (0: our figure, heuristics.NVLINK_GBS, as DeepEP's 0 asks
                 for the machine's). sm_read_gbs: what one receiving SM copies out of the buffer; sm_write_gbs: what
-                one sending SM writes to the peers; DeepEP V2's defaults, 200 and 50 (0: our kernels' figures).
+                one sending SM writes, to the peers and (its rank's share) to its own memory, which costs it more
+                (NOTE [SM model]); DeepEP V2's defaults, 200 and 50 (0: our kernels' figures).
             num_experts, num_topk: accepted (the rates above do not depend on them). num_scaleout_topk,
                 rdma_gbs: ignored (one NVLink domain).
-        A call given ``num_sms=0`` takes the model at our kernels' own rates (`_default_num_sms`: 12 SMs), which
-        DeepEP's defaults (a sending SM's 50 GB/s, ours measure 25 at 8 SMs) would undercount.
+        A call given ``num_sms=0`` takes the model at our kernels' own rates (`_default_num_sms`: 16 SMs at 2
+        ranks, 12 at 4 and 8), which DeepEP's defaults (a sending SM's 50 GB/s, ours measure 31) would undercount.
         """
         del num_experts, num_topk, num_scaleout_topk, rdma_gbs
         from .backends.cuda import heuristics

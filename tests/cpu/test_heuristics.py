@@ -98,11 +98,16 @@ def test_launch_choices_come_from_the_heuristics_unless_tokenyard_tuning_overrid
 
 
 def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():
-    model = heuristics.theoretical_num_sms(4)
-    sending = heuristics.NVLINK_GBS / heuristics.SM_WRITE_GBS  # NOTE [SM model]: every block sends and receives
-    assert model % 2 == 0 and model - 2 < sending <= model
-    assert heuristics.theoretical_num_sms(2) == heuristics.theoretical_num_sms(8) == model  # NVLink alike
-    assert heuristics.theoretical_num_sms(4, nvlink_gbs=300, sm_write_gbs=50) == 6
+    for ranks in (2, 4, 8):
+        model = heuristics.theoretical_num_sms(ranks)
+        sending = heuristics.NVLINK_GBS / heuristics.sending_gbs_per_sm(ranks)  # NOTE [SM model]
+        assert model % 2 == 0 and model - 2 < sending <= model, (ranks, model, sending)
+    # Fewer ranks write more of their rows into their own memory, through the same SMs: more SMs fill NVLink.
+    assert heuristics.sending_gbs_per_sm(2) < heuristics.sending_gbs_per_sm(4) < heuristics.sending_gbs_per_sm(8)
+    assert heuristics.sending_gbs_per_sm(8) < heuristics.SM_WRITE_GBS
+    assert heuristics.theoretical_num_sms(2) > heuristics.theoretical_num_sms(4) == heuristics.theoretical_num_sms(8)
+    assert heuristics.theoretical_num_sms(1) == heuristics.theoretical_num_sms(2)  # one rank: taken as two
+    assert heuristics.theoretical_num_sms(4, nvlink_gbs=300, sm_write_gbs=50) == 8  # 300 / (50 / (1 + 0.64 / 3))
     assert heuristics.theoretical_num_sms(4, nvlink_gbs=300, sm_write_gbs=50, sm_read_gbs=10) == 30  # receiving
     assert heuristics.theoretical_num_sms(8, nvlink_gbs=10, sm_write_gbs=50) == 8   # one block per peer at least
     for ranks in (2, 4, 8):
@@ -112,13 +117,16 @@ def test_the_sm_model_gives_the_fewest_even_sms_that_fill_nvlink():
         heuristics.theoretical_num_sms(4, sm_write_gbs=0)
 
 
-def test_the_sm_model_sits_at_the_knee_of_the_committed_sweep():
-    """benchmarks/results/sm_model.json: at the first measured count at or above the model's, every kernel has
-    filled NVLink (within 5% of its best bandwidth); at the last below it, some kernel had not."""
+@pytest.mark.parametrize("record,key", [("sm_model.json", None), ("normal.json", "sm_sweep_2ranks")])
+def test_the_sm_model_sits_at_the_knee_of_the_committed_sweeps(record, key):
+    """benchmarks/results/sm_model.json (4 ranks) and normal.json's 2-rank sweep: at the first measured count at or
+    above the model's, every kernel has filled NVLink (within 5% of its best bandwidth); at the last below it, some
+    kernel had not."""
     import json
     import pathlib
 
-    sweep = json.loads((pathlib.Path(__file__).parents[2] / "benchmarks/results/sm_model.json").read_text())
+    sweep = json.loads((pathlib.Path(__file__).parents[2] / "benchmarks/results" / record).read_text())
+    sweep = sweep if key is None else sweep[key]
     model = heuristics.theoretical_num_sms(sweep["num_ranks"])
     rows = sorted(sweep["compare_sm"]["tokenyard"], key=lambda row: row["num_sms"])
     filled = {}

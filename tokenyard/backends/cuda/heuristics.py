@@ -214,17 +214,30 @@ def fewest_sms(num_ranks: int) -> int:
 
 # NOTE [SM model]
 # How many SMs a normal-mode kernel needs before more stop helping (DeepEP V2's get_theoretical_num_sms). Every
-# block of a kernel of n SMs sends rows to the peers, at about `sm_write_gbs` per SM, and copies the rows that
-# arrive out of the local buffer (reduces them, in a combine) at about `sm_read_gbs` per SM (data_blocks). A
-# GPU's NVLink carries about `nvlink_gbs` out of it. So n is the fewest SMs whose sending fills NVLink and whose
-# receiving keeps up, rounded up to even (DeepEP's SM counts are even). Example at the defaults: 300 / 25 -> 12.
-# The figures: a sending SM's from the SM sweep at 4 ranks on 4 GPUs where NVLink was not yet full (the slowest
-# kernel's at 8 SMs), NVLink's from the copy limits measured on 2, 4 and 8 GPUs, a receiving SM's DeepEP V2's (not
-# measured alone here); benchmarks/results/sm_model.md gives where each comes from, sets the model beside the
-# sweep, and says what it leaves out (at 2 ranks the kernels fill NVLink from 16 SMs).
-SM_WRITE_GBS = 25.0
+# block of a kernel of n SMs sends rows to the peers and copies the rows that arrive out of the local buffer
+# (reduces them, in a combine) at about `sm_read_gbs` per SM (data_blocks). What it writes into its own GPU's
+# memory (a dispatch's own rows, a combine's sums) goes through the same SM as what it sends, and a byte of it
+# costs `OWN_WRITE_COST` of a byte to a peer; with the tokens spread over the ranks, a rank's own share is one in
+# num_ranks, so an SM writing `sm_write_gbs` sends sm_write_gbs / (1 + OWN_WRITE_COST / (num_ranks - 1)) to the
+# peers. A GPU's NVLink carries about `nvlink_gbs` out of it. So n is the fewest SMs whose sending fills NVLink and
+# whose receiving keeps up, rounded up to even (DeepEP's SM counts are even). At the defaults: 2 ranks 300 / 18.9
+# -> 16 SMs, 4 ranks 300 / 25.6 -> 12, 8 ranks 300 / 28.4 -> 12. The figures: OWN_WRITE_COST from a TMA writer that
+# also stores every piece into its own memory (308 GB/s to the peer alone, 188 with it, at 2 ranks with 8 blocks:
+# an own byte costs 1/188 - 1/308 of a second per GB, as at 483 GB/s); a sending SM's write rate from the SM sweep
+# at 4 ranks on 4 GPUs where NVLink was not yet full (the slowest kernel's 25.6 GB/s an SM to the peers at 8 SMs,
+# its own bytes added); NVLink's from the copy limits measured on 2, 4 and 8 GPUs; a receiving SM's DeepEP V2's (not
+# measured alone here). benchmarks/results/sm_model.md gives where each comes from and sets the model beside the
+# sweeps at 2 and 4 ranks; normal_tuning.md ("What binds the kernels at 8 SMs") measures the own writes' cost.
+SM_WRITE_GBS = 31.0
+OWN_WRITE_COST = 0.64
 SM_READ_GBS = 200.0
 NVLINK_GBS = 300.0
+
+
+def sending_gbs_per_sm(num_ranks: int, sm_write_gbs: float = SM_WRITE_GBS) -> float:
+    """NOTE [SM model]: what one SM of a normal-mode kernel sends to the peers, its own memory's share written too
+    (one rank alone writes only its own memory: taken as two)."""
+    return sm_write_gbs / (1 + OWN_WRITE_COST / max(1, num_ranks - 1))
 
 
 @functools.lru_cache(maxsize=64)  # asked at every ElasticBuffer call without num_sms
@@ -232,11 +245,12 @@ def theoretical_num_sms(num_ranks: int, nvlink_gbs: float = NVLINK_GBS, sm_write
                         sm_read_gbs: float = SM_READ_GBS) -> int:
     """NOTE [SM model]: the SMs at which the normal-mode kernels of `num_ranks` ranks fill NVLink.
 
-    Example: 4 ranks -> 12; with sm_write_gbs=50 -> 6 (NVLink full from 6 sending SMs).
+    Example: 4 ranks -> 12, 2 ranks -> 16; 4 ranks with sm_write_gbs=50 -> 8 (NVLink full from 8 sending SMs).
     """
     if min(nvlink_gbs, sm_write_gbs, sm_read_gbs) <= 0:
         raise ValueError("the SM model's rates must be positive")
-    need = max(fewest_sms(num_ranks), math.ceil(nvlink_gbs / sm_write_gbs), math.ceil(nvlink_gbs / sm_read_gbs))
+    sending = nvlink_gbs / sending_gbs_per_sm(num_ranks, sm_write_gbs)
+    need = max(fewest_sms(num_ranks), math.ceil(sending), math.ceil(nvlink_gbs / sm_read_gbs))
     return need + need % 2
 
 
