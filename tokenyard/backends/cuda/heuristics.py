@@ -215,19 +215,13 @@ def fewest_sms(num_ranks: int) -> int:
 # NOTE [SM model]
 # How many SMs a normal-mode kernel needs before more stop helping (DeepEP V2's get_theoretical_num_sms). Every
 # block of a kernel of n SMs sends rows to the peers and copies the rows that arrive out of the local buffer
-# (reduces them, in a combine) at about `sm_read_gbs` per SM (data_blocks). What it writes into its own GPU's
-# memory (a dispatch's own rows, a combine's sums) goes through the same SM as what it sends, and a byte of it
-# costs `OWN_WRITE_COST` of a byte to a peer; with the tokens spread over the ranks, a rank's own share is one in
-# num_ranks, so an SM writing `sm_write_gbs` sends sm_write_gbs / (1 + OWN_WRITE_COST / (num_ranks - 1)) to the
-# peers. A GPU's NVLink carries about `nvlink_gbs` out of it. So n is the fewest SMs whose sending fills NVLink and
-# whose receiving keeps up, rounded up to even (DeepEP's SM counts are even). At the defaults: 2 ranks 300 / 18.9
-# -> 16 SMs, 4 ranks 300 / 25.6 -> 12, 8 ranks 300 / 28.4 -> 12. The figures: OWN_WRITE_COST from a TMA writer that
-# also stores every piece into its own memory (308 GB/s to the peer alone, 188 with it, at 2 ranks with 8 blocks:
-# an own byte costs 1/188 - 1/308 of a second per GB, as at 483 GB/s); a sending SM's write rate from the SM sweep
-# at 4 ranks on 4 GPUs where NVLink was not yet full (the slowest kernel's 25.6 GB/s an SM to the peers at 8 SMs,
-# its own bytes added); NVLink's from the copy limits measured on 2, 4 and 8 GPUs; a receiving SM's DeepEP V2's (not
-# measured alone here). benchmarks/results/sm_model.md gives where each comes from and sets the model beside the
-# sweeps at 2 and 4 ranks; normal_tuning.md ("What binds the kernels at 8 SMs") measures the own writes' cost.
+# (reduces them, in a combine) at about `sm_read_gbs` per SM (data_blocks). What it writes into its own GPU's memory
+# (a dispatch's own rows, a combine's sums) goes through the same SM's writes as what it sends, a byte of it costing
+# `OWN_WRITE_COST` of a byte to a peer; with the tokens spread over the ranks a rank's own share is one in num_ranks,
+# so an SM writing `sm_write_gbs` sends sm_write_gbs / (1 + OWN_WRITE_COST / (num_ranks - 1)) to the peers. A GPU's
+# NVLink carries about `nvlink_gbs` out of it. So n is the fewest SMs whose sending fills NVLink and whose receiving
+# keeps up, rounded up to even (DeepEP's SM counts are even): 16 at 2 ranks, 12 at 4 and 8. Where each rate comes
+# from, and the model beside the SM sweeps at 2 and 4 ranks: benchmarks/results/sm_model.md.
 SM_WRITE_GBS = 31.0
 OWN_WRITE_COST = 0.64
 SM_READ_GBS = 200.0
