@@ -26,9 +26,13 @@ def print_table(doc: dict) -> None:
             alone = r.get("communication_us_by_num_sms") or {}
             cells = []
             for n, v in r["gemm_slowdown_by_num_sms"].items():
-                where = f"{n} SMs" if str(n).isdigit() else "the low-latency kernels' SMs"
+                where = f"{n} SMs" if str(n).isdigit() else {"low_latency": "the low-latency kernels' SMs",
+                                                             "copy_engines": "copy engines (0 SMs)"}[n]
                 cells.append(f"{100 * v:+.1f}% at {where}" + (f" ({alone[n]:.1f} us)" if n in alone else ""))
             print("  GEMMs beside the communication (its calls alone): " + ", ".join(cells))
+            if "copy_engines" in alone:  # moe_step.Rank.copy_engine_communication
+                print(f"  copy engines alone: {r['copy_engine_bytes'] / 1e6:.1f} MB to peers a call, "
+                      f"{r['copy_engine_bytes'] / alone['copy_engines'] / 1e3:.0f} GB/s")
         for name, parts in (r.get("breakdown") or {}).items():  # NOTE [step breakdown] in moe_trace.py
             if parts:
                 print(f"  {name} traced (us): " + ", ".join(f"{k[:-3]} {v:.0f}" for k, v in parts.items()))

@@ -214,6 +214,7 @@ class Rank:
         self.down = down.requires_grad_(step == "train")
         self.corrupt = settings.corrupt
         self.micro_batches = settings.micro_batches if step == "train" else MICRO_BATCHES
+        self.releases: List[Callable[[], None]] = []  # what destroy() frees beside the buffers
         if step == "train":
             self.buffer = ElasticBuffer(self.group, num_max_tokens_per_rank=T, hidden=H, num_topk=K)
             self.reference = moe.make_buffer(self.group, H, T, torch.bfloat16, backend="reference")
@@ -224,6 +225,8 @@ class Rank:
                                     backend="reference")
 
     def destroy(self) -> None:
+        for release in self.releases:
+            release()
         self.buffer.destroy()
         self.reference.destroy()
 
@@ -408,6 +411,42 @@ class Rank:
                            num_sms=num_sms)
         return train
 
+    def copy_engine_communication(self) -> Tuple[Callable[[], object], int]:
+        """The bytes `communication` moves in train, each peer's rows of a dispatch and of a combine (bf16),
+        written into the peer's memory by copy engines (cudaMemcpyAsync over CUDA IPC: no SM held), for the GEMMs'
+        slowdown beside a transfer that holds no SM (benchmarks/results/moe_step.md, "Beside copy engines").
+        Nothing tells the peer that its rows arrived. -> (one call, the bytes it writes to peers)."""
+        import torch.distributed as dist
+
+        from ...backends.cuda import runtime
+
+        owner = (self.topk_idx // self.num_local).unsqueeze(2) == torch.arange(self.num_ranks, device=self.device)
+        row_bytes = self.shape.hidden * BF16_BYTES
+        rows = owner.any(1).sum(0).tolist()  # the tokens this rank sends to each rank
+        peers = [p for p in range(self.num_ranks) if p != self.rank]
+        num_bytes = 2 * max(rows) * row_bytes
+        source = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, device=self.device)
+        mine = runtime.malloc(num_bytes)
+        handles = [None] * self.num_ranks
+        dist.all_gather_object(handles, runtime.ipc_handle(mine), group=self.group)
+        opened = {p: runtime.ipc_open(handles[p]) for p in peers}
+        views = {p: runtime.byte_view(opened[p], num_bytes, self.device) for p in peers}
+
+        def release():
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)  # no peer still writes into `mine`
+            for ptr in opened.values():
+                runtime.ipc_close(ptr)
+            runtime.free(mine)
+        self.releases.append(release)
+
+        def transfers():
+            for p in peers:
+                n = rows[p] * row_bytes
+                views[p][:n].copy_(source[:n])  # the dispatch's rows
+                views[p][n:2 * n].copy_(source[n:2 * n])  # the combine's
+        return transfers, sum(2 * rows[p] * row_bytes for p in peers)
+
     # -- the variants, the check, the floor ------------------------------------------------------------------
 
     def variants(self) -> Dict[str, Callable[[], tuple]]:
@@ -477,6 +516,9 @@ def run_step(step: str, settings: MoeStepSettings, device: torch.device) -> dict
                 timer, calls["gemm_only"], rank.communication(), settings.iters)
         finally:
             Buffer.set_num_sms(default_num_sms)
+        transfers, record["copy_engine_bytes"] = rank.copy_engine_communication()
+        slowdown["copy_engines"], communication["copy_engines"] = gemm_slowdown(timer, calls["gemm_only"], transfers,
+                                                                                settings.iters)
     if settings.gpu:  # NOTE [step breakdown]: one traced step per variant, the overlapped one's micro-batches together
         record["breakdown"] = {}
         for name, call in calls.items():
