@@ -424,7 +424,7 @@ class Rank:
         row_bytes = self.shape.hidden * BF16_BYTES
         rows = owner.any(1).sum(0).tolist()  # the tokens this rank sends to each rank
         peers = [p for p in range(self.num_ranks) if p != self.rank]
-        num_bytes = 2 * max(rows) * row_bytes
+        num_bytes = 2 * self.shape.num_tokens * row_bytes  # every rank's the same: a peer's rows fit in any
         source = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, device=self.device)
         mine = runtime.malloc(num_bytes)
         handles = [None] * self.num_ranks
