@@ -59,9 +59,14 @@ class ReferenceBackend(Backend):
 
     def get_dispatch_layout(self, topk_idx, num_experts):
         bad = checks.bad_expert_ids(topk_idx, num_experts)  # counted nowhere, judged by the next fresh dispatch
-        seen = bad.any()
-        self._layout_bad_ids = seen if self._layout_bad_ids is None else self._layout_bad_ids | seen
+        self.note_layout_bad_ids(bad.any())
         return routing.dispatch_layout(torch.where(bad, -1, topk_idx), num_experts, self.ctx.num_ranks)
+
+    def note_layout_bad_ids(self, seen: torch.Tensor) -> None:
+        """Whether a layout saw ids out of range (bool 0-D, on the device), for the next fresh dispatch without
+        topk_idx to judge (NOTE [input verdict] in checks.py): this backend's own layout's, or, where it serves
+        the CUDA backend's internode calls, the CUDA layout kernel's."""
+        self._layout_bad_ids = seen if self._layout_bad_ids is None else self._layout_bad_ids | seen
 
     def _verdict(self, request: DispatchRequest) -> torch.Tensor:
         """This rank's NOTE [input verdict] bits ([1] int32, no host sync); a request without a check (a

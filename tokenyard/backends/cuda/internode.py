@@ -32,6 +32,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ... import checks
 from ...errors import BackendUnavailableError, CapacityError, CommTimeoutError
 from ...plan import headers
 from ...semantics import routing
@@ -462,6 +463,12 @@ class InternodeCalls:
     def internode_dispatch(self, request: DispatchRequest) -> DispatchResult:
         from .. import internode
 
+        if request.handle is None and request.check is not None:
+            # NOTE [input verdict] in checks.py: the ids the layout kernel saw out of range (verdict[0], which the
+            # one-node notify kernel reads and clears) go to the count exchange of the reference backend that the
+            # internode calls judge with.
+            self._low_latency.note_layout_bad_ids((self.verdict[0] & checks.LAYOUT_BAD_IDS) != 0)
+            self.verdict[0].zero_()
         return internode.dispatch(self._low_latency, request, self._internode_kernels())
 
     def internode_combine(self, request: CombineRequest):
