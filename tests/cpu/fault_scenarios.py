@@ -42,9 +42,10 @@ COMBINES = ("late_to_low_latency_combine", "killed_before_low_latency_combine") 
 # end), whatever the library (benchmarks/results/faults.md).
 NOT_UNDER_MPS = ("killed_in_its_call",)
 # Nor, where the ranks form several (virtual) nodes, so that NVSHMEM holds their memory, a rank killed at all: the
-# survivors did not answer, and the next processes found the GPU unavailable (benchmarks/results/faults.md). Ranks
-# on GPUs of their own run it.
-NOT_UNDER_MPS_ON_NODES = ("killed",)
+# survivors did not answer, and the next processes found the GPU unavailable (benchmarks/results/faults.md; the
+# same for one killed before its low-latency combine, benchmarks/results/shared_gpu.md). Ranks on GPUs of their own
+# run it.
+NOT_UNDER_MPS_ON_NODES = ("killed", "killed_before_low_latency_combine")
 
 
 def _device(backend):

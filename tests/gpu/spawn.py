@@ -85,6 +85,22 @@ def shares_gpu(num_ranks: int) -> bool:
     return devices.launch_layout(num_ranks, NUM_GPUS)[1] > 1
 
 
+def on_virtual_nodes(num_ranks: int) -> bool:
+    """Whether TOKENYARD_RANKS_PER_NODE makes `num_ranks` ranks several (virtual) nodes."""
+    per_node = int(os.environ.get("TOKENYARD_RANKS_PER_NODE", "0"))
+    return 0 < per_node < num_ranks
+
+
+ONE_NODE_BUFFER = ("its Buffers are one node's (num_rdma_bytes=0): on several nodes a normal-mode call raises "
+                   "CapacityError (NOTE [internode region]), as DeepEP's; test_internode_cuda runs those paths")
+
+
+def skip_on_virtual_nodes(num_ranks: int, why: str) -> None:
+    """Skips the test where the ranks form several virtual nodes, saying `why` it is one node's."""
+    if on_virtual_nodes(num_ranks):
+        pytest.skip(f"one node's test on {num_ranks} ranks as virtual nodes: {why}")
+
+
 def one_rank_wanted() -> bool:
     """Whether the one-rank tests (test_one_gpu.py) run: on a machine of one GPU, where the others skip, or
     where TOKENYARD_TEST_NUM_RANKS names 1."""

@@ -117,5 +117,6 @@ def compare_rounds(seed, cases, backend="cuda"):
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_cuda_calls_in_rounds_match_reference_one_shot(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, spawn.ONE_NODE_BUFFER)
     for line in spawn.run(num_ranks, compare_rounds, seed, CASES)[0]:
         print(line)

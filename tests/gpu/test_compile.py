@@ -169,6 +169,8 @@ pytestmark = [spawn.needs_ranks(),
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_compiled_step_matches_eager(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, "torch.compile of internode calls raises InvalidInputError "
+                                           "(docs/semantics.md)")
     print(spawn.run(num_ranks, compiled_calls, seed)[0])
 
 

@@ -140,6 +140,7 @@ def _fast_paths_match(seed):
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_fast_paths_match_the_reference_with_fresh_inputs(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, "the fast paths serve one node's calls")
     print(spawn.run(num_ranks, _fast_paths_match, seed)[0])
 
 
@@ -184,6 +185,7 @@ def _unaligned_rows_refused(seed):
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_rows_off_a_16_byte_boundary_are_refused_on_the_fast_paths_too(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, "the fast paths serve one node's calls")
     print(spawn.run(num_ranks, _unaligned_rows_refused, seed)[0])
 
 
@@ -244,4 +246,5 @@ def _fresh_call_in_rounds(seed):
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_a_fast_fresh_dispatch_goes_on_with_the_rounds_another_ranks_call_needs(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, "the fast paths serve one node's calls")
     print(spawn.run(num_ranks, _fresh_call_in_rounds, seed)[0])

@@ -12,7 +12,6 @@ processes of its own)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -25,12 +24,6 @@ COUNTS = [n for n in spawn.rank_counts() if scenarios.NUM_EXPERTS % n == 0][-1:]
 pytestmark = spawn.needs_ranks(COUNTS)
 
 
-def _on_nodes(num_ranks: int) -> bool:
-    """Whether TOKENYARD_RANKS_PER_NODE makes `num_ranks` ranks several nodes."""
-    per_node = int(os.environ.get("TOKENYARD_RANKS_PER_NODE", "0"))
-    return 0 < per_node < num_ranks
-
-
 @pytest.mark.parametrize("what", scenarios.MISMATCHES)
 def test_ranks_that_make_different_calls_all_raise_before_any_data_moves(what, seed):
     seen = dict(enumerate(spawn.run(COUNTS[0], scenarios.mismatch, seed, what, "cuda", timeout_s=120)))
@@ -41,7 +34,7 @@ def skip_reason(what: str, num_ranks: int):
     """Why the late-rank scenario `what` does not run at `num_ranks` ranks here, or None."""
     if what in scenarios.NOT_UNDER_MPS and spawn.shares_gpu(num_ranks):
         return "under MPS a client killed inside a kernel is a fatal fault for every client of the GPU"
-    if what in scenarios.NOT_UNDER_MPS_ON_NODES and spawn.shares_gpu(num_ranks) and _on_nodes(num_ranks):
+    if what in scenarios.NOT_UNDER_MPS_ON_NODES and spawn.shares_gpu(num_ranks) and spawn.on_virtual_nodes(num_ranks):
         return "under MPS a client killed while NVSHMEM holds its memory leaves the GPU unusable"
     return None
 

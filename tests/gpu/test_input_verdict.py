@@ -116,7 +116,8 @@ def judge_inputs(seed: int, backend: str = "cuda"):
     ids[token, 1] = NUM_EXPERTS
     _raises(lambda: buffer.dispatch(x, topk_idx=mine_or(ids, topk_idx), topk_weights=weights, **layout),
             named, f"outside [-1, {NUM_EXPERTS})")
-    assert fast is None or fast.hits > hits, "the refused dispatch did not take the fast path"
+    assert fast is None or buffer.topology.num_nodes > 1 or fast.hits > hits, \
+        "the refused dispatch did not take the fast path"  # the fast paths serve one node's calls
     again = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, **layout)
     assert torch.equal(again[0], want["recv_x"]) and again[3] == want["num_recv_tokens_per_expert_list"], \
         "the fast dispatch after the refusal differs"

@@ -222,6 +222,7 @@ def _compare_ranks_the_other_way(seed, cases, way):
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_cuda_normal_mode_matches_reference(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, spawn.ONE_NODE_BUFFER)
     for line in spawn.run(num_ranks, _compare_ranks, seed, CASES)[0]:
         print(line)
 
@@ -229,17 +230,20 @@ def test_cuda_normal_mode_matches_reference(num_ranks, seed):
 @pytest.mark.parametrize("way", OTHER_WAYS)
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_launch_choices_taken_the_other_way_match_reference(num_ranks, way, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, spawn.ONE_NODE_BUFFER)
     for line in spawn.run(num_ranks, _compare_ranks_the_other_way, seed, CASES, way)[0]:
         print(line)
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_ranks_with_different_sm_counts_get_an_error_then_a_new_buffer_works(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, spawn.ONE_NODE_BUFFER)
     for line in spawn.run(num_ranks, _different_sms_then_recover, seed):
         print(line)
 
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_missing_rank_raises_timeout_naming_rank_and_stage_then_new_buffer_works(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, spawn.ONE_NODE_BUFFER)
     for line in spawn.run(num_ranks, _timeout_then_recover, seed):
         print(line)
