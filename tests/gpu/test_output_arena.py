@@ -77,4 +77,5 @@ def _held_outputs(seed):
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_outputs_held_stay_whole_and_a_full_arena_takes_the_staged_path(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, spawn.ONE_NODE_BUFFER)
     spawn.run(num_ranks, _held_outputs, seed)

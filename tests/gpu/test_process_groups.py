@@ -133,6 +133,7 @@ def _vllm_pattern(seed):
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_a_buffer_on_a_gloo_group_with_gpu_tensors_runs_the_cuda_backend_and_matches(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, "it compares the fields of one node's handles (recv_src_idx)")
     for line in spawn.run(num_ranks, _vllm_pattern, seed, fresh=True)[0]:
         print(line)
 

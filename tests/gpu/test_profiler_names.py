@@ -107,6 +107,7 @@ def _names(seed):
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_deepep_benchmark_filters_find_one_dispatch_and_one_combine_kernel(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, spawn.ONE_NODE_BUFFER)
     for line in spawn.run(num_ranks, _names, seed)[0]:
         print(line)
 

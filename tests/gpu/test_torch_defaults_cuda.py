@@ -17,6 +17,7 @@ pytestmark = spawn.needs_ranks()
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts())
 def test_every_call_gives_the_same_outputs_under_a_cuda_default_device_and_bf16_default_dtype(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, spawn.ONE_NODE_BUFFER)
     # Internode normal mode on "auto": the CUDA backend's internode kernels where NVSHMEM is installed, else the
     # reference backend's hierarchical path (NOTE [internode normal mode]).
     # Ranks of its own: the internode Buffer starts NVSHMEM, once per process (tests/gpu/spawn.py).
@@ -26,4 +27,5 @@ def test_every_call_gives_the_same_outputs_under_a_cuda_default_device_and_bf16_
 
 @pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
 def test_every_tensor_of_every_return_and_handle_is_contiguous_where_deepeps_is(num_ranks, seed):
+    spawn.skip_on_virtual_nodes(num_ranks, spawn.ONE_NODE_BUFFER)
     spawn.run(num_ranks, api_scenarios.handles_and_returns_are_contiguous, seed, "cuda", "auto", "cuda", fresh=True)
