@@ -12,7 +12,6 @@ processes of its own)."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from ..cpu import fault_scenarios as scenarios

@@ -414,7 +414,7 @@ class Rank:
     def copy_engine_communication(self) -> Tuple[Callable[[], object], int]:
         """The bytes `communication` moves in train, each peer's rows of a dispatch and of a combine (bf16),
         written into the peer's memory by copy engines (cudaMemcpyAsync over CUDA IPC: no SM held), for the GEMMs'
-        slowdown beside a transfer that holds no SM (benchmarks/results/moe_step.md, "Beside copy engines").
+        slowdown beside a transfer that holds no SM (benchmarks/results/moe_step.md, "Copy engines").
         Nothing tells the peer that its rows arrived. -> (one call, the bytes it writes to peers)."""
         import torch.distributed as dist
 
