@@ -424,13 +424,13 @@ class Rank:
         row_bytes = self.shape.hidden * BF16_BYTES
         rows = owner.any(1).sum(0).tolist()  # the tokens this rank sends to each rank
         peers = [p for p in range(self.num_ranks) if p != self.rank]
-        num_bytes = 2 * self.shape.num_tokens * row_bytes  # every rank's the same: a peer's rows fit in any
-        source = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, device=self.device)
-        mine = runtime.malloc(num_bytes)
+        slot = 2 * self.shape.num_tokens * row_bytes  # each source's own slot of every rank's buffer, any rows fit
+        source = torch.randint(0, 256, (slot,), dtype=torch.uint8, device=self.device)
+        mine = runtime.malloc(self.num_ranks * slot)
         handles = [None] * self.num_ranks
         dist.all_gather_object(handles, runtime.ipc_handle(mine), group=self.group)
         opened = {p: runtime.ipc_open(handles[p]) for p in peers}
-        views = {p: runtime.byte_view(opened[p], num_bytes, self.device) for p in peers}
+        views = {p: runtime.byte_view(opened[p] + self.rank * slot, slot, self.device) for p in peers}
 
         def release():
             torch.cuda.synchronize(self.device)
