@@ -416,9 +416,7 @@ class Rank:
         written into the peer's memory by copy engines (cudaMemcpyAsync over CUDA IPC: no SM held), for the GEMMs'
         slowdown beside a transfer that holds no SM (benchmarks/results/moe_step.md, "Copy engines").
         Nothing tells the peer that its rows arrived. -> (one call, the bytes it writes to peers)."""
-        import torch.distributed as dist
-
-        from ...backends.cuda import runtime
+        from ...backends.cuda import memory, runtime
 
         owner = (self.topk_idx // self.num_local).unsqueeze(2) == torch.arange(self.num_ranks, device=self.device)
         row_bytes = self.shape.hidden * BF16_BYTES
@@ -426,18 +424,15 @@ class Rank:
         peers = [p for p in range(self.num_ranks) if p != self.rank]
         slot = 2 * self.shape.num_tokens * row_bytes  # each source's own slot of every rank's buffer, any rows fit
         source = torch.randint(0, 256, (slot,), dtype=torch.uint8, device=self.device)
-        mine = runtime.malloc(self.num_ranks * slot)
-        handles = [None] * self.num_ranks
-        dist.all_gather_object(handles, runtime.ipc_handle(mine), group=self.group)
-        opened = {p: runtime.ipc_open(handles[p]) for p in peers}
-        views = {p: runtime.byte_view(opened[p] + self.rank * slot, slot, self.device) for p in peers}
+        ctx = self.buffer.buffer.runtime.ctx  # the ElasticBuffer's group, as its CUDA backend holds it
+        shared = memory.SymmetricBuffer(ctx, self.num_ranks * slot)
+        views = {p: runtime.byte_view(shared.bases[p] + self.rank * slot, slot, self.device) for p in peers}
 
-        def release():
+        def release():  # NOTE [symmetric lifetime]
             torch.cuda.synchronize(self.device)
-            dist.barrier(group=self.group)  # no peer still writes into `mine`
-            for ptr in opened.values():
-                runtime.ipc_close(ptr)
-            runtime.free(mine)
+            shared.unmap_peers()
+            memory.meet(ctx)
+            shared.free()
         self.releases.append(release)
 
         def transfers():
