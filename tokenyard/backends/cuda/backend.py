@@ -682,11 +682,10 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
 
     def destroy(self, together: bool = True) -> None:
         torch.cuda.synchronize(self.device_index)
-        # NVSHMEM's frees and stop are collective, without a deadline (NOTE [NVSHMEM stop] in transport.py): not
-        # after a peer was lost, nor after an exchange timed out unless every rank comes to a meeting first (a late
-        # peer does, a lost one cannot).
+        # NVSHMEM's frees and stop are collective, without a deadline (NOTE [NVSHMEM stop] in transport.py): only
+        # once every rank came to a meeting first (a late peer does, a lost one cannot), never after a peer was lost.
         lost = getattr(self.ctx.collectives, "peer_lost", False)
-        if together and not lost and self._internode is not None and self._internode.timed_out:
+        if together and not lost and (self._internode is not None or self.heap_buffer is not None):
             lost = not meet(self.ctx)
         nvshmem_together = together and not lost
         if self._internode is not None:

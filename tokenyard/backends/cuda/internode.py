@@ -78,7 +78,6 @@ class InternodeKernels:
         self.exchange_flag = torch.zeros(1, dtype=torch.int32, device=device)
         self.exchange_record_ptr = runtime.host_alloc_mapped(failures.RECORD_INTS * 4)
         self.exchange_record = runtime.int32_view(self.exchange_record_ptr, failures.RECORD_INTS)
-        self.timed_out = False  # an exchange ran past its deadline (NOTE [NVSHMEM stop])
         self.call_counters = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch's, combine's
         self.rounds = {"dispatch": 0, "combine": 0}  # the launches of the last call of each
         peers = transport.peer_pointers(self.region)
@@ -126,7 +125,6 @@ class InternodeKernels:
         # stream that fails raises its own error.
         finished = wait_until(done.query, backend.ctx.timeout_s + 1.0, backend.check_failures)
         if self.exchange_record[0] != 0 or not finished:
-            self.timed_out = True
             peer = self.exchange_record[2] if self.exchange_record[0] != 0 else -1
             backend.fail(CommTimeoutError(self.rank, peer, stage, "it did not reach this exchange of its call (late, "
                                           "gone, or making fewer calls; NOTE [device exchange]); destroy this Buffer "

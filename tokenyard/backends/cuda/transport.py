@@ -18,13 +18,15 @@ in the same order.
 
 NOTE [NVSHMEM stop]
 NVSHMEM's frees and its stop are collective too, and wait for every PE without a deadline: with a peer's process
-gone they would never return. A Buffer that saw a peer's connection close (`Collectives.peer_lost`), or whose
-call's exchange timed out (the peer may be gone: NOTE [device exchange]) and whose ranks then do not all come to a
-bounded meeting at `destroy` (a late peer times out in its next exchange, as its peers left the call, and comes;
-a lost one cannot), therefore leaves its symmetric memory to the process's end instead (`abandon`), and NVSHMEM is
-not started again in that process: its world still counts the lost PE. Ranks that saw nothing of the loss free
-as usual, and wait as they would for any collective the lost rank cannot join. A timeout inside an internode
-kernel does not abandon: a peer that skipped a kernel is alive, and frees with the others.
+gone they would never return. So every rank of a Buffer that holds NVSHMEM memory comes to a bounded meeting at
+`destroy` before freeing it (a late peer comes, a lost one cannot). A Buffer that saw a peer's connection close
+(`Collectives.peer_lost`), or whose ranks did not all come, leaves its symmetric memory to the process's end
+instead (`abandon`), and NVSHMEM is not started again in that process: its world still counts the lost PE. The
+meeting is every rank's, not only theirs that timed out: a late rank and its peers time out at different stages
+(the peers at the call's host agreement, the late rank in the device exchange after it), and ranks that met only
+where they had timed out left the late rank abandoning alone and the others in a free it never joined (session 56,
+`sleeps_past_the_deadline` at 2 x 2 virtual nodes: benchmarks/results/shared_gpu.md). A rank that saw nothing of a
+loss waits in the meeting's deadline, then abandons too.
 """
 
 from __future__ import annotations
