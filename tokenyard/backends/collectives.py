@@ -304,7 +304,9 @@ class Collectives:
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if self.group is None or capturing:
             return [0] * self.num_ranks
-        on_host = self.device.type == "cpu" or self.mode == "host"
+        # Through the transport wherever it serves (NOTE [device exchange]), over gloo too: its timeout names the
+        # late peer, where a gloo collective's cannot.
+        on_host = (self.device.type == "cpu" or self.mode == "host") and self.device_all_gather is None
         mine = torch.tensor([self._calls] + signature(op, **fields) + [0], dtype=torch.int64,
                             device="cpu" if on_host else self.device)
         if verdict is not None:  # no host sync here: the all-gather's reading below is the one
