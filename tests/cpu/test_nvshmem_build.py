@@ -82,3 +82,25 @@ def test_a_process_that_abandoned_nvshmem_refuses_to_start_it_again_before_any_c
         with pytest.raises(BackendUnavailableError, match="cannot start again"):
             transport.Transport.start(0, len(ranks), no_collective, ranks, 1 << 20, False)
     assert started.users == 1
+
+
+def test_a_rank_held_in_an_nvshmem_collective_says_so_until_it_returns(monkeypatch, capfd):
+    """NOTE [NVSHMEM waits]: NVSHMEM's collectives wait without a deadline and cannot be interrupted; while a rank
+    waits in one, its process prints which rank waits in which, again and again, and stops once the call returns."""
+    import time
+
+    from tokenyard.backends.cuda import transport
+
+    class HeldShim:
+        def tokenyard_nvshmem_free(self, _):
+            time.sleep(0.5)
+
+    monkeypatch.setattr(transport, "STUCK_REPORT_S", 0.1)
+    held = transport.Transport.__new__(transport.Transport)
+    held.shim, held.rank = HeldShim(), 2
+    held.free(0x1000)
+    reports = [line for line in capfd.readouterr().err.splitlines() if line]
+    assert len(reports) >= 2, reports
+    assert all("rank 2 has waited" in line and "NVSHMEM's free" in line for line in reports), reports
+    time.sleep(0.3)
+    assert capfd.readouterr().err == "", "the reports went on after the call returned"

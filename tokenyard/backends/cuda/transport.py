@@ -27,15 +27,24 @@ meeting is every rank's, not only theirs that timed out: a late rank and its pee
 where they had timed out left the late rank abandoning alone and the others in a free it never joined (session 56,
 `sleeps_past_the_deadline` at 2 x 2 virtual nodes: benchmarks/results/shared_gpu.md). A rank that saw nothing of a
 loss waits in the meeting's deadline, then abandons too.
+
+NOTE [NVSHMEM waits]
+A C call cannot be interrupted to raise, so NVSHMEM's collective waits (start, allocation, free, stop) cannot end
+at a deadline as tokenyard's own do. They are not silent either: while a rank waits in one, a thread of its process
+prints, every STUCK_REPORT_S, which rank waits in which of them and for how long (`_watched`). ctypes lets go of the
+GIL during the call, so the thread runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
 import os
+import sys
 import threading
+import time
 from typing import Callable, List, Optional
 
 from ... import env
@@ -52,6 +61,25 @@ COUNTING_DEFINE = "TOKENYARD_COUNT_OPERATIONS"
 COUNTERS_SYMBOL = "tokenyard_operation_counts"
 _lock = threading.Lock()
 _started: Optional["Transport"] = None
+STUCK_REPORT_S = 60.0  # NOTE [NVSHMEM waits]: a minute, far past what they take when every rank comes
+
+
+@contextlib.contextmanager
+def _watched(rank: int, what: str):
+    """NOTE [NVSHMEM waits]: while the block runs, a line to stderr every STUCK_REPORT_S naming `rank` and `what`."""
+    start, done = time.monotonic(), threading.Event()
+
+    def report():
+        while not done.wait(STUCK_REPORT_S):
+            print(f"[tokenyard] rank {rank} has waited {time.monotonic() - start:.0f} s in NVSHMEM's {what}, which "
+                  "waits for every rank of the group without a deadline (NOTE [NVSHMEM waits]): a rank has not come "
+                  "to it (late, or gone)", file=sys.stderr, flush=True)
+
+    threading.Thread(target=report, name=f"tokenyard-nvshmem-{what}", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _round_up(value: int, align: int) -> int:
@@ -129,7 +157,9 @@ class Transport:
             if ids[0][0] != 0:
                 raise BackendUnavailableError(f"nvshmemx_get_uniqueid failed on rank 0 (status {ids[0][0]})")
             root_id = ids[0][1]
-            status = shim.tokenyard_nvshmem_init(rank, num_ranks, ctypes.create_string_buffer(root_id, len(root_id)))
+            with _watched(rank, "start"):
+                status = shim.tokenyard_nvshmem_init(rank, num_ranks, ctypes.create_string_buffer(root_id,
+                                                                                                   len(root_id)))
             if status != 0:
                 raise BackendUnavailableError(f"NVSHMEM did not start on rank {rank} (status {status}); "
                                               "NVSHMEM_DEBUG=INFO says why")
@@ -146,7 +176,8 @@ class Transport:
         with _lock:
             self.users -= 1
             if self.users == 0 and _started is self:
-                self.shim.tokenyard_nvshmem_finalize()
+                with _watched(self.rank, "stop"):
+                    self.shim.tokenyard_nvshmem_finalize()
                 _started = None
 
     def abandon(self) -> None:
@@ -155,7 +186,8 @@ class Transport:
 
     def alloc(self, num_bytes: int) -> int:
         """Zeroed symmetric memory (collective: every rank makes the same allocations in the same order)."""
-        ptr = self.shim.tokenyard_nvshmem_calloc(num_bytes)
+        with _watched(self.rank, "allocation"):
+            ptr = self.shim.tokenyard_nvshmem_calloc(num_bytes)
         if not ptr:
             heap = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
             raise BackendUnavailableError(f"NVSHMEM could not allocate {num_bytes} symmetric bytes on rank "
@@ -163,7 +195,8 @@ class Transport:
         return ptr
 
     def free(self, ptr: int) -> None:
-        self.shim.tokenyard_nvshmem_free(ctypes.c_void_p(ptr))
+        with _watched(self.rank, "free"):
+            self.shim.tokenyard_nvshmem_free(ctypes.c_void_p(ptr))
 
     def peer_pointers(self, ptr: int) -> List[int]:
         """For each PE, `ptr`'s address there where this GPU can load and store it directly, else 0."""
