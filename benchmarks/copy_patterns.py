@@ -20,7 +20,10 @@ Three writers not run by default take `--tma_shapes` too: `--patterns tma_add` a
 bulk reduce-adds where "tma" stores (what a combine summing its rows at the destination could send), `--patterns
 tma_self` stores every piece into the own rank's memory as well (whether an SM's local writes, such as the
 dispatch's own rows and the combine's sums, share the rate of its writes to the peers), and `--patterns tma_load`
-only loads (the rate the SMs read at; its figure is the bytes it would have sent over the time) (issue 50).
+only loads (the rate the SMs read at; its figure is the bytes it would have sent over the time) (issue 50). So do
+the copy engines, without a kernel or an SM (key "copy_engines/no SM": one stream, one peer after another;
+"copy_engines_streams/no SM": a stream per peer, all at once), what a transport on copy engines would reach
+(issue 52).
 """
 
 from __future__ import annotations
@@ -55,13 +58,15 @@ def rank_main(blocks, num_bytes_per_peer: int, patterns, tma_shapes, repeats: in
     import torch.distributed as dist
 
     from tokenyard import Buffer
-    from tokenyard.tools.bench.copy_limit import measure_copy_limit_gbps
+    from tokenyard.tools.bench.copy_limit import ENGINE_PATTERNS, measure_copy_engines_gbps, measure_copy_limit_gbps
 
     num_ranks = dist.get_world_size()
     num_nvl_bytes = ((num_ranks + 1) * num_bytes_per_peer >> 20) + 64 << 20  # room for a slice per rank
     buffer = Buffer(dist.group.WORLD, num_nvl_bytes, 0, backend="cuda")
     result = {}
-    for name, pattern, shape in runs(patterns, tma_shapes):
+    for pattern in (p for p in patterns if p in ENGINE_PATTERNS):  # no SM: one figure, not one per block count
+        result[f"{pattern}/no SM"] = measure_copy_engines_gbps(buffer, num_bytes_per_peer, pattern, repeats=repeats)
+    for name, pattern, shape in runs([p for p in patterns if p not in ENGINE_PATTERNS], tma_shapes):
         for num_blocks in blocks:
             result[f"{name}/{num_blocks or 'all'}"] = measure_copy_limit_gbps(
                 buffer, num_bytes_per_peer, pattern=pattern, num_blocks=num_blocks, tma=shape, repeats=repeats)
@@ -103,7 +108,7 @@ def main() -> None:
     print(f"egress GB/s per GPU, {num_ranks} ranks, {num_bytes / 1e6:.1f} MB to each peer, {repeats} launches a sample "
           "(slowest rank):")
     for key, value in gbps.items():
-        print(f"  {key:<22} {value:7.1f}")
+        print(f"  {key:<28} {value:7.1f}")
     if args.json:
         num_gpus = torch.cuda.device_count()
         device = f"{torch.cuda.get_device_name()} x {min(num_gpus, num_ranks)}"

@@ -20,6 +20,10 @@ COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_
 # only loads.
 PROBE_PATTERNS = {"tma_add": 6, "tma_self": 7, "tma_load": 8}
 PATTERNS = {**COPY_PATTERNS, **PROBE_PATTERNS}  # copy_limit.cuh's CopyPattern, by name
+# Writers without a kernel: the copy engines (no SM), cudaMemcpyAsync into each peer's memory over its CUDA IPC
+# mapping, one peer after another on one stream, or each peer on a stream of its own at once (issue 52: what a
+# transport on copy engines would reach). `measure_copy_engines_gbps`; never the copy limit, which is the SMs'.
+ENGINE_PATTERNS = {"copy_engines": False, "copy_engines_streams": True}  # name -> a stream per peer
 # The patterns of TMA writers, which take a shape (TMA_WRITERS): "tma" and every probe (copy_limit.cuh's from kCopyTma).
 TMA_PATTERNS = ("tma", *PROBE_PATTERNS)
 THREADS = 512
@@ -72,20 +76,61 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
     """
     backend = buffer.runtime
     ctx = backend.ctx
-    num_ranks = ctx.num_ranks
-    control = workspace.normal_control_bytes(num_ranks)
-    stride = (ctx.num_nvl_bytes - control) // num_ranks // 16 * 16
-    num_bytes = min(num_bytes_per_peer, stride) // 16 * 16
-    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=ctx.device)
-    kernel = backend._kernel(copy_to_peers(num_ranks, pattern, tma))
+    control, stride, num_bytes, src = _slices(buffer, num_bytes_per_peer)
+    kernel = backend._kernel(copy_to_peers(ctx.num_ranks, pattern, tma))
     grid = num_blocks or backend.device_sms
-    if pattern in ("peer_major", "pull_peer_major") and grid < num_ranks - 1:
-        raise ValueError(f"the peer-major pattern needs a block per peer: {grid} blocks for {num_ranks - 1} peers")
+    if pattern in ("peer_major", "pull_peer_major") and grid < ctx.num_ranks - 1:
+        raise ValueError(f"the peer-major pattern needs a block per peer: {grid} blocks for {ctx.num_ranks - 1} peers")
     stream = torch.cuda.current_stream().cuda_stream
     # The launch's arguments, made once: the host builds nothing between the launches a sample times.
     args = dict(shared_bytes=shared_bytes(pattern, tma), src=src.data_ptr(), num_int4=num_bytes // 16,
                 peer_bases=backend.normal.bases_tensor.data_ptr(), rank=ctx.rank, offset_bytes=control,
                 stride_bytes=stride)
+    return _egress_gbps(ctx, lambda: kernel(grid, stream, **args), num_bytes, iters, warmup, repeats)
+
+
+def measure_copy_engines_gbps(buffer, num_bytes_per_peer: int, pattern: str = "copy_engines", iters: int = 20,
+                              warmup: int = 3, repeats: int = REPEATS) -> float:
+    """Egress GB/s per GPU while every rank's copy engines write `num_bytes_per_peer` into each peer's buffer, at
+    the place the kernels' patterns write (ENGINE_PATTERNS), as `measure_copy_limit_gbps` times them."""
+    from ...backends.cuda import runtime
+
+    ctx = buffer.runtime.ctx
+    control, stride, num_bytes, src = _slices(buffer, num_bytes_per_peer)
+    bases = buffer.runtime.normal.bases
+    peers = [q for q in range(ctx.num_ranks) if q != ctx.rank]
+    dsts = [runtime.byte_view(bases[q] + control + ctx.rank * stride, num_bytes, ctx.device) for q in peers]
+    streams = [torch.cuda.Stream(ctx.device) for _ in peers] if ENGINE_PATTERNS[pattern] else []
+
+    def copy():
+        if not streams:
+            for dst in dsts:
+                dst.copy_(src, non_blocking=True)
+            return
+        current = torch.cuda.current_stream()
+        for dst, stream in zip(dsts, streams):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        for stream in streams:
+            current.wait_stream(stream)
+
+    return _egress_gbps(ctx, copy, num_bytes, iters, warmup, repeats)
+
+
+def _slices(buffer, num_bytes_per_peer: int):
+    """(control bytes, a source rank's stride, bytes to each peer, random source bytes): where every rank writes in
+    each peer's normal-mode buffer, a slice per source rank after the control words."""
+    ctx = buffer.runtime.ctx
+    control = workspace.normal_control_bytes(ctx.num_ranks)
+    stride = (ctx.num_nvl_bytes - control) // ctx.num_ranks // 16 * 16
+    num_bytes = min(num_bytes_per_peer, stride) // 16 * 16
+    return control, stride, num_bytes, torch.randint(0, 255, (num_bytes,), dtype=torch.uint8, device=ctx.device)
+
+
+def _egress_gbps(ctx, launch, num_bytes: int, iters: int, warmup: int, repeats: int) -> float:
+    """The median over `iters` samples (after `warmup`) of `repeats` launches back to back after a group barrier,
+    as GB/s of `num_bytes` to each peer."""
     times = []
     for i in range(warmup + iters):
         dist.barrier(group=ctx.group)
@@ -93,11 +138,11 @@ def measure_copy_limit_gbps(buffer, num_bytes_per_peer: int, iters: int = 20, wa
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(repeats):
-            kernel(grid, stream, **args)
+            launch()
         stop.record()
         stop.synchronize()
         if i >= warmup:
             times.append(start.elapsed_time(stop) / 1e3 / repeats)
     dist.barrier(group=ctx.group)
     median = sorted(times)[len(times) // 2]
-    return (num_ranks - 1) * num_bytes / median / 1e9
+    return (ctx.num_ranks - 1) * num_bytes / median / 1e9
