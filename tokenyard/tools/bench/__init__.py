@@ -9,7 +9,7 @@ and a plot on request). The pieces, in the order a run uses them:
     runner.py     what each rank runs: problems, buffers, the calls timed
     timing.py     median times of calls on one rank (CPU clock or CUDA events)
     bandwidth.py  bytes and GB/s, each formula written once
-    copy_limit.py the physical copy limit, with a kernel of its own (include/tokenyard_bench/copy_limit.cuh)
+    copy_limit.py the physical copy limit: a kernel of its own (include/tokenyard_bench/copy_limit.cuh), copy engines
     report.py     the table and the JSON document;  plot.py: the chart
 
 ``--model`` measures nothing: model/normal.py predicts internode normal-mode calls, model/low_latency.py (``--model

@@ -1,6 +1,6 @@
-"""The physical limit of the same run: every GPU copying into all its peers at once (all SMs), with a
+"""The physical limit of the same run: every GPU copying into all its peers at once, with every SM by a
 measurement kernel of the benchmark's own (include/tokenyard_bench/copy_limit.cuh, outside the library's
-include tree)."""
+include tree) or by the copy engines."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ COPY_PATTERNS = {"interleaved": 0, "peer_major": 1, "bulk": 2, "pull": 3, "pull_
 PROBE_PATTERNS = {"tma_add": 6, "tma_self": 7, "tma_load": 8}
 PATTERNS = {**COPY_PATTERNS, **PROBE_PATTERNS}  # copy_limit.cuh's CopyPattern, by name
 # Writers without a kernel: the copy engines (no SM), cudaMemcpyAsync into each peer's memory over its CUDA IPC
-# mapping, one peer after another on one stream, or each peer on a stream of its own at once (issue 52: what a
-# transport on copy engines would reach). `measure_copy_engines_gbps`; never the copy limit, which is the SMs'.
+# mapping, one peer after another on one stream, or each peer on a stream of its own at once
+# (`measure_copy_engines_gbps`). The copy limit's candidates as COPY_PATTERNS are (issue 50: the fastest writer
+# there is), and what a transport on copy engines would reach (issue 52).
 ENGINE_PATTERNS = {"copy_engines": False, "copy_engines_streams": True}  # name -> a stream per peer
 # The patterns of TMA writers, which take a shape (TMA_WRITERS): "tma" and every probe (copy_limit.cuh's from kCopyTma).
 TMA_PATTERNS = ("tma", *PROBE_PATTERNS)

@@ -323,18 +323,20 @@ def copy_limit_gbps(ctx: RankContext, buffer: Buffer) -> Tuple[Optional[float], 
 
     Measuring it needs peer memory mapped across processes, which only the CUDA backend has: with it,
     copy_limit.measure_copy_limit_gbps runs with the bytes one rank's tokens take, with every SM, once per way
-    of issuing the writes (NOTE [copy patterns] in include/tokenyard_bench/copy_limit.cuh), and the fastest
-    counts: the limit is the best rate a plain copy reached, never a slow way of copying, and the way that
-    reached it is recorded beside it. Otherwise, and at one rank (no peers to copy to), the limit is not measured
+    of issuing the writes (NOTE [copy patterns] in include/tokenyard_bench/copy_limit.cuh), and so does
+    measure_copy_engines_gbps, the copy engines' (no SM; at 2 ranks on 2 H200s faster than every SM writer:
+    benchmarks/results/moe_step.md, "Copy engines"), and the fastest counts: the limit is the best rate a plain
+    copy reached, never a slow way of copying, and the way that reached it is recorded beside it. Otherwise, and at one rank (no peers to copy to), the limit is not measured
     (None, None).
     """
     if buffer.backend != "cuda" or ctx.num_ranks < 2 or ctx.topology.shares_gpu:
         return None, None
-    from .copy_limit import COPY_PATTERNS, measure_copy_limit_gbps
+    from .copy_limit import COPY_PATTERNS, ENGINE_PATTERNS, measure_copy_engines_gbps, measure_copy_limit_gbps
 
     s = ctx.settings
     num_bytes = round(s.num_tokens * bandwidth.row_bytes(s.hidden_size, s.dtype == "fp8"))
     rates = {pattern: measure_copy_limit_gbps(buffer, num_bytes, pattern=pattern) for pattern in COPY_PATTERNS}
+    rates.update({pattern: measure_copy_engines_gbps(buffer, num_bytes, pattern) for pattern in ENGINE_PATTERNS})
     best = max(rates, key=rates.get)
     return rates[best], best
 
