@@ -323,6 +323,41 @@ def test_calls_of_several_shapes_on_one_buffer_after_clean(num_ranks, seed):
     print(spawn.run(num_ranks, _shapes_on_one_buffer, seed)[0])
 
 
+def _clean_without_rank_0(seed):
+    """Every rank but rank 0 cleans the low-latency buffer; rank 0 makes no call. The others must raise
+    CommTimeoutError at the clean's first barrier, naming themselves and the stage, within a destroy meeting's wait
+    (the clean's barriers are bounded so: tokenyard/backends/cuda/low_latency.py, `_meet`), not at the group's
+    timeout. Rank 0 stays until they have raised (its process's end would end their group's collectives first)."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, CommTimeoutError
+    from tokenyard.backends.collectives import meeting_wait_s
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    num_max, hidden, num_experts, timeout_s = 32, 1024, 2 * num_ranks, 1.0
+    size = Buffer.get_low_latency_rdma_size_hint(num_max, hidden, num_ranks, num_experts)
+    buffer = Buffer(dist.group.WORLD, 0, size, backend="cuda", timeout_s=timeout_s)
+    buffer.runtime.use_low_latency_kernels = True
+    limit_s = meeting_wait_s(timeout_s) + 2.0
+    if rank == 0:
+        time.sleep(limit_s + 3.0)
+        return "rank 0 made no call"
+    start = time.monotonic()
+    with pytest.raises(CommTimeoutError) as raised:
+        buffer.clean_low_latency_buffer(num_max, hidden, num_experts)
+    took = time.monotonic() - start
+    assert took < limit_s, f"rank {rank} raised after {took:.1f} s"
+    message = str(raised.value)
+    assert f"rank {rank} " in message and "clean_low_latency_buffer/senders_done" in message, message
+    return f"rank {rank} after {took:.1f} s: {message}"
+
+
+@pytest.mark.parametrize("num_ranks", spawn.rank_counts(largest_only=True))
+def test_a_rank_that_does_not_clean_makes_the_others_raise_at_the_clean(num_ranks, seed):
+    for line in spawn.run(num_ranks, _clean_without_rank_0, seed, fresh=True):
+        print(line)
+
+
 def _plain_handles_and_wait_costs(seed):
     """Two micro-batches (dispatch 1, dispatch 2, combine 2, combine 1), every combine given DeepEP's plain
     5-tuple, which does not say which half of the buffer its dispatch used (NOTE [plain low-latency handles]):

@@ -85,7 +85,7 @@ class LowLatencyKernels:
                  for name in ("state", "dispatch_recv", "dispatch_counts", "dispatch_expert_counts", "combine_weights",
                               "combine_flags", "arrivals", "combine_deferred", "weights_flags")]
         torch.cuda.synchronize(ctx.device)
-        ctx.all_gather_object(None)  # no rank still sends into this buffer
+        self._meet("senders_done")  # no rank still sends into this buffer
         local = self.buffer.tensor
         for half in (0, 1):
             for offset, num_bytes in words:
@@ -94,7 +94,18 @@ class LowLatencyKernels:
         self.backend.calls.reset_low_latency_halves()
         self._src_info_of_half = [None, None]
         torch.cuda.synchronize(ctx.device)
-        ctx.all_gather_object(None)  # no rank sends before every rank is clean
+        self._meet("cleaned")  # no rank sends before every rank is clean
+
+    def _meet(self, what: str) -> None:
+        """A barrier of `clean`, bounded as a destroy meeting is (the ranks' hosts may be seconds apart, whatever
+        the Buffer's deadline for its kernels' waits: collectives.meeting_wait_s).
+
+        Raises:
+            CommTimeoutError: a rank did not come, naming this rank and the stage (clean_low_latency_buffer/`what`).
+        """
+        exchange = self.backend.ctx.collectives
+        exchange.op = "clean_low_latency_buffer"
+        exchange.barrier(what, collectives.meeting_wait_s(self.backend.ctx.timeout_s))
 
     def _kernel(self, spec):
         """An NVSHMEM unit is loaded by the transport, which registers its module (NOTE [NVSHMEM units])."""
