@@ -24,8 +24,8 @@ gone they would never return. So every rank of a Buffer that holds NVSHMEM memor
 instead (`abandon`), and NVSHMEM is not started again in that process: its world still counts the lost PE. The
 meeting is every rank's, not only theirs that timed out: a late rank and its peers time out at different stages
 (the peers at the call's host agreement, the late rank in the device exchange after it), and ranks that met only
-where they had timed out left the late rank abandoning alone and the others in a free it never joined (session 56,
-`sleeps_past_the_deadline` at 2 x 2 virtual nodes: benchmarks/results/shared_gpu.md). A rank that saw nothing of a
+where they had timed out left the late rank abandoning alone and the others in a free it never joined
+(`sleeps_past_the_deadline` at 2 x 2 virtual nodes: benchmarks/results/shared_gpu.md). A rank that saw nothing of a
 loss waits in the meeting's deadline, then abandons too.
 
 NOTE [NVSHMEM waits]
@@ -75,11 +75,13 @@ def _watched(rank: int, what: str):
                   "waits for every rank of the group without a deadline (NOTE [NVSHMEM waits]): a rank has not come "
                   "to it (late, or gone)", file=sys.stderr, flush=True)
 
-    threading.Thread(target=report, name=f"tokenyard-nvshmem-{what}", daemon=True).start()
+    reporter = threading.Thread(target=report, name=f"tokenyard-nvshmem-{what}", daemon=True)
+    reporter.start()
     try:
         yield
     finally:
         done.set()
+        reporter.join()  # no report after the call returned
 
 
 def _round_up(value: int, align: int) -> int:
