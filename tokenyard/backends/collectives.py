@@ -35,9 +35,10 @@ with other settings) meets a header of the same size, and every rank raises Rank
 constructor's object exchange would have met another collective's data, which gloo answers by aborting the
 process. The header goes over the group as a Buffer's calls send theirs (CUDA tensors over an NCCL group, else
 CPU tensors), so it meets them, except where those go over the private NCCL group of NOTE [device collectives];
-nor does it meet the CUDA backend's one-node calls, which exchange nothing on the host. Where it meets nothing,
-the constructor's wait ends at making_wait_s (twice a destroy meeting's: NOTE [making after a meeting]) over gloo,
-and only at the group's own timeout over NCCL.
+nor does it meet the CUDA backend's one-node calls, which exchange nothing on the host, nor the headers of a
+Buffer across nodes, which go through NVSHMEM (NOTE [device exchange]). Where it meets nothing, the constructor's
+wait ends at making_wait_s (twice a destroy meeting's: NOTE [making after a meeting]) over gloo, and only at the
+group's own timeout over NCCL.
 The CUDA backend's kernels carry the same signature, without the call number, in their own first exchange
 (NOTE [call signatures] in include/tokenyard/layout.cuh); both name the disagreement with `mismatch_error`.
 Its internode kernels do not: each rank sizes the rows it moves from its own call, so ranks that disagree
