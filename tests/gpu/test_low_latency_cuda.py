@@ -326,8 +326,9 @@ def test_calls_of_several_shapes_on_one_buffer_after_clean(num_ranks, seed):
 def _clean_without_rank_0(seed):
     """Every rank but rank 0 cleans the low-latency buffer; rank 0 makes no call. The others must raise
     CommTimeoutError at the clean's first barrier, naming themselves and the stage, within a destroy meeting's wait
-    (the clean's barriers are bounded so: tokenyard/backends/cuda/low_latency.py, `_meet`), not at the group's
-    timeout. Rank 0 stays until they have raised (its process's end would end their group's collectives first)."""
+    (the clean's barriers are meetings: `Collectives.meeting` in tokenyard/backends/collectives.py), not at the
+    group's timeout. Rank 0 stays until they have raised (its process's end would end their group's collectives
+    first)."""
     import torch.distributed as dist
 
     from tokenyard import Buffer, CommTimeoutError

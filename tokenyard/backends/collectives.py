@@ -364,6 +364,12 @@ class Collectives:
         """Return once every rank has called it (as max_int, which it is)."""
         self.max_int(0, what, timeout_s)
 
+    def meeting(self, op: str, what: str) -> None:
+        """A barrier where the ranks come at the host's pace (a Buffer's destroy, a low-latency clean), bounded by
+        meeting_wait_s of the Buffer's deadline; a timeout names stage `op`/`what`."""
+        self.op = op
+        self.barrier(what, meeting_wait_s(self.timeout_s))
+
     def max_int(self, value: int, what: str = "rounds", timeout_s: Optional[float] = None) -> int:
         """The largest `value` over the ranks (a host sync), within `timeout_s` (the Buffer's if None); `what`
         names the stage a timeout reports.

@@ -684,16 +684,16 @@ class CudaBackend(ExpandCalls, InternodeCalls, Backend):
         torch.cuda.synchronize(self.device_index)
         # NVSHMEM's frees and stop are collective, without a deadline (NOTE [NVSHMEM stop] in transport.py): only
         # once every rank came to a meeting first (a late peer does, a lost one cannot), never after a peer was lost.
+        nvshmem_users = [u for u in (self._internode, self.heap_buffer) if u is not None]
         lost = getattr(self.ctx.collectives, "peer_lost", False)
-        if together and not lost and (self._internode is not None or self.heap_buffer is not None):
+        if together and not lost and nvshmem_users:
             lost = not meet(self.ctx)
-        nvshmem_together = together and not lost
         if self._internode is not None:
             self.ctx.collectives.device_all_gather = None
-        for user in (self._internode, self.heap_buffer):
-            if user is not None and nvshmem_together:
+        for user in nvshmem_users:
+            if together and not lost:
                 user.free()
-            elif user is not None and together:
+            elif together:
                 user.transport.abandon()
         self._internode = self.heap_buffer = None
         held = [b for b in (self.normal, self.low_latency_buffer) if b is not None]

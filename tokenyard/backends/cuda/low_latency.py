@@ -23,6 +23,7 @@ from .. import collectives
 from ..requests import CombineOverlap, LowLatencyCombineRequest, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from . import heuristics, kernels, plans
 
+_CLEAN = "clean_low_latency_buffer"  # the operation a timeout of `clean`'s meetings names
 _HANDLE_OUTPUTS = ("src_info", "layout_range")  # a dispatch's outputs that its handle keeps
 
 # The inputs and per-call scalars of the low-latency plans (NOTE [call plans] in plans.py), in run order.
@@ -77,7 +78,12 @@ class LowLatencyKernels:
         tagged with an epoch (signals, message headers, expert counts, weights) for this shape between two
         group barriers, so that no word left by another shape (or by other use of the memory) can match an
         epoch, and every rank restarts from the same epochs and the same half (a rank that missed calls, say
-        while masked, may have used the halves an odd number of times fewer)."""
+        while masked, may have used the halves an odd number of times fewer). The barriers are meetings, bounded
+        as a destroy's (the hosts may be seconds apart, whatever the kernels' deadline).
+
+        Raises:
+            CommTimeoutError: a rank did not come, naming this rank and the stage (clean_low_latency_buffer/...).
+        """
         ctx = self.backend.ctx
         layout = workspace.low_latency_layout(num_max, hidden, ctx.num_ranks, num_experts)
         region_bytes = workspace.low_latency_region_bytes(num_max, hidden, ctx.num_ranks, num_experts)
@@ -85,7 +91,7 @@ class LowLatencyKernels:
                  for name in ("state", "dispatch_recv", "dispatch_counts", "dispatch_expert_counts", "combine_weights",
                               "combine_flags", "arrivals", "combine_deferred", "weights_flags")]
         torch.cuda.synchronize(ctx.device)
-        self._meet("senders_done")  # no rank still sends into this buffer
+        ctx.collectives.meeting(_CLEAN, "senders_done")  # no rank still sends into this buffer
         local = self.buffer.tensor
         for half in (0, 1):
             for offset, num_bytes in words:
@@ -94,18 +100,7 @@ class LowLatencyKernels:
         self.backend.calls.reset_low_latency_halves()
         self._src_info_of_half = [None, None]
         torch.cuda.synchronize(ctx.device)
-        self._meet("cleaned")  # no rank sends before every rank is clean
-
-    def _meet(self, what: str) -> None:
-        """A barrier of `clean`, bounded as a destroy meeting is (the ranks' hosts may be seconds apart, whatever
-        the Buffer's deadline for its kernels' waits: collectives.meeting_wait_s).
-
-        Raises:
-            CommTimeoutError: a rank did not come, naming this rank and the stage (clean_low_latency_buffer/`what`).
-        """
-        exchange = self.backend.ctx.collectives
-        exchange.op = "clean_low_latency_buffer"
-        exchange.barrier(what, collectives.meeting_wait_s(self.backend.ctx.timeout_s))
+        ctx.collectives.meeting(_CLEAN, "cleaned")  # no rank sends before every rank is clean
 
     def _kernel(self, spec):
         """An NVSHMEM unit is loaded by the transport, which registers its module (NOTE [NVSHMEM units])."""

@@ -10,7 +10,6 @@ import torch
 
 from ...errors import TokenyardError
 from ..base import GroupContext
-from ..collectives import meeting_wait_s
 from . import plans, runtime
 
 
@@ -57,8 +56,7 @@ def meet(ctx: GroupContext) -> bool:
     """A bounded barrier of the group (NOTE [symmetric lifetime]); a rank that does not come is not waited for.
     -> whether every rank came."""
     try:
-        ctx.collectives.op = "destroy"
-        ctx.collectives.barrier("meeting", meeting_wait_s(ctx.timeout_s))
+        ctx.collectives.meeting("destroy", "meeting")
     except (TokenyardError, RuntimeError, ValueError):  # ValueError: the group was destroyed first
         return False
     return True
