@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import checks, env, ops
 from .backends import create_backend, make_reference, normal_mode_backend
 from .backends.base import GroupContext
-from .backends.collectives import Collectives, agree_on_buffer, choose_mode
+from .backends.collectives import Collectives, agree_on_buffer, choose_mode, gather_objects, making_wait_s
 from .buffer_low_latency import LowLatencyCalls
 from .buffer_normal import NormalCalls
 from .config import Config
@@ -129,13 +129,14 @@ class Buffer(NormalCalls, LowLatencyCalls):
                  ranks_per_node: Optional[int] = None, device: Optional[Union[str, torch.device]] = None) -> None:
         del num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric  # see docstring
         settings = env.settings()
+        self.timeout_s = checks.timeout_s(timeout_s if timeout_s is not None else settings.timeout_s)
+        self.device = _chosen_device(device)
         if group is not None:
             self.rank, self.group_size = group.rank(), group.size()
+            rank, chosen, wait_s = self.rank, self.device, making_wait_s(self.timeout_s)
 
             def all_gather_object(obj):  # not `self`: see NOTE [gloo threads at exit] in launch.py
-                gathered = [None] * group.size()
-                dist.all_gather_object(gathered, obj, group=group)
-                return gathered
+                return gather_objects(group, obj, chosen, rank, "Buffer/exchange", wait_s)  # NOTE [making waits]
         elif comm is not None:
             self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
             all_gather_object = comm.allgather
@@ -160,9 +161,7 @@ class Buffer(NormalCalls, LowLatencyCalls):
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.timeout_s = checks.timeout_s(timeout_s if timeout_s is not None else settings.timeout_s)
         self.check_inputs = settings.check_inputs if check_inputs is None else bool(check_inputs)
-        self.device = _chosen_device(device)
         if ranks_per_node is None and settings.ranks_per_node:
             ranks_per_node = settings.ranks_per_node
         # NOTE [call agreement] in collectives.py: the first exchange has the size of a call's header

@@ -51,7 +51,7 @@ class CommError(TokenyardError):
         peer: the rank it waited for or lost, ``-1`` when unknown or several (gloo names a lost peer by its
             address only; a mismatch involves every rank, named in `RankMismatchError.ranks`).
         stage: the stage of the operation, ``"<operation>/<step>"``, e.g. ``"dispatch/notify"`` or
-            ``"Buffer/agree"`` (a Buffer being made).
+            ``"Buffer/agree"`` or ``"Buffer/exchange"`` (a Buffer being made).
     """
 
     def __init__(self, message: str, *, rank: int, peer: int = -1, stage: str):

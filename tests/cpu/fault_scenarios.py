@@ -322,15 +322,67 @@ def skewed_buffer(seed, what, backend="reference") -> dict:
     return {"error": error, "recovered": correct_call(dist.group.WORLD, seed, backend)}
 
 
-def run(num_ranks, fn, seed, what, backend="reference") -> dict:
-    """Every rank's view of scenario `what` of `fn` (`mismatch`, `buffer_mismatch` or `late_peer`), ``{rank:
-    dict}``, in processes of its own. In KILLED, rank 1 must end by SIGKILL (noticed by its end, not a deadline)
-    and is left out; any other rank that fails raises RanksFailed."""
+def failed_buffer(seed, what, backend="reference") -> dict:
+    """Rank 1 fails while making its Buffer, after the agreement ("fails_making_its_buffer": its first exchange of
+    objects raises before it sends anything, as a rank out of memory raises between two). The others wait for it in
+    that exchange, which must end at making_wait_s with CommTimeoutError naming them and stage "Buffer/exchange"
+    (NOTE [making waits] in collectives.py), where over NCCL only the group's own timeout ended it. Rank 1 then makes
+    its part of the exchange they left (the pickles' sizes: one int64), so that the group is in step again, and
+    every rank makes a correct call on it."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, TokenyardError
+    from tokenyard.backends.collectives import gather_tensors, making_wait_s
+    from tokenyard.plan import devices
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    if what != "fails_making_its_buffer":
+        raise ValueError(f"unknown scenario {what!r}")
+    gather_topology = devices.gather_topology
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("injected: out of memory while making the Buffer")
+
+    if rank == 1:
+        devices.gather_topology = out_of_memory
+    start, error = time.monotonic(), None
+    try:
+        Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=TIMEOUT_S).destroy()
+    except (TokenyardError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        devices.gather_topology = gather_topology
+    detected_s = time.monotonic() - start
+    if rank == 1:
+        time.sleep(max(0.0, making_wait_s(TIMEOUT_S) + 1.0 - detected_s))  # after the others' deadline
+        gather_tensors(dist.group.WORLD, torch.zeros(1, dtype=torch.int64, device="cpu"),
+                       _device(backend) or torch.device("cpu"), rank, "test/part", making_wait_s(TIMEOUT_S))
+    return {"error": error, "detected_s": detected_s, "recovered": correct_call(dist.group.WORLD, seed, backend)}
+
+
+def expect_failed_buffer(seen) -> str:
+    """Assert what every rank of `failed_buffer` must have seen; -> rank 0's error."""
+    from tokenyard.backends.collectives import making_wait_s
+
+    assert seen[1]["error"] == "RuntimeError: injected: out of memory while making the Buffer", seen[1]
+    for rank, s in seen.items():
+        if rank != 1:
+            assert s["error"].startswith(f"CommTimeoutError: rank {rank} timed out") and "'Buffer/exchange'" in \
+                s["error"], (rank, s)
+            assert making_wait_s(TIMEOUT_S) <= s["detected_s"] < making_wait_s(TIMEOUT_S) + 2, (rank, s)
+        assert s["recovered"], (rank, s)
+    return seen[0]["error"]
+
+
+def run(num_ranks, fn, seed, what, backend="reference", group_timeout_s=10) -> dict:
+    """Every rank's view of scenario `what` of `fn` (`mismatch`, `buffer_mismatch`, `late_peer`, ...), ``{rank:
+    dict}``, in processes of its own whose group's own timeout is `group_timeout_s`. In KILLED, rank 1 must end by
+    SIGKILL (noticed by its end, not a deadline) and is left out; any other rank that fails raises RanksFailed."""
     from tokenyard.tools.launch import RanksFailed, run_on_ranks
 
     try:
         seen = run_on_ranks(num_ranks, fn, seed, what, backend, use_cuda=backend == "cuda", timeout_s=120,
-                            group_timeout_s=10)
+                            group_timeout_s=group_timeout_s)
     except RanksFailed as failed:
         if what not in KILLED or set(failed.failures) != {1}:
             raise

@@ -26,6 +26,13 @@ def test_a_buffer_with_a_deadline_of_microseconds_waits_for_a_rank_a_whole_destr
     assert all(s["error"] is None and s["recovered"] for s in seen.values()), seen
 
 
+@pytest.mark.slow  # waits out the making's deadline (10 s)
+def test_a_rank_that_fails_making_its_buffer_makes_the_others_raise_at_the_making_deadline(seed):
+    seen = scenarios.run(scenarios.NUM_RANKS, scenarios.failed_buffer, seed, "fails_making_its_buffer",
+                         group_timeout_s=60)
+    print(scenarios.expect_failed_buffer(seen))
+
+
 @pytest.mark.slow  # each waits out a deadline, then starts a group for the survivors
 @pytest.mark.parametrize("what", scenarios.LATE)
 def test_a_late_or_killed_rank_makes_the_others_raise_then_the_survivors_work_on(what, seed):

@@ -44,6 +44,13 @@ def test_ranks_that_make_buffers_of_other_settings_all_raise(what, seed):
     print(scenarios.expect_buffer_mismatch(seen))
 
 
+def test_a_rank_that_fails_making_its_buffer_makes_the_others_raise_at_the_making_deadline(seed):
+    # Over NCCL (a GPU a rank) the making's exchanges ended only at the group's own timeout (NOTE [making waits]).
+    seen = scenarios.run(COUNTS[0], scenarios.failed_buffer, seed, "fails_making_its_buffer", "cuda",
+                         group_timeout_s=60)
+    print(scenarios.expect_failed_buffer(seen))
+
+
 @pytest.mark.parametrize("what", scenarios.LATE)
 def test_a_late_or_killed_rank_makes_the_others_raise_then_the_survivors_work_on(what, seed):
     reason = skip_reason(what, COUNTS[0])

@@ -37,8 +37,7 @@ process. The header goes over the group as a Buffer's calls send theirs (CUDA te
 CPU tensors), so it meets them, except where those go over the private NCCL group of NOTE [device collectives];
 nor does it meet the CUDA backend's one-node calls, which exchange nothing on the host, nor the headers of a
 Buffer across nodes, which go through NVSHMEM (NOTE [device exchange]). Where it meets nothing, the constructor's
-wait ends at making_wait_s (twice a destroy meeting's: NOTE [making after a meeting]) over gloo, and only at the
-group's own timeout over NCCL.
+wait ends at making_wait_s (twice a destroy meeting's: NOTE [making after a meeting]; NOTE [making waits]).
 The CUDA backend's kernels carry the same signature, without the call number, in their own first exchange
 (NOTE [call signatures] in include/tokenyard/layout.cuh); both name the disagreement with `mismatch_error`.
 Its internode kernels do not: each rank sizes the rows it moves from its own call, so ranks that disagree
@@ -50,6 +49,7 @@ exchange] in include/tokenyard/kernels/exchange.cuh).
 
 from __future__ import annotations
 
+import pickle
 import re
 from typing import Callable, List, Optional
 
@@ -172,11 +172,29 @@ def meeting_wait_s(timeout_s: float) -> float:
     return max(timeout_s, HOST_SKEW_FLOOR_S)
 
 
+# NOTE [making waits]
+# Making a Buffer exchanges over its group: the agreement's header (agree_on_buffer), then objects (the ranks'
+# places, IPC handles, NVSHMEM's id, whether each rank can start a backend: gather_objects). A rank that fails
+# between two of them (out of memory, say) or never comes leaves its peers waiting in the next, which over NCCL
+# (torch's all_gather_object) ended only at the group's own timeout, ten minutes by default, where the watchdog
+# ends the process. So every one of them ends at making_wait_s with CommTimeoutError at stage "Buffer/agree" or
+# "Buffer/exchange": over NCCL the all-gather runs on a stream of its own and the host polls an event (max_int's way,
+# which bounds the destroy's meeting); over gloo the host polls the work (`finish`). The group then holds the
+# unfinished all-gather: the ranks make a new group, or the rank that failed makes its part of the exchange (an
+# all-gather of one int64, the pickles' sizes). Limits: a group whose NCCL communicator is made lazily, at its first
+# collective (init_process_group without device_id), makes it in the agreement, which blocks the host until every
+# rank comes (NCCL's own wait); an mpi4py communicator's exchanges are its own.
 def making_wait_s(timeout_s: float) -> float:
-    """How long making a Buffer waits for the ranks over gloo: twice a destroy meeting's wait. NOTE [making after a
-    meeting]: a rank may come to its next Buffer a whole meeting after its peers, where a lost peer ended the
-    meeting at once on the ranks gloo told (their connection to it closed) and at its deadline on the others."""
+    """How long making a Buffer waits for the ranks (NOTE [making waits]): twice a destroy meeting's wait. NOTE
+    [making after a meeting]: a rank may come to its next Buffer a whole meeting after its peers, where a lost peer
+    ended the meeting at once on the ranks gloo told (their connection to it closed) and at its deadline on the
+    others."""
     return 2 * meeting_wait_s(timeout_s)
+
+
+def _not_joined(timeout_s: float) -> str:
+    return (f"a peer did not join within {timeout_s:g} s. The group still holds this unfinished collective: make a "
+            "new group, and a new Buffer on it, for the next call")
 
 
 def finish(work, rank: int, stage: str, timeout_s: float) -> None:
@@ -188,9 +206,7 @@ def finish(work, rank: int, stage: str, timeout_s: float) -> None:
         CollectiveRefusedError: gloo or torch refused this rank's part (a check of its sizes, say).
     """
     if not wait_until(work.is_completed, timeout_s):
-        raise CommTimeoutError(rank, -1, stage,
-                               f"a peer did not join within {timeout_s:g} s. The group still holds this "
-                               "unfinished collective: make a new group, and a new Buffer on it, for the next call")
+        raise CommTimeoutError(rank, -1, stage, _not_joined(timeout_s))
     try:
         work.wait()
     except RuntimeError as exc:
@@ -202,6 +218,48 @@ def finish(work, rank: int, stage: str, timeout_s: float) -> None:
         raise CollectiveRefusedError(rank, stage, said) from exc
 
 
+def gather_tensors(group: dist.ProcessGroup, t: torch.Tensor, device: torch.device, rank: int, stage: str,
+                   timeout_s: float) -> torch.Tensor:
+    """``[group.size(), *t.shape]`` on the host: every rank's CPU tensor `t` (one shape and dtype on every rank) over
+    `group`, within `timeout_s`. Where `device` is a GPU and the group moves its tensors with NCCL, the all-gather
+    and the copy back run on a stream of their own and the host polls an event (NOTE [making waits]); else a gloo
+    all-gather of CPU tensors, ended as `finish` ends it.
+
+    Raises:
+        CommTimeoutError: a peer did not join within `timeout_s` (the group still holds the all-gather).
+        PeerLostError, CollectiveRefusedError: as `finish` (gloo).
+    """
+    if device.type != "cuda" or "nccl" not in str(dist.get_backend(group)).lower():
+        pieces = [torch.empty_like(t) for _ in range(group.size())]
+        finish(dist.all_gather(pieces, t, group=group, async_op=True), rank, stage, timeout_s)
+        return torch.stack(pieces)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        mine = t.to(device)
+        gathered = torch.empty((group.size(), *t.shape), dtype=t.dtype, device=device)
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        host = torch.empty(gathered.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(gathered, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    if not wait_until(done.query, timeout_s):
+        raise CommTimeoutError(rank, -1, stage, _not_joined(timeout_s))
+    return host
+
+
+def gather_objects(group: dist.ProcessGroup, obj, device: torch.device, rank: int, stage: str,
+                   timeout_s: float) -> list:
+    """Every rank's picklable `obj` over `group`, by rank, as `dist.all_gather_object` gives them, within `timeout_s`
+    (NOTE [making waits]): the pickles' sizes, then the pickles padded to the longest, through `gather_tensors`."""
+    data = pickle.dumps(obj)
+    sizes = gather_tensors(group, torch.tensor([len(data)], dtype=torch.int64, device="cpu"), device, rank, stage,
+                           timeout_s).flatten().tolist()
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device="cpu")
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    pieces = gather_tensors(group, mine, device, rank, stage, timeout_s)
+    return [pickle.loads(piece[:size].numpy().tobytes()) for piece, size in zip(pieces, sizes)]
+
+
 def agree_on_buffer(group: Optional[dist.ProcessGroup], rank: int, device: torch.device, timeout_s: float,
                     **fields: int) -> None:
     """NOTE [call agreement]: check, before a Buffer's first exchange of objects, that every rank of `group` is
@@ -209,23 +267,16 @@ def agree_on_buffer(group: Optional[dist.ProcessGroup], rank: int, device: torch
 
     Raises:
         RankMismatchError: on every rank alike, where some rank makes another Buffer or another call.
-        CommTimeoutError: a peer made no exchange within making_wait_s(timeout_s) (over gloo).
+        CommTimeoutError: a peer made no exchange within making_wait_s(timeout_s) (NOTE [making waits]).
     """
     if group is None:  # an mpi4py comm: its exchanges are of objects, which it sizes itself
         return
     mine = torch.tensor([0] + signature("Buffer", **fields) + [0], dtype=torch.int64, device="cpu")
-    stage = "Buffer/agree"
     # Where a Buffer's calls send their headers (Collectives.agree): over the group, CUDA tensors where it is NCCL's.
-    if device.type == "cpu" or "nccl" not in str(dist.get_backend(group)).lower():
-        pieces = [torch.empty_like(mine) for _ in range(group.size())]
-        finish(dist.all_gather(pieces, mine, group=group, async_op=True), rank, stage, making_wait_s(timeout_s))
-    else:  # bounded by the group's own timeout, as the constructor's exchanges of objects are
-        mine = mine.to(device)
-        pieces = [torch.empty_like(mine) for _ in range(group.size())]
-        dist.all_gather(pieces, mine, group=group)
-    headers = [p.tolist()[:-1] for p in pieces]
+    gathered = gather_tensors(group, mine, device, rank, "Buffer/agree", making_wait_s(timeout_s))
+    headers = [h[:-1] for h in gathered.tolist()]
     if any(h != headers[0] for h in headers):
-        raise mismatch_error(headers, describe_header, rank=rank, stage=stage)
+        raise mismatch_error(headers, describe_header, rank=rank, stage="Buffer/agree")
 
 
 class Collectives:
