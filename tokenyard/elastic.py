@@ -416,34 +416,28 @@ class ElasticBuffer:
             num_expanded = sum(per_expert_list)
         else:
             num_expanded = expanded.worst_expanded_rows(num_rows, topk_idx.size(1), num_local, expert_alignment)
-        # NOTE [V2 handle copies]
-        # The handle's rank prefix column, contiguous as DeepEP's (vLLM's kernels read it as plain memory), and its
-        # copy of topk_idx (do_handle_copy) are written by the expanded layout's first kernel, not by a torch
-        # operation each: a fresh V2 dispatch with the CPU sync is host-bound back to back, and each such
-        # operation cost 10-35 us of host time per call there (benchmarks/results/elastic.md, "Host-bound").
-        layout = buffer._backend().expanded_layout(
-            recv_topk_idx, v1.recv_src_idx, v1.rank_prefix_matrix[:, self.rank_idx], num_local, expert_alignment,
-            num_max, num_expanded if do_expand else None, topk_idx if do_handle_copy else None)
+        # The handle's field, contiguous as DeepEP's: vLLM's kernels read it as plain memory.
+        psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx].contiguous()
+        counts, psum_per_expert, row_of, source_row, metadata = buffer._backend().expanded_layout(
+            recv_topk_idx, v1.recv_src_idx, psum_per_rank, num_local, expert_alignment, num_max,
+            num_expanded if do_expand else None)
         if stats is not None:
-            stats += layout.counts.to(stats.device)
+            stats += counts.to(stats.device)
         handle = self._handle(
-            v1, recv_topk_idx, layout.row_of, layout.source_row, layout.topk_idx if do_handle_copy else topk_idx,
-            do_expand=do_expand, num_experts=num_experts, expert_alignment=expert_alignment,
-            num_max_tokens_per_rank=num_max, num_sms=num_sms,
-            num_recv_tokens=v1.num_recv_tokens if do_cpu_sync else num_rows, num_expanded_tokens=num_expanded,
-            num_recv_tokens_per_expert_list=per_expert_list if do_cpu_sync else [],
-            psum_num_recv_tokens_per_scaleup_rank=layout.psum_per_rank,
-            psum_num_recv_tokens_per_expert=layout.psum_per_expert,
-            num_unaligned_recv_tokens_per_expert=layout.counts, recv_src_metadata=layout.metadata)
+            v1, recv_topk_idx, row_of, source_row, topk_idx, do_handle_copy, do_expand=do_expand,
+            num_experts=num_experts, expert_alignment=expert_alignment, num_max_tokens_per_rank=num_max,
+            num_sms=num_sms, num_recv_tokens=v1.num_recv_tokens if do_cpu_sync else num_rows,
+            num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=per_expert_list if do_cpu_sync else [],
+            psum_num_recv_tokens_per_scaleup_rank=psum_per_rank, psum_num_recv_tokens_per_expert=psum_per_expert,
+            num_unaligned_recv_tokens_per_expert=counts, recv_src_metadata=metadata)
         if do_expand:
             return self._expanded(recv_x, recv_weights, handle, do_zero_padding, col_major_sf) + (handle,)
         return (self._laid_out(recv_x, col_major_sf), recv_topk_idx, recv_weights, handle)
 
-    def _handle(self, v1, recv_topk_idx, row_of, source_row, topk_idx, **fields) -> EPHandle:
-        """A fresh dispatch's EPHandle: DeepEP V2's `fields` by name, the routing `topk_idx` it keeps (a copy with
-        do_handle_copy), and tokenyard's own: the V1 handle `v1`, the local top-k ids, each pair's expanded row and
-        each row's source."""
-        handle = EPHandle(topk_idx=topk_idx, **fields)
+    def _handle(self, v1, recv_topk_idx, row_of, source_row, topk_idx, do_handle_copy: bool, **fields) -> EPHandle:
+        """A fresh dispatch's EPHandle: DeepEP V2's `fields` by name, the routing (a copy with `do_handle_copy`),
+        and tokenyard's own: the V1 handle `v1`, the local top-k ids, each pair's expanded row and each row's source."""
+        handle = EPHandle(topk_idx=topk_idx.clone() if do_handle_copy else topk_idx, **fields)
         handle.dispatch_handle, handle.recv_topk_idx, handle.row_of = v1, recv_topk_idx, row_of
         handle.source_row = source_row
         handle.buffer_id = id(self)
@@ -470,10 +464,9 @@ class ElasticBuffer:
         num_rows = recv_topk_idx.size(0)
         psum_per_rank = v1.rank_prefix_matrix[:, self.rank_idx].contiguous()  # contiguous: as in _fresh_dispatch
         handle = self._handle(
-            v1, recv_topk_idx, made["row_of"], made["source_row"], topk_idx.clone() if do_handle_copy else topk_idx,
-            do_expand=True, num_experts=num_experts, expert_alignment=expert_alignment,
-            num_max_tokens_per_rank=num_max, num_sms=num_sms,
-            num_recv_tokens=num_rows if num_worst else v1.num_recv_tokens,
+            v1, recv_topk_idx, made["row_of"], made["source_row"], topk_idx, do_handle_copy, do_expand=True,
+            num_experts=num_experts, expert_alignment=expert_alignment, num_max_tokens_per_rank=num_max,
+            num_sms=num_sms, num_recv_tokens=num_rows if num_worst else v1.num_recv_tokens,
             num_expanded_tokens=num_worst_expanded or sum(per_expert_list),
             num_recv_tokens_per_expert_list=[] if num_worst else per_expert_list,
             psum_num_recv_tokens_per_scaleup_rank=psum_per_rank, psum_num_recv_tokens_per_expert=made["ends"],

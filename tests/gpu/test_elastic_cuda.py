@@ -107,7 +107,7 @@ def _elastic_matches_both_paths(seed):
                      "num_unaligned_recv_tokens_per_expert"):
             _same(f"case {case}: handle.{name}", getattr(h, name), getattr(hr, name))
         _same(f"case {case}: recv_src_metadata", h.recv_src_metadata[:valid], hr.recv_src_metadata[:valid])
-        # NOTE [V2 handle copies]: the handle keeps a copy of topk_idx (do_handle_copy's default), made in a kernel
+        # The handle keeps a copy of topk_idx (do_handle_copy's default), as DeepEP's
         _same(f"case {case}: handle.topk_idx", h.topk_idx, topk_idx)
         assert h.topk_idx.data_ptr() != topk_idx.data_ptr(), f"case {case}: handle.topk_idx is not a copy"
         assert (h.num_recv_tokens, h.num_expanded_tokens, h.num_recv_tokens_per_expert_list) == \

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,17 +36,6 @@ class GroupContext:
     timeout_s: float
     topology: Topology
     collectives: Collectives
-
-
-class ExpandedLayout(NamedTuple):
-    """A fresh V2 dispatch's layout for its `EPHandle` (`Backend.expanded_layout`), int32 but `topk_idx`."""
-    counts: torch.Tensor  # [L] each local expert's pairs
-    psum_per_expert: torch.Tensor  # [L] where each expert's rows end (expanded: its group's; else the aligned sum)
-    row_of: Optional[torch.Tensor]  # [N, K] each pair's expanded row; expanded only
-    source_row: Optional[torch.Tensor]  # [M] each expanded row's received row; expanded only
-    metadata: torch.Tensor  # [N, K + 2] recv_src_metadata
-    psum_per_rank: torch.Tensor  # [R] the rank prefix column, contiguous (vLLM reads it as plain memory)
-    topk_idx: Optional[torch.Tensor]  # a copy of the dispatch's topk_idx, where one was asked for
 
 
 class Backend(abc.ABC):
@@ -94,19 +83,19 @@ class Backend(abc.ABC):
 
     # DeepEP V2's expanded layout (tokenyard/semantics/expand.py): what a backend may do faster.
     def expanded_layout(self, recv_topk_idx: torch.Tensor, recv_src_idx: torch.Tensor, psum_per_rank: torch.Tensor,
-                        num_local: int, alignment: int, num_max: int, num_expanded: Optional[int],
-                        topk_idx: Optional[torch.Tensor] = None) -> "ExpandedLayout":
-        """A dispatch's layout for its `EPHandle` (`ExpandedLayout`), from its received ids and sources and
-        `psum_per_rank` (its rank prefix column, any stride); with `topk_idx`, a copy of it for the handle."""
+                        num_local: int, alignment: int, num_max: int, num_expanded: Optional[int]):
+        """A dispatch's layout for its `EPHandle`: -> (counts [L], psum_per_expert [L], row_of [N, K],
+        source_row [M], recv_src_metadata [N, K + 2]), all int32; psum_per_expert is where each expert's rows end
+        (expanded: its group's end; else the running sum of the aligned counts); row_of and source_row None unless
+        expanded (`num_expanded` rows)."""
         if num_expanded is None:
             counts, row_of, source_row = expand.expert_counts(recv_topk_idx, num_local), None, None
             psum = torch.cumsum(expand.align(counts, alignment), 0, dtype=torch.int32)
         else:
             row_of, counts, psum = expand.expand_rows(recv_topk_idx, num_local, alignment)
             source_row = expand.source_rows(row_of, num_expanded)
-        return ExpandedLayout(counts, psum, row_of, source_row,
-                              expand.source_metadata(recv_topk_idx, recv_src_idx, psum_per_rank, num_max, row_of),
-                              psum_per_rank.contiguous(), None if topk_idx is None else topk_idx.clone())
+        return counts, psum, row_of, source_row, expand.source_metadata(recv_topk_idx, recv_src_idx, psum_per_rank,
+                                                                        num_max, row_of)
 
     def source_ranks(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
         return expand.source_ranks(topk_idx, num_experts)

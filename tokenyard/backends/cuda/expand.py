@@ -7,7 +7,6 @@ import math
 
 import torch
 
-from ..base import ExpandedLayout
 from . import heuristics, kernels
 
 
@@ -22,37 +21,28 @@ class ExpandCalls:
         return max(1, min(-(-most_items // per_block), self.device_sms * 4))
 
     def expanded_layout(self, recv_topk_idx, recv_src_idx, psum_per_rank, num_local, alignment, num_max,
-                        num_expanded, topk_idx=None):
+                        num_expanded):
         usable = recv_topk_idx.is_contiguous() and recv_src_idx.is_contiguous() and recv_src_idx.dtype == torch.int32
-        copies = topk_idx is not None  # NOTE [V2 handle copies] (elastic.py): as recv_topk_idx, its ids sent
-        if copies and (topk_idx.dtype != recv_topk_idx.dtype or topk_idx.device != recv_topk_idx.device or
-                       topk_idx.dim() != 2 or topk_idx.size(1) != recv_topk_idx.size(1)):
-            usable = False
         if recv_topk_idx.device.type != "cuda" or psum_per_rank.dtype != torch.int32 or not usable:
             return super().expanded_layout(recv_topk_idx, recv_src_idx, psum_per_rank, num_local, alignment, num_max,
-                                           num_expanded, topk_idx)
+                                           num_expanded)
         num_rows, num_topk = recv_topk_idx.shape
         num_ranks, expanded = psum_per_rank.numel(), num_expanded is not None
         topk_dtype, stride = recv_topk_idx.dtype, psum_per_rank.stride(0)
 
         def build():
             i32 = torch.int32
-            b = self._builder(("recv_topk_idx", "recv_src_idx", "psum_per_rank", "topk_idx"),
-                              ("num_rows", "num_expanded", "num_tokens", "num_copied"))
+            b = self._builder(("recv_topk_idx", "recv_src_idx", "psum_per_rank"), ("num_rows", "num_expanded"))
             rows = b.scalar("num_rows")
             counts = b.output("counts", (num_local,), i32, zero=True)
             row_of = b.output("row_of", (rows, num_topk), i32)
             metadata = b.output("metadata", (rows, num_topk + 2), i32)
-            psum_out = b.output("psum_per_rank", (num_ranks,), i32)
-            # NOTE [V2 handle copies] (elastic.py): the handle's copies in the first launch
-            topk_copy = b.output("topk_idx", (b.scalar("num_tokens"), num_topk), topk_dtype) if copies else 0
             b.launch(self._kernel(kernels.expand_count(num_topk, topk_dtype)),
                      self._strided_grid(num_ranks * num_max, per_block=kernels.EXPAND_THREADS), dict(
                          recv_topk_idx=b.inp("recv_topk_idx"), recv_src_idx=b.inp("recv_src_idx"),
                          psum_per_rank=b.inp("psum_per_rank"), psum_stride=stride, num_ranks=num_ranks,
                          num_rows=rows, num_local=num_local, num_max=num_max, counts=counts, row_of=row_of,
-                         metadata=metadata, psum_out=psum_out, topk_idx=b.inp("topk_idx") if copies else 0,
-                         topk_copy=topk_copy, num_copied=b.scalar("num_copied")), shared_bytes=num_local * 4)
+                         metadata=metadata), shared_bytes=num_local * 4)
             psum = b.output("psum_per_expert", (num_local,), i32)
             if expanded:
                 source_row = b.output("source_row", (b.scalar("num_expanded"),), i32, fill=0xFF)  # -1: padding
@@ -65,13 +55,11 @@ class ExpandCalls:
             return b.build()
 
         plan = self.plan(("expanded_layout", num_topk, topk_dtype, num_ranks, stride, num_local, alignment, num_max,
-                          expanded, copies), build)
-        num_tokens = topk_idx.size(0) if copies else 0
-        inputs = (recv_topk_idx, recv_src_idx, psum_per_rank, topk_idx.contiguous() if copies else None)
-        made = plan.named(plan.run_here(self._stream(), inputs,
-                                        (num_rows, num_expanded or 0, num_tokens, num_tokens * num_topk)))
-        return ExpandedLayout(made["counts"], made["psum_per_expert"], made["row_of"] if expanded else None,
-                              made.get("source_row"), made["metadata"], made["psum_per_rank"], made.get("topk_idx"))
+                          expanded), build)
+        made = plan.named(plan.run_here(self._stream(), (recv_topk_idx, recv_src_idx, psum_per_rank),
+                                        (num_rows, num_expanded or 0)))
+        return made["counts"], made["psum_per_expert"], made["row_of"] if expanded else None, \
+            made.get("source_row"), made["metadata"]
 
     def source_ranks(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
         if topk_idx.device.type != "cuda" or not topk_idx.is_contiguous() or topk_idx.dim() != 2:

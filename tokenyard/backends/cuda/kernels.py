@@ -216,8 +216,7 @@ EXPAND_THREADS = 512
 
 @functools.lru_cache(maxsize=None)
 def expand_count(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
-    """ElasticBuffer's layout, first launch: per-expert counts, source metadata, the handle's copies
-    (kernels/expand.cuh)."""
+    """ElasticBuffer's layout, first launch: per-expert counts, source metadata (kernels/expand.cuh)."""
     topk_t = topk_ctype(topk_dtype)
     return KernelSpec(
         "tokenyard/kernels/expand.cuh", "tokenyard::kernels::expand_count", (num_topk, topk_t),
@@ -225,8 +224,7 @@ def expand_count(num_topk: int, topk_dtype: torch.dtype) -> KernelSpec:
          Param("const int*", "psum_per_rank"), Param("int64_t", "psum_stride"), Param("int", "num_ranks"),
          Param("int", "num_rows"),
          Param("int", "num_local"), Param("int", "num_max"), Param("int*", "counts"), Param("int*", "row_of"),
-         Param("int*", "metadata"), Param("int*", "psum_out"), Param(f"const {topk_t}*", "topk_idx"),
-         Param(f"{topk_t}*", "topk_copy"), Param("int64_t", "num_copied")),
+         Param("int*", "metadata")),
         EXPAND_THREADS, name="tokenyard::elastic::expand_count")
 
 

@@ -14,20 +14,11 @@ namespace tokenyard::kernels {
 // counts before it; the block scans every pair in (row, slot) order, a warp ballot and the warps' running
 // totals numbering e's pairs, and writes each one's expanded row to row_of and the metadata, and its
 // received row to source_row (-1 elsewhere, filled by the caller); ends[e] is where the pairs end.
-// expand_count also writes the handle's copies: psum_per_rank contiguous (`psum_out`) and the first
-// `num_copied` ids of topk_idx (`topk_copy`, do_handle_copy), each a torch operation of host time less per
-// call (NOTE [V2 handle copies] in tokenyard/elastic.py).
 template <int kNumTopk, typename TopkT, typename Params>
 __device__ __forceinline__ void expand_count(const Params& p) {
     extern __shared__ int block_counts[];  // [num_local]
     for (int i = threadIdx.x; i < p.num_local; i += blockDim.x)
         block_counts[i] = 0;
-    const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    for (int64_t r = thread; r < p.num_ranks; r += threads)
-        p.psum_out[r] = p.psum_per_rank[r * p.psum_stride];
-    for (int64_t i = thread; i < p.num_copied; i += threads)
-        p.topk_copy[i] = p.topk_idx[i];
     __syncthreads();
     constexpr int kStride = kNumTopk + 2;
     for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < p.num_rows;
