@@ -129,3 +129,40 @@ def test_a_collective_gloo_refuses_on_every_rank_leaves_the_group_usable_and_say
         assert "Split sizes doesn't match" in message and "cannot be used any more" not in message, message
         assert (error_rank, peer, stage, chained) == (rank, -1, "dispatch/all_to_all", True)
         assert not peer_lost and after == 1
+
+
+def test_a_read_over_nccl_waits_for_its_event_with_a_deadline_naming_rank_and_stage(monkeypatch):
+    """NOTE [bounded reads]: where the host reads an NCCL collective's result next, it polls an event recorded after
+    it until meeting_wait_s of the Buffer's deadline, and raises CommTimeoutError naming rank and stage; an event
+    that completes returns at once. (The event and stream of a CUDA build, faked: the polling is the host's.)"""
+    import torch
+
+    from tokenyard.backends import collectives
+    from tokenyard.errors import CommTimeoutError
+
+    done = {"now": False}
+
+    class Event:
+        def record(self, stream=None):
+            self.stream = stream
+
+        def query(self):
+            return done["now"]
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(collectives, "HOST_SKEW_FLOOR_S", 0.2)  # meeting_wait_s(1e-5): 0.2 s
+    exchange = collectives.Collectives(None, torch.device("cuda", 0), "direct", 1, 2, None, timeout_s=1e-5)
+    exchange.op = "dispatch"
+    start = time.monotonic()
+    with pytest.raises(CommTimeoutError) as raised:
+        exchange._wait_to_read("count_exchange")
+    took = time.monotonic() - start
+    assert 0.2 <= took < 1.0, took
+    assert raised.value.rank == 1 and raised.value.stage == "dispatch/count_exchange", raised.value
+    assert "within 0.2 s" in str(raised.value), raised.value
+    done["now"] = True
+    start = time.monotonic()
+    exchange._wait_to_read("count_exchange")
+    assert time.monotonic() - start < 0.1

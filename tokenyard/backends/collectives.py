@@ -349,7 +349,7 @@ class Collectives:
 
         Raises:
             RankMismatchError: on every rank alike, where some rank's call differs.
-            CommTimeoutError: a peer did not make a call within `timeout_s` (gloo).
+            CommTimeoutError: a peer did not make a call within `timeout_s` (over NCCL: NOTE [bounded reads]).
         """
         self.op = op
         self._calls += 1
@@ -363,7 +363,7 @@ class Collectives:
                             device="cpu" if on_host else self.device)
         if verdict is not None:  # no host sync here: the all-gather's reading below is the one
             mine[-1:] = verdict().reshape(1).to(mine.device, torch.int64)
-        headers = self.all_gather(mine, "agree").tolist()
+        headers = self.all_gather(mine, "agree", read=True).tolist()
         if any(h[:-1] != headers[0][:-1] for h in headers):
             self._calls -= 1  # no rank made this call: NOTE [call agreement]
             raise mismatch_error([h[:-1] for h in headers], describe_header, rank=self.rank, stage=f"{op}/agree")
@@ -391,9 +391,10 @@ class Collectives:
         self._finish(work, "all_to_all")
         return None
 
-    def all_gather(self, t: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
+    def all_gather(self, t: torch.Tensor, what: str = "all_gather", read: bool = False) -> torch.Tensor:
         """``[num_ranks, *t.shape]``: every rank's `t` (no host sync in the direct and NCCL modes; through the
-        transport where `device_all_gather` is set, bounded, with one)."""
+        transport where `device_all_gather` is set, bounded, with one). `read`: the host reads the result next,
+        and waits for it with a deadline in the direct and NCCL modes too (NOTE [bounded reads])."""
         if self.device_all_gather is not None and t.device.type == "cuda" and \
                 not torch.cuda.is_current_stream_capturing():
             gathered = self.device_all_gather(t, f"{self.op}/{what}")
@@ -408,8 +409,32 @@ class Collectives:
             self._finish(dist.all_gather(pieces, mine, group=self.group, async_op=True), what)
         else:
             dist.all_gather(pieces, mine, group=self._device_group())
+            if read:
+                self._wait_to_read(what)
         gathered = torch.stack(pieces)
         return gathered.to(t.device) if staged else gathered
+
+    def _wait_to_read(self, what: str) -> None:
+        """NOTE [bounded reads]
+        Over NCCL a collective waits on the GPU stream, and the host's next read of its result (`.tolist()`)
+        would wait for a late or lost peer until the group's own timeout (ten minutes by default, then the
+        watchdog ends the process). Where the host reads it next (a call's header, a fresh dispatch's counts: the
+        reference backend's first exchanges of a call, which a peer late to the call meets first), it polls an
+        event recorded after the collective instead, until meeting_wait_s of the Buffer's deadline: the event also
+        waits for the GPU work queued before the call, which a deadline set for the kernels' waits (microseconds,
+        where a decoder masks late peers) does not cover. The group then holds the unfinished collective, as a
+        gloo group does after `finish`'s timeout. The data's all-to-all, which the host does not read, is bounded
+        by the next call's header. Not inside a CUDA-graph capture (no header is exchanged there)."""
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))  # which the collective's stream joined
+        wait_s = meeting_wait_s(self.timeout_s)
+        if not wait_until(done.query, wait_s):
+            raise CommTimeoutError(self.rank, -1, f"{self.op}/{what}",
+                                   f"a peer did not join within {wait_s:g} s (or the GPU work queued before this "
+                                   "call took longer). The group still holds this unfinished collective: make a new "
+                                   "group, and a new Buffer on it, for the next call")
 
     def barrier(self, what: str = "barrier", timeout_s: Optional[float] = None) -> None:
         """Return once every rank has called it (as max_int, which it is)."""

@@ -52,8 +52,8 @@ class ReferenceBackend(Backend):
     def _all_to_all(self, out, inp, out_splits=None, in_splits=None, async_op=False):
         return self.ctx.collectives.all_to_all_single(out, inp, out_splits, in_splits, async_op=async_op)
 
-    def _all_gather(self, t: torch.Tensor, what: str = "all_gather") -> torch.Tensor:
-        return self.ctx.collectives.all_gather(t, what)
+    def _all_gather(self, t: torch.Tensor, what: str = "all_gather", read: bool = False) -> torch.Tensor:
+        return self.ctx.collectives.all_gather(t, what, read)
 
     # -- normal mode ----------------------------------------------------------------------------------
 
@@ -116,7 +116,7 @@ class ReferenceBackend(Backend):
                           per_rank if call is None else call.tokens_per_rank.to(torch.int32),
                           request.num_tokens_per_expert.to(torch.int32),
                           per_rank.new_empty(0) if extra is None else extra.to(torch.int32), self._verdict(request)])
-        gathered = self._all_gather(mine, "count_exchange")
+        gathered = self._all_gather(mine, "count_exchange", read=True)  # NOTE [bounded reads] in collectives.py
         verdicts = gathered[:, -1].tolist()
         if any(verdicts):
             kinds = functools.reduce(operator.or_, verdicts)
