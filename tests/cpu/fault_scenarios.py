@@ -49,7 +49,12 @@ NOT_UNDER_MPS_ON_NODES = ("killed", "killed_before_low_latency_combine")
 
 
 def _device(backend):
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "cuda" else None
+    """The scenario's tensors' device: a GPU for the CUDA backend, and for the reference backend over NCCL (which
+    moves no CPU tensors); else None (CPU)."""
+    import torch.distributed as dist
+
+    on_gpu = backend == "cuda" or (dist.is_initialized() and dist.get_backend() == "nccl")
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
 
 
 def _inputs(seed, num_ranks, hidden=HIDDEN, num_experts=NUM_EXPERTS, backend="reference"):
@@ -374,15 +379,63 @@ def expect_failed_buffer(seen) -> str:
     return seen[0]["error"]
 
 
-def run(num_ranks, fn, seed, what, backend="reference", group_timeout_s=10) -> dict:
+def late_over_nccl(seed, what, backend="reference") -> dict:
+    """Over an NCCL group (a GPU per rank, CUDA tensors), rank 1 comes to a reference-backend dispatch more than
+    meeting_wait_s of the deadline late ("late_to_a_reference_call"). The others' host read of the call's header
+    must end there with CommTimeoutError naming them and stage "dispatch/agree" (NOTE [bounded reads] in
+    collectives.py), where it waited for the group's own timeout. Rank 1 then makes its part of the header exchange
+    they left (HEADER_INTS int64), so that the group is in step again, and every rank makes a correct call on it."""
+    import torch.distributed as dist
+
+    from tokenyard import Buffer, TokenyardError
+    from tokenyard.backends.collectives import HEADER_INTS, meeting_wait_s
+
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    if what != "late_to_a_reference_call" or dist.get_backend() != "nccl":
+        raise ValueError(f"scenario {what!r} runs over an NCCL group")
+    buffer = Buffer(dist.group.WORLD, 1 << 22, _rdma_bytes(num_ranks), backend=backend, timeout_s=TIMEOUT_S)
+    start, error = time.monotonic(), None
+    if rank == 1:
+        time.sleep(meeting_wait_s(TIMEOUT_S) + 1.0)
+        part = torch.zeros(HEADER_INTS, dtype=torch.int64, device=_device(backend))
+        dist.all_gather([torch.empty_like(part) for _ in range(num_ranks)], part)
+        torch.cuda.synchronize()
+    else:
+        try:
+            _dispatch(buffer, *_inputs(seed, num_ranks, backend=backend)[rank])
+        except TokenyardError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    detected_s = time.monotonic() - start
+    buffer.destroy()
+    return {"error": error, "detected_s": detected_s, "recovered": correct_call(dist.group.WORLD, seed + 1, backend)}
+
+
+def expect_late_over_nccl(seen) -> str:
+    """Assert what every rank of `late_over_nccl` must have seen; -> rank 0's error."""
+    from tokenyard.backends.collectives import meeting_wait_s
+
+    limit_s = meeting_wait_s(TIMEOUT_S)
+    for rank, s in seen.items():
+        if rank == 1:
+            assert s["error"] is None, s
+        else:
+            assert s["error"] is not None and s["error"].startswith(f"CommTimeoutError: rank {rank} timed out") and \
+                "'dispatch/agree'" in s["error"], (rank, s)
+            assert limit_s <= s["detected_s"] < limit_s + 2, (rank, s)
+        assert s["recovered"], (rank, s)
+    return seen[0]["error"]
+
+
+def run(num_ranks, fn, seed, what, backend="reference", group_timeout_s=10, use_cuda=None) -> dict:
     """Every rank's view of scenario `what` of `fn` (`mismatch`, `buffer_mismatch`, `late_peer`, ...), ``{rank:
-    dict}``, in processes of its own whose group's own timeout is `group_timeout_s`. In KILLED, rank 1 must end by
-    SIGKILL (noticed by its end, not a deadline) and is left out; any other rank that fails raises RanksFailed."""
+    dict}``, in processes of its own whose group's own timeout is `group_timeout_s`, on GPUs with the CUDA backend or
+    `use_cuda`. In KILLED, rank 1 must end by SIGKILL (noticed by its end, not a deadline) and is left out; any other
+    rank that fails raises RanksFailed."""
     from tokenyard.tools.launch import RanksFailed, run_on_ranks
 
     try:
-        seen = run_on_ranks(num_ranks, fn, seed, what, backend, use_cuda=backend == "cuda", timeout_s=120,
-                            group_timeout_s=group_timeout_s)
+        seen = run_on_ranks(num_ranks, fn, seed, what, backend, use_cuda=backend == "cuda" if use_cuda is None
+                            else use_cuda, timeout_s=120, group_timeout_s=group_timeout_s)
     except RanksFailed as failed:
         if what not in KILLED or set(failed.failures) != {1}:
             raise

@@ -51,6 +51,16 @@ def test_a_rank_that_fails_making_its_buffer_makes_the_others_raise_at_the_makin
     print(scenarios.expect_failed_buffer(seen))
 
 
+def test_a_rank_late_to_a_reference_call_over_nccl_makes_the_others_raise_at_the_deadline(seed):
+    # The reference backend over NCCL (the fallback, and normal mode across nodes without the internode kernels)
+    # read its exchanges with no deadline but the group's own (NOTE [bounded reads] in collectives.py).
+    if spawn.shares_gpu(COUNTS[0]) or spawn.on_virtual_nodes(COUNTS[0]):
+        pytest.skip("over an NCCL group of one node: a GPU per rank")
+    seen = scenarios.run(COUNTS[0], scenarios.late_over_nccl, seed, "late_to_a_reference_call", use_cuda=True,
+                         group_timeout_s=60)
+    print(scenarios.expect_late_over_nccl(seen))
+
+
 @pytest.mark.parametrize("what", scenarios.LATE)
 def test_a_late_or_killed_rank_makes_the_others_raise_then_the_survivors_work_on(what, seed):
     reason = skip_reason(what, COUNTS[0])
