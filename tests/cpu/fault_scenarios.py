@@ -365,18 +365,24 @@ def failed_buffer(seed, what, backend="reference") -> dict:
     return {"error": error, "detected_s": detected_s, "recovered": correct_call(dist.group.WORLD, seed, backend)}
 
 
+def _expect_the_others_timed_out(seen, stage: str, limit_s: float) -> str:
+    """Every rank but rank 1 (at fault) raised CommTimeoutError naming itself and `stage`, between `limit_s` (its
+    wait's deadline) and 2 s later; every rank recovered. -> rank 0's error."""
+    for rank, s in seen.items():
+        if rank != 1:
+            assert s["error"] is not None and s["error"].startswith(f"CommTimeoutError: rank {rank} timed out") and \
+                f"'{stage}'" in s["error"], (rank, s)
+            assert limit_s <= s["detected_s"] < limit_s + 2, (rank, s)
+        assert s["recovered"], (rank, s)
+    return seen[0]["error"]
+
+
 def expect_failed_buffer(seen) -> str:
     """Assert what every rank of `failed_buffer` must have seen; -> rank 0's error."""
     from tokenyard.backends.collectives import making_wait_s
 
     assert seen[1]["error"] == "RuntimeError: injected: out of memory while making the Buffer", seen[1]
-    for rank, s in seen.items():
-        if rank != 1:
-            assert s["error"].startswith(f"CommTimeoutError: rank {rank} timed out") and "'Buffer/exchange'" in \
-                s["error"], (rank, s)
-            assert making_wait_s(TIMEOUT_S) <= s["detected_s"] < making_wait_s(TIMEOUT_S) + 2, (rank, s)
-        assert s["recovered"], (rank, s)
-    return seen[0]["error"]
+    return _expect_the_others_timed_out(seen, "Buffer/exchange", making_wait_s(TIMEOUT_S))
 
 
 def late_over_nccl(seed, what, backend="reference") -> dict:
@@ -414,16 +420,8 @@ def expect_late_over_nccl(seen) -> str:
     """Assert what every rank of `late_over_nccl` must have seen; -> rank 0's error."""
     from tokenyard.backends.collectives import meeting_wait_s
 
-    limit_s = meeting_wait_s(TIMEOUT_S)
-    for rank, s in seen.items():
-        if rank == 1:
-            assert s["error"] is None, s
-        else:
-            assert s["error"] is not None and s["error"].startswith(f"CommTimeoutError: rank {rank} timed out") and \
-                "'dispatch/agree'" in s["error"], (rank, s)
-            assert limit_s <= s["detected_s"] < limit_s + 2, (rank, s)
-        assert s["recovered"], (rank, s)
-    return seen[0]["error"]
+    assert seen[1]["error"] is None, seen[1]
+    return _expect_the_others_timed_out(seen, "dispatch/agree", meeting_wait_s(TIMEOUT_S))
 
 
 def run(num_ranks, fn, seed, what, backend="reference", group_timeout_s=10, use_cuda=None) -> dict:

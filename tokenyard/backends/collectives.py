@@ -192,9 +192,10 @@ def making_wait_s(timeout_s: float) -> float:
     return 2 * meeting_wait_s(timeout_s)
 
 
-def _not_joined(timeout_s: float) -> str:
-    return (f"a peer did not join within {timeout_s:g} s. The group still holds this unfinished collective: make a "
-            "new group, and a new Buffer on it, for the next call")
+def _not_joined(timeout_s: float, also: str = "") -> str:
+    """A timed-out collective's words: no peer joined within `timeout_s` (`also`: what else the wait covered)."""
+    return (f"a peer did not join within {timeout_s:g} s{also}. The group still holds this unfinished collective: "
+            "make a new group, and a new Buffer on it, for the next call")
 
 
 def finish(work, rank: int, stage: str, timeout_s: float) -> None:
@@ -432,9 +433,7 @@ class Collectives:
         wait_s = meeting_wait_s(self.timeout_s)
         if not wait_until(done.query, wait_s):
             raise CommTimeoutError(self.rank, -1, f"{self.op}/{what}",
-                                   f"a peer did not join within {wait_s:g} s (or the GPU work queued before this "
-                                   "call took longer). The group still holds this unfinished collective: make a new "
-                                   "group, and a new Buffer on it, for the next call")
+                                   _not_joined(wait_s, " (or the GPU work queued before this call took longer)"))
 
     def barrier(self, what: str = "barrier", timeout_s: Optional[float] = None) -> None:
         """Return once every rank has called it (as max_int, which it is)."""

@@ -326,8 +326,8 @@ def copy_limit_gbps(ctx: RankContext, buffer: Buffer) -> Tuple[Optional[float], 
     of issuing the writes (NOTE [copy patterns] in include/tokenyard_bench/copy_limit.cuh), and so does
     measure_copy_engines_gbps, the copy engines' (no SM; at 2 ranks on 2 H200s faster than every SM writer:
     benchmarks/results/moe_step.md, "Copy engines"), and the fastest counts: the limit is the best rate a plain
-    copy reached, never a slow way of copying, and the way that reached it is recorded beside it. Otherwise, and at one rank (no peers to copy to), the limit is not measured
-    (None, None).
+    copy reached, never a slow way of copying, and the way that reached it is recorded beside it. Otherwise, and
+    at one rank (no peers to copy to), the limit is not measured (None, None).
     """
     if buffer.backend != "cuda" or ctx.num_ranks < 2 or ctx.topology.shares_gpu:
         return None, None
